@@ -1,0 +1,1 @@
+"""Ray actors that hold resources (engines, trainers, placement groups) and ask planners/ for decisions."""

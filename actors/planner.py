@@ -1,0 +1,228 @@
+"""Planner: the named Ray actor that owns the nodes (placement groups), their replicas and policies.
+
+It holds resources and facts (which replica runs where, what each has served, which adapters it
+holds) and asks ``planners/`` for every decision: ``place(task)`` builds plain ``NodeView``s and
+calls the configured placement policy from the registry. Replicas report execution traces back
+in batches, which feed the policy's calibration (LEMIX Alg. 2, lines 13-17).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.replica import ModelReplica
+from app.config import AppConfig
+from app.engine_args import engine_flags, served_model_name
+from planners import registry
+from planners.types import ExecutionTrace, NodeView, Task
+
+logger = logging.getLogger(__name__)
+
+HEALTH_PERIOD_S = 2.0
+
+
+@dataclass
+class _Node:
+    node_id: int
+    pg: Any
+    replica: Any = None
+    state: str = "starting"  # starting | ready | failed
+    error: str | None = None
+    placed: int = 0
+    finished: int = 0
+    busy_seconds: float = 0.0
+    adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def in_flight(self) -> int:
+        return max(0, self.placed - self.finished)
+
+
+class Planner:
+    """Create with ``ray.remote(Planner).options(name=cfg.planner_actor_name, ...)``."""
+
+    def __init__(self, config: dict[str, Any], model_dir: str, namespace: str) -> None:
+        self.cfg = AppConfig.model_validate(config)
+        self.namespace = namespace
+        self.model_dir = model_dir
+        self.served_name = served_model_name(self.cfg, model_dir)
+        self.max_model_len = self.cfg.model.max_model_len
+        self.policy = registry.create("placement", self.cfg.planner.placement, **self.cfg.planner.placement_params)
+        self.nodes: list[_Node] = []
+        self.traces_seen = 0
+        self._recent: list[ExecutionTrace] = []
+        self._started = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> dict[str, Any]:
+        """Reserve one placement group per node and start a replica in each (idempotent)."""
+        if self._started:
+            return await self.status()
+        self._started = True
+        c = self.cfg.cluster
+        for i in range(c.nodes):
+            pg = placement_group([dict(c.bundle) for _ in range(c.stages)], strategy=c.strategy,
+                                 name=f"{self.cfg.name}-node{i}")
+            self.nodes.append(_Node(node_id=i, pg=pg))
+        for node in self.nodes:
+            asyncio.get_running_loop().create_task(self._bring_up(node))
+        asyncio.get_running_loop().create_task(self._watch_health())
+        return await self.status()
+
+    def _replica_options(self, node: _Node) -> dict[str, Any]:
+        res = dict(self.cfg.cluster.replica_resources or self.cfg.cluster.bundle)
+        opts: dict[str, Any] = {
+            "num_cpus": res.pop("CPU", 0.0),
+            "num_gpus": res.pop("GPU", 0.0),
+            "resources": res or None,
+            "max_restarts": 3,
+            "max_concurrency": 10_000,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=node.pg, placement_group_bundle_index=0
+            ),
+        }
+        return opts
+
+    async def _bring_up(self, node: _Node) -> None:
+        try:
+            await node.pg.ready()
+            if node.replica is None:
+                opts = self._replica_options(node)
+                threads = self.cfg.engine.omp_threads or max(1, int(opts["num_cpus"]))
+                node.replica = ray.remote(ModelReplica).options(**opts).remote(
+                    node.node_id,
+                    engine_flags(self.cfg, self.model_dir, self.served_name),
+                    self.served_name,
+                    planner_name=self.cfg.planner_actor_name,
+                    namespace=self.namespace,
+                    trace_flush_seconds=self.cfg.planner.trace_flush_seconds,
+                    omp_threads=threads,
+                )
+            info = await node.replica.start.remote()
+            node.state, node.error = "ready", None
+            node.adapters = dict(info.get("adapters", {}))
+            logger.info("node %d ready after %.1fs", node.node_id, time.time() - node.started_at)
+        except Exception as exc:  # surfaced through status() and /health, retried by the watcher
+            node.state, node.error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.error("node %d failed to start: %s", node.node_id, node.error)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            for node in self.nodes:
+                if node.state != "ready" or node.replica is None:
+                    continue
+                try:
+                    await asyncio.wait_for(node.replica.check_health.remote(), timeout=30)
+                except Exception as exc:
+                    # Ray restarts a dead replica actor (max_restarts); its engine must be built again.
+                    logger.error("node %d unhealthy (%s); restarting its engine", node.node_id, exc)
+                    node.state, node.error, node.started_at = "starting", str(exc), time.time()
+                    node.finished = node.placed
+                    asyncio.get_running_loop().create_task(self._bring_up(node))
+
+    async def shutdown(self) -> None:
+        for node in self.nodes:
+            if node.replica is not None:
+                try:
+                    await node.replica.shutdown.remote()
+                except Exception:
+                    pass
+                ray.kill(node.replica)
+            remove_placement_group(node.pg)
+        self.nodes = []
+
+    # ---- decisions -------------------------------------------------------------------------
+
+    def _views(self, model: str) -> list[NodeView]:
+        needs_adapter = model != self.served_name
+        return [
+            NodeView(
+                node_id=n.node_id,
+                ready=n.state == "ready" and (not needs_adapter or model in n.adapters),
+                in_flight=n.in_flight,
+                busy_seconds=n.busy_seconds,
+                adapters=frozenset(n.adapters),
+            )
+            for n in self.nodes
+        ]
+
+    def known_models(self) -> set[str]:
+        models = {self.served_name}
+        for n in self.nodes:
+            models.update(n.adapters)
+        return models
+
+    async def place(self, task: Task) -> dict[str, Any]:
+        """Choose a node for ``task``: {"node_id"} or {"error": 404|503, "message"}."""
+        if task.model not in self.known_models():
+            return {"error": 404, "message": f"The model `{task.model}` does not exist."}
+        node_id = self.policy.choose(task, self._views(task.model), time.time())
+        if node_id is None:
+            starting = sum(n.state == "starting" for n in self.nodes)
+            why = f"{starting} replica(s) still starting" if starting else "no healthy replica"
+            return {"error": 503, "message": f"No replica is ready to serve `{task.model}`: {why}."}
+        self.nodes[node_id].placed += 1
+        return {"node_id": node_id}
+
+    async def report(self, node_id: int, traces: list[ExecutionTrace], finished: int, busy_seconds: float) -> None:
+        """Execution facts from a replica: finished requests and their traces."""
+        node = self.nodes[node_id]
+        node.finished += finished
+        node.busy_seconds = busy_seconds
+        for t in traces:
+            self.policy.observe(t)
+        self.traces_seen += len(traces)
+        self._recent = (self._recent + traces)[-256:]
+
+    # ---- facts for the ingress -------------------------------------------------------------
+
+    async def replicas(self) -> dict[int, Any]:
+        return {n.node_id: n.replica for n in self.nodes if n.replica is not None}
+
+    async def models(self) -> dict[str, Any]:
+        return {
+            "base": self.served_name,
+            "max_model_len": self.max_model_len,
+            "root": self.model_dir,
+            "adapters": sorted(m for m in self.known_models() if m != self.served_name),
+        }
+
+    async def status(self) -> dict[str, Any]:
+        return {
+            "model": self.served_name,
+            "placement": self.cfg.planner.placement,
+            "nodes": [
+                {
+                    "node_id": n.node_id,
+                    "state": n.state,
+                    "error": n.error,
+                    "stages": self.cfg.cluster.stages,
+                    "placed": n.placed,
+                    "finished": n.finished,
+                    "in_flight": n.in_flight,
+                    "busy_seconds": round(n.busy_seconds, 3),
+                    "adapters": dict(n.adapters),
+                }
+                for n in self.nodes
+            ],
+            "ready_nodes": sum(n.state == "ready" for n in self.nodes),
+            "traces_seen": self.traces_seen,
+        }
+
+    async def recent_traces(self) -> list[ExecutionTrace]:
+        return list(self._recent)
+
+    async def set_adapter(self, node_id: int, model_id: str, version: int) -> None:
+        """Record that ``node_id`` now serves ``version`` of ``model_id``."""
+        self.nodes[node_id].adapters[model_id] = version

@@ -1,0 +1,1 @@
+"""Entry points and wiring: config, the Serve app builder, CLIs, the embedded default model."""

