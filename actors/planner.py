@@ -98,7 +98,6 @@ class Planner:
             await node.pg.ready()
             if node.replica is None:
                 opts = self._replica_options(node)
-                threads = self.cfg.engine.omp_threads or max(1, int(opts["num_cpus"]))
                 node.replica = ray.remote(ModelReplica).options(**opts).remote(
                     node.node_id,
                     engine_flags(self.cfg, self.model_dir, self.served_name),
@@ -106,7 +105,7 @@ class Planner:
                     planner_name=self.cfg.planner_actor_name,
                     namespace=self.namespace,
                     trace_flush_seconds=self.cfg.planner.trace_flush_seconds,
-                    omp_threads=threads,
+                    omp_threads=self.cfg.engine.omp_threads,
                 )
             info = await node.replica.start.remote()
             node.state, node.error = "ready", None

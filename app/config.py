@@ -42,7 +42,7 @@ class EngineConfig(_Strict):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
     omp_threads: int | None = Field(
-        None, gt=0, description="CPU only: OpenMP threads of one engine; default: the replica's CPU share, at least 1."
+        None, gt=0, description="CPU only: OpenMP threads of one engine; null lets vLLM choose (as plain vLLM does)."
     )
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI flags, passed through verbatim.")
 

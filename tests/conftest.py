@@ -1,0 +1,86 @@
+"""Shared fixtures: one Ray cluster and one Serve app (two nodes, embedded model) per test session.
+
+Unit tests never touch these fixtures, so `pytest tests/unit` runs without Ray or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("coserve-data")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA} (only the project's own CI has it)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    # Logical CPUs: the machine has 2 cores, the app asks for one per node plus light actors.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def app_config(data_dir) -> dict:
+    return {
+        "name": "coserve-test",
+        "data_dir": str(data_dir),
+        "cluster": {"nodes": 2, "stages": 1, "bundle": {"CPU": 1}},
+        "model": {"max_model_len": 1024},
+        "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+    }
+
+
+@pytest.fixture(scope="session")
+def app_url(ray_cluster, app_config) -> str:
+    """Base URL of the running app; waits until every node's replica is ready."""
+    import httpx
+    from ray import serve
+
+    from app.main import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(app_config), name="coserve", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    status = None
+    while time.time() < deadline:
+        try:
+            status = httpx.get(f"{url}/v1/status", timeout=10).json()
+            if status["ready_nodes"] == app_config["cluster"]["nodes"]:
+                break
+            if any(n["state"] == "failed" for n in status["nodes"]):
+                pytest.fail(f"a replica failed to start: {status}")
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail(f"replicas not ready within 300 s: {status}")
+    yield url
+    serve.shutdown()
