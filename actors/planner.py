@@ -60,6 +60,7 @@ class Planner:
         self.nodes: list[_Node] = []
         self.traces_seen = 0
         self._recent: list[ExecutionTrace] = []
+        self._published: dict[int, dict[str, tuple[int, str]]] = {}  # node -> adapter -> (version, path)
         self._started = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -108,8 +109,9 @@ class Planner:
                     omp_threads=self.cfg.engine.omp_threads,
                 )
             info = await node.replica.start.remote()
-            node.state, node.error = "ready", None
             node.adapters = dict(info.get("adapters", {}))
+            await self._restore_adapters(node)
+            node.state, node.error = "ready", None
             logger.info("node %d ready after %.1fs", node.node_id, time.time() - node.started_at)
         except Exception as exc:  # surfaced through status() and /health, retried by the watcher
             node.state, node.error = "failed", f"{type(exc).__name__}: {exc}"
@@ -222,6 +224,34 @@ class Planner:
     async def recent_traces(self) -> list[ExecutionTrace]:
         return list(self._recent)
 
-    async def set_adapter(self, node_id: int, model_id: str, version: int) -> None:
-        """Record that ``node_id`` now serves ``version`` of ``model_id``."""
-        self.nodes[node_id].adapters[model_id] = version
+    # ---- adapters --------------------------------------------------------------------------
+
+    async def load_adapter(self, adapter: str, version: int, path: str, node_ids: list[int] | None = None) -> dict[str, Any]:
+        """Serve ``path`` as ``version`` of ``base:adapter`` on the given nodes (default: all ready)."""
+        model_id = f"{self.served_name}:{adapter}"
+        scope = set(node_ids) if node_ids is not None else {n.node_id for n in self.nodes}
+        for nid in scope:
+            published = self._published.setdefault(nid, {})
+            if adapter not in published or published[adapter][0] < version:
+                published[adapter] = (version, path)
+        targets = [n for n in self.nodes if n.node_id in scope and n.state == "ready"]
+        results = await asyncio.gather(*(n.replica.load_adapter.remote(adapter, version, path) for n in targets))
+        for node, res in zip(targets, results):
+            node.adapters[model_id] = res["version"]
+        return {"model": model_id, "version": version, "nodes": sorted(n.node_id for n in targets)}
+
+    async def unload_adapter(self, adapter: str) -> dict[str, Any]:
+        model_id = f"{self.served_name}:{adapter}"
+        for published in self._published.values():
+            published.pop(adapter, None)
+        targets = [n for n in self.nodes if model_id in n.adapters]
+        await asyncio.gather(*(n.replica.unload_adapter.remote(adapter) for n in targets if n.state == "ready"))
+        for n in targets:
+            n.adapters.pop(model_id, None)
+        return {"model": model_id, "nodes": sorted(n.node_id for n in targets)}
+
+    async def _restore_adapters(self, node: _Node) -> None:
+        # A restarted replica comes back empty; give it every version published to its node.
+        for adapter, (version, path) in self._published.get(node.node_id, {}).items():
+            res = await node.replica.load_adapter.remote(adapter, version, path)
+            node.adapters[res["model"]] = res["version"]
