@@ -124,13 +124,27 @@ class Planner:
                 if node.state != "ready" or node.replica is None:
                     continue
                 try:
-                    await asyncio.wait_for(node.replica.check_health.remote(), timeout=30)
+                    healthy = await asyncio.wait_for(node.replica.check_health.remote(), timeout=30)
                 except Exception as exc:
-                    # Ray restarts a dead replica actor (max_restarts); its engine must be built again.
-                    logger.error("node %d unhealthy (%s); restarting its engine", node.node_id, exc)
-                    node.state, node.error, node.started_at = "starting", str(exc), time.time()
-                    node.finished = node.placed
-                    asyncio.get_running_loop().create_task(self._bring_up(node))
+                    healthy, why = False, f"{type(exc).__name__}: {exc}"
+                else:
+                    why = "engine not started (actor restarted)"
+                if not healthy:
+                    self._restart(node, why)
+
+    def _restart(self, node: _Node, why: str) -> None:
+        # Ray restarts a dead replica actor (max_restarts); its engine must be built again.
+        if node.state == "starting":
+            return
+        logger.error("node %d unhealthy (%s); restarting its engine", node.node_id, why)
+        node.state, node.error, node.started_at = "starting", why, time.time()
+        node.adapters = {}
+        node.finished = node.placed  # requests in flight there are lost; do not count them as load
+        asyncio.get_running_loop().create_task(self._bring_up(node))
+
+    async def report_failure(self, node_id: int, why: str) -> None:
+        """The ingress could not reach ``node_id``'s replica: stop placing there, bring it back."""
+        self._restart(self.nodes[node_id], why)
 
     async def shutdown(self) -> None:
         for node in self.nodes:

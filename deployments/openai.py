@@ -129,16 +129,25 @@ class OpenAIIngress:
             prompt_tokens=estimate_prompt_tokens(body),
             max_tokens=max_tokens if isinstance(max_tokens, int) else 16, arrival=time.time(),
         )
-        decision = await self.planner.place.remote(task)
-        if "error" in decision:
-            return error(decision["error"], decision["message"], "model" if decision["error"] == 404 else None)
-        try:
-            replica = await self._replica(decision["node_id"])
-            stream = getattr(replica, method).options(num_returns="streaming").remote(body)
-            header = await (await stream.__anext__())
-        except (RayActorError, StopAsyncIteration) as exc:
-            self._replicas = {}
-            return error(503, f"The replica on node {decision['node_id']} is unavailable: {exc}")
+        # One retry on another node: a replica that died since the planner last checked must
+        # cost the client nothing but a little latency.
+        for attempt in range(2):
+            decision = await self.planner.place.remote(task)
+            if "error" in decision:
+                return error(decision["error"], decision["message"], "model" if decision["error"] == 404 else None)
+            node_id = decision["node_id"]
+            try:
+                replica = await self._replica(node_id)
+                stream = getattr(replica, method).options(num_returns="streaming").remote(body)
+                header = await (await stream.__anext__())
+                if header["status"] != 503 or attempt == 1:
+                    break
+                await self.planner.report_failure.remote(node_id, "replica answered 503 (engine not started)")
+            except (RayActorError, StopAsyncIteration) as exc:
+                self._replicas = {}
+                await self.planner.report_failure.remote(node_id, f"{type(exc).__name__}: {exc}")
+                if attempt == 1:
+                    return error(503, f"The replica on node {node_id} is unavailable: {exc}")
         if header["stream"]:
             return StreamingResponse(self._forward(stream), media_type="text/event-stream")
         return JSONResponse(await (await stream.__anext__()), status_code=header["status"])
