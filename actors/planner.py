@@ -56,7 +56,16 @@ class Planner:
         self.model_dir = model_dir
         self.served_name = served_model_name(self.cfg, model_dir)
         self.max_model_len = self.cfg.model.max_model_len
-        self.policy = registry.create("placement", self.cfg.planner.placement, **self.cfg.planner.placement_params)
+        from app.profile import load_profile
+
+        self.cost_model, self.cost_model_note = load_profile(self.cfg, self.served_name)
+        logger.info(self.cost_model_note)
+        params = dict(self.cfg.planner.placement_params)
+        for key, value in (("cost_model", self.cost_model.with_stages(self.cfg.cluster.stages)),
+                           ("stages", self.cfg.cluster.stages)):
+            if key not in params and registry.accepts("placement", self.cfg.planner.placement, key):
+                params[key] = value
+        self.policy = registry.create("placement", self.cfg.planner.placement, **params)
         self.nodes: list[_Node] = []
         self.traces_seen = 0
         self._recent: list[ExecutionTrace] = []
@@ -217,6 +226,7 @@ class Planner:
         return {
             "model": self.served_name,
             "placement": self.cfg.planner.placement,
+            "cost_model": self.cost_model_note,
             "nodes": [
                 {
                     "node_id": n.node_id,

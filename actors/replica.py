@@ -170,6 +170,35 @@ class ModelReplica:
             async for piece in result:
                 yield piece
 
+    # ---- profiling -------------------------------------------------------------------------
+
+    async def measure(self, batch: int, prompt_tokens: int, max_tokens: int, repeats: int = 3, seed: int = 0) -> list[float]:
+        """Wall seconds for ``batch`` concurrent requests of fixed size, straight on the engine.
+
+        Prompts are random byte-range token ids, fresh per repeat, so the prefix cache never hits;
+        ``ignore_eos`` makes every request run exactly ``max_tokens`` iterations (app/profile.py).
+        """
+        import random
+        import uuid
+
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        rng = random.Random(seed)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+
+        async def one(ids: list[int]) -> None:
+            async for _ in self._engine.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex):
+                pass
+
+        times = []
+        for _ in range(repeats):
+            prompts = [[rng.randrange(3, 256) for _ in range(prompt_tokens)] for _ in range(batch)]
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(p) for p in prompts))
+            times.append(time.perf_counter() - t0)
+        return times
+
     # ---- adapters --------------------------------------------------------------------------
 
     async def load_adapter(self, adapter: str, version: int, path: str) -> dict[str, Any]:

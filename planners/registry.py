@@ -52,6 +52,16 @@ def names(kind: str) -> list[str]:
     return sorted(_load(kind))
 
 
+def accepts(kind: str, name: str, param: str) -> bool:
+    """Whether policy ``name`` of ``kind`` takes the keyword ``param`` (e.g. ``cost_model``)."""
+    import inspect
+
+    policies = _load(kind)
+    if name not in policies:
+        raise ValueError(f"unknown {kind} policy {name!r}; choose one of {sorted(policies)}")
+    return param in inspect.signature(policies[name]).parameters
+
+
 def create(kind: str, name: str, **params: Any) -> Any:
     """Build the policy ``name`` of ``kind`` with ``params`` (from config)."""
     policies = _load(kind)

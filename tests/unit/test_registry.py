@@ -45,3 +45,8 @@ def test_planners_import_neither_ray_nor_torch():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_accepts_tells_which_policies_take_a_cost_model():
+    assert registry.accepts("placement", "lemix", "cost_model")
+    assert not registry.accepts("placement", "round_robin", "cost_model")

@@ -1,0 +1,260 @@
+"""Profiler: measures the real engine and a real LoRA training step, fits the shared cost model.
+
+``python -m app.profile --config configs/default.yaml`` starts a real ``ModelReplica`` and times
+engine runs over a grid of batch sizes and prompt lengths. Prefill rows are requests with one
+output token. Decode rows are the difference between long and short generations of the same
+batch, divided by the extra iterations. It then times a peft LoRA forward and backward pass over
+a grid of micro-batch sizes C and lengths ℓ, and counts the activation bytes autograd saves for
+backward. Finally it fits ``planners/costs.py`` (LEMIX §IV-A stage latencies, SamuLLM Eq. 5
+iteration latency, memory terms, output-length eCDF) and writes ``profiles/<model>-<device>.json``
+with the fit table.
+
+``load_profile`` is what the planner calls. It takes the profile matching the configured model
+and device, and otherwise says so and falls back to ``planners.costs.default_cost_model()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from app.config import AppConfig, load
+from planners.costs import CostModel, MemoryModel, default_cost_model, fit_cost_model
+
+logger = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_PROFILES = ROOT / "profiles"
+
+
+def profile_name(served_name: str, device: str) -> str:
+    return f"{served_name}-{device}.json"
+
+
+def profile_paths(cfg: AppConfig, served_name: str) -> list[Path]:
+    """Where a profile for this model and device may be: the data dir first, then the shipped ones."""
+    name = profile_name(served_name, cfg.engine.device)
+    return [cfg.data_path / "profiles" / name, SHIPPED_PROFILES / name]
+
+
+def load_profile(cfg: AppConfig, served_name: str) -> tuple[CostModel, str]:
+    """The fitted cost model for ``served_name`` on ``cfg.engine.device`` and a line saying which."""
+    for path in profile_paths(cfg, served_name):
+        if path.is_file():
+            model = CostModel.from_dict(json.loads(path.read_text()))
+            return model, f"cost model: {path} (fitted {model.metadata.get('fitted_at', '?')} on {model.metadata.get('hardware', '?')})"
+    tried = ", ".join(str(p) for p in profile_paths(cfg, served_name))
+    return default_cost_model(), (
+        f"cost model: no profile for model {served_name!r} on {cfg.engine.device} (looked in {tried}); "
+        "using the documented default (planners.costs.default_cost_model). Run `python -m app.profile` to fit one."
+    )
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} x{os.cpu_count()}"
+
+
+# ---- engine measurements -----------------------------------------------------------------------
+
+def measure_engine(cfg: AppConfig, model_dir: str, served_name: str, batches: list[int], lengths: list[int],
+                   decode_tokens: int, repeats: int, progress) -> list[dict[str, float]]:
+    import ray
+
+    from actors.replica import ModelReplica
+    from app.engine_args import engine_flags
+
+    replica = ray.remote(ModelReplica).options(num_cpus=0, max_concurrency=1000).remote(
+        0, engine_flags(cfg, model_dir, served_name), served_name)
+    try:
+        ray.get(replica.start.remote())
+        ray.get(replica.measure.remote(2, 16, 4, repeats=1))  # warm-up: first iterations compile/allocate
+        rows = []
+        for batch in batches:
+            for length in lengths:
+                if batch * length > 16384 or length + decode_tokens + 1 > cfg.model.max_model_len:
+                    progress.update(1)
+                    continue
+                short = statistics.median(ray.get(replica.measure.remote(batch, length, 1, repeats)))
+                long = statistics.median(ray.get(replica.measure.remote(batch, length, decode_tokens + 1, repeats)))
+                # One prefill iteration (plus scheduling overhead) for the whole batch ...
+                rows.append({"prefill_tokens": batch * length, "decode_seqs": 0, "context_tokens": 0,
+                             "seconds": short})
+                # ... and decode_tokens iterations of `batch` sequences attending over ~length + t tokens.
+                per_iter = max(long - short, 0.0) / decode_tokens
+                rows.append({"prefill_tokens": 0, "decode_seqs": batch,
+                             "context_tokens": batch * (length + decode_tokens / 2), "seconds": per_iter})
+                progress.update(1)
+        return rows
+    finally:
+        ray.get(replica.shutdown.remote())
+        ray.kill(replica)
+
+
+# ---- training measurements ---------------------------------------------------------------------
+
+def measure_training(model_dir: str, batches: list[int], lengths: list[int], repeats: int, lora_rank: int,
+                     progress) -> tuple[list[dict], list[dict], list[dict], int]:
+    """Forward rows, backward rows, activation-memory rows of a peft LoRA step; and weight bytes."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model.train()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    vocab = model.config.vocab_size
+    fwd, bwd, mem = [], [], []
+    for c in batches:
+        for length in lengths:
+            ids = torch.randint(3, min(vocab, 256), (c, length))
+            f_times, b_times, saved = [], [], 0
+            for _ in range(repeats + 1):  # the first run warms up allocators and is dropped
+                saved_now = [0]
+
+                def pack(t: torch.Tensor, acc=saved_now) -> torch.Tensor:
+                    acc[0] += t.numel() * t.element_size()
+                    return t
+
+                t0 = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = model(input_ids=ids, labels=ids).loss
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                model.zero_grad(set_to_none=True)
+                f_times.append(t1 - t0)
+                b_times.append(t2 - t1)
+                saved = saved_now[0]
+            fwd.append({"batch_size": c, "tokens": length, "seconds": statistics.median(f_times[1:])})
+            bwd.append({"batch_size": c, "tokens": length, "seconds": statistics.median(b_times[1:])})
+            mem.append({"batch_size": c, "tokens": length, "bytes": saved + weight_bytes})
+            progress.update(1)
+    return fwd, bwd, mem, weight_bytes
+
+
+def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 4) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * heads * head_dim * dtype_bytes  # K and V, every layer
+
+
+def output_lengths_from_sharegpt(model_dir: str, limit: int, max_tokens: int) -> list[int] | None:
+    path = ROOT.parent / "shared" / "data" / "prompts" / "sharegpt_sample.jsonl"
+    if not path.is_file():
+        logger.warning("no ShareGPT sample at %s: the output-length eCDF stays the default", path)
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    lengths = []
+    with path.open() as f:
+        for line in f:
+            if len(lengths) >= limit:
+                break
+            resp = json.loads(line)["response"]
+            lengths.append(min(max_tokens, len(tok(resp, add_special_tokens=False)["input_ids"])))
+    return lengths
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def print_fit_table(model: CostModel) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"cost model fit: {model.metadata.get('model')} on {model.metadata.get('hardware')}")
+    for col in ("term", "coefficients", "R²", "median rel. err", "rows"):
+        table.add_column(col)
+    for row in model.fit_table():
+        coefs = ", ".join(f"{k}={v:.3g}" for k, v in row.get("coefficients", {}).items())
+        table.add_row(str(row.get("term")), coefs, _fmt(row.get("r2")), _fmt(row.get("median_rel_err")), str(row.get("n", "")))
+    Console().print(table)
+
+
+def _fmt(x: Any) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description="Fit the cost model on this hardware.")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    parser.add_argument("--out", default=None, help="output file (default: profiles/<model>-<device>.json)")
+    parser.add_argument("--batches", default="1,4,16", help="engine batch sizes")
+    parser.add_argument("--lengths", default="32,128,512", help="engine prompt lengths")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--train-batches", default="1,2,4", help="training micro-batch sizes C")
+    parser.add_argument("--train-lengths", default="32,64,128,256", help="training sequence lengths ℓ")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kappa", type=float, default=0.8, help="M_threshold = κ·M_peak (LEMIX §IV-A)")
+    args = parser.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from app.default_model import ensure
+    from app.engine_args import served_model_name
+
+    cfg = load(args.config)
+    model_dir = cfg.model.path or str(ensure(cfg.data_path))
+    served = served_model_name(cfg, model_dir)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    batches, lengths = ints(args.batches), ints(args.lengths)
+    tb, tl = ints(args.train_batches), ints(args.train_lengths)
+
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        with tqdm(total=len(batches) * len(lengths), desc="engine iterations") as bar:
+            iteration_rows = measure_engine(cfg, model_dir, served, batches, lengths, args.decode_tokens, args.repeats, bar)
+    finally:
+        ray.shutdown()
+    with tqdm(total=len(tb) * len(tl), desc="LoRA training steps") as bar:
+        fwd, bwd, mem_rows, weight_bytes = measure_training(model_dir, tb, tl, args.repeats, cfg.engine.max_lora_rank, bar)
+
+    kv_tok = kv_bytes_per_token(model_dir)
+    kv_rows = [{"tokens": n, "bytes": n * kv_tok + weight_bytes} for n in (0, 1024, 4096, 16384)]
+    from planners.costs import fit_memory
+
+    peak = float(cfg.engine.kv_cache_memory_bytes or 0) + weight_bytes + max(r["bytes"] for r in mem_rows)
+    memory: MemoryModel = fit_memory(kv_rows, mem_rows, kappa=args.kappa, peak_bytes=peak)
+    lengths_sample = output_lengths_from_sharegpt(model_dir, 2000, cfg.model.max_model_len // 2)
+    model = fit_cost_model(
+        fwd, bwd, iteration_rows, output_lengths=lengths_sample, memory=memory, stages=1,
+        metadata={"model": served, "device": cfg.engine.device, "hardware": hardware(),
+                  "engine": f"vllm max_num_seqs={cfg.engine.max_num_seqs}",
+                  "fitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "source": "app.profile", "rows": {"iteration": iteration_rows, "forward": fwd, "backward": bwd,
+                                                    "activation_memory": mem_rows}},
+    )
+    out = Path(args.out) if args.out else SHIPPED_PROFILES / profile_name(served, cfg.engine.device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(model.to_dict(), indent=1))
+    os.replace(tmp, out)
+    print_fit_table(model)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
