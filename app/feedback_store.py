@@ -1,0 +1,656 @@
+"""Durable feedback queue and adapter/version registry on one SQLite file (WAL), the source of truth for learning.
+
+Tables (schema version 1, see ``docs/learning.md``):
+
+- ``adapters``: one row per tenant adapter: method (sft | dpo), β, learning rate, LoRA settings,
+  retraining mode and its periodic settings, and ``current_version``, the version served now
+  (moved forward by :meth:`FeedbackStore.publish_version`, backward by :meth:`FeedbackStore.rollback`).
+- ``versions``: every version number ever handed out. :meth:`FeedbackStore.reserve_version` inserts
+  an unpublished row (so a crashed trainer never reuses a number or a directory name);
+  :meth:`FeedbackStore.publish_version` flips it to published and, in the same transaction,
+  marks the feedback it trained on as consumed. Rows are never deleted.
+- ``feedback``: SFT samples and preference pairs; ``consumed_by_version`` stays NULL until a
+  published version trained on the item (at-least-once training, never lost).
+
+Durability: WAL journal with ``synchronous=FULL``. The HTTP layer answers 2xx only after
+:meth:`FeedbackStore.add_feedback` returns, and that must mean "persisted" even across a power
+loss, not only across a process crash (which is all ``NORMAL`` guarantees in WAL mode: it skips
+the fsync at commit). The cost is one WAL fsync per batch, since a batch is one transaction.
+
+Concurrency: all methods are synchronous and short (one transaction each, a few ms plus one
+fsync for writes). One connection per store object, serialised by a lock, so an asyncio actor
+may call them directly or through ``asyncio.to_thread``. Several processes on one host may open
+the same file (writers take ``BEGIN IMMEDIATE`` and wait up to ``busy_timeout_s``); WAL does not
+work on network file systems, so in a multi-node cluster exactly one actor should own the store.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+DB_FILENAME = "feedback.sqlite3"
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+DEFAULT_MAX_ITEM_BYTES = 32 * 1024
+DEFAULT_MAX_BATCH_ITEMS = 1024
+
+Method = Literal["sft", "dpo"]
+Mode = Literal["hybrid", "sync", "periodic", "off"]
+Kind = Literal["sft", "preference"]
+# Which feedback kind each training method consumes. A DPO adapter takes only preference pairs:
+# an SFT sample has no rejected answer to contrast, and one loss per adapter keeps the queue,
+# the grant budget and the reported loss of a version meaningful. An SFT adapter takes only SFT samples.
+KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: each carries the HTTP status and the OpenAI-style error type the ingress should use.
+
+
+class StoreError(Exception):
+    status = 500
+    code = "internal_error"
+
+
+class InvalidRequest(StoreError):
+    """Malformed input (400). ``errors`` lists every problem found, e.g. ``items[3].chosen: Field required``."""
+
+    status = 400
+    code = "invalid_request_error"
+
+    def __init__(self, errors: str | list[str]):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        shown = self.errors[:10]
+        more = f"; ... and {len(self.errors) - len(shown)} more" if len(self.errors) > len(shown) else ""
+        super().__init__("; ".join(shown) + more)
+
+
+class UnknownAdapter(StoreError):
+    status = 404
+    code = "not_found_error"
+
+
+class UnknownVersion(StoreError):
+    status = 404
+    code = "not_found_error"
+
+
+class Conflict(StoreError):
+    """The request is well-formed but clashes with the stored state (409)."""
+
+    status = 409
+    code = "conflict_error"
+
+
+class AdapterExists(Conflict):
+    pass
+
+
+class VersionConflict(Conflict):
+    pass
+
+
+class UnknownItem(StoreError):
+    status = 404
+    code = "not_found_error"
+
+
+# ----------------------------------------------------------------------------------------------
+# Validated inputs.
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraSettings(_Strict):
+    r: int = Field(8, ge=1, le=256, description="LoRA rank (must not exceed the engine's max_lora_rank).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if not re.fullmatch(r"[A-Za-z0-9_.]{1,128}", m)]
+        if bad:
+            raise ValueError(f"not module names: {bad}")
+        return v
+
+
+class PeriodicSettings(_Strict):
+    every_seconds: float | None = Field(60.0, gt=0, description="Train every T seconds (Ekya-like).")
+    every_samples: int | None = Field(None, gt=0, description="... or as soon as K samples are queued.")
+
+
+class AdapterSpec(_Strict):
+    """What ``POST /v1/adapters`` takes."""
+
+    name: str = Field(pattern=ADAPTER_NAME_RE.pattern)
+    method: Method = "sft"
+    beta: float = Field(0.1, gt=0, description="DPO temperature β (stored, unused by SFT).")
+    learning_rate: float = Field(5e-4, gt=0, le=1)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    mode: Mode = "hybrid"
+    periodic: PeriodicSettings = Field(default_factory=PeriodicSettings)
+
+    @model_validator(mode="after")
+    def _periodic_has_trigger(self) -> AdapterSpec:
+        if self.mode == "periodic" and self.periodic.every_seconds is None and self.periodic.every_samples is None:
+            raise ValueError("mode 'periodic' needs periodic.every_seconds or periodic.every_samples")
+        return self
+
+
+def _text(v: str) -> str:
+    if not v.strip():
+        raise ValueError("must not be blank")
+    return v
+
+
+class SFTItem(_Strict):
+    """One supervised sample: train the adapter to answer ``prompt`` with ``completion``."""
+
+    adapter: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    completion: str = Field(min_length=1)
+
+    _nonblank = field_validator("prompt", "completion")(_text)
+
+    @property
+    def kind(self) -> Kind:
+        return "sft"
+
+    def texts(self) -> tuple[str, ...]:
+        return (self.prompt, self.completion)
+
+
+class PreferenceItem(_Strict):
+    """One preference pair: ``chosen`` is the better answer to ``prompt`` than ``rejected``."""
+
+    adapter: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    chosen: str = Field(min_length=1)
+    rejected: str = Field(min_length=1)
+
+    _nonblank = field_validator("prompt", "chosen", "rejected")(_text)
+
+    @property
+    def kind(self) -> Kind:
+        return "preference"
+
+    def texts(self) -> tuple[str, ...]:
+        return (self.prompt, self.chosen, self.rejected)
+
+
+# ----------------------------------------------------------------------------------------------
+# Records handed out.
+
+
+class VersionInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    adapter: str
+    version: int
+    parent: int | None = Field(description="The current version when this one was reserved (its starting weights).")
+    path: str | None
+    created_at: float
+    published: bool
+    published_at: float | None
+    samples_trained: int | None
+    loss: float | None
+    win_rate: float | None
+    clpd: float | None
+
+
+class AdapterInfo(AdapterSpec):
+    """An adapter with its state, the shape of ``GET /v1/adapters/{name}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    created_at: float
+    current_version: int | None
+    versions: list[VersionInfo] = Field(description="Published versions, oldest first.")
+    queued: int = Field(description="Feedback items no published version has trained on yet.")
+    oldest_queued_at: float | None
+    last_published_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackItem:
+    """A stored feedback row as the trainer sees it."""
+
+    id: int
+    adapter: str
+    kind: Kind
+    prompt: str
+    completion: str | None
+    chosen: str | None
+    rejected: str | None
+    created_at: float
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation of feedback batches (pure: no database).
+
+
+def validate_feedback(
+    items: Sequence[Mapping[str, Any]] | Mapping[str, Any], max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
+    max_items: int = DEFAULT_MAX_BATCH_ITEMS,
+) -> list[SFTItem | PreferenceItem]:
+    """Validate every item of a batch; raise :class:`InvalidRequest` listing each bad item by index."""
+    if isinstance(items, Mapping):
+        items = [items]
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise InvalidRequest("items: expected a list of feedback items")
+    if not items:
+        raise InvalidRequest("items: the list is empty")
+    if len(items) > max_items:
+        raise InvalidRequest(f"items: {len(items)} items, at most {max_items} per request")
+    parsed, errors = [], []
+    for i, raw in enumerate(items):
+        try:
+            parsed.append(_parse_item(raw, f"items[{i}]", max_item_bytes))
+        except InvalidRequest as e:
+            errors.extend(e.errors)
+    if errors:
+        raise InvalidRequest(errors)
+    return parsed
+
+
+def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceItem:
+    if isinstance(raw, BaseModel):
+        raw = raw.model_dump()
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest(f"{where}: expected an object, got {type(raw).__name__}")
+    is_sft = "completion" in raw
+    is_pref = "chosen" in raw or "rejected" in raw
+    if is_sft and is_pref:
+        raise InvalidRequest(f"{where}: give either completion (SFT sample) or chosen and rejected "
+                             "(preference pair), not both")
+    if not (is_sft or is_pref):
+        raise InvalidRequest(f"{where}: needs completion (SFT sample) or chosen and rejected (preference pair)")
+    model = SFTItem if is_sft else PreferenceItem
+    try:
+        item = model.model_validate(raw)
+    except ValidationError as e:
+        raise InvalidRequest([_pydantic_error(where, err) for err in e.errors()]) from None
+    size = 0
+    for name, text in zip(_text_fields(item), item.texts()):
+        try:
+            size += len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"{where}.{name}: not valid Unicode text (lone surrogate)") from None
+    if size > max_bytes:
+        raise InvalidRequest(f"{where}: {size} bytes of text, more than the limit of {max_bytes}")
+    return item
+
+
+def _text_fields(item: SFTItem | PreferenceItem) -> tuple[str, ...]:
+    return ("prompt", "completion") if item.kind == "sft" else ("prompt", "chosen", "rejected")
+
+
+def _pydantic_error(where: str, err: Mapping[str, Any]) -> str:
+    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.get("loc", ()))
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    if err.get("type") == "missing":
+        msg = "field required"
+    elif err.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    return f"{where}{loc}: {msg}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The store.
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS adapters (
+    name              TEXT PRIMARY KEY,
+    method            TEXT NOT NULL CHECK (method IN ('sft', 'dpo')),
+    beta              REAL NOT NULL,
+    learning_rate     REAL NOT NULL,
+    lora_r            INTEGER NOT NULL,
+    lora_alpha        REAL NOT NULL,
+    lora_target_modules TEXT NOT NULL,           -- JSON list of module names
+    lora_dropout      REAL NOT NULL,
+    mode              TEXT NOT NULL CHECK (mode IN ('hybrid', 'sync', 'periodic', 'off')),
+    periodic_every_seconds REAL,
+    periodic_every_samples INTEGER,
+    current_version   INTEGER,                   -- NULL until the first publish
+    created_at        REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions (
+    adapter           TEXT NOT NULL REFERENCES adapters(name),
+    version           INTEGER NOT NULL CHECK (version >= 1),
+    parent            INTEGER,
+    path              TEXT,
+    created_at        REAL NOT NULL,
+    published         INTEGER NOT NULL DEFAULT 0,
+    published_at      REAL,
+    samples_trained   INTEGER,
+    loss              REAL,
+    win_rate          REAL,
+    clpd              REAL,
+    PRIMARY KEY (adapter, version)
+);
+CREATE TABLE IF NOT EXISTS feedback (
+    id                INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: oldest-first = by id
+    adapter           TEXT NOT NULL REFERENCES adapters(name),
+    kind              TEXT NOT NULL CHECK (kind IN ('sft', 'preference')),
+    prompt            TEXT NOT NULL,
+    completion        TEXT,
+    chosen            TEXT,
+    rejected          TEXT,
+    created_at        REAL NOT NULL,
+    consumed_by_version INTEGER,                 -- NULL until a published version trained on it
+    CHECK ((kind = 'sft' AND completion IS NOT NULL AND chosen IS NULL AND rejected IS NULL)
+        OR (kind = 'preference' AND completion IS NULL AND chosen IS NOT NULL AND rejected IS NOT NULL))
+);
+CREATE INDEX IF NOT EXISTS feedback_queue ON feedback (adapter, consumed_by_version, id);
+"""
+
+_ADAPTER_COLS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
+                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at")
+_VERSION_COLS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
+                 "loss, win_rate, clpd")
+_ITEM_COLS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at"
+
+
+class FeedbackStore:
+    """The feedback queue and adapter registry in ``<data_dir>/feedback.sqlite3``; every method is synchronous."""
+
+    def __init__(self, data_dir: str | Path, *, filename: str = DB_FILENAME,
+                 max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES, max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,
+                 busy_timeout_s: float = 10.0):
+        self.path = Path(data_dir).expanduser() / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_item_bytes = max_item_bytes
+        self.max_batch_items = max_batch_items
+        self._lock = threading.RLock()
+        # isolation_level=None: no implicit transactions; every write is an explicit BEGIN IMMEDIATE
+        # (takes the write lock up front, so two writers never deadlock upgrading a read lock).
+        self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
+                                     check_same_thread=False)
+        self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        if self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
+            raise StoreError(f"SQLite refused WAL mode for {self.path} (network file system?)")
+        self._conn.execute("PRAGMA synchronous = FULL")  # see the module docstring for why not NORMAL
+        self._conn.execute("PRAGMA foreign_keys = ON")
+        self._migrate()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            found = db.execute("PRAGMA user_version").fetchone()[0]
+            if found > SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has schema {found}, newer than this code's {SCHEMA_VERSION}")
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    @contextmanager
+    def _tx(self, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction: commit on success, roll back on any exception (nothing half-written)."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> FeedbackStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    def create_adapter(self, spec: AdapterSpec | Mapping[str, Any]) -> AdapterInfo:
+        """Register a new adapter; :class:`AdapterExists` (409) if the name is taken."""
+        spec = _validate(AdapterSpec, spec, "adapter")
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM adapters WHERE name = ?", (spec.name,)).fetchone():
+                raise AdapterExists(f"adapter {spec.name!r} already exists")
+            db.execute(
+                f"INSERT INTO adapters ({_ADAPTER_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (spec.name, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
+                 json.dumps(spec.lora.target_modules), spec.lora.dropout, spec.mode, spec.periodic.every_seconds,
+                 spec.periodic.every_samples, None, time.time()),
+            )
+            return self._adapter_info(db, spec.name)
+
+    def get_adapter(self, name: str) -> AdapterInfo:
+        """The adapter with its published versions and queue state; :class:`UnknownAdapter` (404)."""
+        with self._tx(write=False) as db:
+            return self._adapter_info(db, name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        """Every adapter, by name."""
+        with self._tx(write=False) as db:
+            names = [r[0] for r in db.execute("SELECT name FROM adapters ORDER BY name")]
+            return [self._adapter_info(db, n) for n in names]
+
+    def _adapter_row(self, db: sqlite3.Connection, name: str) -> tuple:
+        row = db.execute(f"SELECT {_ADAPTER_COLS} FROM adapters WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise UnknownAdapter(f"no adapter named {name!r}")
+        return row
+
+    def _current(self, db: sqlite3.Connection, name: str) -> int | None:
+        return self._adapter_row(db, name)[_ADAPTER_COLS.split(", ").index("current_version")]
+
+    def _adapter_info(self, db: sqlite3.Connection, name: str) -> AdapterInfo:
+        (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
+         created) = self._adapter_row(db, name)
+        versions = [_version(row) for row in db.execute(
+            f"SELECT {_VERSION_COLS} FROM versions WHERE adapter = ? AND published = 1 ORDER BY version", (name,))]
+        queued, oldest = db.execute(
+            "SELECT COUNT(*), MIN(created_at) FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL",
+            (name,)).fetchone()
+        return AdapterInfo(
+            name=name, method=method, beta=beta, learning_rate=lr,
+            lora=LoraSettings(r=r, alpha=alpha, target_modules=json.loads(targets), dropout=dropout),
+            mode=mode, periodic=PeriodicSettings(every_seconds=every_s, every_samples=every_n),
+            created_at=created, current_version=current, versions=versions, queued=queued,
+            oldest_queued_at=oldest, last_published_at=max((v.published_at for v in versions), default=None),
+        )
+
+    # -- feedback ------------------------------------------------------------------------------
+
+    def add_feedback(self, items: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> list[int]:
+        """Validate and store a batch all-or-nothing in one transaction; return the new ids in item order.
+
+        Raises :class:`InvalidRequest` (400: malformed item, wrong kind for the adapter's method,
+        too large, empty batch) or :class:`UnknownAdapter` (404). Nothing is stored on any error.
+        When this returns, the batch is durable (WAL, synchronous=FULL).
+        """
+        parsed = validate_feedback(items, self.max_item_bytes, self.max_batch_items)
+        now = time.time()
+        with self._tx() as db:
+            self._check_adapters(db, parsed)
+            ids = []
+            for item in parsed:
+                cur = db.execute(
+                    "INSERT INTO feedback (adapter, kind, prompt, completion, chosen, rejected, created_at) "
+                    "VALUES (?,?,?,?,?,?,?)",
+                    (item.adapter, item.kind, item.prompt, getattr(item, "completion", None),
+                     getattr(item, "chosen", None), getattr(item, "rejected", None), now),
+                )
+                ids.append(cur.lastrowid)
+            return ids
+
+    def _check_adapters(self, db: sqlite3.Connection, parsed: Sequence[SFTItem | PreferenceItem]) -> None:
+        methods: dict[str, str | None] = {}
+        for name in {it.adapter for it in parsed}:
+            row = db.execute("SELECT method FROM adapters WHERE name = ?", (name,)).fetchone()
+            methods[name] = row[0] if row else None
+        unknown = [f"items[{i}].adapter: no adapter named {it.adapter!r}"
+                   for i, it in enumerate(parsed) if methods[it.adapter] is None]
+        if unknown:
+            raise UnknownAdapter("; ".join(unknown[:10]))
+        wrong = [f"items[{i}]: adapter {it.adapter!r} trains with {methods[it.adapter]} and takes "
+                 f"{'preference pairs (prompt, chosen, rejected)' if methods[it.adapter] == 'dpo' else 'SFT samples (prompt, completion)'}"
+                 f", not {'an SFT sample' if it.kind == 'sft' else 'a preference pair'}"
+                 for i, it in enumerate(parsed) if KIND_FOR_METHOD[methods[it.adapter]] != it.kind]
+        if wrong:
+            raise InvalidRequest(wrong)
+
+    def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = ()) -> list[FeedbackItem]:
+        """Up to ``limit`` unconsumed items of ``adapter``, oldest first, not marking them (see publish_version).
+
+        ``exclude_ids``: items the caller already holds (trained into a version not yet published).
+        """
+        if limit <= 0:
+            return []
+        exclude = set(exclude_ids)
+        with self._tx(write=False) as db:
+            self._adapter_row(db, adapter)
+            # At most len(exclude) of the oldest rows can be excluded, so one bounded query suffices.
+            rows = db.execute(
+                f"SELECT {_ITEM_COLS} FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL "
+                "ORDER BY id LIMIT ?", (adapter, limit + len(exclude))).fetchall()
+        return [FeedbackItem(*row) for row in rows if row[0] not in exclude][:limit]
+
+    def queued(self, adapter: str) -> int:
+        """Number of items of ``adapter`` that no published version has trained on."""
+        with self._tx(write=False) as db:
+            self._adapter_row(db, adapter)
+            return db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL",
+                              (adapter,)).fetchone()[0]
+
+    def queue_summary(self) -> dict[str, tuple[int, float]]:
+        """adapter -> (unconsumed items, created_at of the oldest), for adapters with a non-empty queue."""
+        with self._tx(write=False) as db:
+            rows = db.execute("SELECT adapter, COUNT(*), MIN(created_at) FROM feedback "
+                              "WHERE consumed_by_version IS NULL GROUP BY adapter").fetchall()
+        return {a: (n, t) for a, n, t in rows}
+
+    def feedback_item(self, item_id: int) -> tuple[FeedbackItem, int | None]:
+        """One item and the version that consumed it (None while queued); :class:`UnknownItem` (404)."""
+        with self._tx(write=False) as db:
+            row = db.execute(f"SELECT {_ITEM_COLS}, consumed_by_version FROM feedback WHERE id = ?",
+                             (item_id,)).fetchone()
+        if row is None:
+            raise UnknownItem(f"no feedback item {item_id}")
+        return FeedbackItem(*row[:-1]), row[-1]
+
+    # -- versions ------------------------------------------------------------------------------
+
+    def reserve_version(self, adapter: str) -> VersionInfo:
+        """Hand out the next version number (never reused), unpublished, with ``parent`` = the current version.
+
+        The trainer writes ``<root>/<adapter>/v<version>/`` under this number, then calls publish_version.
+        """
+        with self._tx() as db:
+            current = self._current(db, adapter)
+            last = db.execute("SELECT MAX(version) FROM versions WHERE adapter = ?", (adapter,)).fetchone()[0]
+            version = (last or 0) + 1
+            db.execute("INSERT INTO versions (adapter, version, parent, created_at) VALUES (?,?,?,?)",
+                       (adapter, version, current, time.time()))
+            return self._version(db, adapter, version)
+
+    def publish_version(self, adapter: str, version: int, path: str | Path, item_ids: Iterable[int],
+                        samples_trained: int, loss: float | None, *, check_parent: bool = True) -> VersionInfo:
+        """Publish a reserved version, make it current, and mark ``item_ids`` consumed by it: one transaction.
+
+        Items already consumed by another version keep their first consumer. With ``check_parent``,
+        raises :class:`VersionConflict` (and changes nothing) if the current version moved since
+        the reservation (e.g. a rollback): the trainer should reload the current version and retrain.
+        """
+        ids = sorted(set(item_ids))
+        with self._tx() as db:
+            current = self._current(db, adapter)
+            v = self._version(db, adapter, version)
+            if v.published:
+                raise VersionConflict(f"{adapter} v{version} is already published")
+            if check_parent and v.parent != current:
+                raise VersionConflict(f"{adapter} v{version} was trained from v{v.parent}, but the current "
+                                      f"version is now v{current}; reload it and train again")
+            foreign = [i for i in ids if (r := db.execute("SELECT adapter FROM feedback WHERE id = ?", (i,))
+                                          .fetchone()) is None or r[0] != adapter]
+            if foreign:
+                raise InvalidRequest(f"item_ids: {foreign[:10]} are not feedback of adapter {adapter!r}")
+            db.execute("UPDATE versions SET published = 1, published_at = ?, path = ?, samples_trained = ?, "
+                       "loss = ? WHERE adapter = ? AND version = ?",
+                       (time.time(), str(path), samples_trained, loss, adapter, version))
+            db.executemany("UPDATE feedback SET consumed_by_version = ? WHERE id = ? AND consumed_by_version IS NULL",
+                           [(version, i) for i in ids])
+            db.execute("UPDATE adapters SET current_version = ? WHERE name = ?", (version, adapter))
+            return self._version(db, adapter, version)
+
+    def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float) -> VersionInfo:
+        """Store the alignment metrics (MACE §3.1) measured for a version."""
+        with self._tx() as db:
+            self._version(db, adapter, version)
+            db.execute("UPDATE versions SET win_rate = ?, clpd = ? WHERE adapter = ? AND version = ?",
+                       (float(win_rate), float(clpd), adapter, version))
+            return self._version(db, adapter, version)
+
+    def rollback(self, adapter: str, version: int) -> AdapterInfo:
+        """Point ``current_version`` at an earlier published version; nothing is deleted or re-queued."""
+        with self._tx() as db:
+            current = self._current(db, adapter)
+            v = self._version(db, adapter, version)
+            if not v.published:
+                raise VersionConflict(f"{adapter} v{version} was never published")
+            if current is not None and version > current:
+                raise VersionConflict(f"{adapter} v{version} is newer than the current v{current}; "
+                                      "rollback only goes back")
+            db.execute("UPDATE adapters SET current_version = ? WHERE name = ?", (version, adapter))
+            return self._adapter_info(db, adapter)
+
+    def current_version(self, adapter: str) -> VersionInfo | None:
+        """The version to serve and to resume training from; None before the first publish."""
+        with self._tx(write=False) as db:
+            current = self._current(db, adapter)
+            return None if current is None else self._version(db, adapter, current)
+
+    def get_version(self, adapter: str, version: int) -> VersionInfo:
+        """One version (published or only reserved); :class:`UnknownVersion` (404)."""
+        with self._tx(write=False) as db:
+            self._adapter_row(db, adapter)
+            return self._version(db, adapter, version)
+
+    def _version(self, db: sqlite3.Connection, adapter: str, version: int) -> VersionInfo:
+        row = db.execute(f"SELECT {_VERSION_COLS} FROM versions WHERE adapter = ? AND version = ?",
+                         (adapter, version)).fetchone()
+        if row is None:
+            raise UnknownVersion(f"adapter {adapter!r} has no version {version}")
+        return _version(row)
+
+
+def _version(row: tuple) -> VersionInfo:
+    (adapter, version, parent, path, created, published, published_at, samples, loss, win, clpd) = row
+    return VersionInfo(adapter=adapter, version=version, parent=parent, path=path, created_at=created,
+                       published=bool(published), published_at=published_at, samples_trained=samples,
+                       loss=loss, win_rate=win, clpd=clpd)
+
+
+def _validate(model: type[BaseModel], data: Any, where: str) -> Any:
+    if isinstance(data, model):
+        return data
+    if isinstance(data, BaseModel):
+        data = data.model_dump()
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise InvalidRequest([_pydantic_error(where, err) for err in e.errors()]) from None
