@@ -1,0 +1,272 @@
+"""The durable feedback store: validation, all-or-nothing batches, consume-after-publish, rollback, crash safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from app.feedback_store import (
+    AdapterExists,
+    FeedbackStore,
+    InvalidRequest,
+    UnknownAdapter,
+    UnknownVersion,
+    VersionConflict,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pair(adapter: str = "acme", i: int = 0) -> dict:
+    return {"adapter": adapter, "prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"}
+
+
+def sample(adapter: str = "tutor", i: int = 0) -> dict:
+    return {"adapter": adapter, "prompt": f"q{i}", "completion": f"answer {i}"}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = FeedbackStore(tmp_path)
+    s.create_adapter({"name": "acme", "method": "dpo", "beta": 0.1, "learning_rate": 5e-4,
+                      "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, "mode": "hybrid"})
+    s.create_adapter({"name": "tutor", "method": "sft"})
+    yield s
+    s.close()
+
+
+def test_database_is_wal_with_full_sync(store):
+    conn = store._conn
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert store.path.name == "feedback.sqlite3"
+
+
+def test_adapters_create_get_list_and_duplicates(store):
+    info = store.get_adapter("acme")
+    assert (info.method, info.beta, info.lora.r, info.lora.target_modules) == ("dpo", 0.1, 8, ["q_proj", "v_proj"])
+    assert info.current_version is None and info.versions == [] and info.queued == 0
+    assert [a.name for a in store.list_adapters()] == ["acme", "tutor"]
+    with pytest.raises(AdapterExists) as e:
+        store.create_adapter({"name": "acme"})
+    assert e.value.status == 409
+    with pytest.raises(UnknownAdapter):
+        store.get_adapter("nope")
+    for bad in ({"name": "Acme"}, {"name": "a:b"}, {"name": "x" * 65}, {"name": "ok", "method": "ppo"},
+                {"name": "ok", "lora": {"r": 0}}, {"name": "ok", "mode": "periodic",
+                                                   "periodic": {"every_seconds": None}}, {"name": "ok", "typo": 1}):
+        with pytest.raises(InvalidRequest) as e:
+            store.create_adapter(bad)
+        assert e.value.status == 400
+    assert [a.name for a in store.list_adapters()] == ["acme", "tutor"]
+
+
+@pytest.mark.parametrize("items, expect", [
+    ([], "items: the list is empty"),
+    ([pair(), {"adapter": "acme", "prompt": "p", "chosen": "c"}], "items[1].rejected: field required"),
+    ([pair(), pair(), pair(), {"adapter": "acme", "prompt": "p", "chosen": 3, "rejected": "r"}],
+     "items[3].chosen: Input should be a valid string"),
+    ([{**pair(), "extra": 1}], "items[0].extra: unknown field"),
+    ([{**pair(), "prompt": "   "}], "items[0].prompt: must not be blank"),
+    ([{**pair(), "chosen": ""}], "items[0].chosen: String should have at least 1 character"),
+    ([pair(), {**pair(), "chosen": "é" * 20_000}], "items[1]: 40007 bytes of text, more than the limit of 32768"),
+    ([{"adapter": "acme", "prompt": "p"}], "items[0]: needs completion"),
+    ([{**pair(), "completion": "c"}], "items[0]: give either completion"),
+    ([pair(), sample("acme")], "items[1]: adapter 'acme' trains with dpo and takes preference pairs"),
+    ([sample(), pair("tutor")], "items[1]: adapter 'tutor' trains with sft and takes SFT samples"),
+    ("not a list", "items: expected a list"),
+    ([pair(), "x"], "items[1]: expected an object"),
+])
+def test_invalid_batches_say_which_item_and_store_nothing(store, items, expect):
+    store.add_feedback([pair(i=99)])  # something already stored must stay the only thing
+    with pytest.raises(InvalidRequest) as e:
+        store.add_feedback(items)
+    assert e.value.status == 400 and expect in str(e.value), str(e.value)
+    assert store.queued("acme") == 1 and store.queued("tutor") == 0
+
+
+def test_unknown_adapter_is_its_own_error_and_stores_nothing(store):
+    with pytest.raises(UnknownAdapter) as e:
+        store.add_feedback([pair(), pair("ghost"), pair()])
+    assert e.value.status == 404 and "items[1].adapter: no adapter named 'ghost'" in str(e.value)
+    assert store.queued("acme") == 0
+
+
+def test_batch_of_both_adapters_gets_ids_in_order(store):
+    ids = store.add_feedback([pair(i=0), sample(i=1), pair(i=2)])
+    assert ids == sorted(ids) and len(set(ids)) == 3
+    assert store.queued("acme") == 2 and store.queued("tutor") == 1
+    assert store.add_feedback(pair(i=3)) == [ids[-1] + 1]  # one item (not a list) is a batch of one
+
+
+def test_failure_inside_the_transaction_rolls_back_the_whole_batch(store):
+    class FailOnThirdInsert:
+        def __init__(self, conn):
+            self.conn, self.inserts = conn, 0
+
+        def execute(self, sql, *args):
+            if sql.startswith("INSERT INTO feedback"):
+                self.inserts += 1
+                if self.inserts == 3:
+                    raise sqlite3.OperationalError("disk I/O error (simulated)")
+            return self.conn.execute(sql, *args)
+
+        def __getattr__(self, name):
+            return getattr(self.conn, name)
+
+    real = store._conn
+    store._conn = FailOnThirdInsert(real)
+    with pytest.raises(sqlite3.OperationalError):
+        store.add_feedback([pair(i=i) for i in range(5)])
+    store._conn = real
+    assert store.queued("acme") == 0
+    assert store.add_feedback([pair()])  # the connection is usable afterwards
+
+
+def test_take_does_not_consume_and_publish_consumes_in_one_step(store):
+    ids = store.add_feedback([pair(i=i) for i in range(6)])
+    first = store.take("acme", 4)
+    assert [it.id for it in first] == ids[:4] and first[0].chosen == "good 0" and first[0].kind == "preference"
+    assert [it.id for it in store.take("acme", 4)] == ids[:4]  # taking twice sees the same: nothing marked
+    assert [it.id for it in store.take("acme", 3, exclude_ids=ids[:4])] == ids[4:]
+    assert store.queued("acme") == 6
+
+    v = store.reserve_version("acme")
+    assert (v.version, v.parent, v.published) == (1, None, False)
+    assert store.get_adapter("acme").versions == []  # reserved is not published
+    pub = store.publish_version("acme", v.version, "/adapters/acme/v1", ids[:4], samples_trained=4, loss=0.69)
+    assert pub.published and pub.samples_trained == 4 and pub.path == "/adapters/acme/v1"
+    assert store.queued("acme") == 2
+    assert [it.id for it in store.take("acme", 10)] == ids[4:]
+    assert store.feedback_item(ids[0])[1] == 1 and store.feedback_item(ids[5])[1] is None
+    info = store.get_adapter("acme")
+    assert info.current_version == 1 and [x.version for x in info.versions] == [1] and info.queued == 2
+    assert store.queue_summary()["acme"][0] == 2
+
+    with pytest.raises(VersionConflict):
+        store.publish_version("acme", 1, "/x", [], 0, None)  # published twice
+    with pytest.raises(InvalidRequest):
+        store.publish_version("acme", store.reserve_version("acme").version, "/x", [ids[4], 10_000], 1, 0.5)
+    assert store.queued("acme") == 2  # the refused publish marked nothing
+
+
+def test_crashed_trainer_leaves_items_queued_and_never_reuses_a_version(store):
+    ids = store.add_feedback([pair(i=i) for i in range(3)])
+    lost = store.reserve_version("acme")  # trained, wrote v1, died before publishing
+    assert store.queued("acme") == 3 and store.current_version("acme") is None
+    again = store.reserve_version("acme")
+    assert again.version == lost.version + 1
+    store.publish_version("acme", again.version, "/x/v2", ids, 3, 0.5)
+    assert store.current_version("acme").version == 2 and store.queued("acme") == 0
+
+
+def test_rollback_points_back_and_stale_publishes_are_refused(store):
+    ids = store.add_feedback([pair(i=i) for i in range(3)])
+    for n, item in enumerate(ids, start=1):
+        v = store.reserve_version("acme")
+        assert v.parent == (n - 1 or None)
+        store.publish_version("acme", v.version, f"/a/v{v.version}", [item], 1, 0.7)
+    in_flight = store.reserve_version("acme")  # a trainer started from v3
+    info = store.rollback("acme", 1)
+    assert info.current_version == 1 and [v.version for v in info.versions] == [1, 2, 3]  # nothing deleted
+    assert store.queued("acme") == 0  # consumed items stay consumed
+    with pytest.raises(VersionConflict):
+        store.publish_version("acme", in_flight.version, "/a/v4", [], 0, None)
+    with pytest.raises(VersionConflict):
+        store.rollback("acme", 3)  # only backwards
+    with pytest.raises(VersionConflict):
+        store.rollback("acme", in_flight.version)  # never published
+    with pytest.raises(UnknownVersion):
+        store.rollback("acme", 42)
+    nxt = store.reserve_version("acme")
+    assert nxt.parent == 1 and nxt.version == in_flight.version + 1
+    store.publish_version("acme", nxt.version, "/a/v5", [], 0, None)
+    assert store.current_version("acme").version == 5
+
+
+def test_record_eval_is_shown_with_the_version(store):
+    v = store.reserve_version("acme")
+    store.publish_version("acme", v.version, "/a/v1", [], 0, None)
+    store.record_eval("acme", 1, win_rate=0.625, clpd=1.5)
+    got = store.get_adapter("acme").versions[0]
+    assert (got.win_rate, got.clpd) == (0.625, 1.5)
+    with pytest.raises(UnknownVersion):
+        store.record_eval("acme", 9, 0.5, 0.0)
+
+
+def test_concurrent_writers_threads_and_processes_share_the_file(store, tmp_path):
+    other = FeedbackStore(tmp_path)  # a second connection, as another process would have
+    errors = []
+
+    def writer(s, k):
+        try:
+            for i in range(15):
+                s.add_feedback([pair(i=1000 * k + i), pair(i=1000 * k + i)])
+        except Exception as e:  # noqa: BLE001 - collected for the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(s, k)) for k, s in enumerate([store, store, other, other])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and store.queued("acme") == 4 * 15 * 2
+    other.close()
+
+
+_CRASHING_WRITER = r"""
+import json, sys, time
+from app.feedback_store import FeedbackStore
+
+store = FeedbackStore(sys.argv[1])
+acked = store.add_feedback([{"adapter": "acme", "prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(3)])
+print("ACK " + json.dumps(acked), flush=True)
+
+class StallMidBatch:  # stops inside the transaction after 50 of 100 inserts, until killed
+    def __init__(self, conn):
+        self.conn, self.inserts = conn, 0
+    def execute(self, sql, *args):
+        out = self.conn.execute(sql, *args)
+        if sql.startswith("INSERT INTO feedback"):
+            self.inserts += 1
+            if self.inserts == 50:
+                print("MIDWAY", flush=True)
+                time.sleep(600)
+        return out
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+store._conn = StallMidBatch(store._conn)
+store.add_feedback([{"adapter": "acme", "prompt": f"x{i}", "chosen": "c", "rejected": "r"} for i in range(100)])
+print("DONE", flush=True)
+"""
+
+
+def test_sigkill_in_the_middle_of_a_batch_keeps_acked_items_and_no_partial_batch(store, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _CRASHING_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        acked = json.loads(proc.stdout.readline().removeprefix("ACK "))
+        assert proc.stdout.readline().strip() == "MIDWAY"
+        # While the writer sits inside its transaction, readers see only committed data.
+        assert store.queued("acme") == 3
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    store.close()
+    reopened = FeedbackStore(tmp_path)
+    assert [it.id for it in reopened.take("acme", 1000)] == acked
+    assert reopened.queued("acme") == 3
+    assert reopened.add_feedback([pair()])  # the write lock died with the process
+    reopened.close()
