@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -22,6 +23,8 @@ from planners.registry import register
 from planners.types import ExecutionTrace, NodeView, Task
 
 _NEG = -np.inf
+_ID = attrgetter("node_id")
+_READY = attrgetter("ready")
 
 
 class PlacementPolicy(Protocol):
@@ -153,45 +156,120 @@ class NodeEstimate:
 class _Planned:
     row: int
     kind: str
-    slot: int
     start: float
     first_end: float
     finish: float
 
 
-def _row_of(rows: np.ndarray | slice, i: int) -> int:
-    return (rows.start or 0) + i if isinstance(rows, slice) else int(rows[i])
+@dataclass
+class _Eval:
+    """Alg. 1 and Eq. 1–3 of one task on R rows: lists on the scalar path, arrays on the vector path."""
+
+    start: Any
+    end: Any
+    ii: Any
+    r: Any
+    ip: Any
+    lc: Any
+    f: Any
+
+    def best(self) -> int:
+        f = self.f
+        if isinstance(f, np.ndarray):
+            return int(np.argmax(f))
+        # First maximum, as np.argmax: ties go to the earliest node in the caller's order.
+        return max(range(len(f)), key=f.__getitem__)
 
 
-class _Plan:
-    """Alg. 1 for one task against a set of node rows, vectorized over the rows."""
+class _Node:
+    """The trace queues of one node (LEMIX §IV-B): plain Python, the planner's source of truth."""
 
-    __slots__ = ("start", "end", "ii")
+    __slots__ = ("row", "cost", "fend", "train", "dec", "dec_done", "speed", "lc_n", "lc_sum", "lc_sq")
 
-    def __init__(self, start: np.ndarray, end: np.ndarray, ii: np.ndarray) -> None:
-        self.start, self.end, self.ii = start, end, ii
+    def __init__(self, row: int, cost: CostModel, stages: int) -> None:
+        self.row = row
+        self.cost = cost
+        self.fend = [_NEG] * stages           # task_prev.end_f^s
+        self.train: list[tuple[list[float], list[float], str]] = []  # Q_train^n: backward start/end per stage
+        self.dec: list[tuple[float, float, float, str]] = []          # decodes: start, end, context, task
+        self.dec_done = _NEG                  # end of the latest decode that has left ``dec``
+        self.speed = 1.0                      # calibration: actual / planned durations
+        self.lc_n = 0.0
+        self.lc_sum = 0.0
+        self.lc_sq = 0.0
+
+
+def _plan_row(a: float, t0: float, floor: float, stages: int, d: float, wait: float, fend: Sequence[float],
+              train: Sequence[tuple[Sequence[float], Sequence[float], str]], dec_until: float,
+              duty: float) -> tuple[list[float], list[float], float]:
+    """ComputeIdleness (LEMIX Alg. 1) for one node; the scalar twin of ``LemixPlacement._eval_vec``.
+
+    Forward path (lines 4–6); far-dependency rescheduling past the planned backward intervals of
+    Q_train^n (lines 7–14); II (lines 15–19) with backward and decode work inside each gap
+    subtracted. The paper walks Q_temp once; we repeat until no backward overlaps the forward,
+    which is the same when postponements do not cascade and correct when they do.
+    """
+    starts = [0.0] * stages
+    ends = [0.0] * stages
+    ii = 0.0
+    prev_end = t0 + wait
+    for j in range(stages):
+        fs = fend[j]
+        start = prev_end if prev_end > fs else fs
+        if train:
+            for _ in range(len(train) + 1):
+                end = start + d
+                m = _NEG
+                for bs, be, _id in train:
+                    if bs[j] < end and be[j] > start and be[j] > m:
+                        m = be[j]
+                if m == _NEG:
+                    break
+                if m > start:
+                    start = m
+        end = start + d
+        ref = fs if fs > floor else floor
+        gap = start - ref
+        for bs, be, _id in train:
+            ov = min(be[j], start) - max(bs[j], ref)
+            if ov > 0:
+                gap -= ov
+        dv = min(dec_until, start) - ref
+        if dv > 0:
+            gap -= duty * dv
+        if gap > 0:
+            ii += gap
+        starts[j] = start
+        ends[j] = end
+        prev_end = end
+    return starts, ends, ii
 
 
 @register("placement", "lemix")
 class LemixPlacement:
     """LEMIX placement (§IV-B, §IV-C): plan the task on every ready node, score, pick the best.
 
-    State, per node and stage: the forward end of the last planned task (``task_prev.end_f^s``),
-    the planned backward intervals of unfinished training tasks (Q_train^n), and the planned
-    decode spans of inference tasks (LEMIX §V-D: decoding stays on the prefill's node).
+    State per node: the forward end of the last planned task on each stage (``task_prev.end_f^s``),
+    the planned backward intervals of unfinished training tasks (Q_train^n), and the planned decode
+    spans of inference tasks (LEMIX §V-D: decoding stays on the prefill's node).
 
-    Deliberate readings of the paper, each a parameter:
+    Deliberate readings of the paper, each behind a parameter:
     - Eq. 3 as printed, f = (IP + λ2·LC)/(λ1·R), rewards a *longer* R whenever its numerator is
       negative, which is every node once τ > 0. ``score="additive"`` (default) uses
-      f = IP + λ2·LC − λ1·R instead: same terms, monotone in each; ``score="ratio"`` is the printed form.
-    - Idle time older than ``idle_horizon`` before the arrival (default: the task's own SLO window)
+      f = IP + λ2·LC − λ1·R: the same terms, monotone in each. ``score="ratio"`` is the printed form.
+    - ``tau=None`` (default) leaves Eq. 1 unclipped: IP = Δa − II/S.
+    - Idle time older than ``idle_horizon`` before the arrival (default: the task's own τ_R)
       counts as sunk: a node idle for an hour costs as much to wake as one idle for a minute.
-    - Decode iterations fill idle stage time like backward passes do in Alg. 1 (offset), at a duty
-      of min(1, decoding sequences / S) (one micro-batch per pipeline stage).
+    - Decode iterations fill idle stage time as backward passes do in Alg. 1, at a duty of
+      min(1, decoding sequences / S) (one micro-batch per pipeline stage).
     - LC (Eq. 2, truncated in our copy of the paper) is the unit-free Gaussian kernel
       exp(−(ℓ−μ)²/(2σ²)) of ℓ against the node's history; 0 on a node with no history.
-    - Eq. 4 evaluates the next inference task's response with the training task already placed
-      (the risk Eq. 4 guards against), using Alg. 1's R rather than its end-of-queue shortcut.
+    - Eq. 4 counts planned backward ends in "max end of the tasks in Q^n", and includes the
+      training task being placed, on the node it would take.
+
+    Up to ``vector_above`` ready nodes the planner runs scalar Python (numpy's per-call overhead
+    dominates on a handful of nodes); above it, numpy passes over all nodes, one per stage, on a
+    mirror of the per-node state that is synced lazily for the nodes that changed.
     """
 
     def __init__(
@@ -210,6 +288,7 @@ class LemixPlacement:
         max_defer: float | None = None,
         calibration_rate: float = 0.2,
         node_cost_models: Mapping[str, CostModel | Mapping[str, Any]] | None = None,
+        vector_above: int = 16,
     ) -> None:
         if score not in ("additive", "ratio"):
             raise ValueError(f"score must be 'additive' or 'ratio', got {score!r}")
@@ -217,8 +296,12 @@ class LemixPlacement:
             raise ValueError("lambda1 must be > 0")
         if not 0.0 <= calibration_rate <= 1.0:
             raise ValueError("calibration_rate must be in [0, 1]")
+        if slo_factor <= 0:
+            raise ValueError("slo_factor must be > 0")
         self.cost = as_cost_model(cost_model)
         self.stages = int(stages or self.cost.stages)
+        if self.stages < 1:
+            raise ValueError("stages must be >= 1")
         self.lambda1, self.lambda2 = float(lambda1), float(lambda2)
         self.tau = None if tau is None else float(tau)
         self.tau_r = None if tau_r is None else float(tau_r)
@@ -229,81 +312,53 @@ class LemixPlacement:
         self.predict_next = predict_next
         self.max_defer = max_defer
         self.calibration_rate = float(calibration_rate)
+        self.vector_above = int(vector_above)
         self._type_costs = {k: as_cost_model(v) for k, v in (node_cost_models or {}).items()}
 
-        s = self.stages
         self._rows: dict[int, int] = {}
-        self._row_type: list[str] = []
-        self._fend = np.full((0, s), _NEG)
-        self._speed = np.ones(0)
-        k, d = 2, 8
-        self._tb_s = np.full((0, k, s), _NEG)
-        self._tb_e = np.full((0, k, s), _NEG)
-        self._t_act = np.zeros((0, k), dtype=bool)
-        self._d_start = np.zeros((0, d))
-        self._d_end = np.full((0, d), _NEG)
-        self._d_ctx = np.zeros((0, d))
-        self._lc_n = np.zeros(0)
-        self._lc_sum = np.zeros(0)
-        self._lc_sq = np.zeros(0)
+        self._nodes: list[_Node] = []
         self._planned: dict[str, _Planned] = {}
         self._prev_arrival: float | None = None
         self._inf_last: float | None = None
         self._inf_gap: float | None = None
         self._inf_len: float | None = None
         self._inf_max: float | None = None
-        self._cache_key: tuple[int, ...] | None = None
+        self._cache_key: tuple[list[int], list[bool]] | None = None
         self._cache_rows: np.ndarray | slice = slice(0, 0)
-        self._cache_ids: np.ndarray = np.zeros(0, dtype=np.int64)
-        self.last_estimates: list[NodeEstimate] | None = None
+        self._cache_list: list[int] = []
+        self._cache_ids: list[int] = []
+        self._mirror: dict[str, np.ndarray] | None = None
+        self._dirty: set[int] = set()
 
-    # --- per-node coefficients ---------------------------------------------------------------
+    # --- nodes -------------------------------------------------------------------------------
 
-    def _cost_for(self, row: int) -> CostModel:
-        return self._type_costs.get(self._row_type[row], self.cost)
-
-    def _add_row(self, node: NodeView) -> int:
-        row = len(self._row_type)
-        self._rows[node.node_id] = row
-        self._row_type.append(node.node_type)
-        grow = lambda a, v: np.concatenate([a, np.full((1,) + a.shape[1:], v, dtype=a.dtype)])  # noqa: E731
-        self._fend = grow(self._fend, _NEG)
-        self._speed = grow(self._speed, 1.0)
-        self._tb_s = grow(self._tb_s, _NEG)
-        self._tb_e = grow(self._tb_e, _NEG)
-        self._t_act = grow(self._t_act, False)
-        self._d_start = grow(self._d_start, 0.0)
-        self._d_end = grow(self._d_end, _NEG)
-        self._d_ctx = grow(self._d_ctx, 0.0)
-        self._lc_n = grow(self._lc_n, 0.0)
-        self._lc_sum = grow(self._lc_sum, 0.0)
-        self._lc_sq = grow(self._lc_sq, 0.0)
-        return row
-
-    def _select(self, nodes: Sequence[NodeView]) -> tuple[np.ndarray | slice, np.ndarray]:
-        """Rows and ids of the ready nodes; cached while the ready set does not change."""
-        key = tuple(n.node_id if n.ready else ~n.node_id for n in nodes)
+    def _select(self, nodes: Sequence[NodeView]) -> tuple[np.ndarray | slice, list[int], list[int]]:
+        """Rows (for numpy), rows (as a list) and ids of the ready nodes; cached while unchanged."""
+        # attrgetter maps run in C: at 1,024 nodes the key costs a third of a generator's time.
+        key = (list(map(_ID, nodes)), list(map(_READY, nodes)))
         if key == self._cache_key:
-            return self._cache_rows, self._cache_ids
+            return self._cache_rows, self._cache_list, self._cache_ids
         ids, rows = [], []
         for n in nodes:
             row = self._rows.get(n.node_id)
             if row is None:
-                row = self._add_row(n)
+                row = len(self._nodes)
+                self._rows[n.node_id] = row
+                self._nodes.append(_Node(row, self._type_costs.get(n.node_type, self.cost), self.stages))
+                self._dirty.add(row)
             if n.ready:
                 ids.append(n.node_id)
                 rows.append(row)
-        r = np.asarray(rows, dtype=np.int64)
-        sel: np.ndarray | slice = r
-        if len(rows) == len(self._row_type) and (len(rows) == 0 or (r == np.arange(len(rows))).all()):
+        sel: np.ndarray | slice = np.asarray(rows, dtype=np.int64)
+        if rows == list(range(len(self._nodes))):
             sel = slice(0, len(rows))  # views, not copies, on the common all-ready path
-        self._cache_key, self._cache_rows, self._cache_ids = key, sel, np.asarray(ids, dtype=np.int64)
-        return sel, self._cache_ids
+        self._cache_key, self._cache_rows, self._cache_list, self._cache_ids = key, sel, rows, ids
+        return sel, rows, ids
 
-    # --- durations ---------------------------------------------------------------------------
+    # --- SLO ---------------------------------------------------------------------------------
 
     def _isolated_forward(self, task: Task) -> float:
-        """The task's forward latency alone on an idle default node (the SLO unit of LEMIX §VI-A)."""
+        """The task's forward latency alone on an idle node (the SLO unit of LEMIX §VI-A)."""
         ell = task_length(task)
         if task.kind == "training":
             return self.cost.stages * self.cost.forward(task.batch_size, ell)
@@ -313,280 +368,254 @@ class LemixPlacement:
         """τ_R for ``task``: the configured seconds, else slo_factor × its isolated forward latency."""
         return self.tau_r if self.tau_r is not None else self.slo_factor * self._isolated_forward(task)
 
-    def _durations(self, task: Task, rows: np.ndarray | slice, t0: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per-stage forward duration, first-stage wait, end of planned decoding and decode duty, per row."""
-        s = self.stages
-        speed = self._speed[rows]
-        ell = task_length(task)
-        d_end = self._d_end[rows]
-        live = (d_end > t0) & (self._d_start[rows] <= t0)
-        n_dec = live.sum(axis=1).astype(float)
-        dec_until = d_end.max(axis=1) if d_end.shape[1] else np.full(speed.shape, _NEG)
-        duty = np.minimum(1.0, np.maximum(n_dec, 1.0) / s)
-        if self._type_costs:
-            types = [self._row_type[i] for i in np.arange(len(self._row_type))[rows]]
-        if task.kind == "training":
-            scale = self.cost.stages / s
-            if self._type_costs:
-                base = np.array([self._type_costs.get(t, self.cost).forward(task.batch_size, ell) for t in types])
-            else:
-                base = self.cost.forward(task.batch_size, ell)
-            per = speed * scale * base
-            wait = np.zeros_like(speed)
-        else:
-            ctx = (self._d_ctx[rows] * live).sum(axis=1)
-            grp = n_dec / s
-            it = self.cost.iteration
-            if self._type_costs:
-                its = [self._type_costs.get(t, self.cost).iteration for t in types]
-                prefill = np.array([i(ell, g, c / s) for i, g, c in zip(its, grp, ctx)])
-                dec_item = np.array([i(0, g, c / s) for i, g, c in zip(its, grp, ctx)])
-            else:
-                prefill = it.base + it.per_prefill_token * ell + it.per_decode_seq * grp + it.per_context_token * ctx / s
-                dec_item = it.base + it.per_decode_seq * grp + it.per_context_token * ctx / s
-            per = speed * prefill / s
-            # A prefill joins the next engine iteration: on average half a decode item away.
-            wait = np.where(n_dec > 0, 0.5 * speed * dec_item / s, 0.0)
-        return per, wait, dec_until, duty
+    # --- Alg. 1, Eq. 1–3: scalar path --------------------------------------------------------
 
-    # --- Alg. 1 ------------------------------------------------------------------------------
-
-    def _plan(self, a: float, t0: float, horizon: float, d: np.ndarray, wait: np.ndarray,
-              fend: np.ndarray, tb_s: np.ndarray, tb_e: np.ndarray, t_act: np.ndarray,
-              dec_until: np.ndarray, duty: np.ndarray) -> _Plan:
-        """ComputeIdleness (LEMIX Alg. 1) on every given row at once.
-
-        Forward path (lines 4–6), far-dependency rescheduling past planned backward intervals
-        (lines 7–14), and II (lines 15–19) with backward and decode time inside the gap subtracted.
-        The paper walks Q_temp once; we repeat until no backward overlaps the forward, which is the
-        same when postponements do not cascade and correct when they do.
-        """
-        n, s = d.shape[0], self.stages
-        starts = np.empty((n, s))
-        ends = np.empty((n, s))
-        ii = np.zeros(n)
-        prev_end = t0 + wait
-        floor = a - horizon
-        any_train = bool(t_act.any()) if t_act.size else False
-        for j in range(s):
-            fs = fend[:, j]
-            start = np.maximum(prev_end, fs)
-            dj = d
-            if any_train:
-                bs = tb_s[:, :, j]
-                be = tb_e[:, :, j]
-                for _ in range(bs.shape[1] + 1):
-                    end = start + dj
-                    conf = t_act & (bs < end[:, None]) & (be > start[:, None])
-                    if not conf.any():
-                        break
-                    start = np.maximum(start, np.where(conf, be, _NEG).max(axis=1))
-            end = start + dj
-            ref = np.maximum(fs, floor)
-            gap = start - ref
-            if any_train:
-                ov = np.minimum(be, start[:, None]) - np.maximum(bs, ref[:, None])
-                gap = gap - np.where(t_act & (ov > 0), ov, 0.0).sum(axis=1)
-            gap = gap - duty * np.maximum(np.minimum(dec_until, start) - ref, 0.0)
-            ii += np.maximum(gap, 0.0)
-            starts[:, j] = start
-            ends[:, j] = end
-            prev_end = end
-        return _Plan(starts, ends, ii)
-
-    def _plan_task(self, task: Task, rows: np.ndarray | slice, now: float) -> tuple[_Plan, np.ndarray]:
+    def _eval_small(self, task: Task, rows: list[int], now: float) -> _Eval:
         a = task.arrival
         t0 = max(a, now)
-        horizon = self.idle_horizon if self.idle_horizon is not None else self.slo(task)
-        d, wait, dec_until, duty = self._durations(task, rows, t0)
-        plan = self._plan(a, t0, horizon, d, wait, self._fend[rows], self._tb_s[rows], self._tb_e[rows],
-                          self._t_act[rows], dec_until, duty)
-        return plan, d
+        floor = a - (self.idle_horizon if self.idle_horizon is not None else self.slo(task))
+        s = self.stages
+        training = task.kind == "training"
+        ell = task_length(task)
+        c = task.batch_size
+        gap_a = 0.0 if self._prev_arrival is None else a - self._prev_arrival
+        tau, l1, l2, ratio = self.tau, self.lambda1, self.lambda2, self.score == "ratio"
+        ev = _Eval([], [], [], [], [], [], [])
+        nodes = self._nodes
+        for row in rows:
+            node = nodes[row]
+            n = 0
+            ctx = 0.0
+            until = node.dec_done
+            for st, e, cx, _id in node.dec:
+                if e > until:
+                    until = e
+                if e > t0 and st <= t0:
+                    n += 1
+                    ctx += cx
+            duty = min(1.0, max(n, 1) / s)
+            speed = node.speed
+            cost = node.cost
+            if training:
+                d = speed * (cost.stages / s * cost.forward(c, ell))
+                wait = 0.0
+            else:
+                it = cost.iteration
+                g = n / s
+                prefill = it.base + it.per_prefill_token * ell + it.per_decode_seq * g + it.per_context_token * ctx / s
+                d = speed * prefill / s
+                # A prefill joins the next engine iteration: on average half a decode item away.
+                wait = (0.5 * speed * (it.base + it.per_decode_seq * g + it.per_context_token * ctx / s) / s
+                        if n > 0 else 0.0)
+            st_, en_, ii = _plan_row(a, t0, floor, s, d, wait, node.fend, node.train, until, duty)
+            x = ii / s - gap_a
+            ip = -x if tau is None else -max(x, tau)  # Eq. 1
+            lc = 0.0
+            cnt = node.lc_n
+            if cnt > 0:
+                mu = node.lc_sum / cnt
+                var = node.lc_sq / cnt - mu * mu
+                # A floor on σ keeps a one-sample history from scoring every other length as 0.
+                sig = max(math.sqrt(max(var, 0.0)), max(0.1 * mu, 1.0))
+                lc = math.exp(-0.5 * ((ell - mu) / sig) ** 2)  # Eq. 2
+            r = en_[-1] - a
+            num = ip + l2 * lc
+            ev.start.append(st_)
+            ev.end.append(en_)
+            ev.ii.append(ii)
+            ev.r.append(r)
+            ev.ip.append(ip)
+            ev.lc.append(lc)
+            ev.f.append(num / (l1 * max(r, 1e-12)) if ratio else num - l1 * r)  # Eq. 3
+        return ev
 
-    # --- Eq. 1–3 -----------------------------------------------------------------------------
+    # --- Alg. 1, Eq. 1–3: vector path --------------------------------------------------------
 
-    def _scores(self, task: Task, rows: np.ndarray | slice, plan: _Plan) -> tuple[np.ndarray, ...]:
+    def _sync(self) -> dict[str, np.ndarray]:
+        """Bring the numpy mirror up to date for the nodes that changed since the last vector pass."""
+        m = self._mirror
+        n, s = len(self._nodes), self.stages
+        if m is None or m["speed"].shape[0] != n:
+            old = m
+            k = 2 if old is None else old["tb_s"].shape[1]
+            dd = 8 if old is None else old["d_end"].shape[1]
+            # Stage-major layouts: the stage loop then reads contiguous rows.
+            m = {"fend": np.full((s, n), _NEG), "speed": np.ones(n), "tb_s": np.full((s, n, k), _NEG),
+                 "tb_e": np.full((s, n, k), _NEG), "t_act": np.zeros((n, k), dtype=bool),
+                 "d_start": np.zeros((n, dd)), "d_end": np.full((n, dd), _NEG), "d_ctx": np.zeros((n, dd)),
+                 "until": np.full(n, _NEG), "btail": np.full(n, _NEG), "lc_n": np.zeros(n), "lc_sum": np.zeros(n), "lc_sq": np.zeros(n)}
+            self._mirror = m
+            self._dirty = set(range(n))
+        for row in self._dirty:
+            node = self._nodes[row]
+            m["fend"][:, row] = node.fend
+            m["speed"][row] = node.speed
+            m["lc_n"][row], m["lc_sum"][row], m["lc_sq"][row] = node.lc_n, node.lc_sum, node.lc_sq
+            k = len(node.train)
+            if k > m["tb_s"].shape[2]:
+                grow = k - m["tb_s"].shape[2]
+                m["tb_s"] = np.concatenate([m["tb_s"], np.full((s, n, grow), _NEG)], axis=2)
+                m["tb_e"] = np.concatenate([m["tb_e"], np.full((s, n, grow), _NEG)], axis=2)
+                m["t_act"] = np.concatenate([m["t_act"], np.zeros((n, grow), dtype=bool)], axis=1)
+            m["t_act"][row] = False
+            tail = _NEG
+            for i, (bs, be, _id) in enumerate(node.train):
+                m["tb_s"][:, row, i] = bs
+                m["tb_e"][:, row, i] = be
+                m["t_act"][row, i] = True
+                tail = max(tail, be[0])
+            m["btail"][row] = tail
+            k = len(node.dec)
+            if k > m["d_end"].shape[1]:
+                grow = max(k - m["d_end"].shape[1], m["d_end"].shape[1])
+                m["d_start"] = np.concatenate([m["d_start"], np.zeros((n, grow))], axis=1)
+                m["d_end"] = np.concatenate([m["d_end"], np.full((n, grow), _NEG)], axis=1)
+                m["d_ctx"] = np.concatenate([m["d_ctx"], np.zeros((n, grow))], axis=1)
+            m["d_end"][row] = _NEG
+            until = node.dec_done
+            for i, (st, e, cx, _id) in enumerate(node.dec):
+                m["d_start"][row, i], m["d_end"][row, i], m["d_ctx"][row, i] = st, e, cx
+                until = max(until, e)
+            m["until"][row] = until
+        self._dirty = set()
+        return m
+
+    def _eval_vec(self, task: Task, rows: np.ndarray | slice, rlist: list[int], now: float) -> _Eval:
+        m = self._sync()
         a = task.arrival
-        gap = 0.0 if self._prev_arrival is None else a - self._prev_arrival
-        x = plan.ii / self.stages - gap
-        ip = -x if self.tau is None else -np.maximum(x, self.tau)  # Eq. 1
-        n = self._lc_n[rows]
-        ell = float(task_length(task))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mu = self._lc_sum[rows] / n
-            var = self._lc_sq[rows] / n - mu * mu
-            # A floor on σ keeps one-sample histories from scoring every other length as 0.
-            sig = np.maximum(np.sqrt(np.maximum(var, 0.0)), np.maximum(0.1 * mu, 1.0))
-            lc = np.where(n > 0, np.exp(-0.5 * ((ell - mu) / sig) ** 2), 0.0)  # Eq. 2
-        r = plan.end[:, -1] - a
-        num = ip + self.lambda2 * lc
-        if self.score == "additive":
-            f = num - self.lambda1 * r
+        t0 = max(a, now)
+        floor = a - (self.idle_horizon if self.idle_horizon is not None else self.slo(task))
+        s = self.stages
+        speed = m["speed"][rows]
+        until = m["until"][rows]
+        # numpy reductions along a short last axis are slow (tens of µs at 1,024 rows); a
+        # matrix product with a ones vector sums the same rows in a few.
+        live = ((m["d_end"][rows] > t0) & (m["d_start"][rows] <= t0)).astype(float)
+        ones = np.ones(live.shape[1])
+        n_dec = live @ ones
+        duty = np.minimum(1.0, np.maximum(n_dec, 1.0) / s)
+        costs = [self._nodes[r].cost for r in rlist] if self._type_costs else None
+        ell = task_length(task)
+        if task.kind == "training":
+            if costs is not None:
+                base = np.array([c.stages / s * c.forward(task.batch_size, ell) for c in costs])
+            else:
+                base = self.cost.stages / s * self.cost.forward(task.batch_size, ell)
+            d = speed * base
+            wait = np.zeros_like(speed)
         else:
-            f = num / (self.lambda1 * np.maximum(r, 1e-12))  # Eq. 3 as printed
-        return ip, lc, r, f
+            ctx = (m["d_ctx"][rows] * live) @ ones
+            g = n_dec / s
+            if costs is not None:
+                its = [c.iteration for c in costs]
+                b = np.array([i.base for i in its])
+                pp = np.array([i.per_prefill_token for i in its])
+                pd = np.array([i.per_decode_seq for i in its])
+                pc = np.array([i.per_context_token for i in its])
+            else:
+                i = self.cost.iteration
+                b, pp, pd, pc = i.base, i.per_prefill_token, i.per_decode_seq, i.per_context_token
+            d = speed * (b + pp * ell + pd * g + pc * ctx / s) / s
+            wait = np.where(n_dec > 0, 0.5 * speed * (b + pd * g + pc * ctx / s) / s, 0.0)
+        fend = m["fend"][:, rows]
+        # Only nodes holding a backward that ends after the idle floor can be delayed or filled by
+        # one; on a large cluster that is a subset, so the interval work runs on it alone.
+        sub = np.flatnonzero(m["btail"][rows] > floor)
+        if sub.size:
+            # Planned backwards on one stage of one node are disjoint and, slot by slot, in time
+            # order (each is planned after the stage's last one), so the far-dependency loop of
+            # Alg. 1 lands on the first gap that fits: found below without iterating.
+            sel = (np.arange(len(self._nodes))[rows] if isinstance(rows, slice) else rows)[sub]
+            act_s = m["t_act"][sel][None]
+            big_b = np.where(act_s, m["tb_s"][:, sel], np.inf)
+            big_e = np.where(act_s, m["tb_e"][:, sel], np.inf)
+            next_b = np.concatenate([big_b[:, :, 1:], np.full_like(big_b[:, :, :1], np.inf)], axis=2)
+            d_s = d[sub]
+            k_ones = np.ones(big_b.shape[2])
+        # Nodes without a relevant backward: the forward path of Alg. 1 (line 5) unrolls to
+        # start_j = j·d + max(t0 + wait, max_{k≤j}(fend_k − k·d)), one pass over all stages.
+        ks = np.arange(s, dtype=float)[:, None]
+        kd = ks * d
+        acc = fend - kd
+        for j in range(1, s):  # a running max: numpy's accumulate along axis 0 is slower than this
+            np.maximum(acc[j], acc[j - 1], out=acc[j])
+        starts = kd + np.maximum(t0 + wait, acc)
+        ends = starts + d
+        ref = np.maximum(fend, floor)
+        gap = starts - ref - duty * np.maximum(np.minimum(until, starts) - ref, 0.0)
+        ii = np.maximum(gap, 0.0).sum(axis=0)
+        if sub.size:
+            # Nodes with one: stage by stage, as in Alg. 1, on the subset only. A forward that
+            # would overlap backward k moves to the end of the first later backward whose
+            # following gap fits it (``fit_end``).
+            fit_end = np.where(next_b >= big_e + d_s[None, :, None], big_e, np.inf)
+            cuts = np.arange(0, sub.size * big_b.shape[2], big_b.shape[2])
+            fend_s = fend[:, sub]
+            prev_end = (t0 + wait)[sub]
+            st_all = np.empty((s, sub.size))
+            for j in range(s):
+                st = np.maximum(prev_end, fend_s[j])
+                ahead = big_e[j] > st[:, None]
+                first_b = np.minimum.reduceat(np.where(ahead, big_b[j], np.inf).ravel(), cuts)
+                after = np.minimum.reduceat(np.where(ahead, fit_end[j], np.inf).ravel(), cuts)
+                st = np.where(first_b >= st + d_s, st, after)
+                st_all[j] = st
+                prev_end = st + d_s
+            # II for these nodes (lines 15–19), all stages at once: backward and decode time
+            # inside each gap is not idleness.
+            ref_s = ref[:, sub]
+            ov = np.minimum(big_e, st_all[:, :, None]) - np.maximum(big_b, ref_s[:, :, None])
+            off = np.maximum(ov, 0.0) @ k_ones
+            gap_s = st_all - ref_s - duty[sub] * np.maximum(np.minimum(until[sub], st_all) - ref_s, 0.0) - off
+            ii[sub] = np.maximum(gap_s, 0.0).sum(axis=0)
+            starts[:, sub] = st_all
+            ends[:, sub] = st_all + d_s
+        starts, ends = starts.T, ends.T
+        gap_a = 0.0 if self._prev_arrival is None else a - self._prev_arrival
+        x = ii / s - gap_a
+        ip = -x if self.tau is None else -np.maximum(x, self.tau)  # Eq. 1
+        cnt = m["lc_n"][rows]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mu = m["lc_sum"][rows] / cnt
+            var = m["lc_sq"][rows] / cnt - mu * mu
+            sig = np.maximum(np.sqrt(np.maximum(var, 0.0)), np.maximum(0.1 * mu, 1.0))
+            lc = np.where(cnt > 0, np.exp(-0.5 * ((ell - mu) / sig) ** 2), 0.0)  # Eq. 2
+        r = ends[:, -1] - a
+        num = ip + self.lambda2 * lc
+        f = num / (self.lambda1 * np.maximum(r, 1e-12)) if self.score == "ratio" else num - self.lambda1 * r  # Eq. 3
+        return _Eval(starts, ends, ii, r, ip, lc, f)
+
+    def _evaluate(self, task: Task, rows: np.ndarray | slice, rlist: list[int], now: float) -> _Eval:
+        if len(rlist) > self.vector_above:
+            return self._eval_vec(task, rows, rlist, now)
+        return self._eval_small(task, rlist, now)
+
+    # --- public API --------------------------------------------------------------------------
 
     def estimate(self, task: Task, nodes: Sequence[NodeView], now: float) -> list[NodeEstimate]:
         """II, R, IP, LC and f of ``task`` on every ready node, without placing it."""
-        rows, ids = self._select(nodes)
-        if len(ids) == 0:
+        rows, rlist, ids = self._select(nodes)
+        if not ids:
             return []
-        plan, _ = self._plan_task(task, rows, now)
-        ip, lc, r, f = self._scores(task, rows, plan)
-        return [NodeEstimate(int(ids[i]), float(plan.ii[i]), float(r[i]), float(ip[i]), float(lc[i]), float(f[i]),
-                             tuple(map(float, plan.start[i])), tuple(map(float, plan.end[i]))) for i in range(len(ids))]
-
-    # --- choose / commit ---------------------------------------------------------------------
+        ev = self._evaluate(task, rows, rlist, now)
+        return [NodeEstimate(ids[i], float(ev.ii[i]), float(ev.r[i]), float(ev.ip[i]), float(ev.lc[i]),
+                             float(ev.f[i]), tuple(float(x) for x in ev.start[i]), tuple(float(x) for x in ev.end[i]))
+                for i in range(len(ids))]
 
     def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None:
-        rows, ids = self._select(nodes)
-        if len(ids) == 0:
+        """The node with the highest f (Eq. 3); None when no node is ready or, for a training task,
+        when Eq. 4 says the next inference request needs the room (keep it queued, ask again)."""
+        rows, rlist, ids = self._select(nodes)
+        if not ids:
             return None
-        plan, d = self._plan_task(task, rows, now)
-        _, _, r, f = self._scores(task, rows, plan)
-        i = int(np.argmax(f))
-        if task.kind == "training" and self.deprioritize and self.predict_next:
+        ev = self._evaluate(task, rows, rlist, now)
+        i = ev.best()
+        if task.kind == "training" and self.deprioritize and self.predict_next and not self._overdue(task, now):
             nxt = self._predicted_inference(max(task.arrival, now))
-            if nxt is not None and not self._overdue(task, now) and self._violates(task, nxt, rows, ids, i, plan, now):
+            if nxt is not None and self._violates(task, nxt, rows, rlist, i, ev, now):
                 return None
-        row = _row_of(rows, i)
-        self._commit(task, row, plan.start[i], plan.end[i], max(task.arrival, now))
-        return int(ids[i])
-
-    def _overdue(self, task: Task, now: float) -> bool:
-        return self.max_defer is not None and now - task.arrival >= self.max_defer
-
-    def _commit(self, task: Task, row: int, start: np.ndarray, end: np.ndarray, t0: float) -> None:
-        s = self.stages
-        self._fend[row] = end
-        ell = task_length(task)
-        self._lc_n[row] += 1
-        self._lc_sum[row] += ell
-        self._lc_sq[row] += float(ell) * ell
-        cost = self._cost_for(row)
-        speed = self._speed[row]
-        if task.kind == "training":
-            db = speed * cost.stages / s * cost.backward(task.batch_size, ell)
-            bs, be = np.empty(s), np.empty(s)
-            t = end[-1]
-            act = self._t_act[row]
-            for j in range(s - 1, -1, -1):
-                # Backward planning: reverse stage order, after the later stage's backward and after
-                # any backward already planned on this stage.
-                busy = self._tb_e[row, act, j].max() if act.any() else _NEG
-                bs[j] = max(t, busy)
-                be[j] = bs[j] + db
-                t = be[j]
-            slot = self._free_train_slot(row, t0)
-            self._tb_s[row, slot] = bs
-            self._tb_e[row, slot] = be
-            self._t_act[row, slot] = True
-            finish = float(be[0])
-        else:
-            live = (self._d_end[row] > end[-1]) & (self._d_start[row] <= end[-1])
-            n = live.sum() + 1.0
-            ctx = float((self._d_ctx[row] * live).sum()) + ell
-            out = cost.output_lengths.mean(task.max_tokens)
-            g = max(1.0, n / s)
-            per_token = speed * cost.iteration(0, g, ctx / max(n, 1.0) * g)
-            finish = float(end[-1] + max(out - 1.0, 0.0) * per_token)
-            slot = self._free_decode_slot(row, t0)
-            self._d_start[row, slot] = end[-1]
-            self._d_end[row, slot] = finish
-            self._d_ctx[row, slot] = ell + out / 2.0
-        self._planned[task.task_id] = _Planned(row, task.kind, slot, float(start[0]), float(end[-1]), finish)
-        self._prev_arrival = task.arrival
-        if task.kind == "inference":
-            self._note_inference(task)
-
-    def _free_train_slot(self, row: int, t0: float) -> int:
-        act = self._t_act[row]
-        # Backward intervals that ended before t0 can no longer delay a forward: reuse their slots.
-        done = act & (self._tb_e[row, :, 0] <= t0)
-        if done.any():
-            act[done] = False
-        free = np.flatnonzero(~act)
-        if free.size:
-            return int(free[0])
-        k = act.shape[0]
-        self._tb_s = np.concatenate([self._tb_s, np.full_like(self._tb_s, _NEG)], axis=1)
-        self._tb_e = np.concatenate([self._tb_e, np.full_like(self._tb_e, _NEG)], axis=1)
-        self._t_act = np.concatenate([self._t_act, np.zeros_like(self._t_act)], axis=1)
-        return k
-
-    def _free_decode_slot(self, row: int, t0: float) -> int:
-        free = np.flatnonzero(self._d_end[row] <= t0)
-        if free.size:
-            return int(free[0])
-        k = self._d_end.shape[1]
-        self._d_start = np.concatenate([self._d_start, np.zeros_like(self._d_start)], axis=1)
-        self._d_end = np.concatenate([self._d_end, np.full_like(self._d_end, _NEG)], axis=1)
-        self._d_ctx = np.concatenate([self._d_ctx, np.zeros_like(self._d_ctx)], axis=1)
-        return k
-
-    # --- Eq. 4: queue-level deprioritization --------------------------------------------------
-
-    def _note_inference(self, task: Task) -> None:
-        a = task.arrival
-        if self._inf_last is not None and a >= self._inf_last:
-            g = a - self._inf_last
-            self._inf_gap = g if self._inf_gap is None else 0.9 * self._inf_gap + 0.1 * g
-        self._inf_last = a
-        ell = float(task.prompt_tokens)
-        self._inf_len = ell if self._inf_len is None else 0.9 * self._inf_len + 0.1 * ell
-        m = float(task.max_tokens)
-        self._inf_max = m if self._inf_max is None else 0.9 * self._inf_max + 0.1 * m
-
-    def _predicted_inference(self, t: float) -> Task | None:
-        """The next inference request, as the recent stream predicts it (arrivals are memoryless)."""
-        if self._inf_gap is None or self._inf_len is None or self._inf_max is None:
-            return None
-        return Task("__next__", "inference", "", max(1, round(self._inf_len)), max(1, round(self._inf_max)),
-                    t + self._inf_gap)
-
-    def _violates(self, train: Task, nxt: Task, rows: np.ndarray | slice, ids: np.ndarray, i: int,
-                  plan: _Plan, now: float) -> bool:
-        """Eq. 4: would ``nxt`` miss τ_R on every node once ``train`` is planned on its best node ``i``?"""
-        base, _ = self._plan_task(nxt, rows, now)
-        r = base.end[:, -1] - nxt.arrival
-        # What-if on the one row that changes: add the training task's forward and backward.
-        row = _row_of(rows, i)
-        saved = self._snapshot(row)
-        try:
-            self._commit_shadow(train, row, plan.start[i], plan.end[i], max(train.arrival, now))
-            one = np.array([row])
-            alt, _ = self._plan_task(nxt, one, now)
-            r = r.copy()
-            r[i] = alt.end[0, -1] - nxt.arrival
-        finally:
-            self._restore(row, saved)
-        return bool(r.min() > self.slo(nxt))
-
-    def _snapshot(self, row: int) -> tuple[Any, ...]:
-        return (self._fend[row].copy(), self._tb_s.shape, self._tb_s[row].copy(), self._tb_e[row].copy(),
-                self._t_act[row].copy(), self._d_start.shape, self._d_start[row].copy(), self._d_end[row].copy(),
-                self._d_ctx[row].copy(), self._lc_n[row], self._lc_sum[row], self._lc_sq[row],
-                self._prev_arrival, self._inf_last, self._inf_gap, self._inf_len, self._inf_max)
-
-    def _restore(self, row: int, saved: tuple[Any, ...]) -> None:
-        (fend, tb_shape, tb_s, tb_e, t_act, d_shape, d_start, d_end, d_ctx, n, sm, sq,
-         self._prev_arrival, self._inf_last, self._inf_gap, self._inf_len, self._inf_max) = saved
-        if self._tb_s.shape != tb_shape:
-            k = tb_shape[1]
-            self._tb_s, self._tb_e, self._t_act = self._tb_s[:, :k].copy(), self._tb_e[:, :k].copy(), self._t_act[:, :k].copy()
-        if self._d_start.shape != d_shape:
-            k = d_shape[1]
-            self._d_start, self._d_end, self._d_ctx = (self._d_start[:, :k].copy(), self._d_end[:, :k].copy(),
-                                                       self._d_ctx[:, :k].copy())
-        self._fend[row], self._tb_s[row], self._tb_e[row], self._t_act[row] = fend, tb_s, tb_e, t_act
-        self._d_start[row], self._d_end[row], self._d_ctx[row] = d_start, d_end, d_ctx
-        self._lc_n[row], self._lc_sum[row], self._lc_sq[row] = n, sm, sq
-
-    def _commit_shadow(self, task: Task, row: int, start: np.ndarray, end: np.ndarray, t0: float) -> None:
-        had = task.task_id in self._planned
-        self._commit(task, row, start, end, t0)
-        if not had:
-            del self._planned[task.task_id]
+        self._commit(task, rlist[i], ev.start[i], ev.end[i], max(task.arrival, now))
+        return ids[i]
 
     def prioritize(self, queue: Sequence[Task], nodes: Sequence[NodeView], now: float) -> list[Task]:
         """Queue-level order (LEMIX §IV-C, Eq. 4): move each training task that would push the next
@@ -594,8 +623,8 @@ class LemixPlacement:
         out = list(queue)
         if not self.deprioritize or len(out) < 2:
             return out
-        rows, ids = self._select(nodes)
-        if len(ids) == 0:
+        rows, rlist, ids = self._select(nodes)
+        if not ids:
             return out
         i = 0
         while i < len(out):
@@ -606,24 +635,22 @@ class LemixPlacement:
             j = next((k for k in range(i + 1, len(out)) if out[k].kind == "inference"), None)
             if j is None:
                 break
-            plan, _ = self._plan_task(t, rows, now)
-            _, _, _, f = self._scores(t, rows, plan)
-            best = int(np.argmax(f))
-            if self._violates(t, out[j], rows, ids, best, plan, now):
-                out.insert(j, out.pop(i))  # now directly behind out[j - 1], the inference task
-                continue  # out[i] is a new task
+            ev = self._evaluate(t, rows, rlist, now)
+            if self._violates(t, out[j], rows, rlist, ev.best(), ev, now):
+                out.insert(j, out.pop(i))  # directly behind the inference task it would delay
+                continue
             i += 1
         return out
 
-    # --- calibration (Alg. 2, lines 13–17) ---------------------------------------------------
-
     def observe(self, trace: ExecutionTrace) -> None:
+        """Calibrate the node's planned intervals from what actually ran (LEMIX Alg. 2, lines 13–17)."""
         p = self._planned.pop(trace.task_id, None)
         if p is None:
             return
-        row = p.row
+        node = self._nodes[p.row]
+        self._dirty.add(p.row)
         if not trace.ok:
-            self._release(p)
+            self._release(node, trace.task_id)
             return
         if p.kind == "inference" and trace.first_token is not None:
             actual, planned = trace.first_token - trace.start, p.first_end - p.start
@@ -632,32 +659,157 @@ class LemixPlacement:
             actual, planned = trace.finish - trace.start, p.finish - p.start
             delta = trace.finish - p.finish
         if planned > 0 and actual > 0 and self.calibration_rate > 0:
+            # Per-node speed: later plans on this node scale by an EWMA of actual / planned.
             ratio = min(max(actual / planned, 0.2), 5.0)
-            rho = self.calibration_rate
-            self._speed[row] = (1 - rho) * self._speed[row] + rho * self._speed[row] * ratio
+            node.speed *= (1 - self.calibration_rate) + self.calibration_rate * ratio
         if p.kind == "inference":
-            latest = self._fend[row, -1] == p.first_end
-            if latest:
-                # Nothing was planned after it: its actual forward end is the node's new task_prev.end_f.
-                self._fend[row] = np.minimum(self._fend[row] + delta, trace.first_token if trace.first_token is not None
-                                             else trace.finish)
+            if node.fend[-1] == p.first_end:
+                # Nothing was planned after it: its actual forward end becomes task_prev.end_f.
+                end = trace.first_token if trace.first_token is not None else trace.finish
+                node.fend = [min(f + delta, end) for f in node.fend]
             elif delta > 0:
-                self._shift_after(row, p.first_end, delta)
-            self._d_end[row, p.slot] = _NEG  # decoding has ended: the finish is known
+                self._shift_after(node, p.first_end, delta)
+            self._release(node, trace.task_id)
+            node.dec_done = max(node.dec_done, trace.finish)
         else:
-            self._t_act[row, p.slot] = False  # backward done: leaves Q_train^n (Alg. 1 lines 17–18)
+            self._release(node, trace.task_id)  # backward done: it leaves Q_train^n (Alg. 1 lines 17–18)
             if delta > 0:
-                self._shift_after(row, p.first_end, delta)
+                self._shift_after(node, p.first_end, delta)
 
-    def _shift_after(self, row: int, t: float, delta: float) -> None:
-        # A task that ran late delays whatever was planned behind it on the same node.
-        self._fend[row] = np.where(self._fend[row] >= t, self._fend[row] + delta, self._fend[row])
-        later = self._t_act[row] & (self._tb_s[row, :, -1] >= t)
-        self._tb_s[row, later] += delta
-        self._tb_e[row, later] += delta
+    def queues(self, now: float) -> dict[int, dict[str, float]]:
+        """Per node: planned training tasks whose backward is not over, decodes still running at
+        ``now``, and when its last stage is next free of planned forwards (for status pages)."""
+        out = {}
+        for nid, row in self._rows.items():
+            node = self._nodes[row]
+            out[nid] = {"training": float(sum(1 for _, be, _i in node.train if be[0] > now)),
+                        "decoding": float(sum(1 for _s, e, _c, _i in node.dec if e > now)),
+                        "forward_free_at": node.fend[-1], "speed": node.speed}
+        return out
 
-    def _release(self, p: _Planned) -> None:
-        if p.kind == "inference":
-            self._d_end[p.row, p.slot] = _NEG
+    def forget(self, task_id: str) -> None:
+        """Drop the plan of a task that will not run (cancelled, or its replica died)."""
+        p = self._planned.pop(task_id, None)
+        if p is not None:
+            self._release(self._nodes[p.row], task_id)
+            self._dirty.add(p.row)
+
+    # --- commit ------------------------------------------------------------------------------
+
+    def _overdue(self, task: Task, now: float) -> bool:
+        return self.max_defer is not None and now - task.arrival >= self.max_defer
+
+    def _backward_plan(self, task: Task, node: _Node, end_s: float) -> tuple[list[float], list[float]]:
+        """Backward planning (§IV-B): reverse stage order, each after the later stage's backward and
+        after any backward already planned on the same stage."""
+        s = self.stages
+        cost = node.cost
+        db = node.speed * (cost.stages / s * cost.backward(task.batch_size, task_length(task)))
+        bs, be = [0.0] * s, [0.0] * s
+        t = end_s
+        for j in range(s - 1, -1, -1):
+            busy = max((e[j] for _, e, _id in node.train), default=_NEG)
+            bs[j] = t if t > busy else busy
+            be[j] = bs[j] + db
+            t = be[j]
+        return bs, be
+
+    def _commit(self, task: Task, row: int, start: Sequence[float], end: Sequence[float], t0: float) -> None:
+        node = self._nodes[row]
+        self._dirty.add(row)
+        s = self.stages
+        node.fend = [float(x) for x in end]
+        ell = task_length(task)
+        node.lc_n += 1
+        node.lc_sum += ell
+        node.lc_sq += float(ell) * ell
+        end_s = node.fend[-1]
+        if task.kind == "training":
+            # Backward intervals that ended before t0 can no longer delay a forward.
+            node.train = [x for x in node.train if x[1][0] > t0]
+            bs, be = self._backward_plan(task, node, end_s)
+            node.train.append((bs, be, task.task_id))
+            finish = be[0]
         else:
-            self._t_act[p.row, p.slot] = False
+            done = [x for x in node.dec if x[1] <= t0]
+            if done:
+                node.dec_done = max(node.dec_done, max(x[1] for x in done))
+                node.dec = [x for x in node.dec if x[1] > t0]
+            n = 1.0
+            ctx = float(ell)
+            for st, e, cx, _id in node.dec:
+                if e > end_s and st <= end_s:
+                    n += 1
+                    ctx += cx
+            cost = node.cost
+            out = cost.output_lengths.mean(task.max_tokens)
+            g = max(1.0, n / s)
+            per_token = node.speed * cost.iteration(0, g, ctx / n * g)
+            finish = end_s + max(out - 1.0, 0.0) * per_token
+            node.dec.append((end_s, finish, ell + out / 2.0, task.task_id))
+            self._note_inference(task)
+        self._planned[task.task_id] = _Planned(row, task.kind, float(start[0]), end_s, float(finish))
+        self._prev_arrival = task.arrival
+
+    def _shift_after(self, node: _Node, t: float, delta: float) -> None:
+        # A task that ran late delays whatever was planned behind it on the same node.
+        node.fend = [f + delta if f >= t else f for f in node.fend]
+        node.train = [([x + delta for x in bs], [x + delta for x in be], i) if bs[-1] >= t else (bs, be, i)
+                      for bs, be, i in node.train]
+
+    def _release(self, node: _Node, task_id: str) -> None:
+        node.train = [x for x in node.train if x[2] != task_id]
+        node.dec = [x for x in node.dec if x[3] != task_id]
+
+    # --- Eq. 4 -------------------------------------------------------------------------------
+
+    def _note_inference(self, task: Task) -> None:
+        a = task.arrival
+        if self._inf_last is not None and a >= self._inf_last:
+            g = a - self._inf_last
+            self._inf_gap = g if self._inf_gap is None else 0.9 * self._inf_gap + 0.1 * g
+        self._inf_last = a
+        ell, m = float(task.prompt_tokens), float(task.max_tokens)
+        self._inf_len = ell if self._inf_len is None else 0.9 * self._inf_len + 0.1 * ell
+        self._inf_max = m if self._inf_max is None else 0.9 * self._inf_max + 0.1 * m
+
+    def _predicted_inference(self, t: float) -> Task | None:
+        """The next inference request as the recent stream predicts it (Poisson: one mean gap away)."""
+        if self._inf_gap is None or self._inf_len is None or self._inf_max is None:
+            return None
+        return Task("__next__", "inference", "", max(1, round(self._inf_len)), max(1, round(self._inf_max)),
+                    t + self._inf_gap)
+
+    def _violates(self, train: Task, nxt: Task, rows: np.ndarray | slice, rlist: list[int], i: int,
+                  ev: _Eval, now: float) -> bool:
+        """Eq. 4: would ``nxt`` miss τ_R on every node once ``train`` is planned on its best node ``i``?
+
+        R'(n) = max(latest planned end on n, now) + n's forward latency for ``nxt`` − a'. A training
+        task's end is its backward end, so planned backwards count.
+        """
+        a = nxt.arrival
+        t = max(a, now)
+        slo = self.slo(nxt)
+        ell = nxt.prompt_tokens
+        target = self._nodes[rlist[i]]
+        _, be = self._backward_plan(train, target, float(ev.end[i][-1]))
+        if len(rlist) > self.vector_above:
+            m = self._sync()
+            h = np.maximum(m["fend"][-1][rows], m["btail"][rows])
+            h[i] = max(h[i], be[0])
+            fwd = m["speed"][rows] * self.cost.prefill_latency(ell) if not self._type_costs else \
+                m["speed"][rows] * np.array([self._nodes[r].cost.prefill_latency(ell) for r in rlist])
+            return bool((np.maximum(h, t) + fwd - a).min() > slo)
+        best = math.inf
+        for k, row in enumerate(rlist):
+            node = self._nodes[row]
+            h = node.fend[-1]
+            for _bs, be_k, _id in node.train:
+                if be_k[0] > h:
+                    h = be_k[0]
+            if k == i and be[0] > h:
+                h = be[0]
+            r = (h if h > t else t) + node.speed * node.cost.prefill_latency(ell) - a
+            if r < best:
+                best = r
+        return best > slo
