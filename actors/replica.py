@@ -11,6 +11,7 @@ planner sees one call per flush rather than one per request.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import time
@@ -24,6 +25,10 @@ logger = logging.getLogger(__name__)
 # First item of every response stream: {"status": int, "stream": bool}; then str SSE pieces
 # (stream) or exactly one JSON-able dict (non-stream / error).
 Header = dict[str, Any]
+
+# The planner's task id of the request being served; vLLM's serving classes call
+# engine.generate with their own request ids, so the trace takes the task id from here.
+_TASK_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("task_id", default=None)
 
 
 class ModelReplica:
@@ -117,22 +122,24 @@ class ModelReplica:
         """OpenAI ``/v1/completions``; see ``Header`` for the shape of what is yielded."""
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        async for item in self._serve(CompletionRequest, "create_completion", "openai_serving_completion", body):
+        async for item in self._serve(CompletionRequest, "create_completion", "openai_serving_completion", body, request_id):
             yield item
 
     async def chat(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[Any]:
         """OpenAI ``/v1/chat/completions``."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        async for item in self._serve(ChatCompletionRequest, "create_chat_completion", "openai_serving_chat", body):
+        async for item in self._serve(ChatCompletionRequest, "create_chat_completion", "openai_serving_chat", body, request_id):
             yield item
 
-    async def _serve(self, request_cls: type, method: str, handler: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+    async def _serve(self, request_cls: type, method: str, handler: str, body: dict[str, Any],
+                     task_id: str | None) -> AsyncIterator[Any]:
         if not self._ready:
             yield {"status": 503, "stream": False}
             yield _error_body("replica is still starting", "ServiceUnavailableError", 503)
             return
         self._begin()
+        _TASK_ID.set(task_id)
         try:
             async for item in self._serve_ready(request_cls, method, handler, body):
                 yield item
@@ -250,7 +257,7 @@ class ModelReplica:
             out_tokens = 0
             prompt_tokens = 0
             ok = False
-            request_id = kwargs.get("request_id") or (args[2] if len(args) > 2 else "")
+            request_id = _TASK_ID.get() or kwargs.get("request_id") or (args[2] if len(args) > 2 else "")
             params = kwargs.get("sampling_params") or (args[1] if len(args) > 1 else None)
             # DELTA outputs carry new tokens only; CUMULATIVE and FINAL_ONLY carry all so far.
             cumulative = getattr(getattr(params, "output_kind", None), "name", "") != "DELTA"

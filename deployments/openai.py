@@ -138,7 +138,7 @@ class OpenAIIngress:
             node_id = decision["node_id"]
             try:
                 replica = await self._replica(node_id)
-                stream = getattr(replica, method).options(num_returns="streaming").remote(body)
+                stream = getattr(replica, method).options(num_returns="streaming").remote(body, task.task_id)
                 header = await (await stream.__anext__())
                 if header["status"] != 503 or attempt == 1:
                     break
