@@ -1,0 +1,441 @@
+"""LoRA training primitives for the co-located trainer: SFT and DPO micro-steps, MACE alignment metrics, atomic adapter versions.
+
+Everything here is a plain function on a ``peft`` model, so a Ray Train worker loop can run one
+micro-step at a time between planner grants (DESIGN §4):
+
+    model, tok = load_lora_model(model_dir, spec.lora, adapter_dir=current.path if current else None)
+    opt = make_optimizer(model, spec.learning_rate, state_dir=current.path if current else None)
+    stats = dpo_step(model, tok, items, beta=spec.beta, scale=1 / accum)   # forward + backward
+    optimizer_step(model, opt)                                             # clip, step, zero_grad
+    path = save_adapter_version(model, opt, root, spec.name, version, meta)
+
+Conventions (the same as TRL's trainers, so numbers are comparable): prompt and completion are
+tokenized separately and concatenated, the completion ends with EOS, only completion tokens
+carry loss, and a sequence log-probability is the *sum* of its completion tokens' log-probs.
+
+Why not TRL's loss code: TRL 1.16 keeps the DPO loss inside ``DPOTrainer._compute_loss`` (and
+the SFT loss inside ``SFTTrainer``), methods of a ``transformers.Trainer`` that owns the dataset,
+the dataloader, the accelerator and the optimizer loop; there is no standalone per-step loss
+function to call from a grant-driven loop (its public helpers, ``selective_log_softmax`` and
+``use_adapter``, are a gather-minus-logsumexp and ``model.disable_adapter()``). The loss itself is
+one line; :func:`dpo_step` reproduces TRL's ``loss_type="sigmoid"`` with
+``f_divergence_type="reverse_kl"`` and its PEFT reference (the same model with adapters
+disabled, no second copy of the base weights), without importing TRL into the trainer process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # same rule as app.feedback_store
+VERSION_DIR_RE = re.compile(r"^v(\d+)$")
+TEMP_PREFIX = ".tmp-"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+OPTIMIZER_FILE = "optimizer.pt"
+META_FILE = "meta.json"
+DEFAULT_MAX_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one micro-step did: mean loss, per-sample losses, and the work it cost (for the planner's budget)."""
+
+    loss: float
+    samples: int
+    tokens: int  # non-padding tokens through the trained forward pass (DPO: chosen + rejected)
+    per_sample_loss: list[float] = field(default_factory=list)
+    reward_margin: float | None = None  # DPO: mean β·(Δ⁺ − Δ⁻), the implicit reward gap
+
+
+@dataclass(frozen=True)
+class PreferenceEval:
+    """MACE §3.1 alignment metrics over a preference set."""
+
+    win_rate: float
+    clpd: float
+    pairs: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: torch.Tensor  # [B, T], right-padded
+    attention_mask: torch.Tensor  # [B, T]
+    completion_mask: torch.Tensor  # [B, T], 1 on completion tokens (incl. EOS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model and optimizer.
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python and torch RNGs (LoRA init, dropout), so a run is reproducible."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_lora_model(model_dir: str | Path, lora_settings: Any, adapter_dir: str | Path | None = None, *,
+                    seed: int = 0, device: str | torch.device | None = None,
+                    dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Return ``(peft_model, tokenizer)``: the base model with a fresh LoRA adapter, or resumed from ``adapter_dir``.
+
+    ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``app.feedback_store.LoraSettings``
+    or a mapping). When resuming, the saved ``adapter_config.json`` wins over ``lora_settings``.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    seed_everything(seed)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    else:
+        s = _settings(lora_settings)
+        config = LoraConfig(r=int(s["r"]), lora_alpha=float(s["alpha"]), target_modules=list(s["target_modules"]),
+                            lora_dropout=float(s.get("dropout", 0.0)), bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(base, config)
+    model.train()
+    return model, tokenizer
+
+
+def _settings(s: Any) -> Mapping[str, Any]:
+    if isinstance(s, Mapping):
+        return s
+    if hasattr(s, "model_dump"):
+        return s.model_dump()
+    return vars(s)
+
+
+def make_optimizer(model: Any, learning_rate: float, *, weight_decay: float = 0.0,
+                   state_dir: str | Path | None = None) -> torch.optim.AdamW:
+    """AdamW over the trainable (LoRA) parameters; restores its moments from ``state_dir/optimizer.pt`` if given."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
+    if state_dir is not None and (Path(state_dir) / OPTIMIZER_FILE).exists():
+        state = torch.load(Path(state_dir) / OPTIMIZER_FILE, map_location=params[0].device, weights_only=True)
+        optimizer.load_state_dict(state)
+        for group in optimizer.param_groups:  # the adapter's current settings win over the saved ones
+            group["lr"], group["weight_decay"] = learning_rate, weight_decay
+    return optimizer
+
+
+def optimizer_step(model: Any, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = 1.0) -> float:
+    """Clip the accumulated gradients, apply them, and clear them; return the pre-clip gradient norm."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenization and log-probabilities.
+
+
+def _get(item: Any, name: str) -> str:
+    value = item.get(name) if isinstance(item, Mapping) else getattr(item, name, None)
+    if not isinstance(value, str):
+        raise ValueError(f"a batch item has no text field {name!r}")
+    return value
+
+
+def encode(tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *,
+           max_length: int = DEFAULT_MAX_LENGTH, add_eos: bool = True) -> Encoded:
+    """Tokenize prompt and completion separately, concatenate, right-pad; mark the completion tokens.
+
+    Over ``max_length`` the prompt keeps at least half the budget, as its first token (BOS) plus its
+    tail (the text right before the answer), and the completion keeps its head in the rest.
+    """
+    if len(prompts) != len(completions) or not prompts:
+        raise ValueError("encode needs equally many prompts and completions, at least one")
+    p_ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    c_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
+    rows = [_fit(p, c + eos, max_length) for p, c in zip(p_ids, c_ids)]
+    width = max(len(p) + len(c) for p, c in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    comp = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = 1
+        comp[i, len(p): len(p) + len(c)] = 1
+    return Encoded(ids, attn, comp)
+
+
+def _fit(prompt: list[int], completion: list[int], max_length: int) -> tuple[list[int], list[int]]:
+    if max_length < 2:
+        raise ValueError("max_length must be at least 2")
+    if not prompt:
+        raise ValueError("empty prompt after tokenization")
+    if len(prompt) + len(completion) <= max_length:
+        return prompt, completion
+    keep_p = min(len(prompt), max(max_length // 2, max_length - len(completion)))
+    prompt = prompt[:1] + (prompt[len(prompt) - (keep_p - 1):] if keep_p > 1 else [])
+    return prompt, completion[: max_length - keep_p]
+
+
+def token_logprobs(model: Any, enc: Encoded) -> torch.Tensor:
+    """log π of each next token, shape [B, T-1] (position t scores token t+1); differentiable."""
+    device = next(model.parameters()).device
+    ids, attn = enc.input_ids.to(device), enc.attention_mask.to(device)
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+    # gather - logsumexp == log_softmax gathered, without a second [B, T, V] tensor (TRL does the same).
+    return logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def completion_logprobs(model: Any, enc: Encoded) -> torch.Tensor:
+    """Per-row sum of log π(token | prefix) over the completion tokens, shape [B]; differentiable."""
+    logps = token_logprobs(model, enc)
+    return (logps * enc.completion_mask[:, 1:].to(logps.device)).sum(dim=1)
+
+
+@contextmanager
+def _mode(model: Any, training: bool) -> Iterator[None]:
+    was = model.training
+    model.train(training)
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def sequence_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *,
+                      batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
+    """log π(completion | prompt) for each pair (sum over completion tokens incl. EOS), in eval mode, batched."""
+    out: list[float] = []
+    with torch.no_grad(), _mode(model, False):
+        for i in range(0, len(prompts), batch_size):
+            enc = encode(tokenizer, prompts[i: i + batch_size], completions[i: i + batch_size], max_length=max_length)
+            out.extend(completion_logprobs(model, enc).tolist())
+    return out
+
+
+def sequence_logprob(model: Any, tokenizer: Any, prompt: str, completion: str, *,
+                     max_length: int = DEFAULT_MAX_LENGTH) -> float:
+    """log π(completion | prompt): the sum of the completion tokens' log-probabilities given the prompt."""
+    return sequence_logprobs(model, tokenizer, [prompt], [completion], max_length=max_length)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Training micro-steps: forward + backward; the caller runs optimizer_step after its accumulation.
+
+
+def sft_step(model: Any, tokenizer: Any, batch: Sequence[Any], *, scale: float = 1.0,
+             max_length: int = DEFAULT_MAX_LENGTH) -> StepStats:
+    """Cross-entropy on the completion tokens only (prompt masked), token mean over the batch; backward(loss·scale).
+
+    ``batch``: items with ``prompt`` and ``completion`` (FeedbackItem or mappings). ``scale`` = 1/k for
+    gradient accumulation over k micro-batches.
+    """
+    enc = encode(tokenizer, [_get(b, "prompt") for b in batch], [_get(b, "completion") for b in batch],
+                 max_length=max_length)
+    with _mode(model, True):
+        logps = token_logprobs(model, enc)
+    mask = enc.completion_mask[:, 1:].to(logps.device)
+    per_sample = -(logps * mask).sum(1) / mask.sum(1).clamp(min=1)
+    loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
+    (loss * scale).backward()
+    loss = loss.detach()
+    return StepStats(loss=loss.item(), samples=len(batch), tokens=int(enc.attention_mask.sum()),
+                     per_sample_loss=per_sample.detach().tolist())
+
+
+def _dpo_logits(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, max_length: int,
+                grad: bool) -> tuple[torch.Tensor, Encoded]:
+    """β·(Δ⁺ − Δ⁻) per pair, Δ = log π_θ(y|x) − log π_ref(y|x), π_ref = the model with its adapter disabled."""
+    prompts = [_get(b, "prompt") for b in batch]
+    enc = encode(tokenizer, prompts + prompts, [_get(b, "chosen") for b in batch] + [_get(b, "rejected") for b in batch],
+                 max_length=max_length)
+    # Reference first, without grad and in eval mode (no dropout noise in π_ref); no second weight copy.
+    with torch.no_grad(), _mode(model, False), model.disable_adapter():
+        ref = completion_logprobs(model, enc)
+    with torch.set_grad_enabled(grad), _mode(model, grad):
+        policy = completion_logprobs(model, enc)
+    (pc, pr), (rc, rr) = policy.chunk(2), ref.chunk(2)
+    return beta * ((pc - rc) - (pr - rr)), enc
+
+
+def dpo_step(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *, scale: float = 1.0,
+             max_length: int = DEFAULT_MAX_LENGTH) -> StepStats:
+    """DPO sigmoid loss −log σ(β·(Δ⁺ − Δ⁻)) (Rafailov et al. 2023; MACE §3.1 L_DPO), mean over pairs; backward(loss·scale).
+
+    MACE writes L_DPO = E[log σ(·)] as the objective to maximise; the loss minimised here is its
+    negative, as in the DPO paper and TRL. ``batch``: items with ``prompt``, ``chosen``, ``rejected``.
+    """
+    logits, enc = _dpo_logits(model, tokenizer, batch, beta, max_length, grad=True)
+    losses = -F.logsigmoid(logits)
+    loss = losses.mean()
+    (loss * scale).backward()
+    loss = loss.detach()
+    return StepStats(loss=loss.item(), samples=len(batch), tokens=int(enc.attention_mask.sum()),
+                     per_sample_loss=losses.detach().tolist(), reward_margin=float(logits.detach().mean()))
+
+
+def dpo_sample_losses(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *,
+                      max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
+    """Per-pair DPO loss without gradients: the alignment reward γ·L_DPO that MACE §4.1 adds to a sample's priority."""
+    logits, _ = _dpo_logits(model, tokenizer, batch, beta, max_length, grad=False)
+    return (-F.logsigmoid(logits)).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Alignment metrics.
+
+
+def evaluate_preferences(model: Any, tokenizer: Any, pairs: Sequence[Any], *, batch_size: int = 8,
+                         max_length: int = DEFAULT_MAX_LENGTH) -> PreferenceEval:
+    """Win rate and CLPD of the policy on preference pairs, as defined in MACE §3.1.
+
+    Win rate = E[1[π_θ(y⁺|x) > π_θ(y⁻|x)]] (strict: ties lose); CLPD = E[log π_θ(y⁺|x) − log π_θ(y⁻|x)].
+    π_θ(y|x) is the whole-sequence probability (sum of token log-probs, not length-normalised), as
+    the paper's formulas state. ``pairs``: items with ``prompt``, ``chosen``, ``rejected``.
+    """
+    if not pairs:
+        raise ValueError("evaluate_preferences needs at least one pair")
+    prompts = [_get(p, "prompt") for p in pairs]
+    chosen = sequence_logprobs(model, tokenizer, prompts, [_get(p, "chosen") for p in pairs],
+                               batch_size=batch_size, max_length=max_length)
+    rejected = sequence_logprobs(model, tokenizer, prompts, [_get(p, "rejected") for p in pairs],
+                                 batch_size=batch_size, max_length=max_length)
+    diffs = [c - r for c, r in zip(chosen, rejected)]
+    return PreferenceEval(win_rate=sum(d > 0 for d in diffs) / len(diffs), clpd=sum(diffs) / len(diffs),
+                          pairs=len(diffs))
+
+
+def read_preference_jsonl(path: str | Path, *, limit: int | None = None,
+                          max_text_bytes: int | None = None) -> list[dict[str, str]]:
+    """Load ``{prompt, chosen, rejected}`` pairs from a JSONL file (e.g. the HH-RLHF samples), optionally truncated.
+
+    ``max_text_bytes`` cuts each text to that many UTF-8 bytes (on a character boundary): with the
+    byte-level embedded tokenizer, bytes are tokens.
+    """
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if limit is not None and len(pairs) >= limit:
+                break
+            if line.strip():
+                row = json.loads(line)
+                pairs.append({k: _cut(row[k], max_text_bytes) for k in ("prompt", "chosen", "rejected")})
+    return pairs
+
+
+def _cut(text: str, max_bytes: int | None) -> str:
+    if max_bytes is None:
+        return text
+    return text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")
+
+
+# ----------------------------------------------------------------------------------------------
+# Adapter versions on disk: <root>/<adapter>/v<version>/, written atomically.
+
+
+def version_dir(root: str | Path, adapter_name: str, version: int) -> Path:
+    """``<root>/<adapter>/v<version>``; validates the name (it becomes a path) and the number."""
+    if not ADAPTER_NAME_RE.match(adapter_name):
+        raise ValueError(f"invalid adapter name {adapter_name!r}")
+    if int(version) < 1:
+        raise ValueError("versions start at 1")
+    return Path(root) / adapter_name / f"v{int(version)}"
+
+
+def save_adapter_version(model: Any, optimizer: torch.optim.Optimizer | None, root: str | Path,
+                         adapter_name: str, version: int, meta: Mapping[str, Any] | None = None) -> Path:
+    """Write the adapter (vLLM-loadable peft files), ``optimizer.pt`` and ``meta.json`` to ``v<version>`` atomically.
+
+    Everything goes into a temporary sibling directory, every file and the directory are fsynced,
+    then one ``os.rename`` makes the version visible: a reader sees the whole version or none.
+    Raises FileExistsError if the version exists (numbers come from FeedbackStore.reserve_version).
+    """
+    final = version_dir(root, adapter_name, version)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        raise FileExistsError(f"{final} already exists; versions are immutable")
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        info = {"adapter": adapter_name, "version": int(version), "created_at": time.time(), **(meta or {})}
+        (tmp / META_FILE).write_text(json.dumps(info, indent=2, sort_keys=True, default=str))
+        missing = [f for f in ADAPTER_FILES if not (tmp / f).exists()]
+        if missing:
+            raise RuntimeError(f"peft did not write {missing}; vLLM could not load this adapter")
+        _fsync_tree(tmp)
+        os.rename(tmp, final)  # atomic within one file system; fails if final appeared meanwhile
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _fsync_tree(path: Path) -> None:
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_complete_version(path: str | Path) -> bool:
+    """A version directory with the peft files and meta.json (what save_adapter_version always leaves)."""
+    path = Path(path)
+    return all((path / f).is_file() for f in (*ADAPTER_FILES, META_FILE))
+
+
+def latest_version(root: str | Path, adapter_name: str, *,
+                   clean_temp_older_than_s: float | None = 60.0) -> tuple[int, Path] | None:
+    """The newest complete ``v<N>`` of an adapter on disk, or None; removes leftover temp dirs of crashed saves.
+
+    Only temp dirs older than ``clean_temp_older_than_s`` are removed (None: keep all), so a save in
+    progress in another process is not pulled from under it. Which version is *published* is the
+    FeedbackStore's business: resume from ``store.current_version(...)``, not from this.
+    """
+    base = Path(root) / adapter_name
+    if not base.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    now = time.time()
+    for entry in base.iterdir():
+        if entry.name.startswith(TEMP_PREFIX):
+            if clean_temp_older_than_s is not None and now - entry.stat().st_mtime >= clean_temp_older_than_s:
+                shutil.rmtree(entry, ignore_errors=True)
+            continue
+        m = VERSION_DIR_RE.match(entry.name)
+        if m and entry.is_dir() and is_complete_version(entry) and (best is None or int(m[1]) > best[0]):
+            best = (int(m[1]), entry)
+    return best
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The ``meta.json`` of a version directory."""
+    return json.loads((Path(path) / META_FILE).read_text())
