@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import signal
 import subprocess
 import sys
@@ -95,6 +96,56 @@ def session_pids(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":
             pids.append(int(entry.name))
     return pids
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def process_label(pid: int) -> str:
+    """A short, stable name for a server process (Ray sets worker titles like ray::ProxyActor)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    argv = [a.decode(errors="replace") for a in argv if a]
+    if not argv:
+        return "?"
+    first = argv[0].split()[0] if argv[0].strip() else argv[0]
+    if first.startswith(("ray::", "VLLM::")) or first.startswith("ray-dashboard-"):
+        return first.split("(")[0].strip()
+    joined = " ".join(argv)
+    for key, label in (("api_server", "vllm api_server"), ("gcs_server", "ray gcs_server"),
+                       ("/raylet", "ray raylet"), ("dashboard/agent.py", "ray dashboard agent"),
+                       ("dashboard/dashboard.py", "ray dashboard"), ("log_monitor", "ray log_monitor"),
+                       ("runtime_env/agent", "ray runtime_env agent"), ("serve run", "serve run (driver)"),
+                       ("bin/serve", "serve run (driver)"), ("resource_tracker", "mp resource_tracker"),
+                       ("forkserver", "mp forkserver"), ("haproxy", "haproxy")):
+        if key in joined:
+            return label
+    return Path(first).name
+
+
+def cpu_snapshot(sid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system, all threads) of every process in session ``sid``."""
+    snap = {}
+    for pid in session_pids(sid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields[11], fields[12] = utime, stime (fields 14 and 15 of stat(5), counted from 1)
+        snap[pid] = (process_label(pid), (int(fields[11]) + int(fields[12])) / CLK_TCK)
+    return snap
+
+
+def cpu_by_process(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, summed per process label."""
+    out: dict[str, float] = {}
+    for pid, (label, t) in after.items():
+        used = t - before.get(pid, (label, 0.0))[1]
+        if used > 0.005:
+            out[label] = round(out.get(label, 0.0) + used, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 @dataclass
@@ -180,8 +231,9 @@ def wait_ready(server: Server, model: str, timeout_s: float) -> float:
 
 # ---- the benchmark client ---------------------------------------------------------------------
 
-def run_client(args: argparse.Namespace, base_url: str, model: str, model_dir: Path, rate: str,
+def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: Path, rate: str,
                out_dir: Path, tag: str) -> dict[str, Any]:
+    base_url = server.url
     result_name = f"{tag}-rate-{rate}.json"
     cmd = [
         sys.executable, "-c", BENCH_CLIENT,
@@ -196,6 +248,9 @@ def run_client(args: argparse.Namespace, base_url: str, model: str, model_dir: P
     ]
     log(f"{tag}: benchmark at rate {rate} ({args.num_prompts} prompts), load average {load_average()}")
     client_log = out_dir / f"{tag}-rate-{rate}.log"
+    cpu_before = cpu_snapshot(server.proc.pid)
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall_before = time.time()
     with open(client_log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -209,6 +264,12 @@ def run_client(args: argparse.Namespace, base_url: str, model: str, model_dir: P
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    cpu = cpu_by_process(cpu_before, cpu_snapshot(server.proc.pid))
+    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu["benchmark client"] = round(children_after.ru_utime + children_after.ru_stime
+                                    - children_before.ru_utime - children_before.ru_stime, 2)
+    cpu = dict(sorted(cpu.items(), key=lambda kv: -kv[1]))
+    wall = time.time() - wall_before
     if proc.returncode != 0 or not (out_dir / result_name).exists():
         tail = "\n".join(client_log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"benchmark client failed ({proc.returncode}):\n{tail}")
@@ -218,6 +279,9 @@ def run_client(args: argparse.Namespace, base_url: str, model: str, model_dir: P
                 "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
                 "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")}
     summary["load_average_after"] = load_average()
+    summary["total_output_tokens"] = result.get("total_output_tokens")
+    # Includes the client's start-up (tokenizer, dataset) and the server's idle time in the window.
+    summary["cpu_seconds"] = {"window_s": round(wall, 1), **cpu}
     log(f"{tag}: rate {rate}: {summary['completed']} ok, {summary['failed']} failed, "
         f"{summary['request_throughput']:.2f} req/s, TTFT p50 {summary['median_ttft_ms']:.1f} ms, "
         f"TPOT p50 {summary['median_tpot_ms']:.2f} ms")
@@ -240,7 +304,7 @@ def run_plain(args, cfg, model_dir: Path, served: str, work: Path) -> dict[str, 
         ready = wait_ready(server, served, args.startup_timeout)
         log(f"plain: ready after {ready:.0f} s")
         return {"ready_s": ready, "flags": cmd[3:], "rates": {
-            rate: run_client(args, server.url, served, model_dir, rate, work, "plain") for rate in args.rates}}
+            rate: run_client(args, server, served, model_dir, rate, work, "plain") for rate in args.rates}}
     finally:
         server.stop()
 
@@ -266,7 +330,7 @@ def run_ours(args, model_dir: Path, served: str, work: Path) -> dict[str, Any]:
         ready = wait_ready(server, served, args.startup_timeout)
         log(f"ours: ready after {ready:.0f} s")
         return {"ready_s": ready, "config": serve_cfg, "rates": {
-            rate: run_client(args, server.url, served, model_dir, rate, work, "ours") for rate in args.rates}}
+            rate: run_client(args, server, served, model_dir, rate, work, "ours") for rate in args.rates}}
     finally:
         server.stop()
 
@@ -305,6 +369,28 @@ def table(results: dict[str, Any], rates: list[str]) -> str:
             row.append("")
     lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def cpu_table(results: dict[str, Any], rate: str, top: int = 8) -> str:
+    """Where the CPU time goes during one benchmark: seconds per process, per system."""
+    lines = []
+    for system in ("plain", "ours"):
+        if system not in results or rate not in results[system]["rates"]:
+            continue
+        r = results[system]["rates"][rate]
+        cpu = dict(r["cpu_seconds"])
+        window = cpu.pop("window_s")
+        tokens = r.get("total_output_tokens") or 0
+        total = sum(cpu.values())
+        lines.append(f"| {system}: all processes | {total:.1f} | {total / window * 100:.0f}% | "
+                     f"{total / tokens * 1000:.2f} |" if tokens else f"| {system}: all | {total:.1f} | | |")
+        for label, sec in list(cpu.items())[:top]:
+            per_tok = f"{sec / tokens * 1000:.2f}" if tokens else "n/a"
+            lines.append(f"| {system}: {label} | {sec:.1f} | {sec / window * 100:.0f}% | {per_tok} |")
+    if not lines:
+        return ""
+    head = "| process | CPU s | of one core | CPU ms per output token |\n|---|---|---|---|"
+    return head + "\n" + "\n".join(lines)
 
 
 def goals(results: dict[str, Any], rates: list[str]) -> list[str]:
@@ -396,10 +482,19 @@ def main() -> int:
     if goal_lines:
         print()
         print("\n".join(goal_lines))
+    cpu_md = {}
+    for rate in args.rates:
+        cpu_md[rate] = cpu_table(results, rate)
+        if cpu_md[rate]:
+            print()
+            print(f"CPU time by process during the {rate_label(rate)} run (window includes client start-up):")
+            print()
+            print(cpu_md[rate])
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(
-            {"setup": setup, "results": results, "table_markdown": md, "goals": goal_lines}, indent=2))
+            {"setup": setup, "results": results, "table_markdown": md, "goals": goal_lines,
+             "cpu_tables_markdown": cpu_md}, indent=2))
         log(f"results written to {args.json_path}")
     log(f"raw results and server logs in {work}")
     return 0
