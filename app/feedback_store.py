@@ -407,10 +407,13 @@ class FeedbackStore:
             self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
                 yield self._conn
+                self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                # A failed COMMIT (disk full, I/O error) also lands here: never leave the
+                # connection inside an open transaction, or every later BEGIN would fail.
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
