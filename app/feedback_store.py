@@ -52,6 +52,8 @@ Kind = Literal["sft", "preference"]
 # an SFT sample has no rejected answer to contrast, and one loss per adapter keeps the queue,
 # the grant budget and the reported loss of a version meaningful. An SFT adapter takes only SFT samples.
 KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference"}
+_TAKES = {"dpo": "preference pairs (prompt, chosen, rejected)", "sft": "SFT samples (prompt, completion)"}
+_IS = {"sft": "an SFT sample", "preference": "a preference pair"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,8 +513,7 @@ class FeedbackStore:
         if unknown:
             raise UnknownAdapter("; ".join(unknown[:10]))
         wrong = [f"items[{i}]: adapter {it.adapter!r} trains with {methods[it.adapter]} and takes "
-                 f"{'preference pairs (prompt, chosen, rejected)' if methods[it.adapter] == 'dpo' else 'SFT samples (prompt, completion)'}"
-                 f", not {'an SFT sample' if it.kind == 'sft' else 'a preference pair'}"
+                 f"{_TAKES[methods[it.adapter]]}, not {_IS[it.kind]}"
                  for i, it in enumerate(parsed) if KIND_FOR_METHOD[methods[it.adapter]] != it.kind]
         if wrong:
             raise InvalidRequest(wrong)

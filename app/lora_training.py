@@ -1,4 +1,4 @@
-"""LoRA training primitives for the co-located trainer: SFT and DPO micro-steps, MACE alignment metrics, atomic adapter versions.
+"""LoRA training primitives for the co-located trainer: SFT/DPO micro-steps, MACE metrics, atomic adapter versions.
 
 Everything here is a plain function on a ``peft`` model, so a Ray Train worker loop can run one
 micro-step at a time between planner grants (DESIGN §4):
@@ -261,8 +261,8 @@ def _dpo_logits(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, m
                 grad: bool) -> tuple[torch.Tensor, Encoded]:
     """β·(Δ⁺ − Δ⁻) per pair, Δ = log π_θ(y|x) − log π_ref(y|x), π_ref = the model with its adapter disabled."""
     prompts = [_get(b, "prompt") for b in batch]
-    enc = encode(tokenizer, prompts + prompts, [_get(b, "chosen") for b in batch] + [_get(b, "rejected") for b in batch],
-                 max_length=max_length)
+    answers = [_get(b, "chosen") for b in batch] + [_get(b, "rejected") for b in batch]
+    enc = encode(tokenizer, prompts + prompts, answers, max_length=max_length)  # rows: chosen..., rejected...
     # Reference first, without grad and in eval mode (no dropout noise in π_ref); no second weight copy.
     with torch.no_grad(), _mode(model, False), model.disable_adapter():
         ref = completion_logprobs(model, enc)
@@ -274,7 +274,7 @@ def _dpo_logits(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, m
 
 def dpo_step(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *, scale: float = 1.0,
              max_length: int = DEFAULT_MAX_LENGTH) -> StepStats:
-    """DPO sigmoid loss −log σ(β·(Δ⁺ − Δ⁻)) (Rafailov et al. 2023; MACE §3.1 L_DPO), mean over pairs; backward(loss·scale).
+    """DPO sigmoid loss −log σ(β·(Δ⁺ − Δ⁻)), mean over pairs (MACE §3.1 L_DPO); runs backward(loss·scale).
 
     MACE writes L_DPO = E[log σ(·)] as the objective to maximise; the loss minimised here is its
     negative, as in the DPO paper and TRL. ``batch``: items with ``prompt``, ``chosen``, ``rejected``.
