@@ -14,6 +14,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "placement": ("planners.placement",),
     "iteration": ("planners.iteration",),
     "stages": ("planners.stages",),
+    "retraining": ("planners.retraining",),
 }
 _POLICIES: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in _MODULES}
 
