@@ -659,9 +659,11 @@ class LemixPlacement:
             actual, planned = trace.finish - trace.start, p.finish - p.start
             delta = trace.finish - p.finish
         if planned > 0 and actual > 0 and self.calibration_rate > 0:
-            # Per-node speed: later plans on this node scale by an EWMA of actual / planned.
+            # Per-node speed: later plans on this node scale by a geometric EWMA of actual/planned
+            # (an arithmetic one drifts upward under symmetric noise), kept within 4x of the profile:
+            # beyond that the profile is wrong for this node and needs re-fitting, not a fudge factor.
             ratio = min(max(actual / planned, 0.2), 5.0)
-            node.speed *= (1 - self.calibration_rate) + self.calibration_rate * ratio
+            node.speed = min(max(node.speed * ratio ** self.calibration_rate, 0.25), 4.0)
         if p.kind == "inference":
             if node.fend[-1] == p.first_end:
                 # Nothing was planned after it: its actual forward end becomes task_prev.end_f.
@@ -775,17 +777,22 @@ class LemixPlacement:
 
     def _predicted_inference(self, t: float) -> Task | None:
         """The next inference request as the recent stream predicts it (Poisson: one mean gap away)."""
-        if self._inf_gap is None or self._inf_len is None or self._inf_max is None:
+        if self._inf_gap is None or self._inf_len is None or self._inf_max is None or self._inf_last is None:
             return None
+        if t - self._inf_last > 10 * self._inf_gap:
+            return None  # the stream has gone quiet: nothing to make room for
         return Task("__next__", "inference", "", max(1, round(self._inf_len)), max(1, round(self._inf_max)),
                     t + self._inf_gap)
 
     def _violates(self, train: Task, nxt: Task, rows: np.ndarray | slice, rlist: list[int], i: int,
                   ev: _Eval, now: float) -> bool:
-        """Eq. 4: would ``nxt`` miss τ_R on every node once ``train`` is planned on its best node ``i``?
+        """Eq. 4: would ``nxt`` miss τ_R on every node once ``train`` is planned on its best node ``i``,
+        and later than without it?
 
         R'(n) = max(latest planned end on n, now) + n's forward latency for ``nxt`` − a'. A training
-        task's end is its backward end, so planned backwards count.
+        task's end is its backward end, so planned backwards count. When the next request misses
+        τ_R anyway and ``train`` does not make its best node worse, holding ``train`` back buys
+        nothing, so it is not held.
         """
         a = nxt.arrival
         t = max(a, now)
@@ -796,20 +803,24 @@ class LemixPlacement:
         if len(rlist) > self.vector_above:
             m = self._sync()
             h = np.maximum(m["fend"][-1][rows], m["btail"][rows])
-            h[i] = max(h[i], be[0])
             fwd = m["speed"][rows] * self.cost.prefill_latency(ell) if not self._type_costs else \
                 m["speed"][rows] * np.array([self._nodes[r].cost.prefill_latency(ell) for r in rlist])
-            return bool((np.maximum(h, t) + fwd - a).min() > slo)
-        best = math.inf
+            r = np.maximum(h, t) + fwd - a
+            without = float(r.min())
+            r[i] = max(h[i], be[0], t) + fwd[i] - a
+            with_t = float(r.min())
+            return with_t > slo and with_t > without
+        without = with_t = math.inf
         for k, row in enumerate(rlist):
             node = self._nodes[row]
             h = node.fend[-1]
             for _bs, be_k, _id in node.train:
                 if be_k[0] > h:
                     h = be_k[0]
+            fwd = node.speed * node.cost.prefill_latency(ell) - a
+            r = (h if h > t else t) + fwd
+            without = min(without, r)
             if k == i and be[0] > h:
-                h = be[0]
-            r = (h if h > t else t) + node.speed * node.cost.prefill_latency(ell) - a
-            if r < best:
-                best = r
-        return best > slo
+                r = (be[0] if be[0] > t else t) + fwd
+            with_t = min(with_t, r)
+        return with_t > slo and with_t > without
