@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,7 @@ class _Node:
     busy_seconds: float = 0.0
     adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version
     started_at: float = field(default_factory=time.time)
+    ttfts: deque = field(default_factory=lambda: deque(maxlen=64))  # recent TTFTs (s), newest last
 
     @property
     def in_flight(self) -> int:
@@ -71,6 +74,10 @@ class Planner:
         self._recent: list[ExecutionTrace] = []
         self._published: dict[int, dict[str, tuple[int, str]]] = {}  # node -> adapter -> (version, path)
         self._started = False
+        self.feedback = None
+        self.trainer = None
+        self._retraining: dict[tuple[str, str], Any] = {}  # (adapter, mode) -> policy from the registry
+        self._last_run: dict[str, float] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -84,10 +91,39 @@ class Planner:
             pg = placement_group([dict(c.bundle) for _ in range(c.stages)], strategy=c.strategy,
                                  name=f"{self.cfg.name}-node{i}")
             self.nodes.append(_Node(node_id=i, pg=pg))
+        await self._start_feedback()
         for node in self.nodes:
             asyncio.get_running_loop().create_task(self._bring_up(node))
         asyncio.get_running_loop().create_task(self._watch_health())
+        if self.cfg.training.enabled:
+            self._start_trainer()
         return await self.status()
+
+    async def _start_feedback(self) -> None:
+        from actors.feedback import FeedbackQueue
+
+        self.feedback = ray.remote(FeedbackQueue).options(
+            name=self.cfg.feedback_actor_name, namespace=self.namespace, get_if_exists=True,
+            num_cpus=0, max_restarts=-1, max_task_retries=3, max_concurrency=1000,
+        ).remote(str(self.cfg.data_path))
+        # After a restart of the app, every adapter serves its current published version again.
+        for info in await self.feedback.list_adapters.remote():
+            current = next((v for v in info.versions if v.version == info.current_version), None)
+            if current is not None and current.path:
+                for node in self.nodes:
+                    self._published.setdefault(node.node_id, {})[info.name] = (current.version, current.path)
+
+    def _start_trainer(self) -> None:
+        try:
+            from actors.trainer import Trainer
+        except ImportError as exc:  # only while the trainer module is absent from a checkout
+            logger.error("training enabled but the trainer is unavailable: %s", exc)
+            return
+        self.trainer = ray.remote(Trainer).options(
+            name=self.cfg.trainer_actor_name, namespace=self.namespace, get_if_exists=True,
+            num_cpus=0, max_restarts=-1, max_concurrency=100,
+        ).remote(self.cfg.model_dump(), self.model_dir, self.namespace)
+        self.trainer.run.remote()
 
     def _replica_options(self, node: _Node) -> dict[str, Any]:
         res = dict(self.cfg.cluster.replica_resources or self.cfg.cluster.bundle)
@@ -206,6 +242,8 @@ class Planner:
         node.busy_seconds = busy_seconds
         for t in traces:
             self.policy.observe(t)
+            if t.ok and t.ttft is not None:
+                node.ttfts.append(t.ttft)
         self.traces_seen += len(traces)
         self._recent = (self._recent + traces)[-256:]
 
@@ -243,23 +281,92 @@ class Planner:
             ],
             "ready_nodes": sum(n.state == "ready" for n in self.nodes),
             "traces_seen": self.traces_seen,
+            "training": await self._trainer_status(),
         }
+
+    async def _trainer_status(self) -> dict[str, Any]:
+        if self.trainer is None:
+            return {"state": "disabled" if not self.cfg.training.enabled else "unavailable"}
+        try:
+            return await asyncio.wait_for(self.trainer.status.remote(), timeout=5)
+        except Exception as exc:
+            return {"state": "unreachable", "error": f"{type(exc).__name__}: {exc}"}
+
+    async def node_locations(self) -> list[dict[str, Any]]:
+        """The physical Ray node holding each logical node's placement group (for co-location)."""
+        from ray.util import placement_group_table
+
+        out = []
+        for n in self.nodes:
+            bundles = placement_group_table(n.pg).get("bundles_to_node_id", {}) or {}
+            out.append({"node_id": n.node_id, "ray_node_id": bundles.get(0), "state": n.state})
+        return out
+
+    async def feedback_queue(self) -> Any:
+        return self.feedback
+
+    # ---- training grants -------------------------------------------------------------------
+
+    async def grant(self, node_id: int, adapter: str, mode: str, samples_wanted: int, tokens_wanted: int) -> dict[str, Any]:
+        """May the trainer on ``node_id`` run a micro-step for ``adapter`` now, and how big?
+
+        The facts (load, recent TTFTs, cost-model predictions, queue) are gathered here; the
+        decision is the adapter's retraining policy from the registry (planners/retraining.py).
+        """
+        from planners.retraining import RetrainingView
+
+        policy = self._retraining.get((adapter, mode))
+        if policy is None:
+            policy = registry.create("retraining", mode, **self.cfg.training.retraining_params)
+            self._retraining[(adapter, mode)] = policy
+        node = self.nodes[node_id]
+        now = time.time()
+        queued, oldest = (await self.feedback.queue_summary.remote()).get(adapter, (0, None))
+        ttfts = sorted(node.ttfts)
+        per_sample = max(1, tokens_wanted // max(1, samples_wanted))
+        cm = self.cost_model
+        view = RetrainingView(
+            now=now, node_id=node_id, in_flight=node.in_flight,
+            ttft_p50_s=statistics.median(ttfts) if ttfts else None,
+            ttft_p99_s=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+            slo_ttft_s=self.cfg.training.slo_ttft_s,
+            predicted_ttft_s=self._predicted_ttft(node),
+            queued=queued, oldest_queued_age_s=None if oldest is None else now - oldest,
+            last_run_at=self._last_run.get(adapter),
+            samples_wanted=samples_wanted, tokens_wanted=tokens_wanted,
+            step_cost_s=cm.forward_latency(samples_wanted, per_sample) + cm.backward_latency(samples_wanted, per_sample),
+        )
+        decision = policy.decide(view)
+        if decision.action == "run":
+            self._last_run[adapter] = now
+            return {"action": "run", "samples": decision.samples, "tokens": decision.tokens}
+        return {"action": "wait", "seconds": decision.wait_s}
+
+    def _predicted_ttft(self, node: _Node) -> float:
+        """Cost-model TTFT of a new request on ``node``: its prefill iteration beside the running decodes."""
+        running = node.in_flight
+        prompt = 256  # a typical prompt when nothing better is known; the calibrated policies refine it
+        return self.cost_model.iteration_latency(prompt, running, running * prompt)
 
     async def recent_traces(self) -> list[ExecutionTrace]:
         return list(self._recent)
 
     # ---- adapters --------------------------------------------------------------------------
 
-    async def load_adapter(self, adapter: str, version: int, path: str, node_ids: list[int] | None = None) -> dict[str, Any]:
-        """Serve ``path`` as ``version`` of ``base:adapter`` on the given nodes (default: all ready)."""
+    async def load_adapter(self, adapter: str, version: int, path: str, node_ids: list[int] | None = None,
+                           force: bool = False) -> dict[str, Any]:
+        """Serve ``path`` as ``version`` of ``base:adapter`` on the given nodes (default: all ready).
+
+        An older version replaces a newer one only with ``force`` (a rollback).
+        """
         model_id = f"{self.served_name}:{adapter}"
         scope = set(node_ids) if node_ids is not None else {n.node_id for n in self.nodes}
         for nid in scope:
             published = self._published.setdefault(nid, {})
-            if adapter not in published or published[adapter][0] < version:
+            if force or adapter not in published or published[adapter][0] < version:
                 published[adapter] = (version, path)
         targets = [n for n in self.nodes if n.node_id in scope and n.state == "ready"]
-        results = await asyncio.gather(*(n.replica.load_adapter.remote(adapter, version, path) for n in targets))
+        results = await asyncio.gather(*(n.replica.load_adapter.remote(adapter, version, path, force) for n in targets))
         for node, res in zip(targets, results):
             node.adapters[model_id] = res["version"]
         return {"model": model_id, "version": version, "nodes": sorted(n.node_id for n in targets)}
@@ -277,5 +384,5 @@ class Planner:
     async def _restore_adapters(self, node: _Node) -> None:
         # A restarted replica comes back empty; give it every version published to its node.
         for adapter, (version, path) in self._published.get(node.node_id, {}).items():
-            res = await node.replica.load_adapter.remote(adapter, version, path)
+            res = await node.replica.load_adapter.remote(adapter, version, path, True)
             node.adapters[res["model"]] = res["version"]

@@ -208,8 +208,10 @@ class ModelReplica:
 
     # ---- adapters --------------------------------------------------------------------------
 
-    async def load_adapter(self, adapter: str, version: int, path: str) -> dict[str, Any]:
+    async def load_adapter(self, adapter: str, version: int, path: str, force: bool = False) -> dict[str, Any]:
         """Serve ``path`` as version ``version`` of ``base:adapter``; later requests use it.
+
+        An older version never replaces a newer one unless ``force`` (a rollback).
 
         Every version gets its own LoRA int id and path, so vLLM's prefix cache (keyed by LoRA
         name and path) never serves blocks computed by an older version (vLLM #42125).
@@ -218,7 +220,7 @@ class ModelReplica:
 
         model_id = f"{self.served_name}:{adapter}"
         current = self._adapters.get(model_id)
-        if current is not None and current["version"] >= version:
+        if current is not None and (current["version"] == version or (current["version"] > version and not force)):
             return {"model": model_id, "version": current["version"], "loaded": False}
         lora = LoRARequest(lora_name=model_id, lora_int_id=self._next_lora_id, lora_path=path)
         self._next_lora_id += 1

@@ -74,6 +74,25 @@ class PlannerConfig(_Strict):
     trace_flush_seconds: float = Field(0.25, gt=0, description="How often replicas send execution traces.")
 
 
+class TrainingConfig(_Strict):
+    enabled: bool = Field(True, description="Run the trainer that learns adapters from feedback.")
+    scope: Literal["synced", "per_node"] = Field(
+        "synced", description="synced: workers of all nodes average gradients (one version everywhere); per_node: LEMIX §V-B."
+    )
+    workers: int | None = Field(None, gt=0, description="Ray Train workers; default: one per node.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.5}, description="Ray Train resources of one worker (fractional device share)."
+    )
+    micro_batch: int = Field(4, gt=0, description="Samples per micro-step.")
+    steps_per_version: int = Field(1, gt=0, description="Optimizer steps between published versions (k).")
+    accumulation: int = Field(1, gt=0, description="Micro-steps per optimizer step.")
+    max_length: int = Field(512, gt=0, description="Tokens per training sequence (prompt + completion).")
+    slo_ttft_s: float = Field(1.0, gt=0, description="Inference TTFT SLO that the hybrid mode protects (LEMIX Eq. 4).")
+    eval_file: str | None = Field(None, description="Held-out preference JSONL for win rate / CLPD after each version.")
+    eval_pairs: int = Field(64, gt=0, description="Pairs of eval_file evaluated per version.")
+    retraining_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of the retraining policies.")
+
+
 class IngressConfig(_Strict):
     replicas: int = Field(1, gt=0, description="Serve replicas of the HTTP ingress.")
     max_ongoing_requests: int = Field(256, gt=0)
@@ -88,6 +107,7 @@ class AppConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
 
     @property
     def data_path(self) -> Path:
@@ -96,6 +116,18 @@ class AppConfig(_Strict):
     @property
     def planner_actor_name(self) -> str:
         return f"{self.name}-planner"
+
+    @property
+    def feedback_actor_name(self) -> str:
+        return f"{self.name}-feedback"
+
+    @property
+    def trainer_actor_name(self) -> str:
+        return f"{self.name}-trainer"
+
+    @property
+    def adapters_path(self) -> Path:
+        return self.data_path / "adapters"
 
 
 def load(source: dict[str, Any] | str | Path | None = None, **overrides: Any) -> AppConfig:

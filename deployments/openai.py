@@ -15,37 +15,17 @@ import uuid
 from typing import Any, AsyncIterator
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import AppConfig
+from deployments.http import api, error, json_body
+from deployments.learning import LearningRoutes
 from planners.types import Task
 
 logger = logging.getLogger(__name__)
-api = FastAPI(title="coserve", description="OpenAI-compatible serving with co-located training")
-
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI-shaped error body with the given HTTP status."""
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error(exc.status_code, str(exc.detail))
-
-
-@api.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in the ingress")
-    return error(500, f"Internal error: {type(exc).__name__}: {exc}")
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
@@ -58,7 +38,7 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
-class OpenAIIngress:
+class OpenAIIngress(LearningRoutes):
     def __init__(self, config: dict[str, Any]) -> None:
         from actors.planner import Planner
         from app.default_model import ensure
@@ -73,6 +53,7 @@ class OpenAIIngress:
         # Idempotent: with several ingress replicas only the first call reserves the nodes.
         self._start = self.planner.start.remote()
         self._replicas: dict[int, Any] = {}
+        self._feedback = None
 
     async def _replica(self, node_id: int) -> Any:
         if node_id not in self._replicas:
@@ -114,10 +95,7 @@ class OpenAIIngress:
     # ---- the request path ------------------------------------------------------------------
 
     async def _generate(self, request: Request, method: str) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error(400, f"Request body is not valid JSON: {exc}")
+        body = await json_body(request)
         if not isinstance(body, dict):
             return error(400, "Request body must be a JSON object.")
         model = body.get("model")

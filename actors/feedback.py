@@ -1,0 +1,67 @@
+"""FeedbackQueue: the one actor that owns the durable feedback store (SQLite, app/feedback_store.py).
+
+SQLite's WAL does not work over network file systems, so exactly one process per app owns the
+file; the ingress and the trainer reach it through this actor. Methods mirror ``FeedbackStore``
+and run in a thread so a slow fsync never blocks the actor's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Iterable
+
+from app.feedback_store import FeedbackStore
+
+
+class FeedbackQueue:
+    """Create with ``ray.remote(FeedbackQueue).options(name=cfg.feedback_actor_name, ...)``."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.store = FeedbackStore(Path(data_dir))
+
+    async def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(getattr(self.store, method), *args, **kwargs)
+
+    async def create_adapter(self, spec: dict[str, Any]):
+        return await self._run("create_adapter", spec)
+
+    async def get_adapter(self, name: str):
+        return await self._run("get_adapter", name)
+
+    async def list_adapters(self):
+        return await self._run("list_adapters")
+
+    async def add_feedback(self, items: Any) -> list[int]:
+        return await self._run("add_feedback", items)
+
+    async def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = ()):
+        return await self._run("take", adapter, limit, list(exclude_ids))
+
+    async def queued(self, adapter: str) -> int:
+        return await self._run("queued", adapter)
+
+    async def queue_summary(self) -> dict[str, tuple[int, float]]:
+        return await self._run("queue_summary")
+
+    async def feedback_item(self, item_id: int):
+        return await self._run("feedback_item", item_id)
+
+    async def reserve_version(self, adapter: str):
+        return await self._run("reserve_version", adapter)
+
+    async def publish_version(self, adapter: str, version: int, path: str, item_ids: Iterable[int],
+                              samples_trained: int, loss: float | None, **kwargs: Any):
+        return await self._run("publish_version", adapter, version, path, list(item_ids), samples_trained, loss, **kwargs)
+
+    async def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float):
+        return await self._run("record_eval", adapter, version, win_rate, clpd)
+
+    async def rollback(self, adapter: str, version: int):
+        return await self._run("rollback", adapter, version)
+
+    async def current_version(self, adapter: str):
+        return await self._run("current_version", adapter)
+
+    async def get_version(self, adapter: str, version: int):
+        return await self._run("get_version", adapter, version)

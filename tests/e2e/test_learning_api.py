@@ -1,0 +1,87 @@
+"""The adapters and feedback API: shapes, status codes, all-or-nothing batches, nothing half-stored."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+BASE = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def adapter(app_url) -> str:
+    # mode "off": the trainer never consumes these items, so queue counts below are exact.
+    r = httpx.post(f"{app_url}/v1/adapters", json={"name": "api-test", "method": "dpo", "beta": 0.2, "mode": "off",
+                                                  "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
+    assert r.status_code == 201, r.text
+    return "api-test"
+
+
+def _queued(app_url: str, name: str) -> int:
+    return httpx.get(f"{app_url}/v1/adapters/{name}").json()["queued"]
+
+
+def _error(r: httpx.Response, status: int, *words: str) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status
+    for w in words:
+        assert w.lower() in err["message"].lower(), err["message"]
+    return err["message"]
+
+
+def test_created_adapter_is_shown_and_listed(app_url, adapter):
+    info = httpx.get(f"{app_url}/v1/adapters/{adapter}").json()
+    assert info["model"] == f"{BASE}:{adapter}"
+    assert (info["method"], info["beta"], info["mode"], info["lora"]["r"]) == ("dpo", 0.2, "off", 4)
+    assert info["versions"] == [] and info["current_version"] is None and info["queued"] == 0
+    names = [a["name"] for a in httpx.get(f"{app_url}/v1/adapters").json()["data"]]
+    assert adapter in names
+
+
+def test_adapter_creation_errors(app_url, adapter):
+    _error(httpx.post(f"{app_url}/v1/adapters", json={"name": adapter, "method": "dpo"}), 409, adapter)
+    _error(httpx.post(f"{app_url}/v1/adapters", json={"name": "Bad Name!"}), 400, "name")
+    _error(httpx.post(f"{app_url}/v1/adapters", json={"name": "big", "lora": {"r": 64}}), 400, "max_lora_rank")
+    _error(httpx.post(f"{app_url}/v1/adapters", json={"name": "m", "method": "rlhf"}), 400, "method")
+    _error(httpx.post(f"{app_url}/v1/adapters", content=b"{nope"), 400, "json")
+    _error(httpx.get(f"{app_url}/v1/adapters/nobody"), 404, "nobody")
+
+
+def test_feedback_is_accepted_in_every_shape_and_stored(app_url, adapter):
+    pair = {"adapter": adapter, "prompt": "Q?", "chosen": "good", "rejected": "bad"}
+    before = _queued(app_url, adapter)
+    one = httpx.post(f"{app_url}/v1/feedback", json=pair)
+    many = httpx.post(f"{app_url}/v1/feedback", json=[pair, pair])
+    wrapped = httpx.post(f"{app_url}/v1/feedback", json={"items": [pair]})
+    assert [r.status_code for r in (one, many, wrapped)] == [202] * 3
+    ids = one.json()["ids"] + many.json()["ids"] + wrapped.json()["ids"]
+    assert len(ids) == len(set(ids)) == 4
+    assert _queued(app_url, adapter) == before + 4
+
+
+@pytest.mark.parametrize(
+    "items, status, words",
+    [
+        ([], 400, ["empty"]),
+        ([{"adapter": "api-test", "prompt": "p", "chosen": "c"}], 400, ["items[0]", "rejected"]),
+        ([{"adapter": "api-test", "prompt": "p", "chosen": "c", "rejected": "r"},
+          {"adapter": "api-test", "prompt": 5, "chosen": "c", "rejected": "r"}], 400, ["items[1]", "prompt"]),
+        ([{"adapter": "api-test", "prompt": "p", "completion": "c"}], 400, ["items[0]"]),  # SFT item for a DPO adapter
+        ([{"adapter": "api-test", "prompt": "x" * 40000, "chosen": "c", "rejected": "r"}], 400, ["items[0]"]),
+        ([{"adapter": "api-test", "prompt": "p", "chosen": "c", "rejected": "r", "extra": 1}], 400, ["extra"]),
+        ([{"adapter": "ghost", "prompt": "p", "chosen": "c", "rejected": "r"}], 404, ["ghost"]),
+        ("just a string", 400, []),
+    ],
+)
+def test_bad_feedback_is_rejected_and_nothing_is_stored(app_url, adapter, items, status, words):
+    before = _queued(app_url, adapter)
+    _error(httpx.post(f"{app_url}/v1/feedback", json=items), status, *words)
+    assert _queued(app_url, adapter) == before
+
+
+def test_rollback_errors(app_url, adapter):
+    _error(httpx.post(f"{app_url}/v1/adapters/{adapter}/rollback", json={"version": "1"}), 400, "version")
+    r = httpx.post(f"{app_url}/v1/adapters/{adapter}/rollback", json={"version": 1})
+    assert r.status_code in (404, 409), r.text
+    _error(httpx.post(f"{app_url}/v1/adapters/nobody/rollback", json={"version": 1}), 404)
