@@ -184,7 +184,8 @@ class _Eval:
 class _Node:
     """The trace queues of one node (LEMIX §IV-B): plain Python, the planner's source of truth."""
 
-    __slots__ = ("row", "cost", "fend", "train", "dec", "dec_done", "speed", "lc_n", "lc_sum", "lc_sq")
+    __slots__ = ("row", "cost", "fend", "train", "dec", "dec_done", "dec_done_from", "speed", "lc_n", "lc_sum",
+                 "lc_sq")
 
     def __init__(self, row: int, cost: CostModel, stages: int) -> None:
         self.row = row
@@ -192,7 +193,8 @@ class _Node:
         self.fend = [_NEG] * stages           # task_prev.end_f^s
         self.train: list[tuple[list[float], list[float], str]] = []  # Q_train^n: backward start/end per stage
         self.dec: list[tuple[float, float, float, str]] = []          # decodes: start, end, context, task
-        self.dec_done = _NEG                  # end of the latest decode that has left ``dec``
+        self.dec_done = _NEG                  # end of the latest-ending decode that has left ``dec``
+        self.dec_done_from = _NEG             # and its start
         self.speed = 1.0                      # calibration: actual / planned durations
         self.lc_n = 0.0
         self.lc_sum = 0.0
@@ -200,7 +202,7 @@ class _Node:
 
 
 def _plan_row(a: float, t0: float, floor: float, stages: int, d: float, wait: float, fend: Sequence[float],
-              train: Sequence[tuple[Sequence[float], Sequence[float], str]], dec_until: float,
+              train: Sequence[tuple[Sequence[float], Sequence[float], str]], dec_from: float, dec_until: float,
               duty: float) -> tuple[list[float], list[float], float]:
     """ComputeIdleness (LEMIX Alg. 1) for one node; the scalar twin of ``LemixPlacement._eval_vec``.
 
@@ -234,7 +236,7 @@ def _plan_row(a: float, t0: float, floor: float, stages: int, d: float, wait: fl
             ov = min(be[j], start) - max(bs[j], ref)
             if ov > 0:
                 gap -= ov
-        dv = min(dec_until, start) - ref
+        dv = min(dec_until, start) - (ref if ref > dec_from else dec_from)
         if dv > 0:
             gap -= duty * dv
         if gap > 0:
@@ -387,9 +389,12 @@ class LemixPlacement:
             n = 0
             ctx = 0.0
             until = node.dec_done
+            dfrom = node.dec_done_from if until > _NEG else np.inf
             for st, e, cx, _id in node.dec:
                 if e > until:
                     until = e
+                if st < dfrom:
+                    dfrom = st
                 if e > t0 and st <= t0:
                     n += 1
                     ctx += cx
@@ -407,7 +412,7 @@ class LemixPlacement:
                 # A prefill joins the next engine iteration: on average half a decode item away.
                 wait = (0.5 * speed * (it.base + it.per_decode_seq * g + it.per_context_token * ctx / s) / s
                         if n > 0 else 0.0)
-            st_, en_, ii = _plan_row(a, t0, floor, s, d, wait, node.fend, node.train, until, duty)
+            st_, en_, ii = _plan_row(a, t0, floor, s, d, wait, node.fend, node.train, dfrom, until, duty)
             x = ii / s - gap_a
             ip = -x if tau is None else -max(x, tau)  # Eq. 1
             lc = 0.0
@@ -443,7 +448,7 @@ class LemixPlacement:
             m = {"fend": np.full((s, n), _NEG), "speed": np.ones(n), "tb_s": np.full((s, n, k), _NEG),
                  "tb_e": np.full((s, n, k), _NEG), "t_act": np.zeros((n, k), dtype=bool),
                  "d_start": np.zeros((n, dd)), "d_end": np.full((n, dd), _NEG), "d_ctx": np.zeros((n, dd)),
-                 "until": np.full(n, _NEG), "btail": np.full(n, _NEG), "lc_n": np.zeros(n), "lc_sum": np.zeros(n), "lc_sq": np.zeros(n)}
+                 "until": np.full(n, _NEG), "dfrom": np.full(n, np.inf), "btail": np.full(n, _NEG), "lc_n": np.zeros(n), "lc_sum": np.zeros(n), "lc_sq": np.zeros(n)}
             self._mirror = m
             self._dirty = set(range(n))
         for row in self._dirty:
@@ -473,10 +478,13 @@ class LemixPlacement:
                 m["d_ctx"] = np.concatenate([m["d_ctx"], np.zeros((n, grow))], axis=1)
             m["d_end"][row] = _NEG
             until = node.dec_done
+            dfrom = node.dec_done_from if until > _NEG else np.inf
             for i, (st, e, cx, _id) in enumerate(node.dec):
                 m["d_start"][row, i], m["d_end"][row, i], m["d_ctx"][row, i] = st, e, cx
                 until = max(until, e)
+                dfrom = min(dfrom, st)
             m["until"][row] = until
+            m["dfrom"][row] = dfrom
         self._dirty = set()
         return m
 
@@ -488,6 +496,7 @@ class LemixPlacement:
         s = self.stages
         speed = m["speed"][rows]
         until = m["until"][rows]
+        dfrom = m["dfrom"][rows]
         # numpy reductions along a short last axis are slow (tens of µs at 1,024 rows); a
         # matrix product with a ones vector sums the same rows in a few.
         live = ((m["d_end"][rows] > t0) & (m["d_start"][rows] <= t0)).astype(float)
@@ -542,7 +551,7 @@ class LemixPlacement:
         starts = kd + np.maximum(t0 + wait, acc)
         ends = starts + d
         ref = np.maximum(fend, floor)
-        gap = starts - ref - duty * np.maximum(np.minimum(until, starts) - ref, 0.0)
+        gap = starts - ref - duty * np.maximum(np.minimum(until, starts) - np.maximum(ref, dfrom), 0.0)
         ii = np.maximum(gap, 0.0).sum(axis=0)
         if sub.size:
             # Nodes with one: stage by stage, as in Alg. 1, on the subset only. A forward that
@@ -566,7 +575,8 @@ class LemixPlacement:
             ref_s = ref[:, sub]
             ov = np.minimum(big_e, st_all[:, :, None]) - np.maximum(big_b, ref_s[:, :, None])
             off = np.maximum(ov, 0.0) @ k_ones
-            gap_s = st_all - ref_s - duty[sub] * np.maximum(np.minimum(until[sub], st_all) - ref_s, 0.0) - off
+            busy_from = np.maximum(ref_s, dfrom[sub])
+            gap_s = st_all - ref_s - duty[sub] * np.maximum(np.minimum(until[sub], st_all) - busy_from, 0.0) - off
             ii[sub] = np.maximum(gap_s, 0.0).sum(axis=0)
             starts[:, sub] = st_all
             ends[:, sub] = st_all + d_s
@@ -642,6 +652,17 @@ class LemixPlacement:
             i += 1
         return out
 
+    def deprioritizes(self, train: Task, nxt: Task, nodes: Sequence[NodeView], now: float) -> bool:
+        """Eq. 4 for one pair: would placing ``train`` (on the node LEMIX would give it) push the
+        inference task ``nxt`` past τ_R on every node? ``prioritize`` applies this to a queue."""
+        if train.kind != "training" or nxt.kind != "inference":
+            raise ValueError("deprioritizes(train, nxt): a training task, then an inference task")
+        rows, rlist, ids = self._select(nodes)
+        if not ids:
+            return False
+        ev = self._evaluate(train, rows, rlist, now)
+        return self._violates(train, nxt, rows, rlist, ev.best(), ev, now)
+
     def observe(self, trace: ExecutionTrace) -> None:
         """Calibrate the node's planned intervals from what actually ran (LEMIX Alg. 2, lines 13–17)."""
         p = self._planned.pop(trace.task_id, None)
@@ -672,7 +693,9 @@ class LemixPlacement:
             elif delta > 0:
                 self._shift_after(node, p.first_end, delta)
             self._release(node, trace.task_id)
-            node.dec_done = max(node.dec_done, trace.finish)
+            if trace.finish > node.dec_done:
+                node.dec_done = trace.finish
+                node.dec_done_from = trace.first_token if trace.first_token is not None else p.first_end
         else:
             self._release(node, trace.task_id)  # backward done: it leaves Q_train^n (Alg. 1 lines 17–18)
             if delta > 0:
@@ -735,7 +758,9 @@ class LemixPlacement:
         else:
             done = [x for x in node.dec if x[1] <= t0]
             if done:
-                node.dec_done = max(node.dec_done, max(x[1] for x in done))
+                last = max(done, key=lambda x: x[1])
+                if last[1] > node.dec_done:
+                    node.dec_done, node.dec_done_from = last[1], last[0]
                 node.dec = [x for x in node.dec if x[1] > t0]
             n = 1.0
             ctx = float(ell)
@@ -748,7 +773,8 @@ class LemixPlacement:
             g = max(1.0, n / s)
             per_token = node.speed * cost.iteration(0, g, ctx / n * g)
             finish = end_s + max(out - 1.0, 0.0) * per_token
-            node.dec.append((end_s, finish, ell + out / 2.0, task.task_id))
+            if finish > end_s:  # a one-token answer has nothing left to decode
+                node.dec.append((end_s, finish, ell + out / 2.0, task.task_id))
             self._note_inference(task)
         self._planned[task.task_id] = _Planned(row, task.kind, float(start[0]), end_s, float(finish))
         self._prev_arrival = task.arrival
