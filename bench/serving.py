@@ -114,12 +114,20 @@ def process_label(pid: int) -> str:
     if first.startswith(("ray::", "VLLM::")) or first.startswith("ray-dashboard-"):
         return first.split("(")[0].strip()
     joined = " ".join(argv)
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        comm = ""
+    if comm.startswith(("VLLM::", "ray::")):  # title set, cmdline not rewritten
+        return comm
     for key, label in (("api_server", "vllm api_server"), ("gcs_server", "ray gcs_server"),
                        ("/raylet", "ray raylet"), ("dashboard/agent.py", "ray dashboard agent"),
                        ("dashboard/dashboard.py", "ray dashboard"), ("log_monitor", "ray log_monitor"),
                        ("runtime_env/agent", "ray runtime_env agent"), ("serve run", "serve run (driver)"),
                        ("bin/serve", "serve run (driver)"), ("resource_tracker", "mp resource_tracker"),
-                       ("forkserver", "mp forkserver"), ("haproxy", "haproxy")):
+                       ("forkserver", "mp forkserver"), ("haproxy", "haproxy"),
+                       ("autoscaler", "ray autoscaler monitor"),
+                       ("multiprocessing.spawn", "mp spawn child (vLLM engine/worker)")):
         if key in joined:
             return label
     return Path(first).name
