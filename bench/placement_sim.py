@@ -12,6 +12,9 @@ Node model (ground truth, not the planner's model):
   dispatched prompt joins the next iteration of an idle virtual engine (or the next one to start),
   each iteration is S items of iteration_latency/S, and every member gets one token per iteration.
 
+Policies: ``lemix`` (defaults), ``lemix_ratio`` (the same with Eq. 3 as printed, score="ratio"),
+``round_robin``, ``least_utilized``, ``separate`` (α = the run's training share).
+
 Run: ``python bench/placement_sim.py`` (about a minute on 2 cores); ``--quick`` for a smoke run.
 """
 
@@ -40,7 +43,7 @@ from planners.types import ExecutionTrace, NodeView, Task  # noqa: E402
 DATA = ROOT.parent / "shared" / "data"
 TRACE = DATA / "traces" / "azure_conv_sample.csv"
 PREFS = DATA / "preferences" / "hh_rlhf_train_sample.jsonl"
-POLICIES = ("lemix", "round_robin", "least_utilized", "separate")
+POLICIES = ("lemix", "lemix_ratio", "round_robin", "least_utilized", "separate")
 MAX_PROMPT = 1024      # the embedded model's context is 2,048: keep prompt + output inside it
 MAX_OUTPUT = 512
 MAX_TRAIN_LEN = 512    # SFT sequences truncated, as a LoRA trainer on this model would

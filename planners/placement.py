@@ -812,13 +812,12 @@ class LemixPlacement:
 
     def _violates(self, train: Task, nxt: Task, rows: np.ndarray | slice, rlist: list[int], i: int,
                   ev: _Eval, now: float) -> bool:
-        """Eq. 4: would ``nxt`` miss τ_R on every node once ``train`` is planned on its best node ``i``,
-        and later than without it?
+        """Eq. 4: would ``nxt`` miss τ_R on every node once ``train`` is planned on its best node ``i``?
 
         R'(n) = max(latest planned end on n, now) + n's forward latency for ``nxt`` − a'. A training
-        task's end is its backward end, so planned backwards count. When the next request misses
-        τ_R anyway and ``train`` does not make its best node worse, holding ``train`` back buys
-        nothing, so it is not held.
+        task's end is its backward end, so planned backwards count. As in the paper, a request that
+        misses τ_R even without ``train`` also holds it back: serving comes first under overload
+        (``max_defer`` bounds the wait).
         """
         a = nxt.arrival
         t = max(a, now)
@@ -832,11 +831,9 @@ class LemixPlacement:
             fwd = m["speed"][rows] * self.cost.prefill_latency(ell) if not self._type_costs else \
                 m["speed"][rows] * np.array([self._nodes[r].cost.prefill_latency(ell) for r in rlist])
             r = np.maximum(h, t) + fwd - a
-            without = float(r.min())
             r[i] = max(h[i], be[0], t) + fwd[i] - a
-            with_t = float(r.min())
-            return with_t > slo and with_t > without
-        without = with_t = math.inf
+            return bool(r.min() > slo)
+        with_t = math.inf
         for k, row in enumerate(rlist):
             node = self._nodes[row]
             h = node.fend[-1]
@@ -844,9 +841,7 @@ class LemixPlacement:
                 if be_k[0] > h:
                     h = be_k[0]
             fwd = node.speed * node.cost.prefill_latency(ell) - a
-            r = (h if h > t else t) + fwd
-            without = min(without, r)
             if k == i and be[0] > h:
-                r = (be[0] if be[0] > t else t) + fwd
-            with_t = min(with_t, r)
-        return with_t > slo and with_t > without
+                h = be[0]
+            with_t = min(with_t, (h if h > t else t) + fwd)
+        return with_t > slo
