@@ -88,6 +88,14 @@ class LearningRoutes:
         await self.planner.load_adapter.remote(name, version, target.path, None, True)
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        from app.metrics import CONTENT_TYPE_LATEST, render
+
+        status = await self.planner.status.remote()
+        adapters = [a.model_dump() for a in await self._store("list_adapters")]
+        return Response(render(status, adapters), media_type=CONTENT_TYPE_LATEST)
+
     @api.post("/v1/feedback")
     async def feedback(self, request: Request) -> Response:
         body = await json_body(request)

@@ -85,3 +85,10 @@ def test_rollback_errors(app_url, adapter):
     r = httpx.post(f"{app_url}/v1/adapters/{adapter}/rollback", json={"version": 1})
     assert r.status_code in (404, 409), r.text
     _error(httpx.post(f"{app_url}/v1/adapters/nobody/rollback", json={"version": 1}), 404)
+
+
+def test_prometheus_metrics_endpoint(app_url, adapter):
+    r = httpx.get(f"{app_url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'coserve_node_ready{node="0"} 1.0' in r.text
+    assert f'coserve_adapter_queued{{adapter="{adapter}"}}' in r.text

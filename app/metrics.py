@@ -1,0 +1,49 @@
+"""Prometheus metrics of the app, rendered on each scrape from the planner's and the store's facts.
+
+Built per scrape in a fresh registry (rather than as process-global gauges) because the facts
+live in other actors: the ingress asks them once per scrape and renders what they say.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["render", "CONTENT_TYPE_LATEST"]
+
+
+def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]]) -> bytes:
+    """The Prometheus text exposition of ``status`` (Planner.status) and ``adapters`` (store infos)."""
+    reg = CollectorRegistry()
+    node = ("node",)
+    ready = Gauge("coserve_node_ready", "1 if the node's replica serves requests", node, registry=reg)
+    in_flight = Gauge("coserve_node_in_flight", "requests placed on the node and not finished", node, registry=reg)
+    placed = Gauge("coserve_node_placed_total", "requests placed on the node since start", node, registry=reg)
+    busy = Gauge("coserve_node_busy_seconds", "seconds the node's replica had requests in flight", node, registry=reg)
+    for n in status.get("nodes", []):
+        label = str(n["node_id"])
+        ready.labels(label).set(1 if n["state"] == "ready" else 0)
+        in_flight.labels(label).set(n["in_flight"])
+        placed.labels(label).set(n["placed"])
+        busy.labels(label).set(n["busy_seconds"])
+
+    ad = ("adapter",)
+    version = Gauge("coserve_adapter_version", "current published version", ad, registry=reg)
+    queued = Gauge("coserve_adapter_queued", "feedback items no published version has trained on", ad, registry=reg)
+    trained = Gauge("coserve_adapter_samples_trained", "samples trained into the current version", ad, registry=reg)
+    loss = Gauge("coserve_adapter_loss", "training loss of the current version", ad, registry=reg)
+    win = Gauge("coserve_adapter_win_rate", "win rate on the held-out preferences (MACE §3.1)", ad, registry=reg)
+    clpd = Gauge("coserve_adapter_clpd", "CLPD on the held-out preferences (MACE §3.1)", ad, registry=reg)
+    for a in adapters:
+        name = a["name"]
+        queued.labels(name).set(a.get("queued", 0))
+        current = next((v for v in a.get("versions", []) if v["version"] == a.get("current_version")), None)
+        version.labels(name).set(a.get("current_version") or 0)
+        if current is None:
+            continue
+        for gauge, key in ((trained, "samples_trained"), (loss, "loss"), (win, "win_rate"), (clpd, "clpd")):
+            if current.get(key) is not None:
+                gauge.labels(name).set(current[key])
+    return generate_latest(reg)
