@@ -387,7 +387,8 @@ def make_policy(name: str, cost: CostModel, stages: int, alpha: float) -> Any:
     return registry.create("placement", name, cost_model=cost, stages=stages)
 
 
-def simulate(name: str, jobs_fn: Any, cost: CostModel, nodes: int, stages: int, alpha: float, seed: int) -> dict[str, float]:
+def simulate(name: str, jobs_fn: Any, cost: CostModel, nodes: int, stages: int, alpha: float,
+             seed: int) -> dict[str, float]:
     jobs = jobs_fn(np.random.default_rng(seed))
     cl = Cluster(make_policy(name, cost, stages, alpha), cost, nodes, stages, np.random.default_rng(seed + 1))
     cl.run(jobs)
@@ -472,7 +473,8 @@ def _plot(rows: list[dict[str, Any]], replay_rows: list[dict[str, Any]], a: argp
         print("(matplotlib not importable: no plot written)")
         return
     metrics_ = [("slo", "SLO attainment"), ("active", "mean active nodes"), ("throughput", "throughput (tasks/s)")]
-    fig, axes = plt.subplots(len(metrics_), len(a.alphas), figsize=(4 * len(a.alphas), 3 * len(metrics_)), squeeze=False)
+    fig, axes = plt.subplots(len(metrics_), len(a.alphas), figsize=(4 * len(a.alphas), 3 * len(metrics_)),
+                             squeeze=False)
     for c, alpha in enumerate(a.alphas):
         for r, (key, label) in enumerate(metrics_):
             ax = axes[r][c]

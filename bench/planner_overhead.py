@@ -45,7 +45,8 @@ def _stream(n: int, nodes: int, rng: np.random.Generator) -> list[Task]:
     return out
 
 
-def measure(name: str, nodes: int, stages: int, warmup: int, n: int, seed: int = 0) -> tuple[np.ndarray, dict[str, float]]:
+def measure(name: str, nodes: int, stages: int, warmup: int, n: int,
+            seed: int = 0) -> tuple[np.ndarray, dict[str, float]]:
     cost = default_cost_model().with_stages(stages)
     kw = {} if name == "round_robin" else {"cost_model": cost, "stages": stages}
     policy = registry.create("placement", name, **kw)

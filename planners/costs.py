@@ -429,7 +429,8 @@ def fit_memory(kv_rows: Sequence[Mapping[str, Any]], train_rows: Sequence[Mappin
         raise ValueError("kappa must be in (0, 1]")
     kv = _rows(kv_rows, ("tokens", "bytes"))
     tr = _rows(train_rows, ("batch_size", "tokens", "bytes"))
-    kv_coef, _ = fit_linear({"tokens": kv["tokens"], "1": np.ones_like(kv["tokens"])}, kv["bytes"], required=("tokens",))
+    kv_coef, _ = fit_linear({"tokens": kv["tokens"], "1": np.ones_like(kv["tokens"])}, kv["bytes"],
+                            required=("tokens",))
     ct = tr["batch_size"] * tr["tokens"]
     tr_coef, q = fit_linear({"C*l": ct, "1": np.ones_like(ct)}, tr["bytes"], required=("C*l",))
     peak = float(max(kv["bytes"].max(), tr["bytes"].max())) if peak_bytes is None else float(peak_bytes)
@@ -455,8 +456,8 @@ def fit_cost_model(forward_rows: Sequence[Mapping[str, Any]], backward_rows: Seq
         backward=fit_stage_latency(backward_rows) if backward_rows else base.backward,
         iteration=fit_iteration_latency(iteration_rows) if iteration_rows else base.iteration,
         memory=memory if memory is not None else base.memory,
-        output_lengths=OutputLengthCDF.from_samples(output_lengths) if output_lengths is not None and len(output_lengths)
-        else base.output_lengths,
+        output_lengths=(OutputLengthCDF.from_samples(output_lengths)
+                        if output_lengths is not None and len(output_lengths) else base.output_lengths),
         stages=stages, metadata=meta)
 
 

@@ -40,7 +40,7 @@ def task_length(task: Task) -> int:
 
 @register("placement", "round_robin")
 class RoundRobin:
-    """MIX-RR / NaiveMix (LEMIX §V-A): cycle through the ready nodes, ignoring their load."""
+    """MIX-RR / NaiveMix (LEMIX §III, §VI-A): cycle through the ready nodes, ignoring their load."""
 
     def __init__(self) -> None:
         self._next = 0
@@ -270,8 +270,9 @@ class LemixPlacement:
       training task being placed, on the node it would take.
 
     Up to ``vector_above`` ready nodes the planner runs scalar Python (numpy's per-call overhead
-    dominates on a handful of nodes); above it, numpy passes over all nodes, one per stage, on a
-    mirror of the per-node state that is synced lazily for the nodes that changed.
+    dominates on a handful of nodes); above it, numpy on a mirror of the per-node state, synced
+    lazily for the nodes that changed: the forward path in closed form for nodes without planned
+    backwards, and a per-stage loop over only the nodes that have one.
     """
 
     def __init__(
@@ -448,7 +449,8 @@ class LemixPlacement:
             m = {"fend": np.full((s, n), _NEG), "speed": np.ones(n), "tb_s": np.full((s, n, k), _NEG),
                  "tb_e": np.full((s, n, k), _NEG), "t_act": np.zeros((n, k), dtype=bool),
                  "d_start": np.zeros((n, dd)), "d_end": np.full((n, dd), _NEG), "d_ctx": np.zeros((n, dd)),
-                 "until": np.full(n, _NEG), "dfrom": np.full(n, np.inf), "btail": np.full(n, _NEG), "lc_n": np.zeros(n), "lc_sum": np.zeros(n), "lc_sq": np.zeros(n)}
+                 "until": np.full(n, _NEG), "dfrom": np.full(n, np.inf), "btail": np.full(n, _NEG),
+                 "lc_n": np.zeros(n), "lc_sum": np.zeros(n), "lc_sq": np.zeros(n)}
             self._mirror = m
             self._dirty = set(range(n))
         for row in self._dirty:

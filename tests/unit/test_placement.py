@@ -213,7 +213,8 @@ def test_separate_partitions_by_alpha():
 
 def test_least_utilized_uses_reported_busy_time_and_its_own_placements():
     p = registry.create("placement", "least_utilized", cost_model=TOY, stages=2)
-    nodes = [NodeView(0, True, busy_seconds=5.0), NodeView(1, True, busy_seconds=1.0), NodeView(2, True, busy_seconds=2.5)]
+    nodes = [NodeView(0, True, busy_seconds=5.0), NodeView(1, True, busy_seconds=1.0),
+             NodeView(2, True, busy_seconds=2.5)]
     assert p.choose(train("t1", 0.0), nodes, 0.0) == 1   # 1 s busy; now owes 1 + 2 = 3 s more
     assert p.choose(train("t2", 0.0), nodes, 0.0) == 2   # 2.5 < 1 + 3
     p.observe(ExecutionTrace("t1", 1, 0.0, 0.0, None, 3.0, 100, 0))
