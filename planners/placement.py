@@ -156,9 +156,8 @@ class NodeEstimate:
 class _Planned:
     row: int
     kind: str
-    start: float
-    first_end: float
-    finish: float
+    first_end: float  # planned end of the forward on the last stage (the first token)
+    finish: float     # planned end of the backward (training) or of decoding (inference)
 
 
 @dataclass
@@ -675,11 +674,13 @@ class LemixPlacement:
         if not trace.ok:
             self._release(node, trace.task_id)
             return
+        # Both measured from the arrival: replicas report no engine-side start (trace.start may
+        # equal the arrival), and planned queueing then scales along with planned service.
         if p.kind == "inference" and trace.first_token is not None:
-            actual, planned = trace.first_token - trace.start, p.first_end - p.start
+            actual, planned = trace.first_token - trace.arrival, p.first_end - trace.arrival
             delta = trace.first_token - p.first_end
         else:
-            actual, planned = trace.finish - trace.start, p.finish - p.start
+            actual, planned = trace.finish - trace.arrival, p.finish - trace.arrival
             delta = trace.finish - p.finish
         if planned > 0 and actual > 0 and self.calibration_rate > 0:
             # Per-node speed: later plans on this node scale by a geometric EWMA of actual/planned
@@ -778,7 +779,7 @@ class LemixPlacement:
             if finish > end_s:  # a one-token answer has nothing left to decode
                 node.dec.append((end_s, finish, ell + out / 2.0, task.task_id))
             self._note_inference(task)
-        self._planned[task.task_id] = _Planned(row, task.kind, float(start[0]), end_s, float(finish))
+        self._planned[task.task_id] = _Planned(row, task.kind, end_s, float(finish))
         self._prev_arrival = task.arrival
 
     def _shift_after(self, node: _Node, t: float, delta: float) -> None:
