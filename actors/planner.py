@@ -63,12 +63,8 @@ class Planner:
 
         self.cost_model, self.cost_model_note = load_profile(self.cfg, self.served_name)
         logger.info(self.cost_model_note)
-        params = dict(self.cfg.planner.placement_params)
-        for key, value in (("cost_model", self.cost_model.with_stages(self.cfg.cluster.stages)),
-                           ("stages", self.cfg.cluster.stages)):
-            if key not in params and registry.accepts("placement", self.cfg.planner.placement, key):
-                params[key] = value
-        self.policy = registry.create("placement", self.cfg.planner.placement, **params)
+        self.placement = self.cfg.planner.placement
+        self.policy = self._make_placement(self.placement, self.cfg.planner.placement_params)
         self.nodes: list[_Node] = []
         self.traces_seen = 0
         self._recent: list[ExecutionTrace] = []
@@ -78,6 +74,20 @@ class Planner:
         self.trainer = None
         self._retraining: dict[tuple[str, str], Any] = {}  # (adapter, mode) -> policy from the registry
         self._last_run: dict[str, float] = {}
+
+    def _make_placement(self, name: str, params: dict[str, Any]) -> Any:
+        params = dict(params)
+        for key, value in (("cost_model", self.cost_model.with_stages(self.cfg.cluster.stages)),
+                           ("stages", self.cfg.cluster.stages)):
+            if key not in params and registry.accepts("placement", name, key):
+                params[key] = value
+        return registry.create("placement", name, **params)
+
+    async def set_placement(self, name: str, params: dict[str, Any] | None = None) -> str:
+        """Switch the placement policy live (e.g. to compare policies on the same deployment)."""
+        self.policy = self._make_placement(name, params or {})
+        self.placement = name
+        return name
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -263,7 +273,7 @@ class Planner:
     async def status(self) -> dict[str, Any]:
         return {
             "model": self.served_name,
-            "placement": self.cfg.planner.placement,
+            "placement": self.placement,
             "cost_model": self.cost_model_note,
             "nodes": [
                 {

@@ -69,7 +69,7 @@ class ClusterConfig(_Strict):
 
 
 class PlannerConfig(_Strict):
-    placement: str = Field("round_robin", description="Placement policy name from the registry.")
+    placement: str = Field("lemix", description="Placement policy name from the registry.")
     placement_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of that policy.")
     trace_flush_seconds: float = Field(0.25, gt=0, description="How often replicas send execution traces.")
 

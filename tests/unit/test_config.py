@@ -30,7 +30,7 @@ def test_every_setting_is_documented_in_the_readme():
 def test_default_serve_config_loads_and_matches_the_schema_defaults():
     cfg = config.load(ROOT / "configs" / "default.yaml")
     assert cfg.model.path is None and cfg.cluster.nodes == 1
-    assert cfg.planner.placement == "round_robin"
+    assert cfg.planner.placement == "lemix"
 
 
 def test_unknown_and_invalid_settings_are_rejected():
