@@ -14,6 +14,9 @@ What it does, in order (every server in its own session, always stopped, even on
 3. **ours**: starts this app with ``serve run`` on a temporary copy of ``--config`` (port and
    data dir changed, nothing else), waits until ``/health`` reports a ready node, runs the same
    benchmarks, stops it.
+   ``--interleave`` instead starts both servers first and alternates their runs (plain, ours,
+   ours, plain, ...), so background load on a shared machine hits both alike; ``--repeats N``
+   runs every (system, rate) N times and the table shows medians.
 4. Prints one markdown table: req/s, output tok/s, TTFT p50/p99, TPOT p50 per system and rate,
    with the ratio ours/plain, and the issue's two goals (saturated throughput ≥ 0.9× plain,
    median TTFT at 10 req/s ≤ 1.15× plain). ``--json`` also writes everything as JSON.
@@ -35,6 +38,7 @@ import os
 import platform
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -300,7 +304,7 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
 
 # ---- the two systems --------------------------------------------------------------------------
 
-def run_plain(args, cfg, model_dir: Path, served: str, work: Path) -> dict[str, Any]:
+def start_plain(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[Server, dict[str, Any]]:
     from app.engine_args import engine_flags
 
     port = args.port_plain
@@ -308,16 +312,10 @@ def run_plain(args, cfg, model_dir: Path, served: str, work: Path) -> dict[str, 
            "--port", str(port), *engine_flags(cfg, str(model_dir), served)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = start("plain", cmd, env, work / "plain-server.log", f"http://127.0.0.1:{port}")
-    try:
-        ready = wait_ready(server, served, args.startup_timeout)
-        log(f"plain: ready after {ready:.0f} s")
-        return {"ready_s": ready, "flags": cmd[3:], "rates": {
-            rate: run_client(args, server, served, model_dir, rate, work, "plain") for rate in args.rates}}
-    finally:
-        server.stop()
+    return server, {"flags": cmd[3:]}
 
 
-def run_ours(args, model_dir: Path, served: str, work: Path) -> dict[str, Any]:
+def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, dict[str, Any]]:
     import yaml
 
     port = args.port_ours
@@ -334,13 +332,70 @@ def run_ours(args, model_dir: Path, served: str, work: Path) -> dict[str, Any]:
     # --address local: always a fresh Ray instance of our own, never someone else's cluster.
     cmd = [str(serve_bin), "run", "--address", "local", str(cfg_path)]
     server = start("ours", cmd, env, work / "ours-server.log", f"http://127.0.0.1:{port}")
-    try:
+    return server, {"config": serve_cfg}
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary from repeated runs: the median of every figure (CPU seconds per process too)."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {}
+    for key, v in runs[0].items():
+        if key in ("completed", "failed"):
+            out[key] = sum(r[key] or 0 for r in runs)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            out[key] = statistics.median(vals) if vals else None
+        elif isinstance(v, dict):
+            labels = {k for r in runs for k in r[key]}
+            out[key] = {k: round(statistics.median(r[key].get(k, 0.0) for r in runs), 2) for k in labels}
+            out[key] = dict(sorted(out[key].items(), key=lambda kv: -kv[1] if kv[0] != "window_s" else 0))
+        else:
+            out[key] = v
+    out["repeats"] = runs
+    return out
+
+
+def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> dict[str, Any]:
+    """Run the benchmarks; sequential (one server at a time) or interleaved (both up, alternating)."""
+    systems = [s for s in ("plain", "ours") if args.only in (None, s)]
+    results: dict[str, Any] = {}
+    runs: dict[str, dict[str, list]] = {s: {r: [] for r in args.rates} for s in systems}
+    servers: dict[str, Server] = {}
+
+    def up(system: str) -> None:
+        server, info = (start_plain(args, cfg, model_dir, served, work) if system == "plain"
+                        else start_ours(args, model_dir, served, work))
+        servers[system] = server
         ready = wait_ready(server, served, args.startup_timeout)
-        log(f"ours: ready after {ready:.0f} s")
-        return {"ready_s": ready, "config": serve_cfg, "rates": {
-            rate: run_client(args, server, served, model_dir, rate, work, "ours") for rate in args.rates}}
+        log(f"{system}: ready after {ready:.0f} s")
+        results[system] = {"ready_s": ready, **info}
+
+    def bench(system: str, rate: str, rep: int) -> None:
+        tag = system if args.repeats == 1 else f"{system}-r{rep}"
+        runs[system][rate].append(run_client(args, servers[system], served, model_dir, rate, work, tag))
+
+    try:
+        if args.interleave:
+            for system in systems:
+                up(system)
+            for rep in range(args.repeats):
+                for rate in args.rates:
+                    for system in (systems if rep % 2 == 0 else systems[::-1]):
+                        bench(system, rate, rep)
+        else:
+            for system in systems:
+                up(system)
+                for rep in range(args.repeats):
+                    for rate in args.rates:
+                        bench(system, rate, rep)
+                servers.pop(system).stop()
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+    for system in systems:
+        results[system]["rates"] = {rate: combine(runs[system][rate]) for rate in args.rates}
+    return results
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -438,6 +493,10 @@ def main() -> int:
     p.add_argument("--port-ours", type=int, default=8102)
     p.add_argument("--ray-worker-niceness", type=int, default=0,
                    help="RAY_worker_niceness for the app (Ray's default is 15; plain vLLM runs at 0).")
+    p.add_argument("--interleave", action="store_true",
+                   help="Keep both servers up and alternate their benchmark runs (fairer on a noisy machine; "
+                        "each idle server costs the other a little CPU).")
+    p.add_argument("--repeats", type=int, default=1, help="Runs per system and rate; the table shows medians.")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--bench-timeout", type=float, default=900.0, help="Limit for one benchmark client run.")
     p.add_argument("--work-dir", default=None, help="Logs and raw results (default: a new temp dir).")
@@ -461,7 +520,8 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
         "vllm": vllm.__version__, "ray": ray.__version__, "config": str(args.config), "model_dir": str(model_dir),
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "rates": args.rates, "warmups": args.warmups, "ray_worker_niceness": args.ray_worker_niceness,
+        "rates": args.rates, "warmups": args.warmups,
+        "interleave": args.interleave, "repeats": args.repeats, "ray_worker_niceness": args.ray_worker_niceness,
         "load_average_start": load_average(), "work_dir": str(work),
     }
     log(f"setup: {json.dumps(setup)}")
@@ -471,11 +531,7 @@ def main() -> int:
         raise KeyboardInterrupt("SIGTERM")
 
     signal.signal(signal.SIGTERM, _on_sigterm)
-    results: dict[str, Any] = {}
-    if args.only in (None, "plain"):
-        results["plain"] = run_plain(args, cfg, model_dir, served, work)
-    if args.only in (None, "ours"):
-        results["ours"] = run_ours(args, model_dir, served, work)
+    results = run_all(args, cfg, model_dir, served, work)
     setup["load_average_end"] = load_average()
 
     md = table(results, args.rates)
@@ -483,6 +539,7 @@ def main() -> int:
     print()
     print(f"vLLM serving benchmark: random dataset, {args.input_len} in / {args.output_len} out, --ignore-eos, "
           f"{args.num_prompts} prompts; rates {', '.join(rate_label(r) for r in args.rates)}; "
+          f"{'interleaved' if args.interleave else 'sequential'}, {args.repeats} run(s) each (medians); "
           f"{setup['cpus']} CPUs, load average {setup['load_average_start']} (start) / "
           f"{setup['load_average_end']} (end)")
     print()
