@@ -12,7 +12,7 @@ What it does, in order (every server in its own session, always stopped, even on
    (``app.engine_args.engine_flags``), waits for ``/health``, runs ``vllm.benchmarks.serve`` once
    per rate in ``--rates`` (``inf`` = all prompts at once: saturation), stops it.
 3. **ours**: starts this app with ``serve run`` on a temporary copy of ``--config`` (port and
-   data dir changed, nothing else), waits until ``/health`` reports a ready node, runs the same
+   data dir changed, and ``--dtype`` if given), waits until ``/health`` reports a ready node, runs the same
    benchmarks, stops it.
    ``--interleave`` instead starts both servers first and alternates their runs (plain, ours,
    ours, plain, ...), so background load on a shared machine hits both alike; ``--repeats N``
@@ -323,6 +323,8 @@ def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, 
     serve_cfg.setdefault("http_options", {})["port"] = port
     serve_cfg["http_options"]["host"] = "127.0.0.1"
     serve_cfg["applications"][0].setdefault("args", {})["data_dir"] = str(args.data_dir)
+    if args.dtype:
+        serve_cfg["applications"][0]["args"].setdefault("engine", {})["dtype"] = args.dtype
     cfg_path = work / "serve-config.yaml"
     cfg_path.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COSERVE_DATA_DIR": str(args.data_dir)}
@@ -493,6 +495,9 @@ def main() -> int:
     p.add_argument("--port-ours", type=int, default=8102)
     p.add_argument("--ray-worker-niceness", type=int, default=0,
                    help="RAY_worker_niceness for the app (Ray's default is 15; plain vLLM runs at 0).")
+    p.add_argument("--dtype", default=None,
+                   help="Override the config's engine dtype for both systems (e.g. float32: vLLM's 'auto' "
+                        "picks bfloat16 for a float32 checkpoint on CPU, slow without AVX-512 BF16).")
     p.add_argument("--interleave", action="store_true",
                    help="Keep both servers up and alternate their benchmark runs (fairer on a noisy machine; "
                         "each idle server costs the other a little CPU).")
@@ -504,6 +509,8 @@ def main() -> int:
     args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
 
     cfg = app_config.load(args.config)
+    if args.dtype:
+        cfg.engine.dtype = args.dtype
     args.data_dir = Path(args.data_dir or os.environ.get("COSERVE_DATA_DIR") or cfg.data_dir).expanduser().resolve()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-serving-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -521,7 +528,7 @@ def main() -> int:
         "vllm": vllm.__version__, "ray": ray.__version__, "config": str(args.config), "model_dir": str(model_dir),
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "rates": args.rates, "warmups": args.warmups,
-        "interleave": args.interleave, "repeats": args.repeats, "ray_worker_niceness": args.ray_worker_niceness,
+        "interleave": args.interleave, "repeats": args.repeats, "dtype_override": args.dtype, "ray_worker_niceness": args.ray_worker_niceness,
         "load_average_start": load_average(), "work_dir": str(work),
     }
     log(f"setup: {json.dumps(setup)}")
