@@ -1,0 +1,686 @@
+"""Trainer: the supervisor actor that runs the co-located LoRA SFT/DPO worker loop under Ray Train (DESIGN §4).
+
+Two halves, in the manner of verl's single controller and its worker group:
+
+- :class:`Trainer` (a named Ray actor, 0 CPU) holds no model. ``run()`` starts a background
+  thread that calls Ray Train's ``TorchTrainer.fit()`` with :func:`train_loop` and starts it
+  again if it ever fails for good; it also collects what the workers report, for ``status()``.
+- :func:`train_loop` runs in each Ray Train worker, one per logical node (or
+  ``training.workers``), placed on the physical Ray node that holds that node's replica
+  (``ScalingConfig.label_selector``) with ``training.resources_per_worker``. Scope ``synced``:
+  rank 0 (the leader) reads the feedback queue and decides what to do; every rank trains a
+  disjoint share of each micro-batch; gradients are summed through the torch process group
+  (gloo on CPU), so all ranks hold the same weights and every published version is one model.
+
+Per micro-step: the leader takes up to ``micro_batch`` queued items of one adapter (round robin
+over adapters with feedback, skipping mode ``off``); every rank asks ``Planner.grant`` for its
+own node and share; the step runs with the smallest granted fraction of all ranks (a synced
+step is a collective, so the busiest node gates it) or everyone waits. Every ``accumulation``
+micro-steps an optimizer step; every ``steps_per_version`` optimizer steps, or as soon as the
+queue has nothing more for this adapter, rank 0 publishes: ``reserve_version`` ->
+``save_adapter_version`` (atomic) -> ``publish_version`` (marks the items consumed) ->
+``Planner.load_adapter``; rank 0 then evaluates the version on the held-out pairs (win rate,
+CLPD) in a background thread, so evaluation never delays the next version.
+
+Faults: Ray Train restarts a failed worker group (``FailureConfig(max_failures=-1)``); Ray
+restarts this actor (``max_restarts=-1``), which then starts training again by itself. A new
+worker group resumes from the store's current version and its queue: an item is consumed only
+when a published version trained on it, so nothing acknowledged is lost (docs/learning.md §2).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from app.config import AppConfig
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+IDLE_POLL_S = 0.1  # how often an idle leader looks at the queue: bounds the freshness it adds
+MAX_GRANT_SLEEP_S = 1.0  # a refused step asks again at least this often
+STOP_CHECK_S = 1.0
+RESTART_BACKOFF_S = 5.0
+LOAD_TIMEOUT_S = 120.0
+
+
+def resolve_eval_file(path: str | None) -> tuple[str | None, str | None]:
+    """The held-out preference file as an absolute path, or (None, why not); relative paths: cwd, then the project root."""
+    if not path:
+        return None, None
+    p = Path(path).expanduser()
+    for candidate in ([p] if p.is_absolute() else [Path.cwd() / p, ROOT / p]):
+        if candidate.is_file():
+            return str(candidate.resolve()), None
+    return None, f"training.eval_file {path!r} not found (relative paths: cwd, then {ROOT}); evaluation off"
+
+
+class Trainer:
+    """Create with ``ray.remote(Trainer).options(name=cfg.trainer_actor_name, num_cpus=0, max_restarts=-1,
+    max_concurrency=100)``; then ``run()`` once."""
+
+    def __init__(self, config: dict[str, Any], model_dir: str, namespace: str) -> None:
+        self.cfg = AppConfig.model_validate(config)
+        self.config = config
+        self.model_dir = model_dir
+        self.namespace = namespace
+        self._lock = threading.RLock()  # methods run on the actor's thread pool (max_concurrency)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.state = "idle"
+        self.started_at: float | None = None
+        self.fits = 0  # worker groups started by fit() (Ray Train restarts inside one fit are counted by workers)
+        self.worker_starts = 0
+        self.workers: dict[int, dict[str, Any]] = {}
+        self.adapters: dict[str, dict[str, Any]] = {}
+        self.errors: deque[dict[str, Any]] = deque(maxlen=20)
+        self.eval_file, why = resolve_eval_file(self.cfg.training.eval_file)
+        if why:
+            self._error("config", why)
+        self.problem: str | None = None
+        if self.cfg.training.scope == "per_node":
+            # The store has no per-node partition of the queue yet (docs/learning.md §6): several
+            # independent trainers would all take the same oldest items. Refuse rather than fake it.
+            self.problem = ("training.scope 'per_node' is not supported yet: the feedback store has no per-node "
+                            "partition of the queue (docs/learning.md §6); use scope 'synced'")
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # Ray restarted this actor after a crash; whoever called run() before will not call it again.
+            self.run()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Start training in the background (idempotent); returns the status at once."""
+        with self._lock:
+            if self.problem is not None:
+                self.state = "failed"
+                self._error("config", self.problem)
+            elif self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self.state, self.started_at = "starting", time.time()
+                self._thread = threading.Thread(target=self._supervise, name="ray-train-fit", daemon=True)
+                self._thread.start()
+        return self.status()
+
+    def stop(self) -> dict[str, Any]:
+        """Ask the workers to finish (the leader sees it within about a second); status at once."""
+        self._stop.set()
+        if self.state in ("starting", "running", "restarting"):
+            self.state = "stopping"
+        return self.status()
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            self.fits += 1
+            try:
+                self._fit()
+                if self._stop.is_set():
+                    break
+                self._error("fit", "the worker loop returned without a stop request")
+            except Exception as exc:  # the controller gave up (it retries worker failures itself)
+                logger.exception("Ray Train fit failed")
+                self._error("fit", f"{type(exc).__name__}: {exc}")
+            self.state = "restarting"
+            self._stop.wait(RESTART_BACKOFF_S)
+        self.state = "stopped"
+
+    def _fit(self) -> None:
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        t = self.cfg.training
+        locations = self._node_locations()
+        nodes = [loc["node_id"] for loc in locations]
+        workers = t.workers or len(nodes)
+        node_of_rank = [nodes[r % len(nodes)] for r in range(workers)]
+        where = {loc["node_id"]: loc.get("ray_node_id") for loc in locations}
+        located = all(where.get(n) for n in node_of_rank)
+        if not located:
+            self._error("placement", f"no Ray node known for some logical node ({where}); workers placed anywhere")
+        resources = dict(t.resources_per_worker)
+        use_gpu = resources.get("GPU", 0) > 0
+        scaling = ScalingConfig(
+            num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources,
+            label_selector=[{"ray.io/node-id": where[n]} for n in node_of_rank] if located else None,
+        )
+        run_config = RunConfig(
+            name=f"{self.cfg.name}-trainer", storage_path=str(self.cfg.data_path / "ray_train"),
+            failure_config=FailureConfig(max_failures=-1),
+        )
+        loop_config = {"config": self.config, "model_dir": self.model_dir, "namespace": self.namespace,
+                       "node_of_rank": node_of_rank, "eval_file": self.eval_file}
+        self.state = "starting"
+        TorchTrainer(train_loop, train_loop_config=loop_config, scaling_config=scaling, run_config=run_config).fit()
+
+    def _node_locations(self) -> list[dict[str, Any]]:
+        """Where each logical node's replica lives; waits (up to a minute) for the planner to place them."""
+        deadline = time.time() + 60
+        locations: list[dict[str, Any]] = []
+        while not self._stop.is_set():
+            try:
+                planner = ray.get_actor(self.cfg.planner_actor_name, namespace=self.namespace)
+                locations = ray.get(planner.node_locations.remote(), timeout=30)
+            except Exception as exc:
+                self._error("node_locations", f"{type(exc).__name__}: {exc}")
+            if locations and (all(loc.get("ray_node_id") for loc in locations) or time.time() > deadline):
+                break
+            self._stop.wait(1.0)
+        if not locations:
+            locations = [{"node_id": i, "ray_node_id": None} for i in range(self.cfg.cluster.nodes)]
+        return locations
+
+    # ---- reports from the workers ----------------------------------------------------------
+
+    def _error(self, where: str, message: str) -> None:
+        logger.warning("trainer %s: %s", where, message)
+        self.errors.append({"at": time.time(), "where": where, "message": message[:2000]})
+
+    def worker_started(self, rank: int, node_id: int, pid: int, ray_node_id: str) -> bool:
+        with self._lock:
+            self.worker_starts += 1
+            self.workers[rank] = {"rank": rank, "node_id": node_id, "pid": pid, "ray_node_id": ray_node_id,
+                                  "started_at": time.time()}
+            if self.state in ("starting", "restarting"):
+                self.state = "running"
+        return self._stop.is_set()
+
+    def worker_error(self, where: str, message: str) -> None:
+        self._error(where, message)
+
+    def should_stop(self) -> bool:
+        return self._stop.is_set()
+
+    def record(self, adapter: str, event: dict[str, Any]) -> bool:
+        """The leader's account of a step, a wait, a published version or an evaluation; returns the stop flag."""
+        with self._lock:
+            self._record(adapter, event)
+        return self._stop.is_set()
+
+    def _record(self, adapter: str, event: dict[str, Any]) -> None:
+        a = self.adapters.setdefault(adapter, {
+            "version": None, "versions_published": 0, "samples_trained": 0, "steps": 0, "optimizer_steps": 0,
+            "last_loss": None, "last_step_s": None, "grants_waited": 0, "grant_wait_s": 0.0, "shrunk_steps": 0,
+            "conflicts": 0, "last_published_at": None, "freshness_s": [], "win_rate": None, "clpd": None,
+            "eval_s": None, "publish_s": None, "last_grant_s": None, "last_publish_breakdown": None,
+            "evaluated_version": None,
+        })
+        kind = event.get("kind")
+        if kind == "step":
+            a["steps"] += 1
+            a["samples_trained"] += event["samples"]
+            a["last_loss"], a["last_step_s"], a["last_grant_s"] = event["loss"], event["seconds"], event["grant_s"]
+            a["shrunk_steps"] += int(event.get("shrunk", False))
+            a["optimizer_steps"] += int(event.get("optimizer_step", False))
+        elif kind == "wait":
+            a["grants_waited"] += 1
+            a["grant_wait_s"] += event["seconds"]
+        elif kind == "published":
+            a["version"], a["versions_published"] = event["version"], a["versions_published"] + 1
+            a["last_published_at"], a["publish_s"] = event["at"], event["seconds"]
+            a["last_publish_breakdown"] = event["breakdown"]
+            a["freshness_s"] = (a["freshness_s"] + event["freshness_s"])[-200:]
+        elif kind == "conflict":
+            a["conflicts"] += 1
+        elif kind == "eval":
+            a["win_rate"], a["clpd"], a["eval_s"] = event["win_rate"], event["clpd"], event["seconds"]
+            a["evaluated_version"] = event["version"]
+
+    def status(self) -> dict[str, Any]:
+        """JSON-able state for ``/v1/status``: workers, per-adapter progress, recent errors."""
+        with self._lock:
+            return self._status()
+
+    def _status(self) -> dict[str, Any]:
+        adapters = {}
+        for name, a in self.adapters.items():
+            fresh = a["freshness_s"]  # seconds from an item's acceptance to its version being loaded
+            adapters[name] = {k: v for k, v in a.items() if k != "freshness_s"} | {
+                "freshness_p50_s": round(statistics.median(fresh), 3) if fresh else None,
+                "freshness_max_s": round(max(fresh), 3) if fresh else None,
+            }
+        return {
+            "state": self.state,
+            "scope": self.cfg.training.scope,
+            "started_at": self.started_at,
+            "fits": self.fits,
+            "worker_starts": self.worker_starts,
+            "workers": [self.workers[r] for r in sorted(self.workers)],
+            "adapters": adapters,
+            "eval_file": self.eval_file,
+            "errors": list(self.errors),
+        }
+
+
+# ================================================================================================
+# The worker loop (runs inside Ray Train workers).
+
+
+def train_loop(loop_config: dict[str, Any]) -> None:
+    """Ray Train's ``train_loop_per_worker``: returns only when the Trainer actor asks to stop."""
+    _Worker(loop_config).run()
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, nearly equal [start, end) shares of n items; the first shares get the extras."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for r in range(parts):
+        end = start + base + (r < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _granted_counts(share_sizes: list[int], fraction: float) -> list[int]:
+    """Samples each rank trains when every rank may run ``fraction`` of its share (at least one if any)."""
+    return [0 if n == 0 else max(1, min(n, math.floor(n * fraction + 1e-9))) for n in share_sizes]
+
+
+class _Worker:
+    """One rank's state: the model of the adapter being trained, and (rank 0) the queue bookkeeping."""
+
+    def __init__(self, lc: dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+        from ray import train
+
+        self.torch, self.dist = torch, dist
+        self.cfg = AppConfig.model_validate(lc["config"])
+        self.t = self.cfg.training
+        self.model_dir = lc["model_dir"]
+        ctx = train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.node_id = lc["node_of_rank"][self.rank]
+        self.leader = self.rank == 0
+        self.distributed = self.world > 1 and dist.is_available() and dist.is_initialized()
+        # Share the node's cores with its inference engine: as many threads as CPUs granted (at least 1).
+        torch.set_num_threads(max(1, int(self.t.resources_per_worker.get("CPU", 1))))
+        ns = lc["namespace"]
+        self.store = ray.get_actor(self.cfg.feedback_actor_name, namespace=ns)
+        self.planner = ray.get_actor(self.cfg.planner_actor_name, namespace=ns)
+        self.sup = ray.get_actor(self.cfg.trainer_actor_name, namespace=ns)
+        self.evaluator: _Evaluator | None = None
+        if self.leader and lc.get("eval_file"):
+            try:
+                self.evaluator = _Evaluator(self, lc["eval_file"])
+            except Exception as exc:
+                self._warn("eval_file", exc)
+        # Model state, the same on every rank.
+        self.model = self.tok = self.opt = None
+        self.loaded: tuple[str, int | None] | None = None  # (adapter, store version the weights are)
+        self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
+        self.opt_steps = 0  # optimizer steps since the last published version
+        # Leader-only bookkeeping.
+        self.held: list[int] = []  # item ids trained into the unpublished weights
+        self.held_created: list[float] = []
+        self.version_samples = 0
+        self.version_losses: list[tuple[float, int]] = []
+        self.specs: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.last_adapter: str | None = None
+        self.not_before: dict[str, float] = {}  # adapter -> when to ask for a grant again
+        self._stop_checked, self._stop = 0.0, False
+        ray.get(self.sup.worker_started.remote(self.rank, self.node_id, os.getpid(),
+                                               ray.get_runtime_context().get_node_id()))
+
+    # ---- collectives (no-ops with one rank) ---------------------------------------------------
+
+    def bcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def allreduce(self, values: list[float], op: str = "sum") -> list[float]:
+        if not self.distributed:
+            return values
+        t = self.torch.tensor(values, dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def allreduce_grads(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.distributed:
+            return
+        flat = self.torch.cat([(p.grad if p.grad is not None else self.torch.zeros_like(p)).reshape(-1)
+                               for p in params])
+        self.dist.all_reduce(flat, op=self.dist.ReduceOp.SUM)  # shares were pre-scaled: sum = batch mean
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset: offset + n].view_as(p).clone()
+            offset += n
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            plan = self.bcast(self._plan() if self.leader else None)
+            op = plan["op"]
+            if op == "stop":
+                return
+            if op == "idle":
+                time.sleep(plan["sleep"])
+            elif op == "step":
+                self._ensure_model(plan)
+                self._step(plan)
+            elif op == "flush":
+                self._finish_version(plan, flush=True)
+
+    def _stop_requested(self) -> bool:
+        if time.time() - self._stop_checked >= STOP_CHECK_S:
+            self._stop_checked = time.time()
+            try:
+                self._stop = bool(ray.get(self.sup.should_stop.remote(), timeout=10))
+            except Exception:
+                self._stop = False  # the supervisor is restarting; our fate follows it anyway
+        return self._stop
+
+    def _report(self, adapter: str, event: dict[str, Any]) -> None:
+        try:
+            self.sup.record.remote(adapter, event)
+        except Exception:
+            pass
+
+    def _warn(self, where: str, exc: BaseException | str) -> None:
+        message = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        logger.warning("trainer rank %d, %s: %s", self.rank, where, message)
+        try:
+            self.sup.worker_error.remote(f"rank {self.rank} {where}", message)
+        except Exception:
+            pass
+
+    # ---- leader: what to do next ---------------------------------------------------------------
+
+    def _spec(self, adapter: str) -> dict[str, Any]:
+        cached = self.specs.get(adapter)
+        if cached is None or time.time() - cached[0] > 10:
+            info = ray.get(self.store.get_adapter.remote(adapter))
+            spec = {"name": info.name, "method": info.method, "beta": info.beta, "mode": info.mode,
+                    "learning_rate": info.learning_rate, "lora": info.lora.model_dump()}
+            self.specs[adapter] = cached = (time.time(), spec)
+        return cached[1]
+
+    def _plan(self) -> dict[str, Any]:
+        try:
+            return self._plan_unsafe()
+        except Exception as exc:  # a store or planner hiccup: say so, look again in a moment
+            self._warn("plan", exc)
+            return {"op": "idle", "sleep": 1.0}
+
+    def _plan_unsafe(self) -> dict[str, Any]:
+        if self._stop_requested():
+            return {"op": "stop"}
+        summary = ray.get(self.store.queue_summary.remote())  # adapter -> (unconsumed, oldest created_at)
+        current = self.loaded[0] if self.loaded else None
+        pending = self.micro_done > 0 or self.opt_steps > 0
+
+        now = time.time()
+
+        def available(name: str) -> int:
+            return summary.get(name, (0, None))[0] - (len(self.held) if name == current else 0)
+
+        def trainable(name: str) -> bool:
+            return available(name) > 0 and self._spec(name)["mode"] != "off" and self.not_before.get(name, 0) <= now
+
+        if pending:
+            # One model per process: finish (publish) the adapter in training before switching; also
+            # publish what is trained when its next step is refused (publishing needs no grant).
+            if trainable(current):
+                adapter = current
+            else:
+                return {"op": "flush", "adapter": current}
+        else:
+            names = sorted(n for n in summary if trainable(n))
+            if not names:
+                return {"op": "idle", "sleep": IDLE_POLL_S}
+            later = [n for n in names if self.last_adapter is None or n > self.last_adapter]
+            adapter = (later or names)[0]  # round robin in name order
+        spec = self._spec(adapter)
+        cur = ray.get(self.store.current_version.remote(adapter))
+        target = (cur.version, cur.path) if cur is not None else (None, None)
+        held = self.held if adapter == current else []
+        items = ray.get(self.store.take.remote(adapter, self.t.micro_batch, held))
+        if not items:
+            return {"op": "idle", "sleep": IDLE_POLL_S}
+        more = available(adapter) - len(items) > 0
+        return {
+            "op": "step", "adapter": adapter, "spec": spec, "target": target,
+            "items": [{"id": i.id, "prompt": i.prompt, "completion": i.completion, "chosen": i.chosen,
+                       "rejected": i.rejected, "created_at": i.created_at} for i in items],
+            "last_of_queue": not more,
+        }
+
+    # ---- every rank: model, step, version --------------------------------------------------------
+
+    def _ensure_model(self, plan: dict[str, Any]) -> None:
+        """Load the adapter's current published version (or a fresh LoRA) unless the weights already are it."""
+        from app.lora_training import load_lora_model, make_optimizer
+
+        adapter, (version, path) = plan["adapter"], plan["target"]
+        if self.model is not None and self.loaded == (adapter, version):
+            return
+        if self.loaded is not None and self.loaded[0] == adapter and (self.micro_done or self.opt_steps):
+            # The current version moved under unpublished work (a rollback): drop it, train the items again.
+            self._report(adapter, {"kind": "conflict"})
+        spec = plan["spec"]
+        self.model = self.tok = self.opt = None
+        self.model, self.tok = load_lora_model(self.model_dir, spec["lora"], adapter_dir=path)
+        self.opt = make_optimizer(self.model, spec["learning_rate"], state_dir=path)
+        self.loaded = (adapter, version)
+        self._reset_version()
+
+    def _reset_version(self) -> None:
+        self.micro_done = self.opt_steps = 0
+        self.held, self.held_created = [], []
+        self.version_samples, self.version_losses = 0, []
+        if self.opt is not None:
+            self.opt.zero_grad(set_to_none=True)
+
+    def _tokens(self, items: list[dict[str, Any]], method: str) -> int:
+        answers = ("chosen", "rejected") if method == "dpo" else ("completion",)
+        total = 0
+        for it in items:
+            prompt = len(self.tok(it["prompt"], add_special_tokens=True)["input_ids"])
+            for a in answers:
+                total += min(self.t.max_length, prompt + len(self.tok(it[a], add_special_tokens=False)["input_ids"]) + 1)
+        return total
+
+    def _ask_grant(self, plan: dict[str, Any], share: list[dict[str, Any]]) -> tuple[float, float]:
+        """Every rank asks the planner for its own node; (the fraction all may run, the longest wait)."""
+        adapter, spec = plan["adapter"], plan["spec"]
+        fraction, wait = 1.0, 0.0
+        if share:
+            try:
+                tokens = self._tokens(share, spec["method"])
+                g = ray.get(self.planner.grant.remote(self.node_id, adapter, spec["mode"], len(share), tokens),
+                            timeout=30)
+                if g["action"] == "run":
+                    fraction = min(1.0, g["samples"] / len(share))
+                else:
+                    fraction, wait = 0.0, float(g.get("seconds", IDLE_POLL_S))
+            except Exception as exc:  # planner restarting: treat as "wait", never train unasked
+                self._warn("grant", exc)
+                fraction, wait = 0.0, MAX_GRANT_SLEEP_S
+        neg_fraction, wait = self.allreduce([-fraction, wait], op="max")
+        return -neg_fraction, wait
+
+    def _step(self, plan: dict[str, Any]) -> None:
+        from app.lora_training import dpo_step, sft_step
+
+        adapter, spec, items = plan["adapter"], plan["spec"], plan["items"]
+        bounds = _split(len(items), self.world)
+        shares = [items[a:b] for a, b in bounds]
+        t_ask = time.time()
+        fraction, wait = self._ask_grant(plan, shares[self.rank])
+        if fraction <= 0:
+            # Refused on some node: this adapter waits; the leader may serve another one meanwhile.
+            if self.leader:
+                wait = min(max(wait, 0.01), MAX_GRANT_SLEEP_S)
+                self.not_before[adapter] = time.time() + wait
+                self._report(adapter, {"kind": "wait", "seconds": wait})
+            return
+        counts = _granted_counts([len(s) for s in shares], fraction)
+        total = sum(counts)
+        mine = shares[self.rank][: counts[self.rank]]
+        t0 = time.time()
+        loss_sum, tokens = 0.0, 0
+        if mine:
+            # Pre-scale so that the sum over ranks is the mean over the whole step, over `accumulation` steps.
+            scale = len(mine) / total / self.t.accumulation
+            if spec["method"] == "dpo":
+                stats = dpo_step(self.model, self.tok, mine, spec["beta"], scale=scale, max_length=self.t.max_length)
+            else:
+                stats = sft_step(self.model, self.tok, mine, scale=scale, max_length=self.t.max_length)
+            loss_sum, tokens = stats.loss * len(mine), stats.tokens
+        loss_sum, tokens = self.allreduce([loss_sum, float(tokens)])
+        self.micro_done += 1
+        trained = [it for s, k in zip(shares, counts) for it in s[:k]]
+        self.version_samples += total
+        self.version_losses.append((loss_sum / total, total))
+        if self.leader:
+            self.held += [it["id"] for it in trained]
+            self.held_created += [it["created_at"] for it in trained]
+        everything = len(trained) == len(items)
+        flush = plan["last_of_queue"] and everything
+        stepped = False
+        if self.micro_done >= self.t.accumulation or flush:
+            self._optimizer_step()
+            stepped = True
+        if self.leader:
+            self._report(adapter, {"kind": "step", "samples": total, "loss": loss_sum / total, "tokens": int(tokens),
+                                   "seconds": time.time() - t0, "grant_s": t0 - t_ask, "shrunk": not everything,
+                                   "optimizer_step": stepped})
+        if self.opt_steps >= self.t.steps_per_version or (flush and self.opt_steps > 0):
+            self._finish_version(plan, flush=False)
+
+    def _optimizer_step(self) -> None:
+        from app.lora_training import optimizer_step
+
+        if self.micro_done < self.t.accumulation:
+            # A partial accumulation (the queue ran dry): rescale to the mean over the steps taken.
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.t.accumulation / self.micro_done)
+        self.allreduce_grads()
+        optimizer_step(self.model, self.opt)
+        self.micro_done = 0
+        self.opt_steps += 1
+
+    def _finish_version(self, plan: dict[str, Any], flush: bool) -> None:
+        """Apply pending gradients if flushing, then publish on rank 0 and tell every rank how it went."""
+        if self.model is None or (flush and self.loaded and self.loaded[0] != plan["adapter"]):
+            return
+        if flush and self.micro_done > 0:
+            self._optimizer_step()
+        if self.opt_steps == 0:
+            return
+        outcome = self._publish(plan["adapter"]) if self.leader else None
+        outcome = self.bcast(outcome)
+        adapter = plan["adapter"]
+        if outcome["version"] is None:
+            self.loaded = None  # reload the store's current version before the next step
+            self._reset_version()
+            return
+        self.loaded = (adapter, outcome["version"])
+        self.last_adapter = adapter
+        self._reset_version()
+        if self.leader:
+            self._evaluate(adapter, outcome["version"], outcome["path"])
+
+    def _publish(self, adapter: str) -> dict[str, Any]:
+        from app.feedback_store import VersionConflict
+        from app.lora_training import save_adapter_version
+
+        t0 = time.time()
+        samples = self.version_samples
+        loss = sum(l * n for l, n in self.version_losses) / max(1, sum(n for _, n in self.version_losses))
+        parent = self.loaded[1] if self.loaded else None
+        marks = [t0]
+        try:
+            v = ray.get(self.store.reserve_version.remote(adapter))
+            marks.append(time.time())
+            path = save_adapter_version(self.model, self.opt, self.cfg.adapters_path, adapter, v.version, {
+                "parent": parent, "samples_trained": samples, "loss": loss, "items": len(self.held),
+                "scope": self.t.scope, "world_size": self.world})
+            marks.append(time.time())
+            ray.get(self.store.publish_version.remote(adapter, v.version, str(path), self.held, samples, loss))
+            marks.append(time.time())
+        except VersionConflict as exc:
+            # A rollback moved the current version: drop this work; the items are still queued.
+            self._report(adapter, {"kind": "conflict"})
+            self._warn("publish", exc)
+            return {"version": None}
+        except Exception as exc:
+            self._warn("publish", exc)
+            return {"version": None}
+        try:
+            ray.get(self.planner.load_adapter.remote(adapter, v.version, str(path)), timeout=LOAD_TIMEOUT_S)
+        except Exception as exc:  # published in the store; the planner restores it on restart
+            self._warn("load_adapter", exc)
+        now = time.time()
+        marks.append(now)
+        breakdown = dict(zip(("reserve_s", "save_s", "publish_s", "load_s"),
+                             (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
+        self._report(adapter, {"kind": "published", "version": v.version, "at": now, "seconds": now - t0,
+                               "breakdown": breakdown,
+                               "freshness_s": [round(now - c, 3) for c in self.held_created]})
+        return {"version": v.version, "path": str(path)}
+
+    # ---- evaluation (MACE §3.1 win rate and CLPD) ---------------------------------------------------
+
+    def _evaluate(self, adapter: str, version: int, path: str) -> None:
+        if self.evaluator is not None:
+            self.evaluator.submit(adapter, version, path)
+
+
+class _Evaluator:
+    """Rank 0's background thread: win rate and CLPD of published versions on the held-out pairs.
+
+    It loads each version from its directory into its own model copy, so an evaluation never
+    delays the next training step or the next version (freshness). When versions come faster
+    than evaluations, only the newest waiting one per adapter is evaluated.
+    """
+
+    def __init__(self, worker: _Worker, path: str) -> None:
+        from app.lora_training import read_preference_jsonl
+
+        self.worker, self.t = worker, worker.t
+        self.pairs = read_preference_jsonl(path, limit=self.t.eval_pairs, max_text_bytes=4 * self.t.max_length)
+        self._todo: dict[str, tuple[int, str]] = {}
+        self._cv = threading.Condition()
+        threading.Thread(target=self._run, name="evaluator", daemon=True).start()
+
+    def submit(self, adapter: str, version: int, path: str) -> None:
+        with self._cv:
+            self._todo[adapter] = (version, path)
+            self._cv.notify()
+
+    def _run(self) -> None:
+        from app.lora_training import evaluate_preferences, load_lora_model
+
+        while True:
+            with self._cv:
+                while not self._todo:
+                    self._cv.wait()
+                adapter, (version, path) = self._todo.popitem()
+            t0 = time.time()
+            try:
+                model, tok = load_lora_model(self.worker.model_dir, None, adapter_dir=path)
+                ev = evaluate_preferences(model, tok, self.pairs, max_length=self.t.max_length)
+                del model
+                ray.get(self.worker.store.record_eval.remote(adapter, version, ev.win_rate, ev.clpd))
+                self.worker._report(adapter, {"kind": "eval", "version": version, "win_rate": ev.win_rate,
+                                              "clpd": ev.clpd, "seconds": time.time() - t0})
+            except Exception as exc:
+                self.worker._warn("evaluate", exc)

@@ -1,0 +1,235 @@
+"""Freshness: seconds from a feedback item's 2xx to the first response served by an adapter version trained on it.
+
+    .venv/bin/python bench/freshness.py                          # starts an app (2 nodes), hybrid vs sync
+    .venv/bin/python bench/freshness.py --url http://127.0.0.1:8000 --modes hybrid --samples 30
+
+While ``--clients`` closed-loop clients keep the base model busy (``/v1/completions``,
+``--load-tokens`` output tokens each), for each mode in ``--modes`` the script creates a fresh
+SFT adapter in that retraining mode, sends one warm-up item (the trainer loads the adapter; not
+counted), then ``--samples`` times: posts one SFT item, and polls until (1) the store shows it
+consumed by a published version v (``GET /v1/adapters/{name}``: queue empty), and (2) every
+ready node of ``/v1/status`` serves v of ``base:adapter``; then it sends one request to
+``base:adapter`` and stops the clock when that response arrives. The response is checked to be
+from the new weights: the echoed log-probability of the item's completion differs from the one
+served before the item was sent. Items are sent one at a time, so each version trains on
+exactly one new item and the next item waits for it.
+
+Prints one markdown table: freshness p50/p95/max per mode, and the inference load's latency
+p50/p99 and rate over the same window (what training cost the clients). ``--json`` writes the
+raw numbers. The app started here uses the test-sized config (2 nodes, synced scope,
+steps_per_version 1); with ``--url`` the app's own training settings apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BASE = "tiny-llama"
+POLL_S = 0.02
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+class Load:
+    """Closed-loop inference clients on the base model; records each request's latency."""
+
+    def __init__(self, url: str, clients: int, max_tokens: int) -> None:
+        self.url, self.clients, self.max_tokens = url, clients, max_tokens
+        self.samples: list[tuple[float, float, bool]] = []  # (finish time, latency, ok)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not self._stop.is_set():
+                t0 = time.time()
+                try:
+                    r = c.post(f"{self.url}/v1/completions", json={
+                        "model": BASE, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
+                        "max_tokens": self.max_tokens, "temperature": 0.8})
+                    ok = r.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.samples.append((time.time(), time.time() - t0, ok))
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=130)
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        lat = [s[1] for s in self.samples if t0 <= s[0] <= t1 and s[2]]
+        errors = sum(1 for s in self.samples if t0 <= s[0] <= t1 and not s[2])
+        return {"requests": len(lat), "errors": errors, "rate": len(lat) / max(1e-9, t1 - t0),
+                "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99)}
+
+
+def served_logprob(c: httpx.Client, url: str, model: str, prompt: str, completion: str) -> float | None:
+    """Echoed log π(completion | prompt) as served (byte-level tokenizer: the last len(bytes) prompt tokens)."""
+    r = c.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt + completion, "max_tokens": 1,
+                                             "echo": True, "logprobs": 0, "temperature": 0})
+    if r.status_code != 200:
+        return None
+    lp = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    n = len(completion.encode("utf-8"))
+    return float(sum(lp[-1 - n:-1]))
+
+
+def serving_version(c: httpx.Client, url: str, model: str) -> int | None:
+    """The lowest version of ``model`` that any ready node serves (None if one does not serve it)."""
+    nodes = [n for n in c.get(f"{url}/v1/status").json()["nodes"] if n["state"] == "ready"]
+    versions = [n["adapters"].get(model) for n in nodes]
+    return None if not versions or None in versions else min(versions)
+
+
+def measure_mode(url: str, mode: str, samples: int, lr: float, tag: str) -> dict[str, Any]:
+    name = f"fresh-{mode}-{tag}"
+    model = f"{BASE}:{name}"
+    spec: dict[str, Any] = {"name": name, "method": "sft", "mode": mode, "learning_rate": lr,
+                            "lora": {"r": 8, "alpha": 16}}
+    if mode == "periodic":
+        spec["periodic"] = {"every_seconds": 5.0}
+    out: dict[str, Any] = {"mode": mode, "adapter": name, "freshness_s": [], "unchanged": 0}
+    with httpx.Client(timeout=120) as c:
+        r = c.post(f"{url}/v1/adapters", json=spec)
+        r.raise_for_status()
+
+        def deliver(prompt: str, completion: str, before: float | None) -> tuple[float, bool]:
+            ids = c.post(f"{url}/v1/feedback", json={"adapter": name, "prompt": prompt, "completion": completion})
+            ids.raise_for_status()
+            accepted = time.time()
+            while True:
+                info = c.get(f"{url}/v1/adapters/{name}").json()
+                if info["queued"] == 0 and info["current_version"]:
+                    break
+                time.sleep(POLL_S)
+            version = info["current_version"]
+            while (serving_version(c, url, model) or 0) < version:
+                time.sleep(POLL_S)
+            after = served_logprob(c, url, model, prompt, completion)
+            done = time.time() - accepted
+            return done, before is None or (after is not None and abs(after - before) > 1e-4)
+
+        deliver("warm up: the adapter is loaded by the trainer", " fine", None)
+        t0 = time.time()
+        for i in range(samples):
+            prompt, completion = f"Fact {i}: the code word for day {i} is", f" tulip-{i * 7919 % 1000}."
+            before = served_logprob(c, url, model, prompt, completion)
+            seconds, changed = deliver(prompt, completion, before)
+            out["freshness_s"].append(seconds)
+            out["unchanged"] += int(not changed)
+        out["window"] = (t0, time.time())
+        out["trainer"] = (c.get(f"{url}/v1/status").json().get("training") or {}).get("adapters", {}).get(name)
+    return out
+
+
+def start_app(data_dir: str, port: int, nodes: int) -> None:
+    import ray
+    from ray import serve
+
+    from app.main import build_app
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    cfg = {"name": "bench-fresh", "data_dir": data_dir,
+           "cluster": {"nodes": nodes, "stages": 1, "bundle": {"CPU": 1}},
+           "model": {"max_model_len": 1024}, "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+           "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4}}
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name="coserve", route_prefix="/")
+
+
+def wait_ready(url: str, timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            st = httpx.get(f"{url}/v1/status", timeout=10).json()
+            training = st.get("training") or {}
+            if st["ready_nodes"] == len(st["nodes"]) and training.get("state") == "running" and training.get("workers"):
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(2)
+    raise SystemExit(f"app at {url} not ready (nodes and trainer) within {timeout}s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running app; default: start one here")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--modes", default="hybrid,sync", help="comma-separated retraining modes, measured in turn")
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--load-tokens", type=int, default=32)
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--json", help="write the raw numbers here")
+    args = p.parse_args()
+
+    url = args.url
+    started = False
+    if url is None:
+        url = f"http://127.0.0.1:{args.port}"
+        start_app(tempfile.mkdtemp(prefix="bench-freshness-"), args.port, args.nodes)
+        started = True
+    try:
+        wait_ready(url)
+        load = Load(url, args.clients, args.load_tokens)
+        load.start()
+        time.sleep(5)  # the load reaches steady state
+        tag = time.strftime("%H%M%S")
+        results = []
+        for mode in args.modes.split(","):
+            res = measure_mode(url, mode.strip(), args.samples, args.lr, tag)
+            res["load"] = load.window(*res["window"])
+            results.append(res)
+            print(f"{mode}: p50 {statistics.median(res['freshness_s']):.2f}s", file=sys.stderr, flush=True)
+        load.stop()
+    finally:
+        if started:
+            from ray import serve
+
+            serve.shutdown()
+
+    print(f"\nfreshness with {args.clients} inference clients ({args.load_tokens} output tokens each), "
+          f"{args.samples} SFT items per mode, one at a time\n")
+    print("| mode | items | freshness p50 (s) | p95 (s) | max (s) | unchanged | load req/s | load latency p50 (s) "
+          "| p99 (s) | load errors |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        f, w = r["freshness_s"], r["load"]
+        print(f"| {r['mode']} | {len(f)} | {pct(f, 50):.2f} | {pct(f, 95):.2f} | {max(f):.2f} | {r['unchanged']} "
+              f"| {w['rate']:.1f} | {w['latency_p50_s']:.2f} | {w['latency_p99_s']:.2f} | {w['errors']} |")
+    goal = results[0]
+    print(f"\ngoal (issue 4): p50 <= 2 s on this CPU; {goal['mode']}: {pct(goal['freshness_s'], 50):.2f} s -> "
+          f"{'met' if pct(goal['freshness_s'], 50) <= 2 else 'NOT met'}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
