@@ -687,7 +687,14 @@ class LemixPlacement:
             # (an arithmetic one drifts upward under symmetric noise), kept within 4x of the profile:
             # beyond that the profile is wrong for this node and needs re-fitting, not a fudge factor.
             ratio = min(max(actual / planned, 0.2), 5.0)
-            node.speed = min(max(node.speed * ratio ** self.calibration_rate, 0.25), 4.0)
+            speed = min(max(node.speed * ratio ** self.calibration_rate, 0.25), 4.0)
+            # The profile is per node type, so its error is too: nodes that share a cost model share
+            # the correction. A per-node factor would make every node that was just used look slower
+            # than the idle ones still on the uncorrected profile, and spread work that should consolidate.
+            for other in self._nodes:
+                if other.cost is node.cost:
+                    other.speed = speed
+                    self._dirty.add(other.row)
         if p.kind == "inference":
             if node.fend[-1] == p.first_end:
                 # Nothing was planned after it: its actual forward end becomes task_prev.end_f.
