@@ -10,8 +10,8 @@ counted), then ``--samples`` times: posts one SFT item, and polls until (1) the 
 consumed by a published version v (``GET /v1/adapters/{name}``: queue empty), and (2) every
 ready node of ``/v1/status`` serves v of ``base:adapter``; then it sends one request to
 ``base:adapter`` and stops the clock when that response arrives. The response is checked to be
-from the new weights: the echoed log-probability of the item's completion differs from the one
-served before the item was sent. Items are sent one at a time, so each version trains on
+from the new weights: the served log-probability of the greedy next token after the item's
+prompt differs from the one served before the item was sent ("unchanged" counts failures). Items are sent one at a time, so each version trains on
 exactly one new item and the next item waits for it.
 
 Prints one markdown table: freshness p50/p95/max per mode, and the inference load's latency
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import sys
 import tempfile
@@ -39,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 BASE = "tiny-llama"
-POLL_S = 0.02
+POLL_S = 0.05
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -87,15 +88,17 @@ class Load:
                 "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99)}
 
 
-def served_logprob(c: httpx.Client, url: str, model: str, prompt: str, completion: str) -> float | None:
-    """Echoed log π(completion | prompt) as served (byte-level tokenizer: the last len(bytes) prompt tokens)."""
-    r = c.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt + completion, "max_tokens": 1,
-                                             "echo": True, "logprobs": 0, "temperature": 0})
+def probe(c: httpx.Client, url: str, model: str, prompt: str) -> float | None:
+    """Served log-probability of the greedy next token after ``prompt``: it moves whenever the weights do.
+
+    Not echo + logprobs: prompt log-probabilities through a LoRA engine hit vLLM #16668 (wrong LoRA
+    mapping; the engine dies once such a request shares a batch), and this bench runs under load.
+    """
+    r = c.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "logprobs": 1,
+                                             "temperature": 0})
     if r.status_code != 200:
         return None
-    lp = r.json()["choices"][0]["logprobs"]["token_logprobs"]
-    n = len(completion.encode("utf-8"))
-    return float(sum(lp[-1 - n:-1]))
+    return float(r.json()["choices"][0]["logprobs"]["token_logprobs"][0])
 
 
 def serving_version(c: httpx.Client, url: str, model: str) -> int | None:
@@ -129,21 +132,27 @@ def measure_mode(url: str, mode: str, samples: int, lr: float, tag: str) -> dict
             version = info["current_version"]
             while (serving_version(c, url, model) or 0) < version:
                 time.sleep(POLL_S)
-            after = served_logprob(c, url, model, prompt, completion)
+            after = probe(c, url, model, prompt)
             done = time.time() - accepted
-            return done, before is None or (after is not None and abs(after - before) > 1e-4)
+            return done, before is None or (after is not None and after != before)
 
         deliver("warm up: the adapter is loaded by the trainer", " fine", None)
         t0 = time.time()
         for i in range(samples):
             prompt, completion = f"Fact {i}: the code word for day {i} is", f" tulip-{i * 7919 % 1000}."
-            before = served_logprob(c, url, model, prompt, completion)
+            before = probe(c, url, model, prompt)
             seconds, changed = deliver(prompt, completion, before)
             out["freshness_s"].append(seconds)
             out["unchanged"] += int(not changed)
         out["window"] = (t0, time.time())
         out["trainer"] = (c.get(f"{url}/v1/status").json().get("training") or {}).get("adapters", {}).get(name)
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_app(data_dir: str, port: int, nodes: int) -> None:
@@ -180,7 +189,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running app; default: start one here")
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--port", type=int, default=0, help="for the app started here; 0: a free port")
     p.add_argument("--modes", default="hybrid,sync", help="comma-separated retraining modes, measured in turn")
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--clients", type=int, default=4)
@@ -192,8 +201,9 @@ def main() -> None:
     url = args.url
     started = False
     if url is None:
-        url = f"http://127.0.0.1:{args.port}"
-        start_app(tempfile.mkdtemp(prefix="bench-freshness-"), args.port, args.nodes)
+        port = args.port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        start_app(tempfile.mkdtemp(prefix="bench-freshness-"), port, args.nodes)
         started = True
     try:
         wait_ready(url)

@@ -72,20 +72,36 @@ def _wait_consumed(app_url: str, name: str, min_version: int = 1, timeout: float
                 f"version={info.get('current_version')}, trainer={_training(app_url)}")
 
 
-def _served_logprob(app_url: str, model: str, prompt: str, completion: str) -> float | None:
-    """log π(completion | prompt) as served: echo the joined text with prompt logprobs; None if not served yet.
+def _probe(app_url: str, model: str, prompt: str) -> float | None:
+    """The served log-probability of the greedy next token after ``prompt`` (None: ``model`` not served yet).
 
-    The embedded model's tokenizer is byte-level, so the completion is its last len(bytes) tokens.
+    It moves with every change of the weights. Not echo + logprobs: prompt log-probabilities
+    through a LoRA engine hit vLLM #16668 (a wrong LoRA mapping that kills the engine once such a
+    request shares a batch with others), so the tests never send them.
     """
     r = httpx.post(f"{app_url}/v1/completions", timeout=60, json={
-        "model": model, "prompt": prompt + completion, "max_tokens": 1, "echo": True, "logprobs": 0,
-        "temperature": 0})
+        "model": model, "prompt": prompt, "max_tokens": 1, "logprobs": 1, "temperature": 0})
     if r.status_code == 404:
         return None
     assert r.status_code == 200, r.text
-    lp = r.json()["choices"][0]["logprobs"]["token_logprobs"]
-    n = len(completion.encode("utf-8"))
-    return float(sum(lp[-1 - n:-1]))  # the last entry is the generated token
+    return float(r.json()["choices"][0]["logprobs"]["token_logprobs"][0])
+
+
+def _greedy(app_url: str, model: str, prompt: str, tokens: int = 12) -> str:
+    r = httpx.post(f"{app_url}/v1/completions", timeout=60,
+                   json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _version_model(cfg, path: str | None):
+    """The model as a published version directory holds it (None: a fresh LoRA, i.e. the base model)."""
+    from app.default_model import ensure
+    from app.lora_training import load_lora_model
+
+    model_dir = cfg.model.path or str(ensure(cfg.data_path))
+    lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    return load_lora_model(model_dir, lora, adapter_dir=path)
 
 
 # ---- fixtures --------------------------------------------------------------------------------
@@ -111,42 +127,44 @@ def store(ray_cluster, cfg):
     return ray_cluster.get_actor(cfg.feedback_actor_name, namespace="coserve")
 
 
-# ---- SFT: the served log-probability of the taught completion rises, fast ----------------------
+# ---- SFT: fresh versions are served within seconds; the completion gets likelier --------------
 
 
-def test_sft_feedback_is_served_within_seconds_and_raises_the_completion_logprob(app_url, trainer):
+def test_sft_feedback_is_served_within_seconds_and_raises_the_completion_logprob(app_url, trainer, cfg):
+    from app.lora_training import sequence_logprob
+
     name, model = "learn-sft", f"{BASE}:learn-sft"
     prompt, completion = "Q: What is the capital of France?\nA:", " Paris is the capital."
     _create(app_url, name, method="sft", learning_rate=5e-3, lora={"r": 8, "alpha": 16})
-    base = _served_logprob(app_url, BASE, prompt, completion)  # a fresh LoRA (B = 0) is the base model
-    assert _served_logprob(app_url, model, prompt, completion) is None  # nothing published yet
+    assert _probe(app_url, model, prompt) is None  # nothing published yet: base:adapter is unknown
 
-    # Freshness: from the 2xx of the feedback to the first response served by a version trained on it.
+    # Freshness: from the 2xx of the feedback to the first response served by a version trained on
+    # it. Before version 1 the model id does not exist, so any answer comes from v1 or later.
     _feedback(app_url, [{"adapter": name, "prompt": prompt, "completion": completion}])
     accepted = time.time()
-    while (served := _served_logprob(app_url, model, prompt, completion)) is None:
+    while (first := _probe(app_url, model, prompt)) is None:
         assert time.time() - accepted < FRESHNESS_BOUND_S, f"not served after {FRESHNESS_BOUND_S}s: {_training(app_url)}"
         time.sleep(0.05)
     freshness = time.time() - accepted
     info = _adapter(app_url, name)
-    assert info["current_version"] >= 1 and info["versions"][-1]["samples_trained"] >= 1
-    assert served > base, (served, base)
-    print(f"freshness of the first SFT sample: {freshness:.2f}s")
+    assert info["current_version"] >= 1 and info["versions"][0]["samples_trained"] >= 1
+    print(f"freshness of the first SFT sample (includes the trainer loading the adapter): {freshness:.2f}s")
 
-    # More of the same feedback: more versions, and the completion keeps getting likelier.
+    # More of the same feedback: more versions, each served as soon as it is published.
     for _ in range(3):
         _feedback(app_url, [{"adapter": name, "prompt": prompt, "completion": completion}] * 4)
     info = _wait_consumed(app_url, name, min_version=2)
-    after = _served_logprob(app_url, model, prompt, completion)
-    assert info["current_version"] >= 2 and after > served, (after, served)
-    # The served greedy text for base:adapter differs from the base model's.
-    texts = {}
-    for m in (BASE, model):
-        r = httpx.post(f"{app_url}/v1/completions", timeout=60,
-                       json={"model": m, "prompt": prompt, "max_tokens": 12, "temperature": 0})
-        assert r.status_code == 200, r.text
-        texts[m] = r.json()["choices"][0]["text"]
-    assert texts[model] != texts[BASE], texts
+    assert info["current_version"] >= 2
+    assert _probe(app_url, model, prompt) != first  # the replicas serve newer weights than v1
+
+    # log π(completion | prompt) rises: base < v1 < latest, measured on the published directories.
+    logps = []
+    for path in (None, info["versions"][0]["path"], info["versions"][-1]["path"]):
+        m, tok = _version_model(cfg, path)
+        logps.append(sequence_logprob(m, tok, prompt, completion))
+    assert logps[0] < logps[1] < logps[2], logps
+    # ... and the served greedy text for base:adapter differs from the base model's.
+    assert _greedy(app_url, model, prompt) != _greedy(app_url, BASE, prompt)
     st = _training(app_url)["adapters"][name]
     assert st["versions_published"] >= 2 and st["last_loss"] is not None
 
@@ -155,17 +173,14 @@ def test_sft_feedback_is_served_within_seconds_and_raises_the_completion_logprob
 
 
 def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data, cfg):
-    from app.default_model import ensure
-    from app.lora_training import evaluate_preferences, load_lora_model, read_preference_jsonl
+    from app.lora_training import evaluate_preferences, read_preference_jsonl
 
     name = "learn-dpo"
     pairs = read_preference_jsonl(shared_data / "preferences" / "hh_rlhf_train_sample.jsonl", limit=12,
                                   max_text_bytes=200)
     _create(app_url, name, method="dpo", beta=0.1, learning_rate=5e-3, lora={"r": 8, "alpha": 16})
-    model_dir = cfg.model.path or str(ensure(cfg.data_path))
-    fresh, tok = load_lora_model(model_dir, {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+    fresh, tok = _version_model(cfg, None)
     before = evaluate_preferences(fresh, tok, pairs)  # B = 0: exactly the base model
-    del fresh
 
     for _ in range(3):  # a few passes over the pairs, as a stream of feedback
         _feedback(app_url, [{"adapter": name, **p} for p in pairs])
@@ -174,18 +189,14 @@ def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data
     assert latest["version"] == info["current_version"] and latest["samples_trained"] >= 1
     assert Path(latest["path"]).is_dir()
 
-    trained, tok = load_lora_model(model_dir, None, adapter_dir=latest["path"])
+    trained, tok = _version_model(cfg, latest["path"])  # the directory the replicas loaded
     after = evaluate_preferences(trained, tok, pairs)
+    print(f"DPO on {len(pairs)} pairs: CLPD {before.clpd:.2f} -> {after.clpd:.2f}, "
+          f"win rate {before.win_rate:.2f} -> {after.win_rate:.2f}")
     assert after.clpd > before.clpd, (before, after)  # E[log π(y+) − log π(y−)] went up
-
-    # The served model agrees: the mean margin on these pairs through the OpenAI endpoint went up too.
-    def served_margin(model: str) -> float:
-        return sum(_served_logprob(app_url, model, p["prompt"], p["chosen"])
-                   - _served_logprob(app_url, model, p["prompt"], p["rejected"]) for p in pairs) / len(pairs)
-
-    base, served = served_margin(BASE), served_margin(f"{BASE}:{name}")
-    print(f"DPO: CLPD {before.clpd:.2f} -> {after.clpd:.2f} (version dir), served margin {base:.2f} -> {served:.2f}")
-    assert served > base, (served, base)
+    # The replicas serve it: base:adapter answers, with other weights than the base model.
+    p = pairs[0]["prompt"]
+    assert _probe(app_url, f"{BASE}:{name}", p) != _probe(app_url, BASE, p)
 
 
 # ---- faults: kill the trainer's worker and the Trainer actor mid-training --------------------
