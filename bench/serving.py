@@ -260,6 +260,7 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
     ]
     log(f"{tag}: benchmark at rate {rate} ({args.num_prompts} prompts), load average {load_average()}")
     client_log = out_dir / f"{tag}-rate-{rate}.log"
+    load_before = load_average()
     cpu_before = cpu_snapshot(server.proc.pid)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall_before = time.time()
@@ -290,7 +291,8 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
                ("completed", "failed", "duration", "request_throughput", "output_throughput",
                 "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
                 "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")}
-    summary["load_average_after"] = load_average()
+    summary["load_1min_before"] = float(load_before.split()[0]) if load_before != "n/a" else None
+    summary["load_1min_after"] = os.getloadavg()[0]
     summary["total_output_tokens"] = result.get("total_output_tokens")
     # Includes the client's start-up (tokenizer, dataset) and the server's idle time in the window.
     summary["cpu_seconds"] = {"window_s": round(wall, 1), **cpu}
@@ -427,6 +429,13 @@ def table(results: dict[str, Any], rates: list[str]) -> str:
             if len(systems) == 2:
                 row.append(f"{vals[1] / vals[0]:.2f}" if vals[0] and vals[1] is not None else "n/a")
         lines.append("| " + " | ".join(row) + " |")
+    row = ["load avg (1 min) before / after"]
+    for rate in rates:
+        row += [fmt("{:.1f}", results[s]["rates"][rate].get("load_1min_before")) + " / "
+                + fmt("{:.1f}", results[s]["rates"][rate].get("load_1min_after")) for s in systems]
+        if len(systems) == 2:
+            row.append("")
+    lines.append("| " + " | ".join(row) + " |")
     row = ["completed / failed"]
     for rate in rates:
         row += [f"{results[s]['rates'][rate]['completed']} / {results[s]['rates'][rate]['failed']}" for s in systems]
