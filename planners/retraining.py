@@ -108,22 +108,29 @@ class Hybrid:
     so a cost model that is too optimistic under load does not let training in. An idle node
     is judged by the prediction alone (old traces say nothing about the next arrival).
 
-    Starvation bound: once the oldest queued item has waited ``max_wait_s``, a step that does not
-    fit still runs with ``min_samples`` samples (MACE §4.1 raises fine-tuning priority with its
-    age for the same reason). Under sustained overload training thus proceeds at
-    ``min_samples`` per step instead of stopping.
+    Starvation, in two steps after MACE §4.1, whose fine-tuning priority
+    ``P_ft(t) = π_ft + δ_ft·(t − t_arr)`` grows with waiting so that retraining never starves:
 
-    Params: ``slo_fraction`` (1.0) share of the SLO the step may fill; ``max_wait_s`` (30.0);
-    ``min_samples`` (1); ``recheck_s`` (0.1) how long a refused trainer waits before asking
-    again; ``use_observed`` (True).
+    - aging: the budget grows by ``aging`` seconds of TTFT per second the oldest queued item has
+      waited (``δ_ft``), so when inference alone already breaks the SLO (e.g. a machine shared
+      with other work) training resumes after a wait proportional to the excess, in small steps;
+      ``aging=0`` is LEMIX Eq. 4 to the letter;
+    - bound: once the oldest item has waited ``max_wait_s``, a step that still does not fit runs
+      with ``min_samples`` samples. Under sustained overload training thus proceeds at
+      ``min_samples`` per step instead of stopping.
+
+    Params: ``slo_fraction`` (1.0) share of the SLO the step may fill; ``aging`` (0.1 s per s);
+    ``max_wait_s`` (30.0); ``min_samples`` (1); ``recheck_s`` (0.1) how long a refused trainer
+    waits before asking again; ``use_observed`` (True).
     """
 
     def __init__(self, slo_fraction: float = 1.0, max_wait_s: float = 30.0, min_samples: int = 1,
-                 recheck_s: float = 0.1, use_observed: bool = True) -> None:
+                 recheck_s: float = 0.1, use_observed: bool = True, aging: float = 0.1) -> None:
         if not 0 < slo_fraction <= 10:
             raise ValueError("slo_fraction must be in (0, 10]")
-        if max_wait_s < 0 or recheck_s <= 0 or min_samples < 1:
-            raise ValueError("need max_wait_s >= 0, recheck_s > 0, min_samples >= 1")
+        if max_wait_s < 0 or recheck_s <= 0 or min_samples < 1 or aging < 0:
+            raise ValueError("need max_wait_s >= 0, recheck_s > 0, min_samples >= 1, aging >= 0")
+        self.aging = aging
         self.slo_fraction = slo_fraction
         self.max_wait_s = max_wait_s
         self.min_samples = min_samples
@@ -137,13 +144,17 @@ class Hybrid:
             base = max(base, view.ttft_p50_s)
         return base
 
+    def allowance(self, view: RetrainingView) -> float:
+        """Seconds of TTFT beyond the SLO that aging allows now (0 for a fresh queue)."""
+        return self.aging * max(0.0, view.oldest_queued_age_s or 0.0)
+
     def starved(self, view: RetrainingView) -> bool:
         return view.oldest_queued_age_s is not None and view.oldest_queued_age_s >= self.max_wait_s
 
     def decide(self, view: RetrainingView) -> Grant:
         if view.samples_wanted <= 0:
             return _wait(self.recheck_s, "nothing to train")
-        budget = self.slo_fraction * view.slo_ttft_s - self.base_ttft(view)
+        budget = self.slo_fraction * view.slo_ttft_s + self.allowance(view) - self.base_ttft(view)
         per_sample = step_cost(view, 1)
         if budget < 0:
             fits = 0
