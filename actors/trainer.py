@@ -305,6 +305,12 @@ class _Worker:
         self.distributed = self.world > 1 and dist.is_available() and dist.is_initialized()
         # Share the node's cores with its inference engine: as many threads as CPUs granted (at least 1).
         torch.set_num_threads(max(1, int(self.t.resources_per_worker.get("CPU", 1))))
+        # Import the training stack now (several seconds on a busy CPU), not when the first feedback waits.
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+
+        import app.lora_training  # noqa: F401
+
         ns = lc["namespace"]
         self.store = ray.get_actor(self.cfg.feedback_actor_name, namespace=ns)
         self.planner = ray.get_actor(self.cfg.planner_actor_name, namespace=ns)

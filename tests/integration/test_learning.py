@@ -199,6 +199,34 @@ def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data
     assert _probe(app_url, f"{BASE}:{name}", p) != _probe(app_url, BASE, p)
 
 
+# ---- rollback: training resumes from the rolled-back version ----------------------------------
+
+
+def test_training_after_a_rollback_starts_from_the_rolled_back_version(app_url, trainer):
+    name, model = "learn-rollback", f"{BASE}:learn-rollback"
+    _create(app_url, name, method="sft", mode="sync", learning_rate=5e-3, lora={"r": 4, "alpha": 8})
+    item = {"adapter": name, "prompt": "Roll back to", "completion": " version one."}
+    _feedback(app_url, [item])
+    _wait_consumed(app_url, name, min_version=1)
+    _feedback(app_url, [item])
+    before = _wait_consumed(app_url, name, min_version=2)["current_version"]
+
+    r = httpx.post(f"{app_url}/v1/adapters/{name}/rollback", json={"version": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _adapter(app_url, name)["current_version"] == 1
+    assert all(n["adapters"].get(model) == 1 for n in _status(app_url)["nodes"] if n["state"] == "ready")
+
+    _feedback(app_url, [item])
+    info = _wait_consumed(app_url, name, min_version=before + 1)
+    latest = info["versions"][-1]
+    assert latest["version"] > before and latest["parent"] == 1, latest  # trained on top of v1, not v2
+    deadline = time.time() + 60
+    while not all(n["adapters"].get(model) == latest["version"] for n in _status(app_url)["nodes"]
+                  if n["state"] == "ready"):
+        assert time.time() < deadline, _status(app_url)["nodes"]
+        time.sleep(0.2)
+
+
 # ---- faults: kill the trainer's worker and the Trainer actor mid-training --------------------
 
 
