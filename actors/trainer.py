@@ -309,7 +309,7 @@ class _Worker:
         import peft  # noqa: F401
         import transformers  # noqa: F401
 
-        import app.lora_training  # noqa: F401
+        from app import lora_training  # noqa: F401
 
         ns = lc["namespace"]
         self.store = ray.get_actor(self.cfg.feedback_actor_name, namespace=ns)
