@@ -29,6 +29,8 @@ from planners.types import ExecutionTrace, NodeView, Task
 logger = logging.getLogger(__name__)
 
 HEALTH_PERIOD_S = 2.0
+RESTART_WAIT_S = 120.0  # how long a restarting replica actor may stay unavailable
+FAILED_RETRY_S = 30.0  # back-off before a node that failed to start is tried again
 
 
 @dataclass
@@ -163,19 +165,37 @@ class Planner:
                     trace_flush_seconds=self.cfg.planner.trace_flush_seconds,
                     omp_threads=self.cfg.engine.omp_threads,
                 )
-            info = await node.replica.start.remote()
+            info = await self._start_replica(node)
             node.adapters = dict(info.get("adapters", {}))
             await self._restore_adapters(node)
             node.state, node.error = "ready", None
             logger.info("node %d ready after %.1fs", node.node_id, time.time() - node.started_at)
         except Exception as exc:  # surfaced through status() and /health, retried by the watcher
             node.state, node.error = "failed", f"{type(exc).__name__}: {exc}"
+            node.started_at = time.time()
             logger.error("node %d failed to start: %s", node.node_id, node.error)
+
+    async def _start_replica(self, node: _Node) -> dict[str, Any]:
+        """``replica.start()``, waiting out a replica actor that Ray is still restarting."""
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.time() + RESTART_WAIT_S
+        while True:
+            try:
+                return await node.replica.start.remote()
+            except ActorUnavailableError:
+                if time.time() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
 
     async def _watch_health(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
             for node in self.nodes:
+                if node.state == "failed" and time.time() - node.started_at > FAILED_RETRY_S:
+                    # A node that failed to start is tried again, not given up on.
+                    node.state, node.started_at = "starting", time.time()
+                    asyncio.get_running_loop().create_task(self._bring_up(node))
                 if node.state != "ready" or node.replica is None:
                     continue
                 try:
