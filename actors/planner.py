@@ -347,7 +347,11 @@ class Planner:
 
         policy = self._retraining.get((adapter, mode))
         if policy is None:
-            policy = registry.create("retraining", mode, **self.cfg.training.retraining_params)
+            from planners.retraining import make_policy
+
+            # An adapter's own periodic settings win over the shared retraining params.
+            own = (await self.feedback.get_adapter.remote(adapter)).periodic.model_dump() if mode == "periodic" else None
+            policy = make_policy(mode, self.cfg.training.retraining_params, own)
             self._retraining[(adapter, mode)] = policy
         node = self.nodes[node_id]
         now = time.time()

@@ -101,6 +101,11 @@ class OpenAIIngress(LearningRoutes):
         model = body.get("model")
         if not isinstance(model, str) or not model:
             return error(400, "`model` is required and must be a string.", "model")
+        if self.cfg.engine.enable_lora and (body.get("prompt_logprobs") is not None
+                                            or (body.get("echo") and body.get("logprobs") is not None)):
+            # vLLM #16668: prompt logprobs in a LoRA-enabled CPU engine crash the engine for everyone.
+            return error(400, "Prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are not supported "
+                              "while LoRA is enabled (vLLM #16668).", "prompt_logprobs")
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         task = Task(
             task_id=str(body.get("request_id") or uuid.uuid4().hex), kind="inference", model=model,

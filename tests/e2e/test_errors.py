@@ -78,3 +78,11 @@ def test_service_keeps_answering_after_bad_requests(app_url):
         httpx.post(app_url + "/v1/completions", content=b"garbage")
     r = httpx.post(app_url + "/v1/completions", json={"model": MODEL, "prompt": "still alive", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["choices"]
+
+
+@pytest.mark.parametrize("extra", [{"echo": True, "logprobs": 1}, {"prompt_logprobs": 1}])
+def test_prompt_logprobs_are_refused_while_lora_is_enabled(app_url, extra):
+    # They crash vLLM's CPU LoRA kernels (vLLM #16668): a clear 400, and the engine stays up.
+    r = httpx.post(app_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra})
+    _assert_openai_error(r, 400, "lora")
+    assert httpx.post(app_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
