@@ -472,7 +472,8 @@ def goals(results: dict[str, Any], rates: list[str]) -> list[str]:
         return []
     out = []
     if "inf" in rates:
-        r = results["ours"]["rates"]["inf"]["request_throughput"] / results["plain"]["rates"]["inf"]["request_throughput"]
+        ours, plain = results["ours"]["rates"]["inf"], results["plain"]["rates"]["inf"]
+        r = ours["request_throughput"] / plain["request_throughput"]
         out.append(f"- Saturated throughput, ours/plain = {r:.2f} (goal ≥ {GOAL_THROUGHPUT:.2f}): "
                    + ("met" if r >= GOAL_THROUGHPUT else f"MISSED by {(GOAL_THROUGHPUT - r) * 100:.0f} points"))
     ten = next((x for x in rates if x != "inf" and float(x) == 10.0), None)
@@ -537,7 +538,8 @@ def main() -> int:
         "vllm": vllm.__version__, "ray": ray.__version__, "config": str(args.config), "model_dir": str(model_dir),
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "rates": args.rates, "warmups": args.warmups,
-        "interleave": args.interleave, "repeats": args.repeats, "dtype_override": args.dtype, "ray_worker_niceness": args.ray_worker_niceness,
+        "interleave": args.interleave, "repeats": args.repeats, "dtype_override": args.dtype,
+        "ray_worker_niceness": args.ray_worker_niceness,
         "load_average_start": load_average(), "work_dir": str(work),
     }
     log(f"setup: {json.dumps(setup)}")

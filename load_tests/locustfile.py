@@ -61,7 +61,6 @@ import csv
 import json
 import logging
 import math
-import os
 import random
 import string
 import time
