@@ -50,8 +50,9 @@ the run logs ``SYNTHETIC POISSON SCHEDULE`` with the reason.
 
 Common options: ``-u`` is the initial (and minimum) pool size; ``-r`` is not needed (users are
 added at once when the schedule needs them); ``--run-time`` is honoured by the shape. All other
-settings are Locust options below (``locust -f load_tests/locustfile.py --help``), each also
-readable from the environment variable named there. Single-process Locust only: in distributed
+settings are the Locust options defined in ``_options`` below (``--trace-speedup 4`` on the
+command line; Locust's ``--help`` does not list a locustfile's own options), each also readable
+from the environment variable named there (``TRACE_SPEEDUP=4``). Single-process Locust only: in distributed
 mode every worker would replay the whole schedule.
 """
 
