@@ -26,6 +26,9 @@ class FeedbackQueue:
     async def create_adapter(self, spec: dict[str, Any]):
         return await self._run("create_adapter", spec)
 
+    async def update_adapter(self, name: str, changes: dict[str, Any]):
+        return await self._run("update_adapter", name, changes)
+
     async def get_adapter(self, name: str):
         return await self._run("get_adapter", name)
 

@@ -164,6 +164,7 @@ class Planner:
                     namespace=self.namespace,
                     trace_flush_seconds=self.cfg.planner.trace_flush_seconds,
                     omp_threads=self.cfg.engine.omp_threads,
+                    stream_batching_s=self.cfg.ingress.stream_batching_ms / 1000,
                 )
             info = await self._start_replica(node)
             node.adapters = dict(info.get("adapters", {}))
@@ -336,6 +337,11 @@ class Planner:
         return self.feedback
 
     # ---- training grants -------------------------------------------------------------------
+
+    def adapter_changed(self, adapter: str) -> None:
+        """The adapter's training settings changed: build its retraining policy afresh at the next grant."""
+        for key in [k for k in self._retraining if k[0] == adapter]:
+            del self._retraining[key]
 
     async def grant(self, node_id: int, adapter: str, mode: str, samples_wanted: int, tokens_wanted: int) -> dict[str, Any]:
         """May the trainer on ``node_id`` run a micro-step for ``adapter`` now, and how big?

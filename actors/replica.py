@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict
 from typing import Any, AsyncIterator
 
+from actors.streams import coalesce
 from planners.types import ExecutionTrace
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ModelReplica:
         namespace: str | None = None,
         trace_flush_seconds: float = 0.25,
         omp_threads: int | None = None,
+        stream_batching_s: float = 0.0,
     ) -> None:
         self.node_id = node_id
         self.served_name = served_name
@@ -50,6 +52,7 @@ class ModelReplica:
         self._planner_name = planner_name
         self._namespace = namespace
         self._flush_s = trace_flush_seconds
+        self._stream_batching_s = stream_batching_s
         self._traces: list[ExecutionTrace] = []
         self._in_flight = 0
         self._busy_since: float | None = None
@@ -174,7 +177,7 @@ class ModelReplica:
             yield result.model_dump(exclude_none=False)
         else:
             yield {"status": 200, "stream": True}
-            async for piece in result:
+            async for piece in coalesce(result, self._stream_batching_s):
                 yield piece
 
     # ---- profiling -------------------------------------------------------------------------

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 IDLE_POLL_S = 0.1  # how often an idle leader looks at the queue: bounds the freshness it adds
+SPEC_TTL_S = 2.0  # a PATCHed adapter (mode, learning rate) takes effect within this
 MAX_GRANT_SLEEP_S = 1.0  # a refused step asks again at least this often
 STOP_CHECK_S = 1.0
 RESTART_BACKOFF_S = 5.0
@@ -410,7 +411,7 @@ class _Worker:
 
     def _spec(self, adapter: str) -> dict[str, Any]:
         cached = self.specs.get(adapter)
-        if cached is None or time.time() - cached[0] > 10:
+        if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter))
             spec = {"name": info.name, "method": info.method, "beta": info.beta, "mode": info.mode,
                     "learning_rate": info.learning_rate, "lora": info.lora.model_dump()}

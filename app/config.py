@@ -34,7 +34,10 @@ class EngineConfig(_Strict):
         256 * 2**20, gt=0, description="KV cache size; on CPU this is host memory. null: use gpu_memory_utilization."
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Used only when kv_cache_memory_bytes is null.")
-    dtype: str = Field("auto", description="Weights/activations dtype passed to vLLM.")
+    dtype: str = Field(
+        "auto", description="Weights/activations dtype passed to vLLM. auto: vLLM's choice, except float32 for a "
+                            "float32 checkpoint on a CPU without bfloat16 instructions (vLLM would downcast to bf16)."
+    )
     enable_prefix_caching: bool = True
     enable_lora: bool = True
     max_lora_rank: int = Field(8, gt=0)
@@ -97,6 +100,10 @@ class IngressConfig(_Strict):
     replicas: int = Field(1, gt=0, description="Serve replicas of the HTTP ingress.")
     max_ongoing_requests: int = Field(256, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    stream_batching_ms: float = Field(
+        50.0, ge=0, description="Streamed responses: the first piece goes out at once, later pieces are joined "
+                                "per this interval (fewer Ray object hops per token); 0 sends every piece alone."
+    )
 
 
 class AppConfig(_Strict):

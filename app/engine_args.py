@@ -7,7 +7,45 @@ exactly the flags a replica uses.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from app.config import AppConfig
+
+# CPU flags that make bfloat16 matmuls fast; without them vLLM's bf16 kernels run about 3x
+# slower than float32 here (measured on this AMD EPYC, AVX2 only: docs/benchmarks.md).
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bfloat16 instructions (from ``/proc/cpuinfo``; True when unknown)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True  # not Linux: keep vLLM's own choice
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return any(f in flags for f in _BF16_CPU_FLAGS)
+
+
+def resolve_dtype(dtype: str, device: str, model_dir: str, *, bf16: bool | None = None) -> str:
+    """The ``--dtype`` to pass: ``auto`` becomes ``float32`` for a float32 checkpoint on a CPU without bf16.
+
+    vLLM's CPU backend turns ``auto`` for a float32 checkpoint into bfloat16, which CPUs without
+    bf16 instructions emulate slowly; keeping the checkpoint's own float32 is both exact and faster.
+    """
+    if dtype != "auto" or device != "cpu":
+        return dtype
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return dtype
+    if (config.get("dtype") or config.get("torch_dtype")) != "float32":
+        return dtype
+    return dtype if (cpu_has_bf16() if bf16 is None else bf16) else "float32"
 
 
 def engine_flags(cfg: AppConfig, model_dir: str, served_name: str) -> list[str]:
@@ -18,7 +56,7 @@ def engine_flags(cfg: AppConfig, model_dir: str, served_name: str) -> list[str]:
         "--served-model-name", served_name,
         "--max-model-len", str(cfg.model.max_model_len),
         "--max-num-seqs", str(e.max_num_seqs),
-        "--dtype", e.dtype,
+        "--dtype", resolve_dtype(e.dtype, e.device, model_dir),
         "--seed", str(e.seed),
         "--scheduling-policy", e.scheduling_policy,
     ]

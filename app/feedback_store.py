@@ -361,6 +361,7 @@ CREATE TABLE IF NOT EXISTS feedback (
 CREATE INDEX IF NOT EXISTS feedback_queue ON feedback (adapter, consumed_by_version, id);
 """
 
+UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic"})
 _ADAPTER_COLS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
                  "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at")
 _VERSION_COLS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
@@ -442,6 +443,30 @@ class FeedbackStore:
                  spec.periodic.every_samples, None, time.time()),
             )
             return self._adapter_info(db, spec.name)
+
+    def update_adapter(self, name: str, changes: Mapping[str, Any]) -> AdapterInfo:
+        """Change how an adapter trains from now on: ``mode``, ``learning_rate``, ``beta`` or ``periodic``.
+
+        ``method`` and ``lora`` are fixed at creation (every version shares them), so changing them is
+        an :class:`InvalidRequest`; :class:`UnknownAdapter` (404) if there is no such adapter.
+        """
+        if not isinstance(changes, Mapping) or not changes:
+            raise InvalidRequest("body: a JSON object with at least one of " + ", ".join(sorted(UPDATABLE)))
+        fixed = sorted(set(changes) - UPDATABLE)
+        if fixed:
+            raise InvalidRequest([f"{k}: cannot be changed after creation (updatable: {', '.join(sorted(UPDATABLE))})"
+                                  for k in fixed])
+        with self._tx() as db:
+            info = self._adapter_info(db, name)
+            current = info.model_dump(include={"name", "method", "beta", "learning_rate", "lora", "mode", "periodic"})
+            if "periodic" in changes and isinstance(changes["periodic"], Mapping):
+                changes = {**changes, "periodic": {**current["periodic"], **changes["periodic"]}}
+            spec = _validate(AdapterSpec, {**current, **changes}, "adapter")
+            db.execute("UPDATE adapters SET mode = ?, learning_rate = ?, beta = ?, periodic_every_seconds = ?, "
+                       "periodic_every_samples = ? WHERE name = ?",
+                       (spec.mode, spec.learning_rate, spec.beta, spec.periodic.every_seconds,
+                        spec.periodic.every_samples, name))
+            return self._adapter_info(db, name)
 
     def get_adapter(self, name: str) -> AdapterInfo:
         """The adapter with its published versions and queue state; :class:`UnknownAdapter` (404)."""

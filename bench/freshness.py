@@ -24,68 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import BASE, Load, bench_config, free_port, pct, start_app, stop_app, wait_ready  # noqa: E402
 
-BASE = "tiny-llama"
 POLL_S = 0.05
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
-
-
-class Load:
-    """Closed-loop inference clients on the base model; records each request's latency."""
-
-    def __init__(self, url: str, clients: int, max_tokens: int) -> None:
-        self.url, self.clients, self.max_tokens = url, clients, max_tokens
-        self.samples: list[tuple[float, float, bool]] = []  # (finish time, latency, ok)
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def _run(self, i: int) -> None:
-        with httpx.Client(timeout=120) as c:
-            while not self._stop.is_set():
-                t0 = time.time()
-                try:
-                    r = c.post(f"{self.url}/v1/completions", json={
-                        "model": BASE, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
-                        "max_tokens": self.max_tokens, "temperature": 0.8})
-                    ok = r.status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                self.samples.append((time.time(), time.time() - t0, ok))
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=130)
-
-    def window(self, t0: float, t1: float) -> dict[str, float]:
-        lat = [s[1] for s in self.samples if t0 <= s[0] <= t1 and s[2]]
-        errors = sum(1 for s in self.samples if t0 <= s[0] <= t1 and not s[2])
-        return {"requests": len(lat), "errors": errors, "rate": len(lat) / max(1e-9, t1 - t0),
-                "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99)}
 
 
 def probe(c: httpx.Client, url: str, model: str, prompt: str) -> float | None:
@@ -149,42 +100,6 @@ def measure_mode(url: str, mode: str, samples: int, lr: float, tag: str) -> dict
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_app(data_dir: str, port: int, nodes: int) -> None:
-    import ray
-    from ray import serve
-
-    from app.main import build_app
-
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    cfg = {"name": "bench-fresh", "data_dir": data_dir,
-           "cluster": {"nodes": nodes, "stages": 1, "bundle": {"CPU": 1}},
-           "model": {"max_model_len": 1024}, "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
-           "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4}}
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(cfg), name="coserve", route_prefix="/")
-
-
-def wait_ready(url: str, timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            st = httpx.get(f"{url}/v1/status", timeout=10).json()
-            training = st.get("training") or {}
-            if st["ready_nodes"] == len(st["nodes"]) and training.get("state") == "running" and training.get("workers"):
-                return
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(2)
-    raise SystemExit(f"app at {url} not ready (nodes and trainer) within {timeout}s")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running app; default: start one here")
@@ -203,7 +118,7 @@ def main() -> None:
     if url is None:
         port = args.port or free_port()
         url = f"http://127.0.0.1:{port}"
-        start_app(tempfile.mkdtemp(prefix="bench-freshness-"), port, args.nodes)
+        start_app(bench_config("bench-fresh", tempfile.mkdtemp(prefix="bench-freshness-"), args.nodes), port)
         started = True
     try:
         wait_ready(url)
@@ -220,9 +135,7 @@ def main() -> None:
         load.stop()
     finally:
         if started:
-            from ray import serve
-
-            serve.shutdown()
+            stop_app()
 
     print(f"\nfreshness with {args.clients} inference clients ({args.load_tokens} output tokens each), "
           f"{args.samples} SFT items per mode, one at a time\n")

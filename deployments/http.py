@@ -51,6 +51,6 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 @api.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def unexpected(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in the ingress")
     return error(500, f"Internal error: {type(exc).__name__}: {exc}")

@@ -1,4 +1,4 @@
-"""HTTP routes for learning: adapters (create, list, show, roll back) and feedback.
+"""HTTP routes for learning: adapters (create, list, show, change, roll back) and feedback.
 
 Bodies go to the feedback store's own validation (app/feedback_store.py) through the one actor
 that owns it; its errors carry their HTTP status, and a 2xx on feedback means the whole batch
@@ -11,18 +11,28 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from ray.exceptions import RayTaskError
 
-from deployments.http import BadRequest, api, error, json_body
+from app.feedback_store import StoreError
+from deployments.http import BadRequest, api, error, json_body, unexpected
 
 
-def _store_error(exc: BaseException) -> Response | None:
-    """The HTTP answer for a feedback-store error (raised inside the actor), else None."""
-    from app.feedback_store import StoreError
+@api.exception_handler(StoreError)
+async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
+    """A feedback-store error raised inside its actor: Ray re-raises it as a subclass of the original
+    whose ``str`` is the remote traceback, so the message comes from the original (``cause``)."""
+    cause = getattr(exc, "cause", exc)
+    if not isinstance(cause, StoreError):
+        cause = exc
+    return error(cause.status, str(cause), err_type=cause.code)
 
-    cause = exc if isinstance(exc, StoreError) else getattr(exc, "cause", None)
+
+@api.exception_handler(RayTaskError)
+async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
+    cause = getattr(exc, "cause", None)
     if isinstance(cause, StoreError):
-        return error(cause.status, str(cause), err_type=getattr(cause, "code", None))
-    return None
+        return await _store_error(request, cause)
+    return await unexpected(request, exc)
 
 
 class LearningRoutes:
@@ -48,28 +58,30 @@ class LearningRoutes:
             raise BadRequest("Request body must be a JSON object.")
         rank = (body.get("lora") or {}).get("r") if isinstance(body.get("lora"), dict) else None
         if isinstance(rank, int) and rank > self.cfg.engine.max_lora_rank:
-            raise BadRequest(f"lora.r={rank} exceeds the engine's max_lora_rank={self.cfg.engine.max_lora_rank}", "lora.r")
-        try:
-            info = await self._store("create_adapter", body)
-        except Exception as exc:
-            if (resp := _store_error(exc)) is not None:
-                return resp
-            raise
+            limit = self.cfg.engine.max_lora_rank
+            raise BadRequest(f"lora.r={rank} exceeds the engine's max_lora_rank={limit}", "lora.r")
+        info = await self._store("create_adapter", body)
         return JSONResponse(self._adapter_json(info, await self._served_name()), status_code=201)
 
     @api.get("/v1/adapters")
     async def list_adapters(self) -> JSONResponse:
         base = await self._served_name()
-        return JSONResponse({"object": "list", "data": [self._adapter_json(i, base) for i in await self._store("list_adapters")]})
+        adapters = await self._store("list_adapters")
+        return JSONResponse({"object": "list", "data": [self._adapter_json(i, base) for i in adapters]})
 
     @api.get("/v1/adapters/{name}")
     async def show_adapter(self, name: str) -> Response:
-        try:
-            info = await self._store("get_adapter", name)
-        except Exception as exc:
-            if (resp := _store_error(exc)) is not None:
-                return resp
-            raise
+        info = await self._store("get_adapter", name)
+        return JSONResponse(self._adapter_json(info, await self._served_name()))
+
+    @api.patch("/v1/adapters/{name}")
+    async def update_adapter(self, name: str, request: Request) -> Response:
+        """Change how the adapter trains from now on (mode, learning_rate, beta, periodic); 400 for the rest."""
+        body = await json_body(request)
+        if not isinstance(body, dict):
+            raise BadRequest("Request body must be a JSON object.")
+        info = await self._store("update_adapter", name, body)
+        await self.planner.adapter_changed.remote(name)
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     @api.post("/v1/adapters/{name}/rollback")
@@ -78,13 +90,8 @@ class LearningRoutes:
         version = body.get("version") if isinstance(body, dict) else None
         if not isinstance(version, int) or isinstance(version, bool):
             raise BadRequest("`version` (an integer) is required.", "version")
-        try:
-            info = await self._store("rollback", name, version)
-            target = await self._store("get_version", name, version)
-        except Exception as exc:
-            if (resp := _store_error(exc)) is not None:
-                return resp
-            raise
+        info = await self._store("rollback", name, version)
+        target = await self._store("get_version", name, version)
         await self.planner.load_adapter.remote(name, version, target.path, None, True)
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
@@ -108,10 +115,5 @@ class LearningRoutes:
             items = body
         if not isinstance(items, (list, dict)):
             raise BadRequest("Body must be an item, a list of items, or {\"items\": [...]}.", "items")
-        try:
-            ids = await self._store("add_feedback", items)
-        except Exception as exc:
-            if (resp := _store_error(exc)) is not None:
-                return resp
-            raise
+        ids = await self._store("add_feedback", items)
         return JSONResponse({"ids": ids, "accepted": len(ids)}, status_code=202)

@@ -275,3 +275,21 @@ def make_policy(mode: str, params: Mapping[str, Any] | None = None,
     cls = {"hybrid": Hybrid, "sync": Sync, "periodic": Periodic, "off": Off}.get(mode)
     taken = inspect.signature(cls).parameters if cls is not None else {}
     return create("retraining", mode, **{k: v for k, v in merged.items() if k in taken})
+
+
+def route_feedback(queued_by_node: Mapping[int, int], ready: list[int], count: int) -> list[int]:
+    """Nodes for ``count`` new feedback items of one adapter under the ``per_node`` scope (LEMIX §V-B).
+
+    Each node trains its own copy on its local share of the feedback, so items go where that
+    adapter's queue is shortest (ties: the lower node id), one at a time: the nodes' backlogs,
+    and with them their copies' freshness, stay even. ``queued_by_node``: unconsumed items per node.
+    """
+    if not ready:
+        raise ValueError("no ready node to route feedback to")
+    load = {n: queued_by_node.get(n, 0) for n in ready}
+    out = []
+    for _ in range(count):
+        node = min(load, key=lambda n: (load[n], n))
+        load[node] += 1
+        out.append(node)
+    return out

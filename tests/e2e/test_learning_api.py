@@ -80,6 +80,20 @@ def test_bad_feedback_is_rejected_and_nothing_is_stored(app_url, adapter, items,
     assert _queued(app_url, adapter) == before
 
 
+def test_adapter_settings_change_through_patch(app_url):
+    r = httpx.post(f"{app_url}/v1/adapters", json={"name": "api-patch", "method": "sft", "mode": "off"})
+    assert r.status_code == 201, r.text
+    r = httpx.patch(f"{app_url}/v1/adapters/api-patch", json={"mode": "sync", "learning_rate": 0.002})
+    assert r.status_code == 200, r.text
+    assert (r.json()["mode"], r.json()["learning_rate"]) == ("sync", 0.002)
+    assert httpx.get(f"{app_url}/v1/adapters/api-patch").json()["mode"] == "sync"
+    _error(httpx.patch(f"{app_url}/v1/adapters/api-patch", json={"lora": {"r": 2}}), 400, "lora", "cannot be changed")
+    _error(httpx.patch(f"{app_url}/v1/adapters/api-patch", json={"learning_rate": "fast"}), 400, "learning_rate")
+    _error(httpx.patch(f"{app_url}/v1/adapters/api-patch", content=b"[1]"), 400, "object")
+    _error(httpx.patch(f"{app_url}/v1/adapters/nobody", json={"mode": "off"}), 404, "nobody")
+    assert httpx.patch(f"{app_url}/v1/adapters/api-patch", json={"mode": "off"}).status_code == 200
+
+
 def test_rollback_errors(app_url, adapter):
     _error(httpx.post(f"{app_url}/v1/adapters/{adapter}/rollback", json={"version": "1"}), 400, "version")
     r = httpx.post(f"{app_url}/v1/adapters/{adapter}/rollback", json={"version": 1})

@@ -69,6 +69,22 @@ def test_adapters_create_get_list_and_duplicates(store):
     assert [a.name for a in store.list_adapters()] == ["acme", "tutor"]
 
 
+def test_update_changes_training_settings_only(store):
+    info = store.update_adapter("acme", {"mode": "periodic", "periodic": {"every_samples": 8}, "learning_rate": 1e-3})
+    assert (info.mode, info.learning_rate, info.periodic.every_samples) == ("periodic", 1e-3, 8)
+    assert info.periodic.every_seconds == 60.0  # untouched sub-fields keep their values
+    assert store.get_adapter("acme").mode == "periodic"  # stored, not just returned
+    for bad, word in [({"lora": {"r": 4}}, "lora"), ({"method": "sft"}, "method"), ({"learning_rate": -1}, "learning_rate"),
+                      ({"mode": "sometimes"}, "mode"), ({}, "at least one"),
+                      ({"mode": "periodic", "periodic": {"every_seconds": None, "every_samples": None}}, "periodic")]:
+        with pytest.raises(InvalidRequest, match=word):
+            store.update_adapter("acme", bad)
+    after = store.get_adapter("acme")
+    assert (after.mode, after.learning_rate, after.lora.r, after.method) == ("periodic", 1e-3, 8, "dpo")
+    with pytest.raises(UnknownAdapter):
+        store.update_adapter("ghost", {"mode": "off"})
+
+
 @pytest.mark.parametrize("items, expect", [
     ([], "items: the list is empty"),
     ([pair(), {"adapter": "acme", "prompt": "p", "chosen": "c"}], "items[1].rejected: field required"),

@@ -199,3 +199,13 @@ def test_periodic_answers_are_well_formed(vs, every):
     p = Periodic(every_seconds=every)
     for v in vs:
         _well_formed(p.decide(v), v)
+
+
+def test_route_feedback_fills_the_shortest_queue_first():
+    from planners.retraining import route_feedback
+
+    assert route_feedback({0: 3, 1: 0}, [0, 1], 4) == [1, 1, 1, 0]  # node 1 catches up to 3, then alternate
+    assert route_feedback({}, [2, 0], 3) == [0, 2, 0]  # ties go to the lower id
+    assert route_feedback({0: 0, 1: 0}, [1], 2) == [1, 1]  # only ready nodes get items
+    with pytest.raises(ValueError):
+        route_feedback({}, [], 1)

@@ -1,0 +1,129 @@
+"""Pieces the live benchmarks share: start the app in-process, wait for it, and drive a steady inference load."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BASE = "tiny-llama"
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of ``xs``; NaN when empty."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_config(name: str, data_dir: str, nodes: int, **training: Any) -> dict[str, Any]:
+    """The test-sized app config the live benchmarks start: ``nodes`` nodes, synced training, k = 1."""
+    return {"name": name, "data_dir": data_dir,
+            "cluster": {"nodes": nodes, "stages": 1, "bundle": {"CPU": 1}},
+            "model": {"max_model_len": 1024},
+            "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+            "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4, **training}}
+
+
+def start_app(config: dict[str, Any], port: int) -> None:
+    """Start Ray and the Serve app of ``config`` in this process, listening on 127.0.0.1:``port``."""
+    import ray
+    from ray import serve
+
+    from app.main import build_app
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name="coserve", route_prefix="/")
+
+
+def stop_app() -> None:
+    from ray import serve
+
+    serve.shutdown()
+
+
+def wait_ready(url: str, timeout: float = 900, trainer: bool = True) -> None:
+    """Block until every node serves (and, with ``trainer``, the trainer's workers run); exit on timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            st = httpx.get(f"{url}/v1/status", timeout=10).json()
+            training = st.get("training") or {}
+            if st["ready_nodes"] == len(st["nodes"]) and (
+                    not trainer or (training.get("state") == "running" and training.get("workers"))):
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(2)
+    raise SystemExit(f"app at {url} not ready within {timeout}s")
+
+
+class Load:
+    """Closed-loop inference clients on the base model; records latency and, when streaming, TTFT."""
+
+    def __init__(self, url: str, clients: int, max_tokens: int, *, stream: bool = False) -> None:
+        self.url, self.clients, self.max_tokens, self.stream = url, clients, max_tokens, stream
+        self.samples: list[tuple[float, float, float | None, bool]] = []  # (finish, latency, ttft, ok)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None]:
+        body = {"model": BASE, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
+                "max_tokens": self.max_tokens, "temperature": 0.8}
+        if not self.stream:
+            return c.post(f"{self.url}/v1/completions", json=body).status_code == 200, None
+        ttft = None
+        with c.stream("POST", f"{self.url}/v1/completions", json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                return False, None
+            for line in r.iter_lines():
+                if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+                    ttft = time.time() - t0
+        return ttft is not None, ttft
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not self._stop.is_set():
+                t0 = time.time()
+                try:
+                    ok, ttft = self._request(c, i, t0)
+                except httpx.HTTPError:
+                    ok, ttft = False, None
+                self.samples.append((time.time(), time.time() - t0, ttft, ok))
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=130)
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        """Request rate, errors, latency and TTFT percentiles of requests that finished in [t0, t1]."""
+        done = [s for s in self.samples if t0 <= s[0] <= t1]
+        lat = [s[1] for s in done if s[3]]
+        ttft = [s[2] for s in done if s[3] and s[2] is not None]
+        return {"requests": len(lat), "errors": sum(1 for s in done if not s[3]),
+                "rate": len(lat) / max(1e-9, t1 - t0),
+                "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
+                "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99)}

@@ -1,0 +1,82 @@
+"""The stream coalescer: order kept, first piece at once, later pieces joined, errors and cancels passed on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from actors.streams import coalesce
+
+
+async def _timed(gaps: list[float]):
+    """Yield "p0", "p1", ... after sleeping gaps[i] before each."""
+    for i, gap in enumerate(gaps):
+        await asyncio.sleep(gap)
+        yield f"p{i}|"
+
+
+async def _collect(gen):
+    out = []
+    start = time.monotonic()
+    async for x in gen:
+        out.append((time.monotonic() - start, x))
+    return out
+
+
+def test_order_kept_and_fast_pieces_joined():
+    out = asyncio.run(_collect(coalesce(_timed([0.0] + [0.005] * 20), 0.05)))
+    assert "".join(x for _, x in out) == "".join(f"p{i}|" for i in range(21))
+    assert out[0][1] == "p0|" and out[0][0] < 0.03  # the first piece is not held back
+    assert len(out) <= 6  # 20 pieces over ~0.1 s in windows of 50 ms: a handful of sends, not 21
+
+
+def test_slow_pieces_go_out_alone_and_without_delay():
+    out = asyncio.run(_collect(coalesce(_timed([0.0, 0.08, 0.08, 0.08]), 0.03)))
+    assert [x for _, x in out] == ["p0|", "p1|", "p2|", "p3|"]
+    for i, (t, _) in enumerate(out):
+        assert t < 0.08 * i + 0.04  # never waited for a batching window after a quiet gap
+
+
+def test_zero_interval_passes_every_piece_through():
+    out = asyncio.run(_collect(coalesce(_timed([0.0] * 5), 0)))
+    assert [x for _, x in out] == [f"p{i}|" for i in range(5)]
+
+
+def test_source_error_is_raised_after_the_pieces_before_it():
+    async def failing():
+        yield "a"
+        yield "b"
+        raise ValueError("engine died")
+
+    async def run():
+        got = []
+        with pytest.raises(ValueError, match="engine died"):
+            async for x in coalesce(failing(), 0.01):
+                got.append(x)
+        return "".join(got)
+
+    assert asyncio.run(run()) == "ab"
+
+
+def test_closing_the_stream_cancels_the_source():
+    state = {"cancelled": False}
+
+    async def endless():
+        try:
+            while True:
+                await asyncio.sleep(0.001)
+                yield "x"
+        except asyncio.CancelledError:
+            state["cancelled"] = True
+            raise
+
+    async def run():
+        gen = coalesce(endless(), 0.01)
+        await gen.__anext__()
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(run())
+    assert state["cancelled"]
