@@ -338,8 +338,8 @@ def test_greedy_within_stated_factor_of_brute_force_optimum(search_results):
 
 
 def test_greedy_beats_the_baselines_on_average(search_results):
-    # Not on every instance: the Min-heuristic wins some (see the module docstring), so the claim
-    # tested is the geometric mean over the instances, as SamuLLM reports its speedups.
+    # Not on every instance: the Min-heuristic (and once Max) beats greedy on some of these
+    # instances, by up to ~20%, so the claim tested is the geometric mean, as SamuLLM reports speedups.
     g = _geomean_ratio(search_results, ("greedy", True))
     assert g < _geomean_ratio(search_results, ("max", True))
     assert g < _geomean_ratio(search_results, ("min", True))
@@ -377,8 +377,8 @@ def test_no_preemption_keeps_plans_until_the_model_finishes():
     for name in ("greedy", "min"):
         plan = _plan(name, job, DeviceSet(4, 1e11), preemption=False)
         first: dict[str, tuple[int, int]] = {}
-        last_stage = {m: max(i for i, s in enumerate(plan.stages) if s.plan_of(m)) for m in first or
-                      {p.model for s in plan.stages for p in s.plans}}
+        last_stage = {m: max(i for i, s in enumerate(plan.stages) if s.plan_of(m))
+                      for m in {p.model for s in plan.stages for p in s.plans}}
         for i, s in enumerate(plan.stages):
             for p in s.plans:
                 assert first.setdefault(p.model, p.shape) == p.shape
