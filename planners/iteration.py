@@ -22,7 +22,7 @@ Protocol (the planner actor owns one scheduler per node):
   window it did not run (e.g. the memory guard of ``planners/memory.py`` said "defer").
 
 vLLM priority mapping. MACE's priority P is "higher runs first"; vLLM's ``priority`` is "lower runs
-first" (ties by arrival). ``vllm_priority(P) = -floor(P · 1000)`` maps one to the other at the
+first" (ties by arrival). ``vllm_priority(P) = -round(P · 1000)`` maps one to the other at the
 moment of submission; vLLM keeps that number, so aging after submission is not seen by the engine
 (vLLM #19057: it reorders only its waiting queue and preempts only under KV pressure). Admission
 control, and with it aging, therefore stays here: the scheduler submits only what should run now.
@@ -107,7 +107,7 @@ def priority(kind: WorkKind, arrival: float, now: float, weights: PriorityWeight
 
 def vllm_priority(score: float, scale: float = PRIORITY_SCALE) -> int:
     """vLLM's per-request ``priority`` for a MACE score: a higher score gives a lower number, which vLLM runs first."""
-    return -math.floor(score * scale)
+    return -round(score * scale)
 
 
 def _weights(value: PriorityWeights | Mapping[str, float] | None) -> PriorityWeights:
@@ -660,8 +660,9 @@ class Hybrid(IterationScheduler):
 
     name = "hybrid"
 
-    def __init__(self, weights: PriorityWeights | Mapping[str, float] | None = None, **common: Any) -> None:
-        super().__init__(**common)
+    def __init__(self, weights: PriorityWeights | Mapping[str, float] | None = None,
+                 cost_model: CostModel | Mapping[str, Any] | None = None, **common: Any) -> None:
+        super().__init__(cost_model, **common)
         self.weights = _weights(weights)
 
     def scores(self, now: float) -> list[tuple[float, WorkKind, InferenceRequest | FineTuneSample]]:
@@ -750,8 +751,8 @@ class Temporal(IterationScheduler):
 
     name = "temporal"
 
-    def __init__(self, n: int = 64, **common: Any) -> None:
-        super().__init__(**common)
+    def __init__(self, n: int = 64, cost_model: CostModel | Mapping[str, Any] | None = None, **common: Any) -> None:
+        super().__init__(cost_model, **common)
         if n < 1:
             raise ValueError("n must be >= 1")
         self.n = n
@@ -805,8 +806,9 @@ class Periodic(IterationScheduler):
 
     name = "periodic"
 
-    def __init__(self, every_seconds: float | None = 60.0, every_samples: int | None = None, **common: Any) -> None:
-        super().__init__(**common)
+    def __init__(self, every_seconds: float | None = 60.0, every_samples: int | None = None,
+                 cost_model: CostModel | Mapping[str, Any] | None = None, **common: Any) -> None:
+        super().__init__(cost_model, **common)
         self.timer = _PeriodicTimer(every_seconds=every_seconds, every_samples=every_samples)
         self.last_run_at: float | None = None
 
@@ -848,8 +850,9 @@ class Separate(IterationScheduler):
 
     name = "separate"
 
-    def __init__(self, train_fraction: float = 0.25, **common: Any) -> None:
-        super().__init__(**common)
+    def __init__(self, train_fraction: float = 0.25, cost_model: CostModel | Mapping[str, Any] | None = None,
+                 **common: Any) -> None:
+        super().__init__(cost_model, **common)
         if not 0.0 < train_fraction < 1.0:
             raise ValueError("train_fraction must be in (0, 1)")
         self.train_fraction = train_fraction

@@ -1,0 +1,188 @@
+"""Memory guard before a training step or an inference admission: LEMIX Alg. 2 (§IV-D) as a pure decision object.
+
+LEMIX checks memory before each stage's forward (Alg. 2, line 7: MemoryAvailable against
+M_threshold = κ·M_peak, LEMIX §IV-A), waits in steps of Δ_t while it is short (lines 6–8), and after
+T_max offloads state to host memory instead of risking an out-of-memory (lines 9–11); after the
+run it calibrates its plan from the execution trace (lines 13–17). Here:
+
+- ``decide(used_bytes, batch_size, tokens, waited_s, kind)`` answers ``run``, ``wait`` (for
+  ``wait_s``), ``shrink`` (run a smaller batch or a shorter token window), ``offload`` (move the
+  optimizer state to host memory, then run) or ``defer`` (give the work back: the trainer releases
+  its window, the replica keeps the request queued);
+- the need is the cost model's prediction (activation bytes for training, KV bytes for an
+  admission), multiplied by a calibration ratio: the largest actual/predicted ratio of the last
+  ``calibration_window`` observations (``observe``), at least ``min_ratio``;
+- ``headroom(used_bytes)`` gives the same limit in the cost model's bytes, to hand to
+  ``IterationScheduler.schedule(now, free_bytes)`` so that plans and checks agree.
+
+The caller's loop (trainer before a micro-step, replica before an admission)::
+
+    waited = 0.0
+    while (d := guard.decide(used_bytes(), batch, tokens, waited)).action == "wait":
+        sleep(d.wait_s); waited += d.wait_s
+    # run / shrink: run d.batch_size × d.tokens; offload: move optimizer state to host, then run; defer: release
+    guard.observe(d.batch_size, d.tokens, peak_bytes_during_the_step)
+
+Pure: numbers in, a decision out; no Ray, no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from planners.costs import CostModel, as_cost_model
+
+MemoryAction = Literal["run", "wait", "shrink", "offload", "defer"]
+MemoryKind = Literal["train", "admit"]
+
+
+@dataclass(frozen=True)
+class MemoryDecision:
+    """The guard's answer; ``batch_size`` × ``tokens`` is what may run (the wanted size unless shrunk)."""
+
+    action: MemoryAction
+    batch_size: int = 0
+    tokens: int = 0
+    wait_s: float = 0.0
+    need_bytes: float = 0.0
+    """Calibrated bytes the granted work needs (of the wanted work for wait / defer)."""
+    threshold_bytes: float = 0.0
+    reason: str = ""
+
+    @property
+    def runs(self) -> bool:
+        return self.action in ("run", "shrink", "offload")
+
+
+class MemoryGuard:
+    """LEMIX Alg. 2 (EXECUTETASKMEMORYAWARE) for one node: run, wait up to T_max, then shrink, offload or defer.
+
+    Params: ``cost_model`` (CostModel, profile dict or None: the default); ``kappa`` and
+    ``peak_bytes`` override the model's κ and M_peak (e.g. the device's real size);
+    ``t_max_s`` (1.0) T_max; ``check_interval_s`` (0.05) Δ_t; ``optimizer_bytes`` (0) what
+    offloading the optimizer state frees (0: offloading is not available); ``min_batch`` (1) and
+    ``min_tokens`` (16) the smallest shrunk step worth running; ``calibration_window`` (32)
+    observations kept; ``min_ratio`` (0.5) the lowest calibration ratio.
+
+    After T_max, for training: if offloading lets the whole step run, ``offload``; else the largest
+    smaller step that fits as is, ``shrink`` (fewer samples first, then, at ``min_batch``, a shorter
+    token window, which FlexLLM §6.1's token-level fine-tuning makes equivalent); else the largest
+    that fits after offloading, ``offload``; else ``defer``. For an admission: ``offload`` when that
+    frees room for the wanted requests (LEMIX frees memory for inference first), else the largest
+    number of requests that fits (``shrink``), else ``defer``.
+    """
+
+    def __init__(self, cost_model: CostModel | Mapping[str, Any] | None = None, kappa: float | None = None,
+                 peak_bytes: float | None = None, t_max_s: float = 1.0, check_interval_s: float = 0.05,
+                 optimizer_bytes: float = 0.0, min_batch: int = 1, min_tokens: int = 16,
+                 calibration_window: int = 32, min_ratio: float = 0.5) -> None:
+        self.cost = as_cost_model(cost_model)
+        self.kappa = self.cost.memory.kappa if kappa is None else float(kappa)
+        self.peak_bytes = self.cost.memory.peak_bytes if peak_bytes is None else float(peak_bytes)
+        if not 0 < self.kappa <= 1 or self.peak_bytes <= 0:
+            raise ValueError("need 0 < kappa <= 1 and peak_bytes > 0")
+        if t_max_s < 0 or check_interval_s <= 0 or optimizer_bytes < 0:
+            raise ValueError("need t_max_s >= 0, check_interval_s > 0, optimizer_bytes >= 0")
+        if min_batch < 1 or min_tokens < 1 or calibration_window < 1 or min_ratio <= 0:
+            raise ValueError("need min_batch, min_tokens, calibration_window >= 1 and min_ratio > 0")
+        self.t_max_s = t_max_s
+        self.check_interval_s = check_interval_s
+        self.optimizer_bytes = float(optimizer_bytes)
+        self.min_batch = min_batch
+        self.min_tokens = min_tokens
+        self.min_ratio = min_ratio
+        self._ratios: dict[str, deque[float]] = {k: deque(maxlen=calibration_window) for k in ("train", "admit")}
+
+    # -- prediction and calibration (LEMIX Alg. 2, lines 13–17) -------------------------------------
+
+    def threshold(self) -> float:
+        """M_threshold = κ·M_peak (LEMIX §IV-A)."""
+        return self.kappa * self.peak_bytes
+
+    def raw_need(self, batch_size: int, tokens: int, kind: MemoryKind = "train") -> float:
+        """The cost model's bytes: activations of B×ℓ training tokens, or KV of B requests of ℓ tokens."""
+        if batch_size <= 0 or tokens <= 0:
+            return 0.0
+        if kind == "train":
+            return self.cost.activation_bytes(batch_size, tokens)
+        return self.cost.kv_bytes(batch_size * tokens)
+
+    def ratio(self, kind: MemoryKind = "train") -> float:
+        """Calibration: max of actual/predicted over the recent window, at least ``min_ratio`` (1.0 before any)."""
+        seen = self._ratios[kind]
+        return max(self.min_ratio, max(seen)) if seen else 1.0
+
+    def need(self, batch_size: int, tokens: int, kind: MemoryKind = "train") -> float:
+        """Calibrated bytes the work will add: raw need × ratio."""
+        return self.raw_need(batch_size, tokens, kind) * self.ratio(kind)
+
+    def observe(self, batch_size: int, tokens: int, actual_bytes: float, kind: MemoryKind = "train") -> float:
+        """Record what a run really added (peak during it minus before it); returns the new ratio."""
+        predicted = self.raw_need(batch_size, tokens, kind)
+        if predicted > 0 and actual_bytes >= 0 and math.isfinite(actual_bytes):
+            self._ratios[kind].append(actual_bytes / predicted)
+        return self.ratio(kind)
+
+    def headroom(self, used_bytes: float, kind: MemoryKind = "train") -> float:
+        """Bytes, in the cost model's (uncalibrated) terms, that work of ``kind`` may add now."""
+        return max(0.0, (self.threshold() - used_bytes) / self.ratio(kind))
+
+    # -- the decision (LEMIX Alg. 2, lines 6–12) --------------------------------------------------
+
+    def fits(self, used_bytes: float, batch_size: int, tokens: int, kind: MemoryKind = "train") -> bool:
+        """MemoryAvailable(n, s, M_threshold): reported use plus calibrated need stays under κ·M_peak."""
+        return used_bytes + self.need(batch_size, tokens, kind) <= self.threshold()
+
+    def largest_fit(self, used_bytes: float, batch_size: int, tokens: int,
+                    kind: MemoryKind = "train") -> tuple[int, int] | None:
+        """The largest (B, ℓ) ≤ (batch_size, tokens) that fits: B first; ℓ only at the smallest B.
+
+        For an admission only B (requests) shrinks. None when not even the minimum fits.
+        """
+        min_b = 1 if kind == "admit" else min(self.min_batch, batch_size)
+        b = batch_size
+        while b >= min_b and not self.fits(used_bytes, b, tokens, kind):
+            b -= 1
+        if b >= min_b:
+            return b, tokens
+        if kind == "admit":
+            return None
+        min_t = min(self.min_tokens, tokens)
+        room = self.threshold() - used_bytes
+        per_token = self.need(min_b, 1, kind)
+        t = tokens if per_token <= 0 else min(tokens, math.floor(room / per_token + 1e-9))
+        while t >= min_t and not self.fits(used_bytes, min_b, t, kind):
+            t -= 1
+        return (min_b, t) if t >= min_t else None
+
+    def decide(self, used_bytes: float, batch_size: int, tokens: int, waited_s: float = 0.0,
+               kind: MemoryKind = "train", optimizer_on_device: bool = True) -> MemoryDecision:
+        """LEMIX Alg. 2 for one step: ``used_bytes`` reported now, ``waited_s`` since the work first asked."""
+        if batch_size < 1 or tokens < 1:
+            raise ValueError("batch_size and tokens must be >= 1")
+        thr = self.threshold()
+        need = self.need(batch_size, tokens, kind)
+        if used_bytes + need <= thr:
+            return MemoryDecision("run", batch_size, tokens, 0.0, need, thr, "fits")
+        if waited_s < self.t_max_s:
+            wait = min(self.check_interval_s, self.t_max_s - waited_s)
+            return MemoryDecision("wait", batch_size, tokens, wait, need, thr,
+                                  f"{used_bytes + need:.3g} B > threshold {thr:.3g} B")
+        can_offload = optimizer_on_device and self.optimizer_bytes > 0
+        after = used_bytes - self.optimizer_bytes
+        if can_offload and after + need <= thr:
+            return MemoryDecision("offload", batch_size, tokens, 0.0, need, thr, "offloading the optimizer state fits")
+        fit = self.largest_fit(used_bytes, batch_size, tokens, kind)
+        if fit is not None:
+            b, t = fit
+            return MemoryDecision("shrink", b, t, 0.0, self.need(b, t, kind), thr, f"shrunk to {b}x{t}")
+        if can_offload:
+            fit = self.largest_fit(after, batch_size, tokens, kind)
+            if fit is not None:
+                b, t = fit
+                return MemoryDecision("offload", b, t, 0.0, self.need(b, t, kind), thr,
+                                      f"offloading the optimizer state fits {b}x{t}")
+        return MemoryDecision("defer", batch_size, tokens, 0.0, need, thr, f"nothing fits after {waited_s:.2f}s")

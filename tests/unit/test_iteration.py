@@ -1,0 +1,574 @@
+"""Node-level iteration scheduling (planners/iteration.py): hand-computed formulas, properties, policies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planners import registry
+from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatency, default_cost_model
+from planners.iteration import (
+    FineTuneSample,
+    Hybrid,
+    InferenceRequest,
+    InferenceWork,
+    PriorityWeights,
+    TokenWindow,
+    best_fit_pack,
+    check_end,
+    ft_latency,
+    priority,
+    token_budget,
+    token_windows,
+    vllm_priority,
+    window_latency,
+)
+
+_CDF = default_cost_model().output_lengths
+
+
+def cost_model(fw=(0.0, 1e-4, 1e-3), bw=(0.0, 2e-4, 2e-3), it=(5e-3, 1e-4, 1e-3, 0.0),
+               act_bytes=1000.0, kv_bytes=0.0, threshold=1e6) -> CostModel:
+    """Round numbers for hand computation: t_ft(s) = 3 ms + 0.3 ms·s, t_iter = 5 ms + 0.1 ms/prefill token
+    + 1 ms/decode, 1,000 activation bytes per token, M_threshold = 1e6 B (1,000 training tokens)."""
+    return CostModel(forward=StageLatency(*fw), backward=StageLatency(*bw), iteration=IterationLatency(*it),
+                     memory=MemoryModel(kv_bytes, act_bytes, 0.0, threshold / 0.8, 0.8), output_lengths=_CDF)
+
+
+COST = cost_model()
+SLO = 0.05
+
+
+def sched(name="hybrid", **kw):
+    kw.setdefault("cost_model", COST)
+    kw.setdefault("slo_s", SLO)
+    return registry.create("iteration", name, **kw)
+
+
+def add_decodes(s, n, arrival=0.0, context=0, prefix="d"):
+    """n requests already running (decoding) on the node."""
+    for i in range(n):
+        r = InferenceRequest(f"{prefix}{i}", max(1, context), arrival, max_tokens=10_000)
+        s.running[r.request_id] = r
+
+
+# ---- priorities (MACE §4.1) ------------------------------------------------------------------
+
+
+def test_priority_formula_by_hand():
+    w = PriorityWeights()  # π = (2, 1, 0), δ = (0.001, 0.01, 0.1), γ = 1
+    assert priority("decode", 0.0, 10.0, w) == pytest.approx(2.01)
+    assert priority("prefill", 5.0, 10.0, w) == pytest.approx(1.05)
+    assert priority("ft", 0.0, 10.0, w, dpo_loss=0.5) == pytest.approx(1.5)
+    # the loss term only counts for fine-tune samples, and a future arrival does not age negatively
+    assert priority("prefill", 0.0, 10.0, w, dpo_loss=5.0) == pytest.approx(1.1)
+    assert priority("ft", 20.0, 10.0, w) == 0.0
+
+
+def test_fresh_work_orders_decode_prefill_ft_and_ft_overtakes_with_age():
+    w = PriorityWeights()
+    at = lambda t: [priority(k, 0.0, t, w) for k in ("decode", "prefill", "ft")]  # noqa: E731
+    d, p, f = at(0.0)
+    assert d > p > f
+    # ft overtakes prefill at t = (1 - 0)/(0.1 - 0.01) = 11.1 s and decode at t = 2/(0.1 - 0.001) = 20.2 s
+    d, p, f = at(11.0)
+    assert p > f
+    d, p, f = at(11.2)
+    assert f > p and d > f
+    d, p, f = at(20.3)
+    assert f > d > p
+
+
+@pytest.mark.parametrize("bad", [dict(pi_prefill=3.0), dict(pi_ft=1.0), dict(delta_ft=0.005),
+                                 dict(delta_decode=0.02), dict(gamma=-1.0)])
+def test_weights_enforce_mace_orderings(bad):
+    with pytest.raises(ValueError):
+        PriorityWeights(**bad)
+
+
+def test_vllm_priority_maps_higher_score_to_lower_number():
+    scores = [2.01, 1.5, 1.05, 0.0, -0.3]
+    prios = [vllm_priority(x) for x in scores]
+    assert prios == [-2010, -1500, -1050, 0, 300]
+    assert sorted(scores, key=vllm_priority) == scores  # vLLM runs the lowest number first
+
+
+# ---- token budget (FlexLLM §6.2) -------------------------------------------------------------
+
+
+def test_token_budget_by_hand_linear():
+    # t_ft(s) = 3 ms + 0.3 ms·s
+    assert token_budget(COST, InferenceWork(), SLO) == 156  # (50 - 3)/0.3 = 156.7
+    # 4 decodes: t_iter = 5 + 4 = 9 ms -> (41 - 3)/0.3 = 126.7
+    assert token_budget(COST, InferenceWork(0, 4, 0), SLO) == 126
+    # 190 prefill tokens + 4 decodes: 28 ms -> (22 - 3)/0.3 = 63.3
+    assert token_budget(COST, InferenceWork(190, 4, 0), SLO) == 63
+    # 40 decodes: 45 ms leaves 5 ms: 3 ms + 0.3·6 = 4.8 ms fits, 7 tokens (5.1 ms) do not
+    assert token_budget(COST, InferenceWork(0, 40, 0), SLO) == 6
+    # 46 decodes: 51 ms > SLO -> nothing
+    assert token_budget(COST, InferenceWork(0, 46, 0), SLO) == 0
+
+
+def test_token_budget_by_hand_quadratic():
+    cm = cost_model(fw=(1e-6, 1e-4, 1e-3))
+    # 1e-6 s² + 3e-4 s + 3e-3 <= 0.05 -> s = 113.6: 113 gives 49.67 ms, 114 gives 50.2 ms
+    assert token_budget(cm, InferenceWork(), SLO) == 113
+    assert window_latency(cm, InferenceWork(), 113) == pytest.approx(0.049669)
+
+
+def test_token_budget_counts_pipeline_stages():
+    two = COST.with_stages(2)  # halves each stage, two stages: same whole-model cost
+    assert token_budget(two, InferenceWork(), SLO) == token_budget(COST, InferenceWork(), SLO)
+    assert ft_latency(two, 1, 100) == pytest.approx(ft_latency(COST, 1, 100))
+
+
+coef = st.floats(0.0, 1e-3, allow_subnormal=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(fq=st.floats(0, 1e-5, allow_subnormal=False), fl=coef, fc=st.floats(0, 1e-2, allow_subnormal=False),
+       bq=st.floats(0, 1e-5, allow_subnormal=False), bl=coef, bc=st.floats(0, 1e-2, allow_subnormal=False),
+       base=st.floats(0, 2e-2), pre=st.integers(0, 2000), dec=st.integers(0, 64), ctx=st.integers(0, 50_000),
+       slo=st.floats(1e-3, 1.0), stages=st.integers(1, 3))
+def test_token_budget_fits_and_is_maximal(fq, fl, fc, bq, bl, bc, base, pre, dec, ctx, slo, stages):
+    cm = CostModel(StageLatency(fq, fl, fc), StageLatency(bq, bl, bc), IterationLatency(base, 1e-5, 2e-4, 5e-7),
+                   COST.memory, _CDF, stages=stages)
+    work = InferenceWork(pre, dec, ctx)
+    cap = 100_000
+    s = token_budget(cm, work, slo, cap=cap)
+    assert 0 <= s <= cap
+    if s > 0:
+        assert window_latency(cm, work, s) <= slo
+    if s < cap:
+        assert window_latency(cm, work, s + 1) > slo  # s + 1 would break the SLO: s is the maximum
+
+
+@settings(max_examples=60, deadline=None)
+@given(dec=st.integers(0, 40), more=st.integers(0, 10), pre=st.integers(0, 300))
+def test_token_budget_never_grows_with_inference_load(dec, more, pre):
+    light = token_budget(COST, InferenceWork(pre, dec, 0), SLO)
+    heavy = token_budget(COST, InferenceWork(pre, dec + more, 0), SLO)
+    assert heavy <= light
+
+
+def test_token_budget_rejects_negative_coefficients():
+    with pytest.raises(ValueError):
+        token_budget(cost_model(fw=(0.0, -1e-4, 1e-3)), InferenceWork(), SLO)
+
+
+# ---- token-level windows (FlexLLM §6.1) ------------------------------------------------------
+
+
+def test_token_windows_by_hand():
+    assert token_windows(10, [4, 4, 4]) == [(0, 4), (4, 8), (8, 10)]
+    assert token_windows(10, [0, 3, -1, 20, 5]) == [(0, 3), (3, 10)]
+    assert token_windows(10, [2, 2], start=6) == [(6, 8), (8, 10)]
+    assert token_windows(10, [3]) == [(0, 3)]  # not covered yet: the rest waits for later grants
+    with pytest.raises(ValueError):
+        token_windows(10, [1], start=11)
+
+
+@settings(max_examples=100, deadline=None)
+@given(length=st.integers(1, 5000), grants=st.lists(st.integers(0, 700), max_size=40))
+def test_token_windows_tile_the_sequence(length, grants):
+    ws = token_windows(length, grants)
+    pos = 0
+    sizes = iter(g for g in grants if g > 0)
+    for a, b in ws:
+        assert a == pos and b > a
+        g = next(sizes)
+        assert b - a == min(g, length - a)  # each window has its grant's size, the last one clipped
+        pos = b
+    assert pos == min(length, sum(g for g in grants if g > 0))
+
+
+def test_scheduler_cuts_a_long_sample_into_the_granted_windows_across_grants():
+    s = sched(max_window_tokens=None)
+    add_decodes(s, 4)  # budget 126 tokens per window
+    s.add_sample(FineTuneSample("long", 1000, 0.0))
+    cut, outcome, t = [], None, 0.0
+    while outcome != "retired":
+        plan = s.schedule(t)
+        (w,) = plan.windows
+        cut.append((w.start, w.end))
+        outcome = s.report_sample("long", t)
+        t += SLO
+    assert [b - a for a, b in cut] == [126] * 7 + [118]
+    assert cut == token_windows(1000, [126] * 8)
+
+
+# ---- best-fit packing (MACE Alg. 1) ----------------------------------------------------------
+
+
+def _w(name, tokens):
+    return TokenWindow(name, 0, tokens, 10_000)
+
+
+def _names(bins):
+    return [[w.sample_id for w in b.windows] for b in bins]
+
+
+def test_best_fit_prefers_the_tightest_memory_fit_over_the_first_fit():
+    # 1 byte per token, P = 18 B. a, b -> bin 1 {3, 3}; c (7) cannot join (3 × 7 = 21 > 18) -> bin 2.
+    # d (3): bin 1 would hold 3 × 3 = 9 B (leftover 9), bin 2 2 × 7 = 14 B (leftover 4).
+    cm = cost_model(act_bytes=1.0)
+    ws = [_w("a", 3), _w("b", 3), _w("c", 7), _w("d", 3)]
+    assert _names(best_fit_pack(ws, cm, 18, lambdas=(1.0, 0.0))) == [["a", "b"], ["c", "d"]]
+    # with the latency term too: |t(3) - t(3)| = 0 against |t(7) - t(3)|/t(3) = 0.31 -> bin 1 (0.5 < 0.53)
+    assert _names(best_fit_pack(ws, cm, 18, lambdas=(1.0, 1.0))) == [["a", "b", "d"], ["c"]]
+
+
+def test_best_fit_latency_term_groups_similar_lengths():
+    # d (6) fits bin 1 {3, 3} exactly (3 × 6 = 18, leftover 0) and bin 2 {7} (2 × 7 = 14, leftover 4);
+    # by latency alone it joins the 7-token window: |t(7) - t(6)| < |t(3) - t(6)|.
+    cm = cost_model(act_bytes=1.0)
+    ws = [_w("a", 3), _w("b", 3), _w("c", 7), _w("d", 6)]
+    assert _names(best_fit_pack(ws, cm, 18, lambdas=(0.0, 1.0))) == [["a", "b"], ["c", "d"]]
+    assert _names(best_fit_pack(ws, cm, 18, lambdas=(1.0, 0.0))) == [["a", "b", "d"], ["c"]]
+
+
+def test_best_fit_stops_at_tau_task_and_tau_mem():
+    cm = cost_model(act_bytes=1.0)
+    ws = [_w(str(i), 2) for i in range(6)]
+    assert sum(b.batch_size for b in best_fit_pack(ws, cm, 100, tau_task=4)) == 4
+    # τ_mem = 0.05: bin 1 holds 2 B >= 0.05 × 30 after the first window -> stop
+    assert _names(best_fit_pack(ws, cm, 30, tau_mem=0.05)) == [["0"]]
+    # a window that does not fit even alone is skipped, not packed
+    assert _names(best_fit_pack([_w("big", 50), _w("ok", 5)], cm, 20)) == [["ok"]]
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=20), mem=st.floats(10, 5000),
+       lat=st.one_of(st.just(math.inf), st.floats(4e-3, 0.2)), l1=st.floats(0, 2), l2=st.floats(0, 2))
+def test_packing_never_exceeds_memory_or_latency(sizes, mem, lat, l1, l2):
+    cm = cost_model(act_bytes=3.0)
+    ws = [_w(f"s{i}", n) for i, n in enumerate(sizes)]
+    bins = best_fit_pack(ws, cm, mem, lat, (l1, l2))
+    packed = [w.sample_id for b in bins for w in b.windows]
+    assert len(packed) == len(set(packed))
+    for b in bins:
+        assert b.memory_bytes <= mem + 1e-9
+        assert b.memory_bytes == pytest.approx(3.0 * b.batch_size * b.padded_tokens)
+        assert b.latency_s <= lat + 1e-12
+    # every window that fits alone is packed somewhere (no τ limits here)
+    fits = {w.sample_id for w in ws if 3.0 * w.tokens <= mem and ft_latency(cm, 1, w.tokens) <= lat}
+    assert set(packed) == fits
+
+
+# ---- CheckEnd and the report protocol --------------------------------------------------------
+
+
+def test_check_end():
+    s = FineTuneSample("x", 10, 0.0, dpo_loss=0.7, passes=1)
+    assert check_end(s, None, 5)  # no threshold: one pass
+    assert not check_end(s, 0.5, 5)  # loss above the threshold: again
+    assert check_end(s, 0.8, 5)
+    assert check_end(FineTuneSample("x", 10, 0.0, dpo_loss=0.7, passes=5), 0.5, 5)  # pass limit
+
+
+def test_unfinished_samples_are_requeued_while_their_loss_stays_high():
+    s = sched(loss_threshold=0.3, max_passes=3)
+    s.add_sample(FineTuneSample("x", 50, 0.0))
+    s.schedule(0.0)
+    assert s.report_sample("x", now=1.0, dpo_loss=0.9) == "requeued"
+    x = s.samples["x"]
+    assert (x.done, x.passes, x.arrival, x.dpo_loss) == (0, 1, 1.0, 0.9)  # fresh t_arr, new pass
+    s.schedule(1.0)
+    assert s.report_sample("x", now=2.0, dpo_loss=0.2) == "retired"
+    assert "x" not in s.samples and not s.in_flight
+
+
+def test_partial_report_and_release_keep_the_sample():
+    s = sched()
+    s.add_sample(FineTuneSample("x", 100, 0.0))
+    (w,) = s.schedule(0.0).windows
+    assert (w.start, w.end) == (0, 100)
+    assert s.schedule(0.0).windows == ()  # in flight: not granted twice
+    assert s.report_sample("x", 0.1, tokens_done=30) == "partial"  # the memory guard shrank it
+    (w,) = s.schedule(0.1).windows
+    assert (w.start, w.end) == (30, 100)
+    s.release("x")
+    assert s.samples["x"].done == 30
+    with pytest.raises(KeyError):
+        s.report_sample("x", 0.2)
+
+
+def test_queue_api_errors_and_inference_check_end():
+    s = sched()
+    s.add_request(InferenceRequest("r", 10, 0.0, max_tokens=3))
+    with pytest.raises(ValueError):
+        s.add_request(InferenceRequest("r", 10, 0.0))
+    with pytest.raises(ValueError):
+        s.add_sample(FineTuneSample("bad", 0, 0.0))
+    s.schedule(0.0)
+    assert "r" in s.running
+    assert s.update_request("r", 2) is False
+    assert s.update_request("r", 3) is True and "r" not in s.running  # reached max_tokens
+    with pytest.raises(KeyError):
+        s.finish("r")
+
+
+# ---- hybrid ----------------------------------------------------------------------------------
+
+
+def test_hybrid_fills_exactly_the_budget_and_admits_by_priority():
+    s = sched()
+    add_decodes(s, 2)
+    s.add_request(InferenceRequest("old", 40, 0.0))
+    s.add_request(InferenceRequest("new", 50, 5.0))
+    s.add_sample(FineTuneSample("x", 1000, 9.0))
+    plan = s.schedule(10.0)
+    assert [a.request_id for a in plan.admitted] == ["old", "new"]  # 1.1 > 1.05
+    assert [a.priority for a in plan.admitted] == [-1100, -1050]
+    # c = 90 prefill tokens + 2 decodes: 5 + 9 + 2 = 16 ms; (34 - 3)/0.3 = 103.3 -> 103 tokens
+    assert plan.work == InferenceWork(90, 2, 2)
+    assert plan.ft_token_budget == 103 and plan.ft_tokens == 103
+    assert plan.predicted_latency_s == pytest.approx(0.016 + 0.003 + 0.0309)
+    assert plan.predicted_latency_s <= SLO
+
+
+def test_hybrid_grants_shrink_as_inference_load_rises():
+    granted = []
+    for n in (0, 10, 20, 35, 40, 46):
+        s = sched(max_num_seqs=64)
+        add_decodes(s, n)
+        s.add_sample(FineTuneSample("x", 5000, 0.0))
+        plan = s.schedule(0.0)
+        granted.append((plan.ft_token_budget, plan.ft_tokens))
+    # s = (50 - 5 - n - 3)/0.3 (no decodes: 47/0.3); at 40 decodes s = 6 is below the 16-token minimum window
+    assert granted == [(156, 156), (106, 106), (73, 73), (23, 23), (6, 0), (0, 0)]
+
+
+def test_hybrid_respects_the_memory_capacity():
+    s = sched()
+    s.add_sample(FineTuneSample("x", 1000, 0.0))
+    plan = s.schedule(0.0, free_bytes=50_000)  # 1,000 B per token -> 50 tokens
+    assert plan.ft_tokens == 50 and plan.micro_batches[0].memory_bytes <= 50_000
+
+
+def test_hybrid_promotes_aged_fine_tuning_past_an_overloaded_engine():
+    # 50 decodes: t_iter = 55 ms > SLO, so the FlexLLM budget is 0. One prefill (100 tokens) waits.
+    def node(t):
+        s = sched(max_num_seqs=64)
+        add_decodes(s, 50)
+        s.add_request(InferenceRequest("p", 100, 0.0))
+        s.add_sample(FineTuneSample("x", 500, 0.0))
+        return s.schedule(t)
+
+    early = node(5.0)  # P_ft = 0.5 < P_prefill = 1.05: inference first, no fine-tuning
+    assert early.ft_tokens == 0 and [a.request_id for a in early.admitted] == ["p"]
+    # at 12 s P_ft = 1.2 > P_prefill = 1.12: x reserves 16 tokens and the prefill below it waits
+    late = node(12.0)
+    assert late.ft_tokens == 16 and late.deferred == ("p",) and late.reason == "promoted x"
+    assert late.predicted_latency_s == pytest.approx(0.055 + 0.003 + 0.3e-3 * 16)
+
+
+def test_hybrid_promotion_against_decodes_only():
+    # no prefill waiting: x must outrank the lowest decode, at t > 2/(0.1 - 0.001) = 20.2 s
+    def grant(t):
+        s = sched(max_num_seqs=64)
+        add_decodes(s, 50)
+        s.add_sample(FineTuneSample("x", 500, 0.0))
+        return s.schedule(t).ft_tokens
+
+    assert grant(20.0) == 0
+    assert grant(20.5) == 16
+
+
+def test_hybrid_dpo_loss_orders_fine_tune_samples():
+    s = sched(max_ft_samples=1)
+    s.add_sample(FineTuneSample("low", 20, 0.0, dpo_loss=0.1))
+    s.add_sample(FineTuneSample("high", 20, 1.0, dpo_loss=0.9))  # 0.9 - 0.1·(1 - 0) > 0.1
+    assert [w.sample_id for w in s.schedule(1.0).windows] == ["high"]
+
+
+load = st.lists(st.tuples(st.integers(0, 17), st.integers(0, 200)), min_size=1, max_size=8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(loads=load, gamma=st.floats(0.0, 2.0), lmax=st.floats(0.0, 2.0), delta_ft=st.floats(0.5, 5.0),
+       losses=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8))
+def test_no_starvation_when_the_load_leaves_slack(loads, gamma, lmax, delta_ft, losses):
+    """A zero-loss sample against a stream of newcomers of loss up to L_max, one per window, while one
+    window per plan is granted: the victim's first grant comes within γ·L_max/δ_ft + 2 windows.
+
+    Loads: d ≤ 17 decodes and p ≤ 200 prefill tokens give t_iter ≤ 42 ms, so f(c, 16) ≤ 50 ms: slack."""
+    w = PriorityWeights(delta_ft=delta_ft, delta_prefill=0.01, delta_decode=0.001, gamma=gamma)
+    s = sched(weights=w, max_ft_samples=1, max_num_seqs=64)
+    s.add_sample(FineTuneSample("victim", 16, 0.0, dpo_loss=0.0))
+    bound = gamma * lmax / delta_ft + 2 * SLO
+    t, k = 0.0, 0
+    while True:
+        s.add_sample(FineTuneSample(f"n{k}", 16, t, dpo_loss=lmax * losses[k % len(losses)]))
+        d, p = loads[k % len(loads)]
+        for i in range(d):
+            s.add_request(InferenceRequest(f"d{k}.{i}", 1, t))
+        if p:
+            s.add_request(InferenceRequest(f"p{k}", p, t))
+        plan = s.schedule(t)
+        assert plan.ft_tokens == 16  # slack: one window granted every time
+        assert plan.predicted_latency_s <= SLO + 1e-12
+        if [w.sample_id for w in plan.windows] == ["victim"]:
+            break
+        for win in plan.windows:
+            s.report_sample(win.sample_id, t)
+        for rid in list(s.running) + list(s.waiting):
+            s.finish(rid)
+        t, k = t + SLO, k + 1
+        assert t <= bound, f"victim still waiting at {t:.2f}s > bound {bound:.2f}s"
+
+
+def test_loss_term_outranks_without_enough_aging():
+    """The counterpart: with δ_ft tiny, newcomers of loss 1 keep the zero-loss victim waiting (the
+    bound γ·L/δ_ft = 1,000 s is far): the no-starvation test above could fail."""
+    w = PriorityWeights(delta_ft=1e-3, delta_prefill=5e-4, delta_decode=0.0, gamma=1.0)
+    s = sched(weights=w, max_ft_samples=1)
+    s.add_sample(FineTuneSample("victim", 16, 0.0))
+    for k in range(100):
+        s.add_sample(FineTuneSample(f"n{k}", 16, k * SLO, dpo_loss=1.0))
+        (win,) = s.schedule(k * SLO).windows
+        assert win.sample_id != "victim"
+        s.report_sample(win.sample_id, k * SLO)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dec=st.integers(0, 60), prompts=st.lists(st.integers(1, 600), max_size=6),
+       samples=st.lists(st.integers(1, 2000), max_size=6), free=st.one_of(st.none(), st.floats(0, 2e6)))
+def test_hybrid_never_plans_past_the_slo_without_promotion(dec, prompts, samples, free):
+    s = sched(max_num_seqs=128)  # fresh zero-loss samples rank below every inference item: no promotion
+    add_decodes(s, dec)
+    for i, p in enumerate(prompts):
+        s.add_request(InferenceRequest(f"p{i}", p, 0.0))
+    for i, n in enumerate(samples):
+        s.add_sample(FineTuneSample(f"s{i}", n, 0.0))
+    plan = s.schedule(0.0, free_bytes=free)
+    t_iter = plan.work.latency(COST)
+    if plan.ft_tokens:
+        assert plan.predicted_latency_s <= SLO + 1e-12
+        assert plan.ft_tokens <= plan.ft_token_budget == token_budget(COST, plan.work, SLO)
+    else:
+        assert plan.predicted_latency_s == pytest.approx(t_iter)
+    cap = 1e6 if free is None else min(1e6, free)
+    assert all(mb.memory_bytes <= cap + 1e-6 for mb in plan.micro_batches)
+    assert {a.request_id for a in plan.admitted} | set(plan.deferred) == {f"p{i}" for i in range(len(prompts))}
+    # one sample with room to spare gets exactly min(budget, its tokens, memory)
+    if len(samples) == 1 and plan.ft_tokens:
+        by_mem = math.floor(cap / 1000.0)
+        assert plan.ft_tokens == min(plan.ft_token_budget, samples[0], by_mem)
+
+
+# ---- the baselines ---------------------------------------------------------------------------
+
+
+def test_registry_names_the_six_policies():
+    assert registry.names("iteration") == ["fcfs", "ft_first", "hybrid", "periodic", "separate", "temporal"]
+    for name in registry.names("iteration"):
+        assert registry.accepts("iteration", name, "cost_model")
+
+
+def _heavy(name, **kw):
+    """40 decodes (t_iter 45 ms: 5 ms left of the 50 ms SLO), one waiting prefill, one 500-token sample."""
+    s = sched(name, max_num_seqs=64, **kw)
+    add_decodes(s, 40)
+    s.add_request(InferenceRequest("p", 100, 0.0))
+    s.add_sample(FineTuneSample("x", 500, 0.0))
+    return s
+
+
+def test_fcfs_ignores_the_slo():
+    plan = _heavy("fcfs").schedule(1.0)
+    assert plan.ft_tokens == 500  # the whole sample, no budget
+    assert plan.predicted_latency_s == pytest.approx(0.045 + 0.01 + 0.003 + 0.15)
+    assert plan.predicted_latency_s > SLO
+    assert [(a.request_id, a.priority) for a in plan.admitted] == [("p", 0)]  # arrival order decides
+    hybrid = _heavy("hybrid").schedule(1.0)
+    assert hybrid.ft_tokens == 0 and hybrid.predicted_latency_s <= 0.055 + 1e-12
+
+
+def test_fcfs_admits_in_arrival_order_within_engine_limits():
+    s = sched("fcfs", max_num_seqs=3, max_batched_tokens=100)
+    for i, (p, t) in enumerate([(30, 2.0), (40, 1.0), (50, 3.0), (10, 4.0)]):
+        s.add_request(InferenceRequest(f"r{i}", p, t))
+    plan = s.schedule(5.0)
+    # arrival order r1 (40), r0 (30), r2 (50 would make 120 > 100: deferred), r3 (10)
+    assert [a.request_id for a in plan.admitted] == ["r1", "r0", "r3"]
+    assert plan.deferred == ("r2",)
+
+
+def test_temporal_alternates_n_inference_windows_and_one_fine_tuning_window():
+    s = sched("temporal", n=3, max_ft_samples=1)
+    for i in range(4):
+        s.add_sample(FineTuneSample(f"x{i}", 100, 0.0))
+    pattern = []
+    for k in range(8):
+        s.add_request(InferenceRequest(f"r{k}", 20, k * 0.01))
+        plan = s.schedule(k * 0.01)
+        pattern.append("F" if plan.inference_paused else "I")
+        if plan.inference_paused:
+            assert plan.admitted == () and plan.ft_tokens == 100 and plan.work.empty
+        else:
+            assert plan.ft_tokens == 0 and plan.admitted
+        for w in plan.windows:
+            s.report_sample(w.sample_id, k * 0.01)
+    assert "".join(pattern) == "IIIFIIIF"
+
+
+def test_ft_first_runs_fine_tuning_before_inference():
+    plan = _heavy("ft_first").schedule(1.0)
+    assert plan.ft_tokens == 500  # whole sample, whatever the load
+    assert plan.deferred == ("p",) and plan.admitted == ()  # no room left in the window for the prefill
+    s = sched("ft_first", max_num_seqs=64)
+    add_decodes(s, 40)
+    s.add_request(InferenceRequest("p", 100, 0.0))
+    assert [a.request_id for a in s.schedule(1.0).admitted] == ["p"]  # nothing to train: inference runs
+
+
+def test_periodic_trains_every_t_seconds_on_what_arrived_before():
+    s = sched("periodic", every_seconds=10.0)
+    s.add_sample(FineTuneSample("a", 50, 1.0))
+    s.add_sample(FineTuneSample("b", 50, 3.0))
+    assert s.schedule(5.0).ft_tokens == 0  # first window opens 10 s after the first sample
+    plan = s.schedule(11.0)
+    assert sorted(w.sample_id for w in plan.windows) == ["a", "b"]
+    s.add_sample(FineTuneSample("c", 50, 12.0))
+    for w in plan.windows:
+        s.report_sample(w.sample_id, 12.0)
+    assert s.schedule(12.5).ft_tokens == 0  # c arrived after the window opened: next window
+    assert s.schedule(20.0).ft_tokens == 0
+    assert [w.sample_id for w in s.schedule(21.0).windows] == ["c"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(dec=st.integers(0, 60), prompts=st.lists(st.integers(1, 400), max_size=8),
+       samples=st.lists(st.integers(1, 800), min_size=1, max_size=6), phi=st.floats(0.1, 0.9))
+def test_separate_never_exceeds_its_share_and_ignores_inference_load(dec, prompts, samples, phi):
+    def plan(load):
+        s = sched("separate", train_fraction=phi, max_num_seqs=100)
+        if load:
+            add_decodes(s, dec)
+            for i, p in enumerate(prompts):
+                s.add_request(InferenceRequest(f"p{i}", p, 0.0))
+        for i, n in enumerate(samples):
+            s.add_sample(FineTuneSample(f"s{i}", n, 0.0))
+        return s.schedule(0.0)
+
+    busy, idle = plan(True), plan(False)
+    assert busy.ft_latency_s <= phi * SLO + 1e-12
+    assert all(mb.memory_bytes <= phi * 1e6 + 1e-6 for mb in busy.micro_batches)
+    assert busy.ft_token_budget == token_budget(COST, InferenceWork(), phi * SLO)
+    assert [(w.sample_id, w.end) for w in busy.windows] == [(w.sample_id, w.end) for w in idle.windows]
+    assert dec + len(busy.admitted) <= max(dec, math.floor(100 * (1 - phi)))
+
+
+def test_policies_reject_bad_params():
+    with pytest.raises(ValueError):
+        sched("separate", train_fraction=1.0)
+    with pytest.raises(ValueError):
+        sched("temporal", n=0)
+    with pytest.raises(ValueError):
+        sched(slo_s=0.0)
+    with pytest.raises(ValueError):
+        Hybrid(weights={"pi_ft": 5.0})

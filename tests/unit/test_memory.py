@@ -1,0 +1,157 @@
+"""Memory guard (planners/memory.py, LEMIX Alg. 2): hand-computed decisions, calibration and properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planners import registry
+from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatency, default_cost_model
+from planners.iteration import FineTuneSample
+from planners.memory import MemoryGuard
+
+# 1,000 activation bytes per training token, 100 KV bytes per token, M_peak = 1e6 B, κ = 0.8 -> 8e5 B.
+COST = CostModel(forward=StageLatency(0.0, 1e-4, 1e-3), backward=StageLatency(0.0, 2e-4, 2e-3),
+                 iteration=IterationLatency(5e-3, 1e-4, 1e-3, 0.0),
+                 memory=MemoryModel(100.0, 1000.0, 0.0, 1e6, 0.8), output_lengths=default_cost_model().output_lengths)
+
+
+def guard(**kw) -> MemoryGuard:
+    return MemoryGuard(COST, **kw)
+
+
+def test_threshold_is_kappa_times_peak():
+    assert guard().threshold() == pytest.approx(8e5)
+    assert guard(kappa=0.5, peak_bytes=2e6).threshold() == pytest.approx(1e6)
+    with pytest.raises(ValueError):
+        guard(kappa=1.5)
+    with pytest.raises(ValueError):
+        guard(check_interval_s=0.0)
+
+
+def test_run_when_reported_use_plus_need_fits():
+    d = guard().decide(used_bytes=5e5, batch_size=2, tokens=100)  # 5e5 + 2e5 = 7e5 <= 8e5
+    assert (d.action, d.batch_size, d.tokens, d.need_bytes) == ("run", 2, 100, 2e5)
+    assert d.runs
+
+
+def test_wait_in_steps_of_delta_t_up_to_t_max():
+    g = guard(t_max_s=1.0, check_interval_s=0.05)
+    d = g.decide(7e5, 2, 100, waited_s=0.0)  # 9e5 > 8e5
+    assert (d.action, d.wait_s) == ("wait", 0.05) and not d.runs
+    assert g.decide(7e5, 2, 100, waited_s=0.98).wait_s == pytest.approx(0.02)  # never past T_max
+
+
+def test_after_t_max_shrink_the_batch_then_the_token_window():
+    g = guard()
+    d = g.decide(7e5, 2, 100, waited_s=1.0)  # one sample: 7e5 + 1e5 = 8e5 fits
+    assert (d.action, d.batch_size, d.tokens) == ("shrink", 1, 100)
+    d = g.decide(7.5e5, 2, 100, waited_s=1.0)  # one sample is 8.5e5: 5e4 B left -> a 50-token window
+    assert (d.action, d.batch_size, d.tokens) == ("shrink", 1, 50)
+    d = g.decide(7.95e5, 2, 100, waited_s=1.0)  # 5 tokens fit, below min_tokens 16: give it back
+    assert d.action == "defer"
+
+
+def test_offload_the_optimizer_state_when_that_lets_the_step_run():
+    g = guard(optimizer_bytes=2e5)
+    # the whole step fits after offloading (5e5 + 2e5): offload rather than shrink to one sample
+    d = g.decide(7e5, 2, 100, waited_s=1.0)
+    assert (d.action, d.batch_size, d.tokens) == ("offload", 2, 100)
+    # already offloaded: shrink instead
+    assert g.decide(7e5, 2, 100, waited_s=1.0, optimizer_on_device=False).action == "shrink"
+    # nothing fits as is; after offloading (6.45e5) one sample does
+    d = guard(optimizer_bytes=1.5e5).decide(7.95e5, 2, 100, waited_s=1.0)
+    assert (d.action, d.batch_size, d.tokens) == ("offload", 1, 100)
+
+
+def test_admission_uses_kv_bytes_and_shrinks_only_the_request_count():
+    g = guard()
+    assert g.decide(7e5, 3, 50, kind="admit").action == "run"  # 3 × 50 × 100 B = 15 kB
+    d = g.decide(7.9e5, 3, 50, waited_s=1.0, kind="admit")  # 8.05e5 > 8e5; two requests fit
+    assert (d.action, d.batch_size, d.tokens) == ("shrink", 2, 50)
+    assert g.decide(7.999e5, 1, 50, waited_s=1.0, kind="admit").action == "defer"
+    d = guard(optimizer_bytes=1e5).decide(7.999e5, 1, 50, waited_s=1.0, kind="admit")
+    assert d.action == "offload"  # training's optimizer state moves out for the inference request
+
+
+def test_calibration_is_the_running_max_of_actual_over_predicted():
+    g = guard(calibration_window=2)
+    assert g.ratio() == 1.0
+    assert g.observe(2, 100, actual_bytes=4e5) == pytest.approx(2.0)  # predicted 2e5, used 4e5
+    assert g.need(2, 100) == pytest.approx(4e5)
+    assert g.decide(5e5, 2, 100).action == "wait"  # 5e5 + 4e5 > 8e5: ran before calibration, not now
+    assert g.observe(2, 100, 2e5) == pytest.approx(2.0)  # max over the window
+    assert g.observe(2, 100, 2.2e5) == pytest.approx(1.1)  # the 2.0 slid out of the 2-observation window
+    assert g.ratio("admit") == 1.0  # kinds calibrate separately
+    assert g.observe(1, 10, actual_bytes=0.0) == pytest.approx(1.1)
+    g2 = guard(calibration_window=1, min_ratio=0.5)
+    assert g2.observe(1, 10, 0.0) == 0.5  # a near-zero reading cannot make the need vanish
+    assert g2.observe(0, 10, 5.0) == 0.5  # nothing predicted: ignored
+
+
+def test_headroom_is_the_threshold_left_in_model_bytes():
+    g = guard()
+    g.observe(1, 100, 2e5)  # ratio 2
+    assert g.headroom(6e5) == pytest.approx(1e5)  # (8e5 - 6e5)/2
+    assert g.headroom(9e5) == 0.0
+
+
+def test_alg2_loop_waits_while_memory_drains_then_runs():
+    g = guard(t_max_s=1.0, check_interval_s=0.1)
+    waited, actions = 0.0, []
+    while True:
+        used = 9e5 - 1e5 * waited / 0.1 * 0.5  # inference frees 50 kB every 0.1 s
+        d = g.decide(used, 2, 100, waited)
+        actions.append(d.action)
+        if d.action != "wait":
+            break
+        waited += d.wait_s
+    # fits once used <= 6e5: after 6 checks (9e5 - 6 × 5e4 = 6e5)
+    assert actions == ["wait"] * 6 + ["run"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(used=st.floats(0, 1.2e6), batch=st.integers(1, 16), tokens=st.integers(1, 2000),
+       waited=st.floats(0, 3.0), opt=st.floats(0, 5e5), on_device=st.booleans(),
+       ratio_obs=st.lists(st.floats(0.1, 4.0), max_size=4), kind=st.sampled_from(["train", "admit"]))
+def test_decisions_never_run_past_the_threshold(used, batch, tokens, waited, opt, on_device, ratio_obs, kind):
+    g = guard(optimizer_bytes=opt, t_max_s=1.0)
+    for r in ratio_obs:
+        g.observe(2, 100, r * g.raw_need(2, 100, kind), kind)
+    d = g.decide(used, batch, tokens, waited, kind, on_device)
+    thr = g.threshold()
+    need = g.need(d.batch_size, d.tokens, kind)
+    assert 1 <= d.batch_size <= batch and 1 <= d.tokens <= tokens
+    if d.action == "run":
+        assert (d.batch_size, d.tokens) == (batch, tokens) and used + need <= thr
+    elif d.action == "wait":
+        assert waited < 1.0 and 0 < d.wait_s <= 0.05 and used + need > thr
+    elif d.action == "shrink":
+        assert waited >= 1.0 and used + need <= thr and (d.batch_size, d.tokens) < (batch, tokens)
+        if d.tokens == tokens and d.batch_size < batch:
+            assert not g.fits(used, d.batch_size + 1, tokens, kind)  # the largest batch that fits
+        if d.tokens < tokens:
+            assert kind == "train" and d.batch_size == 1 and not g.fits(used, 1, d.tokens + 1, kind)
+    elif d.action == "offload":
+        assert waited >= 1.0 and on_device and opt > 0 and used - opt + need <= thr
+    else:
+        assert d.action == "defer" and waited >= 1.0
+        smallest = (1, tokens if kind == "admit" else min(16, tokens))  # an admission keeps its length
+        assert not g.fits(used, *smallest, kind)
+        assert not (on_device and opt > 0 and g.fits(used - opt, *smallest, kind))
+
+
+@settings(max_examples=60, deadline=None)
+@given(used=st.floats(0, 7.9e5), ratio=st.floats(0.5, 3.0), sizes=st.lists(st.integers(1, 900), min_size=1,
+                                                                             max_size=6))
+def test_plans_built_on_headroom_pass_the_guard(used, ratio, sizes):
+    """The iteration scheduler's windows, packed within ``headroom``, are what the guard lets run."""
+    g = guard()
+    g.observe(1, 100, ratio * 1e5)
+    s = registry.create("iteration", "fcfs", cost_model=COST)  # whole passes: the largest windows
+    for i, n in enumerate(sizes):
+        s.add_sample(FineTuneSample(f"s{i}", n, 0.0))
+    plan = s.schedule(0.0, free_bytes=g.headroom(used))
+    for mb in plan.micro_batches:
+        assert g.fits(used, mb.batch_size, mb.padded_tokens)
