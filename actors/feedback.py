@@ -35,23 +35,26 @@ class FeedbackQueue:
     async def list_adapters(self):
         return await self._run("list_adapters")
 
-    async def add_feedback(self, items: Any) -> list[int]:
-        return await self._run("add_feedback", items)
+    async def add_feedback(self, items: Any, nodes: list[int | None] | None = None) -> list[int]:
+        return await self._run("add_feedback", items, nodes)
 
-    async def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = ()):
-        return await self._run("take", adapter, limit, list(exclude_ids))
+    async def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = (), node: int | None = None):
+        return await self._run("take", adapter, limit, list(exclude_ids), node)
 
     async def queued(self, adapter: str) -> int:
         return await self._run("queued", adapter)
 
-    async def queue_summary(self) -> dict[str, tuple[int, float]]:
-        return await self._run("queue_summary")
+    async def queue_summary(self, node: int | None = None) -> dict[str, tuple[int, float]]:
+        return await self._run("queue_summary", node)
+
+    async def queued_by_node(self) -> dict[str, dict[int, int]]:
+        return await self._run("queued_by_node")
 
     async def feedback_item(self, item_id: int):
         return await self._run("feedback_item", item_id)
 
-    async def reserve_version(self, adapter: str):
-        return await self._run("reserve_version", adapter)
+    async def reserve_version(self, adapter: str, node: int | None = None):
+        return await self._run("reserve_version", adapter, node)
 
     async def publish_version(self, adapter: str, version: int, path: str, item_ids: Iterable[int],
                               samples_trained: int, loss: float | None, **kwargs: Any):
@@ -63,8 +66,8 @@ class FeedbackQueue:
     async def rollback(self, adapter: str, version: int):
         return await self._run("rollback", adapter, version)
 
-    async def current_version(self, adapter: str):
-        return await self._run("current_version", adapter)
+    async def current_version(self, adapter: str, node: int | None = None):
+        return await self._run("current_version", adapter, node)
 
     async def get_version(self, adapter: str, version: int):
         return await self._run("get_version", adapter, version)

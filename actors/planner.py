@@ -120,10 +120,12 @@ class Planner:
         ).remote(str(self.cfg.data_path))
         # After a restart of the app, every adapter serves its current published version again.
         for info in await self.feedback.list_adapters.remote():
-            current = next((v for v in info.versions if v.version == info.current_version), None)
-            if current is not None and current.path:
-                for node in self.nodes:
-                    self._published.setdefault(node.node_id, {})[info.name] = (current.version, current.path)
+            paths = {v.version: v.path for v in info.versions if v.path}
+            for node in self.nodes:
+                # per_node: each node its own copy's version; synced: the adapter's current version.
+                version = info.node_versions.get(node.node_id) if info.node_versions else info.current_version
+                if version in paths:
+                    self._published.setdefault(node.node_id, {})[info.name] = (version, paths[version])
 
     def _start_trainer(self) -> None:
         try:
@@ -337,6 +339,21 @@ class Planner:
         return self.feedback
 
     # ---- training grants -------------------------------------------------------------------
+
+    async def feedback_nodes(self, adapters: list[str | None]) -> list[int | None]:
+        """per_node scope: the node whose copy trains on each new feedback item, in item order."""
+        from planners.retraining import route_feedback
+
+        ready = [n.node_id for n in self.nodes if n.state == "ready"] or [n.node_id for n in self.nodes]
+        queued = await self.feedback.queued_by_node.remote()
+        positions: dict[str | None, list[int]] = {}
+        for i, adapter in enumerate(adapters):
+            positions.setdefault(adapter, []).append(i)
+        out: list[int | None] = [None] * len(adapters)
+        for adapter, idx in positions.items():
+            for i, node in zip(idx, route_feedback(queued.get(adapter, {}) if adapter else {}, ready, len(idx))):
+                out[i] = node
+        return out
 
     def adapter_changed(self, adapter: str) -> None:
         """The adapter's training settings changed: build its retraining policy afresh at the next grant."""

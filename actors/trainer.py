@@ -89,11 +89,11 @@ class Trainer:
         if why:
             self._error("config", why)
         self.problem: str | None = None
-        if self.cfg.training.scope == "per_node":
-            # The store has no per-node partition of the queue yet (docs/learning.md §6): several
-            # independent trainers would all take the same oldest items. Refuse rather than fake it.
-            self.problem = ("training.scope 'per_node' is not supported yet: the feedback store has no per-node "
-                            "partition of the queue (docs/learning.md §6); use scope 'synced'")
+        t = self.cfg.training
+        if t.scope == "per_node" and t.workers is not None and t.workers != self.cfg.cluster.nodes:
+            # Each node's copy is trained by the one worker on that node; more or fewer cannot split a queue.
+            self.problem = (f"training.scope 'per_node' needs one worker per node: workers={t.workers}, "
+                            f"nodes={self.cfg.cluster.nodes} (leave workers unset)")
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # Ray restarted this actor after a crash; whoever called run() before will not call it again.
             self.run()
@@ -302,8 +302,15 @@ class _Worker:
         ctx = train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.node_id = lc["node_of_rank"][self.rank]
-        self.leader = self.rank == 0
-        self.distributed = self.world > 1 and dist.is_available() and dist.is_initialized()
+        # per_node (LEMIX §V-B): every rank trains its own node's copy on the feedback routed to that
+        # node, alone: it plans and publishes for itself and never joins a collective. synced: rank 0
+        # plans and publishes, and all ranks average gradients.
+        self.per_node = self.t.scope == "per_node"
+        self.line = self.node_id if self.per_node else None  # the store's queue/version partition
+        self.leader = self.rank == 0 or self.per_node
+        self.group_rank, self.group_world = (0, 1) if self.per_node else (self.rank, self.world)
+        self.distributed = (not self.per_node and self.world > 1 and dist.is_available()
+                            and dist.is_initialized())
         # Share the node's cores with its inference engine: as many threads as CPUs granted (at least 1).
         torch.set_num_threads(max(1, int(self.t.resources_per_worker.get("CPU", 1))))
         # Import the training stack now (several seconds on a busy CPU), not when the first feedback waits.
@@ -428,7 +435,8 @@ class _Worker:
     def _plan_unsafe(self) -> dict[str, Any]:
         if self._stop_requested():
             return {"op": "stop"}
-        summary = ray.get(self.store.queue_summary.remote())  # adapter -> (unconsumed, oldest created_at)
+        # adapter -> (unconsumed, oldest created_at), of this node's partition under per_node
+        summary = ray.get(self.store.queue_summary.remote(self.line))
         current = self.loaded[0] if self.loaded else None
         pending = self.micro_done > 0 or self.opt_steps > 0
 
@@ -454,10 +462,10 @@ class _Worker:
             later = [n for n in names if self.last_adapter is None or n > self.last_adapter]
             adapter = (later or names)[0]  # round robin in name order
         spec = self._spec(adapter)
-        cur = ray.get(self.store.current_version.remote(adapter))
+        cur = ray.get(self.store.current_version.remote(adapter, self.line))
         target = (cur.version, cur.path) if cur is not None else (None, None)
         held = self.held if adapter == current else []
-        items = ray.get(self.store.take.remote(adapter, self.t.micro_batch, held))
+        items = ray.get(self.store.take.remote(adapter, self.t.micro_batch, held, self.line))
         if not items:
             return {"op": "idle", "sleep": IDLE_POLL_S}
         more = available(adapter) - len(items) > 0
@@ -526,10 +534,10 @@ class _Worker:
         from app.lora_training import dpo_step, sft_step
 
         adapter, spec, items = plan["adapter"], plan["spec"], plan["items"]
-        bounds = _split(len(items), self.world)
+        bounds = _split(len(items), self.group_world)
         shares = [items[a:b] for a, b in bounds]
         t_ask = time.time()
-        fraction, wait = self._ask_grant(plan, shares[self.rank])
+        fraction, wait = self._ask_grant(plan, shares[self.group_rank])
         if fraction <= 0:
             # Refused on some node: this adapter waits; the leader may serve another one meanwhile.
             if self.leader:
@@ -539,7 +547,7 @@ class _Worker:
             return
         counts = _granted_counts([len(s) for s in shares], fraction)
         total = sum(counts)
-        mine = shares[self.rank][: counts[self.rank]]
+        mine = shares[self.group_rank][: counts[self.group_rank]]
         t0 = time.time()
         loss_sum, tokens = 0.0, 0
         if mine:
@@ -615,11 +623,11 @@ class _Worker:
         parent = self.loaded[1] if self.loaded else None
         marks = [t0]
         try:
-            v = ray.get(self.store.reserve_version.remote(adapter))
+            v = ray.get(self.store.reserve_version.remote(adapter, self.line))
             marks.append(time.time())
             path = save_adapter_version(self.model, self.opt, self.cfg.adapters_path, adapter, v.version, {
                 "parent": parent, "samples_trained": samples, "loss": loss, "items": len(self.held),
-                "scope": self.t.scope, "world_size": self.world})
+                "scope": self.t.scope, "world_size": self.world, "node": self.line})
             marks.append(time.time())
             ray.get(self.store.publish_version.remote(adapter, v.version, str(path), self.held, samples, loss))
             marks.append(time.time())
@@ -632,7 +640,8 @@ class _Worker:
             self._warn("publish", exc)
             return {"version": None}
         try:
-            ray.get(self.planner.load_adapter.remote(adapter, v.version, str(path)), timeout=LOAD_TIMEOUT_S)
+            nodes = [self.node_id] if self.per_node else None  # per_node: only this node serves its copy
+            ray.get(self.planner.load_adapter.remote(adapter, v.version, str(path), nodes), timeout=LOAD_TIMEOUT_S)
         except Exception as exc:  # published in the store; the planner restores it on restart
             self._warn("load_adapter", exc)
         now = time.time()

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: per-node queues and version lines (training.scope per_node)
 DB_FILENAME = "feedback.sqlite3"
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
@@ -213,6 +213,7 @@ class VersionInfo(BaseModel):
     loss: float | None
     win_rate: float | None
     clpd: float | None
+    node: int | None = Field(None, description="per_node scope: the node whose copy this version is; None: synced.")
 
 
 class AdapterInfo(AdapterSpec):
@@ -226,6 +227,8 @@ class AdapterInfo(AdapterSpec):
     queued: int = Field(description="Feedback items no published version has trained on yet.")
     oldest_queued_at: float | None
     last_published_at: float | None
+    node_versions: dict[int, int] = Field(
+        default_factory=dict, description="per_node scope: the version each node serves; empty when synced.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +346,14 @@ CREATE TABLE IF NOT EXISTS versions (
     loss              REAL,
     win_rate          REAL,
     clpd              REAL,
+    node              INTEGER,                   -- per_node scope: the node whose copy this is, NULL: synced
     PRIMARY KEY (adapter, version)
+);
+CREATE TABLE IF NOT EXISTS node_heads (          -- per_node scope: the version each node's copy is at
+    adapter           TEXT NOT NULL REFERENCES adapters(name),
+    node              INTEGER NOT NULL,
+    version           INTEGER NOT NULL,
+    PRIMARY KEY (adapter, node)
 );
 CREATE TABLE IF NOT EXISTS feedback (
     id                INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: oldest-first = by id
@@ -355,6 +365,7 @@ CREATE TABLE IF NOT EXISTS feedback (
     rejected          TEXT,
     created_at        REAL NOT NULL,
     consumed_by_version INTEGER,                 -- NULL until a published version trained on it
+    node              INTEGER,                   -- per_node scope: the node that trains on it, NULL: any
     CHECK ((kind = 'sft' AND completion IS NOT NULL AND chosen IS NULL AND rejected IS NULL)
         OR (kind = 'preference' AND completion IS NULL AND chosen IS NOT NULL AND rejected IS NOT NULL))
 );
@@ -365,7 +376,9 @@ UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic"})
 _ADAPTER_COLS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
                  "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at")
 _VERSION_COLS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
-                 "loss, win_rate, clpd")
+                 "loss, win_rate, clpd, node")
+# Columns added after schema 1, for databases created by older code: (table, column, type).
+_ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"))
 _ITEM_COLS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at"
 
 
@@ -398,6 +411,10 @@ class FeedbackStore:
             found = db.execute("PRAGMA user_version").fetchone()[0]
             if found > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema {found}, newer than this code's {SCHEMA_VERSION}")
+            for table, column, kind in _ADDED_COLUMNS:
+                exists = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone()
+                if exists and column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})")}:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
@@ -485,8 +502,20 @@ class FeedbackStore:
             raise UnknownAdapter(f"no adapter named {name!r}")
         return row
 
-    def _current(self, db: sqlite3.Connection, name: str) -> int | None:
-        return self._adapter_row(db, name)[_ADAPTER_COLS.split(", ").index("current_version")]
+    def _current(self, db: sqlite3.Connection, name: str, node: int | None = None) -> int | None:
+        """The version served now: the adapter's (synced), or one node's copy (per_node)."""
+        current = self._adapter_row(db, name)[_ADAPTER_COLS.split(", ").index("current_version")]
+        if node is None:
+            return current
+        row = db.execute("SELECT version FROM node_heads WHERE adapter = ? AND node = ?", (name, node)).fetchone()
+        return row[0] if row else None
+
+    def _set_current(self, db: sqlite3.Connection, name: str, version: int, node: int | None) -> None:
+        if node is not None:
+            db.execute("INSERT OR REPLACE INTO node_heads (adapter, node, version) VALUES (?,?,?)", (name, node, version))
+            # The adapter's own current_version shows the newest version any node serves.
+            version = db.execute("SELECT MAX(version) FROM node_heads WHERE adapter = ?", (name,)).fetchone()[0]
+        db.execute("UPDATE adapters SET current_version = ? WHERE name = ?", (version, name))
 
     def _adapter_info(self, db: sqlite3.Connection, name: str) -> AdapterInfo:
         (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
@@ -502,28 +531,37 @@ class FeedbackStore:
             mode=mode, periodic=PeriodicSettings(every_seconds=every_s, every_samples=every_n),
             created_at=created, current_version=current, versions=versions, queued=queued,
             oldest_queued_at=oldest, last_published_at=max((v.published_at for v in versions), default=None),
+            node_versions=dict(db.execute("SELECT node, version FROM node_heads WHERE adapter = ? ORDER BY node",
+                                          (name,)).fetchall()),
         )
 
     # -- feedback ------------------------------------------------------------------------------
 
-    def add_feedback(self, items: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> list[int]:
+    def add_feedback(self, items: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+                     nodes: Sequence[int | None] | None = None) -> list[int]:
         """Validate and store a batch all-or-nothing in one transaction; return the new ids in item order.
+
+        ``nodes`` (per_node scope): the node that trains on each item, in item order; default: any.
 
         Raises :class:`InvalidRequest` (400: malformed item, wrong kind for the adapter's method,
         too large, empty batch) or :class:`UnknownAdapter` (404). Nothing is stored on any error.
         When this returns, the batch is durable (WAL, synchronous=FULL).
         """
         parsed = validate_feedback(items, self.max_item_bytes, self.max_batch_items)
+        if nodes is None:
+            nodes = [None] * len(parsed)
+        if len(nodes) != len(parsed):
+            raise InvalidRequest(f"nodes: {len(nodes)} given for {len(parsed)} items")
         now = time.time()
         with self._tx() as db:
             self._check_adapters(db, parsed)
             ids = []
-            for item in parsed:
+            for item, node in zip(parsed, nodes):
                 cur = db.execute(
-                    "INSERT INTO feedback (adapter, kind, prompt, completion, chosen, rejected, created_at) "
-                    "VALUES (?,?,?,?,?,?,?)",
+                    "INSERT INTO feedback (adapter, kind, prompt, completion, chosen, rejected, created_at, node) "
+                    "VALUES (?,?,?,?,?,?,?,?)",
                     (item.adapter, item.kind, item.prompt, getattr(item, "completion", None),
-                     getattr(item, "chosen", None), getattr(item, "rejected", None), now),
+                     getattr(item, "chosen", None), getattr(item, "rejected", None), now, node),
                 )
                 ids.append(cur.lastrowid)
             return ids
@@ -543,10 +581,12 @@ class FeedbackStore:
         if wrong:
             raise InvalidRequest(wrong)
 
-    def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = ()) -> list[FeedbackItem]:
+    def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = (),
+             node: int | None = None) -> list[FeedbackItem]:
         """Up to ``limit`` unconsumed items of ``adapter``, oldest first, not marking them (see publish_version).
 
         ``exclude_ids``: items the caller already holds (trained into a version not yet published).
+        ``node`` (per_node scope): only the items routed to that node.
         """
         if limit <= 0:
             return []
@@ -556,7 +596,8 @@ class FeedbackStore:
             # At most len(exclude) of the oldest rows can be excluded, so one bounded query suffices.
             rows = db.execute(
                 f"SELECT {_ITEM_COLS} FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL "
-                "ORDER BY id LIMIT ?", (adapter, limit + len(exclude))).fetchall()
+                "AND (? IS NULL OR node = ?) ORDER BY id LIMIT ?",
+                (adapter, node, node, limit + len(exclude))).fetchall()
         return [FeedbackItem(*row) for row in rows if row[0] not in exclude][:limit]
 
     def queued(self, adapter: str) -> int:
@@ -566,12 +607,26 @@ class FeedbackStore:
             return db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL",
                               (adapter,)).fetchone()[0]
 
-    def queue_summary(self) -> dict[str, tuple[int, float]]:
-        """adapter -> (unconsumed items, created_at of the oldest), for adapters with a non-empty queue."""
+    def queue_summary(self, node: int | None = None) -> dict[str, tuple[int, float]]:
+        """adapter -> (unconsumed items, created_at of the oldest), for adapters with a non-empty queue.
+
+        ``node`` (per_node scope): count only the items routed to that node.
+        """
         with self._tx(write=False) as db:
             rows = db.execute("SELECT adapter, COUNT(*), MIN(created_at) FROM feedback "
-                              "WHERE consumed_by_version IS NULL GROUP BY adapter").fetchall()
+                              "WHERE consumed_by_version IS NULL AND (? IS NULL OR node = ?) GROUP BY adapter",
+                              (node, node)).fetchall()
         return {a: (n, t) for a, n, t in rows}
+
+    def queued_by_node(self) -> dict[str, dict[int, int]]:
+        """adapter -> {node: unconsumed items routed to it}, for routing new feedback (per_node scope)."""
+        with self._tx(write=False) as db:
+            rows = db.execute("SELECT adapter, node, COUNT(*) FROM feedback WHERE consumed_by_version IS NULL "
+                              "AND node IS NOT NULL GROUP BY adapter, node").fetchall()
+        out: dict[str, dict[int, int]] = {}
+        for adapter, node, n in rows:
+            out.setdefault(adapter, {})[node] = n
+        return out
 
     def feedback_item(self, item_id: int) -> tuple[FeedbackItem, int | None]:
         """One item and the version that consumed it (None while queued); :class:`UnknownItem` (404)."""
@@ -584,17 +639,18 @@ class FeedbackStore:
 
     # -- versions ------------------------------------------------------------------------------
 
-    def reserve_version(self, adapter: str) -> VersionInfo:
+    def reserve_version(self, adapter: str, node: int | None = None) -> VersionInfo:
         """Hand out the next version number (never reused), unpublished, with ``parent`` = the current version.
 
         The trainer writes ``<root>/<adapter>/v<version>/`` under this number, then calls publish_version.
+        ``node`` (per_node scope): a version of that node's copy; numbers stay unique across nodes.
         """
         with self._tx() as db:
-            current = self._current(db, adapter)
+            current = self._current(db, adapter, node)
             last = db.execute("SELECT MAX(version) FROM versions WHERE adapter = ?", (adapter,)).fetchone()[0]
             version = (last or 0) + 1
-            db.execute("INSERT INTO versions (adapter, version, parent, created_at) VALUES (?,?,?,?)",
-                       (adapter, version, current, time.time()))
+            db.execute("INSERT INTO versions (adapter, version, parent, created_at, node) VALUES (?,?,?,?,?)",
+                       (adapter, version, current, time.time(), node))
             return self._version(db, adapter, version)
 
     def publish_version(self, adapter: str, version: int, path: str | Path, item_ids: Iterable[int],
@@ -607,8 +663,8 @@ class FeedbackStore:
         """
         ids = sorted(set(item_ids))
         with self._tx() as db:
-            current = self._current(db, adapter)
             v = self._version(db, adapter, version)
+            current = self._current(db, adapter, v.node)
             if v.published:
                 raise VersionConflict(f"{adapter} v{version} is already published")
             if check_parent and v.parent != current:
@@ -623,7 +679,7 @@ class FeedbackStore:
                        (time.time(), str(path), samples_trained, loss, adapter, version))
             db.executemany("UPDATE feedback SET consumed_by_version = ? WHERE id = ? AND consumed_by_version IS NULL",
                            [(version, i) for i in ids])
-            db.execute("UPDATE adapters SET current_version = ? WHERE name = ?", (version, adapter))
+            self._set_current(db, adapter, version, v.node)
             return self._version(db, adapter, version)
 
     def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float) -> VersionInfo:
@@ -635,22 +691,28 @@ class FeedbackStore:
             return self._version(db, adapter, version)
 
     def rollback(self, adapter: str, version: int) -> AdapterInfo:
-        """Point ``current_version`` at an earlier published version; nothing is deleted or re-queued."""
+        """Point ``current_version`` at an earlier published version; nothing is deleted or re-queued.
+
+        A per_node version rolls back its own node's copy only.
+        """
         with self._tx() as db:
-            current = self._current(db, adapter)
             v = self._version(db, adapter, version)
+            current = self._current(db, adapter, v.node)
             if not v.published:
                 raise VersionConflict(f"{adapter} v{version} was never published")
             if current is not None and version > current:
                 raise VersionConflict(f"{adapter} v{version} is newer than the current v{current}; "
                                       "rollback only goes back")
+            if v.node is not None:
+                db.execute("UPDATE node_heads SET version = ? WHERE adapter = ? AND node = ?", (version, adapter, v.node))
+                version = db.execute("SELECT MAX(version) FROM node_heads WHERE adapter = ?", (adapter,)).fetchone()[0]
             db.execute("UPDATE adapters SET current_version = ? WHERE name = ?", (version, adapter))
             return self._adapter_info(db, adapter)
 
-    def current_version(self, adapter: str) -> VersionInfo | None:
-        """The version to serve and to resume training from; None before the first publish."""
+    def current_version(self, adapter: str, node: int | None = None) -> VersionInfo | None:
+        """The version to serve and to resume training from (``node``: that node's copy); None before the first."""
         with self._tx(write=False) as db:
-            current = self._current(db, adapter)
+            current = self._current(db, adapter, node)
             return None if current is None else self._version(db, adapter, current)
 
     def get_version(self, adapter: str, version: int) -> VersionInfo:
@@ -668,10 +730,10 @@ class FeedbackStore:
 
 
 def _version(row: tuple) -> VersionInfo:
-    (adapter, version, parent, path, created, published, published_at, samples, loss, win, clpd) = row
+    (adapter, version, parent, path, created, published, published_at, samples, loss, win, clpd, node) = row
     return VersionInfo(adapter=adapter, version=version, parent=parent, path=path, created_at=created,
                        published=bool(published), published_at=published_at, samples_trained=samples,
-                       loss=loss, win_rate=win, clpd=clpd)
+                       loss=loss, win_rate=win, clpd=clpd, node=node)
 
 
 def _validate(model: type[BaseModel], data: Any, where: str) -> Any:

@@ -92,7 +92,8 @@ class LearningRoutes:
             raise BadRequest("`version` (an integer) is required.", "version")
         info = await self._store("rollback", name, version)
         target = await self._store("get_version", name, version)
-        await self.planner.load_adapter.remote(name, version, target.path, None, True)
+        nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
+        await self.planner.load_adapter.remote(name, version, target.path, nodes, True)
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     @api.get("/metrics")
@@ -115,5 +116,11 @@ class LearningRoutes:
             items = body
         if not isinstance(items, (list, dict)):
             raise BadRequest("Body must be an item, a list of items, or {\"items\": [...]}.", "items")
-        ids = await self._store("add_feedback", items)
+        nodes = None
+        if self.cfg.training.scope == "per_node":  # each node's copy trains on the items routed to it
+            listed = items if isinstance(items, list) else [items]
+            nodes = await self.planner.feedback_nodes.remote(
+                [it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None
+                 for it in listed])
+        ids = await self._store("add_feedback", items, nodes)
         return JSONResponse({"ids": ids, "accepted": len(ids)}, status_code=202)

@@ -286,3 +286,79 @@ def test_sigkill_in_the_middle_of_a_batch_keeps_acked_items_and_no_partial_batch
     assert reopened.queued("acme") == 3
     assert reopened.add_feedback([pair()])  # the write lock died with the process
     reopened.close()
+
+
+# ---- per_node scope: each node's queue and version line ---------------------------------------
+
+
+def test_per_node_queues_and_version_lines_are_independent(store, tmp_path):
+    ids = store.add_feedback([pair(i=i) for i in range(4)], nodes=[0, 1, 0, 1])
+    assert [it.id for it in store.take("acme", 10, node=0)] == [ids[0], ids[2]]
+    assert [it.id for it in store.take("acme", 10, node=1)] == [ids[1], ids[3]]
+    assert len(store.take("acme", 10)) == 4  # synced readers still see everything
+    assert store.queue_summary(node=1)["acme"][0] == 2 and store.queued_by_node() == {"acme": {0: 2, 1: 2}}
+
+    v1 = store.reserve_version("acme", node=0)
+    v2 = store.reserve_version("acme", node=1)
+    assert (v1.version, v2.version, v1.node, v2.node) == (1, 2, 0, 1)  # numbers unique across nodes
+    store.publish_version("acme", 1, tmp_path / "v1", [ids[0], ids[2]], 2, 0.5)
+    store.publish_version("acme", 2, tmp_path / "v2", [ids[1], ids[3]], 2, 0.4)
+    v3 = store.reserve_version("acme", node=0)
+    assert v3.parent == 1  # node 0's copy continues from its own line, not from node 1's v2
+    store.publish_version("acme", 3, tmp_path / "v3", [], 0, None)
+    info = store.get_adapter("acme")
+    assert info.node_versions == {0: 3, 1: 2} and info.current_version == 3 and info.queued == 0
+    assert store.current_version("acme", node=1).version == 2
+
+    rolled = store.rollback("acme", 1)  # node 0 goes back to v1; node 1 keeps v2
+    assert rolled.node_versions == {0: 1, 1: 2} and rolled.current_version == 2
+    with pytest.raises(VersionConflict):
+        store.rollback("acme", 3)  # newer than node 0's current
+
+
+def test_a_version_reserved_before_its_nodes_rollback_is_refused(store, tmp_path):
+    ids = store.add_feedback([pair(i=i) for i in range(2)], nodes=[0, 0])
+    store.reserve_version("acme", node=0)
+    store.publish_version("acme", 1, tmp_path / "v1", [ids[0]], 1, 0.5)
+    store.reserve_version("acme", node=0)
+    store.publish_version("acme", 2, tmp_path / "v2", [], 0, None)
+    store.reserve_version("acme", node=0)  # v3, parent v2
+    store.rollback("acme", 1)
+    with pytest.raises(VersionConflict):
+        store.publish_version("acme", 3, tmp_path / "v3", [ids[1]], 1, 0.3)
+    assert store.get_adapter("acme").queued == 1  # the item stays queued for a retry
+
+
+def test_nodes_must_match_the_items(store):
+    with pytest.raises(InvalidRequest, match="nodes"):
+        store.add_feedback([pair(i=0), pair(i=1)], nodes=[0])
+    assert store.get_adapter("acme").queued == 0
+
+
+def test_a_schema_1_database_is_migrated_in_place(tmp_path):
+    db = sqlite3.connect(tmp_path / "feedback.sqlite3")
+    db.executescript("""
+        CREATE TABLE adapters (name TEXT PRIMARY KEY, method TEXT NOT NULL, beta REAL NOT NULL,
+            learning_rate REAL NOT NULL, lora_r INTEGER NOT NULL, lora_alpha REAL NOT NULL,
+            lora_target_modules TEXT NOT NULL, lora_dropout REAL NOT NULL, mode TEXT NOT NULL,
+            periodic_every_seconds REAL, periodic_every_samples INTEGER, current_version INTEGER,
+            created_at REAL NOT NULL);
+        CREATE TABLE versions (adapter TEXT NOT NULL, version INTEGER NOT NULL, parent INTEGER, path TEXT,
+            created_at REAL NOT NULL, published INTEGER NOT NULL DEFAULT 0, published_at REAL,
+            samples_trained INTEGER, loss REAL, win_rate REAL, clpd REAL, PRIMARY KEY (adapter, version));
+        CREATE TABLE feedback (id INTEGER PRIMARY KEY AUTOINCREMENT, adapter TEXT NOT NULL, kind TEXT NOT NULL,
+            prompt TEXT NOT NULL, completion TEXT, chosen TEXT, rejected TEXT, created_at REAL NOT NULL,
+            consumed_by_version INTEGER);
+        INSERT INTO adapters VALUES ('old', 'sft', 0.1, 0.0005, 8, 16, '["q_proj"]', 0, 'hybrid', 60, NULL, 1, 1.0);
+        INSERT INTO versions VALUES ('old', 1, NULL, '/x/v1', 1.0, 1, 2.0, 3, 0.5, NULL, NULL);
+        INSERT INTO feedback (adapter, kind, prompt, completion, created_at) VALUES ('old', 'sft', 'p', 'c', 1.0);
+        PRAGMA user_version = 1;
+    """)
+    db.close()
+    s = FeedbackStore(tmp_path)
+    info = s.get_adapter("old")
+    assert (info.current_version, info.queued, info.versions[0].node, info.node_versions) == (1, 1, None, {})
+    assert [it.prompt for it in s.take("old", 5)] == ["p"]
+    s.add_feedback([sample("old", 1)], nodes=[1])
+    assert s.queued_by_node() == {"old": {1: 1}}
+    s.close()
