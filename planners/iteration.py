@@ -44,8 +44,9 @@ Pure: plain dataclasses in, a plan out; no Ray, no torch, no I/O.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from planners.costs import CostModel, as_cost_model
 from planners.registry import register

@@ -70,7 +70,10 @@ def test_priority_formula_by_hand():
 
 def test_fresh_work_orders_decode_prefill_ft_and_ft_overtakes_with_age():
     w = PriorityWeights()
-    at = lambda t: [priority(k, 0.0, t, w) for k in ("decode", "prefill", "ft")]  # noqa: E731
+
+    def at(t):
+        return [priority(k, 0.0, t, w) for k in ("decode", "prefill", "ft")]
+
     d, p, f = at(0.0)
     assert d > p > f
     # ft overtakes prefill at t = (1 - 0)/(0.1 - 0.01) = 11.1 s and decode at t = 2/(0.1 - 0.001) = 20.2 s
@@ -82,8 +85,8 @@ def test_fresh_work_orders_decode_prefill_ft_and_ft_overtakes_with_age():
     assert f > d > p
 
 
-@pytest.mark.parametrize("bad", [dict(pi_prefill=3.0), dict(pi_ft=1.0), dict(delta_ft=0.005),
-                                 dict(delta_decode=0.02), dict(gamma=-1.0)])
+@pytest.mark.parametrize("bad", [{"pi_prefill": 3.0}, {"pi_ft": 1.0}, {"delta_ft": 0.005},
+                                 {"delta_decode": 0.02}, {"gamma": -1.0}])
 def test_weights_enforce_mace_orderings(bad):
     with pytest.raises(ValueError):
         PriorityWeights(**bad)
