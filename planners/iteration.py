@@ -542,10 +542,16 @@ class IterationScheduler:
         return work
 
     def _capacity(self, work: InferenceWork, free_bytes: float | None) -> float:
-        """Bytes for fine-tune activations: M_threshold − weights − KV of the window's sequences."""
-        model = self.cost.memory_threshold() - self.cost.memory.weight_bytes - self.cost.kv_bytes(
-            work.context_tokens + work.prefill_tokens)
-        return max(0.0, model if free_bytes is None else min(model, free_bytes))
+        """Bytes for fine-tune activations in this window.
+
+        Given ``free_bytes`` (what the node reports free, e.g. ``MemoryGuard.headroom``): that, less the
+        KV cache of the prompts admitted now (not allocated yet). Otherwise the cost model's guess:
+        M_threshold − weights − KV of every sequence in the window (LEMIX §IV-A).
+        """
+        if free_bytes is not None:
+            return max(0.0, free_bytes - self.cost.kv_bytes(work.prefill_tokens))
+        return max(0.0, self.cost.memory_threshold() - self.cost.memory.weight_bytes
+                   - self.cost.kv_bytes(work.context_tokens + work.prefill_tokens))
 
     def _engine_fits(self, seqs: int, batched: int, prompt: int, first: bool,
                      max_seqs: int | None = None, max_tokens: int | None = None) -> bool:
@@ -637,13 +643,13 @@ class Hybrid(IterationScheduler):
        prefills, queued fine-tune samples (with γ·L_DPO). Items are walked in descending P.
     2. Inference first (FlexLLM §6.2): waiting prefills are admitted in that order within the
        engine's limits, each with ``vllm_priority(P)``. Running decodes always stay.
-    3. Aging against inference (MACE Fig. 7, iteration 9): the highest-priority fine-tune sample
-       that outranks some inference item is *promoted*: it reserves ``min_window_tokens``, and a
-       prefill ranked below it is admitted only if f(c, reserve) ≤ SLO, else deferred. The
+    3. Aging against inference (MACE Fig. 7, iteration 9): if the top fine-tune sample outranks
+       some inference item (a running decode or a waiting prefill) it is *promoted*: it reserves
+       ``min_window_tokens``, and a prefill ranked below it is admitted only if f(c, reserve) ≤ SLO, else deferred. The
        reserve runs even when inference alone breaks the SLO: that is the starvation bound under
        overload. Without promotion the plan never exceeds the SLO under the cost model.
     4. Budget: s = max{ s : f(c, s) ≤ SLO } (``token_budget``), at least the reserve. Fine-tune
-       samples in priority order (the promoted one first) each get one window of
+       samples in priority order each get one window of
        min(remaining pass, tokens left, ``max_window_tokens``, memory) tokens.
     5. The windows are packed by ``best_fit_pack`` into micro-batches with the memory capacity
        and the latency room SLO − t_iter(c); bins run in creation order while their summed
@@ -704,9 +710,7 @@ class Hybrid(IterationScheduler):
         budget = max(token_budget(cost, work, slo), reserve)
         room = max(slo - work.latency(cost), ft_latency(cost, 1, reserve))
         capacity = self._capacity(work, free_bytes)
-        if promoted is not None:
-            ft_order.remove(promoted)
-            ft_order.insert(0, promoted)
+        # ft_order is in descending P, so a promoted sample (the top one) is cut first.
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
         bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.tau_mem, self.max_ft_samples)
         chosen, total = [], 0.0

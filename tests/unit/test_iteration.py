@@ -350,6 +350,17 @@ def test_hybrid_respects_the_memory_capacity():
     s.add_sample(FineTuneSample("x", 1000, 0.0))
     plan = s.schedule(0.0, free_bytes=50_000)  # 1,000 B per token -> 50 tokens
     assert plan.ft_tokens == 50 and plan.micro_batches[0].memory_bytes <= 50_000
+    # with 100 KV bytes per token: the 100-token prompt admitted now takes 10 kB of the 60 kB reported free
+    s = sched(cost_model=cost_model(kv_bytes=100.0))
+    s.add_request(InferenceRequest("p", 100, 0.0))
+    s.add_sample(FineTuneSample("x", 1000, 0.0))
+    assert s.schedule(0.0, free_bytes=60_000).ft_tokens == 50
+    # no report: M_threshold - KV of the window's 100 + 3 × 1,000 tokens = 1e6 - 3.1e5 -> 690 tokens
+    s = sched(cost_model=cost_model(kv_bytes=100.0), slo_s=1.0)
+    add_decodes(s, 3, context=1000)
+    s.add_request(InferenceRequest("p", 100, 0.0))
+    s.add_sample(FineTuneSample("x", 1000, 0.0))
+    assert s.schedule(0.0).ft_tokens == 690
 
 
 def test_hybrid_promotes_aged_fine_tuning_past_an_overloaded_engine():
@@ -454,7 +465,7 @@ def test_hybrid_never_plans_past_the_slo_without_promotion(dec, prompts, samples
         assert plan.ft_tokens <= plan.ft_token_budget == token_budget(COST, plan.work, SLO)
     else:
         assert plan.predicted_latency_s == pytest.approx(t_iter)
-    cap = 1e6 if free is None else min(1e6, free)
+    cap = 1e6 if free is None else free  # reported free memory replaces the model's guess (no KV bytes here)
     assert all(mb.memory_bytes <= cap + 1e-6 for mb in plan.micro_batches)
     assert {a.request_id for a in plan.admitted} | set(plan.deferred) == {f"p{i}" for i in range(len(prompts))}
     # one sample with room to spare gets exactly min(budget, its tokens, memory)
