@@ -418,6 +418,16 @@ class WindowPlan:
 # --- The scheduler: queues shared by every policy ----------------------------------------------
 
 
+
+def _within(bins: Sequence[MicroBatch], room_s: float) -> tuple[list[MicroBatch], float]:
+    """The micro-batches, in packing order, that run one after another within ``room_s``; and their total time."""
+    chosen, total = [], 0.0
+    for mb in bins:
+        if total + mb.latency_s <= room_s + _EPS:
+            chosen.append(mb)
+            total += mb.latency_s
+    return chosen, total
+
 class IterationScheduler:
     """Queues of one node and the protocol every iteration policy shares; ``schedule`` is per policy.
 
@@ -713,11 +723,7 @@ class Hybrid(IterationScheduler):
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
         bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.tau_mem, self.max_ft_samples)
-        chosen, total = [], 0.0
-        for mb in bins:
-            if total + mb.latency_s <= room + _EPS:
-                chosen.append(mb)
-                total += mb.latency_s
+        chosen, total = _within(bins, room)
         granted = self._grant(chosen)
         reason = f"promoted {promoted.sample_id}" if promoted is not None and any(
             w.sample_id == promoted.sample_id for mb in granted for w in mb.windows) else "budget"
@@ -875,11 +881,7 @@ class Separate(IterationScheduler):
         budget = token_budget(cost, InferenceWork(), room)
         windows = self._windows(self._by_arrival(), budget, capacity)
         bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.tau_mem, self.max_ft_samples)
-        chosen, total = [], 0.0
-        for mb in bins:
-            if total + mb.latency_s <= room + _EPS:
-                chosen.append(mb)
-                total += mb.latency_s
+        chosen, total = _within(bins, room)
         granted = self._grant(chosen)
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, budget, work,
                           work.latency(cost) / serve, reason=f"static split: {phi:.0%} training")
