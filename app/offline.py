@@ -1,41 +1,62 @@
-"""The offline-job CLI: ``python -m app.offline plan JOB.yaml`` prints the planned execution stages (SamuLLM).
+"""The offline-job CLI: plan and run multi-LLM batch jobs stage by stage (SamuLLM §3–§4.3).
 
     python -m app.offline plan configs/jobs/ensemble.yaml [--planner greedy|max|min] [--no-preemption] [--json PATH]
+    python -m app.offline run configs/jobs/ensemble.yaml [--planner ...] [--no-preemption] [--data-dir DIR]
 
 Planning builds the job's models when they are embedded ones, counts every request's prompt
 tokens with its model's own tokenizer, takes per-model cost models (a fitted profile when there
 is one, else the embedded model's shipped profile scaled by weight size), an output-length eCDF
 (``output_lengths_file``, else the profile's), and runs the registry's stage planner
-(``planners/stages.py``). Running a plan (``run``) is not built yet.
+(``planners/stages.py``). Running executes the plan with one :class:`actors.offline.OfflineEngine`
+Ray actor per model replica; see :class:`JobRunner`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from dataclasses import replace
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from app.offline_job import (
     JobModel,
     JobSpec,
     ModelFacts,
+    Workload,
     build_workload,
     job_graph,
     load_job,
     model_facts,
     read_jsonl,
+    remaining_workload,
+    render_prompt,
     weight_scale,
 )
 from planners.costs import CostModel
 from planners.registry import create, names
-from planners.stages import DeviceSet, Plan, output_cdf_from_pairs
+from planners.stages import (
+    DeviceSet,
+    Edge,
+    ExecutionPlan,
+    JobGraph,
+    Plan,
+    adjust_stage,
+    assign_devices,
+    output_cdf_from_pairs,
+    replica_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_PROFILE = ROOT / "profiles" / "tiny-llama-cpu.json"
 DEFAULT_DATA_DIR = Path("~/.cache/coserve").expanduser()
+KV_CACHE_CAP = 128 * 2**20  # per replica: plenty for tiny models; DESIGN §5: the CPU KV cache is host memory
+STOP_GRACE_S = 8.0  # an engine's own shutdown takes about 5 s here; then its actor is killed anyway
 ENGINE_LOAD_S = 30.0  # a vLLM CPU engine's start on this machine (25-55 s measured by bench/serving.py)
 
 
@@ -89,20 +110,450 @@ def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts
     return costs, ["cost models:"] + notes
 
 
+@dataclass
+class PreparedJob:
+    """A job made ready to run: its model directories, the whole workload, what is left of it, and the plan."""
+
+    job: JobSpec
+    base_dir: Path
+    dirs: dict[str, Path]
+    facts: dict[str, ModelFacts]
+    work: Workload
+    todo: Workload
+    keep: dict[str, list[int]]
+    """Per model still to run: the indices of its remaining requests in ``work``."""
+    graph: JobGraph | None
+    devices: DeviceSet
+    plan: Plan | None
+    notes: list[str]
+
+
+def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
+                data_dir: Path = DEFAULT_DATA_DIR, done: dict[str, set[str]] | None = None) -> PreparedJob:
+    """Build the planner's view of the requests of ``job`` not in ``done`` (resume) and plan them;
+    ``plan`` is None when nothing is left."""
+    dirs = {m.name: model_dir(m, data_dir) for m in job.models}
+    facts = {n: model_facts(d) for n, d in dirs.items()}
+    work = build_workload(job, base_dir)
+    todo, keep = remaining_workload(work, done or {})
+    d = job.devices
+    devices = DeviceSet(d.count, d.memory_gb * 2**30, None if d.links is None else tuple(map(tuple, d.links)))
+    notes = ["requests: " + ", ".join(f"{n} {len(r.ids)}" for n, r in work.nodes.items())]
+    skipped = {n: len(r.ids) - len(keep.get(n, ())) for n, r in work.nodes.items()}
+    if any(skipped.values()):
+        notes.append("already done (resume): " + ", ".join(f"{n} {k}" for n, k in skipped.items()))
+    if not todo.nodes:
+        return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, None, devices, None, notes)
+    sub = job.model_copy(update={"models": [m for m in job.models if m.name in todo.nodes]})
+    counters = {n: token_counter(dirs[n]) for n in todo.nodes}
+    graph = job_graph(sub, todo, facts, counters, {n: ENGINE_LOAD_S for n in todo.nodes})
+    costs, cost_notes = cost_models(sub, dirs, facts, base_dir, counters, data_dir)
+    plan = create("stages", planner, preemption=preemption).plan(graph, devices, costs)
+    return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan, notes + cost_notes)
+
+
 def plan_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
              data_dir: Path = DEFAULT_DATA_DIR) -> tuple[Plan, list[str]]:
     """Build the planner's view of ``job`` and plan it; also return notes on where the estimates came from."""
-    dirs = {m.name: model_dir(m, data_dir) for m in job.models}
-    facts = {n: model_facts(d) for n, d in dirs.items()}
-    counters = {n: token_counter(d) for n, d in dirs.items()}
-    work = build_workload(job, base_dir)
-    graph = job_graph(job, work, facts, counters, {n: ENGINE_LOAD_S for n in dirs})
-    costs, notes = cost_models(job, dirs, facts, base_dir, counters, data_dir)
-    d = job.devices
-    devices = DeviceSet(d.count, d.memory_gb * 2**30, None if d.links is None else tuple(map(tuple, d.links)))
-    plan = create("stages", planner, preemption=preemption).plan(graph, devices, costs)
-    notes.insert(0, "requests: " + ", ".join(f"{n} {len(r.ids)}" for n, r in work.nodes.items()))
-    return plan, notes
+    prep = prepare_job(job, base_dir, planner, preemption, data_dir)
+    return prep.plan, prep.notes
+
+
+# ---- running a plan (SamuLLM §3, §4.3) -----------------------------------------------------------
+
+
+class OutputFile:
+    """One model node's outputs as JSONL, appended one whole line per finished request (resume checkpoints).
+
+    Each line is written with a single ``write``, flushed and fsync'd; a line cut short by a crash
+    (no final newline, or not JSON) is dropped when the file is opened again, so readers only
+    ever see whole records.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: dict[str, dict[str, Any]] = {}
+        good = 0
+        if path.exists():
+            data = path.read_bytes()
+            for line in data.split(b"\n")[:-1]:  # the part after the last newline is never whole
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break
+                self.records.setdefault(str(rec["id"]), rec)
+                good += len(line) + 1
+            if good < len(data):
+                with path.open("r+b") as f:
+                    f.truncate(good)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("ab")
+
+    def append(self, rec: dict[str, Any]) -> None:
+        self._f.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self.records[str(rec["id"])] = rec
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@dataclass
+class _Replica:
+    model: str
+    devices: tuple[int, ...]
+    actor: Any
+    t_start: float
+    start_ref: Any = None
+    t_ready: float | None = None
+    t_end: float | None = None
+    load_s: float | None = None
+    poll_ref: Any = None
+    stop_ref: Any = None
+    in_flight: set[str] = field(default_factory=set)
+
+    def row(self, t0: float) -> dict[str, Any]:
+        rel = (lambda t: None if t is None else round(t - t0, 3))
+        return {"model": self.model, "devices": list(self.devices), "start_s": rel(self.t_start),
+                "ready_s": rel(self.t_ready), "end_s": rel(self.t_end), "load_s": self.load_s}
+
+
+class JobRunner:
+    """Executes a :class:`Plan` on Ray: replicas per stage, a communicator along the graph's edges, and the
+    dynamic adjustment of SamuLLM §4.3 at every model finish (:func:`planners.stages.adjust_stage`).
+
+    On CPU a device is a slot of ``cpus / devices.count`` logical CPUs, so at most ``devices.count``
+    replicas hold resources at once. Requests become ready when every upstream output they read
+    exists (for a chain: the previous chunk's summary); a model's ready requests go to its dp
+    replicas by :func:`planners.stages.replica_of` (whole chains on one replica, as the planner
+    predicted). Policy stays in ``planners/``; this class moves data and starts and stops actors.
+    """
+
+    def __init__(self, prep: PreparedJob, out_dir: Path, progress: bool = True) -> None:
+        self.p = prep
+        self.job = prep.job
+        self.out_dir = out_dir
+        self.progress = progress
+        self.files = {m: OutputFile(out_dir / f"{m}.jsonl") for m in prep.work.nodes}
+        self.models = {m.name: m for m in prep.job.models}
+        self.index = {m: {i: j for j, i in enumerate(n.ids)} for m, n in prep.work.nodes.items()}
+        self.into = {m: [e for e in prep.work.edges if e.dst == m] for m in prep.work.nodes}
+        self.pending = {m: set(prep.todo.nodes[m].ids) for m in prep.todo.nodes}
+        self.running: dict[str, ExecutionPlan] = {}
+        self.replicas: dict[str, dict[tuple[int, ...], _Replica]] = {}
+        self.route: dict[str, dict[str, tuple[int, ...]]] = {}
+        self.stopping: list[_Replica] = []
+        self.history: list[_Replica] = []
+        self.finished: set[str] = set()
+        self.finish_s: dict[str, float] = {}
+        self.stage_index = -1
+        self.reached_s: dict[int, float] = {}
+        self.adjustments: list[dict[str, Any]] = []
+        self.fallbacks = 0
+        self.t0 = time.time()
+
+    # -- the communicator ----------------------------------------------------------------------
+
+    def _source(self, e: Edge, j: int) -> int:
+        return j if e.request_map is None else e.request_map[j]
+
+    def _ready(self, m: str, rid: str) -> bool:
+        j = self.index[m][rid]
+        for e in self.into[m]:
+            i = self._source(e, j)
+            if i >= 0 and self.p.work.nodes[e.src].ids[i] not in self.files[e.src].records:
+                return False
+        return True
+
+    def _prompt(self, m: str, rid: str) -> str:
+        j = self.index[m][rid]
+        ups = []
+        for e in self.into[m]:
+            i = self._source(e, j)
+            if e.carries_output and i >= 0:
+                ups.append(self.files[e.src].records[self.p.work.nodes[e.src].ids[i]]["output"])
+        return render_prompt(self.models[m].template, self.p.work.nodes[m].texts[j], "\n\n".join(ups))
+
+    def _sampling(self, m: str) -> dict[str, Any]:
+        jm = self.models[m]
+        return {"max_tokens": jm.max_output_tokens, "temperature": jm.temperature, "top_p": jm.top_p,
+                "seed": jm.seed}
+
+    def _dispatch(self) -> None:
+        for m, reps in self.replicas.items():
+            batches: dict[tuple[int, ...], list[tuple[str, str, dict[str, Any]]]] = {}
+            for rid in sorted(self.pending[m], key=self.index[m].__getitem__):
+                r = reps.get(self.route[m].get(rid, ()))
+                if r is None or r.t_ready is None or not self._ready(m, rid):
+                    continue
+                batches.setdefault(r.devices, []).append((rid, self._prompt(m, rid), self._sampling(m)))
+            for devs, batch in batches.items():
+                r = reps[devs]
+                r.actor.submit.remote(batch)
+                r.in_flight.update(rid for rid, _, _ in batch)
+                self.pending[m].difference_update(rid for rid, _, _ in batch)
+
+    def _accept(self, m: str, out: dict[str, Any], prompts: dict[str, str]) -> bool:
+        if "error" in out:
+            raise RuntimeError(f"{m} request {out['id']}: {out['error']}")
+        rid = out["id"]
+        if rid in self.files[m].records:
+            return False  # a copy requeued after a preemption finished twice
+        self.files[m].append({"id": rid, "prompt": prompts.get(rid) or self._prompt(m, rid), "output": out["output"],
+                              "output_tokens": out["output_tokens"], "prompt_tokens": out["prompt_tokens"],
+                              "latency_s": round(out["end"] - out["start"], 4)})
+        self.pending[m].discard(rid)
+        return True
+
+    # -- replicas --------------------------------------------------------------------------------
+
+    def _start(self, m: str, devs: tuple[int, ...]) -> _Replica:
+        import ray
+
+        from actors.offline import OfflineEngine
+
+        jm, facts = self.models[m], self.p.facts[m]
+        max_len = min(self.job.max_model_len, facts.max_position_embeddings)
+        usable = self.p.devices.usable_bytes * len(devs) - facts.weight_bytes
+        kv = int(max(facts.kv_bytes_per_token * max_len, min(KV_CACHE_CAP, usable)))
+        actor = ray.remote(OfflineEngine).options(num_cpus=self.cpus_per_device * len(devs), max_concurrency=4).remote(
+            str(self.p.dirs[m]), max_model_len=max_len, max_num_seqs=self.job.max_num_seqs, kv_cache_bytes=kv,
+            seed=jm.seed, omp_threads=self.omp_per_device * len(devs), enforce_eager=self.job.enforce_eager)
+        r = _Replica(m, devs, actor, time.time())
+        r.start_ref = actor.start.remote()
+        self.history.append(r)
+        return r
+
+    def _stop(self, r: _Replica) -> None:
+        """Release a replica; its unfinished requests go back to the model's queue (preemption loses them)."""
+        r.t_end = time.time()
+        self.pending[r.model].update(rid for rid in r.in_flight if rid not in self.files[r.model].records)
+        r.in_flight.clear()
+        # A loading engine has nothing to save: kill it now so its slot frees for the next plan.
+        r.stop_ref = r.actor.shutdown.remote() if r.t_ready is not None else None
+        self.stopping.append(r)
+
+    def _reap(self, force: bool = False) -> None:
+        """Kill stopped actors once their engine shut down (or after a grace period), freeing their slot."""
+        import ray
+
+        for r in list(self.stopping):
+            done = r.stop_ref is None or ray.wait([r.stop_ref], timeout=0)[0]
+            if done or force or time.time() - r.t_end > STOP_GRACE_S:
+                ray.kill(r.actor, no_restart=True)
+                self.stopping.remove(r)
+
+    def _apply(self, run: Sequence[ExecutionPlan]) -> None:
+        want = {p.model: p for p in run}
+        for m in list(self.running):
+            if m not in want:
+                for r in self.replicas.pop(m).values():
+                    self._stop(r)
+                del self.running[m]
+        for m, p in want.items():
+            if self.running.get(m) == p:
+                continue
+            groups = p.replicas
+            reps = self.replicas.setdefault(m, {})
+            for devs in list(reps):
+                if devs not in groups:  # a replica on devices the new plan keeps is not reloaded (§4.3)
+                    self._stop(reps.pop(devs))
+            for devs in groups:
+                if devs not in reps:
+                    reps[devs] = self._start(m, devs)
+            self.running[m] = p
+            self._route(m, p)
+
+    def _route(self, m: str, p: ExecutionPlan) -> None:
+        spec = self.p.graph.spec(m)
+        ids = self.p.todo.nodes[m].ids
+        parent = np.full(len(ids), -1, dtype=np.int64)
+        for e in self.p.todo.edges:
+            if e.src == m and e.dst == m:
+                parent = np.maximum(parent, np.asarray(e.request_map, dtype=np.int64))
+        which = replica_of(np.asarray(spec.prompt_tokens), np.full(len(ids), spec.max_output_tokens), parent, p.dp)
+        self.route[m] = {rid: p.replicas[k] for rid, k in zip(ids, which.tolist())}
+
+    def _adjust(self) -> None:
+        adj = adjust_stage(self.p.plan, self.stage_index, list(self.running.values()), self.finished,
+                           self.p.graph, self.p.devices)
+        now = time.time() - self.t0
+        for k in range(self.stage_index + 1, adj.stage_index + 1):
+            self.reached_s.setdefault(k, now)
+        self.stage_index = adj.stage_index
+        self.adjustments.append({"t_s": round(now, 3), "stage": adj.stage_index,
+                                 "run": [p.to_dict() for p in adj.run],
+                                 "started": list(adj.started), "stopped": list(adj.stopped)})
+        self._apply(adj.run)
+
+    def _fallback(self) -> None:
+        """Nothing can progress (inputs of every running model wait on a model not running): run the ready
+        unfinished models one at a time on all devices (the Max heuristic), which always progresses."""
+        self.fallbacks += 1
+        for m in self.p.graph.topological_order():
+            if m not in self.finished and all(u in self.finished for u in self.p.graph.upstream(m)):
+                self._apply([assign_devices([ExecutionPlan(m, self.p.devices.count, 1)], self.p.devices)[0]])
+                return
+        raise RuntimeError("offline job stalled: no unfinished model has its inputs")
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        import ray
+
+        from tqdm import tqdm
+
+        total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        self.cpus_per_device = total_cpus / self.p.devices.count
+        self.omp_per_device = max(1, (os.cpu_count() or 1) // self.p.devices.count)
+        remaining = sum(len(v) for v in self.pending.values())
+        bar = tqdm(total=remaining, desc=self.job.name, unit="req", disable=not self.progress, file=sys.stdout,
+                   mininterval=1.0)
+        prompts: dict[tuple[str, str], str] = {}
+        try:
+            self._adjust()
+            while len(self.finished) < len(self.pending):
+                self._reap()
+                self._dispatch()
+                waiting: dict[Any, _Replica] = {}
+                for reps in self.replicas.values():
+                    for r in reps.values():
+                        if r.t_ready is None:
+                            waiting[r.start_ref] = r
+                        elif r.in_flight:
+                            if r.poll_ref is None:
+                                r.poll_ref = r.actor.poll.remote(1.0)
+                            waiting[r.poll_ref] = r
+                if not waiting:
+                    if self.stopping:
+                        self._reap(force=True)
+                        continue
+                    self._fallback()
+                    continue
+                done, _ = ray.wait(list(waiting), num_returns=1, timeout=2.0)
+                done += [x for x in ray.wait(list(waiting), num_returns=len(waiting), timeout=0)[0] if x not in done]
+                for ref in done:
+                    r = waiting[ref]
+                    if ref is r.start_ref:
+                        info = ray.get(ref)
+                        r.t_ready, r.load_s = time.time(), round(info["load_s"], 2)
+                        continue
+                    r.poll_ref = None
+                    for out in ray.get(ref):
+                        r.in_flight.discard(out["id"])
+                        if self._accept(r.model, out, {}):
+                            bar.update(1)
+                finished_now = [m for m in self.running if not self.pending[m] and not any(
+                    rep.in_flight for rep in self.replicas[m].values())]
+                for m in finished_now:
+                    self.finished.add(m)
+                    self.finish_s[m] = time.time() - self.t0
+                if finished_now:
+                    self._adjust()
+                    bar.set_postfix_str(" ".join(f"{m}×{p.dp}" for m, p in self.running.items()))
+        finally:
+            bar.close()
+            for reps in self.replicas.values():
+                for r in reps.values():
+                    self._stop(r)
+            self.replicas.clear()
+            self._reap(force=True)
+            for f in self.files.values():
+                f.close()
+        return self.summary()
+
+    # -- reports ---------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        end = time.time() - self.t0
+        plan = self.p.plan
+        stages = []
+        for k, st in enumerate(plan.stages):
+            a = self.reached_s.get(k)
+            b = next((self.reached_s[i] for i in range(k + 1, len(plan.stages)) if i in self.reached_s), end)
+            stages.append({"index": k, "models": [f"{p.model} {p.dp}x{p.tp}" for p in st.plans],
+                           "predicted_start_s": round(st.start_s, 3), "predicted_s": round(st.duration_s, 3),
+                           "actual_start_s": None if a is None else round(a, 3),
+                           "actual_s": None if a is None else round(b - a, 3)})
+        out_tokens = {m: sum(r.get("output_tokens", 0) for r in f.records.values()) for m, f in self.files.items()}
+        return {"job": self.job.name, "planner": plan.planner, "preemption": plan.preemption,
+                "search_time_s": round(plan.search_time_s, 4), "predicted_s": round(plan.predicted_s, 3),
+                "actual_s": round(end, 3), "estimation_error": round((end - plan.predicted_s) / plan.predicted_s, 4),
+                "stages": stages,
+                "models": {m: {"requests": len(n.ids), "ran": len(self.p.keep.get(m, ())),
+                               "finished_s": None if m not in self.finish_s else round(self.finish_s[m], 3),
+                               "output_tokens": out_tokens[m]} for m, n in self.p.work.nodes.items()},
+                "replicas": [r.row(self.t0) for r in self.history],
+                "adjustments": self.adjustments, "fallbacks": self.fallbacks}
+
+
+def gantt(summary: dict[str, Any], n_devices: int, path: Path) -> None:
+    """Devices × time, one bar per model replica: hatched while its engine loads, solid while it runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["replicas"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(models)}
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * n_devices))
+    end = summary["actual_s"]
+    for r in rows:
+        t_end = r["end_s"] if r["end_s"] is not None else end
+        ready = r["ready_s"] if r["ready_s"] is not None else t_end
+        for d in r["devices"]:
+            ax.broken_barh([(r["start_s"], ready - r["start_s"])], (d - 0.4, 0.8), facecolors=colors[r["model"]],
+                           alpha=0.35, hatch="//")
+            ax.broken_barh([(ready, t_end - ready)], (d - 0.4, 0.8), facecolors=colors[r["model"]])
+            ax.text(r["start_s"] + 0.5, d, r["model"], va="center", fontsize=8)
+    for s in summary["stages"]:
+        if s["actual_start_s"] is not None:
+            ax.axvline(s["actual_start_s"], color="grey", lw=0.8, ls=":")
+    ax.set_yticks(range(n_devices), [f"device {d}" for d in range(n_devices)])
+    ax.set_xlabel("seconds (hatched: engine load)")
+    ax.set_title(f"{summary['job']}: {summary['planner']} plan, predicted {summary['predicted_s']:.0f} s, "
+                 f"actual {summary['actual_s']:.0f} s")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
+            data_dir: Path = DEFAULT_DATA_DIR, output_dir: Path | None = None, progress: bool = True
+            ) -> dict[str, Any] | None:
+    """Plan what is left of ``job`` (outputs already in ``output_dir`` are skipped) and run it on Ray;
+    returns the summary (also written, with plan.json and gantt.png), or None when nothing was left."""
+    import ray
+
+    out = output_dir or (base_dir / job.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = {m.name: set(OutputFile(out / f"{m.name}.jsonl").records) for m in job.models}
+    prep = prepare_job(job, base_dir, planner, preemption, data_dir, done)
+    print("\n".join(prep.notes))
+    if prep.plan is None:
+        print(f"nothing left to run: every output is in {out}")
+        return None
+    print(format_plan(prep.plan))
+    (out / "plan.json").write_text(json.dumps(prep.plan.to_dict(), indent=1))
+    if not ray.is_initialized():
+        # Under `ray job submit` this joins the job's cluster; alone it starts a local one with logical
+        # CPUs enough for every device slot (DESIGN §5: 2 cores, more logical CPUs).
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(8, job.devices.count), include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    runner = JobRunner(prep, out, progress)
+    summary = runner.run()
+    summary["skipped"] = {m: len(v) for m, v in done.items()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    gantt(summary, job.devices.count, out / "gantt.png")
+    print(f"done in {summary['actual_s']:.1f} s (predicted {summary['predicted_s']:.1f} s, error "
+          f"{summary['estimation_error']:+.0%}); outputs in {out}")
+    return summary
 
 
 def format_plan(plan: Plan) -> str:
@@ -126,15 +577,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app.offline", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="print the planned execution stages without running")
-    pl.add_argument("job")
-    pl.add_argument("--planner", default="greedy", choices=names("stages"))
-    pl.add_argument("--no-preemption", action="store_true")
-    pl.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where embedded models are built")
+    rn = sub.add_parser("run", help="run the job stage by stage on Ray (resumes: finished requests are skipped)")
+    for q in (pl, rn):
+        q.add_argument("job")
+        q.add_argument("--planner", default="greedy", choices=names("stages"))
+        q.add_argument("--no-preemption", action="store_true")
+        q.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where embedded models are built")
     pl.add_argument("--json", metavar="PATH", help="also write the plan as JSON (the run's plan.json) here")
+    rn.add_argument("--output-dir", help="override the job's output_dir (e.g. an absolute path under ray job submit)")
+    rn.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    data_dir = Path(args.data_dir).expanduser()
     try:
         job, base = load_job(args.job)
-        plan, notes = plan_job(job, base, args.planner, not args.no_preemption, Path(args.data_dir).expanduser())
+        if args.command == "run":
+            out = Path(args.output_dir).expanduser().resolve() if args.output_dir else None
+            run_job(job, base, args.planner, not args.no_preemption, data_dir, out, not args.no_progress)
+            return 0
+        plan, notes = plan_job(job, base, args.planner, not args.no_preemption, data_dir)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -90,6 +90,8 @@ class JobSpec(_Strict):
         None, description="JSONL of {prompt, response} (e.g. ShareGPT) for the output-length eCDF (SamuLLM §4.1).")
     max_num_seqs: int = Field(32, ge=1, description="Engine batch limit of every replica.")
     max_model_len: int = Field(2048, ge=16)
+    enforce_eager: bool = Field(False, description="Skip vLLM's graph compilation: faster engine start, slower "
+                                                   "iterations (for short demo and test jobs).")
 
     @model_validator(mode="after")
     def _graph_names(self) -> JobSpec:
@@ -265,3 +267,24 @@ def weight_scale(facts: ModelFacts, reference: ModelFacts) -> float:
     """How much slower per token a model is than the profiled reference, taken as the ratio of weight bytes."""
     return max(facts.weight_bytes / reference.weight_bytes, 1e-3) if reference.weight_bytes > 0 else 1.0
 
+
+
+def remaining_workload(work: Workload, done: dict[str, set[str]]) -> tuple[Workload, dict[str, list[int]]]:
+    """The part of ``work`` still to run (resume), and per model the kept requests' indices in ``work``.
+
+    Models with every request done drop out; an edge into a kept request whose source request is
+    done maps to −1 (its output already exists, nothing to wait for), others are renumbered.
+    """
+    keep = {m: [j for j, i in enumerate(n.ids) if i not in done.get(m, set())] for m, n in work.nodes.items()}
+    keep = {m: k for m, k in keep.items() if k}
+    nodes = {m: NodeRequests(m, [work.nodes[m].ids[j] for j in k], [work.nodes[m].texts[j] for j in k])
+             for m, k in keep.items()}
+    edges = []
+    for e in work.edges:
+        if e.src not in keep or e.dst not in keep:
+            continue
+        new_index = {j: r for r, j in enumerate(keep[e.src])}
+        src_of = (lambda j: j) if e.request_map is None else e.request_map.__getitem__
+        edges.append(Edge(e.src, e.dst, tuple(new_index.get(src_of(j), -1) if src_of(j) >= 0 else -1
+                                              for j in keep[e.dst]), e.carries_output))
+    return Workload(nodes, edges), keep
