@@ -190,7 +190,7 @@ class OutputFile:
         self._f = path.open("ab")
 
     def append(self, rec: dict[str, Any]) -> None:
-        self._f.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+        self._f.write((json.dumps(rec) + "\n").encode())  # ASCII: no byte of a line is a newline
         self._f.flush()
         os.fsync(self._f.fileno())
         self.records[str(rec["id"])] = rec
