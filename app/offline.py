@@ -58,6 +58,8 @@ DEFAULT_DATA_DIR = Path("~/.cache/coserve").expanduser()
 KV_CACHE_CAP = 128 * 2**20  # per replica: plenty for tiny models; DESIGN §5: the CPU KV cache is host memory
 STOP_GRACE_S = 8.0  # an engine's own shutdown takes about 5 s here; then its actor is killed anyway
 ENGINE_LOAD_S = 30.0  # a vLLM CPU engine's start on this machine (25-55 s measured by bench/serving.py)
+RESERVE_TIMEOUT_S = 120.0  # the job's devices must be reservable within this
+START_TIMEOUT_S = 600.0  # an engine that has not started in this long is reported as failed
 
 
 def model_dir(m: JobModel, data_dir: Path) -> Path:
@@ -223,8 +225,9 @@ class JobRunner:
     """Executes a :class:`Plan` on Ray: replicas per stage, a communicator along the graph's edges, and the
     dynamic adjustment of SamuLLM §4.3 at every model finish (:func:`planners.stages.adjust_stage`).
 
-    On CPU a device is a slot of ``cpus / devices.count`` logical CPUs, so at most ``devices.count``
-    replicas hold resources at once. Requests become ready when every upstream output they read
+    The job's devices are one placement group, a bundle of ``devices.bundle`` per device, reserved
+    before anything starts (so a busy cluster gives a clear error, not a job that waits forever); a
+    replica runs in its device's bundle, so at most ``devices.count`` replicas hold resources at once. Requests become ready when every upstream output they read
     exists (for a chain: the previous chunk's summary); a model's ready requests go to its dp
     replicas by :func:`planners.stages.replica_of` (whole chains on one replica, as the planner
     predicted). Policy stays in ``planners/``; this class moves data and starts and stops actors.
@@ -251,6 +254,7 @@ class JobRunner:
         self.reached_s: dict[int, float] = {}
         self.adjustments: list[dict[str, Any]] = []
         self.fallbacks = 0
+        self.pg: Any = None
         self.t0 = time.time()
 
     # -- the communicator ----------------------------------------------------------------------
@@ -310,6 +314,7 @@ class JobRunner:
 
     def _start(self, m: str, devs: tuple[int, ...]) -> _Replica:
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from actors.offline import OfflineEngine
 
@@ -317,13 +322,36 @@ class JobRunner:
         max_len = min(self.job.max_model_len, facts.max_position_embeddings)
         usable = self.p.devices.usable_bytes * len(devs) - facts.weight_bytes
         kv = int(max(facts.kv_bytes_per_token * max_len, min(KV_CACHE_CAP, usable)))
-        actor = ray.remote(OfflineEngine).options(num_cpus=self.cpus_per_device * len(devs), max_concurrency=4).remote(
-            str(self.p.dirs[m]), max_model_len=max_len, max_num_seqs=self.job.max_num_seqs, kv_cache_bytes=kv,
-            seed=jm.seed, omp_threads=self.omp_per_device * len(devs), enforce_eager=self.job.enforce_eager)
+        res = dict(self.job.devices.bundle)
+        # The replica lives in its first device's bundle; the job's other devices of a tp > 1 plan are
+        # reserved in the same placement group and used by no other replica while it runs.
+        actor = ray.remote(OfflineEngine).options(
+            num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                 placement_group_bundle_index=devs[0]),
+        ).remote(str(self.p.dirs[m]), max_model_len=max_len, max_num_seqs=self.job.max_num_seqs, kv_cache_bytes=kv,
+                 seed=jm.seed, omp_threads=self.omp_per_device * len(devs), enforce_eager=self.job.enforce_eager)
         r = _Replica(m, devs, actor, time.time())
         r.start_ref = actor.start.remote()
         self.history.append(r)
         return r
+
+    def _reserve_devices(self) -> None:
+        """One placement-group bundle per device, reserved before anything starts (fails, never hangs)."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        d = self.job.devices
+        self.pg = placement_group([dict(d.bundle) for _ in range(d.count)], strategy="PACK",
+                                  name=f"offline-{self.job.name}")
+        try:
+            ray.get(self.pg.ready(), timeout=RESERVE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise RuntimeError(
+                f"the Ray cluster could not reserve {d.count} device(s) of {d.bundle} within {RESERVE_TIMEOUT_S:.0f} s "
+                f"(available now: {ray.available_resources()}); lower devices.count or devices.bundle") from None
 
     def _stop(self, r: _Replica) -> None:
         """Release a replica; its unfinished requests go back to the model's queue (preemption loses them)."""
@@ -404,9 +432,8 @@ class JobRunner:
 
         from tqdm import tqdm
 
-        total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
-        self.cpus_per_device = total_cpus / self.p.devices.count
         self.omp_per_device = max(1, (os.cpu_count() or 1) // self.p.devices.count)
+        self._reserve_devices()
         remaining = sum(len(v) for v in self.pending.values())
         bar = tqdm(total=remaining, desc=self.job.name, unit="req", disable=not self.progress, file=sys.stdout,
                    mininterval=1.0)
@@ -431,6 +458,10 @@ class JobRunner:
                         continue
                     self._fallback()
                     continue
+                late = [r for r in waiting.values() if r.t_ready is None and time.time() - r.t_start > START_TIMEOUT_S]
+                if late:
+                    raise RuntimeError(f"the {late[0].model} engine on devices {list(late[0].devices)} did not start "
+                                       f"within {START_TIMEOUT_S:.0f} s")
                 done, _ = ray.wait(list(waiting), num_returns=1, timeout=2.0)
                 done += [x for x in ray.wait(list(waiting), num_returns=len(waiting), timeout=0)[0] if x not in done]
                 for ref in done:
@@ -459,6 +490,10 @@ class JobRunner:
                     self._stop(r)
             self.replicas.clear()
             self._reap(force=True)
+            if self.pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.pg)
             for f in self.files.values():
                 f.close()
         return self.summary()

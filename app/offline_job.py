@@ -61,6 +61,16 @@ class DevicesSpec(_Strict):
     links: list[tuple[int, int]] | None = Field(None, description="Linked pairs (e.g. NVLink); null: all linked.")
     tp_options: list[int] = Field([1], min_length=1, description="Tensor-parallel degrees a model may use "
                                                                  "(vLLM on CPU: 1 only).")
+    bundle: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Ray resources of one device: the job reserves one placement-group bundle of these per "
+                    "device before it starts, e.g. {GPU: 1, CPU: 4} on a GPU host.")
+
+    @model_validator(mode="after")
+    def _bundle(self) -> DevicesSpec:
+        if not self.bundle or any(v < 0 for v in self.bundle.values()) or not any(self.bundle.values()):
+            raise ValueError(f"devices.bundle must name some positive resources, got {self.bundle}")
+        return self
 
 
 class AppSpec(_Strict):
