@@ -1,0 +1,81 @@
+"""An offline job submitted with Ray's job API to a local head node started here, as `ray job submit` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+from tests.integration.test_offline_run import check_outputs, small_job
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the job's working-dir upload leaves out (Ray's upload limit; .gitignore'd paths are left out too).
+EXCLUDES = ["/.venv/", "/.git/", "/data/", "/out/", "/configs/jobs/out/", "/reports/", "__pycache__/"]
+
+
+@pytest.fixture
+def head_node():
+    """`ray start --head --block` in its own temp dir; stopped through that process (not `ray stop`, which
+    would stop every Ray instance on this machine)."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths have a length limit
+    dash = free_port()
+    log = open(Path(temp) / "head.log", "wb")
+    head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=8",
+                             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                             f"--temp-dir={temp}", "--disable-usage-stats"], stdout=log, stderr=subprocess.STDOUT,
+                            # `ray start` turns token authentication on by default; this test's client
+                            # talks to a loopback-only head it started itself.
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        yield f"http://127.0.0.1:{dash}", head, Path(temp) / "head.log"
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_ray_job_submit_runs_the_routing_job(head_node, data_dir, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    address, head, head_log = head_node
+    path = small_job(tmp_path, "routing", max_inputs=12, tokens=8)
+    deadline = time.time() + 90
+    while True:
+        try:
+            client = JobSubmissionClient(address)
+            break
+        except Exception:
+            assert head.poll() is None and time.time() < deadline, head_log.read_text()[-3000:]
+            time.sleep(1)
+    while True:  # the head's job agent comes up a little after its dashboard answers
+        try:
+            job_id = client.submit_job(
+                entrypoint=f"{sys.executable} -m app.offline run {path} --no-progress --data-dir {data_dir}",
+                runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES})
+            break
+        except RuntimeError as exc:
+            assert "No available agent" in str(exc) and time.time() < deadline, exc
+            time.sleep(1)
+    deadline = time.time() + 240
+    while (status := client.get_job_status(job_id)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.time() < deadline, client.get_job_logs(job_id)[-3000:]
+        time.sleep(1)
+    logs = client.get_job_logs(job_id)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    got = check_outputs(path)
+    assert {m: len(v) for m, v in got.items()} == {"small": 7, "medium": 4, "large": 1}
+    assert "done in" in logs and json.loads((tmp_path / "out" / "summary.json").read_text())["planner"] == "greedy"
