@@ -3,7 +3,10 @@
 It holds resources and facts (which replica runs where, what each has served, which adapters it
 holds) and asks ``planners/`` for every decision: ``place(task)`` builds plain ``NodeView``s and
 calls the configured placement policy from the registry. Replicas report execution traces back
-in batches, which feed the policy's calibration (LEMIX Alg. 2, lines 13-17).
+in batches, which feed the policy's calibration (LEMIX Alg. 2, lines 13-17), and their engine
+facts (requests in flight, iterations, KV cache in use), which feed each node's iteration
+scheduler (``planners/iteration.py``) and memory guard (``planners/memory.py``): ``grant()``
+answers a trainer with the token windows it may run now on its node.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from actors.replica import ModelReplica
 from app.config import AppConfig
 from app.engine_args import engine_flags, served_model_name
 from planners import registry
+from planners.iteration import EngineFacts, FineTuneSample, whole_windows
+from planners.memory import MemoryGuard
 from planners.types import ExecutionTrace, NodeView, Task
 
 logger = logging.getLogger(__name__)
@@ -46,6 +51,12 @@ class _Node:
     adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version
     started_at: float = field(default_factory=time.time)
     ttfts: deque = field(default_factory=lambda: deque(maxlen=64))  # recent TTFTs (s), newest last
+    facts: EngineFacts | None = None  # the replica's latest engine report
+    scheduler: Any = None  # the node's iteration scheduler (planner.iteration), built on first grant
+    guard: MemoryGuard | None = None
+    grants: dict[str, Any] = field(default_factory=lambda: {
+        "asked": 0, "granted": 0, "refused": 0, "windows": 0, "tokens": 0, "last_budget": None, "last_reason": None})
+    grant_log: deque = field(default_factory=lambda: deque(maxlen=64))  # recent answers, newest last
 
     @property
     def in_flight(self) -> int:
@@ -84,6 +95,16 @@ class Planner:
             if key not in params and registry.accepts("placement", name, key):
                 params[key] = value
         return registry.create("placement", name, **params)
+
+    async def set_iteration(self, name: str | None, params: dict[str, Any] | None = None) -> str | None:
+        """Switch the node-level co-serving policy live (bench/coserve.py compares them on one deployment)."""
+        self.cfg.planner = self.cfg.planner.model_copy(update={"iteration": name, "iteration_params": params or {}})
+        if name is not None:
+            registry.create("iteration", name, **(params or {}))  # fail here, not at the next grant
+        for node in self.nodes:
+            node.scheduler = node.guard = None
+            node.grant_log.clear()
+        return name
 
     async def set_placement(self, name: str, params: dict[str, Any] | None = None) -> str:
         """Switch the placement policy live (e.g. to compare policies on the same deployment)."""
@@ -268,11 +289,14 @@ class Planner:
         self.nodes[node_id].placed += 1
         return {"node_id": node_id}
 
-    async def report(self, node_id: int, traces: list[ExecutionTrace], finished: int, busy_seconds: float) -> None:
-        """Execution facts from a replica: finished requests and their traces."""
+    async def report(self, node_id: int, traces: list[ExecutionTrace], finished: int, busy_seconds: float,
+                     facts: EngineFacts | None = None) -> None:
+        """Execution facts from a replica: finished requests and their traces, and its engine's state."""
         node = self.nodes[node_id]
         node.finished += finished
         node.busy_seconds = busy_seconds
+        if facts is not None:
+            node.facts = facts
         for t in traces:
             self.policy.observe(t)
             if t.ok and t.ttft is not None:
@@ -309,9 +333,14 @@ class Planner:
                     "in_flight": n.in_flight,
                     "busy_seconds": round(n.busy_seconds, 3),
                     "adapters": dict(n.adapters),
+                    "engine": None if n.facts is None else {
+                        "requests": len(n.facts.requests), "iterations": n.facts.iterations,
+                        "kv_cache_usage": round(n.facts.kv_cache_usage, 4)},
+                    "training_grants": dict(n.grants, recent=list(n.grant_log)),
                 }
                 for n in self.nodes
             ],
+            "iteration": self.cfg.planner.iteration,
             "ready_nodes": sum(n.state == "ready" for n in self.nodes),
             "traces_seen": self.traces_seen,
             "training": await self._trainer_status(),
@@ -360,44 +389,91 @@ class Planner:
         for key in [k for k in self._retraining if k[0] == adapter]:
             del self._retraining[key]
 
-    async def grant(self, node_id: int, adapter: str, mode: str, samples_wanted: int, tokens_wanted: int) -> dict[str, Any]:
-        """May the trainer on ``node_id`` run a micro-step for ``adapter`` now, and how big?
+    async def grant(self, node_id: int, adapter: str, mode: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        """Which token windows may the trainer on ``node_id`` run now for ``adapter``'s ``samples``?
 
-        The facts (load, recent TTFTs, cost-model predictions, queue) are gathered here; the
-        decision is the adapter's retraining policy from the registry (planners/retraining.py).
+        ``samples`` are the trainer's unfinished samples of its micro-step on this node, as
+        ``{id, tokens, done, arrival, dpo_loss}`` (it owns their progress). Adapters in mode
+        ``hybrid`` are granted by the node's iteration scheduler (``planner.iteration``, FlexLLM
+        §6.2 budget and MACE §4.1–4.2 by default) within the memory guard's headroom (LEMIX Alg. 2);
+        the other modes, and ``hybrid`` with ``planner.iteration: null``, by the adapter's retraining
+        policy (``planners/retraining.py``), whose whole samples become whole windows. Answer:
+        ``{"windows": [[id, start, end], ...], "wait_s", "reason"}``; no windows means wait.
         """
-        from planners.retraining import RetrainingView
+        node = self.nodes[node_id]
+        now = time.time()
+        queue = [FineTuneSample(str(x["id"]), int(x["tokens"]), float(x["arrival"]), float(x.get("dpo_loss") or 0.0),
+                                int(x.get("done", 0))) for x in samples]
+        if mode == "hybrid" and self.cfg.planner.iteration is not None:
+            windows, reason, budget = self._iteration_windows(node, queue, now)
+        else:
+            windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now)
+        g = node.grants
+        g["asked"] += 1
+        g["last_reason"], g["last_budget"] = reason, budget
+        reqs = node.facts.requests if node.facts else ()
+        node.grant_log.append({"at": round(now, 3), "adapter": adapter, "mode": mode, "budget": budget,
+                               "tokens": sum(w.tokens for w in windows),
+                               "decoding": sum(r.output_tokens > 0 for r in reqs),
+                               "prefilling": sum(r.output_tokens == 0 for r in reqs), "reason": reason})
+        if not windows:
+            g["refused"] += 1
+            return {"windows": [], "wait_s": self.cfg.planner.grant_recheck_s, "reason": reason}
+        self._last_run[adapter] = now
+        g["granted"] += 1
+        g["windows"] += len(windows)
+        g["tokens"] += sum(w.tokens for w in windows)
+        return {"windows": [[int(w.sample_id), w.start, w.end] for w in windows], "wait_s": 0.0, "reason": reason}
+
+    def _iteration_windows(self, node: _Node, queue: list[FineTuneSample], now: float) -> tuple[Any, str, int]:
+        if node.scheduler is None:
+            cm = self.cost_model.with_stages(self.cfg.cluster.stages)
+            e = self.cfg.engine
+            # vLLM starts every request as it arrives: the plans count them all (admission_control off).
+            params = {"slo_s": self.cfg.training.slo_tbt_s, "max_num_seqs": e.max_num_seqs,
+                      "max_batched_tokens": e.max_num_batched_tokens or 2048, "admission_control": False,
+                      **self.cfg.planner.iteration_params}
+            node.scheduler = registry.create("iteration", self.cfg.planner.iteration, cost_model=cm, **params)
+            node.guard = MemoryGuard(cm, **self.cfg.planner.memory_params)
+        sched = node.scheduler
+        if node.facts is not None:
+            sched.observe(node.facts)
+        sched.set_samples(queue)
+        used = self.cost_model.memory.weight_bytes + (node.facts.kv_used_bytes if node.facts else 0.0)
+        plan = sched.schedule(now, node.guard.headroom(used))
+        return plan.windows, plan.reason, plan.ft_token_budget
+
+    async def _retraining_windows(self, node: _Node, adapter: str, mode: str, queue: list[FineTuneSample],
+                                  now: float) -> tuple[Any, str, int]:
+        from planners.retraining import RetrainingView, make_policy
 
         policy = self._retraining.get((adapter, mode))
         if policy is None:
-            from planners.retraining import make_policy
-
             # An adapter's own periodic settings win over the shared retraining params.
             own = (await self.feedback.get_adapter.remote(adapter)).periodic.model_dump() if mode == "periodic" else None
             policy = make_policy(mode, self.cfg.training.retraining_params, own)
             self._retraining[(adapter, mode)] = policy
-        node = self.nodes[node_id]
-        now = time.time()
         queued, oldest = (await self.feedback.queue_summary.remote()).get(adapter, (0, None))
         ttfts = sorted(node.ttfts)
-        per_sample = max(1, tokens_wanted // max(1, samples_wanted))
+        wanted = len(queue)
+        tokens = sum(s.remaining for s in queue)
+        per_sample = max(1, tokens // max(1, wanted))
         cm = self.cost_model
         view = RetrainingView(
-            now=now, node_id=node_id, in_flight=node.in_flight,
+            now=now, node_id=node.node_id, in_flight=node.in_flight,
             ttft_p50_s=statistics.median(ttfts) if ttfts else None,
             ttft_p99_s=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
             slo_ttft_s=self.cfg.training.slo_ttft_s,
             predicted_ttft_s=self._predicted_ttft(node),
             queued=queued, oldest_queued_age_s=None if oldest is None else now - oldest,
             last_run_at=self._last_run.get(adapter),
-            samples_wanted=samples_wanted, tokens_wanted=tokens_wanted,
-            step_cost_s=cm.forward_latency(samples_wanted, per_sample) + cm.backward_latency(samples_wanted, per_sample),
+            samples_wanted=wanted, tokens_wanted=tokens,
+            step_cost_s=cm.forward_latency(wanted, per_sample) + cm.backward_latency(wanted, per_sample),
         )
         decision = policy.decide(view)
-        if decision.action == "run":
-            self._last_run[adapter] = now
-            return {"action": "run", "samples": decision.samples, "tokens": decision.tokens}
-        return {"action": "wait", "seconds": decision.wait_s}
+        if decision.action != "run":
+            return (), decision.reason or mode, 0
+        return whole_windows(queue, decision.samples), decision.reason or mode, decision.tokens
 
     def _predicted_ttft(self, node: _Node) -> float:
         """Cost-model TTFT of a new request on ``node``: its prefill iteration beside the running decodes."""

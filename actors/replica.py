@@ -19,6 +19,7 @@ from dataclasses import asdict
 from typing import Any, AsyncIterator
 
 from actors.streams import coalesce
+from planners.iteration import EngineFacts, LiveRequest
 from planners.types import ExecutionTrace
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class ModelReplica:
         self._flush_s = trace_flush_seconds
         self._stream_batching_s = stream_batching_s
         self._traces: list[ExecutionTrace] = []
+        self._live: dict[str, list[Any]] = {}  # request id -> [prompt tokens, output tokens, arrival, max tokens]
+        self._stats: Any = None  # the engine's per-iteration stats (see _engine_stats_logger)
+        self._facts_reported = True
         self._in_flight = 0
         self._busy_since: float | None = None
         self._busy_total = 0.0
@@ -83,7 +87,8 @@ class ModelReplica:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self._flags)
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args),
+                                                 stat_loggers=[_engine_stats_logger(self)])
         self._trace_engine_outputs(self._engine)
         state = State()
         await init_app_state(self._engine, state, args, await self._engine.get_supported_tasks())
@@ -263,9 +268,16 @@ class ModelReplica:
             prompt_tokens = 0
             ok = False
             request_id = _TASK_ID.get() or kwargs.get("request_id") or (args[2] if len(args) > 2 else "")
+            engine_id = kwargs.get("request_id") or (args[2] if len(args) > 2 else request_id)
             params = kwargs.get("sampling_params") or (args[1] if len(args) > 1 else None)
             # DELTA outputs carry new tokens only; CUMULATIVE and FINAL_ONLY carry all so far.
             cumulative = getattr(getattr(params, "output_kind", None), "name", "") != "DELTA"
+            prompt = kwargs.get("prompt") or (args[0] if args else None)
+            if isinstance(prompt, dict):
+                prompt_tokens = len(prompt.get("prompt_token_ids") or ())
+            max_tokens = getattr(params, "max_tokens", None) or max(1, replica._max_model_len - prompt_tokens)
+            live = replica._live[str(engine_id)] = [prompt_tokens, 0, arrival, max_tokens]
+            replica._facts_reported = False
             try:
                 async for out in generate(*args, **kwargs):
                     n = sum(len(c.token_ids) for c in out.outputs)
@@ -273,9 +285,11 @@ class ModelReplica:
                         first = time.time()
                     out_tokens = n if cumulative else out_tokens + n
                     prompt_tokens = len(out.prompt_token_ids or ())
+                    live[0], live[1] = prompt_tokens, out_tokens
                     yield out
                 ok = True
             finally:
+                replica._live.pop(str(engine_id), None)
                 now = time.time()
                 replica._traces.append(
                     ExecutionTrace(
@@ -303,6 +317,17 @@ class ModelReplica:
         live = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
         return self._busy_total + live
 
+    def facts(self) -> EngineFacts:
+        """The engine as the node's iteration scheduler needs it: requests in flight, iterations, KV in use."""
+        st = self._stats
+        return EngineFacts(
+            at=time.time(),
+            requests=tuple(LiveRequest(rid, p, o, a, m) for rid, (p, o, a, m) in self._live.items()),
+            iterations=0 if st is None else st.iterations,
+            kv_cache_usage=0.0 if st is None else st.kv_cache_usage,
+            kv_cache_bytes=0.0 if st is None else st.kv_cache_bytes,
+        )
+
     def drain_traces(self) -> list[dict[str, Any]]:
         """Take the traces not yet reported (for tools and tests without a planner)."""
         traces, self._traces = self._traces, []
@@ -314,7 +339,9 @@ class ModelReplica:
         planner = None
         while True:
             await asyncio.sleep(self._flush_s)
-            if not self._traces and self._served == self._reported_served:
+            # Facts go out while requests are in flight and once more when the last one ends, so the
+            # planner's view of an idle node is not a stale busy one.
+            if not self._traces and self._served == self._reported_served and not self._live and self._facts_reported:
                 continue
             try:
                 if planner is None:
@@ -322,10 +349,40 @@ class ModelReplica:
                 traces, self._traces = self._traces, []
                 finished = self._served - self._reported_served
                 self._reported_served = self._served
-                await planner.report.remote(self.node_id, traces, finished, self._busy_seconds())
+                self._facts_reported = not self._live
+                await planner.report.remote(self.node_id, traces, finished, self._busy_seconds(), self.facts())
             except Exception:  # the planner restarting must not take the replica down
                 logger.warning("could not report traces to the planner", exc_info=True)
                 planner = None
+
+
+def _engine_stats_logger(replica: ModelReplica) -> Any:
+    """A vLLM stat-logger factory that keeps the engine's per-iteration facts on ``replica``.
+
+    vLLM calls ``record`` once per engine step with the scheduler's state (running and waiting
+    requests, KV cache usage): the only place outside the engine core that sees every iteration.
+    """
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class EngineStats(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.iterations = 0
+            self.kv_cache_usage = 0.0
+            cache = vllm_config.cache_config
+            self.kv_cache_bytes = float(getattr(cache, "kv_cache_memory_bytes", None) or 0.0)
+            replica._stats = self
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            if iteration_stats is not None:
+                self.iterations += 1
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return EngineStats
 
 
 def _validation_message(exc: Exception) -> str:

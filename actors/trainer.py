@@ -13,10 +13,13 @@ Two halves, in the manner of verl's single controller and its worker group:
   (gloo on CPU), so all ranks hold the same weights and every published version is one model.
 
 Per micro-step: the leader takes up to ``micro_batch`` queued items of one adapter (round robin
-over adapters with feedback, skipping mode ``off``); every rank asks ``Planner.grant`` for its
-own node and share; the step runs with the smallest granted fraction of all ranks (a synced
-step is a collective, so the busiest node gates it) or everyone waits. Every ``accumulation``
-micro-steps an optimizer step; every ``steps_per_version`` optimizer steps, or as soon as the
+over adapters with feedback, skipping mode ``off``); every rank takes its share and runs it in
+token windows (FlexLLM §6.1, ``app.lora_training.WindowedPass``): it asks ``Planner.grant`` for
+its own node, which answers with the windows the node's iteration scheduler fits beside the
+inference work there now (``planners/iteration.py``), runs them, and asks again until its items
+are done; a synced step's ranks go round by round (one small all-reduce per round) and apply
+their gradients together. Every ``accumulation`` micro-steps an optimizer step; every
+``steps_per_version`` optimizer steps, or as soon as the
 queue has nothing more for this adapter, rank 0 publishes: ``reserve_version`` ->
 ``save_adapter_version`` (atomic) -> ``publish_version`` (marks the items consumed) ->
 ``Planner.load_adapter``; rank 0 then evaluates the version on the held-out pairs (win rate,
@@ -31,7 +34,6 @@ when a published version trained on it, so nothing acknowledged is lost (docs/le
 from __future__ import annotations
 
 import logging
-import math
 import os
 import statistics
 import threading
@@ -211,6 +213,7 @@ class Trainer:
         a = self.adapters.setdefault(adapter, {
             "version": None, "versions_published": 0, "samples_trained": 0, "steps": 0, "optimizer_steps": 0,
             "last_loss": None, "last_step_s": None, "grants_waited": 0, "grant_wait_s": 0.0, "shrunk_steps": 0,
+            "windows": 0, "abandoned_steps": 0,
             "conflicts": 0, "last_published_at": None, "freshness_s": [], "win_rate": None, "clpd": None,
             "eval_s": None, "publish_s": None, "last_grant_s": None, "last_publish_breakdown": None,
             "evaluated_version": None,
@@ -221,6 +224,7 @@ class Trainer:
             a["samples_trained"] += event["samples"]
             a["last_loss"], a["last_step_s"], a["last_grant_s"] = event["loss"], event["seconds"], event["grant_s"]
             a["shrunk_steps"] += int(event.get("shrunk", False))
+            a["windows"] += event.get("windows", 0)
             a["optimizer_steps"] += int(event.get("optimizer_step", False))
         elif kind == "wait":
             a["grants_waited"] += 1
@@ -232,6 +236,8 @@ class Trainer:
             a["freshness_s"] = (a["freshness_s"] + event["freshness_s"])[-200:]
         elif kind == "conflict":
             a["conflicts"] += 1
+        elif kind == "abandoned":
+            a["abandoned_steps"] += 1
         elif kind == "eval":
             a["win_rate"], a["clpd"], a["eval_s"] = event["win_rate"], event["clpd"], event["seconds"]
             a["evaluated_version"] = event["version"]
@@ -280,11 +286,6 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
-
-
-def _granted_counts(share_sizes: list[int], fraction: float) -> list[int]:
-    """Samples each rank trains when every rank may run ``fraction`` of its share (at least one if any)."""
-    return [0 if n == 0 else max(1, min(n, math.floor(n * fraction + 1e-9))) for n in share_sizes]
 
 
 class _Worker:
@@ -337,6 +338,7 @@ class _Worker:
         # Leader-only bookkeeping.
         self.held: list[int] = []  # item ids trained into the unpublished weights
         self.held_created: list[float] = []
+        self.pending_items: list[dict[str, Any]] = []  # items of accumulated micro-steps not yet applied
         self.version_samples = 0
         self.version_losses: list[tuple[float, int]] = []
         self.specs: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -442,8 +444,10 @@ class _Worker:
 
         now = time.time()
 
+        taken = [it["id"] for it in self.pending_items] + self.held  # trained into unpublished weights
+
         def available(name: str) -> int:
-            return summary.get(name, (0, None))[0] - (len(self.held) if name == current else 0)
+            return summary.get(name, (0, None))[0] - (len(taken) if name == current else 0)
 
         def trainable(name: str) -> bool:
             return available(name) > 0 and self._spec(name)["mode"] != "off" and self.not_before.get(name, 0) <= now
@@ -464,7 +468,7 @@ class _Worker:
         spec = self._spec(adapter)
         cur = ray.get(self.store.current_version.remote(adapter, self.line))
         target = (cur.version, cur.path) if cur is not None else (None, None)
-        held = self.held if adapter == current else []
+        held = taken if adapter == current else []
         items = ray.get(self.store.take.remote(adapter, self.t.micro_batch, held, self.line))
         if not items:
             return {"op": "idle", "sleep": IDLE_POLL_S}
@@ -497,87 +501,107 @@ class _Worker:
 
     def _reset_version(self) -> None:
         self.micro_done = self.opt_steps = 0
-        self.held, self.held_created = [], []
+        self.held, self.held_created, self.pending_items = [], [], []
         self.version_samples, self.version_losses = 0, []
         if self.opt is not None:
             self.opt.zero_grad(set_to_none=True)
 
-    def _tokens(self, items: list[dict[str, Any]], method: str) -> int:
-        answers = ("chosen", "rejected") if method == "dpo" else ("completion",)
-        total = 0
-        for it in items:
-            prompt = len(self.tok(it["prompt"], add_special_tokens=True)["input_ids"])
-            for a in answers:
-                total += min(self.t.max_length, prompt + len(self.tok(it[a], add_special_tokens=False)["input_ids"]) + 1)
-        return total
+    def _ask_windows(self, plan: dict[str, Any], passes: dict[int, Any], todo: list[dict[str, Any]]
+                     ) -> tuple[list[list[int]], float]:
+        """Ask the planner which windows of this rank's unfinished items may run now on its node."""
+        if not todo:
+            return [], 0.0
+        samples = [{"id": it["id"], "tokens": passes[it["id"]].length, "done": passes[it["id"]].done,
+                    "arrival": it["created_at"]} for it in todo]
+        try:
+            g = ray.get(self.planner.grant.remote(self.node_id, plan["adapter"], plan["spec"]["mode"], samples),
+                        timeout=30)
+        except Exception as exc:  # planner restarting: treat as "wait", never train unasked
+            self._warn("grant", exc)
+            return [], MAX_GRANT_SLEEP_S
+        return g["windows"], float(g.get("wait_s", 0.0))
 
-    def _ask_grant(self, plan: dict[str, Any], share: list[dict[str, Any]]) -> tuple[float, float]:
-        """Every rank asks the planner for its own node; (the fraction all may run, the longest wait)."""
-        adapter, spec = plan["adapter"], plan["spec"]
-        fraction, wait = 1.0, 0.0
-        if share:
-            try:
-                tokens = self._tokens(share, spec["method"])
-                g = ray.get(self.planner.grant.remote(self.node_id, adapter, spec["mode"], len(share), tokens),
-                            timeout=30)
-                if g["action"] == "run":
-                    fraction = min(1.0, g["samples"] / len(share))
-                else:
-                    fraction, wait = 0.0, float(g.get("seconds", IDLE_POLL_S))
-            except Exception as exc:  # planner restarting: treat as "wait", never train unasked
-                self._warn("grant", exc)
-                fraction, wait = 0.0, MAX_GRANT_SLEEP_S
-        neg_fraction, wait = self.allreduce([-fraction, wait], op="max")
-        return -neg_fraction, wait
+    def _abandon_requested(self, adapter: str) -> bool:
+        """Stop, or the adapter's mode became ``off`` mid-step: its unfinished step is dropped."""
+        if self._stop_requested():
+            return True
+        try:
+            return self._spec(adapter)["mode"] == "off"
+        except Exception:
+            return False
 
     def _step(self, plan: dict[str, Any]) -> None:
-        from app.lora_training import dpo_step, sft_step
+        from app.lora_training import WindowedPass, batch_scales
 
         adapter, spec, items = plan["adapter"], plan["spec"], plan["items"]
         bounds = _split(len(items), self.group_world)
-        shares = [items[a:b] for a, b in bounds]
-        t_ask = time.time()
-        fraction, wait = self._ask_grant(plan, shares[self.group_rank])
-        if fraction <= 0:
-            # Refused on some node: this adapter waits; the leader may serve another one meanwhile.
-            if self.leader:
-                wait = min(max(wait, 0.01), MAX_GRANT_SLEEP_S)
-                self.not_before[adapter] = time.time() + wait
-                self._report(adapter, {"kind": "wait", "seconds": wait})
-            return
-        counts = _granted_counts([len(s) for s in shares], fraction)
-        total = sum(counts)
-        mine = shares[self.group_rank][: counts[self.group_rank]]
-        t0 = time.time()
-        loss_sum, tokens = 0.0, 0
-        if mine:
-            # Pre-scale so that the sum over ranks is the mean over the whole step, over `accumulation` steps.
-            scale = len(mine) / total / self.t.accumulation
-            if spec["method"] == "dpo":
-                stats = dpo_step(self.model, self.tok, mine, spec["beta"], scale=scale, max_length=self.t.max_length)
-            else:
-                stats = sft_step(self.model, self.tok, mine, scale=scale, max_length=self.t.max_length)
-            loss_sum, tokens = stats.loss * len(mine), stats.tokens
-        loss_sum, tokens = self.allreduce([loss_sum, float(tokens)])
+        lo, hi = bounds[self.group_rank]
+        mine = items[lo:hi]
+        # Scales that make the accumulated gradient the mean over the whole micro-step (all ranks'
+        # items), over `accumulation` micro-steps; the sum over ranks is then the batch mean.
+        scales = batch_scales(self.tok, items, spec["method"], scale=1.0 / self.t.accumulation,
+                              max_length=self.t.max_length)[lo:hi]
+        passes = {it["id"]: WindowedPass(self.model, self.tok, it, spec["method"], beta=spec["beta"],
+                                         max_length=self.t.max_length, scale=sc) for it, sc in zip(mine, scales)}
+        weight = {it["id"]: (passes[it["id"]].loss_tokens if spec["method"] == "sft" else 1) for it in mine}
+        t_start = time.time()
+        run_s, waited_s, windows, loss_sum, weight_sum = 0.0, 0.0, 0, 0.0, 0.0
+        while True:
+            todo = [it for it in mine if passes[it["id"]].done < passes[it["id"]].length]
+            granted, wait = self._ask_windows(plan, passes, todo)
+            t0 = time.time()
+            for sid, start, end in granted:
+                p = passes.get(sid)
+                if p is None or start != p.done or end > p.length:
+                    continue  # a stale grant (the planner saw an older state): ask again
+                p.forward(end)
+                windows += 1
+                if p.done == p.length:
+                    st = p.finish()
+                    loss_sum += st.loss * weight[sid]
+                    weight_sum += weight[sid]
+            ran = len(granted)
+            run_s += time.time() - t0
+            left = sum(p.done < p.length for p in passes.values())
+            abandon = float(self.leader and self._abandon_requested(adapter))
+            left_all, ran_all, abandon, wait = self.allreduce([float(left), float(ran), abandon, wait], op="max")
+            if abandon:
+                for p in passes.values():
+                    p.abandon()
+                self._drop_micro_steps(adapter)
+                return
+            if left_all == 0:
+                break
+            if ran_all == 0:
+                pause = min(max(wait, 0.001), MAX_GRANT_SLEEP_S)
+                time.sleep(pause)
+                waited_s += pause
+        loss_sum, weight_sum, tokens, windows = self.allreduce(
+            [loss_sum, weight_sum, float(sum(p.length for p in passes.values())), float(windows)])
+        windows = int(windows)
         self.micro_done += 1
-        trained = [it for s, k in zip(shares, counts) for it in s[:k]]
-        self.version_samples += total
-        self.version_losses.append((loss_sum / total, total))
-        if self.leader:
-            self.held += [it["id"] for it in trained]
-            self.held_created += [it["created_at"] for it in trained]
-        everything = len(trained) == len(items)
-        flush = plan["last_of_queue"] and everything
-        stepped = False
-        if self.micro_done >= self.t.accumulation or flush:
+        self.pending_items += items
+        loss = loss_sum / max(weight_sum, 1e-12)
+        self.version_samples += len(items)
+        self.version_losses.append((loss, len(items)))
+        flush = plan["last_of_queue"]
+        stepped = self.micro_done >= self.t.accumulation or flush
+        if stepped:
             self._optimizer_step()
-            stepped = True
         if self.leader:
-            self._report(adapter, {"kind": "step", "samples": total, "loss": loss_sum / total, "tokens": int(tokens),
-                                   "seconds": time.time() - t0, "grant_s": t0 - t_ask, "shrunk": not everything,
-                                   "optimizer_step": stepped})
+            self._report(adapter, {"kind": "step", "samples": len(items), "loss": loss, "tokens": int(tokens),
+                                   "seconds": run_s, "grant_s": time.time() - t_start - run_s, "windows": windows,
+                                   "shrunk": windows > len(items), "optimizer_step": stepped})
+            if waited_s:
+                self._report(adapter, {"kind": "wait", "seconds": waited_s})
         if self.opt_steps >= self.t.steps_per_version or (flush and self.opt_steps > 0):
             self._finish_version(plan, flush=False)
+
+    def _drop_micro_steps(self, adapter: str) -> None:
+        """Forget the gradients not yet applied; their items stay queued (they were never held)."""
+        self.opt.zero_grad(set_to_none=True)
+        self.micro_done, self.pending_items = 0, []
+        self._report(adapter, {"kind": "abandoned"})
 
     def _optimizer_step(self) -> None:
         from app.lora_training import optimizer_step
@@ -591,6 +615,10 @@ class _Worker:
         optimizer_step(self.model, self.opt)
         self.micro_done = 0
         self.opt_steps += 1
+        if self.leader:
+            self.held += [it["id"] for it in self.pending_items]
+            self.held_created += [it["created_at"] for it in self.pending_items]
+        self.pending_items = []
 
     def _finish_version(self, plan: dict[str, Any], flush: bool) -> None:
         """Apply pending gradients if flushing, then publish on rank 0 and tell every rank how it went."""

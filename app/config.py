@@ -74,7 +74,24 @@ class ClusterConfig(_Strict):
 class PlannerConfig(_Strict):
     placement: str = Field("lemix", description="Placement policy name from the registry.")
     placement_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of that policy.")
-    trace_flush_seconds: float = Field(0.25, gt=0, description="How often replicas send execution traces.")
+    trace_flush_seconds: float = Field(0.25, gt=0, description="How often replicas send execution traces "
+                                                               "and engine facts.")
+    iteration: str | None = Field(
+        "hybrid", description="Node-level co-serving policy from the registry (planners/iteration.py) that grants "
+                              "training windows to adapters in mode hybrid; null: LEMIX Eq. 4 grants instead.")
+    iteration_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of that policy.")
+    memory_params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword args of the memory guard (planners/memory.py), e.g. peak_bytes.")
+    grant_recheck_s: float = Field(0.02, gt=0, description="How long a trainer refused a window waits to ask again.")
+
+    @field_validator("iteration")
+    @classmethod
+    def _known_iteration(cls, v: str | None) -> str | None:
+        from planners.registry import names
+
+        if v is not None and v not in names("iteration"):
+            raise ValueError(f"unknown iteration policy {v!r}; choose one of {names('iteration')} or null")
+        return v
 
 
 class TrainingConfig(_Strict):
@@ -90,7 +107,10 @@ class TrainingConfig(_Strict):
     steps_per_version: int = Field(1, gt=0, description="Optimizer steps between published versions (k).")
     accumulation: int = Field(1, gt=0, description="Micro-steps per optimizer step.")
     max_length: int = Field(512, gt=0, description="Tokens per training sequence (prompt + completion).")
-    slo_ttft_s: float = Field(1.0, gt=0, description="Inference TTFT SLO that the hybrid mode protects (LEMIX Eq. 4).")
+    slo_ttft_s: float = Field(1.0, gt=0, description="Inference TTFT SLO that LEMIX Eq. 4 grants protect.")
+    slo_tbt_s: float = Field(
+        0.1, gt=0, description="Time-between-tokens SLO: the latency bound of one iteration window that the "
+                               "co-serving policy keeps inference plus fine-tuning within (FlexLLM §6.2).")
     eval_file: str | None = Field(None, description="Held-out preference JSONL for win rate / CLPD after each version.")
     eval_pairs: int = Field(64, gt=0, description="Pairs of eval_file evaluated per version.")
     retraining_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of the retraining policies.")

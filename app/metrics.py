@@ -22,12 +22,22 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]]) -> bytes:
     in_flight = Gauge("coserve_node_in_flight", "requests placed on the node and not finished", node, registry=reg)
     placed = Gauge("coserve_node_placed_total", "requests placed on the node since start", node, registry=reg)
     busy = Gauge("coserve_node_busy_seconds", "seconds the node's replica had requests in flight", node, registry=reg)
+    ft_tokens = Gauge("coserve_node_ft_tokens_granted_total", "fine-tuning tokens granted to the trainer on the node",
+                      node, registry=reg)
+    refused = Gauge("coserve_node_ft_grants_refused_total", "trainer requests the node's scheduler refused", node,
+                    registry=reg)
+    kv = Gauge("coserve_node_kv_cache_usage", "fraction of the engine's KV cache in use", node, registry=reg)
     for n in status.get("nodes", []):
         label = str(n["node_id"])
         ready.labels(label).set(1 if n["state"] == "ready" else 0)
         in_flight.labels(label).set(n["in_flight"])
         placed.labels(label).set(n["placed"])
         busy.labels(label).set(n["busy_seconds"])
+        grants = n.get("training_grants") or {}
+        ft_tokens.labels(label).set(grants.get("tokens", 0))
+        refused.labels(label).set(grants.get("refused", 0))
+        if n.get("engine"):
+            kv.labels(label).set(n["engine"]["kv_cache_usage"])
 
     ad = ("adapter",)
     version = Gauge("coserve_adapter_version", "current published version", ad, registry=reg)

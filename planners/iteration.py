@@ -5,7 +5,12 @@ fine-tune samples enter queues, and ``schedule(now)`` returns a :class:`WindowPl
 iteration window: which waiting inference requests the replica submits now and with which vLLM
 priority, and which fine-tune micro-batches the trainer runs, each a list of token windows.
 
-Protocol (the planner actor owns one scheduler per node):
+Protocol (the planner actor owns one scheduler per node). In the running app (``actors/planner.py``)
+the replica, not the scheduler, submits inference requests (vLLM admits them as they arrive), and
+the trainer owns its samples' progress, so each grant replaces the queues with what was observed:
+``observe(EngineFacts)`` from the replica's latest report and ``set_samples(...)`` from the trainer's
+request, then ``schedule(now, free_bytes)``; the granted windows go back to the trainer. The
+step-by-step protocol below is the one the simulator and the tests drive:
 
 - replica → ``add_request(InferenceRequest)`` on arrival, ``update_request(id, output_tokens)``
   after iterations (returns True once ``max_tokens`` is reached: MACE's CheckEnd for inference),
@@ -158,6 +163,37 @@ class FineTuneSample:
 
 
 @dataclass(frozen=True)
+class LiveRequest:
+    """One inference request in flight on a replica, as the replica reports it."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a replica reports of its engine: the requests in flight, iterations so far, KV cache in use.
+
+    A request with no output token yet is waiting for (or in) its prefill; the others decode.
+    ``iterations`` counts engine steps since the engine started (monotonic), ``kv_cache_usage``
+    is vLLM's fraction of KV blocks in use, ``kv_cache_bytes`` the KV cache's size.
+    """
+
+    at: float
+    requests: tuple[LiveRequest, ...] = ()
+    iterations: int = 0
+    kv_cache_usage: float = 0.0
+    kv_cache_bytes: float = 0.0
+
+    @property
+    def kv_used_bytes(self) -> float:
+        return self.kv_cache_usage * self.kv_cache_bytes
+
+
+@dataclass(frozen=True)
 class InferenceWork:
     """c of FlexLLM §6.2: the inference work of one window, in the terms of SamuLLM Eq. 5."""
 
@@ -276,6 +312,16 @@ def token_windows(length: int, grants: Iterable[int], start: int = 0) -> list[tu
         out.append((pos, end))
         pos = end
     return out
+
+
+def whole_windows(samples: Sequence[FineTuneSample], count: int) -> tuple[TokenWindow, ...]:
+    """The rest of the current pass of the first ``count`` samples, one window each.
+
+    How a grant of whole samples (the retraining policies of ``planners/retraining.py``) is handed
+    to a trainer that runs token windows.
+    """
+    return tuple(TokenWindow(s.sample_id, s.done, s.tokens, s.tokens) for s in samples[:max(0, count)]
+                 if s.remaining > 0)
 
 
 # --- Best-fit packing (MACE Alg. 1, §4.2) -------------------------------------------------------
@@ -437,7 +483,11 @@ class IterationScheduler:
     each); ``max_ft_samples`` (8) τ_task, fine-tune windows per plan; ``min_window_tokens`` (16)
     the smallest window cut from a longer sample; ``max_window_tokens`` (None) the largest;
     ``loss_threshold`` (None) and ``max_passes`` (1) for CheckEnd; ``lambdas`` ((1, 1)) and
-    ``tau_mem`` (1.0) for best-fit packing.
+    ``tau_mem`` (1.0) for best-fit packing; ``admission_control`` (True): the plan decides which
+    waiting requests start now. False is the live app's case, where vLLM starts every request as
+    it arrives: then every waiting request the engine's per-iteration limits allow counts in c, and
+    the SLO can only shrink the fine-tuning, never defer inference (a plan that deferred a prefill
+    the engine runs anyway would grant fine-tuning into time the prefill takes).
     """
 
     name = "base"
@@ -446,7 +496,8 @@ class IterationScheduler:
                  max_num_seqs: int = 32, max_batched_tokens: int | None = 2048, max_ft_samples: int = 8,
                  min_window_tokens: int = 16, max_window_tokens: int | None = None,
                  loss_threshold: float | None = None, max_passes: int = 1,
-                 lambdas: tuple[float, float] = (1.0, 1.0), tau_mem: float = 1.0) -> None:
+                 lambdas: tuple[float, float] = (1.0, 1.0), tau_mem: float = 1.0,
+                 admission_control: bool = True) -> None:
         if slo_s <= 0 or max_num_seqs < 1 or max_ft_samples < 1 or min_window_tokens < 1 or max_passes < 1:
             raise ValueError("need slo_s > 0, max_num_seqs >= 1, max_ft_samples >= 1, "
                              "min_window_tokens >= 1, max_passes >= 1")
@@ -465,10 +516,12 @@ class IterationScheduler:
         self.max_passes = max_passes
         self.lambdas = (float(lambdas[0]), float(lambdas[1]))
         self.tau_mem = tau_mem
+        self.admission_control = admission_control
         self.waiting: dict[str, InferenceRequest] = {}
         self.running: dict[str, InferenceRequest] = {}
         self.samples: dict[str, FineTuneSample] = {}
         self.in_flight: dict[str, tuple[FineTuneSample, TokenWindow]] = {}
+        self._iterations_seen: int | None = None
 
     # -- queue API ----------------------------------------------------------------------------
 
@@ -535,6 +588,31 @@ class IterationScheduler:
         """A granted window was not run: the sample goes back to its queue unchanged."""
         self.report_sample(sample_id, now=0.0, tokens_done=0)
 
+    def observe(self, facts: EngineFacts) -> None:
+        """Replace the inference queues with the engine's reported requests (the live app's protocol).
+
+        A request with no output token yet waits for its prefill; the others decode. The engine
+        iterations since the previous report go to :meth:`observe_iterations`.
+        """
+        self.waiting, self.running = {}, {}
+        for r in facts.requests:
+            req = InferenceRequest(r.request_id, max(1, r.prompt_tokens), r.arrival, max(1, r.max_tokens),
+                                   r.output_tokens)
+            (self.running if r.output_tokens > 0 else self.waiting)[r.request_id] = req
+        if self._iterations_seen is not None and facts.iterations >= self._iterations_seen:
+            self.observe_iterations(facts.iterations - self._iterations_seen)
+        self._iterations_seen = facts.iterations
+
+    def observe_iterations(self, count: int) -> None:
+        """``count`` engine iterations ran since the last report; policies that count them override this."""
+
+    def set_samples(self, samples: Iterable[FineTuneSample]) -> None:
+        """Replace the fine-tune queue with the trainer's samples (it owns their progress, ``done``)."""
+        self.samples = {}
+        self.in_flight = {}
+        for sample in samples:
+            self.add_sample(sample)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.samples or self.in_flight)
@@ -585,7 +663,7 @@ class IterationScheduler:
         for req, score in order:
             trial = work.plus_prefill(req.prompt_tokens)
             if not self._engine_fits(seqs, batched, req.prompt_tokens, not admitted, max_seqs, max_tokens) or (
-                    fits_slo is not None and not fits_slo(req, trial)):
+                    fits_slo is not None and self.admission_control and not fits_slo(req, trial)):
                 deferred.append(req.request_id)
                 continue
             admitted.append(Admission(req.request_id, 0 if score is None else vllm_priority(score),
@@ -756,7 +834,11 @@ class Temporal(IterationScheduler):
 
     An inference window admits in arrival order and runs no fine-tuning. Once ``n`` inference
     windows have passed and samples are queued, the next window is a fine-tuning iteration: up to
-    τ_task whole passes, no admission, and ``inference_paused`` so the engine does not step.
+    τ_task whole passes, no admission, and ``inference_paused`` so the engine does not step. An
+    idle engine (no request waiting or running) leaves nothing to alternate with: fine-tuning runs.
+    In the live app the engine steps on its own and reports its iterations (``observe_iterations``),
+    which then count as the inference windows; vLLM is not paused there, so the fine-tuning step
+    runs beside whatever the engine does at that moment.
     Params: ``n`` (64, FlexLLM's lowest inference frequency).
     """
 
@@ -768,15 +850,22 @@ class Temporal(IterationScheduler):
             raise ValueError("n must be >= 1")
         self.n = n
         self.since_ft = 0
+        self._counted = False
+
+    def observe_iterations(self, count: int) -> None:
+        # In the live app the engine steps on its own: its reported iterations are the inference windows.
+        self.since_ft += count
+        self._counted = True
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
-        if self.samples and self.since_ft >= self.n:
+        if self.samples and (self.since_ft >= self.n or not (self.waiting or self.running)):
             self.since_ft = 0
             granted = self._whole_passes(self._by_arrival(), self._capacity(InferenceWork(), free_bytes))
             ft = sum(mb.tokens for mb in granted)
             return WindowPlan(now, self.name, (), tuple(self.waiting), granted, ft, InferenceWork(),
                               sum(mb.latency_s for mb in granted), inference_paused=True, reason="fine-tuning window")
-        self.since_ft += 1
+        if not self._counted:  # driven window by window (simulator, tests): each schedule() is one
+            self.since_ft += 1
         admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work())
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), (), 0, work, work.latency(self.cost),
                           reason=f"inference window {self.since_ft}/{self.n}")

@@ -1,10 +1,13 @@
 """Retraining policies: whether a trainer may run its next LoRA micro-step on a node now, and how much of it.
 
-The trainer asks ``Planner.grant(node, adapter, mode, samples, tokens)`` before every micro-step;
+The trainer asks ``Planner.grant(node, adapter, mode, samples)`` for its next token windows. An
+adapter in mode ``hybrid`` is granted by the node's co-serving scheduler (``planners/iteration.py``,
+``planner.iteration``); for the other modes, and for ``hybrid`` when ``planner.iteration`` is null,
 the planner builds a :class:`RetrainingView` from its node state and cost model and calls the
-adapter's policy (registry kind ``retraining``, chosen by the adapter's ``mode``):
+adapter's policy (registry kind ``retraining``, chosen by the adapter's ``mode``), whose granted
+samples become whole-pass windows:
 
-- ``hybrid`` (default, ours): LEMIX §IV-C queue-level deprioritization (Eq. 4). A training step
+- ``hybrid`` (with ``planner.iteration: null``): LEMIX §IV-C queue-level deprioritization (Eq. 4). A training step
   runs only if the predicted response time of the next inference request on the node, with the
   step added in front of it, stays within the SLO; a step that does not fit is shrunk (fewer
   samples) before it is refused, and a bounded wait keeps training from starving (the role of

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from planners import registry
 from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatency, default_cost_model
 from planners.iteration import (
+    EngineFacts,
     FineTuneSample,
     Hybrid,
     InferenceRequest,
     InferenceWork,
+    LiveRequest,
     PriorityWeights,
     TokenWindow,
     best_fit_pack,
@@ -24,6 +26,7 @@ from planners.iteration import (
     token_budget,
     token_windows,
     vllm_priority,
+    whole_windows,
     window_latency,
 )
 
@@ -380,6 +383,18 @@ def test_hybrid_promotes_aged_fine_tuning_past_an_overloaded_engine():
     assert late.predicted_latency_s == pytest.approx(0.055 + 0.003 + 0.3e-3 * 16)
 
 
+def test_without_admission_control_a_promoted_sample_never_defers_inference():
+    """The live app: vLLM runs the prefill anyway, so it stays in c and only the reserve is granted."""
+    s = sched(max_num_seqs=64, admission_control=False)
+    add_decodes(s, 50)
+    s.add_request(InferenceRequest("p", 100, 0.0))
+    s.add_sample(FineTuneSample("x", 500, 0.0))
+    plan = s.schedule(12.0)
+    assert [a.request_id for a in plan.admitted] == ["p"] and plan.deferred == ()
+    assert plan.ft_tokens == 16 and plan.reason == "promoted x"  # the starvation bound still holds
+    assert plan.predicted_latency_s == pytest.approx(0.055 + 0.01 + 0.003 + 0.3e-3 * 16)
+
+
 def test_hybrid_promotion_against_decodes_only():
     # no prefill waiting: x must outrank the lowest decode, at t > 2/(0.1 - 0.001) = 20.2 s
     def grant(t):
@@ -586,3 +601,57 @@ def test_policies_reject_bad_params():
         sched(slo_s=0.0)
     with pytest.raises(ValueError):
         Hybrid(weights={"pi_ft": 5.0})
+
+
+# ---- the live app's protocol: observed engine facts and the trainer's samples -----------------
+
+
+def _facts(decodes=0, prefills=0, iterations=0, at=0.0):
+    reqs = [LiveRequest(f"d{i}", 1, 5, 0.0, 10_000) for i in range(decodes)]
+    reqs += [LiveRequest(f"p{i}", 20, 0, 0.0, 64) for i in range(prefills)]
+    return EngineFacts(at, tuple(reqs), iterations, 0.25, 4e6)
+
+
+def test_observed_engine_facts_set_the_inference_work_of_the_budget():
+    """Requests with output tokens decode, the rest wait for their prefill; the budget follows them."""
+    s = sched(max_num_seqs=64)
+    s.observe(_facts(decodes=10, prefills=1))
+    assert set(s.running) == {f"d{i}" for i in range(10)} and set(s.waiting) == {"p0"}
+    s.set_samples([FineTuneSample("x", 5000, 0.0)])
+    plan = s.schedule(0.0)
+    # c = 10 decodes + one 20-token prefill: s = (50 - 5 - 10 - 2 - 3)/0.3 = 100
+    assert plan.ft_token_budget == 100 and plan.ft_tokens == 100
+    s.observe(_facts(decodes=40))  # a later report replaces the queues
+    assert len(s.running) == 40 and not s.waiting
+    assert _facts(decodes=1).kv_used_bytes == 1e6
+
+
+def test_trainer_samples_replace_the_queue_and_windows_start_at_their_progress():
+    s = sched()
+    s.set_samples([FineTuneSample("a", 300, 0.0, done=120), FineTuneSample("b", 50, 1.0)])
+    plan = s.schedule(2.0)
+    assert [(w.sample_id, w.start, w.end) for w in plan.windows] == [("a", 120, 276)]  # 156-token budget
+    s.set_samples([FineTuneSample("b", 50, 1.0)])  # the trainer finished "a": only "b" is left
+    assert [(w.sample_id, w.start, w.end) for w in s.schedule(3.0).windows] == [("b", 0, 50)]
+
+
+def test_temporal_counts_the_engines_reported_iterations_and_trains_an_idle_engine_at_once():
+    s = sched("temporal", n=100)
+    s.set_samples([FineTuneSample("x", 100, 0.0)])
+    s.observe(_facts(decodes=2, iterations=1000))  # first report: a baseline, not 1,000 windows
+    assert not s.schedule(0.0).inference_paused
+    s.observe(_facts(decodes=2, iterations=1060))
+    assert not s.schedule(0.1).inference_paused
+    s.observe(_facts(decodes=2, iterations=1101))  # 101 iterations since the last fine-tuning window
+    plan = s.schedule(0.2)
+    assert plan.inference_paused and plan.ft_tokens == 100
+    s.set_samples([FineTuneSample("y", 100, 0.3)])
+    s.observe(_facts(decodes=0, iterations=1101))  # idle engine: nothing to alternate with
+    assert s.schedule(0.3).ft_tokens == 100
+
+
+def test_whole_windows_give_the_rest_of_each_pass_of_the_first_samples():
+    samples = [FineTuneSample("a", 100, 0.0, done=40), FineTuneSample("b", 30, 0.0), FineTuneSample("c", 9, 0.0)]
+    assert [(w.sample_id, w.start, w.end, w.length) for w in whole_windows(samples, 2)] == [
+        ("a", 40, 100, 100), ("b", 0, 30, 30)]
+    assert whole_windows(samples, 0) == () and len(whole_windows(samples, 10)) == 3

@@ -4,7 +4,8 @@ from app.metrics import render
 
 
 def test_metrics_render_nodes_and_the_current_adapter_version():
-    status = {"nodes": [{"node_id": 0, "state": "ready", "in_flight": 3, "placed": 10, "busy_seconds": 1.5},
+    status = {"nodes": [{"node_id": 0, "state": "ready", "in_flight": 3, "placed": 10, "busy_seconds": 1.5,
+                         "training_grants": {"tokens": 640, "refused": 7}, "engine": {"kv_cache_usage": 0.25}},
                         {"node_id": 1, "state": "starting", "in_flight": 0, "placed": 0, "busy_seconds": 0.0}]}
     adapters = [{"name": "acme", "queued": 2, "current_version": 2,
                  "versions": [{"version": 1, "samples_trained": 4, "loss": 0.9, "win_rate": 0.4, "clpd": 1.0},
@@ -13,6 +14,10 @@ def test_metrics_render_nodes_and_the_current_adapter_version():
     text = render(status, adapters).decode()
     assert 'coserve_node_ready{node="0"} 1.0' in text and 'coserve_node_ready{node="1"} 0.0' in text
     assert 'coserve_node_in_flight{node="0"} 3.0' in text
+    assert 'coserve_node_ft_tokens_granted_total{node="0"} 640.0' in text
+    assert 'coserve_node_ft_grants_refused_total{node="0"} 7.0' in text
+    assert 'coserve_node_kv_cache_usage{node="0"} 0.25' in text
+    assert 'coserve_node_kv_cache_usage{node="1"}' not in text
     assert 'coserve_adapter_version{adapter="acme"} 2.0' in text
     assert 'coserve_adapter_win_rate{adapter="acme"} 0.6' in text
     assert 'coserve_adapter_clpd{adapter="acme"} 3.5' in text

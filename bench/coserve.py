@@ -1,0 +1,361 @@
+"""Co-serving benchmark: each node-level iteration policy on the live app under trace-replayed inference and feedback.
+
+    .venv/bin/python bench/coserve.py                                   # 6 policies × 2 loads × 2 α, ~35 min
+    .venv/bin/python bench/coserve.py --policies hybrid,separate --alphas 0.5 --duration 30
+
+One app (one node: one vLLM engine and one Ray Train worker sharing the machine, training scope
+synced) is started once; for every (load, α) the policies run one after another on it, switched
+live (``Planner.set_iteration``), each with a fresh DPO adapter in mode ``hybrid`` (so the node's
+iteration policy grants its windows) that is switched ``off`` when its window ends. Inference:
+the Azure conversation trace (``../shared/data/traces/azure_conv_sample.csv``), arrivals rescaled
+to ``--light-rate`` / ``--heavy-rate`` requests per second, prompt and output lengths from its
+token columns capped to ``--max-prompt`` / ``--max-output`` (``ignore_eos``: outputs have exactly
+that length), streamed. Feedback: each trace arrival also posts an HH-RLHF preference pair with
+probability α (the training rate of LEMIX / FlexLLM's experiments), texts cut to 400 bytes.
+
+Per run: SLO attainment (a request attains when its TTFT ≤ 5× the isolated prefill latency,
+measured first on the idle app, and its mean time between tokens ≤ ``training.slo_tbt_s``);
+TTFT and TBT p50/p99; inference output tokens/s; fine-tuning tokens/s (tokens the planner granted
+and the trainer ran, from ``/v1/status``); the machine's CPU busy fraction (``/proc/stat``: on a
+CPU host the "devices" are the cores); and each policy's fine-tuning throughput and attainment as
+ratios to ``separate``'s in the same (load, α). Prints one markdown table and the goal lines,
+and saves a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.common import BASE, free_port, pct, start_app, stop_app, wait_ready  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "data"
+POLICIES = ("hybrid", "fcfs", "temporal", "ft_first", "periodic", "separate")
+# Baseline settings sized for windows of tens of seconds (FlexLLM's temporal n = 64; Ekya-like periods).
+POLICY_PARAMS: dict[str, dict[str, Any]] = {"periodic": {"every_seconds": 10.0}, "temporal": {"n": 64},
+                                            "separate": {"train_fraction": 0.25}}
+WORDS = "the plan ship small steps measure each one roll back regressions data model serve train".split()
+
+
+# ---- workload ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float
+    prompt_tokens: int
+    output_tokens: int
+    feedback: bool
+
+
+def read_trace(path: Path, count: int, rate: float, max_prompt: int, max_output: int, alpha: float,
+               seed: int = 0) -> list[Arrival]:
+    """The first ``count`` arrivals of the trace, time-scaled to ``rate`` req/s, lengths capped, α-marked."""
+    rows = []
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            rows.append((datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp(), int(row["ContextTokens"]),
+                         int(row["GeneratedTokens"])))
+            if len(rows) == count:
+                break
+    t0, t1 = rows[0][0], rows[-1][0]
+    scale = (len(rows) - 1) / max(t1 - t0, 1e-9) / rate  # trace seconds -> replay seconds
+    rng = random.Random(seed)
+    return [Arrival((t - t0) * scale, max(1, min(p, max_prompt)), max(1, min(o, max_output)), rng.random() < alpha)
+            for t, p, o in rows]
+
+
+def prompt_text(tokens: int, k: int) -> str:
+    """About ``tokens`` tokens of text for the byte-level tokenizer (1 byte, 1 token), distinct per request."""
+    rng = random.Random(k)
+    out = f"{k}:"
+    while len(out) < tokens:
+        out += " " + rng.choice(WORDS)
+    return out[:tokens]
+
+
+# ---- one run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float | None = None
+    tbt: float | None = None
+    tokens: int = 0
+    finish: float = 0.0
+
+
+@dataclass
+class Run:
+    load: str
+    alpha: float
+    policy: str
+    results: list[Result] = field(default_factory=list)
+    ft_tokens: int = 0
+    seconds: float = 0.0
+    busy: float = 0.0
+    fed: int = 0
+    versions: int = 0
+    feed_errors: list[str] = field(default_factory=list)
+
+
+def stream_one(c: httpx.Client, url: str, a: Arrival, k: int) -> Result:
+    body = {"model": BASE, "prompt": prompt_text(a.prompt_tokens, k), "max_tokens": a.output_tokens,
+            "ignore_eos": True, "temperature": 0.8, "stream": True}
+    t0 = time.time()
+    first = last = None
+    try:
+        with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return Result(False, finish=time.time())
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    now = time.time()
+                    first = first or now
+                    last = now
+    except httpx.HTTPError:
+        return Result(False, finish=time.time())
+    if first is None:
+        return Result(False, finish=time.time())
+    tbt = (last - first) / (a.output_tokens - 1) if a.output_tokens > 1 else 0.0
+    return Result(True, first - t0, tbt, a.output_tokens, time.time())
+
+
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine from /proc/stat."""
+    parts = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = parts[3] + (parts[4] if len(parts) > 4 else 0.0)
+    return sum(parts) - idle, sum(parts)
+
+
+def granted_tokens(url: str) -> int:
+    st = httpx.get(f"{url}/v1/status", timeout=30).json()
+    return sum((n.get("training_grants") or {}).get("tokens", 0) for n in st["nodes"])
+
+
+def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arrivals: list[Arrival],
+            pairs: list[dict[str, str]], args: argparse.Namespace, tag: str) -> Run:
+    import ray
+
+    run = Run(load, alpha, policy)
+    ray.get(planner.set_iteration.remote(policy, POLICY_PARAMS.get(policy, {})))
+    adapter = f"co-{policy.replace('_', '-')}-{load}-{int(alpha * 100)}-{tag}"
+    httpx.post(f"{url}/v1/adapters", timeout=30, json={
+        "name": adapter, "method": "dpo", "beta": 0.1, "learning_rate": 1e-3, "mode": "hybrid",
+        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}).raise_for_status()
+    todo = [a for a in arrivals if a.at < args.duration]
+    pair_iter = iter(pairs)
+    tokens0, (busy0, total0) = granted_tokens(url), cpu_times()
+    t_start = time.time()
+
+    def feeder() -> None:
+        with httpx.Client(timeout=60) as c:
+            for a in todo:
+                if not a.feedback:
+                    continue
+                time.sleep(max(0.0, t_start + a.at - time.time()))
+                item = {"adapter": adapter, **next(pair_iter)}
+                r = c.post(f"{url}/v1/feedback", json={"items": [item]})
+                if r.status_code == 202:
+                    run.fed += 1
+                else:
+                    run.feed_errors.append(f"{r.status_code} {r.text[:120]}")
+
+    fthread = threading.Thread(target=feeder, daemon=True)
+    fthread.start()
+    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256)) as c, \
+            ThreadPoolExecutor(max_workers=128) as pool:
+        futures = []
+        for k, a in enumerate(todo):
+            time.sleep(max(0.0, t_start + a.at - time.time()))
+            futures.append(pool.submit(stream_one, c, url, a, k))
+        run.results = [f.result() for f in futures]
+    t_end = time.time()
+    fthread.join(timeout=60)
+    run.seconds = t_end - t_start
+    run.ft_tokens = granted_tokens(url) - tokens0
+    busy1, total1 = cpu_times()
+    run.busy = (busy1 - busy0) / max(total1 - total0, 1e-9)
+    httpx.patch(f"{url}/v1/adapters/{adapter}", json={"mode": "off"}, timeout=30).raise_for_status()
+    run.versions = len(httpx.get(f"{url}/v1/adapters/{adapter}", timeout=30).json()["versions"])
+    time.sleep(args.cooldown)  # the trainer drops the adapter's step in flight before the next run
+    return run
+
+
+# ---- measurements and the table -----------------------------------------------------------------
+
+
+def isolated_ttft(url: str, prompt_tokens: int, repeats: int = 7) -> float:
+    """Median TTFT of one request alone on the idle app: the prefill latency the SLO is set from."""
+    with httpx.Client(timeout=120) as c:
+        ttfts = [stream_one(c, url, Arrival(0.0, prompt_tokens, 4, False), 10_000 + i).ttft for i in range(repeats)]
+    return statistics.median(t for t in ttfts if t is not None)
+
+
+def summarize(run: Run, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    ok = [r for r in run.results if r.ok]
+    attained = sum(1 for r in ok if r.ttft <= ttft_slo and r.tbt <= tbt_slo)
+    ttft, tbt = [r.ttft for r in ok], [r.tbt for r in ok]
+    return {"load": run.load, "alpha": run.alpha, "policy": run.policy, "requests": len(run.results),
+            "failed": len(run.results) - len(ok), "slo": attained / max(1, len(run.results)),
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tbt_p50": pct(tbt, 50), "tbt_p99": pct(tbt, 99),
+            "inf_tps": sum(r.tokens for r in ok) / run.seconds, "ft_tps": run.ft_tokens / run.seconds,
+            "busy": run.busy, "fed": run.fed, "versions": run.versions}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = {(r["load"], r["alpha"]): r for r in rows if r["policy"] == "separate"}
+    out = ["| load | α | policy | SLO attained | TTFT p50 / p99 (s) | TBT p50 / p99 (ms) | inference tok/s "
+           "| fine-tune tok/s | CPU busy | fine-tune × separate | SLO × separate | pairs fed | versions |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = base.get((r["load"], r["alpha"]))
+        ft_ratio = f"{r['ft_tps'] / b['ft_tps']:.2f}" if b and b["ft_tps"] > 0 else "—"
+        slo_ratio = f"{r['slo'] / b['slo']:.2f}" if b and b["slo"] > 0 else "—"
+        out.append(f"| {r['load']} | {r['alpha']} | {r['policy']} | {r['slo']:.1%} | {r['ttft_p50']:.3f} / "
+                   f"{r['ttft_p99']:.3f} | {r['tbt_p50'] * 1e3:.1f} / {r['tbt_p99'] * 1e3:.1f} | {r['inf_tps']:.0f} "
+                   f"| {r['ft_tps']:.0f} | {r['busy']:.0%} | {ft_ratio} | {slo_ratio} | {r['fed']} | {r['versions']} |")
+    return "\n".join(out)
+
+
+def goals(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    by = {(r["load"], r["alpha"], r["policy"]): r for r in rows}
+    for load, alpha in sorted({(r["load"], r["alpha"]) for r in rows}):
+        h, s, f = (by.get((load, alpha, p)) for p in ("hybrid", "separate", "fcfs"))
+        if h and s:
+            ratio = h["ft_tps"] / s["ft_tps"] if s["ft_tps"] else float("inf")
+            met = ratio >= 2 and h["slo"] >= s["slo"]
+            lines.append(f"- {load} load, α {alpha}: hybrid fine-tunes {ratio:.2f}× separate (goal ≥ 2×) at SLO "
+                         f"{h['slo']:.1%} vs {s['slo']:.1%} (goal: not lower): {'met' if met else 'MISSED'}")
+        if h and f:
+            met = h["slo"] >= 0.95 and f["slo"] < 0.5
+            lines.append(f"- {load} load, α {alpha}: SLO hybrid {h['slo']:.1%} (goal ≥ 95%) where fcfs "
+                         f"{f['slo']:.1%} (< 50%): {'met' if met else 'not shown'}")
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["load"], r["alpha"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.8), squeeze=False)
+    for ax, (load, alpha) in zip(axes[0], groups):
+        for r in (r for r in rows if (r["load"], r["alpha"]) == (load, alpha)):
+            ax.scatter(r["ft_tps"], r["slo"] * 100, s=40)
+            ax.annotate(r["policy"], (r["ft_tps"], r["slo"] * 100), fontsize=8, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set(title=f"{load} load, α = {alpha}", xlabel="fine-tuning tokens/s", ylabel="SLO attained (%)")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--alphas", default="0.1,0.5")
+    p.add_argument("--loads", default="light,heavy")
+    p.add_argument("--light-rate", type=float, default=0.5, help="inference requests/s of the light load")
+    p.add_argument("--heavy-rate", type=float, default=2.0, help="inference requests/s of the heavy load")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
+    p.add_argument("--cooldown", type=float, default=5.0)
+    p.add_argument("--max-prompt", type=int, default=256)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--slo-tbt", type=float, default=0.1, help="training.slo_tbt_s: the TBT SLO and window bound")
+    p.add_argument("--trace", default=str(SHARED / "traces" / "azure_conv_sample.csv"))
+    p.add_argument("--pairs", default=str(SHARED / "preferences" / "hh_rlhf_train_sample.jsonl"))
+    p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "coserve.png"))
+    p.add_argument("--json", help="write the raw rows here")
+    args = p.parse_args()
+
+    from app.lora_training import read_preference_jsonl
+
+    for f in (args.trace, args.pairs):
+        if not Path(f).is_file():
+            raise SystemExit(f"{f} not found (the trace and the pairs live in ../shared/data)")
+    policies = [x for x in args.policies.split(",") if x]
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {POLICIES}")
+    rates = {"light": args.light_rate, "heavy": args.heavy_rate}
+    loads = [x for x in args.loads.split(",") if x]
+    alphas = [float(x) for x in args.alphas.split(",") if x]
+    pairs = read_preference_jsonl(args.pairs, limit=3000, max_text_bytes=400)
+
+    data_dir = tempfile.mkdtemp(prefix="bench-coserve-")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = {"name": "bench-coserve", "data_dir": data_dir,
+              "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
+              "model": {"max_model_len": 1024},
+              "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+              "planner": {"placement": "round_robin", "iteration": "hybrid"},
+              "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4,
+                           "max_length": 512, "slo_tbt_s": args.slo_tbt}}
+    start_app(config, port)
+    rows: list[dict[str, Any]] = []
+    try:
+        wait_ready(url)
+        import ray
+
+        planner = ray.get_actor("bench-coserve-planner", namespace="coserve")
+        median_prompt = int(statistics.median(a.prompt_tokens for a in read_trace(
+            Path(args.trace), 1000, 1.0, args.max_prompt, args.max_output, 0.0)))
+        ttft_slo = 5 * isolated_ttft(url, median_prompt)
+        print(f"isolated prefill ({median_prompt} tokens): TTFT SLO = {ttft_slo:.3f} s; TBT SLO = {args.slo_tbt} s",
+              file=sys.stderr, flush=True)
+        tag = time.strftime("%H%M%S")
+        offset = 0
+        for load in loads:
+            for alpha in alphas:
+                count = int(rates[load] * args.duration) + 2
+                arrivals = read_trace(Path(args.trace), count, rates[load], args.max_prompt, args.max_output, alpha)
+                for policy in policies:
+                    run = run_one(url, planner, policy, load, alpha, arrivals, pairs[offset:], args, tag)
+                    offset += run.fed
+                    row = summarize(run, ttft_slo, args.slo_tbt)
+                    rows.append(row)
+                    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+                          file=sys.stderr, flush=True)
+    finally:
+        stop_app()
+    print(f"co-serving on one node (1 engine + 1 trainer worker, 2 cores): Azure conv trace, prompts ≤ "
+          f"{args.max_prompt}, outputs ≤ {args.max_output} tokens, {args.duration:.0f} s per run; light "
+          f"{args.light_rate} req/s, heavy {args.heavy_rate} req/s; DPO feedback with probability α per arrival; "
+          f"SLO: TTFT ≤ {ttft_slo:.3f} s (5× isolated prefill) and TBT ≤ {args.slo_tbt * 1e3:.0f} ms\n")
+    print(table(rows))
+    print()
+    print("\n".join(goals(rows)))
+    plot(rows, Path(args.plot))
+    print(f"\nplot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

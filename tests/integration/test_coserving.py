@@ -1,0 +1,104 @@
+"""Co-serving on one node (issue 5): the real trainer and replica share the node, and the node's
+iteration scheduler grants fewer fine-tuning tokens while inference load is high.
+
+Uses the session app (two nodes, training scope synced, ``planner.iteration: hybrid``). Feedback
+with long completions is split into token windows (FlexLLM §6.1); the planner logs every answer it
+gives the trainer with the inference work it saw on the node (``/v1/status``,
+``nodes[i].training_grants.recent``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.test_learning import _adapter, _create, _feedback, _status, _wait_consumed, trainer  # noqa: F401
+
+BASE = "tiny-llama"
+
+
+def _grant_log(app_url: str, adapter: str, seen: dict[tuple[int, float], dict]) -> None:
+    for n in _status(app_url)["nodes"]:
+        for g in (n.get("training_grants") or {}).get("recent", []):
+            if g["adapter"] == adapter:
+                seen[(n["node_id"], g["at"])] = g
+
+
+def _items(adapter: str, k: int, start: int) -> list[dict]:
+    # About 300 tokens each (byte-level tokenizer): longer than a window under load.
+    return [{"adapter": adapter, "prompt": f"Question {start + i}: what is the plan for item {start + i}?",
+             "completion": ("We ship the change in small steps, measure each one and roll back on regressions. "
+                            * 4)[: 280 + i]} for i in range(k)]
+
+
+def _collect_until_consumed(app_url: str, name: str, version: int, seen: dict, timeout: float = 240) -> dict:
+    deadline, info = time.time() + timeout, {}
+    while time.time() < deadline:
+        _grant_log(app_url, name, seen)
+        info = _adapter(app_url, name)
+        if info["queued"] == 0 and (info["current_version"] or 0) >= version:
+            return info
+        time.sleep(0.2)
+    pytest.fail(f"{name}: not consumed in {timeout}s: {info}")
+
+
+def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(app_url, trainer, app_config):
+    from app.config import AppConfig
+    from app.profile import load_profile
+    from planners.iteration import InferenceWork, token_budget
+
+    cfg = AppConfig.model_validate(app_config)
+    assert cfg.planner.iteration == "hybrid"
+    cm, _ = load_profile(cfg, BASE)
+    idle_budget = token_budget(cm.with_stages(cfg.cluster.stages), InferenceWork(), cfg.training.slo_tbt_s)
+    assert idle_budget > 0
+
+    name = "coserve-grants"
+    _create(app_url, name, method="sft", learning_rate=1e-3, mode="hybrid",
+            lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+
+    # Phase 1: no inference. Every grant is the full FlexLLM budget of an empty window.
+    idle: dict = {}
+    _feedback(app_url, _items(name, 8, 0))
+    v1 = _collect_until_consumed(app_url, name, 1, idle)["current_version"]
+    quiet = [g for g in idle.values() if g["decoding"] == 0 and g["prefilling"] == 0]
+    assert quiet and all(g["budget"] == idle_budget for g in quiet), (idle_budget, quiet[:5])
+
+    # Phase 2: closed-loop clients with long prompts keep both engines prefilling and decoding.
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                r = c.post(f"{app_url}/v1/completions", json={
+                    "model": BASE, "prompt": f"{k} " + "load " * 150, "max_tokens": 48, "temperature": 0.8})
+                if r.status_code != 200:
+                    errors.append(r.text[:200])
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3)  # the engines are busy before the feedback arrives
+        busy: dict = {}
+        _feedback(app_url, _items(name, 8, 100))
+        info = _collect_until_consumed(app_url, name, v1 + 1, busy)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors[:3]
+    loaded = [g for g in busy.values() if g["prefilling"] > 0]
+    assert loaded, "no grant saw a prefill on its node"
+    # The budget is the scheduler's s = max{s : f(c, s) <= SLO}: inference work c leaves less room.
+    over = [g for g in loaded if g["budget"] >= idle_budget]
+    assert not over, (idle_budget, over[:5])
+    assert sum(g["budget"] for g in loaded) / len(loaded) < 0.8 * idle_budget
+    # ... and training went on under load (aging keeps it from starving): the second batch was published.
+    assert info["current_version"] > v1 and info["queued"] == 0
+    stats = _status(app_url)["training"]["adapters"][name]
+    assert stats["windows"] > stats["steps"]  # samples longer than a grant ran as several windows
