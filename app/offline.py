@@ -57,7 +57,6 @@ REFERENCE_PROFILE = ROOT / "profiles" / "tiny-llama-cpu.json"
 DEFAULT_DATA_DIR = Path("~/.cache/coserve").expanduser()
 KV_CACHE_CAP = 128 * 2**20  # per replica: plenty for tiny models; DESIGN §5: the CPU KV cache is host memory
 STOP_GRACE_S = 8.0  # an engine's own shutdown takes about 5 s here; then its actor is killed anyway
-ENGINE_LOAD_S = 30.0  # a vLLM CPU engine's start on this machine (25-55 s measured by bench/serving.py)
 RESERVE_TIMEOUT_S = 120.0  # the job's devices must be reservable within this
 START_TIMEOUT_S = 600.0  # an engine that has not started in this long is reported as failed
 
@@ -148,7 +147,7 @@ def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemptio
         return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, None, devices, None, notes)
     sub = job.model_copy(update={"models": [m for m in job.models if m.name in todo.nodes]})
     counters = {n: token_counter(dirs[n]) for n in todo.nodes}
-    graph = job_graph(sub, todo, facts, counters, {n: ENGINE_LOAD_S for n in todo.nodes})
+    graph = job_graph(sub, todo, facts, counters, {n: job.engine_load_s for n in todo.nodes})
     costs, cost_notes = cost_models(sub, dirs, facts, base_dir, counters, data_dir)
     plan = create("stages", planner, preemption=preemption).plan(graph, devices, costs)
     return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan, notes + cost_notes)

@@ -8,7 +8,9 @@ graph is one of the shapes SamuLLM evaluates (§5.1) or explicit edges:
 - ``chain_summary``: each document is cut into chunks; a summarizer reads chunk k with its own
   summary of chunks < k (a self-loop), and an evaluator reads each document's final summary;
 - ``edges``: explicit ``[src, dst]`` pairs over the inputs (request j of ``dst`` reads request j
-  of ``src``); a self-loop ``[m, m]`` makes request j of ``m`` read its request j − 1.
+  of ``src``); a self-loop ``[m, m]`` makes request j of ``m`` read its request j − 1;
+- ``mixed``: several of the above in one job, each with its own models and input (SamuLLM §5.4
+  runs chain summary and ensembling together): ``parts``, planned and run as one graph.
 
 :func:`build_workload` turns a job into per-model requests (ids and own text) plus planner edges,
 and :func:`job_graph` into :class:`planners.stages.JobGraph` with token counts from each model's
@@ -74,13 +76,29 @@ class DevicesSpec(_Strict):
 
 
 class AppSpec(_Strict):
-    kind: Literal["ensemble", "routing", "chain_summary", "edges"]
+    kind: Literal["ensemble", "routing", "chain_summary", "edges", "mixed"]
     routing_file: str | None = Field(None, description="routing: JSONL of {id, model}.")
     summarizer: str | None = Field(None, description="chain_summary: the model that summarizes chunk by chunk.")
     evaluator: str | None = Field(None, description="chain_summary: the model that reads each final summary.")
     chunk_chars: int = Field(2000, ge=1, description="chain_summary: characters per chunk.")
     max_chunks: int | None = Field(None, ge=1, description="chain_summary: keep at most this many chunks per document.")
     edges: list[tuple[str, str]] = Field(default_factory=list, description="edges: [src, dst] pairs.")
+    parts: list[PartSpec] = Field(default_factory=list, description="mixed: the sub-applications.")
+
+
+class PartSpec(_Strict):
+    """One sub-application of a ``mixed`` job: its own models (a subset, disjoint from other parts'),
+    input file and graph; the input fields default to the job's."""
+
+    models: list[str] = Field(min_length=1)
+    input: str
+    app: AppSpec
+    text_field: str | None = None
+    id_field: str | None = None
+    max_inputs: int | None = Field(None, ge=1)
+
+
+AppSpec.model_rebuild()
 
 
 class JobSpec(_Strict):
@@ -89,7 +107,8 @@ class JobSpec(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     models: list[JobModel] = Field(min_length=1)
     app: AppSpec
-    input: str = Field(description="JSONL of {id, prompt} (chain_summary: {id, text}); relative to the job file.")
+    input: str | None = Field(None, description="JSONL of {id, prompt} (chain_summary: {id, text}); relative to the "
+                                                "job file. Required except for app.kind mixed (each part has one).")
     text_field: str | None = Field(None, description="The input field with the text; default prompt (text for "
                                                      "chain_summary).")
     id_field: str = "id"
@@ -99,6 +118,9 @@ class JobSpec(_Strict):
     output_lengths_file: str | None = Field(
         None, description="JSONL of {prompt, response} (e.g. ShareGPT) for the output-length eCDF (SamuLLM §4.1).")
     max_num_seqs: int = Field(32, ge=1, description="Engine batch limit of every replica.")
+    engine_load_s: float = Field(
+        30.0, gt=0, description="Seconds an engine takes to start, for every model and plan (SamuLLM §4.1's load-time "
+                                "table). 30: a vLLM CPU engine here; measure yours (bench/offline.py real does).")
     max_model_len: int = Field(2048, ge=16)
     enforce_eager: bool = Field(False, description="Skip vLLM's graph compilation: faster engine start, slower "
                                                    "iterations (for short demo and test jobs).")
@@ -121,7 +143,43 @@ class JobSpec(_Strict):
                 raise ValueError(f"app.edges: [{src}, {dst}] names an unknown model; models: {names}")
         if a.kind == "edges" and not a.edges:
             raise ValueError("app.kind edges needs app.edges")
+        if a.kind == "mixed":
+            self._check_parts(names)
+        elif a.parts:
+            raise ValueError("app.parts is for app.kind mixed only")
+        elif not self.input:
+            raise ValueError(f"app.kind {a.kind} needs an input file")
         return self
+
+    def _check_parts(self, names: list[str]) -> None:
+        if not self.app.parts:
+            raise ValueError("app.kind mixed needs app.parts")
+        seen: dict[str, int] = {}
+        for i, part in enumerate(self.app.parts):
+            if part.app.kind == "mixed":
+                raise ValueError(f"app.parts[{i}]: a part cannot itself be mixed")
+            for m in part.models:
+                if m not in names:
+                    raise ValueError(f"app.parts[{i}]: unknown model {m!r}; models: {names}")
+                if m in seen:
+                    raise ValueError(f"app.parts[{i}]: model {m!r} is already in part {seen[m]}; a model node "
+                                     "belongs to one part (give a second copy another name)")
+                seen[m] = i
+        unused = [m for m in names if m not in seen]
+        if unused:
+            raise ValueError(f"models in no part of the mixed job: {unused}")
+        self.part_jobs()  # each part must be a valid job on its own
+
+    def part_jobs(self) -> list[JobSpec]:
+        """Each part of a ``mixed`` job as a job of its own (same settings, its models, input and graph)."""
+        out = []
+        for part in self.app.parts:
+            spec = self.model_dump()
+            spec.update(models=[m for m in spec["models"] if m["name"] in part.models], app=part.app.model_dump(),
+                        input=part.input, text_field=part.text_field or self.text_field,
+                        id_field=part.id_field or self.id_field, max_inputs=part.max_inputs or self.max_inputs)
+            out.append(JobSpec.model_validate(spec))
+        return out
 
 
 def load_job(path: str | Path) -> tuple[JobSpec, Path]:
@@ -168,6 +226,10 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
 
 def build_workload(job: JobSpec, base_dir: Path) -> Workload:
     """Per-model requests and the planner's edges for ``job`` (reads the input and routing files)."""
+    if job.app.kind == "mixed":  # the parts' graphs side by side: disjoint models, so nothing collides
+        parts = [build_workload(sub, base_dir) for sub in job.part_jobs()]
+        nodes = {name: n for w in parts for name, n in w.nodes.items()}
+        return Workload({m.name: nodes[m.name] for m in job.models}, [e for w in parts for e in w.edges])
     a = job.app
     text_field = job.text_field or ("text" if a.kind == "chain_summary" else "prompt")
     rows = read_jsonl(base_dir / job.input, job.max_inputs)
