@@ -941,11 +941,15 @@ class Periodic(IterationScheduler):
 class Separate(IterationScheduler):
     """Static split (LEMIX's SEPARATE and FlexLLM §8.1's separate clusters, within one node).
 
-    A fixed fraction φ = ``train_fraction`` of the node's capacity trains and 1 − φ serves, never
-    shared: inference is admitted in arrival order within (1 − φ) of the engine's limits and its
-    iterations take t_iter(c)/(1 − φ) on its share; fine-tuning gets, whatever the inference
-    load, s = max{ s : t_ft(s) ≤ φ·SLO } tokens of φ·(M_threshold − weights) memory per window,
-    in arrival order, packed within that latency. Params: ``train_fraction`` (0.25).
+    A fixed fraction φ = ``train_fraction`` of the node trains and 1 − φ serves, never shared. On
+    one node the split is in time: fine-tuning runs a duty cycle of φ, whatever the inference
+    load. A grant of fine-tuning work that takes t under the cost model is followed, once that work
+    is done, by t·(1 − φ)/φ in which nothing more is granted; each grant is one window's worth, s = max{ s :
+    t_ft(s) ≤ SLO } tokens of φ·(M_threshold − weights) memory, in arrival order. Inference is
+    admitted in arrival order within (1 − φ) of the engine's limits and its iterations take
+    t_iter(c)/(1 − φ) on its share. (A split of each window's time instead, t_ft(s) ≤ φ·SLO, would
+    leave a CPU node nothing: one forward and backward pass costs more than φ·SLO in fixed costs.)
+    Params: ``train_fraction`` (0.25).
     """
 
     name = "separate"
@@ -956,6 +960,7 @@ class Separate(IterationScheduler):
         if not 0.0 < train_fraction < 1.0:
             raise ValueError("train_fraction must be in (0, 1)")
         self.train_fraction = train_fraction
+        self.next_grant_at = -math.inf
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
         phi, cost = self.train_fraction, self.cost
@@ -964,13 +969,20 @@ class Separate(IterationScheduler):
         admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work(),
                                                max_seqs=max(1, math.floor(self.max_num_seqs * serve)),
                                                max_tokens=max_tokens)
-        room = phi * self.slo_s
-        share = phi * (cost.memory_threshold() - cost.memory.weight_bytes)
-        capacity = max(0.0, share if free_bytes is None else min(share, free_bytes))
-        budget = token_budget(cost, InferenceWork(), room)
-        windows = self._windows(self._by_arrival(), budget, capacity)
-        bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.tau_mem, self.max_ft_samples)
-        chosen, total = _within(bins, room)
-        granted = self._grant(chosen)
+        budget = token_budget(cost, InferenceWork(), self.slo_s)
+        granted: tuple[MicroBatch, ...] = ()
+        total = 0.0
+        reason = f"static split: {phi:.0%} training"
+        if now >= self.next_grant_at:
+            share = phi * (cost.memory_threshold() - cost.memory.weight_bytes)
+            capacity = max(0.0, share if free_bytes is None else min(share, free_bytes))
+            windows = self._windows(self._by_arrival(), budget, capacity)
+            bins = best_fit_pack(windows, cost, capacity, self.slo_s, self.lambdas, self.tau_mem, self.max_ft_samples)
+            chosen, total = _within(bins, self.slo_s)
+            granted = self._grant(chosen)
+            if granted:
+                self.next_grant_at = now + total / phi  # t of work, then t·(1 − φ)/φ of none
+        else:
+            reason += f", next grant in {self.next_grant_at - now:.3f} s"
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, budget, work,
-                          work.latency(cost) / serve, reason=f"static split: {phi:.0%} training")
+                          work.latency(cost) / serve + total, reason=reason)

@@ -585,11 +585,27 @@ def test_separate_never_exceeds_its_share_and_ignores_inference_load(dec, prompt
         return s.schedule(0.0)
 
     busy, idle = plan(True), plan(False)
-    assert busy.ft_latency_s <= phi * SLO + 1e-12
+    assert busy.ft_latency_s <= SLO + 1e-12
     assert all(mb.memory_bytes <= phi * 1e6 + 1e-6 for mb in busy.micro_batches)
-    assert busy.ft_token_budget == token_budget(COST, InferenceWork(), phi * SLO)
+    assert busy.ft_token_budget == token_budget(COST, InferenceWork(), SLO)
     assert [(w.sample_id, w.end) for w in busy.windows] == [(w.sample_id, w.end) for w in idle.windows]
     assert dec + len(busy.admitted) <= max(dec, math.floor(100 * (1 - phi)))
+
+
+@pytest.mark.parametrize("phi", [0.1, 0.25, 0.5])
+def test_separate_trains_a_duty_cycle_of_its_share_over_time(phi):
+    """Grants at every 1 ms tick for 20 s: fine-tuning time adds up to φ of the time, under any load."""
+    s = sched("separate", train_fraction=phi, max_num_seqs=100)
+    add_decodes(s, 30)
+    s.set_samples([FineTuneSample(f"x{i}", 10_000, 0.0) for i in range(3)])
+    busy_s, t = 0.0, 0.0
+    while t < 20.0:
+        plan = s.schedule(t)
+        busy_s += plan.ft_latency_s
+        for w in plan.windows:
+            s.report_sample(w.sample_id, t)
+        t += 0.001
+    assert busy_s / 20.0 == pytest.approx(phi, rel=0.05)
 
 
 def test_policies_reject_bad_params():
