@@ -48,8 +48,16 @@ def start_app(config: dict[str, Any], port: int) -> None:
 
     from app.main import build_app
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    for attempt in range(3):  # an overloaded host can make the raylet miss its startup deadline
+        try:
+            ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
+            time.sleep(10)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="coserve", route_prefix="/")
 

@@ -34,6 +34,17 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread in the test process: faster and steadier on a shared 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

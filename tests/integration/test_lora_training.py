@@ -18,13 +18,7 @@ LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 
 ITEM = {"prompt": "Human: what is the capital of France?\nAssistant:", "completion": " Paris, of course."}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The machine is shared: one intra-op thread per test process is faster and steadier under load.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

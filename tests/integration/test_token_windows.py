@@ -28,13 +28,7 @@ PAIR = {"prompt": "Human: name a colour.\nAssistant:", "chosen": " Blue, like th
 PAIR_2 = {"prompt": "Human: 2+2?\nAssistant:", "chosen": " 4", "rejected": " It is five, obviously."}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The machine is shared: one intra-op thread per test process is faster and steadier under load.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
