@@ -10,8 +10,11 @@ iteration policy grants its windows) that is switched ``off`` when its window en
 the Azure conversation trace (``../shared/data/traces/azure_conv_sample.csv``), arrivals rescaled
 to ``--light-rate`` / ``--heavy-rate`` requests per second, prompt and output lengths from its
 token columns capped to ``--max-prompt`` / ``--max-output`` (``ignore_eos``: outputs have exactly
-that length), streamed. Feedback: each trace arrival also posts an HH-RLHF preference pair with
-probability α (the training rate of LEMIX / FlexLLM's experiments), texts cut to 400 bytes.
+that length), streamed. Training: each trace arrival is also a fine-tuning task with probability α
+(LEMIX §V's training rate): ``--pairs-per-task`` HH-RLHF preference pairs (texts cut to 400
+bytes) posted as feedback at that instant, one micro-batch of work as in LEMIX's training tasks.
+With the defaults the offered fine-tuning work exceeds what the node can train, so the
+fine-tuning throughput measures what each policy lets run, not what was offered.
 
 Per run: SLO attainment (a request attains when its TTFT ≤ 5× the isolated prefill latency,
 measured first on the idle app, and its mean time between tokens ≤ ``training.slo_tbt_s``);
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import random
 import statistics
 import sys
@@ -64,8 +68,8 @@ class Arrival:
     feedback: bool
 
 
-def read_trace(path: Path, count: int, rate: float, max_prompt: int, max_output: int, alpha: float,
-               seed: int = 0) -> list[Arrival]:
+def read_trace(path: Path, count: int, rate: float, max_prompt: int, max_output: int, alpha: float
+               ) -> list[Arrival]:
     """The first ``count`` arrivals of the trace, time-scaled to ``rate`` req/s, lengths capped, α-marked."""
     rows = []
     with path.open() as f:
@@ -76,9 +80,10 @@ def read_trace(path: Path, count: int, rate: float, max_prompt: int, max_output:
                 break
     t0, t1 = rows[0][0], rows[-1][0]
     scale = (len(rows) - 1) / max(t1 - t0, 1e-9) / rate  # trace seconds -> replay seconds
-    rng = random.Random(seed)
-    return [Arrival((t - t0) * scale, max(1, min(p, max_prompt)), max(1, min(o, max_output)), rng.random() < alpha)
-            for t, p, o in rows]
+    # Exactly a share α of the arrivals are training tasks, evenly spread (a short run of a random
+    # choice could hold none at α = 0.1).
+    return [Arrival((t - t0) * scale, max(1, min(p, max_prompt)), max(1, min(o, max_output)),
+                    int((k + 1) * alpha) > int(k * alpha)) for k, (t, p, o) in enumerate(rows)]
 
 
 def prompt_text(tokens: int, k: int) -> str:
@@ -171,10 +176,10 @@ def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arriva
                 if not a.feedback:
                     continue
                 time.sleep(max(0.0, t_start + a.at - time.time()))
-                item = {"adapter": adapter, **next(pair_iter)}
-                r = c.post(f"{url}/v1/feedback", json={"items": [item]})
+                items = [{"adapter": adapter, **next(pair_iter)} for _ in range(args.pairs_per_task)]
+                r = c.post(f"{url}/v1/feedback", json={"items": items})
                 if r.status_code == 202:
-                    run.fed += 1
+                    run.fed += len(items)
                 else:
                     run.feed_errors.append(f"{r.status_code} {r.text[:120]}")
 
@@ -284,6 +289,7 @@ def main() -> None:
     p.add_argument("--heavy-rate", type=float, default=2.0, help="inference requests/s of the heavy load")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--cooldown", type=float, default=5.0)
+    p.add_argument("--pairs-per-task", type=int, default=8, help="preference pairs per fine-tuning task")
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--max-output", type=int, default=64)
     p.add_argument("--slo-tbt", type=float, default=0.1, help="training.slo_tbt_s: the TBT SLO and window bound")
@@ -306,6 +312,9 @@ def main() -> None:
     loads = [x for x in args.loads.split(",") if x]
     alphas = [float(x) for x in args.alphas.split(",") if x]
     pairs = read_preference_jsonl(args.pairs, limit=3000, max_text_bytes=400)
+    pairs = pairs * 4  # a long benchmark may feed more pairs than the sample holds; repeats train again
+    # Ray starts workers at nice 15; the app is the service under test here (as `make serve` runs it).
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
     data_dir = tempfile.mkdtemp(prefix="bench-coserve-")
     port = free_port()
@@ -346,7 +355,8 @@ def main() -> None:
         stop_app()
     print(f"co-serving on one node (1 engine + 1 trainer worker, 2 cores): Azure conv trace, prompts ≤ "
           f"{args.max_prompt}, outputs ≤ {args.max_output} tokens, {args.duration:.0f} s per run; light "
-          f"{args.light_rate} req/s, heavy {args.heavy_rate} req/s; DPO feedback with probability α per arrival; "
+          f"{args.light_rate} req/s, heavy {args.heavy_rate} req/s; a fine-tuning task ({args.pairs_per_task} DPO pairs) "
+          f"with probability α per arrival; "
           f"SLO: TTFT ≤ {ttft_slo:.3f} s (5× isolated prefill) and TBT ≤ {args.slo_tbt * 1e3:.0f} ms\n")
     print(table(rows))
     print()
