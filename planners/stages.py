@@ -809,6 +809,7 @@ class _Work:
     inputs: list[tuple[str, np.ndarray]]
     longest: int
     cap: Mapping[int, int]  # tp -> max running requests the KV cache allows
+    loading: tuple[float, ...] = ()  # per replica of the running plan: load seconds left at the stage start
 
     @property
     def finished(self) -> bool:
@@ -957,9 +958,7 @@ class JobSimulator:
             ready = np.maximum(ready, np.where(mp >= 0, t_src[np.maximum(mp, 0)], 0.0))
         keep = self.running.get(m)
         same = keep is not None and keep.shape == plan.shape
-        # Replicas of the same tp kept from the previous stage go on without a reload; added ones load.
-        kept = min(keep.dp, plan.dp) if keep is not None and keep.tp == plan.tp else 0
-        load = [0.0] * kept + [w.spec.load_time(plan.tp)] * (plan.dp - kept)
+        load = self._loads(plan)
         todo = ~w.done
         idx = np.flatnonzero(todo)
         local = np.full(todo.size, -1, dtype=np.int64)
@@ -979,6 +978,17 @@ class JobSimulator:
         dec = np.zeros(todo.size, dtype=bool)
         dec[idx] = run.decoding
         return ModelRun(run.end_s, full_finish, gen, dec, run.replicas)
+
+    def _loads(self, plan: ExecutionPlan) -> list[float]:
+        """Seconds until each replica of ``plan`` can start, from the stage start.
+
+        Replicas of the same tp kept from the previous stage go on without a reload (those whose
+        load the stage boundary cut short finish it); added ones load from the start.
+        """
+        w, keep = self.work[plan.model], self.running.get(plan.model)
+        kept = min(keep.dp, plan.dp) if keep is not None and keep.tp == plan.tp else 0
+        left = list(w.loading[:kept]) + [0.0] * (kept - len(w.loading[:kept]))
+        return left + [w.spec.load_time(plan.tp)] * (plan.dp - kept)
 
     def _runs(self, stage: Mapping[str, ExecutionPlan], until_s: float = math.inf) -> dict[str, ModelRun]:
         runs: dict[str, ModelRun] = {}
@@ -1038,8 +1048,11 @@ class JobSimulator:
             w.resumable = run.decoding & ~fin & ~w.done
             w.done = w.done | fin
         for m in self.order:
+            w = self.work[m]
+            # Set before self.running changes below: _loads reads the plans this stage started from.
+            w.loading = tuple(max(0.0, x - dur) for x in self._loads(stage[m])) if m in stage else ()
             if m not in stage:
-                self.work[m].resumable[:] = False
+                w.resumable[:] = False
         start = self.now_s
         self.now_s += dur
         self.running = {m: p for m, p in stage.items() if not self.work[m].finished}

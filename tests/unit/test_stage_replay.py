@@ -79,3 +79,21 @@ def test_chain_summary_with_an_evaluator_replays_without_stalling():
         plan = registry.create("stages", name).plan(job, DeviceSet(2, 1e11), costs)
         rep = replay_plan(plan, job, DeviceSet(2, 1e11), costs)
         assert rep.stages[-1].finishes[-1] == "eval" and rep.actual_s > 0
+
+
+def test_a_load_cut_short_by_a_stage_boundary_goes_on_in_the_next_stage():
+    from planners.stages import JobSimulator
+
+    quick = ModelSpec("quick", 1e9, (10,) * 4, 5, output_tokens=(3,) * 4, load_time_s=((1, 0.1),), tp_options=(1,))
+    slow = ModelSpec("slow", 1e9, (10,) * 4, 5, output_tokens=(3,) * 4, load_time_s=((1, 5.0),), tp_options=(1,))
+    job = JobGraph((quick, slow))
+    costs = {"quick": _cost(1e9), "slow": _cost(1e9)}
+    plans = (ExecutionPlan("quick", 1, 1), ExecutionPlan("slow", 1, 1))
+    alone = JobSimulator(job, DEV, costs, known_output_lengths=True).estimate(plans[1:]).model_end_s["slow"]
+    sim = JobSimulator(job, DEV, costs, known_output_lengths=True)
+    first = sim.advance(plans)
+    assert first.finishes == ("quick",) and first.duration_s < 1
+    # slow keeps its plan: no new load, but the 5 s load it started is not over when the stage ends.
+    second = sim.advance(plans[1:])
+    assert second.loads == () and first.duration_s + second.duration_s == pytest.approx(alone)
+    assert alone > 5.0
