@@ -42,6 +42,7 @@ class OfflineEngine:
         self._done: list[dict[str, Any]] = []
         self._running: dict[str, tuple[str, float]] = {}  # engine request id -> (our id, submitted at)
         self._stop = False
+        self._failed: str | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> dict[str, Any]:
@@ -64,6 +65,10 @@ class OfflineEngine:
         """Queue ``(request id, prompt, sampling params as a dict)``; returns how many are queued or running."""
         now = time.time()
         with self._cv:
+            if self._failed is not None:  # answered at once: the driver fails the job with the reason
+                self._done.extend({"id": rid, "error": self._failed, "start": now, "end": now} for rid, _, _ in requests)
+                self._cv.notify_all()
+                return 0
             self._queue.extend((rid, prompt, params, now) for rid, prompt, params in requests)
             self._cv.notify_all()
             return len(self._queue) + len(self._running)
@@ -77,6 +82,18 @@ class OfflineEngine:
             return done
 
     def _loop(self) -> None:
+        try:
+            self._step_forever()
+        except Exception as exc:  # the engine broke: fail every request now rather than leave the driver waiting
+            why = f"engine failed: {type(exc).__name__}: {exc}"
+            with self._cv:
+                self._failed = why
+                lost = [(rid, at) for rid, _, _, at in self._queue] + list(self._running.values())
+                self._queue, self._running = [], {}
+            for rid, at in lost:
+                self._finish({"id": rid, "error": why, "start": at, "end": time.time()})
+
+    def _step_forever(self) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
