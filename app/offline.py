@@ -147,7 +147,7 @@ def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemptio
         return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, None, devices, None, notes)
     sub = job.model_copy(update={"models": [m for m in job.models if m.name in todo.nodes]})
     counters = {n: token_counter(dirs[n]) for n in todo.nodes}
-    graph = job_graph(sub, todo, facts, counters, {n: job.engine_load_s for n in todo.nodes})
+    graph = job_graph(sub, todo, facts, counters, {m.name: m.load_s or job.engine_load_s for m in sub.models})
     costs, cost_notes = cost_models(sub, dirs, facts, base_dir, counters, data_dir)
     plan = create("stages", planner, preemption=preemption).plan(graph, devices, costs)
     return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan, notes + cost_notes)

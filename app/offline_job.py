@@ -55,6 +55,8 @@ class JobModel(_Strict):
     template: str = Field(
         "{prompt}", description="This model's prompt: {prompt} is its own text (input, chunk), {upstream} the "
                                 "output it reads over an edge (empty when none).")
+    load_s: float | None = Field(None, gt=0, description="Seconds this model's engine takes to start (its row "
+                                                         "of SamuLLM §4.1's load-time table); null: engine_load_s.")
 
 
 class DevicesSpec(_Strict):
@@ -119,8 +121,9 @@ class JobSpec(_Strict):
         None, description="JSONL of {prompt, response} (e.g. ShareGPT) for the output-length eCDF (SamuLLM §4.1).")
     max_num_seqs: int = Field(32, ge=1, description="Engine batch limit of every replica.")
     engine_load_s: float = Field(
-        30.0, gt=0, description="Seconds an engine takes to start, for every model and plan (SamuLLM §4.1's load-time "
-                                "table). 30: a vLLM CPU engine here; measure yours (bench/offline.py real does).")
+        30.0, gt=0, description="Seconds an engine takes to start, for models without their own load_s (SamuLLM "
+                                "§4.1's load-time table). 30: a vLLM CPU engine here; measure yours (bench/offline.py "
+                                "real does).")
     max_model_len: int = Field(2048, ge=16)
     enforce_eager: bool = Field(False, description="Skip vLLM's graph compilation: faster engine start, slower "
                                                    "iterations (for short demo and test jobs).")
