@@ -203,8 +203,12 @@ class CostModel:
     """Everything the planners estimate for one model on one node type.
 
     ``forward`` / ``backward`` are per pipeline stage of a node with ``stages`` stages (LEMIX §IV-A);
-    ``iteration`` is the whole inference engine (SamuLLM Eq. 5). ``metadata`` says what it was fitted
-    on: at least ``model``, ``hardware``, ``fitted_at`` and ``source``.
+    ``iteration`` is the whole inference engine (SamuLLM Eq. 5). ``ft_interference`` is ρ of the
+    window cost f(c, s) = t_iter(c) + ρ·t_ft(s) (FlexLLM §6.2): the seconds an inference iteration
+    is delayed per second of fine-tuning work run beside it. ρ = 1 when the two take turns on one
+    device (FlexLLM's GPU case, the default); lower when they run side by side on separate cores
+    and only contend (``app.profile`` measures it). ``metadata`` says what it was fitted on: at
+    least ``model``, ``hardware``, ``fitted_at`` and ``source``.
     """
 
     forward: StageLatency
@@ -214,6 +218,11 @@ class CostModel:
     output_lengths: OutputLengthCDF
     stages: int = 1
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    ft_interference: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ft_interference <= 10.0:
+            raise ValueError(f"ft_interference must be in [0, 10], got {self.ft_interference}")
 
     # LEMIX §IV-A: stage-level latencies.
     def forward_latency(self, batch_size: float, tokens: float) -> float:
@@ -275,7 +284,7 @@ class CostModel:
         return {"schema": SCHEMA, "metadata": dict(self.metadata), "stages": self.stages,
                 "forward": self.forward.to_dict(), "backward": self.backward.to_dict(),
                 "iteration": self.iteration.to_dict(), "memory": self.memory.to_dict(),
-                "output_lengths": self.output_lengths.to_dict()}
+                "output_lengths": self.output_lengths.to_dict(), "ft_interference": self.ft_interference}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> CostModel:
@@ -289,7 +298,7 @@ class CostModel:
                 forward=StageLatency.from_dict(d["forward"]), backward=StageLatency.from_dict(d["backward"]),
                 iteration=IterationLatency.from_dict(d["iteration"]), memory=MemoryModel.from_dict(d["memory"]),
                 output_lengths=OutputLengthCDF.from_dict(d["output_lengths"]), stages=int(d.get("stages", 1)),
-                metadata=dict(d.get("metadata", {})))
+                metadata=dict(d.get("metadata", {})), ft_interference=float(d.get("ft_interference", 1.0)))
         except KeyError as exc:
             raise ValueError(f"cost model profile lacks key {exc.args[0]!r}") from None
 

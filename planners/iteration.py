@@ -236,8 +236,17 @@ def ft_memory(cost: CostModel, batch: int, tokens: int) -> float:
 
 
 def window_latency(cost: CostModel, work: InferenceWork, ft_tokens: int) -> float:
-    """f(c, s) of FlexLLM §6.2: t_iter(c) + t_ft(s), with the s fine-tune tokens as one window."""
-    return work.latency(cost) + ft_latency(cost, 1, ft_tokens)
+    """f(c, s) of FlexLLM §6.2: t_iter(c) + ρ·t_ft(s), with the s fine-tune tokens as one window.
+
+    ρ is ``cost.ft_interference`` (1: the two take turns on the device, as in FlexLLM).
+    """
+    return work.latency(cost) + cost.ft_interference * ft_latency(cost, 1, ft_tokens)
+
+
+def ft_room(cost: CostModel, room_s: float) -> float:
+    """Seconds of fine-tuning work (alone) that delay inference by ``room_s``: room/ρ (∞ when ρ = 0)."""
+    rho = cost.ft_interference
+    return math.inf if rho <= 0 else max(0.0, room_s) / rho
 
 
 def token_budget(cost: CostModel, work: InferenceWork, slo_s: float, cap: int = 1 << 24) -> int:
@@ -251,9 +260,11 @@ def token_budget(cost: CostModel, work: InferenceWork, slo_s: float, cap: int = 
     fw, bw = cost.forward, cost.backward
     if min(fw.quad, fw.lin, fw.const, bw.quad, bw.lin, bw.const) < 0:
         raise ValueError("token_budget needs non-negative stage latency coefficients")
-    room = slo_s - work.latency(cost)
+    room = ft_room(cost, slo_s - work.latency(cost)) if slo_s >= work.latency(cost) else -1.0
     if cap < 1 or room < ft_latency(cost, 1, 1):
         return 0
+    if math.isinf(room):
+        return cap
     a = cost.stages * (fw.quad + bw.quad)
     b = cost.stages * (fw.lin + bw.lin)
     k = cost.stages * (fw.const + bw.const)
@@ -796,7 +807,8 @@ class Hybrid(IterationScheduler):
             fits_slo=lambda req, trial: gate[req.request_id] == 0
             or window_latency(cost, trial, gate[req.request_id]) <= slo)
         budget = max(token_budget(cost, work, slo), reserve)
-        room = max(slo - work.latency(cost), ft_latency(cost, 1, reserve))
+        # Fine-tuning seconds (alone) the window has room for, at least the promoted reserve.
+        room = max(ft_room(cost, slo - work.latency(cost)), ft_latency(cost, 1, reserve))
         capacity = self._capacity(work, free_bytes)
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
@@ -806,7 +818,7 @@ class Hybrid(IterationScheduler):
         reason = f"promoted {promoted.sample_id}" if promoted is not None and any(
             w.sample_id == promoted.sample_id for mb in granted for w in mb.windows) else "budget"
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, budget, work,
-                          work.latency(cost) + total, reason=reason)
+                          work.latency(cost) + cost.ft_interference * total, reason=reason)
 
 
 @register("iteration", "fcfs")
@@ -824,7 +836,7 @@ class Fcfs(IterationScheduler):
         admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work())
         granted = self._whole_passes(self._by_arrival(), self._capacity(work, free_bytes))
         ft = sum(mb.tokens for mb in granted)
-        lat = work.latency(self.cost) + sum(mb.latency_s for mb in granted)
+        lat = work.latency(self.cost) + self.cost.ft_interference * sum(mb.latency_s for mb in granted)
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, ft, work, lat, reason="fcfs")
 
 
@@ -885,7 +897,7 @@ class FtFirst(IterationScheduler):
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
         decodes = self._decode_work()
         granted = self._whole_passes(self._by_arrival(), self._capacity(decodes, free_bytes))
-        ft_lat = sum(mb.latency_s for mb in granted)
+        ft_lat = self.cost.ft_interference * sum(mb.latency_s for mb in granted)  # the delay it adds
         fits = None if not granted else (lambda _req, trial: trial.latency(self.cost) + ft_lat <= self.slo_s)
         admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), decodes, fits)
         ft = sum(mb.tokens for mb in granted)
@@ -933,7 +945,7 @@ class Periodic(IterationScheduler):
                 self.last_run_at = now
             reason = "periodic window"
         ft = sum(mb.tokens for mb in granted)
-        lat = work.latency(self.cost) + sum(mb.latency_s for mb in granted)
+        lat = work.latency(self.cost) + self.cost.ft_interference * sum(mb.latency_s for mb in granted)
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, ft, work, lat, reason=reason)
 
 

@@ -114,6 +114,11 @@ def test_json_round_trip_keeps_metadata_and_fit_quality():
     assert back.iteration == default_cost_model().iteration  # no rows: the default term
     assert back.output_lengths.values == (5, 7, 300)
     assert as_cost_model(d) == m and as_cost_model(None) == default_cost_model()
+    assert back.ft_interference == 1.0  # no measurement: the additive model of FlexLLM
+    from dataclasses import replace
+
+    measured = replace(m, ft_interference=0.3)
+    assert CostModel.from_dict(json.loads(json.dumps(measured.to_dict()))).ft_interference == 0.3
 
 
 def test_from_dict_says_what_is_wrong():

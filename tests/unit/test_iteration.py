@@ -118,6 +118,25 @@ def test_token_budget_by_hand_linear():
     assert token_budget(COST, InferenceWork(0, 46, 0), SLO) == 0
 
 
+def test_token_budget_with_measured_interference():
+    """f(c, s) = t_iter(c) + ρ·t_ft(s): fine-tuning beside inference on other cores delays it by ρ < 1."""
+    from dataclasses import replace
+
+    quarter = replace(COST, ft_interference=0.25)
+    assert token_budget(quarter, InferenceWork(), SLO) == 656  # 50/0.25 = 200 ms: (200 - 3)/0.3 = 656.7
+    half = replace(COST, ft_interference=0.5)
+    assert token_budget(half, InferenceWork(0, 10, 0), SLO) == 223  # 15 ms: (35/0.5 - 3)/0.3 = 223.3
+    assert token_budget(replace(COST, ft_interference=0.0), InferenceWork(0, 10, 0), SLO, cap=5000) == 5000
+    assert token_budget(half, InferenceWork(0, 46, 0), SLO) == 0  # inference alone breaks the SLO
+    s = sched(cost_model=half, max_num_seqs=64)
+    add_decodes(s, 10)
+    s.add_sample(FineTuneSample("x", 5000, 0.0))
+    plan = s.schedule(0.0)
+    assert plan.ft_tokens == 223 and plan.predicted_latency_s <= SLO + 1e-12
+    with pytest.raises(ValueError):
+        replace(COST, ft_interference=-0.1)
+
+
 def test_token_budget_by_hand_quadratic():
     cm = cost_model(fw=(1e-6, 1e-4, 1e-3))
     # 1e-6 s² + 3e-4 s + 3e-3 <= 0.05 -> s = 113.6: 113 gives 49.67 ms, 114 gives 50.2 ms
@@ -252,7 +271,7 @@ def test_best_fit_stops_at_tau_task_and_tau_mem():
 def test_packing_never_exceeds_memory_or_latency(sizes, mem, lat, l1, l2):
     cm = cost_model(act_bytes=3.0)
     ws = [_w(f"s{i}", n) for i, n in enumerate(sizes)]
-    bins = best_fit_pack(ws, cm, mem, lat, (l1, l2))
+    bins = best_fit_pack(ws, cm, mem, lat, (l1, l2), tau_mem=2.0)  # no τ limit (bin 1 may fill exactly)
     packed = [w.sample_id for b in bins for w in b.windows]
     assert len(packed) == len(set(packed))
     for b in bins:
