@@ -9,6 +9,14 @@ backward. Finally it fits ``planners/costs.py`` (LEMIX §IV-A stage latencies, S
 iteration latency, memory terms, output-length eCDF) and writes ``profiles/<model>-<device>.json``
 with the fit table.
 
+It also measures ρ (``CostModel.ft_interference``), the term of FlexLLM §6.2's window cost
+f(c, s) = t_iter(c) + ρ·t_ft(s) that says how much fine-tuning beside the engine delays it: a
+batch of decoding requests runs alone, then again while a LoRA training loop (as the trainer runs
+it: one torch thread) steps in another process; ρ = (time with − time alone) / (standalone seconds
+of the training steps that ran meanwhile). On a GPU the two take turns and ρ ≈ 1; on a CPU host
+they run on different cores and only contend. ``--only-interference`` measures ρ alone and writes
+it into the existing profile.
+
 ``load_profile`` is what the planner calls. It takes the profile matching the configured model
 and device, and otherwise says so and falls back to ``planners.costs.default_cost_model()``.
 """
@@ -16,6 +24,7 @@ and device, and otherwise says so and falls back to ``planners.costs.default_cos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -103,6 +112,91 @@ def measure_engine(cfg: AppConfig, model_dir: str, served_name: str, batches: li
     finally:
         ray.get(replica.shutdown.remote())
         ray.kill(replica)
+
+
+class TrainLoop:
+    """A Ray actor that runs LoRA training steps back to back (one torch thread, as the trainer does)."""
+
+    def __init__(self, model_dir: str, lora_rank: int, tokens: int) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                                      target_modules=["q_proj", "v_proj"]))
+        self.model.train()
+        self.ids = torch.randint(3, min(self.model.config.vocab_size, 256), (1, tokens))
+        self.finished: list[float] = []
+        self._stop = False
+
+    def _step(self) -> None:
+        self.model(input_ids=self.ids, labels=self.ids).loss.backward()
+        self.model.zero_grad(set_to_none=True)
+
+    def alone(self, repeats: int) -> float:
+        """Median seconds of one step with nothing else running."""
+        self._step()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self._step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def run(self) -> None:
+        """Step until ``stop``; a finish time per step (run with max_concurrency >= 2)."""
+        self.finished, self._stop = [time.time()], False
+        while not self._stop:
+            self._step()
+            self.finished.append(time.time())
+
+    def stop(self) -> list[float]:
+        self._stop = True
+        return self.finished
+
+
+def measure_interference(cfg: AppConfig, model_dir: str, served_name: str, repeats: int, batch: int = 8,
+                         prompt_tokens: int = 64, decode_tokens: int = 96, train_tokens: int = 256) -> dict[str, float]:
+    """ρ of f(c, s) = t_iter(c) + ρ·t_ft(s), measured on the real engine beside a real training loop."""
+    import ray
+
+    from actors.replica import ModelReplica
+    from app.engine_args import engine_flags
+
+    replica = ray.remote(ModelReplica).options(num_cpus=0, max_concurrency=1000).remote(
+        0, engine_flags(cfg, model_dir, served_name), served_name)
+    trainer = ray.remote(TrainLoop).options(num_cpus=0, max_concurrency=2).remote(
+        model_dir, cfg.engine.max_lora_rank, train_tokens)
+    try:
+        ray.get(replica.start.remote())
+        ray.get(replica.measure.remote(2, 16, 4, repeats=1))  # warm-up
+        step_s = ray.get(trainer.alone.remote(max(3, repeats)))
+        ratios = []
+        for _ in range(repeats):
+            alone = statistics.median(ray.get(replica.measure.remote(batch, prompt_tokens, decode_tokens, 1)))
+            loop = trainer.run.remote()
+            time.sleep(2 * step_s)  # the loop is stepping before the engine starts
+            t0 = time.time()
+            beside = statistics.median(ray.get(replica.measure.remote(batch, prompt_tokens, decode_tokens, 1)))
+            t1 = time.time()
+            finished = ray.get(trainer.stop.remote())
+            ray.get(loop)
+            # Standalone seconds of training that ran in [t0, t1]: whole steps, plus the parts of the
+            # steps cut by either end (the loop steps back to back).
+            work = 0.0
+            for a, b in zip(finished, finished[1:]):
+                overlap = max(0.0, min(b, t1) - max(a, t0))
+                work += step_s * overlap / max(b - a, 1e-9)
+            ratios.append(max(0.0, beside - alone) / max(work, 1e-9))
+        return {"ft_interference": min(10.0, statistics.median(ratios)), "train_step_s": step_s,
+                "ratios": ratios}
+    finally:
+        ray.get(replica.shutdown.remote())
+        ray.kill(replica)
+        ray.kill(trainer)
 
 
 # ---- training measurements ---------------------------------------------------------------------
@@ -205,6 +299,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--train-lengths", default="32,64,128,256", help="training sequence lengths ℓ")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kappa", type=float, default=0.8, help="M_threshold = κ·M_peak (LEMIX §IV-A)")
+    parser.add_argument("--only-interference", action="store_true",
+                        help="measure ρ only and write it into the existing profile (--out or the shipped one)")
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
@@ -221,9 +317,19 @@ def main(argv: list[str] | None = None) -> Path:
 
     import ray
 
+    out = Path(args.out) if args.out else SHIPPED_PROFILES / profile_name(served, cfg.engine.device)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
+        interference = measure_interference(cfg, model_dir, served, args.repeats)
+        print(f"fine-tuning interference ρ = {interference['ft_interference']:.3f} (per repeat: "
+              f"{', '.join(f'{r:.3f}' for r in interference['ratios'])}; a training step alone "
+              f"{interference['train_step_s'] * 1000:.1f} ms)")
+        if args.only_interference:
+            old = CostModel.from_dict(json.loads(out.read_text()))
+            _write(dataclasses.replace(old, ft_interference=interference["ft_interference"],
+                                       metadata={**old.metadata, "interference": interference}), out)
+            return out
         with tqdm(total=len(batches) * len(lengths), desc="engine iterations") as bar:
             iteration_rows = measure_engine(cfg, model_dir, served, batches, lengths, args.decode_tokens, args.repeats, bar)
     finally:
@@ -244,16 +350,22 @@ def main(argv: list[str] | None = None) -> Path:
                   "engine": f"vllm max_num_seqs={cfg.engine.max_num_seqs}",
                   "fitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   "source": "app.profile", "rows": {"iteration": iteration_rows, "forward": fwd, "backward": bwd,
-                                                    "activation_memory": mem_rows}},
+                                                    "activation_memory": mem_rows},
+                  "interference": interference},
     )
-    out = Path(args.out) if args.out else SHIPPED_PROFILES / profile_name(served, cfg.engine.device)
+    model = dataclasses.replace(model, ft_interference=interference["ft_interference"])
+    _write(model, out)
+    print_fit_table(model)
+    return out
+
+
+def _write(model: CostModel, out: Path) -> None:
+    """Write the profile atomically (a planner starting meanwhile reads the old one or the new one)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(model.to_dict(), indent=1))
     os.replace(tmp, out)
-    print_fit_table(model)
     print(f"wrote {out}")
-    return out
 
 
 if __name__ == "__main__":
