@@ -28,10 +28,15 @@ def head_node():
     would stop every Ray instance on this machine)."""
     ray_cli = Path(sys.executable).with_name("ray")
     temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths have a length limit
-    dash = free_port()
     log = open(Path(temp) / "head.log", "wb")
-    head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=8",
-                             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+    # Every port of its own: the session's other Ray instance holds the defaults (the job agent's
+    # 52365 among them, and a head whose agent cannot bind it answers "No available agent").
+    ports = [f"--{name}={free_port()}" for name in (
+        "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+        "metrics-export-port", "ray-client-server-port", "node-manager-port", "object-manager-port")]
+    dash = ports[1].split("=")[1]
+    head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", "--num-cpus=8", *ports,
+                             "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                              f"--temp-dir={temp}", "--disable-usage-stats"], stdout=log, stderr=subprocess.STDOUT,
                             # `ray start` turns token authentication on by default; this test's client
                             # talks to a loopback-only head it started itself.
