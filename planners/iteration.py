@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from planners.costs import CostModel, as_cost_model
@@ -241,6 +241,11 @@ def window_latency(cost: CostModel, work: InferenceWork, ft_tokens: int) -> floa
     ρ is ``cost.ft_interference`` (1: the two take turns on the device, as in FlexLLM).
     """
     return work.latency(cost) + cost.ft_interference * ft_latency(cost, 1, ft_tokens)
+
+
+def ft_tokens_within(cost: CostModel, seconds: float) -> int:
+    """The largest s with t_ft(s) ≤ ``seconds``: fine-tuning tokens one window of that length holds."""
+    return token_budget(replace(cost, ft_interference=1.0), InferenceWork(), seconds)
 
 
 def ft_room(cost: CostModel, room_s: float) -> float:
@@ -806,9 +811,11 @@ class Hybrid(IterationScheduler):
             now, order, self._decode_work(),
             fits_slo=lambda req, trial: gate[req.request_id] == 0
             or window_latency(cost, trial, gate[req.request_id]) <= slo)
-        budget = max(token_budget(cost, work, slo), reserve)
+        # A grant covers one window: at most SLO seconds of fine-tuning even when ρ < 1 would allow
+        # more, so that inference arriving meanwhile is seen at the next grant.
+        budget = max(min(token_budget(cost, work, slo), ft_tokens_within(cost, slo)), reserve)
         # Fine-tuning seconds (alone) the window has room for, at least the promoted reserve.
-        room = max(ft_room(cost, slo - work.latency(cost)), ft_latency(cost, 1, reserve))
+        room = max(min(ft_room(cost, slo - work.latency(cost)), slo), ft_latency(cost, 1, reserve))
         capacity = self._capacity(work, free_bytes)
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
@@ -981,7 +988,7 @@ class Separate(IterationScheduler):
         admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work(),
                                                max_seqs=max(1, math.floor(self.max_num_seqs * serve)),
                                                max_tokens=max_tokens)
-        budget = token_budget(cost, InferenceWork(), self.slo_s)
+        budget = ft_tokens_within(cost, self.slo_s)  # its own share: no inference beside it to delay
         granted: tuple[MicroBatch, ...] = ()
         total = 0.0
         reason = f"static split: {phi:.0%} training"

@@ -48,12 +48,15 @@ def _collect_until_consumed(app_url: str, name: str, version: int, seen: dict, t
 def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(app_url, trainer, app_config):
     from app.config import AppConfig
     from app.profile import load_profile
-    from planners.iteration import InferenceWork, token_budget
+    from planners.iteration import InferenceWork, ft_tokens_within, token_budget
 
     cfg = AppConfig.model_validate(app_config)
     assert cfg.planner.iteration == "hybrid"
     cm, _ = load_profile(cfg, BASE)
-    idle_budget = token_budget(cm.with_stages(cfg.cluster.stages), InferenceWork(), cfg.training.slo_tbt_s)
+    cm = cm.with_stages(cfg.cluster.stages)
+    # An empty window: s = max{s : ρ·t_ft(s) ≤ SLO}, at most one window's worth (t_ft(s) ≤ SLO).
+    idle_budget = min(token_budget(cm, InferenceWork(), cfg.training.slo_tbt_s),
+                      ft_tokens_within(cm, cfg.training.slo_tbt_s))
     assert idle_budget > 0
 
     name = "coserve-grants"

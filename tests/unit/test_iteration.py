@@ -128,11 +128,20 @@ def test_token_budget_with_measured_interference():
     assert token_budget(half, InferenceWork(0, 10, 0), SLO) == 223  # 15 ms: (35/0.5 - 3)/0.3 = 223.3
     assert token_budget(replace(COST, ft_interference=0.0), InferenceWork(0, 10, 0), SLO, cap=5000) == 5000
     assert token_budget(half, InferenceWork(0, 46, 0), SLO) == 0  # inference alone breaks the SLO
-    s = sched(cost_model=half, max_num_seqs=64)
-    add_decodes(s, 10)
-    s.add_sample(FineTuneSample("x", 5000, 0.0))
-    plan = s.schedule(0.0)
-    assert plan.ft_tokens == 223 and plan.predicted_latency_s <= SLO + 1e-12
+
+    def hybrid_grant(cost, decodes):
+        s = sched(cost_model=cost, max_num_seqs=64)
+        add_decodes(s, decodes)
+        s.add_sample(FineTuneSample("x", 5000, 0.0))
+        plan = s.schedule(0.0)
+        assert plan.predicted_latency_s <= SLO + 1e-12
+        return plan.ft_tokens
+
+    # A grant holds at most one window's worth (t_ft ≤ SLO: 156 tokens) even when ρ allows 223 ...
+    assert hybrid_grant(half, 10) == 156
+    # ... and under load ρ lets more run than turn-taking would: 30 decodes take 35 ms, leaving
+    # 15 ms: (15/0.5 - 3)/0.3 = 90 tokens at ρ = 0.5, (15 - 3)/0.3 = 40 at ρ = 1.
+    assert hybrid_grant(half, 30) == 90 and hybrid_grant(COST, 30) == 40
     with pytest.raises(ValueError):
         replace(COST, ft_interference=-0.1)
 
