@@ -389,11 +389,13 @@ class Planner:
         for key in [k for k in self._retraining if k[0] == adapter]:
             del self._retraining[key]
 
-    async def grant(self, node_id: int, adapter: str, mode: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    async def grant(self, node_id: int, adapter: str, mode: str, samples: list[dict[str, Any]],
+                    ran_s: float = 0.0) -> dict[str, Any]:
         """Which token windows may the trainer on ``node_id`` run now for ``adapter``'s ``samples``?
 
         ``samples`` are the trainer's unfinished samples of its micro-step on this node, as
-        ``{id, tokens, done, arrival, dpo_loss}`` (it owns their progress). Adapters in mode
+        ``{id, tokens, done, arrival, dpo_loss}`` (it owns their progress); ``ran_s`` the seconds it
+        took to run the windows of its previous grant on this node (0: none ran). Adapters in mode
         ``hybrid`` are granted by the node's iteration scheduler (``planner.iteration``, FlexLLM
         §6.2 budget and MACE §4.1–4.2 by default) within the memory guard's headroom (LEMIX Alg. 2);
         the other modes, and ``hybrid`` with ``planner.iteration: null``, by the adapter's retraining
@@ -405,7 +407,7 @@ class Planner:
         queue = [FineTuneSample(str(x["id"]), int(x["tokens"]), float(x["arrival"]), float(x.get("dpo_loss") or 0.0),
                                 int(x.get("done", 0))) for x in samples]
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
-            windows, reason, budget = self._iteration_windows(node, queue, now)
+            windows, reason, budget = self._iteration_windows(node, queue, now, ran_s)
         else:
             windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now)
         g = node.grants
@@ -425,7 +427,8 @@ class Planner:
         g["tokens"] += sum(w.tokens for w in windows)
         return {"windows": [[int(w.sample_id), w.start, w.end] for w in windows], "wait_s": 0.0, "reason": reason}
 
-    def _iteration_windows(self, node: _Node, queue: list[FineTuneSample], now: float) -> tuple[Any, str, int]:
+    def _iteration_windows(self, node: _Node, queue: list[FineTuneSample], now: float,
+                           ran_s: float = 0.0) -> tuple[Any, str, int]:
         if node.scheduler is None:
             cm = self.cost_model.with_stages(self.cfg.cluster.stages)
             e = self.cfg.engine
@@ -439,6 +442,7 @@ class Planner:
         if node.facts is not None:
             sched.observe(node.facts)
         sched.set_samples(queue)
+        sched.observe_ft_run(ran_s, now)
         used = self.cost_model.memory.weight_bytes + (node.facts.kv_used_bytes if node.facts else 0.0)
         plan = sched.schedule(now, node.guard.headroom(used))
         return plan.windows, plan.reason, plan.ft_token_budget

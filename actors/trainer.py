@@ -335,6 +335,7 @@ class _Worker:
         self.loaded: tuple[str, int | None] | None = None  # (adapter, store version the weights are)
         self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
         self.opt_steps = 0  # optimizer steps since the last published version
+        self.last_round_s = 0.0  # wall time of the last granted windows, told to the planner at the next ask
         # Leader-only bookkeeping.
         self.held: list[int] = []  # item ids trained into the unpublished weights
         self.held_created: list[float] = []
@@ -513,9 +514,10 @@ class _Worker:
             return [], 0.0
         samples = [{"id": it["id"], "tokens": passes[it["id"]].length, "done": passes[it["id"]].done,
                     "arrival": it["created_at"]} for it in todo]
+        ran_s, self.last_round_s = self.last_round_s, 0.0
         try:
-            g = ray.get(self.planner.grant.remote(self.node_id, plan["adapter"], plan["spec"]["mode"], samples),
-                        timeout=30)
+            g = ray.get(self.planner.grant.remote(self.node_id, plan["adapter"], plan["spec"]["mode"], samples,
+                                                  ran_s), timeout=30)
         except Exception as exc:  # planner restarting: treat as "wait", never train unasked
             self._warn("grant", exc)
             return [], MAX_GRANT_SLEEP_S
@@ -561,6 +563,8 @@ class _Worker:
                     loss_sum += st.loss * weight[sid]
                     weight_sum += weight[sid]
             ran = len(granted)
+            if ran:
+                self.last_round_s = time.time() - t0
             run_s += time.time() - t0
             left = sum(p.done < p.length for p in passes.values())
             abandon = float(self.leader and self._abandon_requested(adapter))

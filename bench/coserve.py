@@ -1,6 +1,6 @@
 """Co-serving benchmark: each node-level iteration policy on the live app under trace-replayed inference and feedback.
 
-    .venv/bin/python bench/coserve.py                                   # 6 policies × 2 loads × 2 α, ~35 min
+    .venv/bin/python bench/coserve.py                                   # 6 policies + separate@0.5 × 2 loads × 2 α, ~40 min
     .venv/bin/python bench/coserve.py --policies hybrid,separate --alphas 0.5 --duration 30
 
 One app (one node: one vLLM engine and one Ray Train worker sharing the machine, training scope
@@ -51,6 +51,8 @@ from bench.common import BASE, free_port, pct, start_app, stop_app, wait_ready  
 
 SHARED = ROOT.parent / "shared" / "data"
 POLICIES = ("hybrid", "fcfs", "temporal", "ft_first", "periodic", "separate")
+# `separate` (φ = 0.25) is the ratios' base; `separate@0.5` is the even split, for its sensitivity to φ.
+DEFAULT_RUNS = POLICIES + ("separate@0.5",)
 # Baseline settings sized for windows of tens of seconds (FlexLLM's temporal n = 64; Ekya-like periods).
 POLICY_PARAMS: dict[str, dict[str, Any]] = {"periodic": {"every_seconds": 10.0}, "temporal": {"n": 64},
                                             "separate": {"train_fraction": 0.25}}
@@ -160,8 +162,11 @@ def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arriva
     import ray
 
     run = Run(load, alpha, policy)
-    ray.get(planner.set_iteration.remote(policy, POLICY_PARAMS.get(policy, {})))
-    adapter = f"co-{policy.replace('_', '-')}-{load}-{int(alpha * 100)}-{tag}"
+    name, _, fraction = policy.partition("@")  # separate@φ: the static split at another fraction
+    params = dict(POLICY_PARAMS.get(name, {}), **({"train_fraction": float(fraction)} if fraction else {}))
+    ray.get(planner.set_iteration.remote(name, params))
+    label = policy.replace("_", "-").replace("@", "-").replace(".", "")
+    adapter = f"co-{label}-{load}-{int(alpha * 100)}-{tag}"
     httpx.post(f"{url}/v1/adapters", timeout=30, json={
         "name": adapter, "method": "dpo", "beta": 0.1, "learning_rate": 1e-3, "mode": "hybrid",
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}).raise_for_status()
@@ -282,7 +287,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(DEFAULT_RUNS),
+                   help="iteration policies in run order; separate@φ runs separate with train_fraction φ")
     p.add_argument("--alphas", default="0.1,0.5")
     p.add_argument("--loads", default="light,heavy")
     p.add_argument("--light-rate", type=float, default=0.5, help="inference requests/s of the light load")
@@ -305,7 +311,7 @@ def main() -> None:
         if not Path(f).is_file():
             raise SystemExit(f"{f} not found (the trace and the pairs live in ../shared/data)")
     policies = [x for x in args.policies.split(",") if x]
-    unknown = set(policies) - set(POLICIES)
+    unknown = {x for x in policies if x.partition("@")[0] not in POLICIES}
     if unknown:
         raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {POLICIES}")
     rates = {"light": args.light_rate, "heavy": args.heavy_rate}

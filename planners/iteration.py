@@ -622,6 +622,10 @@ class IterationScheduler:
     def observe_iterations(self, count: int) -> None:
         """``count`` engine iterations ran since the last report; policies that count them override this."""
 
+    def observe_ft_run(self, seconds: float, now: float) -> None:
+        """The trainer took ``seconds`` (wall time, ending about ``now``) to run the windows of its previous
+        grant; policies that budget fine-tuning by real time override this."""
+
     def set_samples(self, samples: Iterable[FineTuneSample]) -> None:
         """Replace the fine-tune queue with the trainer's samples (it owns their progress, ``done``)."""
         self.samples = {}
@@ -962,9 +966,11 @@ class Separate(IterationScheduler):
 
     A fixed fraction φ = ``train_fraction`` of the node trains and 1 − φ serves, never shared. On
     one node the split is in time: fine-tuning runs a duty cycle of φ, whatever the inference
-    load. A grant of fine-tuning work that takes t under the cost model is followed, once that work
-    is done, by t·(1 − φ)/φ in which nothing more is granted; each grant is one window's worth, s = max{ s :
-    t_ft(s) ≤ SLO } tokens of φ·(M_threshold − weights) memory, in arrival order. Inference is
+    load. A grant of fine-tuning work that takes t is followed, once that work is done, by
+    t·(1 − φ)/φ in which nothing more is granted; t is the cost model's time until the trainer
+    reports the time the work really took (``observe_ft_run``), and then the longer of the two. Each
+    grant is one window's worth, s = max{ s : t_ft(s) ≤ SLO } tokens of φ·(M_threshold − weights)
+    memory, in arrival order. Inference is
     admitted in arrival order within (1 − φ) of the engine's limits and its iterations take
     t_iter(c)/(1 − φ) on its share. (A split of each window's time instead, t_ft(s) ≤ φ·SLO, would
     leave a CPU node nothing: one forward and backward pass costs more than φ·SLO in fixed costs.)
@@ -980,6 +986,12 @@ class Separate(IterationScheduler):
             raise ValueError("train_fraction must be in (0, 1)")
         self.train_fraction = train_fraction
         self.next_grant_at = -math.inf
+
+    def observe_ft_run(self, seconds: float, now: float) -> None:
+        # Real work outlasting the model (grant round trips, a slow core) must not buy more than φ.
+        if seconds > 0:
+            phi = self.train_fraction
+            self.next_grant_at = max(self.next_grant_at, now + seconds * (1.0 - phi) / phi)
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
         phi, cost = self.train_fraction, self.cost

@@ -699,3 +699,36 @@ def test_whole_windows_give_the_rest_of_each_pass_of_the_first_samples():
     assert [(w.sample_id, w.start, w.end, w.length) for w in whole_windows(samples, 2)] == [
         ("a", 40, 100, 100), ("b", 0, 30, 30)]
     assert whole_windows(samples, 0) == () and len(whole_windows(samples, 10)) == 3
+
+
+def test_separate_holds_to_its_share_of_measured_time_when_work_outlasts_the_model():
+    """Real windows took 4× the model's time: the pause after them stretches so φ still holds."""
+    phi = 0.25
+    s = sched("separate", train_fraction=phi, max_num_seqs=100)
+    s.set_samples([FineTuneSample(f"x{i}", 10_000, 0.0) for i in range(3)])
+    first = s.schedule(0.0)
+    assert first.windows
+    modeled = first.ft_latency_s
+    ran = 4 * modeled
+    for w in first.windows:
+        s.report_sample(w.sample_id, ran)
+    s.observe_ft_run(ran, ran)
+    pause = ran * (1 - phi) / phi
+    assert s.schedule(ran + 0.99 * pause).windows == ()  # the model alone would have granted here
+    assert ran + 0.99 * pause > modeled / phi
+    assert s.schedule(ran + pause + 1e-9).windows != ()
+    # A run shorter than the model keeps the model's pause: measured time never shortens it.
+    s2 = sched("separate", train_fraction=phi, max_num_seqs=100)
+    s2.set_samples([FineTuneSample("y", 10_000, 0.0)])
+    p = s2.schedule(0.0)
+    s2.observe_ft_run(p.ft_latency_s / 10, p.ft_latency_s / 10)
+    assert s2.schedule(0.99 * p.ft_latency_s / phi).windows == ()
+
+
+def test_other_policies_ignore_measured_run_time():
+    s = sched("hybrid")
+    s.set_samples([FineTuneSample("a", 400, 0.0)])
+    before = s.schedule(0.0)
+    s.set_samples([FineTuneSample("a", 400, 0.0)])
+    s.observe_ft_run(5.0, 0.0)
+    assert [(w.sample_id, w.end) for w in s.schedule(0.0).windows] == [(w.sample_id, w.end) for w in before.windows]
