@@ -13,8 +13,9 @@ token columns capped to ``--max-prompt`` / ``--max-output`` (``ignore_eos``: out
 that length), streamed. Training: each trace arrival is also a fine-tuning task with probability α
 (LEMIX §V's training rate): ``--pairs-per-task`` HH-RLHF preference pairs (texts cut to 400
 bytes) posted as feedback at that instant, one micro-batch of work as in LEMIX's training tasks.
-With the defaults the offered fine-tuning work exceeds what the node can train, so the
-fine-tuning throughput measures what each policy lets run, not what was offered.
+With the defaults the offered fine-tuning work exceeds what the node can train (except in the
+light load at α = 0.1), so the fine-tuning throughput measures what each policy lets run, not
+what was offered.
 
 Per run: SLO attainment (a request attains when its TTFT ≤ 5× the isolated prefill latency,
 measured first on the idle app, and its mean time between tokens ≤ ``training.slo_tbt_s``);
@@ -22,7 +23,7 @@ TTFT and TBT p50/p99; inference output tokens/s; fine-tuning tokens/s (tokens th
 and the trainer ran, from ``/v1/status``); the machine's CPU busy fraction (``/proc/stat``: on a
 CPU host the "devices" are the cores); and each policy's fine-tuning throughput and attainment as
 ratios to ``separate``'s in the same (load, α). Prints one markdown table and the goal lines,
-and saves a plot.
+and saves a plot (fine-tuning tokens/s and SLO attainment per policy).
 """
 
 from __future__ import annotations
@@ -263,20 +264,28 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Per (load, α): fine-tuning tokens/s (bars) over SLO attainment (bars), one colour per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["load"], r["alpha"]) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.8), squeeze=False)
-    for ax, (load, alpha) in zip(axes[0], groups):
-        for r in (r for r in rows if (r["load"], r["alpha"]) == (load, alpha)):
-            ax.scatter(r["ft_tps"], r["slo"] * 100, s=40)
-            ax.annotate(r["policy"], (r["ft_tps"], r["slo"] * 100), fontsize=8, xytext=(3, 3),
-                        textcoords="offset points")
-        ax.set(title=f"{load} load, α = {alpha}", xlabel="fine-tuning tokens/s", ylabel="SLO attained (%)")
-        ax.grid(alpha=0.3)
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    colours = {p: plt.cm.tab10(i % 10) for i, p in enumerate(policies)}
+    fig, axes = plt.subplots(2, len(groups), figsize=(3.6 * len(groups), 5.6), squeeze=False, sharex=True)
+    for col, (load, alpha) in enumerate(groups):
+        by = {r["policy"]: r for r in rows if (r["load"], r["alpha"]) == (load, alpha)}
+        names = [p for p in policies if p in by]
+        x = range(len(names))
+        axes[0][col].bar(x, [by[p]["ft_tps"] for p in names], color=[colours[p] for p in names])
+        axes[0][col].set(title=f"{load} load, α = {alpha}", ylabel="fine-tuning tokens/s" if col == 0 else None)
+        axes[1][col].bar(x, [by[p]["slo"] * 100 for p in names], color=[colours[p] for p in names])
+        axes[1][col].set(ylim=(min(90.0, min(by[p]["slo"] * 100 for p in names) - 2), 100.5),
+                         ylabel="SLO attained (%)" if col == 0 else None)
+        axes[1][col].set_xticks(list(x), names, rotation=60, ha="right", fontsize=8)
+        for ax in (axes[0][col], axes[1][col]):
+            ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
