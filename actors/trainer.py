@@ -563,9 +563,10 @@ class _Worker:
                     loss_sum += st.loss * weight[sid]
                     weight_sum += weight[sid]
             ran = len(granted)
+            elapsed = time.time() - t0
+            run_s += elapsed
             if ran:
-                self.last_round_s = time.time() - t0
-            run_s += time.time() - t0
+                self.last_round_s = elapsed
             left = sum(p.done < p.length for p in passes.values())
             abandon = float(self.leader and self._abandon_requested(adapter))
             left_all, ran_all, abandon, wait = self.allreduce([float(left), float(ran), abandon, wait], op="max")

@@ -41,23 +41,30 @@ def bench_config(name: str, data_dir: str, nodes: int, **training: Any) -> dict[
             "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4, **training}}
 
 
-def start_app(config: dict[str, Any], port: int) -> None:
-    """Start Ray and the Serve app of ``config`` in this process, listening on 127.0.0.1:``port``."""
+def init_ray(address: str | None = None) -> None:
+    """``ray.init`` with 8 logical CPUs and the repo on PYTHONPATH, retried: an overloaded host can
+    make the raylet miss its startup deadline. ``address="local"``: a Ray of our own."""
     import ray
-    from ray import serve
 
-    from app.main import build_app
-
-    for attempt in range(3):  # an overloaded host can make the raylet miss its startup deadline
+    for attempt in range(3):
         try:
-            ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+            ray.init(address=address, num_cpus=8, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-            break
+            return
         except Exception:
             ray.shutdown()
             if attempt == 2:
                 raise
             time.sleep(10)
+
+
+def start_app(config: dict[str, Any], port: int) -> None:
+    """Start Ray and the Serve app of ``config`` in this process, listening on 127.0.0.1:``port``."""
+    from ray import serve
+
+    from app.main import build_app
+
+    init_ray()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="coserve", route_prefix="/")
 

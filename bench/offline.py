@@ -40,6 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from app.offline_job import chunk_text  # noqa: E402
+from bench.common import init_ray  # noqa: E402
 from planners.costs import CostModel  # noqa: E402
 from planners.registry import create  # noqa: E402
 from planners.stages import (  # noqa: E402
@@ -425,21 +426,9 @@ def real_job(case: RealCase, folder: Path, loads: dict[str, float]) -> Path:
 
 
 def start_ray() -> None:
-    import ray
-
     # Ray starts workers at nice 15; on a shared host the engines would then time other sessions' work.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    for attempt in range(3):  # a loaded host can make the raylet miss its startup deadline: try again
-        try:
-            # A Ray of our own (address "local"), even when another one runs on this machine.
-            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-            return
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
-            time.sleep(10)
+    init_ray(address="local")  # a Ray of our own, even when another one runs on this machine
 
 
 def measure_load_table(folder: Path, data_dir: Path) -> dict[str, float]:

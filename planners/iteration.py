@@ -254,6 +254,11 @@ def ft_room(cost: CostModel, room_s: float) -> float:
     return math.inf if rho <= 0 else max(0.0, room_s) / rho
 
 
+def ft_delay(cost: CostModel, bins: Iterable[MicroBatch]) -> float:
+    """Seconds the fine-tuning of ``bins`` delays the inference beside it: ρ·Σ t_ft (FlexLLM §6.2)."""
+    return cost.ft_interference * sum(mb.latency_s for mb in bins)
+
+
 def token_budget(cost: CostModel, work: InferenceWork, slo_s: float, cap: int = 1 << 24) -> int:
     """FlexLLM §6.2: s = max{ s ∈ [0, cap] : f(c, s) ≤ SLO }, 0 when not even one token fits.
 
@@ -265,7 +270,8 @@ def token_budget(cost: CostModel, work: InferenceWork, slo_s: float, cap: int = 
     fw, bw = cost.forward, cost.backward
     if min(fw.quad, fw.lin, fw.const, bw.quad, bw.lin, bw.const) < 0:
         raise ValueError("token_budget needs non-negative stage latency coefficients")
-    room = ft_room(cost, slo_s - work.latency(cost)) if slo_s >= work.latency(cost) else -1.0
+    left = slo_s - work.latency(cost)
+    room = ft_room(cost, left) if left >= 0 else -1.0
     if cap < 1 or room < ft_latency(cost, 1, 1):
         return 0
     if math.isinf(room):
@@ -824,12 +830,12 @@ class Hybrid(IterationScheduler):
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
         bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.tau_mem, self.max_ft_samples)
-        chosen, total = _within(bins, room)
+        chosen, _ = _within(bins, room)
         granted = self._grant(chosen)
         reason = f"promoted {promoted.sample_id}" if promoted is not None and any(
             w.sample_id == promoted.sample_id for mb in granted for w in mb.windows) else "budget"
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, budget, work,
-                          work.latency(cost) + cost.ft_interference * total, reason=reason)
+                          work.latency(cost) + ft_delay(cost, chosen), reason=reason)
 
 
 @register("iteration", "fcfs")
@@ -847,7 +853,7 @@ class Fcfs(IterationScheduler):
         admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work())
         granted = self._whole_passes(self._by_arrival(), self._capacity(work, free_bytes))
         ft = sum(mb.tokens for mb in granted)
-        lat = work.latency(self.cost) + self.cost.ft_interference * sum(mb.latency_s for mb in granted)
+        lat = work.latency(self.cost) + ft_delay(self.cost, granted)
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, ft, work, lat, reason="fcfs")
 
 
@@ -908,7 +914,7 @@ class FtFirst(IterationScheduler):
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
         decodes = self._decode_work()
         granted = self._whole_passes(self._by_arrival(), self._capacity(decodes, free_bytes))
-        ft_lat = self.cost.ft_interference * sum(mb.latency_s for mb in granted)  # the delay it adds
+        ft_lat = ft_delay(self.cost, granted)
         fits = None if not granted else (lambda _req, trial: trial.latency(self.cost) + ft_lat <= self.slo_s)
         admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), decodes, fits)
         ft = sum(mb.tokens for mb in granted)
@@ -956,7 +962,7 @@ class Periodic(IterationScheduler):
                 self.last_run_at = now
             reason = "periodic window"
         ft = sum(mb.tokens for mb in granted)
-        lat = work.latency(self.cost) + self.cost.ft_interference * sum(mb.latency_s for mb in granted)
+        lat = work.latency(self.cost) + ft_delay(self.cost, granted)
         return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, ft, work, lat, reason=reason)
 
 
