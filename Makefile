@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import vllm, ray, peft, transformers" 2>/dev/null
 	touch $(STAMP)
 
-# Ray starts its workers at nice 15; the engines and the ingress are the service here, so they
-# run at normal priority (measured: 6.0 vs 8.3 req/s saturated on a shared 2-core box).
+# Ray starts its workers at nice 15; the engines are the service here, so they run at normal
+# priority (measured: 6.0 vs 8.3 req/s saturated on a shared 2-core box). app.serve_env sets the
+# Serve settings (HAProxy in front of model servers that answer HTTP themselves) and runs serve.
 serve: install
-	RAY_worker_niceness=$${RAY_worker_niceness:-0} $(VENV)/bin/serve run $(CONFIG)
+	RAY_worker_niceness=$${RAY_worker_niceness:-0} $(PY) -m app.serve_env $(VENV)/bin/serve run $(CONFIG)
 
 test: install
 	$(PY) -m pytest

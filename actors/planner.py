@@ -1,12 +1,22 @@
-"""Planner: the named Ray actor that owns the nodes (placement groups), their replicas and policies.
+"""Planner: the central actor that knows every node's facts and answers training grants.
 
-It holds resources and facts (which replica runs where, what each has served, which adapters it
-holds) and asks ``planners/`` for every decision: ``place(task)`` builds plain ``NodeView``s and
-calls the configured placement policy from the registry. Replicas report execution traces back
-in batches, which feed the policy's calibration (LEMIX Alg. 2, lines 13-17), and their engine
-facts (requests in flight, iterations, KV cache in use), which feed each node's iteration
-scheduler (``planners/iteration.py``) and memory guard (``planners/memory.py``): ``grant()``
-answers a trainer with the token windows it may run now on its node.
+The app runs it as a deployment-scoped actor of the model server deployment (Serve creates it,
+recreates it if it dies, and removes it with the app): ``deployments/server.py``. It holds facts
+and asks ``planners/`` for every decision:
+
+- Each model server replica registers as the replica of one logical node (its Serve rank) and
+  then reports execution traces, counters and engine facts (:class:`NodeReport`). The planner
+  publishes them with the placement policy's name to the placement routers
+  (:meth:`routing_snapshot`), which place each request themselves (``deployments/routing.py``):
+  no request waits on this actor.
+- Adapter versions: the planner keeps the versions each node must serve and hands them to the
+  replicas as an :class:`AdapterAssignment` (a long poll); :meth:`load_adapter` returns when the
+  nodes confirm.
+- Training: each node's engine facts feed that node's iteration scheduler
+  (``planners/iteration.py``) and memory guard (``planners/memory.py``); :meth:`grant` answers a
+  trainer with the token windows it may run now on its node.
+- It starts the feedback store and the trainer, and watches the replicas' actors, so a node
+  whose replica died is not offered to routers or trainers until Serve's replacement registers.
 """
 
 from __future__ import annotations
@@ -20,36 +30,51 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.replica import ModelReplica
 from app.config import AppConfig
-from app.engine_args import engine_flags, served_model_name
+from app.engine_args import served_model_name
 from planners import registry
 from planners.iteration import EngineFacts, FineTuneSample, whole_windows
 from planners.memory import MemoryGuard
-from planners.types import ExecutionTrace, NodeView, Task
+from planners.types import (
+    AdapterAssignment,
+    AdapterVersion,
+    ExecutionTrace,
+    NodeRegistration,
+    NodeReport,
+    NodeView,
+    RoutingSnapshot,
+)
 
 logger = logging.getLogger(__name__)
 
+NAMESPACE = "coserve"  # the feedback store's and the trainer's named actors
 HEALTH_PERIOD_S = 2.0
-RESTART_WAIT_S = 120.0  # how long a restarting replica actor may stay unavailable
-FAILED_RETRY_S = 30.0  # back-off before a node that failed to start is tried again
+HEALTH_TIMEOUT_S = 30.0
+CONFIRM_TIMEOUT_S = 120.0  # how long load_adapter waits for the nodes to serve a version
+TRACES_KEPT = 4096  # traces held for routers that poll late
 
 
 @dataclass
 class _Node:
     node_id: int
-    pg: Any
-    replica: Any = None
-    state: str = "starting"  # starting | ready | failed
+    state: str = "starting"  # starting | ready
     error: str | None = None
-    placed: int = 0
-    finished: int = 0
-    busy_seconds: float = 0.0
-    adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version
+    actor_name: str | None = None
+    pid: int | None = None
+    ray_node_id: str | None = None
+    placement_group_id: str | None = None
+    registered_at: float | None = None
     started_at: float = field(default_factory=time.time)
+    received_before: int = 0  # requests earlier replicas of this node received
+    finished_before: int = 0
+    received: int = 0  # this replica's counters, as last reported
+    finished: int = 0
+    in_flight: int = 0
+    busy_seconds: float = 0.0
+    reported_at: float = 0.0
+    adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version, as the node confirmed
+    confirmed_epoch: int = -1
     ttfts: deque = field(default_factory=lambda: deque(maxlen=64))  # recent TTFTs (s), newest last
     facts: EngineFacts | None = None  # the replica's latest engine report
     scheduler: Any = None  # the node's iteration scheduler (planner.iteration), built on first grant
@@ -59,42 +84,49 @@ class _Node:
     grant_log: deque = field(default_factory=lambda: deque(maxlen=64))  # recent answers, newest last
 
     @property
-    def in_flight(self) -> int:
-        return max(0, self.placed - self.finished)
+    def placed(self) -> int:
+        return self.received_before + self.received
+
+    @property
+    def finished_total(self) -> int:
+        return self.finished_before + self.finished
 
 
 class Planner:
-    """Create with ``ray.remote(Planner).options(name=cfg.planner_actor_name, ...)``."""
+    """Create with ``ray.remote(Planner)``: the app makes it a deployment actor of the model server."""
 
-    def __init__(self, config: dict[str, Any], model_dir: str, namespace: str) -> None:
-        self.cfg = AppConfig.model_validate(config)
-        self.namespace = namespace
-        self.model_dir = model_dir
-        self.served_name = served_model_name(self.cfg, model_dir)
-        self.max_model_len = self.cfg.model.max_model_len
+    def __init__(self, config: AppConfig) -> None:
+        from app.default_model import ensure
         from app.profile import load_profile
 
-        self.cost_model, self.cost_model_note = load_profile(self.cfg, self.served_name)
+        self.cfg = config
+        self.model_dir = config.model.path or str(ensure(config.data_path))
+        self.served_name = served_model_name(config, self.model_dir)
+        self.max_model_len = config.model.max_model_len
+        self.cost_model, self.cost_model_note = load_profile(config, self.served_name)
         logger.info(self.cost_model_note)
-        self.placement = self.cfg.planner.placement
-        self.policy = self._make_placement(self.placement, self.cfg.planner.placement_params)
-        self.nodes: list[_Node] = []
+        self.placement = config.planner.placement
+        self.placement_params = dict(config.planner.placement_params)
+        registry.create("placement", self.placement, **self._placement_kwargs(self.placement, self.placement_params))
+        self.nodes = [_Node(node_id=i) for i in range(config.cluster.nodes)]
         self.traces_seen = 0
-        self._recent: list[ExecutionTrace] = []
-        self._published: dict[int, dict[str, tuple[int, str]]] = {}  # node -> adapter -> (version, path)
+        self._traces: deque[tuple[int, ExecutionTrace]] = deque(maxlen=TRACES_KEPT)
+        self._published: dict[int, dict[str, AdapterVersion]] = {n.node_id: {} for n in self.nodes}
+        self._epoch = 0
+        self._changed: asyncio.Condition | None = None  # created on the actor's event loop
         self._started = False
         self.feedback = None
         self.trainer = None
         self._retraining: dict[tuple[str, str], Any] = {}  # (adapter, mode) -> policy from the registry
         self._last_run: dict[str, float] = {}
 
-    def _make_placement(self, name: str, params: dict[str, Any]) -> Any:
+    def _placement_kwargs(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         params = dict(params)
         for key, value in (("cost_model", self.cost_model.with_stages(self.cfg.cluster.stages)),
                            ("stages", self.cfg.cluster.stages)):
             if key not in params and registry.accepts("placement", name, key):
                 params[key] = value
-        return registry.create("placement", name, **params)
+        return params
 
     async def set_iteration(self, name: str | None, params: dict[str, Any] | None = None) -> str | None:
         """Switch the node-level co-serving policy live (bench/coserve.py compares them on one deployment)."""
@@ -107,36 +139,34 @@ class Planner:
         return name
 
     async def set_placement(self, name: str, params: dict[str, Any] | None = None) -> str:
-        """Switch the placement policy live (e.g. to compare policies on the same deployment)."""
-        self.policy = self._make_placement(name, params or {})
-        self.placement = name
+        """Switch the placement policy live; routers build it afresh at their next snapshot."""
+        params = dict(params or {})
+        registry.create("placement", name, **self._placement_kwargs(name, params))  # fail here, not in a router
+        self.placement, self.placement_params = name, params
         return name
+
+    def placement_kwargs(self) -> dict[str, Any]:
+        """The current placement policy's keyword arguments, cost model included (for routers)."""
+        return self._placement_kwargs(self.placement, self.placement_params)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    async def start(self) -> dict[str, Any]:
-        """Reserve one placement group per node and start a replica in each (idempotent)."""
+    async def start(self) -> None:
+        """Start the feedback store, the trainer and the replica watcher (idempotent)."""
         if self._started:
-            return await self.status()
+            return
         self._started = True
-        c = self.cfg.cluster
-        for i in range(c.nodes):
-            pg = placement_group([dict(c.bundle) for _ in range(c.stages)], strategy=c.strategy,
-                                 name=f"{self.cfg.name}-node{i}")
-            self.nodes.append(_Node(node_id=i, pg=pg))
+        self._changed = asyncio.Condition()
         await self._start_feedback()
-        for node in self.nodes:
-            asyncio.get_running_loop().create_task(self._bring_up(node))
-        asyncio.get_running_loop().create_task(self._watch_health())
+        asyncio.get_running_loop().create_task(self._watch_replicas())
         if self.cfg.training.enabled:
             self._start_trainer()
-        return await self.status()
 
     async def _start_feedback(self) -> None:
         from actors.feedback import FeedbackQueue
 
         self.feedback = ray.remote(FeedbackQueue).options(
-            name=self.cfg.feedback_actor_name, namespace=self.namespace, get_if_exists=True,
+            name=self.cfg.feedback_actor_name, namespace=NAMESPACE, get_if_exists=True,
             num_cpus=0, max_restarts=-1, max_task_retries=3, max_concurrency=1000,
         ).remote(str(self.cfg.data_path))
         # After a restart of the app, every adapter serves its current published version again.
@@ -146,168 +176,96 @@ class Planner:
                 # per_node: each node its own copy's version; synced: the adapter's current version.
                 version = info.node_versions.get(node.node_id) if info.node_versions else info.current_version
                 if version in paths:
-                    self._published.setdefault(node.node_id, {})[info.name] = (version, paths[version])
+                    self._published[node.node_id][info.name] = AdapterVersion(version, paths[version])
+        self._epoch += 1
 
     def _start_trainer(self) -> None:
-        try:
-            from actors.trainer import Trainer
-        except ImportError as exc:  # only while the trainer module is absent from a checkout
-            logger.error("training enabled but the trainer is unavailable: %s", exc)
-            return
+        from actors.trainer import Trainer
+
         self.trainer = ray.remote(Trainer).options(
-            name=self.cfg.trainer_actor_name, namespace=self.namespace, get_if_exists=True,
+            name=self.cfg.trainer_actor_name, namespace=NAMESPACE, get_if_exists=True,
             num_cpus=0, max_restarts=-1, max_concurrency=100,
-        ).remote(self.cfg.model_dump(), self.model_dir, self.namespace)
+        ).remote(self.cfg, self.model_dir, NAMESPACE, ray.get_runtime_context().current_actor)
         self.trainer.run.remote()
 
-    def _replica_options(self, node: _Node) -> dict[str, Any]:
-        res = dict(self.cfg.cluster.replica_resources or self.cfg.cluster.bundle)
-        opts: dict[str, Any] = {
-            "num_cpus": res.pop("CPU", 0.0),
-            "num_gpus": res.pop("GPU", 0.0),
-            "resources": res or None,
-            "max_restarts": 3,
-            "max_concurrency": 10_000,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=node.pg, placement_group_bundle_index=0
-            ),
-        }
-        return opts
+    async def register_node(self, reg: NodeRegistration) -> AdapterAssignment:
+        """A model server replica serves node ``reg.node_id`` from now on; returns the adapters it must serve."""
+        await self.start()
+        node = self.nodes[reg.node_id]
+        if node.actor_name != reg.actor_name:
+            # A new replica of the node: its counters start at zero, and it holds no adapter yet.
+            node.received_before, node.finished_before = node.placed, node.finished_total
+            node.received = node.finished = node.in_flight = 0
+            node.adapters, node.confirmed_epoch, node.facts = {}, -1, None
+        node.actor_name, node.pid, node.ray_node_id = reg.actor_name, reg.pid, reg.ray_node_id
+        node.placement_group_id, node.registered_at = reg.placement_group_id, time.time()
+        node.state, node.error = "ready", None
+        logger.info("node %d: replica %s (pid %d) registered after %.1fs", node.node_id, reg.actor_name, reg.pid,
+                    time.time() - node.started_at)
+        return AdapterAssignment(self._epoch, dict(self._published[node.node_id]))
 
-    async def _bring_up(self, node: _Node) -> None:
-        try:
-            await node.pg.ready()
-            if node.replica is None:
-                opts = self._replica_options(node)
-                node.replica = ray.remote(ModelReplica).options(**opts).remote(
-                    node.node_id,
-                    engine_flags(self.cfg, self.model_dir, self.served_name),
-                    self.served_name,
-                    planner_name=self.cfg.planner_actor_name,
-                    namespace=self.namespace,
-                    trace_flush_seconds=self.cfg.planner.trace_flush_seconds,
-                    omp_threads=self.cfg.engine.omp_threads,
-                    stream_batching_s=self.cfg.ingress.stream_batching_ms / 1000,
-                )
-            info = await self._start_replica(node)
-            node.adapters = dict(info.get("adapters", {}))
-            await self._restore_adapters(node)
-            node.state, node.error = "ready", None
-            logger.info("node %d ready after %.1fs", node.node_id, time.time() - node.started_at)
-        except Exception as exc:  # surfaced through status() and /health, retried by the watcher
-            node.state, node.error = "failed", f"{type(exc).__name__}: {exc}"
-            node.started_at = time.time()
-            logger.error("node %d failed to start: %s", node.node_id, node.error)
+    async def _watch_replicas(self) -> None:
+        """A node whose replica actor died goes back to ``starting`` until Serve's replacement registers."""
+        from ray.exceptions import RayActorError
 
-    async def _start_replica(self, node: _Node) -> dict[str, Any]:
-        """``replica.start()``, waiting out a replica actor that Ray is still restarting."""
-        from ray.exceptions import ActorUnavailableError
-
-        deadline = time.time() + RESTART_WAIT_S
-        while True:
-            try:
-                return await node.replica.start.remote()
-            except ActorUnavailableError:
-                if time.time() > deadline:
-                    raise
-                await asyncio.sleep(1.0)
-
-    async def _watch_health(self) -> None:
+        handles: dict[str, Any] = {}
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
             for node in self.nodes:
-                if node.state == "failed" and time.time() - node.started_at > FAILED_RETRY_S:
-                    # A node that failed to start is tried again, not given up on.
-                    node.state, node.started_at = "starting", time.time()
-                    asyncio.get_running_loop().create_task(self._bring_up(node))
-                if node.state != "ready" or node.replica is None:
+                if node.state != "ready" or node.actor_name is None:
                     continue
                 try:
-                    healthy = await asyncio.wait_for(node.replica.check_health.remote(), timeout=30)
-                except Exception as exc:
-                    healthy, why = False, f"{type(exc).__name__}: {exc}"
-                else:
-                    why = "engine not started (actor restarted)"
-                if not healthy:
-                    self._restart(node, why)
+                    handle = handles.get(node.actor_name) or ray.get_actor(node.actor_name, namespace="serve")
+                    handles[node.actor_name] = handle
+                    await asyncio.wait_for(handle.__ray_ready__.remote(), timeout=HEALTH_TIMEOUT_S)
+                except (RayActorError, ValueError) as exc:  # ValueError: no actor of that name any more
+                    handles.pop(node.actor_name, None)
+                    self._lost(node, f"replica {node.actor_name} died: {type(exc).__name__}")
+                except asyncio.TimeoutError:
+                    logger.warning("node %d: replica %s did not answer within %.0fs", node.node_id,
+                                   node.actor_name, HEALTH_TIMEOUT_S)
 
-    def _restart(self, node: _Node, why: str) -> None:
-        # Ray restarts a dead replica actor (max_restarts); its engine must be built again.
-        if node.state == "starting":
-            return
-        logger.error("node %d unhealthy (%s); restarting its engine", node.node_id, why)
+    def _lost(self, node: _Node, why: str) -> None:
+        logger.error("node %d: %s; waiting for Serve to replace it", node.node_id, why)
         node.state, node.error, node.started_at = "starting", why, time.time()
-        node.adapters = {}
-        node.finished = node.placed  # requests in flight there are lost; do not count them as load
-        asyncio.get_running_loop().create_task(self._bring_up(node))
+        node.actor_name = None
+        node.received_before, node.finished_before = node.placed, node.placed  # its in-flight requests are lost
+        node.received = node.finished = node.in_flight = 0
+        node.adapters, node.confirmed_epoch, node.facts = {}, -1, None
 
-    async def report_failure(self, node_id: int, why: str) -> None:
-        """The ingress could not reach ``node_id``'s replica: stop placing there, bring it back."""
-        self._restart(self.nodes[node_id], why)
+    async def report(self, report: NodeReport) -> bool:
+        """Execution facts from a replica; False if this planner has no registration for it (register again)."""
+        node = self.nodes[report.node_id]
+        if node.state != "ready":
+            return False
+        node.received, node.finished, node.in_flight = report.received, report.finished, report.in_flight
+        node.busy_seconds, node.reported_at = report.busy_seconds, report.at
+        if report.engine is not None:
+            node.facts = report.engine
+        for t in report.traces:
+            self.traces_seen += 1
+            self._traces.append((self.traces_seen, t))
+            if t.ok and t.ttft is not None:
+                node.ttfts.append(t.ttft)
+        return True
 
-    async def shutdown(self) -> None:
-        for node in self.nodes:
-            if node.replica is not None:
-                try:
-                    await node.replica.shutdown.remote()
-                except Exception:
-                    pass
-                ray.kill(node.replica)
-            remove_placement_group(node.pg)
-        self.nodes = []
+    # ---- what routers and the HTTP layer read ----------------------------------------------
 
-    # ---- decisions -------------------------------------------------------------------------
-
-    def _views(self, model: str) -> list[NodeView]:
-        needs_adapter = model != self.served_name
-        return [
-            NodeView(
-                node_id=n.node_id,
-                ready=n.state == "ready" and (not needs_adapter or model in n.adapters),
-                in_flight=n.in_flight,
-                busy_seconds=n.busy_seconds,
-                adapters=frozenset(n.adapters),
-            )
-            for n in self.nodes
-        ]
+    async def routing_snapshot(self, after: int = 0) -> RoutingSnapshot:
+        """Node facts, the placement policy, and the traces newer than sequence number ``after``."""
+        traces = tuple(t for seq, t in self._traces if seq > after) if after < self.traces_seen else ()
+        return RoutingSnapshot(
+            seq=self.traces_seen, base_model=self.served_name, placement=self.placement,
+            placement_params=self.placement_kwargs(),
+            nodes=tuple(NodeView(node_id=n.node_id, ready=n.state == "ready", in_flight=n.in_flight,
+                                 busy_seconds=n.busy_seconds, adapters=frozenset(n.adapters)) for n in self.nodes),
+            reported_at=tuple(n.reported_at for n in self.nodes), traces=traces)
 
     def known_models(self) -> set[str]:
         models = {self.served_name}
         for n in self.nodes:
             models.update(n.adapters)
         return models
-
-    async def place(self, task: Task) -> dict[str, Any]:
-        """Choose a node for ``task``: {"node_id"} or {"error": 404|503, "message"}."""
-        if task.model not in self.known_models():
-            return {"error": 404, "message": f"The model `{task.model}` does not exist."}
-        node_id = self.policy.choose(task, self._views(task.model), time.time())
-        if node_id is None:
-            starting = sum(n.state == "starting" for n in self.nodes)
-            why = f"{starting} replica(s) still starting" if starting else "no healthy replica"
-            return {"error": 503, "message": f"No replica is ready to serve `{task.model}`: {why}."}
-        self.nodes[node_id].placed += 1
-        return {"node_id": node_id}
-
-    async def report(self, node_id: int, traces: list[ExecutionTrace], finished: int, busy_seconds: float,
-                     facts: EngineFacts | None = None) -> None:
-        """Execution facts from a replica: finished requests and their traces, and its engine's state."""
-        node = self.nodes[node_id]
-        node.finished += finished
-        node.busy_seconds = busy_seconds
-        if facts is not None:
-            node.facts = facts
-        for t in traces:
-            self.policy.observe(t)
-            if t.ok and t.ttft is not None:
-                node.ttfts.append(t.ttft)
-        self.traces_seen += len(traces)
-        self._recent = (self._recent + traces)[-256:]
-
-    # ---- facts for the ingress -------------------------------------------------------------
-
-    async def replicas(self) -> dict[int, Any]:
-        return {n.node_id: n.replica for n in self.nodes if n.replica is not None}
 
     async def models(self) -> dict[str, Any]:
         return {
@@ -316,6 +274,10 @@ class Planner:
             "root": self.model_dir,
             "adapters": sorted(m for m in self.known_models() if m != self.served_name),
         }
+
+    async def node_replicas(self) -> dict[int, str | None]:
+        """Each node's replica as its Serve actor name (namespace ``serve``), None while it starts."""
+        return {n.node_id: n.actor_name for n in self.nodes}
 
     async def status(self) -> dict[str, Any]:
         return {
@@ -329,10 +291,11 @@ class Planner:
                     "error": n.error,
                     "stages": self.cfg.cluster.stages,
                     "placed": n.placed,
-                    "finished": n.finished,
+                    "finished": n.finished_total,
                     "in_flight": n.in_flight,
                     "busy_seconds": round(n.busy_seconds, 3),
                     "adapters": dict(n.adapters),
+                    "pid": n.pid,
                     "engine": None if n.facts is None else {
                         "requests": len(n.facts.requests), "iterations": n.facts.iterations,
                         "kv_cache_usage": round(n.facts.kv_cache_usage, 4)},
@@ -355,17 +318,16 @@ class Planner:
             return {"state": "unreachable", "error": f"{type(exc).__name__}: {exc}"}
 
     async def node_locations(self) -> list[dict[str, Any]]:
-        """The physical Ray node holding each logical node's placement group (for co-location)."""
-        from ray.util import placement_group_table
-
-        out = []
-        for n in self.nodes:
-            bundles = placement_group_table(n.pg).get("bundles_to_node_id", {}) or {}
-            out.append({"node_id": n.node_id, "ray_node_id": bundles.get(0), "state": n.state})
-        return out
+        """The physical Ray node of each logical node's replica (for co-locating its trainer rank)."""
+        return [{"node_id": n.node_id, "ray_node_id": n.ray_node_id, "state": n.state,
+                 "placement_group_id": n.placement_group_id} for n in self.nodes]
 
     async def feedback_queue(self) -> Any:
+        await self.start()
         return self.feedback
+
+    async def recent_traces(self) -> list[ExecutionTrace]:
+        return [t for _, t in list(self._traces)[-256:]]
 
     # ---- training grants -------------------------------------------------------------------
 
@@ -373,6 +335,7 @@ class Planner:
         """per_node scope: the node whose copy trains on each new feedback item, in item order."""
         from planners.retraining import route_feedback
 
+        await self.start()
         ready = [n.node_id for n in self.nodes if n.state == "ready"] or [n.node_id for n in self.nodes]
         queued = await self.feedback.queued_by_node.remote()
         positions: dict[str | None, list[int]] = {}
@@ -485,41 +448,91 @@ class Planner:
         prompt = 256  # a typical prompt when nothing better is known; the calibrated policies refine it
         return self.cost_model.iteration_latency(prompt, running, running * prompt)
 
-    async def recent_traces(self) -> list[ExecutionTrace]:
-        return list(self._recent)
-
     # ---- adapters --------------------------------------------------------------------------
+
+    async def adapter_assignment(self, node_id: int, known_epoch: int, wait_s: float) -> AdapterAssignment:
+        """The adapters ``node_id`` must serve, once they differ from ``known_epoch`` or ``wait_s`` passed."""
+        await self.start()
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._epoch != known_epoch), timeout=wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return AdapterAssignment(self._epoch, dict(self._published[node_id]))
+
+    async def adapters_loaded(self, node_id: int, epoch: int, loaded: dict[str, int]) -> None:
+        """A replica serves ``loaded`` (adapter -> version) as of assignment ``epoch``."""
+        node = self.nodes[node_id]
+        node.adapters = {f"{self.served_name}:{name}": v for name, v in loaded.items()}
+        node.confirmed_epoch = max(node.confirmed_epoch, epoch)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _publish(self, change: dict[int, dict[str, AdapterVersion | None]]) -> list[int]:
+        """Apply ``change`` (node -> adapter -> version, None = remove) and wait until the ready nodes
+        serve it; returns the nodes that confirmed."""
+        await self.start()
+        for nid, adapters in change.items():
+            for name, v in adapters.items():
+                if v is None:
+                    self._published[nid].pop(name, None)
+                else:
+                    self._published[nid][name] = v
+        self._epoch += 1
+        epoch = self._epoch
+        targets = [n for n in self.nodes if n.node_id in change and n.state == "ready"]
+        async with self._changed:
+            self._changed.notify_all()
+            try:
+                await asyncio.wait_for(self._changed.wait_for(
+                    lambda: all(n.confirmed_epoch >= epoch or n.state != "ready" for n in targets)),
+                    timeout=CONFIRM_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.error("adapter change %d not confirmed within %.0fs by nodes %s", epoch, CONFIRM_TIMEOUT_S,
+                             [n.node_id for n in targets if n.confirmed_epoch < epoch])
+        return sorted(n.node_id for n in targets if n.confirmed_epoch >= epoch)
 
     async def load_adapter(self, adapter: str, version: int, path: str, node_ids: list[int] | None = None,
                            force: bool = False) -> dict[str, Any]:
-        """Serve ``path`` as ``version`` of ``base:adapter`` on the given nodes (default: all ready).
+        """Serve ``path`` as ``version`` of ``base:adapter`` on the given nodes (default: all);
+        returns when the ready ones serve it.
 
         An older version replaces a newer one only with ``force`` (a rollback).
         """
-        model_id = f"{self.served_name}:{adapter}"
         scope = set(node_ids) if node_ids is not None else {n.node_id for n in self.nodes}
+        change: dict[int, dict[str, AdapterVersion | None]] = {}
         for nid in scope:
-            published = self._published.setdefault(nid, {})
-            if force or adapter not in published or published[adapter][0] < version:
-                published[adapter] = (version, path)
-        targets = [n for n in self.nodes if n.node_id in scope and n.state == "ready"]
-        results = await asyncio.gather(*(n.replica.load_adapter.remote(adapter, version, path, force) for n in targets))
-        for node, res in zip(targets, results):
-            node.adapters[model_id] = res["version"]
-        return {"model": model_id, "version": version, "nodes": sorted(n.node_id for n in targets)}
+            current = self._published[nid].get(adapter)
+            if force or current is None or current.version < version:
+                change[nid] = {adapter: AdapterVersion(version, path)}
+        nodes = await self._publish(change) if change else []
+        return {"model": f"{self.served_name}:{adapter}", "version": version, "nodes": nodes}
 
     async def unload_adapter(self, adapter: str) -> dict[str, Any]:
-        model_id = f"{self.served_name}:{adapter}"
-        for published in self._published.values():
-            published.pop(adapter, None)
-        targets = [n for n in self.nodes if model_id in n.adapters]
-        await asyncio.gather(*(n.replica.unload_adapter.remote(adapter) for n in targets if n.state == "ready"))
-        for n in targets:
-            n.adapters.pop(model_id, None)
-        return {"model": model_id, "nodes": sorted(n.node_id for n in targets)}
+        scope = [nid for nid, published in self._published.items() if adapter in published]
+        nodes = await self._publish({nid: {adapter: None} for nid in scope}) if scope else []
+        return {"model": f"{self.served_name}:{adapter}", "nodes": nodes}
 
-    async def _restore_adapters(self, node: _Node) -> None:
-        # A restarted replica comes back empty; give it every version published to its node.
-        for adapter, (version, path) in self._published.get(node.node_id, {}).items():
-            res = await node.replica.load_adapter.remote(adapter, version, path, True)
-            node.adapters[res["model"]] = res["version"]
+
+def find_planner(app_name: str, deployment: str = "ModelServer") -> Any:
+    """The planner actor of Serve app ``app_name`` (from outside the model server's replicas).
+
+    Replicas of the model server deployment reach it with ``serve.get_deployment_actor``; other
+    processes (the placement router, tests, benchmarks) look it up by the name Serve gives a
+    deployment-scoped actor, ``SERVE_DEPLOYMENT_ACTOR::<app>::<deployment>::<code version>::planner``
+    in namespace ``serve`` (``ray.serve._private.utils.get_deployment_actor_name``). During a
+    redeploy two versions can exist; the one that answers is returned. Raises ``LookupError``.
+    """
+    from ray.serve._private.constants import SERVE_DEPLOYMENT_ACTOR_PREFIX
+
+    prefix = f"{SERVE_DEPLOYMENT_ACTOR_PREFIX}{app_name}::{deployment}::"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == "serve" and a["name"].startswith(prefix) and a["name"].endswith("::planner")]
+    for name in names:
+        try:
+            handle = ray.get_actor(name, namespace="serve")
+            ray.get(handle.__ray_ready__.remote(), timeout=30)
+            return handle
+        except Exception:
+            continue
+    raise LookupError(f"no live planner for Serve app {app_name!r} (deployment {deployment!r}); found {names}")

@@ -1,11 +1,19 @@
-"""ModelReplica: a Ray actor that holds one vLLM engine with LoRA and serves OpenAI requests.
+"""ModelReplica: one vLLM engine with LoRA on one node, and that node's dealings with the planner.
 
-The replica runs vLLM's own OpenAI serving classes (the ones ``vllm serve`` uses) on its engine,
-so sampling parameters, chat templates, logprobs, stop strings and error messages behave
-exactly as in vLLM. It yields ready-made response pieces (SSE lines or one JSON body) so the
-ingress forwards them without re-encoding each token. It reports an execution trace per request
-(arrival, start, first token, finish, token counts) to the planner, batched on a timer so the
-planner sees one call per flush rather than one per request.
+The model server deployment (``deployments/server.py``) holds one in its own process and serves
+HTTP with vLLM's own FastAPI app on top of :attr:`ModelReplica.state`, so a streamed token goes
+from the engine to the client without crossing another process. The profiler runs one as a
+plain Ray actor (``app/profile.py``).
+
+Besides the engine it keeps, for the planner:
+- an :class:`ExecutionTrace` per request (arrival, first token, finish, token counts), taken by
+  wrapping ``engine.generate``, the one method vLLM's serving classes call for every request;
+- the engine's per-iteration facts (requests in flight, iterations, KV cache in use), from a
+  vLLM stat logger;
+- the adapter versions this node must serve, which it loads and unloads as the planner's
+  :class:`AdapterAssignment` changes (a long poll, so a published version is served at once).
+
+Traces and facts go to the planner in one :class:`NodeReport` per ``trace_flush_seconds``.
 """
 
 from __future__ import annotations
@@ -15,59 +23,47 @@ import contextvars
 import logging
 import os
 import time
-from dataclasses import asdict
-from typing import Any, AsyncIterator
+from typing import Any, Callable
 
-from actors.streams import coalesce
 from planners.iteration import EngineFacts, LiveRequest
-from planners.types import ExecutionTrace
+from planners.types import AdapterAssignment, ExecutionTrace, NodeRegistration, NodeReport
 
 logger = logging.getLogger(__name__)
 
-# First item of every response stream: {"status": int, "stream": bool}; then str SSE pieces
-# (stream) or exactly one JSON-able dict (non-stream / error).
-Header = dict[str, Any]
+TASK_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("task_id", default=None)
+"""The request's task id (its ``X-Request-Id``), set by the HTTP layer for the trace; the placement
+router plans the request under the same id, so its trace calibrates that plan (LEMIX Alg. 2)."""
 
-# The planner's task id of the request being served; vLLM's serving classes call
-# engine.generate with their own request ids, so the trace takes the task id from here.
-_TASK_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("task_id", default=None)
+ASSIGNMENT_POLL_S = 30.0  # the planner answers an adapter long poll at least this often
+HEARTBEAT_S = 5.0  # an idle replica still reports this often, so a restarted planner finds it
+RETRY_S = 1.0
 
 
 class ModelReplica:
-    """One engine on one node. Create with ``ray.remote(ModelReplica).options(...)``."""
+    """One engine on one node. In-process: ``ModelReplica(...)``; as an actor: ``ray.remote(ModelReplica)``."""
 
-    def __init__(
-        self,
-        node_id: int,
-        vllm_flags: list[str],
-        served_name: str,
-        planner_name: str | None = None,
-        namespace: str | None = None,
-        trace_flush_seconds: float = 0.25,
-        omp_threads: int | None = None,
-        stream_batching_s: float = 0.0,
-    ) -> None:
+    def __init__(self, node_id: int, vllm_flags: list[str], served_name: str, omp_threads: int | None = None) -> None:
         self.node_id = node_id
         self.served_name = served_name
         self._flags = vllm_flags
-        self._planner_name = planner_name
-        self._namespace = namespace
-        self._flush_s = trace_flush_seconds
-        self._stream_batching_s = stream_batching_s
-        self._traces: list[ExecutionTrace] = []
-        self._live: dict[str, list[Any]] = {}  # request id -> [prompt tokens, output tokens, arrival, max tokens]
+        self.started_at = time.time()
+        self.engine: Any = None
+        self.state: Any = None  # vLLM's app state (its OpenAI serving objects), shared with the HTTP app
+        self.args: Any = None  # vLLM's parsed CLI namespace
+        self.supported_tasks: tuple[str, ...] = ()
+        self.max_model_len = 0
         self._stats: Any = None  # the engine's per-iteration stats (see _engine_stats_logger)
+        self._traces: list[ExecutionTrace] = []
+        self._live: dict[str, list[Any]] = {}  # engine request id -> [prompt tokens, output tokens, arrival, max]
+        self._received = self._finished = 0
+        self._reported_finished = 0
         self._facts_reported = True
-        self._in_flight = 0
         self._busy_since: float | None = None
         self._busy_total = 0.0
-        self._served = 0
-        self._reported_served = 0
         self._adapters: dict[str, dict[str, Any]] = {}  # "base:adapter" -> {version, lora_id, path}
         self._next_lora_id = 1
-        self._engine = None
-        self._state = None
-        self._ready = False
+        self._assignment_epoch = -1
+        self._tasks: list[asyncio.Task] = []
         if omp_threads:
             # Read by vLLM's CPU worker when the engine process starts; one engine must not
             # claim every core when several replicas share a host.
@@ -76,8 +72,8 @@ class ModelReplica:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> dict[str, Any]:
-        """Build the engine and vLLM's serving objects; returns the replica's info when ready."""
-        if self._ready:
+        """Build the engine and vLLM's serving objects (idempotent); returns :meth:`info`."""
+        if self.engine is not None:
             return self.info()
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -87,103 +83,99 @@ class ModelReplica:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self._flags)
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args),
-                                                 stat_loggers=[_engine_stats_logger(self)])
-        self._trace_engine_outputs(self._engine)
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args),
+                                           stat_loggers=[_engine_stats_logger(self)])
+        self._trace_engine_outputs(engine)
         state = State()
-        await init_app_state(self._engine, state, args, await self._engine.get_supported_tasks())
-        self._state = state
-        self._max_model_len = self._engine.model_config.max_model_len
-        if self._planner_name:
-            asyncio.get_running_loop().create_task(self._flush_traces_forever())
-        self._ready = True
+        self.supported_tasks = tuple(await engine.get_supported_tasks())
+        await init_app_state(engine, state, args, self.supported_tasks)
+        self.args, self.state, self.engine = args, state, engine
+        self.max_model_len = engine.model_config.max_model_len
         return self.info()
 
     def info(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
-            "ready": self._ready,
+            "ready": self.engine is not None,
             "model": self.served_name,
-            "max_model_len": getattr(self, "_max_model_len", None),
-            "in_flight": self._in_flight,
-            "served": self._served,
+            "max_model_len": self.max_model_len,
+            "in_flight": len(self._live),
+            "received": self._received,
             "busy_seconds": self._busy_seconds(),
             "adapters": {name: a["version"] for name, a in self._adapters.items()},
             "pid": os.getpid(),
         }
 
-    async def check_health(self) -> bool:
-        if not self._ready:
-            return False
-        await self._engine.check_health()
-        return True
+    async def check_health(self) -> None:
+        """Raises if the engine is not running (Serve then replaces this replica)."""
+        if self.engine is None:
+            raise RuntimeError("engine not started")
+        await self.engine.check_health()
 
     def shutdown(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
-        self._ready = False
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
-    # ---- requests --------------------------------------------------------------------------
+    # ---- the planner -----------------------------------------------------------------------
 
-    async def completions(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[Any]:
-        """OpenAI ``/v1/completions``; see ``Header`` for the shape of what is yielded."""
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    async def join(self, planner: Callable[[], Any], registration: NodeRegistration, flush_s: float) -> None:
+        """Register with the planner, serve the adapters it assigns this node, then keep reporting.
 
-        async for item in self._serve(CompletionRequest, "create_completion", "openai_serving_completion", body, request_id):
-            yield item
+        ``planner()`` returns the planner's current actor handle; it is called again after a
+        failed call, so a planner that Serve recreated is found again.
+        """
+        assignment = await _retry(lambda: planner().register_node.remote(registration), "register with the planner")
+        await self.apply_adapters(assignment)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._report_forever(planner, registration, flush_s)),
+                       loop.create_task(self._follow_assignments(planner))]
 
-    async def chat(self, body: dict[str, Any], request_id: str | None = None) -> AsyncIterator[Any]:
-        """OpenAI ``/v1/chat/completions``."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    async def _report_forever(self, planner: Callable[[], Any], registration: NodeRegistration,
+                              flush_s: float) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(flush_s)
+            # Facts go out while requests are in flight and once more when the last one ends, so
+            # the planner's view of an idle node is not a stale busy one.
+            if not self._traces and self._finished == self._reported_finished and not self._live \
+                    and self._facts_reported and time.monotonic() - last < HEARTBEAT_S:
+                continue
+            last = time.monotonic()
+            report = self.take_report()
+            try:
+                known = await planner().report.remote(report)
+                if not known:  # a new planner that has not seen this replica yet
+                    await planner().register_node.remote(registration)
+            except Exception:  # the planner restarting must not take the replica down
+                logger.warning("could not report to the planner", exc_info=True)
+                await asyncio.sleep(RETRY_S)
 
-        async for item in self._serve(ChatCompletionRequest, "create_chat_completion", "openai_serving_chat", body, request_id):
-            yield item
+    async def _follow_assignments(self, planner: Callable[[], Any]) -> None:
+        while True:
+            try:
+                assignment = await planner().adapter_assignment.remote(
+                    self.node_id, self._assignment_epoch, ASSIGNMENT_POLL_S)
+                if assignment.epoch != self._assignment_epoch:
+                    loaded = await self.apply_adapters(assignment)
+                    await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning("adapter assignment failed; asking again", exc_info=True)
+                await asyncio.sleep(RETRY_S)
 
-    async def _serve(self, request_cls: type, method: str, handler: str, body: dict[str, Any],
-                     task_id: str | None) -> AsyncIterator[Any]:
-        if not self._ready:
-            yield {"status": 503, "stream": False}
-            yield _error_body("replica is still starting", "ServiceUnavailableError", 503)
-            return
-        self._begin()
-        _TASK_ID.set(task_id)
-        try:
-            async for item in self._serve_ready(request_cls, method, handler, body):
-                yield item
-        finally:
-            self._end()
-
-    async def _serve_ready(self, request_cls: type, method: str, handler: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        from pydantic import ValidationError
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
-        try:
-            request = request_cls.model_validate(body)
-            result = await getattr(getattr(self._state, handler), method)(request, None)
-        except ValidationError as exc:
-            err = create_error_response(_validation_message(exc))
-            yield {"status": err.error.code, "stream": False}
-            yield err.model_dump()
-            return
-        except Exception as exc:  # vLLM raises its validation errors; map them as `vllm serve` does
-            err = create_error_response(exc)
-            if err.error.code >= 500:
-                logger.exception("request failed on node %s", self.node_id)
-            yield {"status": err.error.code, "stream": False}
-            yield err.model_dump()
-            return
-        if isinstance(result, ErrorResponse):
-            yield {"status": result.error.code, "stream": False}
-            yield result.model_dump()
-        elif hasattr(result, "model_dump"):
-            yield {"status": 200, "stream": False}
-            yield result.model_dump(exclude_none=False)
-        else:
-            yield {"status": 200, "stream": True}
-            async for piece in coalesce(result, self._stream_batching_s):
-                yield piece
+    def take_report(self) -> NodeReport:
+        """Traces since the last report, counters and the engine's facts."""
+        traces, self._traces = self._traces, []
+        self._reported_finished = self._finished
+        self._facts_reported = not self._live
+        return NodeReport(node_id=self.node_id, traces=tuple(traces), received=self._received,
+                          finished=self._finished, in_flight=len(self._live), busy_seconds=self._busy_seconds(),
+                          engine=self.facts(), at=time.time())
 
     # ---- profiling -------------------------------------------------------------------------
 
@@ -203,7 +195,7 @@ class ModelReplica:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
 
         async def one(ids: list[int]) -> None:
-            async for _ in self._engine.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex):
+            async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex):
                 pass
 
         times = []
@@ -216,10 +208,27 @@ class ModelReplica:
 
     # ---- adapters --------------------------------------------------------------------------
 
-    async def load_adapter(self, adapter: str, version: int, path: str, force: bool = False) -> dict[str, Any]:
-        """Serve ``path`` as version ``version`` of ``base:adapter``; later requests use it.
+    async def apply_adapters(self, assignment: AdapterAssignment) -> dict[str, int]:
+        """Serve exactly the assigned versions: load what differs, unload what is no longer assigned.
 
-        An older version never replaces a newer one unless ``force`` (a rollback).
+        Returns the loaded versions by adapter name. The assignment is the planner's truth, so an
+        older version is loaded too (a rollback); the planner decides when that is allowed.
+        """
+        wanted = {f"{self.served_name}:{name}": (name, v) for name, v in assignment.adapters.items()}
+        for model_id, (name, v) in wanted.items():
+            current = self._adapters.get(model_id)
+            if current is None or current["version"] != v.version or current["path"] != v.path:
+                try:
+                    await self.load_adapter(name, v.version, v.path)
+                except Exception:
+                    logger.exception("node %d could not load %s v%d from %s", self.node_id, model_id, v.version, v.path)
+        for model_id in [m for m in self._adapters if m not in wanted]:
+            await self.unload_adapter(model_id.split(":", 1)[1])
+        self._assignment_epoch = assignment.epoch
+        return {m.split(":", 1)[1]: a["version"] for m, a in self._adapters.items()}
+
+    async def load_adapter(self, adapter: str, version: int, path: str) -> dict[str, Any]:
+        """Serve ``path`` as version ``version`` of ``base:adapter``; later requests use it.
 
         Every version gets its own LoRA int id and path, so vLLM's prefix cache (keyed by LoRA
         name and path) never serves blocks computed by an older version (vLLM #42125).
@@ -227,33 +236,30 @@ class ModelReplica:
         from vllm.lora.request import LoRARequest
 
         model_id = f"{self.served_name}:{adapter}"
-        current = self._adapters.get(model_id)
-        if current is not None and (current["version"] == version or (current["version"] > version and not force)):
-            return {"model": model_id, "version": current["version"], "loaded": False}
         lora = LoRARequest(lora_name=model_id, lora_int_id=self._next_lora_id, lora_path=path)
         self._next_lora_id += 1
-        await self._engine.add_lora(lora)  # loads now, so the first request pays nothing
-        models = self._state.openai_serving_models
+        await self.engine.add_lora(lora)  # loads now, so the first request pays nothing
+        models = self.state.openai_serving_models
         old = models.lora_requests.get(model_id)
         models.lora_requests[model_id] = lora
         self._adapters[model_id] = {"version": version, "lora_id": lora.lora_int_id, "path": path}
         if old is not None:
-            await self._engine.remove_lora(old.lora_int_id)
+            await self.engine.remove_lora(old.lora_int_id)
         return {"model": model_id, "version": version, "loaded": True}
 
     async def unload_adapter(self, adapter: str) -> bool:
         model_id = f"{self.served_name}:{adapter}"
-        lora = self._state.openai_serving_models.lora_requests.pop(model_id, None)
+        lora = self.state.openai_serving_models.lora_requests.pop(model_id, None)
         self._adapters.pop(model_id, None)
         if lora is None:
             return False
-        await self._engine.remove_lora(lora.lora_int_id)
+        await self.engine.remove_lora(lora.lora_int_id)
         return True
 
     # ---- execution traces ------------------------------------------------------------------
 
     def _trace_engine_outputs(self, engine: Any) -> None:
-        """Wrap ``engine.generate`` so every request leaves an ExecutionTrace.
+        """Wrap ``engine.generate`` so every request leaves an ExecutionTrace and counts as in flight.
 
         vLLM's serving classes call ``engine.generate`` themselves; wrapping that one method on
         this instance is the narrowest place that sees every request's outputs.
@@ -267,17 +273,16 @@ class ModelReplica:
             out_tokens = 0
             prompt_tokens = 0
             ok = False
-            request_id = _TASK_ID.get() or kwargs.get("request_id") or (args[2] if len(args) > 2 else "")
-            engine_id = kwargs.get("request_id") or (args[2] if len(args) > 2 else request_id)
+            engine_id = str(kwargs.get("request_id") or (args[2] if len(args) > 2 else ""))
+            task_id = TASK_ID.get() or engine_id
             params = kwargs.get("sampling_params") or (args[1] if len(args) > 1 else None)
             # DELTA outputs carry new tokens only; CUMULATIVE and FINAL_ONLY carry all so far.
             cumulative = getattr(getattr(params, "output_kind", None), "name", "") != "DELTA"
             prompt = kwargs.get("prompt") or (args[0] if args else None)
             if isinstance(prompt, dict):
                 prompt_tokens = len(prompt.get("prompt_token_ids") or ())
-            max_tokens = getattr(params, "max_tokens", None) or max(1, replica._max_model_len - prompt_tokens)
-            live = replica._live[str(engine_id)] = [prompt_tokens, 0, arrival, max_tokens]
-            replica._facts_reported = False
+            max_tokens = getattr(params, "max_tokens", None) or max(1, replica.max_model_len - prompt_tokens)
+            live = replica._begin(engine_id, prompt_tokens, arrival, max_tokens)
             try:
                 async for out in generate(*args, **kwargs):
                     n = sum(len(c.token_ids) for c in out.outputs)
@@ -289,27 +294,29 @@ class ModelReplica:
                     yield out
                 ok = True
             finally:
-                replica._live.pop(str(engine_id), None)
-                now = time.time()
+                replica._end(engine_id)
                 replica._traces.append(
                     ExecutionTrace(
-                        task_id=str(request_id), node_id=replica.node_id, arrival=arrival,
-                        start=arrival, first_token=first, finish=now,
+                        task_id=task_id, node_id=replica.node_id, arrival=arrival,
+                        start=arrival, first_token=first, finish=time.time(),
                         prompt_tokens=prompt_tokens, output_tokens=out_tokens, ok=ok,
                     )
                 )
 
         engine.generate = traced_generate
 
-    def _begin(self) -> None:
-        if self._in_flight == 0:
+    def _begin(self, engine_id: str, prompt_tokens: int, arrival: float, max_tokens: int) -> list[Any]:
+        if not self._live:
             self._busy_since = time.monotonic()
-        self._in_flight += 1
+        self._received += 1
+        self._facts_reported = False
+        live = self._live[engine_id] = [prompt_tokens, 0, arrival, max_tokens]
+        return live
 
-    def _end(self) -> None:
-        self._in_flight -= 1
-        self._served += 1
-        if self._in_flight == 0 and self._busy_since is not None:
+    def _end(self, engine_id: str) -> None:
+        self._live.pop(engine_id, None)
+        self._finished += 1
+        if not self._live and self._busy_since is not None:
             self._busy_total += time.monotonic() - self._busy_since
             self._busy_since = None
 
@@ -328,32 +335,19 @@ class ModelReplica:
             kv_cache_bytes=0.0 if st is None else st.kv_cache_bytes,
         )
 
-    def drain_traces(self) -> list[dict[str, Any]]:
-        """Take the traces not yet reported (for tools and tests without a planner)."""
-        traces, self._traces = self._traces, []
-        return [asdict(t) for t in traces]
 
-    async def _flush_traces_forever(self) -> None:
-        import ray
-
-        planner = None
-        while True:
-            await asyncio.sleep(self._flush_s)
-            # Facts go out while requests are in flight and once more when the last one ends, so the
-            # planner's view of an idle node is not a stale busy one.
-            if not self._traces and self._served == self._reported_served and not self._live and self._facts_reported:
-                continue
-            try:
-                if planner is None:
-                    planner = ray.get_actor(self._planner_name, namespace=self._namespace)
-                traces, self._traces = self._traces, []
-                finished = self._served - self._reported_served
-                self._reported_served = self._served
-                self._facts_reported = not self._live
-                await planner.report.remote(self.node_id, traces, finished, self._busy_seconds(), self.facts())
-            except Exception:  # the planner restarting must not take the replica down
-                logger.warning("could not report traces to the planner", exc_info=True)
-                planner = None
+async def _retry(call: Callable[[], Any], what: str, attempts: int = 120) -> Any:
+    """``await call()``, again after a pause while it fails (the planner may be starting or restarting)."""
+    for attempt in range(attempts):
+        try:
+            return await call()
+        except Exception as exc:
+            if attempt == attempts - 1:
+                raise
+            if attempt % 10 == 0:
+                logger.warning("%s failed (%s: %s); retrying", what, type(exc).__name__, exc)
+            await asyncio.sleep(RETRY_S)
+    raise AssertionError("unreachable")
 
 
 def _engine_stats_logger(replica: ModelReplica) -> Any:
@@ -383,18 +377,3 @@ def _engine_stats_logger(replica: ModelReplica) -> Any:
             pass
 
     return EngineStats
-
-
-def _validation_message(exc: Exception) -> str:
-    errors = getattr(exc, "errors", lambda: [])()
-    if not errors:
-        return str(exc)
-    parts = []
-    for e in errors[:5]:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    return "; ".join(parts)
-
-
-def _error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "code": code, "param": None}}

@@ -70,13 +70,13 @@ def resolve_eval_file(path: str | None) -> tuple[str | None, str | None]:
 
 class Trainer:
     """Create with ``ray.remote(Trainer).options(name=cfg.trainer_actor_name, num_cpus=0, max_restarts=-1,
-    max_concurrency=100)``; then ``run()`` once."""
+    max_concurrency=100)``; then ``run()`` once. The planner creates it and passes its own handle."""
 
-    def __init__(self, config: dict[str, Any], model_dir: str, namespace: str) -> None:
-        self.cfg = AppConfig.model_validate(config)
-        self.config = config
+    def __init__(self, config: AppConfig, model_dir: str, namespace: str, planner: Any) -> None:
+        self.cfg = config
         self.model_dir = model_dir
         self.namespace = namespace
+        self.planner = planner  # the planner's actor handle (it created this actor and passes itself)
         self._lock = threading.RLock()  # methods run on the actor's thread pool (max_concurrency)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -160,8 +160,8 @@ class Trainer:
             name=f"{self.cfg.name}-trainer", storage_path=str(self.cfg.data_path / "ray_train"),
             failure_config=FailureConfig(max_failures=-1),
         )
-        loop_config = {"config": self.config, "model_dir": self.model_dir, "namespace": self.namespace,
-                       "node_of_rank": node_of_rank, "eval_file": self.eval_file}
+        loop_config = {"config": self.cfg, "model_dir": self.model_dir, "namespace": self.namespace,
+                       "planner": self.planner, "node_of_rank": node_of_rank, "eval_file": self.eval_file}
         self.state = "starting"
         TorchTrainer(train_loop, train_loop_config=loop_config, scaling_config=scaling, run_config=run_config).fit()
 
@@ -171,8 +171,7 @@ class Trainer:
         locations: list[dict[str, Any]] = []
         while not self._stop.is_set():
             try:
-                planner = ray.get_actor(self.cfg.planner_actor_name, namespace=self.namespace)
-                locations = ray.get(planner.node_locations.remote(), timeout=30)
+                locations = ray.get(self.planner.node_locations.remote(), timeout=30)
             except Exception as exc:
                 self._error("node_locations", f"{type(exc).__name__}: {exc}")
             if locations and (all(loc.get("ray_node_id") for loc in locations) or time.time() > deadline):
@@ -297,7 +296,7 @@ class _Worker:
         from ray import train
 
         self.torch, self.dist = torch, dist
-        self.cfg = AppConfig.model_validate(lc["config"])
+        self.cfg: AppConfig = lc["config"]
         self.t = self.cfg.training
         self.model_dir = lc["model_dir"]
         ctx = train.get_context()
@@ -322,7 +321,7 @@ class _Worker:
 
         ns = lc["namespace"]
         self.store = ray.get_actor(self.cfg.feedback_actor_name, namespace=ns)
-        self.planner = ray.get_actor(self.cfg.planner_actor_name, namespace=ns)
+        self.planner = lc["planner"]
         self.sup = ray.get_actor(self.cfg.trainer_actor_name, namespace=ns)
         self.evaluator: _Evaluator | None = None
         if self.leader and lc.get("eval_file"):

@@ -117,17 +117,16 @@ class TrainingConfig(_Strict):
 
 
 class IngressConfig(_Strict):
-    replicas: int = Field(1, gt=0, description="Serve replicas of the HTTP ingress.")
-    max_ongoing_requests: int = Field(256, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
+    max_ongoing_requests: int = Field(256, gt=0, description="Requests one model server replica takes at once.")
+    access_log: bool = Field(False, description="Log a line per request (Serve's access log) at INFO.")
     stream_batching_ms: float = Field(
-        50.0, ge=0, description="Streamed responses: the first piece goes out at once, later pieces are joined "
-                                "per this interval (fewer Ray object hops per token); 0 sends every piece alone."
-    )
+        0.0, ge=0, description="Streamed responses: the first piece goes out at once, later pieces that arrive "
+                               "within this interval are joined into one write; 0 writes every piece alone, "
+                               "as vllm serve does.")
 
 
 class AppConfig(_Strict):
-    name: str = Field("coserve", description="Prefix of the named actors (planner) and placement groups.")
+    name: str = Field("coserve", description="Prefix of the app's named actors (feedback store, trainer).")
     data_dir: str = Field(DEFAULT_DATA_DIR, description="Where the embedded model, adapters and databases live.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -139,10 +138,6 @@ class AppConfig(_Strict):
     @property
     def data_path(self) -> Path:
         return Path(os.environ.get("COSERVE_DATA_DIR") or self.data_dir).expanduser().resolve()
-
-    @property
-    def planner_actor_name(self) -> str:
-        return f"{self.name}-planner"
 
     @property
     def feedback_actor_name(self) -> str:

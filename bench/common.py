@@ -15,6 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from app import serve_env  # noqa: E402
+
+serve_env.apply()  # before anything imports Ray Serve: its processes read these settings at import
+
 BASE = "tiny-llama"
 
 
@@ -49,7 +53,7 @@ def init_ray(address: str | None = None) -> None:
     for attempt in range(3):
         try:
             ray.init(address=address, num_cpus=8, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **serve_env.SERVE_ENV}})
             return
         except Exception:
             ray.shutdown()

@@ -347,7 +347,9 @@ def main() -> None:
         wait_ready(url)
         import ray
 
-        planner = ray.get_actor("bench-coserve-planner", namespace="coserve")
+        from app.main import planner_of
+
+        planner = planner_of("coserve")
         median_prompt = int(statistics.median(a.prompt_tokens for a in read_trace(
             Path(args.trace), 1000, 1.0, args.max_prompt, args.max_output, 0.0)))
         ttft_slo = 5 * isolated_ttft(url, median_prompt)

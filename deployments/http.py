@@ -1,4 +1,4 @@
-"""The ingress's FastAPI app and its OpenAI-shaped errors, shared by every route module."""
+"""OpenAI-shaped errors for the app's own routes, and the handlers that make every error take that shape."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
-api = FastAPI(title="coserve", description="OpenAI-compatible serving with co-located training")
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 409: "ConflictError",
                 413: "PayloadTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -40,17 +39,16 @@ async def json_body(request: Request) -> Any:
         raise BadRequest(f"Request body is not valid JSON: {exc}") from None
 
 
-@api.exception_handler(BadRequest)
 async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
     return error(400, str(exc), exc.param)
 
 
-@api.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Unknown routes and methods (Starlette's own 404/405) get the OpenAI shape too.
     return error(exc.status_code, str(exc.detail))
 
 
-@api.exception_handler(Exception)
-async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in the ingress")
-    return error(500, f"Internal error: {type(exc).__name__}: {exc}")
+def install_error_handlers(app: FastAPI) -> None:
+    """Route-level 4xx of the app's own routes in the OpenAI shape; vLLM's handlers cover its routes."""
+    app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(StarletteHTTPException, _http_error)

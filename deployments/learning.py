@@ -1,4 +1,4 @@
-"""HTTP routes for learning: adapters (create, list, show, change, roll back) and feedback.
+"""HTTP routes for learning: adapters (create, list, show, change, roll back), feedback and ``/metrics``.
 
 Bodies go to the feedback store's own validation (app/feedback_store.py) through the one actor
 that owns it; its errors carry their HTTP status, and a 2xx on feedback means the whole batch
@@ -7,17 +7,17 @@ is durably stored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
-from fastapi import Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
+from app.config import AppConfig
 from app.feedback_store import StoreError
-from deployments.http import BadRequest, api, error, json_body, unexpected
+from deployments.http import BadRequest, error, json_body
 
 
-@api.exception_handler(StoreError)
 async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
     """A feedback-store error raised inside its actor: Ray re-raises it as a subclass of the original
     whose ``str`` is the remote traceback, so the message comes from the original (``cause``)."""
@@ -27,31 +27,55 @@ async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
     return error(cause.status, str(cause), err_type=cause.code)
 
 
-@api.exception_handler(RayTaskError)
 async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, StoreError):
         return await _store_error(request, cause)
-    return await unexpected(request, exc)
+    return error(500, f"Internal error: {type(exc).__name__}: {exc}")
 
 
 class LearningRoutes:
-    """Mixed into the ingress deployment; needs ``self.planner``, ``self.cfg`` and ``self._feedback``."""
+    """The learning API of one model server; ``ask_planner(method, *args)`` calls the planner actor."""
+
+    def __init__(self, cfg: AppConfig, ask_planner: Callable[..., Awaitable[Any]]) -> None:
+        self.cfg = cfg
+        self.ask_planner = ask_planner
+        self._feedback = None
+
+    def install(self, app: FastAPI) -> None:
+        app.add_exception_handler(StoreError, _store_error)
+        app.add_exception_handler(RayTaskError, _ray_task_error)
+        r = APIRouter()
+        r.add_api_route("/v1/adapters", self.create_adapter, methods=["POST"])
+        r.add_api_route("/v1/adapters", self.list_adapters, methods=["GET"])
+        r.add_api_route("/v1/adapters/{name}", self.show_adapter, methods=["GET"])
+        r.add_api_route("/v1/adapters/{name}", self.update_adapter, methods=["PATCH"])
+        r.add_api_route("/v1/adapters/{name}/rollback", self.rollback_adapter, methods=["POST"])
+        r.add_api_route("/v1/feedback", self.feedback, methods=["POST"])
+        r.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.include_router(r)
 
     async def _store(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self._feedback is None:
-            self._feedback = await self.planner.feedback_queue.remote()
-        return await getattr(self._feedback, method).remote(*args, **kwargs)
+        for attempt in range(2):
+            if self._feedback is None:
+                self._feedback = await self.ask_planner("feedback_queue")
+            try:
+                return await getattr(self._feedback, method).remote(*args, **kwargs)
+            except RayActorError:
+                # The store went with a planner that Serve recreated; the new planner has a new one.
+                self._feedback = None
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _served_name(self) -> str:
-        return (await self.planner.models.remote())["base"]
+        return (await self.ask_planner("models"))["base"]
 
     def _adapter_json(self, info: Any, base: str) -> dict[str, Any]:
         out = info.model_dump()
         out["model"] = f"{base}:{info.name}"
         return out
 
-    @api.post("/v1/adapters")
     async def create_adapter(self, request: Request) -> Response:
         body = await json_body(request)
         if not isinstance(body, dict):
@@ -63,28 +87,24 @@ class LearningRoutes:
         info = await self._store("create_adapter", body)
         return JSONResponse(self._adapter_json(info, await self._served_name()), status_code=201)
 
-    @api.get("/v1/adapters")
     async def list_adapters(self) -> JSONResponse:
         base = await self._served_name()
         adapters = await self._store("list_adapters")
         return JSONResponse({"object": "list", "data": [self._adapter_json(i, base) for i in adapters]})
 
-    @api.get("/v1/adapters/{name}")
     async def show_adapter(self, name: str) -> Response:
         info = await self._store("get_adapter", name)
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
-    @api.patch("/v1/adapters/{name}")
     async def update_adapter(self, name: str, request: Request) -> Response:
         """Change how the adapter trains from now on (mode, learning_rate, beta, periodic); 400 for the rest."""
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
         info = await self._store("update_adapter", name, body)
-        await self.planner.adapter_changed.remote(name)
+        await self.ask_planner("adapter_changed", name)
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
-    @api.post("/v1/adapters/{name}/rollback")
     async def rollback_adapter(self, name: str, request: Request) -> Response:
         body = await json_body(request)
         version = body.get("version") if isinstance(body, dict) else None
@@ -93,18 +113,16 @@ class LearningRoutes:
         info = await self._store("rollback", name, version)
         target = await self._store("get_version", name, version)
         nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
-        await self.planner.load_adapter.remote(name, version, target.path, nodes, True)
+        await self.ask_planner("load_adapter", name, version, target.path, nodes, True)
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
-    @api.get("/metrics")
     async def metrics(self) -> Response:
         from app.metrics import CONTENT_TYPE_LATEST, render
 
-        status = await self.planner.status.remote()
+        status = await self.ask_planner("status")
         adapters = [a.model_dump() for a in await self._store("list_adapters")]
         return Response(render(status, adapters), media_type=CONTENT_TYPE_LATEST)
 
-    @api.post("/v1/feedback")
     async def feedback(self, request: Request) -> Response:
         body = await json_body(request)
         # One item, a list of items, or {"items": [...]}.
@@ -119,8 +137,8 @@ class LearningRoutes:
         nodes = None
         if self.cfg.training.scope == "per_node":  # each node's copy trains on the items routed to it
             listed = items if isinstance(items, list) else [items]
-            nodes = await self.planner.feedback_nodes.remote(
-                [it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None
-                 for it in listed])
+            adapters = [it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None
+                        for it in listed]
+            nodes = await self.ask_planner("feedback_nodes", adapters)
         ids = await self._store("add_feedback", items, nodes)
         return JSONResponse({"ids": ids, "accepted": len(ids)}, status_code=202)

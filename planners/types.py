@@ -1,9 +1,12 @@
-"""Plain data exchanged between the planner actor, the simulator and every policy."""
+"""Plain data exchanged between the model servers, the planner actor, the routers, the simulator and every policy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from planners.iteration import EngineFacts
 
 TaskKind = Literal["inference", "training"]
 
@@ -52,3 +55,76 @@ class ExecutionTrace:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+
+# ---- messages between the model servers, the planner actor and the placement router ----------
+
+
+@dataclass(frozen=True)
+class NodeRegistration:
+    """A model server announcing itself to the planner as the replica of logical node ``node_id``.
+
+    ``node_id`` is the Serve replica's rank, which Serve hands to the replacement of a replica that
+    died, so a node keeps its id (and its adapters, feedback and trainer rank) across restarts.
+    """
+
+    node_id: int
+    actor_name: str
+    """The Serve replica's Ray actor name (namespace ``serve``): the planner watches it for death."""
+    pid: int
+    ray_node_id: str
+    placement_group_id: str | None
+    started_at: float
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What a model server tells the planner every ``planner.trace_flush_seconds`` while it has work.
+
+    Counters run from the replica's start; the planner adds them to what earlier replicas of the
+    node served.
+    """
+
+    node_id: int
+    traces: tuple[ExecutionTrace, ...]
+    received: int
+    """Requests the replica's engine began since the replica started."""
+    finished: int
+    in_flight: int
+    busy_seconds: float
+    engine: EngineFacts | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """One published adapter version: its number and the directory its weights are in."""
+
+    version: int
+    path: str
+
+
+@dataclass(frozen=True)
+class AdapterAssignment:
+    """The adapter versions one node must serve, as of ``epoch`` (raised by every change)."""
+
+    epoch: int
+    adapters: dict[str, AdapterVersion] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoutingSnapshot:
+    """What the planner publishes to placement routers: node facts and traces since ``after``.
+
+    Routers poll it every ``planner.trace_flush_seconds``; no request waits on the planner.
+    ``nodes[i].busy_seconds`` and ``in_flight`` are as of ``reported_at[i]``.
+    """
+
+    seq: int
+    """Sequence number of the newest trace the planner holds (ask again with ``after=seq``)."""
+    base_model: str
+    placement: str
+    placement_params: dict[str, Any]
+    nodes: tuple[NodeView, ...]
+    reported_at: tuple[float, ...]
+    traces: tuple[ExecutionTrace, ...] = ()

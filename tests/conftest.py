@@ -1,6 +1,8 @@
 """Shared fixtures: one Ray cluster and one Serve app (two nodes, embedded model) per test session.
 
 Unit tests never touch these fixtures, so `pytest tests/unit` runs without Ray or torch.
+The app runs as `make serve` runs it: HAProxy in front of model servers that answer HTTP
+themselves (app/serve_env.py), set here before anything imports Ray Serve.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from app import serve_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -20,6 +24,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+serve_env.apply()
+# HAProxy's stats and metrics ports and Serve's fallback proxy are fixed by default: ports of its
+# own, so the suite runs beside a `make serve` (or another suite) on the same machine.
+for _var in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
+    os.environ.setdefault(_var, str(free_port()))
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +66,7 @@ def ray_cluster():
     for attempt in range(3):
         try:
             ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **serve_env.SERVE_ENV}})
             break
         except Exception:
             ray.shutdown()
@@ -106,3 +118,11 @@ def app_url(ray_cluster, app_config) -> str:
         pytest.fail(f"replicas not ready within 300 s: {status}")
     yield url
     serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def planner(app_url):
+    """The session app's planner actor (Serve runs it as the model server's deployment actor)."""
+    from app.main import planner_of
+
+    return planner_of("coserve")

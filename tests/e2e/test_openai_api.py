@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import placed_since
+
 MODEL = "tiny-llama"
 
 
@@ -103,7 +105,7 @@ def test_health_and_status(app_url):
     assert status["placement"] == "round_robin"
 
 
-def test_sixteen_concurrent_requests_reach_both_nodes_through_the_planner(app_url):
+def test_sixteen_concurrent_requests_reach_both_nodes_through_the_placement_router(app_url):
     before = {n["node_id"]: n["placed"] for n in httpx.get(f"{app_url}/v1/status").json()["nodes"]}
     aclient = openai.AsyncOpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -118,8 +120,7 @@ def test_sixteen_concurrent_requests_reach_both_nodes_through_the_planner(app_ur
 
     results = asyncio.run(all16())
     assert len(results) == 16 and all(r.choices for r in results)
-    nodes = httpx.get(f"{app_url}/v1/status").json()["nodes"]
-    placed = {n["node_id"]: n["placed"] - before[n["node_id"]] for n in nodes}
+    placed = placed_since(app_url, before, 16)
     assert sum(placed.values()) == 16
     assert placed == {0: 8, 1: 8}, placed  # round robin over two ready nodes
     # Replicas report execution traces back: the planner counts every finished request.

@@ -23,13 +23,6 @@ def make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def planner(ray_cluster, app_url, app_config):
-    import ray
-
-    return ray.get_actor(f"{app_config['name']}-planner", namespace="coserve")
-
-
 def greedy(app_url: str, model: str) -> httpx.Response:
     return httpx.post(f"{app_url}/v1/completions", timeout=60,
                       json={"model": model, "prompt": "adapter test", "max_tokens": 16, "temperature": 0})

@@ -1,4 +1,8 @@
-"""Replicas report one execution trace per request to the planner, under the planner's task id."""
+"""Replicas report one execution trace per request to the planner, under the request's X-Request-Id.
+
+The placement router plans a request under the same id (HAProxy sets one when the client did not),
+so the trace calibrates that plan.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,12 @@ import time
 import httpx
 
 
-def test_trace_of_a_request_reaches_the_planner(ray_cluster, app_url, app_config):
+def test_trace_of_a_request_reaches_the_planner(ray_cluster, app_url, planner):
     import ray
 
-    planner = ray.get_actor(f"{app_config['name']}-planner", namespace="coserve")
-    body = {"model": "tiny-llama", "prompt": "0123456789", "max_tokens": 7, "ignore_eos": True,
-            "stream": True, "request_id": "trace-me-1"}
-    with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=60) as r:
+    body = {"model": "tiny-llama", "prompt": "0123456789", "max_tokens": 7, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": "trace-me-1"}) as r:
         assert r.status_code == 200
         list(r.iter_lines())
     deadline = time.time() + 10

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from actors.streams import coalesce
+from deployments.streams import coalesce
 
 
 async def _timed(gaps: list[float]):
@@ -94,3 +94,42 @@ def test_closing_the_stream_cancels_the_source():
 
     asyncio.run(run())
     assert state["cancelled"]
+
+
+def _sse_app(gaps: list[float], content_type: bytes = b"text/event-stream"):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
+        for i, gap in enumerate(gaps):
+            await asyncio.sleep(gap)
+            await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return app
+
+
+async def _run_asgi(app):
+    sent = []
+    start = time.monotonic()
+
+    async def send(message):
+        sent.append((time.monotonic() - start, message))
+
+    await app({"type": "http"}, None, send)
+    return sent
+
+
+def test_middleware_joins_an_event_stream_and_ends_it_once():
+    from deployments.streams import CoalesceEventStreams
+
+    sent = asyncio.run(_run_asgi(CoalesceEventStreams(_sse_app([0.0] + [0.005] * 20), 0.05)))
+    bodies = [m for _, m in sent if m["type"] == "http.response.body"]
+    assert b"".join(m["body"] for m in bodies) == b"".join(f"data: {i}\n\n".encode() for i in range(21))
+    assert bodies[0]["body"] == b"data: 0\n\n"  # the first token is not held back
+    assert len(bodies) <= 7 and [m["more_body"] for m in bodies].count(False) == 1
+    assert bodies[-1]["more_body"] is False
+
+
+def test_middleware_leaves_other_responses_alone():
+    from deployments.streams import CoalesceEventStreams
+
+    sent = asyncio.run(_run_asgi(CoalesceEventStreams(_sse_app([0.0, 0.001, 0.001], b"application/json"), 0.05)))
+    assert len([m for _, m in sent if m["type"] == "http.response.body"]) == 4

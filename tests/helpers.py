@@ -1,0 +1,23 @@
+"""Small helpers the live tests share."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+
+def placed_since(app_url: str, before: dict[int, int], expected: int, timeout: float = 10.0) -> dict[int, int]:
+    """Requests each node received since ``before``, once they add up to ``expected`` (replicas report
+    every ``planner.trace_flush_seconds``, so the planner's counts trail the responses a little)."""
+    deadline = time.time() + timeout
+    while True:
+        nodes = httpx.get(f"{app_url}/v1/status", timeout=30).json()["nodes"]
+        delta = {n["node_id"]: n["placed"] - before.get(n["node_id"], 0) for n in nodes}
+        if sum(delta.values()) >= expected or time.time() > deadline:
+            return delta
+        time.sleep(0.1)
+
+
+def placed_now(app_url: str) -> dict[int, int]:
+    return {n["node_id"]: n["placed"] for n in httpx.get(f"{app_url}/v1/status", timeout=30).json()["nodes"]}
