@@ -19,15 +19,41 @@ class FeedbackQueue:
 
     def __init__(self, data_dir: str) -> None:
         self.store = FeedbackStore(Path(data_dir))
+        self._changes = 0  # raised by every write that can give the trainer work (see wait_for_change)
+        self._changed: asyncio.Condition | None = None
 
     async def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(getattr(self.store, method), *args, **kwargs)
 
+    async def _run_and_notify(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await self._run(method, *args, **kwargs)
+        finally:
+            self._changes += 1
+            async with self._condition():
+                self._condition().notify_all()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()  # made on the actor's event loop
+        return self._changed
+
+    async def wait_for_change(self, seen: int, timeout_s: float) -> int:
+        """Block until a write newer than ``seen`` (new feedback, a changed adapter) or ``timeout_s``;
+        returns the newest change number. An idle trainer waits here instead of polling the queue."""
+        cond = self._condition()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self._changes > seen), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self._changes
+
     async def create_adapter(self, spec: dict[str, Any]):
-        return await self._run("create_adapter", spec)
+        return await self._run_and_notify("create_adapter", spec)
 
     async def update_adapter(self, name: str, changes: dict[str, Any]):
-        return await self._run("update_adapter", name, changes)
+        return await self._run_and_notify("update_adapter", name, changes)
 
     async def get_adapter(self, name: str):
         return await self._run("get_adapter", name)
@@ -36,7 +62,7 @@ class FeedbackQueue:
         return await self._run("list_adapters")
 
     async def add_feedback(self, items: Any, nodes: list[int | None] | None = None) -> list[int]:
-        return await self._run("add_feedback", items, nodes)
+        return await self._run_and_notify("add_feedback", items, nodes)
 
     async def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = (), node: int | None = None):
         return await self._run("take", adapter, limit, list(exclude_ids), node)
@@ -64,7 +90,7 @@ class FeedbackQueue:
         return await self._run("record_eval", adapter, version, win_rate, clpd)
 
     async def rollback(self, adapter: str, version: int):
-        return await self._run("rollback", adapter, version)
+        return await self._run_and_notify("rollback", adapter, version)
 
     async def current_version(self, adapter: str, node: int | None = None):
         return await self._run("current_version", adapter, node)

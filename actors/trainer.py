@@ -49,7 +49,7 @@ from app.config import AppConfig
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-IDLE_POLL_S = 0.1  # how often an idle leader looks at the queue: bounds the freshness it adds
+IDLE_WAIT_S = 1.0  # an idle leader waits on the store at most this long (new feedback wakes it at once)
 SPEC_TTL_S = 2.0  # a PATCHed adapter (mode, learning rate) takes effect within this
 MAX_GRANT_SLEEP_S = 1.0  # a refused step asks again at least this often
 STOP_CHECK_S = 1.0
@@ -342,6 +342,7 @@ class _Worker:
         self.version_samples = 0
         self.version_losses: list[tuple[float, int]] = []
         self.specs: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.store_changes = -1  # the store's change number as of the last idle wait (-1: look at once)
         self.last_adapter: str | None = None
         self.not_before: dict[str, float] = {}  # adapter -> when to ask for a grant again
         self._stop_checked, self._stop = 0.0, False
@@ -386,7 +387,8 @@ class _Worker:
             if op == "stop":
                 return
             if op == "idle":
-                time.sleep(plan["sleep"])
+                if plan["sleep"]:
+                    time.sleep(plan["sleep"])
             elif op == "step":
                 self._ensure_model(plan)
                 self._step(plan)
@@ -434,6 +436,15 @@ class _Worker:
             self._warn("plan", exc)
             return {"op": "idle", "sleep": 1.0}
 
+    def _idle(self, wake_at: float | None = None) -> dict[str, Any]:
+        """Nothing to train now: wait until the store changes (new feedback, a changed adapter), at most
+        until ``wake_at`` or IDLE_WAIT_S. A long poll, so an idle trainer costs nothing while the app
+        serves, and new feedback is picked up at once."""
+        timeout = IDLE_WAIT_S if wake_at is None else max(0.0, min(IDLE_WAIT_S, wake_at - time.time()))
+        self.store_changes = ray.get(self.store.wait_for_change.remote(self.store_changes, timeout),
+                                     timeout=timeout + 30)
+        return {"op": "idle", "sleep": 0.0}
+
     def _plan_unsafe(self) -> dict[str, Any]:
         if self._stop_requested():
             return {"op": "stop"}
@@ -462,7 +473,9 @@ class _Worker:
         else:
             names = sorted(n for n in summary if trainable(n))
             if not names:
-                return {"op": "idle", "sleep": IDLE_POLL_S}
+                waiting = [self.not_before[n] for n in summary
+                           if available(n) > 0 and self.not_before.get(n, 0) > now and self._spec(n)["mode"] != "off"]
+                return self._idle(min(waiting) if waiting else None)
             later = [n for n in names if self.last_adapter is None or n > self.last_adapter]
             adapter = (later or names)[0]  # round robin in name order
         spec = self._spec(adapter)
@@ -471,7 +484,7 @@ class _Worker:
         held = taken if adapter == current else []
         items = ray.get(self.store.take.remote(adapter, self.t.micro_batch, held, self.line))
         if not items:
-            return {"op": "idle", "sleep": IDLE_POLL_S}
+            return self._idle()
         more = available(adapter) - len(items) > 0
         return {
             "op": "step", "adapter": adapter, "spec": spec, "target": target,

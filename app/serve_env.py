@@ -27,6 +27,10 @@ What each does (Ray 2.60, ``ray/serve/_private/constants.py``):
   client saw a dropped connection (measured: the request right after a kill failed). An inference
   request whose replica died before sending a byte is safe to run again elsewhere, so
   ``empty-response`` is retried too (on another replica: Ray sets ``option redispatch 1``).
+- ``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``: the Serve controller reconciles every 0.1 s by default,
+  about 3% of a core on an idle 2-core host (measured: 1.00 CPU-s per 30 s; 0.37 at 0.5 s), taken
+  from the engine's share of the CPU. Half a second is still far below the health-check period
+  that notices a dead replica.
 - ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``: how long a stopping replica keeps its port
   for load balancers to notice; HAProxy here is local and reloads in milliseconds, and the 30 s
   default made every shutdown (Ctrl-C of ``make serve``) wait half a minute.
@@ -42,6 +46,7 @@ SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
     "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
