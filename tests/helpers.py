@@ -19,5 +19,15 @@ def placed_since(app_url: str, before: dict[int, int], expected: int, timeout: f
         time.sleep(0.1)
 
 
-def placed_now(app_url: str) -> dict[int, int]:
-    return {n["node_id"]: n["placed"] for n in httpx.get(f"{app_url}/v1/status", timeout=30).json()["nodes"]}
+def placed_now(app_url: str, timeout: float = 30.0) -> dict[int, int]:
+    """Requests each node has received so far, once earlier tests' late trace reports have landed:
+    nothing in flight and the counts unchanged over a few ``trace_flush_seconds``."""
+    deadline = time.time() + timeout
+    last: dict[int, int] | None = None
+    while True:
+        nodes = httpx.get(f"{app_url}/v1/status", timeout=30).json()["nodes"]
+        counts = {n["node_id"]: n["placed"] for n in nodes}
+        if (counts == last and all(n["in_flight"] == 0 for n in nodes)) or time.time() > deadline:
+            return counts
+        last = counts
+        time.sleep(1.0)

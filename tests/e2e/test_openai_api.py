@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import placed_since
+from tests.helpers import placed_now, placed_since
 
 MODEL = "tiny-llama"
 
@@ -106,7 +106,7 @@ def test_health_and_status(app_url):
 
 
 def test_sixteen_concurrent_requests_reach_both_nodes_through_the_placement_router(app_url):
-    before = {n["node_id"]: n["placed"] for n in httpx.get(f"{app_url}/v1/status").json()["nodes"]}
+    before = placed_now(app_url)
     aclient = openai.AsyncOpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     async def one(i: int):
