@@ -96,11 +96,11 @@ class Planner:
     """Create with ``ray.remote(Planner)``: the app makes it a deployment actor of the model server."""
 
     def __init__(self, config: AppConfig) -> None:
-        from app.default_model import ensure
+        from app.default_model import model_dir
         from app.profile import load_profile
 
         self.cfg = config
-        self.model_dir = config.model.path or str(ensure(config.data_path))
+        self.model_dir = model_dir(config)
         self.served_name = served_model_name(config, self.model_dir)
         self.max_model_len = config.model.max_model_len
         self.cost_model, self.cost_model_note = load_profile(config, self.served_name)

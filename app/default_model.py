@@ -1,7 +1,9 @@
-"""Builds the embedded default model: a tiny deterministic Llama with a byte-level tokenizer.
+"""Resolves the model a config serves, and builds the embedded test model (a tiny random Llama).
 
-No model hub is reachable from the machines this runs on, so the project makes its own default
-model (DESIGN §5): a Llama-architecture config with head_dim 64 (vLLM's CPU attention kernels
+:func:`model_dir` is the one place that turns ``model.path`` / ``model.embedded`` into a directory:
+a user's own checkpoint, the real instruct model (:mod:`app.smollm2`, the default), or the
+tiny test model built here. The tiny model exists because no model hub is reachable from the
+machines this runs on and the test suite needs a model that loads in seconds: a Llama-architecture config with head_dim 64 (vLLM's CPU attention kernels
 reject 16), weights from a fixed seed, and a tokenizer whose vocabulary is the 256 bytes plus
 three special tokens, so no training corpus is needed. Its outputs are gibberish but real: the
 engine, LoRA, sampling and training paths all run exactly as they would on a real checkpoint.
@@ -15,6 +17,10 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.config import AppConfig
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
@@ -127,6 +133,17 @@ def build(target: Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def model_dir(cfg: AppConfig) -> str:
+    """The directory of the model ``cfg`` serves, fetching or building an embedded one on first use."""
+    if cfg.model.path:
+        return cfg.model.path
+    if cfg.model.embedded == "tiny-llama":
+        return str(ensure(cfg.data_path))
+    from app import smollm2
+
+    return str(smollm2.ensure(cfg.data_path))
 
 
 def ensure(data_dir: Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> Path:

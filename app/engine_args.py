@@ -78,4 +78,4 @@ def served_model_name(cfg: AppConfig, model_dir: str) -> str:
 
     if cfg.model.served_name:
         return cfg.model.served_name
-    return "tiny-llama" if cfg.model.path is None else Path(model_dir).name
+    return cfg.model.embedded if cfg.model.path is None else Path(model_dir).name

@@ -305,11 +305,11 @@ def main(argv: list[str] | None = None) -> Path:
 
     from tqdm import tqdm
 
-    from app.default_model import ensure
+    from app.default_model import model_dir as resolve_model_dir
     from app.engine_args import served_model_name
 
     cfg = load(args.config)
-    model_dir = cfg.model.path or str(ensure(cfg.data_path))
+    model_dir = resolve_model_dir(cfg)
     served = served_model_name(cfg, model_dir)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     batches, lengths = ints(args.batches), ints(args.lengths)

@@ -40,7 +40,7 @@ def bench_config(name: str, data_dir: str, nodes: int, **training: Any) -> dict[
     """The test-sized app config the live benchmarks start: ``nodes`` nodes, synced training, k = 1."""
     return {"name": name, "data_dir": data_dir,
             "cluster": {"nodes": nodes, "stages": 1, "bundle": {"CPU": 1}},
-            "model": {"max_model_len": 1024},
+            "model": {"embedded": "tiny-llama", "max_model_len": 1024},
             "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
             "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4, **training}}
 

@@ -336,7 +336,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     config = {"name": "bench-coserve", "data_dir": data_dir,
               "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
-              "model": {"max_model_len": 1024},
+              "model": {"embedded": "tiny-llama", "max_model_len": 1024},
               "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
               "planner": {"placement": "round_robin", "iteration": "hybrid"},
               "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4,

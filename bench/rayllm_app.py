@@ -134,14 +134,15 @@ def flags_for(config_path: str, data_dir: str | None = None, dtype: str | None =
     import os
 
     from app import config as app_config
-    from app.default_model import ensure
+    from app.default_model import model_dir as resolve_model_dir
     from app.engine_args import engine_flags, served_model_name
 
     cfg = app_config.load(config_path)
     if dtype:
         cfg.engine.dtype = dtype
     data = Path(data_dir or os.environ.get("COSERVE_DATA_DIR") or cfg.data_dir).expanduser()
-    model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else ensure(data)
+    cfg.data_dir = str(data)
+    model_dir = Path(resolve_model_dir(cfg)).expanduser()
     return engine_flags(cfg, str(model_dir), served_model_name(cfg, str(model_dir)))
 
 

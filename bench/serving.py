@@ -753,6 +753,8 @@ def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, 
     app_args["data_dir"] = str(args.data_dir)
     if args.dtype:
         app_args.setdefault("engine", {})["dtype"] = args.dtype
+    if args.model:
+        app_args.setdefault("model", {})["embedded"] = args.model
     if args.nodes is not None:
         app_args.setdefault("cluster", {})["nodes"] = args.nodes
     cfg_path = work / "ours-serve-config.yaml"
@@ -1142,6 +1144,9 @@ def main() -> int:
                    help="Give rayllm a lora_config (Serve-multiplexed adapters); direct streaming then needs "
                         "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1, which is set. Default: only the "
                         "engine's LoRA flags, as the other two.")
+    p.add_argument("--model", default=None, choices=["smollm2-135m-instruct", "tiny-llama"],
+                   help="The embedded model all systems serve (when the config's model.path is null); "
+                        "default: the config's model.embedded.")
     p.add_argument("--dtype", default=None,
                    help="Override the config's engine dtype for all systems (e.g. float32).")
     p.add_argument("--interleave", action="store_true",
@@ -1199,10 +1204,13 @@ def main() -> int:
         if args.replay_requests < 1:
             p.error(f"no trace arrivals in {args.replay_seconds} s after offset {args.replay_offset_s:g} s")
 
-    from app.default_model import ensure
+    from app.default_model import model_dir as resolve_model_dir
     from app.engine_args import served_model_name
 
-    model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else ensure(args.data_dir)
+    if args.model:
+        cfg.model.embedded = args.model
+    cfg.data_dir = str(args.data_dir)
+    model_dir = Path(resolve_model_dir(cfg)).expanduser()
     served = served_model_name(cfg, str(model_dir))
     import ray
     import vllm

@@ -146,11 +146,11 @@ class PlacementRouter:
     """HAProxy's ingress request router: ``POST /internal/route`` answers which replica takes the request."""
 
     def __init__(self, server: Any, config: AppConfig) -> None:
-        from app.default_model import ensure
+        from app.default_model import model_dir
 
         self.server = server
         self.cfg = config
-        self.counter = PromptCounter(config.model.path or str(ensure(config.data_path)))
+        self.counter = PromptCounter(model_dir(config))
         self.server._init()
 
     @router_app.post("/internal/route")

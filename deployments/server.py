@@ -68,11 +68,11 @@ class ModelServer:
     """One node's engine and the app's HTTP API (built by :func:`build`)."""
 
     async def __init__(self, config: AppConfig) -> None:
-        from app.default_model import ensure
+        from app.default_model import model_dir as resolve_model_dir
 
         self.cfg = config
         self.node_id = serve.get_replica_context().rank.rank
-        model_dir = config.model.path or str(ensure(config.data_path))
+        model_dir = resolve_model_dir(config)
         self.served_name = served_model_name(config, model_dir)
         self._planner_handle: Any = None
         self.replica = ModelReplica(self.node_id, engine_flags(config, model_dir, self.served_name),

@@ -83,7 +83,7 @@ def app_config(data_dir) -> dict:
         "name": "coserve-test",
         "data_dir": str(data_dir),
         "cluster": {"nodes": 2, "stages": 1, "bundle": {"CPU": 1}},
-        "model": {"max_model_len": 1024},
+        "model": {"embedded": "tiny-llama", "max_model_len": 1024},
         "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
         # Round robin makes per-node counts exact in tests; test_placement_live.py switches to lemix.
         "planner": {"placement": "round_robin"},

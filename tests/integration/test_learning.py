@@ -96,10 +96,10 @@ def _greedy(app_url: str, model: str, prompt: str, tokens: int = 12) -> str:
 
 def _version_model(cfg, path: str | None):
     """The model as a published version directory holds it (None: a fresh LoRA, i.e. the base model)."""
-    from app.default_model import ensure
+    from app.default_model import model_dir as resolve_model_dir
     from app.lora_training import load_lora_model
 
-    model_dir = cfg.model.path or str(ensure(cfg.data_path))
+    model_dir = resolve_model_dir(cfg)
     lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     return load_lora_model(model_dir, lora, adapter_dir=path)
 

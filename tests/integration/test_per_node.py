@@ -25,7 +25,7 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
         "name": "coserve-pernode",
         "data_dir": str(tmp_path_factory.mktemp("pernode-data")),
         "cluster": {"nodes": 2, "stages": 1, "bundle": {"CPU": 1}},
-        "model": {"max_model_len": 1024},
+        "model": {"embedded": "tiny-llama", "max_model_len": 1024},
         "engine": {"max_num_seqs": 8, "kv_cache_memory_bytes": 64 * 2**20},
         "planner": {"placement": "round_robin"},
         "training": {"scope": "per_node", "steps_per_version": 1, "micro_batch": 4},

