@@ -488,8 +488,8 @@ class _Worker:
         more = available(adapter) - len(items) > 0
         return {
             "op": "step", "adapter": adapter, "spec": spec, "target": target,
-            "items": [{"id": i.id, "prompt": i.prompt, "completion": i.completion, "chosen": i.chosen,
-                       "rejected": i.rejected, "created_at": i.created_at} for i in items],
+            "items": [{"id": i.id, "prompt": i.prompt, "messages": i.messages, "completion": i.completion,
+                       "chosen": i.chosen, "rejected": i.rejected, "created_at": i.created_at} for i in items],
             "last_of_queue": not more,
         }
 

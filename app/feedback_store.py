@@ -160,39 +160,71 @@ def _text(v: str) -> str:
     return v
 
 
-class SFTItem(_Strict):
-    """One supervised sample: train the adapter to answer ``prompt`` with ``completion``."""
+class ChatTurn(_Strict):
+    """One message of a conversation, as in OpenAI's chat and fine-tuning formats."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(min_length=1)
+
+
+class _Prompted(_Strict):
+    """An item's context: a raw ``prompt`` text, or chat ``messages`` that the trainer renders with
+    the served model's chat template, so that what is trained is what is served."""
 
     adapter: str = Field(min_length=1)
-    prompt: str = Field(min_length=1)
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatTurn] | None = Field(None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_context(self) -> _Prompted:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt (raw text) or messages (a chat), not both or neither")
+        if self.messages is not None and self.messages[-1].role == "assistant":
+            raise ValueError("messages must end with a user (or system) turn; the answer goes in "
+                             "completion, or chosen and rejected")
+        return self
+
+    @field_validator("prompt")
+    @classmethod
+    def _nonblank_prompt(cls, v: str | None) -> str | None:
+        return v if v is None else _text(v)
+
+    def context_texts(self) -> tuple[str, ...]:
+        return (self.prompt,) if self.prompt is not None else tuple(m.content for m in self.messages or ())
+
+    def messages_json(self) -> str | None:
+        return None if self.messages is None else json.dumps([m.model_dump() for m in self.messages])
+
+
+class SFTItem(_Prompted):
+    """One supervised sample: train the adapter to answer the context with ``completion``."""
+
     completion: str = Field(min_length=1)
 
-    _nonblank = field_validator("prompt", "completion")(_text)
+    _nonblank = field_validator("completion")(_text)
 
     @property
     def kind(self) -> Kind:
         return "sft"
 
     def texts(self) -> tuple[str, ...]:
-        return (self.prompt, self.completion)
+        return (*self.context_texts(), self.completion)
 
 
-class PreferenceItem(_Strict):
-    """One preference pair: ``chosen`` is the better answer to ``prompt`` than ``rejected``."""
+class PreferenceItem(_Prompted):
+    """One preference pair: ``chosen`` is the better answer to the context than ``rejected``."""
 
-    adapter: str = Field(min_length=1)
-    prompt: str = Field(min_length=1)
     chosen: str = Field(min_length=1)
     rejected: str = Field(min_length=1)
 
-    _nonblank = field_validator("prompt", "chosen", "rejected")(_text)
+    _nonblank = field_validator("chosen", "rejected")(_text)
 
     @property
     def kind(self) -> Kind:
         return "preference"
 
     def texts(self) -> tuple[str, ...]:
-        return (self.prompt, self.chosen, self.rejected)
+        return (*self.context_texts(), self.chosen, self.rejected)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,11 +270,20 @@ class FeedbackItem:
     id: int
     adapter: str
     kind: Kind
-    prompt: str
+    prompt: str | None  # None when the context is chat messages
     completion: str | None
     chosen: str | None
     rejected: str | None
     created_at: float
+    messages: tuple[dict[str, str], ...] | None = None
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> FeedbackItem:
+        """From the columns of ``_ITEM_COLS`` (a chat item stores '' as its prompt and its turns as JSON)."""
+        (id_, adapter, kind, prompt, completion, chosen, rejected, created_at, messages) = row
+        turns = None if messages is None else tuple(json.loads(messages))
+        return cls(id_, adapter, kind, prompt if turns is None else None, completion, chosen, rejected,
+                   created_at, turns)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,6 +319,7 @@ def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceIte
         raw = raw.model_dump()
     if not isinstance(raw, Mapping):
         raise InvalidRequest(f"{where}: expected an object, got {type(raw).__name__}")
+    raw = _split_final_answer(raw)
     is_sft = "completion" in raw
     is_pref = "chosen" in raw or "rejected" in raw
     if is_sft and is_pref:
@@ -302,7 +344,20 @@ def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceIte
 
 
 def _text_fields(item: SFTItem | PreferenceItem) -> tuple[str, ...]:
-    return ("prompt", "completion") if item.kind == "sft" else ("prompt", "chosen", "rejected")
+    """The names of ``item.texts()``, in order, for error messages."""
+    context = ("prompt",) if item.messages is None else tuple(f"messages[{i}].content"
+                                                               for i in range(len(item.messages)))
+    return (*context, "completion") if item.kind == "sft" else (*context, "chosen", "rejected")
+
+
+def _split_final_answer(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """OpenAI's fine-tuning shape (``messages`` ending with the assistant's answer, no ``completion``)
+    becomes ``messages`` + ``completion``."""
+    msgs = raw.get("messages")
+    if ("completion" in raw or "chosen" in raw or "rejected" in raw or not isinstance(msgs, list) or len(msgs) < 2
+            or not isinstance(msgs[-1], Mapping) or msgs[-1].get("role") != "assistant"):
+        return raw
+    return {**raw, "messages": msgs[:-1], "completion": msgs[-1].get("content")}
 
 
 def _pydantic_error(where: str, err: Mapping[str, Any]) -> str:
@@ -366,6 +421,7 @@ CREATE TABLE IF NOT EXISTS feedback (
     created_at        REAL NOT NULL,
     consumed_by_version INTEGER,                 -- NULL until a published version trained on it
     node              INTEGER,                   -- per_node scope: the node that trains on it, NULL: any
+    messages          TEXT,                      -- JSON chat turns (then prompt is ''), NULL: raw prompt
     CHECK ((kind = 'sft' AND completion IS NOT NULL AND chosen IS NULL AND rejected IS NULL)
         OR (kind = 'preference' AND completion IS NULL AND chosen IS NOT NULL AND rejected IS NOT NULL))
 );
@@ -378,8 +434,8 @@ _ADAPTER_COLS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_ta
 _VERSION_COLS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
                  "loss, win_rate, clpd, node")
 # Columns added after schema 1, for databases created by older code: (table, column, type).
-_ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"))
-_ITEM_COLS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at"
+_ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"), ("feedback", "messages", "TEXT"))
+_ITEM_COLS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages"
 
 
 class FeedbackStore:
@@ -558,10 +614,11 @@ class FeedbackStore:
             ids = []
             for item, node in zip(parsed, nodes):
                 cur = db.execute(
-                    "INSERT INTO feedback (adapter, kind, prompt, completion, chosen, rejected, created_at, node) "
-                    "VALUES (?,?,?,?,?,?,?,?)",
-                    (item.adapter, item.kind, item.prompt, getattr(item, "completion", None),
-                     getattr(item, "chosen", None), getattr(item, "rejected", None), now, node),
+                    "INSERT INTO feedback (adapter, kind, prompt, completion, chosen, rejected, created_at, node, "
+                    "messages) VALUES (?,?,?,?,?,?,?,?,?)",
+                    (item.adapter, item.kind, item.prompt or "", getattr(item, "completion", None),
+                     getattr(item, "chosen", None), getattr(item, "rejected", None), now, node,
+                     item.messages_json()),
                 )
                 ids.append(cur.lastrowid)
             return ids
@@ -598,7 +655,7 @@ class FeedbackStore:
                 f"SELECT {_ITEM_COLS} FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL "
                 "AND (? IS NULL OR node = ?) ORDER BY id LIMIT ?",
                 (adapter, node, node, limit + len(exclude))).fetchall()
-        return [FeedbackItem(*row) for row in rows if row[0] not in exclude][:limit]
+        return [FeedbackItem.from_row(row) for row in rows if row[0] not in exclude][:limit]
 
     def queued(self, adapter: str) -> int:
         """Number of items of ``adapter`` that no published version has trained on."""
@@ -635,7 +692,7 @@ class FeedbackStore:
                              (item_id,)).fetchone()
         if row is None:
             raise UnknownItem(f"no feedback item {item_id}")
-        return FeedbackItem(*row[:-1]), row[-1]
+        return FeedbackItem.from_row(row[:-1]), row[-1]
 
     # -- versions ------------------------------------------------------------------------------
 

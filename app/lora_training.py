@@ -162,19 +162,67 @@ def _get(item: Any, name: str) -> str:
     return value
 
 
+def _messages(item: Any) -> Sequence[Mapping[str, str]] | None:
+    value = item.get("messages") if isinstance(item, Mapping) else getattr(item, "messages", None)
+    return value or None
+
+
+@dataclass(frozen=True)
+class PromptedText:
+    """An item's context and one of its answers as the model sees them.
+
+    ``templated``: the text came from the chat template, which already holds the special tokens
+    (so it is tokenized without adding any) and ends the answer with the template's end of turn.
+    A raw prompt is tokenized as the completions API does (with the tokenizer's BOS), and the
+    answer gets EOS appended.
+    """
+
+    prompt: str
+    answer: str
+    templated: bool
+
+
+def prompted_text(tokenizer: Any, item: Any, answer_field: str) -> PromptedText:
+    """The text to train or score for ``item``'s ``answer_field`` ("completion", "chosen" or "rejected").
+
+    Chat items (``messages``) are rendered with the tokenizer's chat template exactly as vLLM's chat
+    endpoint renders a request (``add_generation_prompt=True``, the template's default system turn
+    included), so that what is trained is what is served. The answer is the text the template puts
+    after that prompt for an assistant turn, cut after the end-of-turn token.
+    """
+    answer = _get(item, answer_field)
+    messages = _messages(item)
+    if messages is None:
+        return PromptedText(_get(item, "prompt"), answer, templated=False)
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+    prompt = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template([*turns, {"role": "assistant", "content": answer}], tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template renders an assistant turn that does not extend its generation prompt")
+    reply = full[len(prompt):]
+    eos = tokenizer.eos_token or ""
+    cut = reply.find(eos, reply.find(answer) + len(answer)) if eos else -1
+    reply = reply[: cut + len(eos)] if cut >= 0 else reply.rstrip() + eos  # generation stops at EOS
+    return PromptedText(prompt, reply, templated=True)
+
+
 def encode(tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *,
-           max_length: int = DEFAULT_MAX_LENGTH, add_eos: bool = True) -> Encoded:
+           max_length: int = DEFAULT_MAX_LENGTH, add_eos: bool = True,
+           templated: Sequence[bool] | None = None) -> Encoded:
     """Tokenize prompt and completion separately, concatenate, right-pad; mark the completion tokens.
 
-    Over ``max_length`` the prompt keeps at least half the budget, as its first token (BOS) plus its
-    tail (the text right before the answer), and the completion keeps its head in the rest.
+    ``templated[i]``: row i is chat-template text (see :class:`PromptedText`): no special tokens are
+    added and no EOS is appended. Over ``max_length`` the prompt keeps at least half the budget, as
+    its first token (BOS) plus its tail (the text right before the answer), and the completion keeps
+    its head in the rest.
     """
     if len(prompts) != len(completions) or not prompts:
         raise ValueError("encode needs equally many prompts and completions, at least one")
-    p_ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    templated = list(templated) if templated is not None else [False] * len(prompts)
+    p_ids = [tokenizer(p, add_special_tokens=not t)["input_ids"] for p, t in zip(prompts, templated)]
     c_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
     eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
-    rows = [_fit(p, c + eos, max_length) for p, c in zip(p_ids, c_ids)]
+    rows = [_fit(p, c + ([] if t else eos), max_length) for p, c, t in zip(p_ids, c_ids, templated)]
     width = max(len(p) + len(c) for p, c in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -225,12 +273,15 @@ def _mode(model: Any, training: bool) -> Iterator[None]:
 
 
 def sequence_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *,
-                      batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
+                      batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH,
+                      templated: Sequence[bool] | None = None) -> list[float]:
     """log π(completion | prompt) for each pair (sum over completion tokens incl. EOS), in eval mode, batched."""
     out: list[float] = []
+    templated = list(templated) if templated is not None else [False] * len(prompts)
     with torch.no_grad(), _mode(model, False):
         for i in range(0, len(prompts), batch_size):
-            enc = encode(tokenizer, prompts[i: i + batch_size], completions[i: i + batch_size], max_length=max_length)
+            enc = encode(tokenizer, prompts[i: i + batch_size], completions[i: i + batch_size], max_length=max_length,
+                         templated=templated[i: i + batch_size])
             out.extend(completion_logprobs(model, enc).tolist())
     return out
 
@@ -252,8 +303,9 @@ def sft_step(model: Any, tokenizer: Any, batch: Sequence[Any], *, scale: float =
     ``batch``: items with ``prompt`` and ``completion`` (FeedbackItem or mappings). ``scale`` = 1/k for
     gradient accumulation over k micro-batches.
     """
-    enc = encode(tokenizer, [_get(b, "prompt") for b in batch], [_get(b, "completion") for b in batch],
-                 max_length=max_length)
+    texts = [prompted_text(tokenizer, b, "completion") for b in batch]
+    enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
+                 templated=[t.templated for t in texts])
     with _mode(model, True):
         logps = token_logprobs(model, enc)
     mask = enc.completion_mask[:, 1:].to(logps.device)
@@ -268,9 +320,10 @@ def sft_step(model: Any, tokenizer: Any, batch: Sequence[Any], *, scale: float =
 def _dpo_logits(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, max_length: int,
                 grad: bool) -> tuple[torch.Tensor, Encoded]:
     """β·(Δ⁺ − Δ⁻) per pair, Δ = log π_θ(y|x) − log π_ref(y|x), π_ref = the model with its adapter disabled."""
-    prompts = [_get(b, "prompt") for b in batch]
-    answers = [_get(b, "chosen") for b in batch] + [_get(b, "rejected") for b in batch]
-    enc = encode(tokenizer, prompts + prompts, answers, max_length=max_length)  # rows: chosen..., rejected...
+    texts = ([prompted_text(tokenizer, b, "chosen") for b in batch]
+             + [prompted_text(tokenizer, b, "rejected") for b in batch])  # rows: chosen..., rejected...
+    enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
+                 templated=[t.templated for t in texts])
     # Reference first, without grad and in eval mode (no dropout noise in π_ref); no second weight copy.
     with torch.no_grad(), _mode(model, False), model.disable_adapter():
         ref = completion_logprobs(model, enc)
@@ -348,12 +401,9 @@ def _item_segments(tokenizer: Any, item: Any, method: str, max_length: int) -> l
     """(token ids, completion mask) of each sequence of the stream, exactly as sft_step / dpo_step encode them."""
     if method not in WINDOW_METHODS:
         raise ValueError(f"unknown training method {method!r}; expected one of {WINDOW_METHODS}")
-    prompt = _get(item, "prompt")
-    if method == "sft":
-        enc = encode(tokenizer, [prompt], [_get(item, "completion")], max_length=max_length)
-    else:
-        enc = encode(tokenizer, [prompt, prompt], [_get(item, "chosen"), _get(item, "rejected")],
-                     max_length=max_length)
+    texts = [prompted_text(tokenizer, item, f) for f in (("completion",) if method == "sft" else ("chosen", "rejected"))]
+    enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
+                 templated=[t.templated for t in texts])
     out = []
     for ids, attn, comp in zip(enc.input_ids.tolist(), enc.attention_mask.tolist(), enc.completion_mask.tolist()):
         n = sum(attn)  # right-padded: the real tokens are the first n
@@ -595,11 +645,12 @@ def evaluate_preferences(model: Any, tokenizer: Any, pairs: Sequence[Any], *, ba
     """
     if not pairs:
         raise ValueError("evaluate_preferences needs at least one pair")
-    prompts = [_get(p, "prompt") for p in pairs]
-    chosen = sequence_logprobs(model, tokenizer, prompts, [_get(p, "chosen") for p in pairs],
-                               batch_size=batch_size, max_length=max_length)
-    rejected = sequence_logprobs(model, tokenizer, prompts, [_get(p, "rejected") for p in pairs],
-                                 batch_size=batch_size, max_length=max_length)
+    def score(field: str) -> list[float]:
+        texts = [prompted_text(tokenizer, p, field) for p in pairs]
+        return sequence_logprobs(model, tokenizer, [t.prompt for t in texts], [t.answer for t in texts],
+                                 batch_size=batch_size, max_length=max_length, templated=[t.templated for t in texts])
+
+    chosen, rejected = score("chosen"), score("rejected")
     diffs = [c - r for c, r in zip(chosen, rejected)]
     return PreferenceEval(win_rate=sum(d > 0 for d in diffs) / len(diffs), clpd=sum(diffs) / len(diffs),
                           pairs=len(diffs))

@@ -362,3 +362,39 @@ def test_a_schema_1_database_is_migrated_in_place(tmp_path):
     s.add_feedback([sample("old", 1)], nodes=[1])
     assert s.queued_by_node() == {"old": {1: 1}}
     s.close()
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+
+
+def test_chat_items_are_stored_with_their_turns_and_handed_out_as_such(store):
+    ids = store.add_feedback([
+        {"adapter": "tutor", "messages": CHAT, "completion": "Paris."},
+        # OpenAI's fine-tuning shape: the answer is the conversation's last assistant turn.
+        {"adapter": "tutor", "messages": [*CHAT, {"role": "assistant", "content": "Paris!"}]},
+        {"adapter": "acme", "messages": CHAT, "chosen": "Paris.", "rejected": "Rome."},
+        sample("tutor", 7),
+    ])
+    sft = store.take("tutor", 10)
+    assert [(i.prompt, i.messages, i.completion) for i in sft] == [
+        (None, tuple(CHAT), "Paris."), (None, tuple(CHAT), "Paris!"), ("q7", None, "answer 7")]
+    (pref,) = store.take("acme", 10)
+    assert (pref.id, pref.prompt, pref.messages, pref.chosen, pref.rejected) == (ids[2], None, tuple(CHAT), "Paris.",
+                                                                                "Rome.")
+    assert store.feedback_item(ids[0])[0].messages == tuple(CHAT)
+
+
+@pytest.mark.parametrize("item, expect", [
+    ({"adapter": "tutor", "prompt": "q", "messages": CHAT, "completion": "a"}, "either prompt"),
+    ({"adapter": "tutor", "completion": "a"}, "either prompt"),
+    ({"adapter": "tutor", "messages": [], "completion": "a"}, "messages"),
+    ({"adapter": "tutor", "messages": [{"role": "robot", "content": "x"}], "completion": "a"}, "messages[0].role"),
+    ({"adapter": "tutor", "messages": [{"role": "user", "content": ""}], "completion": "a"}, "messages[0].content"),
+    ({"adapter": "tutor", "messages": [*CHAT, {"role": "assistant", "content": "x"}], "completion": "a"},
+     "must end with a user"),
+])
+def test_bad_chat_items_say_what_is_wrong_and_store_nothing(store, item, expect):
+    with pytest.raises(InvalidRequest) as e:
+        store.add_feedback([sample(), item])
+    assert e.value.status == 400 and "items[1]" in str(e.value) and expect in str(e.value), str(e.value)
+    assert store.get_adapter("tutor").queued == 0

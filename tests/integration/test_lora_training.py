@@ -190,3 +190,24 @@ def test_interrupted_save_leaves_no_version_dir(model_dir, tmp_path, monkeypatch
     assert lt.latest_version(tmp_path, "nobody") is None
     with pytest.raises(ValueError):
         lt.version_dir(tmp_path, "../etc", 1)
+
+
+CHAT_ITEM = {"messages": [{"role": "user", "content": "Capital of France?"}], "completion": "Paris."}
+
+
+def test_chat_items_train_on_the_served_template_and_its_end_of_turn(model_dir):
+    model, tok = lt.load_lora_model(model_dir, LORA, seed=0)
+    text = lt.prompted_text(tok, CHAT_ITEM, "completion")
+    # Exactly the prompt vLLM's chat endpoint renders, and the answer up to the end of turn.
+    assert text.prompt == tok.apply_chat_template(CHAT_ITEM["messages"], tokenize=False, add_generation_prompt=True)
+    assert (text.answer, text.templated) == ("Paris." + tok.eos_token, True)
+    enc = lt.encode(tok, [text.prompt], [text.answer], templated=[True])
+    ids = enc.input_ids[0].tolist()
+    assert ids.count(tok.bos_token_id) == 1 and ids[-1] == tok.eos_token_id and ids[-2] != tok.eos_token_id
+    before = lt.sequence_logprobs(model, tok, [text.prompt], [text.answer], templated=[True])[0]
+    opt = lt.make_optimizer(model, 1e-2)
+    for _ in range(3):
+        lt.sft_step(model, tok, [CHAT_ITEM])
+        lt.optimizer_step(model, opt)
+    after = lt.sequence_logprobs(model, tok, [text.prompt], [text.answer], templated=[True])[0]
+    assert after > before + 1.0, (before, after)
