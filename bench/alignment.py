@@ -36,7 +36,17 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import Load, bench_config, free_port, start_app, stop_app, wait_ready  # noqa: E402
+from bench.common import (  # noqa: E402
+    BASE,
+    Load,
+    bench_config,
+    free_port,
+    hh_as_chat,
+    real_model_config,
+    start_app,
+    stop_app,
+    wait_ready,
+)
 
 SHARED = ROOT.parent / "shared" / "data" / "preferences"
 MODES = ("hybrid", "periodic", "sync", "off")
@@ -109,7 +119,11 @@ def evaluate_runs(runs: list[dict[str, Any]], args: argparse.Namespace, model_di
     """Add ``curve``: [(seconds into the window, version, win rate, CLPD)] to every run, in place."""
     from app.lora_training import evaluate_preferences, load_lora_model, read_preference_jsonl
 
-    test = read_preference_jsonl(args.test_file, limit=args.eval_pairs, max_text_bytes=args.max_text_bytes)
+    if args.model != BASE:
+        test = [hh_as_chat(p, 3 * args.max_text_bytes, args.max_text_bytes)
+                for p in read_preference_jsonl(args.test_file, limit=args.eval_pairs)]
+    else:
+        test = read_preference_jsonl(args.test_file, limit=args.eval_pairs, max_text_bytes=args.max_text_bytes)
     cache: dict[str | None, tuple[float, float]] = {}
 
     def score(path: str | None) -> tuple[float, float]:
@@ -181,6 +195,9 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--model", choices=["tiny-llama", "smollm2-135m-instruct"], default="tiny-llama",
+                   help="smollm2-135m-instruct: the real default model; pairs go in as chat messages, rendered "
+                        "with its chat template")
     p.add_argument("--window", type=float, default=120.0, help="seconds of feedback per mode")
     p.add_argument("--rate", type=float, default=2.0, help="preference pairs per second")
     p.add_argument("--post-every", type=float, default=1.0)
@@ -209,18 +226,24 @@ def main() -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    pairs = read_preference_jsonl(args.train_file, limit=int(args.rate * args.window) + 1,
-                                  max_text_bytes=args.max_text_bytes)
+    real = args.model != BASE
+    if real:  # a real tokenizer: about 4 bytes a token; the context keeps its latest turns
+        pairs = [hh_as_chat(p, 3 * args.max_text_bytes, args.max_text_bytes)
+                 for p in read_preference_jsonl(args.train_file, limit=int(args.rate * args.window) + 1)]
+    else:
+        pairs = read_preference_jsonl(args.train_file, limit=int(args.rate * args.window) + 1,
+                                      max_text_bytes=args.max_text_bytes)
     data_dir = tempfile.mkdtemp(prefix="bench-alignment-")
     url, started = args.url, False
     if url is None:
         port = args.port or free_port()
         url = f"http://127.0.0.1:{port}"
-        start_app(bench_config("bench-align", data_dir, args.nodes, max_length=args.max_length), port)
+        cfg = bench_config("bench-align", data_dir, args.nodes, max_length=args.max_length)
+        start_app(real_model_config(cfg) if real else cfg, port)
         started = True
     try:
         wait_ready(url)
-        load = Load(url, args.clients, args.load_tokens, stream=True)
+        load = Load(url, args.clients, args.load_tokens, stream=True, model=args.model)
         load.start()
         time.sleep(5)  # the load reaches steady state
         tag = time.strftime("%H%M%S")
@@ -229,7 +252,7 @@ def main() -> None:
     finally:
         if started:
             stop_app()
-    evaluate_runs(runs, args, str(ensure(data_dir)))
+    evaluate_runs(runs, args, real_model_config({})["model"]["path"] if real else str(ensure(data_dir)))
     print(table(runs, args))
     plot(runs, args.plot)
     print(f"\nplot: {args.plot}")

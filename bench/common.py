@@ -45,6 +45,51 @@ def bench_config(name: str, data_dir: str, nodes: int, **training: Any) -> dict[
             "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4, **training}}
 
 
+def real_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` serving the real default model from the usual cache (converted there once)."""
+    import os
+
+    from app import smollm2
+    from app.config import DEFAULT_DATA_DIR
+
+    model_dir = smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser())
+    return {**config, "model": {"path": str(model_dir), "served_name": smollm2.NAME, "max_model_len": 2048}}
+
+
+def hh_as_chat(pair: dict[str, str], context_bytes: int | None = None, answer_bytes: int | None = None
+               ) -> dict[str, Any]:
+    """An HH-RLHF pair (prompt text of ``\n\nHuman:`` / ``\n\nAssistant:`` turns) as chat ``messages``.
+
+    ``context_bytes``: keep only the latest turns that fit (the last human turn always, cut to its
+    head if it alone is longer); ``answer_bytes``: cut chosen and rejected to their heads.
+    """
+    import re
+
+    def head(text: str, n: int | None) -> str:
+        return text if n is None else text.encode()[:n].decode("utf-8", errors="ignore")
+
+    parts = re.split(r"\n\n(Human|Assistant): ?", "\n\n" + pair["prompt"].lstrip("\n"))
+    turns = [{"role": "user" if who == "Human" else "assistant", "content": text.strip()}
+             for who, text in zip(parts[1::2], parts[2::2])]
+    while turns and not turns[-1]["content"]:  # the prompt ends with an empty "Assistant:" turn
+        turns.pop()
+    if not turns or turns[-1]["role"] != "user" or any(not t["content"] for t in turns):
+        raise ValueError("not an HH-RLHF dialogue ending with a human turn")
+    if context_bytes is not None:
+        kept, used = [], 0
+        for t in reversed(turns):
+            used += len(t["content"].encode())
+            if kept and used > context_bytes:
+                break
+            kept.append(t)
+        turns = kept[::-1]
+        while turns[0]["role"] != "user":  # a chat starts with the user
+            turns.pop(0)
+        turns[-1] = {**turns[-1], "content": head(turns[-1]["content"], context_bytes)}
+    return {"messages": turns, "chosen": head(pair["chosen"], answer_bytes),
+            "rejected": head(pair["rejected"], answer_bytes)}
+
+
 def init_ray(address: str | None = None) -> None:
     """``ray.init`` with 8 logical CPUs and the repo on PYTHONPATH, retried: an overloaded host can
     make the raylet miss its startup deadline. ``address="local"``: a Ray of our own."""
@@ -98,14 +143,14 @@ def wait_ready(url: str, timeout: float = 900, trainer: bool = True) -> None:
 class Load:
     """Closed-loop inference clients on the base model; records latency and, when streaming, TTFT."""
 
-    def __init__(self, url: str, clients: int, max_tokens: int, *, stream: bool = False) -> None:
-        self.url, self.clients, self.max_tokens, self.stream = url, clients, max_tokens, stream
+    def __init__(self, url: str, clients: int, max_tokens: int, *, stream: bool = False, model: str = BASE) -> None:
+        self.url, self.clients, self.max_tokens, self.stream, self.model = url, clients, max_tokens, stream, model
         self.samples: list[tuple[float, float, float | None, bool]] = []  # (finish, latency, ttft, ok)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
 
     def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None]:
-        body = {"model": BASE, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
+        body = {"model": self.model, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
                 "max_tokens": self.max_tokens, "temperature": 0.8}
         if not self.stream:
             return c.post(f"{self.url}/v1/completions", json=body).status_code == 200, None
