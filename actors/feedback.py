@@ -17,8 +17,8 @@ from app.feedback_store import FeedbackStore
 class FeedbackQueue:
     """Create with ``ray.remote(FeedbackQueue).options(name=cfg.feedback_actor_name, ...)``."""
 
-    def __init__(self, data_dir: str) -> None:
-        self.store = FeedbackStore(Path(data_dir))
+    def __init__(self, data_dir: str, gate_defaults: dict[str, Any] | None = None) -> None:
+        self.store = FeedbackStore(Path(data_dir), gate_defaults=gate_defaults)
         self._changes = 0  # raised by every write that can give the trainer work (see wait_for_change)
         self._changed: asyncio.Condition | None = None
 
@@ -91,6 +91,25 @@ class FeedbackQueue:
 
     async def rollback(self, adapter: str, version: int):
         return await self._run_and_notify("rollback", adapter, version)
+
+    async def promote(self, adapter: str, version: int):
+        return await self._run_and_notify("promote", adapter, version)
+
+    async def decide_version(self, adapter: str, version: int, **verdict: Any):
+        # Notifies: a decision lets the trainer go on with that adapter (or stop it, when it pauses).
+        return await self._run_and_notify("decide_version", adapter, version, **verdict)
+
+    async def record_scores(self, adapter: str, version: int, **scores: Any):
+        return await self._run("record_scores", adapter, version, **scores)
+
+    async def candidates(self, node: int | None = None):
+        return await self._run("candidates", node)
+
+    async def held_out_items(self, adapter: str, limit: int):
+        return await self._run("held_out_items", adapter, limit)
+
+    async def gate_settings(self, adapter: str):
+        return await self._run("gate_settings", adapter)
 
     async def current_version(self, adapter: str, node: int | None = None):
         return await self._run("current_version", adapter, node)

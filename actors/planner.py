@@ -43,6 +43,8 @@ from planners.types import (
     NodeRegistration,
     NodeReport,
     NodeView,
+    PassReport,
+    PassVerdict,
     RoutingSnapshot,
 )
 
@@ -80,8 +82,10 @@ class _Node:
     scheduler: Any = None  # the node's iteration scheduler (planner.iteration), built on first grant
     guard: MemoryGuard | None = None
     grants: dict[str, Any] = field(default_factory=lambda: {
-        "asked": 0, "granted": 0, "refused": 0, "windows": 0, "tokens": 0, "last_budget": None, "last_reason": None})
+        "asked": 0, "granted": 0, "refused": 0, "windows": 0, "tokens": 0, "last_budget": None, "last_reason": None,
+        "passes": 0, "requeued": 0})
     grant_log: deque = field(default_factory=lambda: deque(maxlen=64))  # recent answers, newest last
+    pass_log: deque = field(default_factory=lambda: deque(maxlen=64))  # recent CheckEnd verdicts, newest last
 
     @property
     def placed(self) -> int:
@@ -136,6 +140,7 @@ class Planner:
         for node in self.nodes:
             node.scheduler = node.guard = None
             node.grant_log.clear()
+            node.pass_log.clear()
         return name
 
     async def set_placement(self, name: str, params: dict[str, Any] | None = None) -> str:
@@ -168,7 +173,7 @@ class Planner:
         self.feedback = ray.remote(FeedbackQueue).options(
             name=self.cfg.feedback_actor_name, namespace=NAMESPACE, get_if_exists=True,
             num_cpus=0, max_restarts=-1, max_task_retries=3, max_concurrency=1000,
-        ).remote(str(self.cfg.data_path))
+        ).remote(str(self.cfg.data_path), self.cfg.training.gate.model_dump())
         # After a restart of the app, every adapter serves its current published version again.
         for info in await self.feedback.list_adapters.remote():
             paths = {v.version: v.path for v in info.versions if v.path}
@@ -299,7 +304,7 @@ class Planner:
                     "engine": None if n.facts is None else {
                         "requests": len(n.facts.requests), "iterations": n.facts.iterations,
                         "kv_cache_usage": round(n.facts.kv_cache_usage, 4)},
-                    "training_grants": dict(n.grants, recent=list(n.grant_log)),
+                    "training_grants": dict(n.grants, recent=list(n.grant_log), passes_recent=list(n.pass_log)),
                 }
                 for n in self.nodes
             ],
@@ -357,7 +362,9 @@ class Planner:
         """Which token windows may the trainer on ``node_id`` run now for ``adapter``'s ``samples``?
 
         ``samples`` are the trainer's unfinished samples of its micro-step on this node, as
-        ``{id, tokens, done, arrival, dpo_loss}`` (it owns their progress); ``ran_s`` the seconds it
+        ``{id, tokens, done, arrival, dpo_loss}`` (it owns their progress; ``arrival`` is t_arr, the
+        time CheckEnd last requeued the item or its acceptance, and ``dpo_loss`` its last reported
+        loss, MACE §4.1's γ·L_DPO term, 0 before its first pass); ``ran_s`` the seconds it
         took to run the windows of its previous grant on this node (0: none ran). Adapters in mode
         ``hybrid`` are granted by the node's iteration scheduler (``planner.iteration``, FlexLLM
         §6.2 budget and MACE §4.1–4.2 by default) within the memory guard's headroom (LEMIX Alg. 2);
@@ -379,6 +386,7 @@ class Planner:
         reqs = node.facts.requests if node.facts else ()
         node.grant_log.append({"at": round(now, 3), "adapter": adapter, "mode": mode, "budget": budget,
                                "tokens": sum(w.tokens for w in windows),
+                               "samples": [int(w.sample_id) for w in windows],  # in the scheduler's order
                                "decoding": sum(r.output_tokens > 0 for r in reqs),
                                "prefilling": sum(r.output_tokens == 0 for r in reqs), "reason": reason})
         if not windows:
@@ -390,8 +398,36 @@ class Planner:
         g["tokens"] += sum(w.tokens for w in windows)
         return {"windows": [[int(w.sample_id), w.start, w.end] for w in windows], "wait_s": 0.0, "reason": reason}
 
-    def _iteration_windows(self, node: _Node, queue: list[FineTuneSample], now: float,
-                           ran_s: float = 0.0) -> tuple[Any, str, int]:
+    async def report_passes(self, node_id: int, adapter: str, mode: str,
+                            reports: list[PassReport]) -> list[PassVerdict]:
+        """CheckEnd for the passes a trainer finished in a micro-step (MACE Alg. 1 lines 17–21, §4.2).
+
+        Each report carries the item's loss in that pass (MACE §4.1's L_DPO; an SFT item's mean
+        token NLL). For adapters the node's iteration scheduler grants (mode ``hybrid``), its
+        ``report_pass`` decides: ``requeued`` while the loss stays above ``loss_threshold`` and fewer
+        than ``max_passes`` passes ran (``planner.iteration_params``; no threshold: one pass), with
+        t_arr = now for the next pass, or ``retired``. The other modes are MACE's baselines, which
+        train each item once: always ``retired``.
+        """
+        node = self.nodes[node_id]
+        now = time.time()
+        sched = self._scheduler(node) if mode == "hybrid" and self.cfg.planner.iteration is not None else None
+        verdicts = []
+        for r in reports:
+            sample = FineTuneSample(str(r.sample_id), max(1, int(r.tokens)), float(r.arrival), float(r.loss),
+                                    passes=int(r.passes_before))
+            outcome = "retired" if sched is None else sched.report_pass(sample, now)
+            verdicts.append(PassVerdict(r.sample_id, outcome, r.passes_before + 1, float(r.loss),
+                                        now if outcome == "requeued" else float(r.arrival)))
+        g = node.grants
+        g["passes"] += len(verdicts)
+        g["requeued"] += sum(v.outcome == "requeued" for v in verdicts)
+        node.pass_log.extend({"at": round(now, 3), "adapter": adapter, "id": v.sample_id, "loss": round(v.loss, 6),
+                              "passes": v.passes, "outcome": v.outcome} for v in verdicts)
+        return verdicts
+
+    def _scheduler(self, node: _Node) -> Any:
+        """The node's iteration scheduler (``planner.iteration``), built on first use."""
         if node.scheduler is None:
             cm = self.cost_model.with_stages(self.cfg.cluster.stages)
             e = self.cfg.engine
@@ -401,7 +437,11 @@ class Planner:
                       **self.cfg.planner.iteration_params}
             node.scheduler = registry.create("iteration", self.cfg.planner.iteration, cost_model=cm, **params)
             node.guard = MemoryGuard(cm, **self.cfg.planner.memory_params)
-        sched = node.scheduler
+        return node.scheduler
+
+    def _iteration_windows(self, node: _Node, queue: list[FineTuneSample], now: float,
+                           ran_s: float = 0.0) -> tuple[Any, str, int]:
+        sched = self._scheduler(node)
         if node.facts is not None:
             sched.observe(node.facts)
         sched.set_samples(queue)

@@ -18,12 +18,21 @@ token windows (FlexLLM §6.1, ``app.lora_training.WindowedPass``): it asks ``Pla
 its own node, which answers with the windows the node's iteration scheduler fits beside the
 inference work there now (``planners/iteration.py``), runs them, and asks again until its items
 are done; a synced step's ranks go round by round (one small all-reduce per round) and apply
-their gradients together. Every ``accumulation`` micro-steps an optimizer step; every
+their gradients together. Then the leader reports each item's loss in the pass to the planner
+(``Planner.report_passes``): CheckEnd (MACE Alg. 1 lines 17–21) retires it or requeues it, and a
+requeued item stays unconsumed and is trained again in a later micro-step with its loss in its
+priority (MACE §4.1). Every ``accumulation`` micro-steps an optimizer step; every
 ``steps_per_version`` optimizer steps, or as soon as the
 queue has nothing more for this adapter, rank 0 publishes: ``reserve_version`` ->
 ``save_adapter_version`` (atomic) -> ``publish_version`` (marks the items consumed) ->
 ``Planner.load_adapter``; rank 0 then evaluates the version on the held-out pairs (win rate,
 CLPD) in a background thread, so evaluation never delays the next version.
+
+With the adapter's quality gate on (the default), ``publish_version`` makes the version a
+candidate instead and ``Planner.load_adapter`` waits: the background thread scores it on the
+adapter's held-out slice against the served version, the store records the verdict (served or
+rejected) and only a served one is loaded. The leader trains other adapters meanwhile, and that
+adapter again only after the verdict, from whatever is served then.
 
 Faults: Ray Train restarts a failed worker group (``FailureConfig(max_failures=-1)``); Ray
 restarts this actor (``max_restarts=-1``), which then starts training again by itself. A new
@@ -45,6 +54,7 @@ from typing import Any
 import ray
 
 from app.config import AppConfig
+from planners.types import PassReport, PassVerdict
 
 logger = logging.getLogger(__name__)
 
@@ -212,10 +222,10 @@ class Trainer:
         a = self.adapters.setdefault(adapter, {
             "version": None, "versions_published": 0, "samples_trained": 0, "steps": 0, "optimizer_steps": 0,
             "last_loss": None, "last_step_s": None, "grants_waited": 0, "grant_wait_s": 0.0, "shrunk_steps": 0,
-            "windows": 0, "abandoned_steps": 0,
+            "windows": 0, "abandoned_steps": 0, "requeued": 0,
             "conflicts": 0, "last_published_at": None, "freshness_s": [], "win_rate": None, "clpd": None,
             "eval_s": None, "publish_s": None, "last_grant_s": None, "last_publish_breakdown": None,
-            "evaluated_version": None,
+            "evaluated_version": None, "token_logprob": None, "gate_passed": 0, "gate_rejected": 0, "last_gate": None,
         })
         kind = event.get("kind")
         if kind == "step":
@@ -225,11 +235,14 @@ class Trainer:
             a["shrunk_steps"] += int(event.get("shrunk", False))
             a["windows"] += event.get("windows", 0)
             a["optimizer_steps"] += int(event.get("optimizer_step", False))
+            a["requeued"] += event.get("requeued", 0)  # passes CheckEnd sent back for another pass
         elif kind == "wait":
             a["grants_waited"] += 1
             a["grant_wait_s"] += event["seconds"]
         elif kind == "published":
-            a["version"], a["versions_published"] = event["version"], a["versions_published"] + 1
+            if not event.get("candidate"):  # a candidate is served only once the gate passes it
+                a["version"] = event["version"]
+            a["versions_published"] += 1
             a["last_published_at"], a["publish_s"] = event["at"], event["seconds"]
             a["last_publish_breakdown"] = event["breakdown"]
             a["freshness_s"] = (a["freshness_s"] + event["freshness_s"])[-200:]
@@ -238,8 +251,20 @@ class Trainer:
         elif kind == "abandoned":
             a["abandoned_steps"] += 1
         elif kind == "eval":
-            a["win_rate"], a["clpd"], a["eval_s"] = event["win_rate"], event["clpd"], event["seconds"]
-            a["evaluated_version"] = event["version"]
+            a["win_rate"], a["clpd"], a["eval_s"] = event.get("win_rate"), event.get("clpd"), event["seconds"]
+            a["token_logprob"], a["evaluated_version"] = event.get("token_logprob"), event["version"]
+        elif kind == "gate":
+            served = event["state"] == "served"
+            a["gate_passed" if served else "gate_rejected"] += 1
+            a["last_gate"] = {k: event[k] for k in ("version", "state", "reason", "score", "baseline_version",
+                                                     "baseline_score", "seconds")}
+            a["eval_s"] = event["seconds"]
+            if served:
+                a["version"] = event["version"]
+                a["freshness_s"] = (a["freshness_s"] + event["freshness_s"])[-200:]
+                if event.get("score") is not None:
+                    a["win_rate"], a["clpd"] = event.get("win_rate"), event.get("clpd")
+                    a["token_logprob"], a["evaluated_version"] = event.get("token_logprob"), event["version"]
 
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``/v1/status``: workers, per-adapter progress, recent errors."""
@@ -287,6 +312,23 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _arrival(plan: dict[str, Any], item: dict[str, Any]) -> float:
+    """t_arr of the item's pass in this micro-step (MACE §4.1): when CheckEnd requeued it, else its acceptance."""
+    again = plan.get("requeued", {}).get(item["id"])
+    return item["created_at"] if again is None else again.arrival
+
+
+def _last_loss(plan: dict[str, Any], item: dict[str, Any]) -> float:
+    """L_DPO of MACE §4.1's γ·L_DPO priority term: the item's loss in its previous pass (0 before its first)."""
+    again = plan.get("requeued", {}).get(item["id"])
+    return 0.0 if again is None else again.loss
+
+
+def _passes_before(plan: dict[str, Any], item: dict[str, Any]) -> int:
+    again = plan.get("requeued", {}).get(item["id"])
+    return 0 if again is None else again.passes
+
+
 class _Worker:
     """One rank's state: the model of the adapter being trained, and (rank 0) the queue bookkeeping."""
 
@@ -323,12 +365,8 @@ class _Worker:
         self.store = ray.get_actor(self.cfg.feedback_actor_name, namespace=ns)
         self.planner = lc["planner"]
         self.sup = ray.get_actor(self.cfg.trainer_actor_name, namespace=ns)
-        self.evaluator: _Evaluator | None = None
-        if self.leader and lc.get("eval_file"):
-            try:
-                self.evaluator = _Evaluator(self, lc["eval_file"])
-            except Exception as exc:
-                self._warn("eval_file", exc)
+        # The leader's quality gate and held-out scoring (a background thread, see _Evaluator).
+        self.evaluator: _Evaluator | None = _Evaluator(self, lc.get("eval_file")) if self.leader else None
         # Model state, the same on every rank.
         self.model = self.tok = self.opt = None
         self.loaded: tuple[str, int | None] | None = None  # (adapter, store version the weights are)
@@ -341,11 +379,15 @@ class _Worker:
         self.pending_items: list[dict[str, Any]] = []  # items of accumulated micro-steps not yet applied
         self.version_samples = 0
         self.version_losses: list[tuple[float, int]] = []
+        # CheckEnd's last verdict for items it sent back (MACE Alg. 1 line 21): trained again, never held, until retired.
+        self.requeued: dict[int, PassVerdict] = {}
         self.specs: dict[str, tuple[float, dict[str, Any]]] = {}
         self.store_changes = -1  # the store's change number as of the last idle wait (-1: look at once)
         self.last_adapter: str | None = None
         self.not_before: dict[str, float] = {}  # adapter -> when to ask for a grant again
         self._stop_checked, self._stop = 0.0, False
+        if self.evaluator is not None:
+            self._resume_gate()
         ray.get(self.sup.worker_started.remote(self.rank, self.node_id, os.getpid(),
                                                ray.get_runtime_context().get_node_id()))
 
@@ -425,7 +467,8 @@ class _Worker:
         if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter))
             spec = {"name": info.name, "method": info.method, "beta": info.beta, "mode": info.mode,
-                    "learning_rate": info.learning_rate, "lora": info.lora.model_dump()}
+                    "learning_rate": info.learning_rate, "lora": info.lora.model_dump(),
+                    "paused": info.paused_reason is not None}
             self.specs[adapter] = cached = (time.time(), spec)
         return cached[1]
 
@@ -461,7 +504,11 @@ class _Worker:
             return summary.get(name, (0, None))[0] - (len(taken) if name == current else 0)
 
         def trainable(name: str) -> bool:
-            return available(name) > 0 and self._spec(name)["mode"] != "off" and self.not_before.get(name, 0) <= now
+            # Not while the gate judges the adapter's candidate: the next version must start from
+            # whatever is served after the verdict, never from weights the gate may reject.
+            return (available(name) > 0 and self._spec(name)["mode"] != "off" and not self._spec(name)["paused"]
+                    and not (self.evaluator is not None and self.evaluator.judging(name))
+                    and self.not_before.get(name, 0) <= now)
 
         if pending:
             # One model per process: finish (publish) the adapter in training before switching; also
@@ -491,6 +538,8 @@ class _Worker:
             "items": [{"id": i.id, "prompt": i.prompt, "messages": i.messages, "completion": i.completion,
                        "chosen": i.chosen, "rejected": i.rejected, "created_at": i.created_at} for i in items],
             "last_of_queue": not more,
+            # Items CheckEnd sent back: their t_arr and last loss go into the grants' priorities (MACE §4.1).
+            "requeued": {i.id: self.requeued[i.id] for i in items if i.id in self.requeued},
         }
 
     # ---- every rank: model, step, version --------------------------------------------------------
@@ -525,7 +574,7 @@ class _Worker:
         if not todo:
             return [], 0.0
         samples = [{"id": it["id"], "tokens": passes[it["id"]].length, "done": passes[it["id"]].done,
-                    "arrival": it["created_at"]} for it in todo]
+                    "arrival": _arrival(plan, it), "dpo_loss": _last_loss(plan, it)} for it in todo]
         ran_s, self.last_round_s = self.last_round_s, 0.0
         try:
             g = ray.get(self.planner.grant.remote(self.node_id, plan["adapter"], plan["spec"]["mode"], samples,
@@ -560,6 +609,7 @@ class _Worker:
         weight = {it["id"]: (passes[it["id"]].loss_tokens if spec["method"] == "sft" else 1) for it in mine}
         t_start = time.time()
         run_s, waited_s, windows, loss_sum, weight_sum = 0.0, 0.0, 0, 0.0, 0.0
+        item_loss: dict[int, float] = {}  # each item's own loss in this pass, for CheckEnd and its next priority
         while True:
             todo = [it for it in mine if passes[it["id"]].done < passes[it["id"]].length]
             granted, wait = self._ask_windows(plan, passes, todo)
@@ -572,6 +622,7 @@ class _Worker:
                 windows += 1
                 if p.done == p.length:
                     st = p.finish()
+                    item_loss[sid] = st.loss  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
                     loss_sum += st.loss * weight[sid]
                     weight_sum += weight[sid]
             ran = len(granted)
@@ -593,9 +644,14 @@ class _Worker:
                 pause = min(max(wait, 0.001), MAX_GRANT_SLEEP_S)
                 time.sleep(pause)
                 waited_s += pause
-        loss_sum, weight_sum, tokens, windows = self.allreduce(
-            [loss_sum, weight_sum, float(sum(p.length for p in passes.values())), float(windows)])
+        # One collective for the sums and every item's loss and length (each item is in exactly one share).
+        sums = self.allreduce([loss_sum, weight_sum, float(sum(p.length for p in passes.values())), float(windows)]
+                              + [item_loss.get(it["id"], 0.0) for it in items]
+                              + [float(passes[it["id"]].length) if it["id"] in passes else 0.0 for it in items])
+        loss_sum, weight_sum, tokens, windows = sums[:4]
         windows = int(windows)
+        # CheckEnd before the optimizer step: a requeued item must not become held (marked consumed at publish).
+        requeued = self._check_end(plan, sums[4:4 + len(items)], sums[4 + len(items):]) if self.leader else 0
         self.micro_done += 1
         self.pending_items += items
         loss = loss_sum / max(weight_sum, 1e-12)
@@ -608,11 +664,36 @@ class _Worker:
         if self.leader:
             self._report(adapter, {"kind": "step", "samples": len(items), "loss": loss, "tokens": int(tokens),
                                    "seconds": run_s, "grant_s": time.time() - t_start - run_s, "windows": windows,
-                                   "shrunk": windows > len(items), "optimizer_step": stepped})
+                                   "shrunk": windows > len(items), "optimizer_step": stepped,
+                                   "requeued": requeued})
             if waited_s:
                 self._report(adapter, {"kind": "wait", "seconds": waited_s})
         if self.opt_steps >= self.t.steps_per_version or (flush and self.opt_steps > 0):
             self._finish_version(plan, flush=False)
+
+    def _check_end(self, plan: dict[str, Any], losses: list[float], tokens: list[float]) -> int:
+        """Report each item's loss in this pass to the planner; its CheckEnd (MACE Alg. 1 lines 17–21) says
+        which items to train again. Returns how many were requeued.
+
+        A requeued item is never held, so no version marks it consumed: it stays in the store's queue
+        (counted as queued, at-least-once across a crash) and ``take`` hands it out again once the
+        optimizer step has applied this pass, with CheckEnd's t_arr and loss for the grants'
+        priorities. Its last pass, retired, is held like any item and consumed by that version.
+        """
+        reports = [PassReport(it["id"], int(n), float(loss), _arrival(plan, it), _passes_before(plan, it))
+                   for it, loss, n in zip(plan["items"], losses, tokens)]
+        try:
+            verdicts = ray.get(self.planner.report_passes.remote(self.node_id, plan["adapter"], plan["spec"]["mode"],
+                                                                 reports), timeout=30)
+        except Exception as exc:  # planner restarting: one pass per item, as without CheckEnd
+            self._warn("report_passes", exc)
+            verdicts = [PassVerdict(r.sample_id, "retired", r.passes_before + 1, r.loss, r.arrival) for r in reports]
+        for v in verdicts:
+            if v.outcome == "requeued":
+                self.requeued[v.sample_id] = v
+            else:
+                self.requeued.pop(v.sample_id, None)
+        return sum(v.outcome == "requeued" for v in verdicts)
 
     def _drop_micro_steps(self, adapter: str) -> None:
         """Forget the gradients not yet applied; their items stay queued (they were never held)."""
@@ -633,8 +714,10 @@ class _Worker:
         self.micro_done = 0
         self.opt_steps += 1
         if self.leader:
-            self.held += [it["id"] for it in self.pending_items]
-            self.held_created += [it["created_at"] for it in self.pending_items]
+            # Items CheckEnd requeued stay unheld (still queued in the store) until their last pass.
+            done = [it for it in self.pending_items if it["id"] not in self.requeued]
+            self.held += [it["id"] for it in done]
+            self.held_created += [it["created_at"] for it in done]
         self.pending_items = []
 
     def _finish_version(self, plan: dict[str, Any], flush: bool) -> None:
@@ -656,7 +739,7 @@ class _Worker:
         self.last_adapter = adapter
         self._reset_version()
         if self.leader:
-            self._evaluate(adapter, outcome["version"], outcome["path"])
+            self._evaluate(adapter, outcome)
 
     def _publish(self, adapter: str) -> dict[str, Any]:
         from app.feedback_store import VersionConflict
@@ -674,7 +757,8 @@ class _Worker:
                 "parent": parent, "samples_trained": samples, "loss": loss, "items": len(self.held),
                 "scope": self.t.scope, "world_size": self.world, "node": self.line})
             marks.append(time.time())
-            ray.get(self.store.publish_version.remote(adapter, v.version, str(path), self.held, samples, loss))
+            published = ray.get(self.store.publish_version.remote(adapter, v.version, str(path), self.held, samples,
+                                                                  loss))
             marks.append(time.time())
         except VersionConflict as exc:
             # A rollback moved the current version: drop this work; the items are still queued.
@@ -684,6 +768,15 @@ class _Worker:
         except Exception as exc:
             self._warn("publish", exc)
             return {"version": None}
+        created = list(self.held_created)
+        if published.state == "candidate":
+            # The gate is on: not served until the evaluator passes it (it loads it on the replicas then).
+            now = time.time()
+            breakdown = dict(zip(("reserve_s", "save_s", "publish_s"),
+                                 (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
+            self._report(adapter, {"kind": "published", "version": v.version, "at": now, "seconds": now - t0,
+                                   "breakdown": breakdown, "freshness_s": [], "candidate": True})
+            return {"version": v.version, "path": str(path), "candidate": True, "created": created}
         try:
             nodes = [self.node_id] if self.per_node else None  # per_node: only this node serves its copy
             ray.get(self.planner.load_adapter.remote(adapter, v.version, str(path), nodes), timeout=LOAD_TIMEOUT_S)
@@ -695,53 +788,224 @@ class _Worker:
                              (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
         self._report(adapter, {"kind": "published", "version": v.version, "at": now, "seconds": now - t0,
                                "breakdown": breakdown,
-                               "freshness_s": [round(now - c, 3) for c in self.held_created]})
-        return {"version": v.version, "path": str(path)}
+                               "freshness_s": [round(now - c, 3) for c in created]})
+        return {"version": v.version, "path": str(path), "candidate": False, "created": created}
 
-    # ---- evaluation (MACE §3.1 win rate and CLPD) ---------------------------------------------------
+    # ---- the quality gate and held-out scores --------------------------------------------------------
 
-    def _evaluate(self, adapter: str, version: int, path: str) -> None:
+    def _evaluate(self, adapter: str, outcome: dict[str, Any]) -> None:
         if self.evaluator is not None:
-            self.evaluator.submit(adapter, version, path)
+            self.evaluator.submit(adapter, outcome["version"], outcome["path"], candidate=outcome["candidate"],
+                                  created=outcome["created"])
+
+    def _resume_gate(self) -> None:
+        """Candidates that a previous leader left undecided (it died while the gate judged them) are judged now."""
+        try:
+            left = ray.get(self.store.candidates.remote(self.line), timeout=60)
+        except Exception as exc:
+            self._warn("candidates", exc)
+            return
+        for v in left:
+            self.evaluator.submit(v.adapter, v.version, v.path, candidate=True, created=[])
 
 
 class _Evaluator:
-    """Rank 0's background thread: win rate and CLPD of published versions on the held-out pairs.
+    """The leader's background thread: the quality gate, and held-out scores of every version.
 
-    It loads each version from its directory into its own model copy, so an evaluation never
-    delays the next training step or the next version (freshness). When versions come faster
-    than evaluations, only the newest waiting one per adapter is evaluated.
+    A candidate (its adapter's gate on) is scored on the adapter's held-out slice, the oldest
+    ``max_eval_items`` held-out feedback items (or ``training.eval_file`` when it has none), and so
+    is the version served now (the base model before the first; scores are cached per version and
+    slice, so usually only the candidate is scored). ``planners.gate.judge`` compares them; the
+    store records the verdict in one transaction and a passed candidate is loaded on the replicas.
+    The leader does not train an adapter while its candidate is judged, so the next version starts
+    from whatever is served after the verdict, never from rejected weights.
+
+    Versions served without the gate are scored the same way, so the served version's held-out win
+    rate is known with the gate off too; when they come faster than that, only the newest waiting
+    one per adapter is scored. Each version is loaded from its directory into a model copy of its
+    own, so scoring never touches the weights in training.
     """
 
-    def __init__(self, worker: _Worker, path: str) -> None:
-        from app.lora_training import read_preference_jsonl
+    MAX_ATTEMPTS = 3  # a candidate whose scoring fails this often is rejected with the error as its reason
+    MAX_CACHED = 256
 
+    def __init__(self, worker: _Worker, eval_file: str | None) -> None:
         self.worker, self.t = worker, worker.t
-        self.pairs = read_preference_jsonl(path, limit=self.t.eval_pairs, max_text_bytes=4 * self.t.max_length)
-        self._todo: dict[str, tuple[int, str]] = {}
+        self.eval_file = eval_file
+        self._file_pairs: list[dict[str, str]] | None = None
+        self._candidates: deque[dict[str, Any]] = deque()
+        self._served: dict[str, dict[str, Any]] = {}  # adapter -> newest version served without the gate
+        self._judging: dict[str, int] = {}  # adapter -> its candidates not decided yet
+        self._scores: dict[tuple[str, int | None, str], dict[str, float]] = {}  # (adapter, version, slice) -> scores
         self._cv = threading.Condition()
         threading.Thread(target=self._run, name="evaluator", daemon=True).start()
 
-    def submit(self, adapter: str, version: int, path: str) -> None:
+    def judging(self, adapter: str) -> bool:
+        """Whether a candidate of ``adapter`` waits for its verdict (the leader does not train it meanwhile)."""
         with self._cv:
-            self._todo[adapter] = (version, path)
+            return self._judging.get(adapter, 0) > 0
+
+    def submit(self, adapter: str, version: int, path: str, *, candidate: bool, created: list[float]) -> None:
+        job = {"adapter": adapter, "version": version, "path": path, "candidate": candidate, "created": created,
+               "attempts": 0, "submitted_at": time.time()}
+        with self._cv:
+            if candidate:
+                self._candidates.append(job)
+                self._judging[adapter] = self._judging.get(adapter, 0) + 1
+            else:
+                self._served[adapter] = job
             self._cv.notify()
 
     def _run(self) -> None:
-        from app.lora_training import evaluate_preferences, load_lora_model
-
         while True:
             with self._cv:
-                while not self._todo:
+                while not self._candidates and not self._served:
                     self._cv.wait()
-                adapter, (version, path) = self._todo.popitem()
-            t0 = time.time()
+                # Candidates first: training of their adapter waits for them.
+                job = self._candidates.popleft() if self._candidates else self._served.popitem()[1]
+            if not job["candidate"]:
+                try:
+                    self._score_served(job)
+                except Exception as exc:
+                    self.worker._warn("evaluate", exc)
+                continue
+            done = True
             try:
-                model, tok = load_lora_model(self.worker.model_dir, None, adapter_dir=path)
-                ev = evaluate_preferences(model, tok, self.pairs, max_length=self.t.max_length)
-                del model
-                ray.get(self.worker.store.record_eval.remote(adapter, version, ev.win_rate, ev.clpd))
-                self.worker._report(adapter, {"kind": "eval", "version": version, "win_rate": ev.win_rate,
-                                              "clpd": ev.clpd, "seconds": time.time() - t0})
+                self._gate(job)
             except Exception as exc:
-                self.worker._warn("evaluate", exc)
+                job["attempts"] += 1
+                self.worker._warn("gate", exc)
+                if job["attempts"] < self.MAX_ATTEMPTS:
+                    done = False
+                    time.sleep(2.0)  # e.g. the store actor restarting
+                    with self._cv:
+                        self._candidates.appendleft(job)
+                else:
+                    self._give_up(job, exc)
+            finally:
+                if done:
+                    with self._cv:
+                        self._judging[job["adapter"]] -= 1
+
+    # ---- what is scored, and how --------------------------------------------------------------------
+
+    def _eval_file_pairs(self) -> list[dict[str, str]]:
+        from app.lora_training import read_preference_jsonl
+
+        if self.eval_file and self._file_pairs is None:
+            try:
+                self._file_pairs = read_preference_jsonl(self.eval_file, limit=self.t.eval_pairs,
+                                                         max_text_bytes=4 * self.t.max_length)
+            except Exception as exc:
+                self.worker._warn("eval_file", exc)
+                self._file_pairs = []
+        return self._file_pairs or []
+
+    def _slice(self, adapter: str, max_items: int) -> tuple[list[Any], str, str]:
+        """(items, a key naming exactly these items, how to call them in a reason); no items: nothing to score on."""
+        items = ray.get(self.worker.store.held_out_items.remote(adapter, max_items), timeout=60)
+        if items:
+            return items, "held-out:" + ",".join(str(it.id) for it in items), "held-out items"
+        pairs = self._eval_file_pairs()
+        if pairs:
+            return pairs, "eval-file", f"pairs of training.eval_file {os.path.basename(self.eval_file)}"
+        return [], "", ""
+
+    def _score(self, adapter: str, version: int | None, path: str | None, info: Any, items: list[Any],
+               key: str) -> dict[str, float]:
+        """Held-out scores of one version (``path`` None: the base model) on ``items``, cached per slice."""
+        from app.lora_training import evaluate_completions, evaluate_preferences, load_lora_model
+
+        cached = self._scores.get((adapter, version, key))
+        if cached is not None:
+            return cached
+        # A fresh LoRA has B = 0: exactly the base model, for comparisons before the first served version.
+        model, tok = load_lora_model(self.worker.model_dir, info.lora.model_dump(), adapter_dir=path)
+        try:
+            if info.method == "dpo":
+                ev = evaluate_preferences(model, tok, items, max_length=self.t.max_length)
+                out = {"score": ev.win_rate, "win_rate": ev.win_rate, "clpd": ev.clpd}
+            else:
+                # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
+                field = "completion" if key.startswith("held-out") else "chosen"
+                ev = evaluate_completions(model, tok, items, field=field, max_length=self.t.max_length)
+                out = {"score": ev.token_logprob, "token_logprob": ev.token_logprob}
+        finally:
+            del model
+        if len(self._scores) >= self.MAX_CACHED:
+            self._scores.clear()
+        self._scores[(adapter, version, key)] = out
+        return out
+
+    # ---- the gate --------------------------------------------------------------------------------
+
+    def _gate(self, job: dict[str, Any]) -> None:
+        from app.feedback_store import VersionConflict
+        from planners.gate import Verdict, judge
+
+        w = self.worker
+        adapter, version, path = job["adapter"], job["version"], job["path"]
+        t0 = time.time()
+        info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
+        current = ray.get(w.store.current_version.remote(adapter, w.line), timeout=60)
+        base_version, base_path = (current.version, current.path) if current is not None else (None, None)
+        base_name = "the base model" if current is None else f"v{current.version}"
+        items, key, slice_name = self._slice(adapter, info.gate.max_eval_items)
+        cand: dict[str, float] = {}
+        base: dict[str, float] = {}
+        if not items:
+            verdict = Verdict(True, "nothing to compare on: no held-out feedback yet (or held_out_share 0) and no "
+                                    "training.eval_file")
+        else:
+            cand = self._score(adapter, version, path, info, items, key)
+            base = self._score(adapter, base_version, base_path, info, items, key)
+            verdict = judge(info.method, cand["score"], base["score"], info.gate.margin, items=len(items),
+                            baseline_name=base_name, slice_name=slice_name)
+        try:
+            decided = ray.get(w.store.decide_version.remote(
+                adapter, version, passed=verdict.passed, reason=verdict.reason, score=cand.get("score"),
+                baseline_version=base_version if items else None, baseline_score=base.get("score"),
+                win_rate=cand.get("win_rate"), clpd=cand.get("clpd"), token_logprob=cand.get("token_logprob"),
+                eval_items=len(items) or None), timeout=60)
+        except VersionConflict as exc:  # promoted (or otherwise decided) through the API meanwhile
+            w._warn("gate", exc)
+            return
+        w.specs.pop(adapter, None)  # a pause the verdict caused takes effect at the next plan
+        freshness: list[float] = []
+        if decided.state == "served":
+            try:
+                nodes = [w.node_id] if w.per_node else None
+                ray.get(w.planner.load_adapter.remote(adapter, version, path, nodes), timeout=LOAD_TIMEOUT_S)
+            except Exception as exc:  # served in the store; the planner restores it on restart
+                w._warn("load_adapter", exc)
+            now = time.time()
+            freshness = [round(now - c, 3) for c in job["created"]]
+        w._report(adapter, {"kind": "gate", "version": version, "state": decided.state, "reason": decided.reason,
+                            "score": decided.score, "baseline_score": decided.baseline_score,
+                            "baseline_version": decided.baseline_version, "win_rate": cand.get("win_rate"),
+                            "clpd": cand.get("clpd"), "token_logprob": cand.get("token_logprob"),
+                            "seconds": time.time() - t0, "at": time.time(), "freshness_s": freshness})
+
+    def _give_up(self, job: dict[str, Any], exc: BaseException) -> None:
+        """Scoring failed again and again: reject the candidate, with the error as the reason (not served unproven)."""
+        try:
+            ray.get(self.worker.store.decide_version.remote(
+                job["adapter"], job["version"], passed=False,
+                reason=f"the gate could not score it: {type(exc).__name__}: {str(exc)[:300]}"), timeout=60)
+        except Exception as again:
+            self.worker._warn("gate", again)
+
+    def _score_served(self, job: dict[str, Any]) -> None:
+        """Held-out scores of a version served without the gate (the gate off), for the API and the metrics."""
+        w = self.worker
+        adapter, version = job["adapter"], job["version"]
+        t0 = time.time()
+        info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
+        items, key, _ = self._slice(adapter, info.gate.max_eval_items)
+        if not items:
+            return
+        scores = self._score(adapter, version, job["path"], info, items, key)
+        ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items), **scores), timeout=60)
+        w._report(adapter, {"kind": "eval", "version": version, "win_rate": scores.get("win_rate"),
+                            "clpd": scores.get("clpd"), "token_logprob": scores.get("token_logprob"),
+                            "seconds": time.time() - t0})

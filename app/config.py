@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.feedback_store import GateSettings
+
 DEFAULT_DATA_DIR = "~/.cache/coserve"
 
 
@@ -115,8 +117,13 @@ class TrainingConfig(_Strict):
     slo_tbt_s: float = Field(
         0.1, gt=0, description="Time-between-tokens SLO: the latency bound of one iteration window that the "
                                "co-serving policy keeps inference plus fine-tuning within (FlexLLM §6.2).")
-    eval_file: str | None = Field(None, description="Held-out preference JSONL for win rate / CLPD after each version.")
+    eval_file: str | None = Field(
+        None, description="Preference JSONL that scores the versions of adapters without held-out feedback of their "
+                          "own (win rate / CLPD; sft adapters: log-likelihood of the chosen answers).")
     eval_pairs: int = Field(64, gt=0, description="Pairs of eval_file evaluated per version.")
+    gate: GateSettings = Field(
+        default_factory=GateSettings, description="The quality gate's defaults; an adapter's own gate settings "
+                                                  "override any of them.")
     retraining_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of the retraining policies.")
 
 

@@ -10,7 +10,14 @@ Tables (schema version 1, see ``docs/learning.md``):
   :meth:`FeedbackStore.publish_version` flips it to published and, in the same transaction,
   marks the feedback it trained on as consumed. Rows are never deleted.
 - ``feedback``: SFT samples and preference pairs; ``consumed_by_version`` stays NULL until a
-  published version trained on the item (at-least-once training, never lost).
+  published version trained on the item (at-least-once training, never lost). ``held_out`` marks
+  the adapter's held-out slice (chosen when the item is stored, :func:`is_held_out`): never trained on.
+
+The quality gate (schema 3): with an adapter's gate on, a published version is a ``candidate`` that
+is not served; :meth:`FeedbackStore.decide_version` makes it ``served`` (current) or ``rejected``
+after the trainer scored it on the held-out slice against the served version, and pauses the
+adapter after ``pause_after_rejections`` rejections in a row. :meth:`FeedbackStore.promote` serves
+any published version; a rollback leaves the versions it went back past ``rolled_back``.
 
 Durability: WAL journal with ``synchronous=FULL``. The HTTP layer answers 2xx only after
 :meth:`FeedbackStore.add_feedback` returns, and that must mean "persisted" even across a power
@@ -39,7 +46,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 2  # 2: per-node queues and version lines (training.scope per_node)
+SCHEMA_VERSION = 3  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate
 DB_FILENAME = "feedback.sqlite3"
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
@@ -48,6 +55,7 @@ DEFAULT_MAX_BATCH_ITEMS = 1024
 Method = Literal["sft", "dpo"]
 Mode = Literal["hybrid", "sync", "periodic", "off"]
 Kind = Literal["sft", "preference"]
+VersionState = Literal["candidate", "served", "rejected", "rolled_back"]
 # Which feedback kind each training method consumes. A DPO adapter takes only preference pairs:
 # an SFT sample has no rejected answer to contrast, and one loss per adapter keeps the queue,
 # the grant budget and the reported loss of a version meaningful. An SFT adapter takes only SFT samples.
@@ -136,6 +144,39 @@ class PeriodicSettings(_Strict):
     every_samples: int | None = Field(None, gt=0, description="... or as soon as K samples are queued.")
 
 
+class GateSettings(_Strict):
+    """The quality gate: a trained version is served only if it scores on the adapter's held-out slice
+    no worse than the version served now (the base model before the first) by more than ``margin``.
+
+    The app's default is ``training.gate``; an adapter's ``gate`` overrides any of these fields.
+    """
+
+    enabled: bool = Field(True, description="Gate new versions; false: serve every version at once (still scored).")
+    margin: float = Field(
+        0.02, ge=0, description="How much worse than the served version a candidate may score and still be served: "
+                                "win-rate points (0-1) for dpo adapters, nats per token for sft adapters.")
+    held_out_share: float = Field(
+        0.1, ge=0, le=0.5, description="Share of the adapter's new feedback kept out of training as its held-out "
+                                       "slice (assigned when the item is stored; 0: none).")
+    pause_after_rejections: int = Field(
+        3, ge=0, description="Consecutive rejected versions after which the adapter stops training (0: never).")
+    max_eval_items: int = Field(64, gt=0, description="Held-out items a version is scored on (the oldest ones).")
+
+
+class GateOverrides(_Strict):
+    """An adapter's own gate settings; a field left null follows the app's default (``training.gate``)."""
+
+    enabled: bool | None = None
+    margin: float | None = Field(None, ge=0)
+    held_out_share: float | None = Field(None, ge=0, le=0.5)
+    pause_after_rejections: int | None = Field(None, ge=0)
+    max_eval_items: int | None = Field(None, gt=0)
+
+    def over(self, defaults: GateSettings) -> GateSettings:
+        """The effective settings: these overrides on top of ``defaults``."""
+        return defaults.model_copy(update=self.model_dump(exclude_none=True))
+
+
 class AdapterSpec(_Strict):
     """What ``POST /v1/adapters`` takes."""
 
@@ -146,6 +187,8 @@ class AdapterSpec(_Strict):
     lora: LoraSettings = Field(default_factory=LoraSettings)
     mode: Mode = "hybrid"
     periodic: PeriodicSettings = Field(default_factory=PeriodicSettings)
+    gate: GateOverrides = Field(default_factory=GateOverrides,
+                                description="This adapter's quality-gate settings; unset fields follow training.gate.")
 
     @model_validator(mode="after")
     def _periodic_has_trigger(self) -> AdapterSpec:
@@ -243,9 +286,21 @@ class VersionInfo(BaseModel):
     published_at: float | None
     samples_trained: int | None
     loss: float | None
-    win_rate: float | None
-    clpd: float | None
+    win_rate: float | None = Field(description="dpo: held-out win rate (MACE §3.1) of this version.")
+    clpd: float | None = Field(description="dpo: held-out CLPD, mean log π(chosen) - log π(rejected).")
     node: int | None = Field(None, description="per_node scope: the node whose copy this version is; None: synced.")
+    state: VersionState | None = Field(
+        None, description="candidate (waiting for the quality gate), served (passed it, or promoted; the one "
+                          "served now is current_version), rejected (kept, never served unless promoted), "
+                          "rolled_back (was served until a rollback or promotion went back past it); None: reserved.")
+    reason: str | None = Field(None, description="Why the version is in its state, e.g. the gate's comparison.")
+    score: float | None = Field(None, description="The gated score: win_rate (dpo) or token_logprob (sft).")
+    baseline_version: int | None = Field(
+        None, description="The version the gate compared with (None with a baseline_score: the base model).")
+    baseline_score: float | None = Field(None, description="That version's score on the same held-out items.")
+    token_logprob: float | None = Field(None, description="sft: mean log-likelihood per held-out completion token.")
+    eval_items: int | None = Field(None, description="Held-out items (or eval_file pairs) the scores are over.")
+    decided_at: float | None = Field(None, description="When the gate (or a promotion) decided the state.")
 
 
 class AdapterInfo(AdapterSpec):
@@ -255,12 +310,20 @@ class AdapterInfo(AdapterSpec):
 
     created_at: float
     current_version: int | None
-    versions: list[VersionInfo] = Field(description="Published versions, oldest first.")
-    queued: int = Field(description="Feedback items no published version has trained on yet.")
+    versions: list[VersionInfo] = Field(description="Published versions in every state, oldest first.")
+    queued: int = Field(description="Feedback items no published version has trained on yet (held-out ones excluded).")
     oldest_queued_at: float | None
     last_published_at: float | None
     node_versions: dict[int, int] = Field(
         default_factory=dict, description="per_node scope: the version each node serves; empty when synced.")
+    gate: GateSettings = Field(default_factory=GateSettings,
+                               description="The quality-gate settings in effect: the adapter's own over training.gate.")
+    held_out: int = Field(0, description="Feedback items kept out of training as the adapter's held-out slice.")
+    rejections_in_row: int = Field(0, description="Versions the gate rejected since the last one it served.")
+    paused_reason: str | None = Field(
+        None, description="Why training is paused (too many rejections in a row, or a PATCH); None: not paused.")
+    promotions: int = Field(0, description="Versions served by the gate or a promotion, since creation.")
+    rejections: int = Field(0, description="Versions the gate rejected, since creation.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +434,23 @@ def _pydantic_error(where: str, err: Mapping[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# The held-out slice.
+
+_GOLDEN = (5 ** 0.5 - 1) / 2
+
+
+def is_held_out(n: int, share: float) -> bool:
+    """Whether an adapter's ``n``-th feedback item (1-based) belongs to its held-out slice.
+
+    The fractional parts of n·φ (a Weyl sequence) spread evenly over [0, 1) in every prefix, so any
+    run of items holds out close to ``share`` of them, with no period that a client's batches could
+    line up with; with a share up to 0.2 the first four items are always trained. It depends only on
+    n, so the assignment is the same after a restart (and it is stored with the item anyway).
+    """
+    return share > 0 and (n * _GOLDEN) % 1.0 < share
+
+
+# ----------------------------------------------------------------------------------------------
 # The store.
 
 _SCHEMA = """
@@ -387,7 +467,12 @@ CREATE TABLE IF NOT EXISTS adapters (
     periodic_every_seconds REAL,
     periodic_every_samples INTEGER,
     current_version   INTEGER,                   -- NULL until the first publish
-    created_at        REAL NOT NULL
+    created_at        REAL NOT NULL,
+    gate              TEXT,                      -- JSON of the adapter's own gate settings (GateOverrides)
+    paused_reason     TEXT,                      -- why training is paused, NULL: it runs
+    rejections_in_row INTEGER NOT NULL DEFAULT 0,  -- gate rejections since the last served version
+    promotions_total  INTEGER NOT NULL DEFAULT 0,  -- versions served by the gate or a promotion (a counter)
+    rejections_total  INTEGER NOT NULL DEFAULT 0   -- versions the gate rejected (a counter)
 );
 CREATE TABLE IF NOT EXISTS versions (
     adapter           TEXT NOT NULL REFERENCES adapters(name),
@@ -402,6 +487,14 @@ CREATE TABLE IF NOT EXISTS versions (
     win_rate          REAL,
     clpd              REAL,
     node              INTEGER,                   -- per_node scope: the node whose copy this is, NULL: synced
+    state             TEXT CHECK (state IN ('candidate', 'served', 'rejected', 'rolled_back')),  -- NULL: reserved
+    reason            TEXT,                      -- why it is in its state (the gate's comparison, a promotion)
+    score             REAL,                      -- the gated score: win_rate (dpo) or token_logprob (sft)
+    baseline_version  INTEGER,                   -- the version the gate compared with, NULL: the base model
+    baseline_score    REAL,
+    token_logprob     REAL,                      -- sft: mean log-likelihood per held-out completion token
+    eval_items        INTEGER,                   -- how many held-out items the scores are over
+    decided_at        REAL,
     PRIMARY KEY (adapter, version)
 );
 CREATE TABLE IF NOT EXISTS node_heads (          -- per_node scope: the version each node's copy is at
@@ -422,19 +515,33 @@ CREATE TABLE IF NOT EXISTS feedback (
     consumed_by_version INTEGER,                 -- NULL until a published version trained on it
     node              INTEGER,                   -- per_node scope: the node that trains on it, NULL: any
     messages          TEXT,                      -- JSON chat turns (then prompt is ''), NULL: raw prompt
+    held_out          INTEGER NOT NULL DEFAULT 0,  -- 1: the adapter's held-out slice, never trained on
     CHECK ((kind = 'sft' AND completion IS NOT NULL AND chosen IS NULL AND rejected IS NULL)
         OR (kind = 'preference' AND completion IS NULL AND chosen IS NOT NULL AND rejected IS NOT NULL))
 );
 CREATE INDEX IF NOT EXISTS feedback_queue ON feedback (adapter, consumed_by_version, id);
+-- The queue and the held-out slice without scanning the other: held-out items are never consumed.
+CREATE INDEX IF NOT EXISTS feedback_open ON feedback (adapter, held_out, consumed_by_version, id);
 """
 
-UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic"})
+UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused"})
 _ADAPTER_COLS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
                  "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at")
 _VERSION_COLS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
-                 "loss, win_rate, clpd, node")
+                 "loss, win_rate, clpd, node, state, reason, score, baseline_version, baseline_score, token_logprob, "
+                 "eval_items, decided_at")
 # Columns added after schema 1, for databases created by older code: (table, column, type).
-_ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"), ("feedback", "messages", "TEXT"))
+_ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"), ("feedback", "messages", "TEXT"),
+                  # schema 3: the quality gate
+                  ("adapters", "gate", "TEXT"), ("adapters", "paused_reason", "TEXT"),
+                  ("adapters", "rejections_in_row", "INTEGER NOT NULL DEFAULT 0"),
+                  ("adapters", "promotions_total", "INTEGER NOT NULL DEFAULT 0"),
+                  ("adapters", "rejections_total", "INTEGER NOT NULL DEFAULT 0"),
+                  ("versions", "state", "TEXT CHECK (state IN ('candidate', 'served', 'rejected', 'rolled_back'))"),
+                  ("versions", "reason", "TEXT"), ("versions", "score", "REAL"),
+                  ("versions", "baseline_version", "INTEGER"), ("versions", "baseline_score", "REAL"),
+                  ("versions", "token_logprob", "REAL"), ("versions", "eval_items", "INTEGER"),
+                  ("versions", "decided_at", "REAL"), ("feedback", "held_out", "INTEGER NOT NULL DEFAULT 0"))
 _ITEM_COLS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages"
 
 
@@ -443,8 +550,10 @@ class FeedbackStore:
 
     def __init__(self, data_dir: str | Path, *, filename: str = DB_FILENAME,
                  max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES, max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,
-                 busy_timeout_s: float = 10.0):
+                 busy_timeout_s: float = 10.0, gate_defaults: GateSettings | Mapping[str, Any] | None = None):
+        """``gate_defaults``: the app's ``training.gate``, which an adapter's own ``gate`` settings override."""
         self.path = Path(data_dir).expanduser() / filename
+        self.gate_defaults = _validate(GateSettings, gate_defaults or {}, "training.gate")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_item_bytes = max_item_bytes
         self.max_batch_items = max_batch_items
@@ -474,6 +583,15 @@ class FeedbackStore:
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
+            if found < 3:
+                # Versions published before the gate existed were served; those newer than their line's
+                # current version were left by a rollback.
+                db.execute("UPDATE versions SET state = 'served' WHERE published = 1 AND state IS NULL")
+                db.execute("UPDATE versions SET state = 'rolled_back' WHERE state = 'served' AND node IS NULL AND "
+                           "version > (SELECT current_version FROM adapters WHERE name = versions.adapter)")
+                db.execute("UPDATE versions SET state = 'rolled_back' WHERE state = 'served' AND node IS NOT NULL "
+                           "AND version > (SELECT version FROM node_heads h WHERE h.adapter = versions.adapter "
+                           "AND h.node = versions.node)")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextmanager
@@ -515,10 +633,13 @@ class FeedbackStore:
                  json.dumps(spec.lora.target_modules), spec.lora.dropout, spec.mode, spec.periodic.every_seconds,
                  spec.periodic.every_samples, None, time.time()),
             )
+            db.execute("UPDATE adapters SET gate = ? WHERE name = ?", (_overrides_json(spec.gate), spec.name))
             return self._adapter_info(db, spec.name)
 
     def update_adapter(self, name: str, changes: Mapping[str, Any]) -> AdapterInfo:
-        """Change how an adapter trains from now on: ``mode``, ``learning_rate``, ``beta`` or ``periodic``.
+        """Change how an adapter trains from now on: ``mode``, ``learning_rate``, ``beta``, ``periodic``,
+        ``gate`` (the fields given replace the adapter's own; a null goes back to training.gate's) or
+        ``paused`` (false resumes training paused by the gate and forgets its rejections in a row; true pauses).
 
         ``method`` and ``lora`` are fixed at creation (every version shares them), so changing them is
         an :class:`InvalidRequest`; :class:`UnknownAdapter` (404) if there is no such adapter.
@@ -534,11 +655,26 @@ class FeedbackStore:
             current = info.model_dump(include={"name", "method", "beta", "learning_rate", "lora", "mode", "periodic"})
             if "periodic" in changes and isinstance(changes["periodic"], Mapping):
                 changes = {**changes, "periodic": {**current["periodic"], **changes["periodic"]}}
+            gate_changes, paused = changes.get("gate"), changes.get("paused")
+            changes = {k: v for k, v in changes.items() if k not in ("gate", "paused")}
             spec = _validate(AdapterSpec, {**current, **changes}, "adapter")
+            gate = self._gate_overrides(db, name)
+            if gate_changes is not None:
+                if not isinstance(gate_changes, Mapping):
+                    raise InvalidRequest("gate: expected an object of gate settings")
+                merged = {**gate.model_dump(exclude_none=True), **gate_changes}
+                gate = _validate(GateOverrides, {k: v for k, v in merged.items() if v is not None}, "gate")
+            if paused is not None and not isinstance(paused, bool):
+                raise InvalidRequest("paused: expected true or false")
             db.execute("UPDATE adapters SET mode = ?, learning_rate = ?, beta = ?, periodic_every_seconds = ?, "
-                       "periodic_every_samples = ? WHERE name = ?",
+                       "periodic_every_samples = ?, gate = ? WHERE name = ?",
                        (spec.mode, spec.learning_rate, spec.beta, spec.periodic.every_seconds,
-                        spec.periodic.every_samples, name))
+                        spec.periodic.every_samples, _overrides_json(gate), name))
+            if paused is False:
+                db.execute("UPDATE adapters SET paused_reason = NULL, rejections_in_row = 0 WHERE name = ?", (name,))
+            elif paused is True and info.paused_reason is None:
+                db.execute("UPDATE adapters SET paused_reason = ? WHERE name = ?",
+                           ("paused through PATCH /v1/adapters (send {\"paused\": false} to resume)", name))
             return self._adapter_info(db, name)
 
     def get_adapter(self, name: str) -> AdapterInfo:
@@ -579,8 +715,10 @@ class FeedbackStore:
         versions = [_version(row) for row in db.execute(
             f"SELECT {_VERSION_COLS} FROM versions WHERE adapter = ? AND published = 1 ORDER BY version", (name,))]
         queued, oldest = db.execute(
-            "SELECT COUNT(*), MIN(created_at) FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL",
-            (name,)).fetchone()
+            "SELECT COUNT(*), MIN(created_at) FROM feedback WHERE adapter = ? AND held_out = 0 "
+            "AND consumed_by_version IS NULL", (name,)).fetchone()
+        held_out = db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ? AND held_out = 1", (name,)).fetchone()[0]
+        gate, paused, in_row, promotions, rejections = self._gate_row(db, name)
         return AdapterInfo(
             name=name, method=method, beta=beta, learning_rate=lr,
             lora=LoraSettings(r=r, alpha=alpha, target_modules=json.loads(targets), dropout=dropout),
@@ -589,7 +727,25 @@ class FeedbackStore:
             oldest_queued_at=oldest, last_published_at=max((v.published_at for v in versions), default=None),
             node_versions=dict(db.execute("SELECT node, version FROM node_heads WHERE adapter = ? ORDER BY node",
                                           (name,)).fetchall()),
+            gate=gate.over(self.gate_defaults), held_out=held_out, rejections_in_row=in_row, paused_reason=paused,
+            promotions=promotions, rejections=rejections,
         )
+
+    def _gate_row(self, db: sqlite3.Connection, name: str) -> tuple[GateOverrides, str | None, int, int, int]:
+        """(own gate settings, paused_reason, rejections in a row, promotions, rejections) of an adapter."""
+        row = db.execute("SELECT gate, paused_reason, rejections_in_row, promotions_total, rejections_total "
+                         "FROM adapters WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise UnknownAdapter(f"no adapter named {name!r}")
+        return (GateOverrides.model_validate_json(row[0]) if row[0] else GateOverrides(), *row[1:])
+
+    def _gate_overrides(self, db: sqlite3.Connection, name: str) -> GateOverrides:
+        return self._gate_row(db, name)[0]
+
+    def gate_settings(self, adapter: str) -> GateSettings:
+        """The gate settings in effect for ``adapter``: its own over the app's defaults."""
+        with self._tx(write=False) as db:
+            return self._gate_overrides(db, adapter).over(self.gate_defaults)
 
     # -- feedback ------------------------------------------------------------------------------
 
@@ -611,6 +767,10 @@ class FeedbackStore:
         now = time.time()
         with self._tx() as db:
             self._check_adapters(db, parsed)
+            # The held-out slice is assigned here, once, by each item's number within its adapter.
+            names = {it.adapter for it in parsed}
+            seen = {a: db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ?", (a,)).fetchone()[0] for a in names}
+            share = {a: self._gate_overrides(db, a).over(self.gate_defaults).held_out_share for a in names}
             ids = []
             for item, node in zip(parsed, nodes):
                 cur = db.execute(
@@ -621,6 +781,9 @@ class FeedbackStore:
                      item.messages_json()),
                 )
                 ids.append(cur.lastrowid)
+                seen[item.adapter] += 1
+                if is_held_out(seen[item.adapter], share[item.adapter]):
+                    db.execute("UPDATE feedback SET held_out = 1 WHERE id = ?", (cur.lastrowid,))
             return ids
 
     def _check_adapters(self, db: sqlite3.Connection, parsed: Sequence[SFTItem | PreferenceItem]) -> None:
@@ -652,17 +815,17 @@ class FeedbackStore:
             self._adapter_row(db, adapter)
             # At most len(exclude) of the oldest rows can be excluded, so one bounded query suffices.
             rows = db.execute(
-                f"SELECT {_ITEM_COLS} FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL "
+                f"SELECT {_ITEM_COLS} FROM feedback WHERE adapter = ? AND held_out = 0 AND consumed_by_version IS NULL "
                 "AND (? IS NULL OR node = ?) ORDER BY id LIMIT ?",
                 (adapter, node, node, limit + len(exclude))).fetchall()
         return [FeedbackItem.from_row(row) for row in rows if row[0] not in exclude][:limit]
 
     def queued(self, adapter: str) -> int:
-        """Number of items of ``adapter`` that no published version has trained on."""
+        """Number of items of ``adapter`` that no published version has trained on (held-out ones excluded)."""
         with self._tx(write=False) as db:
             self._adapter_row(db, adapter)
-            return db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ? AND consumed_by_version IS NULL",
-                              (adapter,)).fetchone()[0]
+            return db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ? AND held_out = 0 "
+                              "AND consumed_by_version IS NULL", (adapter,)).fetchone()[0]
 
     def queue_summary(self, node: int | None = None) -> dict[str, tuple[int, float]]:
         """adapter -> (unconsumed items, created_at of the oldest), for adapters with a non-empty queue.
@@ -671,19 +834,33 @@ class FeedbackStore:
         """
         with self._tx(write=False) as db:
             rows = db.execute("SELECT adapter, COUNT(*), MIN(created_at) FROM feedback "
-                              "WHERE consumed_by_version IS NULL AND (? IS NULL OR node = ?) GROUP BY adapter",
+                              "WHERE held_out = 0 AND consumed_by_version IS NULL AND (? IS NULL OR node = ?) "
+                              "GROUP BY adapter",
                               (node, node)).fetchall()
         return {a: (n, t) for a, n, t in rows}
 
     def queued_by_node(self) -> dict[str, dict[int, int]]:
         """adapter -> {node: unconsumed items routed to it}, for routing new feedback (per_node scope)."""
         with self._tx(write=False) as db:
-            rows = db.execute("SELECT adapter, node, COUNT(*) FROM feedback WHERE consumed_by_version IS NULL "
-                              "AND node IS NOT NULL GROUP BY adapter, node").fetchall()
+            rows = db.execute("SELECT adapter, node, COUNT(*) FROM feedback WHERE held_out = 0 AND "
+                              "consumed_by_version IS NULL AND node IS NOT NULL GROUP BY adapter, node").fetchall()
         out: dict[str, dict[int, int]] = {}
         for adapter, node, n in rows:
             out.setdefault(adapter, {})[node] = n
         return out
+
+    def held_out_items(self, adapter: str, limit: int) -> list[FeedbackItem]:
+        """The adapter's held-out slice: its oldest ``limit`` held-out items (never trained on).
+
+        The oldest, not the newest: the slice stays the same once full, so the scores of successive
+        versions are comparable, and a late burst of bad feedback cannot take it over.
+        """
+        with self._tx(write=False) as db:
+            self._adapter_row(db, adapter)
+            rows = db.execute(f"SELECT {_ITEM_COLS} FROM feedback WHERE adapter = ? AND held_out = 1 "
+                              "AND consumed_by_version IS NULL ORDER BY id LIMIT ?",
+                              (adapter, max(0, limit))).fetchall()
+        return [FeedbackItem.from_row(row) for row in rows]
 
     def feedback_item(self, item_id: int) -> tuple[FeedbackItem, int | None]:
         """One item and the version that consumed it (None while queued); :class:`UnknownItem` (404)."""
@@ -711,9 +888,13 @@ class FeedbackStore:
             return self._version(db, adapter, version)
 
     def publish_version(self, adapter: str, version: int, path: str | Path, item_ids: Iterable[int],
-                        samples_trained: int, loss: float | None, *, check_parent: bool = True) -> VersionInfo:
-        """Publish a reserved version, make it current, and mark ``item_ids`` consumed by it: one transaction.
+                        samples_trained: int, loss: float | None, *, check_parent: bool = True,
+                        gated: bool | None = None) -> VersionInfo:
+        """Publish a reserved version and mark ``item_ids`` consumed by it: one transaction.
 
+        With the adapter's quality gate on (``gated`` None: its settings decide) the version becomes a
+        ``candidate``: complete and durable, its items consumed, but not served until
+        :meth:`decide_version` passes it. With the gate off it is ``served`` and current at once.
         Items already consumed by another version keep their first consumer. With ``check_parent``,
         raises :class:`VersionConflict` (and changes nothing) if the current version moved since
         the reservation (e.g. a rollback): the trainer should reload the current version and retrain.
@@ -731,21 +912,113 @@ class FeedbackStore:
                                           .fetchone()) is None or r[0] != adapter]
             if foreign:
                 raise InvalidRequest(f"item_ids: {foreign[:10]} are not feedback of adapter {adapter!r}")
+            if gated is None:
+                gated = self._gate_overrides(db, adapter).over(self.gate_defaults).enabled
+            now = time.time()
             db.execute("UPDATE versions SET published = 1, published_at = ?, path = ?, samples_trained = ?, "
-                       "loss = ? WHERE adapter = ? AND version = ?",
-                       (time.time(), str(path), samples_trained, loss, adapter, version))
+                       "loss = ?, state = ?, reason = ?, decided_at = ? WHERE adapter = ? AND version = ?",
+                       (now, str(path), samples_trained, loss, "candidate" if gated else "served",
+                        "waiting for the quality gate" if gated else "served at once: the quality gate is off",
+                        None if gated else now, adapter, version))
             db.executemany("UPDATE feedback SET consumed_by_version = ? WHERE id = ? AND consumed_by_version IS NULL",
                            [(version, i) for i in ids])
+            if not gated:
+                self._set_current(db, adapter, version, v.node)
+            return self._version(db, adapter, version)
+
+    def decide_version(self, adapter: str, version: int, *, passed: bool, reason: str, score: float | None = None,
+                       baseline_version: int | None = None, baseline_score: float | None = None,
+                       win_rate: float | None = None, clpd: float | None = None, token_logprob: float | None = None,
+                       eval_items: int | None = None) -> VersionInfo:
+        """The quality gate's verdict on a candidate, in one transaction: ``served`` (made current) or ``rejected``.
+
+        A candidate whose parent is no longer the served version (a rollback or a promotion came in
+        while it was judged) is rejected as superseded whatever it scored: serving it would undo that
+        choice. A gate rejection counts toward the adapter's ``pause_after_rejections``, and at that
+        many in a row the adapter pauses (``paused_reason``); a served version resets the count.
+        :class:`VersionConflict` if the version is not a candidate (e.g. it was promoted meanwhile).
+        """
+        with self._tx() as db:
+            v = self._version(db, adapter, version)
+            if v.state != "candidate":
+                raise VersionConflict(f"{adapter} v{version} is {v.state or 'not published'}, not a candidate")
+            current = self._current(db, adapter, v.node)
+            superseded = v.parent != current
+            if superseded:
+                passed, reason = False, (f"superseded: trained from {_name(v.parent)}, but {_name(current)} is served "
+                                         f"now (a rollback or promotion); {reason}")
+            now = time.time()
+            db.execute("UPDATE versions SET state = ?, reason = ?, decided_at = ?, score = ?, baseline_version = ?, "
+                       "baseline_score = ?, win_rate = COALESCE(?, win_rate), clpd = COALESCE(?, clpd), "
+                       "token_logprob = COALESCE(?, token_logprob), eval_items = ? WHERE adapter = ? AND version = ?",
+                       ("served" if passed else "rejected", reason, now, score, baseline_version, baseline_score,
+                        win_rate, clpd, token_logprob, eval_items, adapter, version))
+            if passed:
+                self._set_current(db, adapter, version, v.node)
+                db.execute("UPDATE adapters SET rejections_in_row = 0, promotions_total = promotions_total + 1 "
+                           "WHERE name = ?", (adapter,))
+            elif not superseded:
+                db.execute("UPDATE adapters SET rejections_in_row = rejections_in_row + 1, "
+                           "rejections_total = rejections_total + 1 WHERE name = ?", (adapter,))
+                gate, paused, in_row, _, _ = self._gate_row(db, adapter)
+                limit = gate.over(self.gate_defaults).pause_after_rejections
+                if limit and in_row >= limit and paused is None:
+                    why = (f"training paused: {in_row} versions in a row rejected by the quality gate (the last, "
+                           f"v{version}: {reason}); send PATCH {{\"paused\": false}} or promote a version to resume")
+                    db.execute("UPDATE adapters SET paused_reason = ? WHERE name = ?", (why, adapter))
+            return self._version(db, adapter, version)
+
+    def promote(self, adapter: str, version: int) -> AdapterInfo:
+        """Serve a published version of any state now, e.g. one the gate rejected: one transaction.
+
+        It becomes current (its node's, per_node); served versions newer than it on its line become
+        ``rolled_back``; a paused adapter resumes, and training continues from this version.
+        :class:`VersionConflict` (409) for a version that was never published.
+        """
+        with self._tx() as db:
+            self._adapter_row(db, adapter)  # 404 names the adapter, not the version
+            v = self._version(db, adapter, version)
+            if not v.published:
+                raise VersionConflict(f"{adapter} v{version} was never published (its training did not finish)")
+            current = self._current(db, adapter, v.node)
+            self._roll_back_newer(db, adapter, version, v.node)
+            if v.state != "served" or version != current:
+                why = f"promoted through the API (it was {v.state}, {_name(current)} was served)"
+                db.execute("UPDATE versions SET state = 'served', reason = ?, decided_at = ? WHERE adapter = ? "
+                           "AND version = ?", (why, time.time(), adapter, version))
+                db.execute("UPDATE adapters SET promotions_total = promotions_total + 1 WHERE name = ?", (adapter,))
             self._set_current(db, adapter, version, v.node)
+            db.execute("UPDATE adapters SET paused_reason = NULL, rejections_in_row = 0 WHERE name = ?", (adapter,))
+            return self._adapter_info(db, adapter)
+
+    def _roll_back_newer(self, db: sqlite3.Connection, adapter: str, version: int, node: int | None) -> None:
+        """Served versions newer than ``version`` on its line (its node's, or the synced one) are rolled back."""
+        db.execute("UPDATE versions SET state = 'rolled_back', reason = ?, decided_at = ? WHERE adapter = ? "
+                   "AND node IS ? AND version > ? AND state = 'served'",
+                   (f"rolled back to v{version}", time.time(), adapter, node, version))
+
+    def candidates(self, node: int | None = None) -> list[VersionInfo]:
+        """Versions waiting for the quality gate, of every adapter, on one line (``node``; None: synced)."""
+        with self._tx(write=False) as db:
+            rows = db.execute(f"SELECT {_VERSION_COLS} FROM versions WHERE state = 'candidate' AND node IS ? "
+                              "ORDER BY adapter, version", (node,)).fetchall()
+        return [_version(row) for row in rows]
+
+    def record_scores(self, adapter: str, version: int, *, score: float | None = None, win_rate: float | None = None,
+                      clpd: float | None = None, token_logprob: float | None = None,
+                      eval_items: int | None = None) -> VersionInfo:
+        """Store held-out scores measured for a version outside the gate (the gate off); None keeps a value."""
+        with self._tx() as db:
+            self._version(db, adapter, version)
+            db.execute("UPDATE versions SET score = COALESCE(?, score), win_rate = COALESCE(?, win_rate), "
+                       "clpd = COALESCE(?, clpd), token_logprob = COALESCE(?, token_logprob), "
+                       "eval_items = COALESCE(?, eval_items) WHERE adapter = ? AND version = ?",
+                       (score, win_rate, clpd, token_logprob, eval_items, adapter, version))
             return self._version(db, adapter, version)
 
     def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float) -> VersionInfo:
         """Store the alignment metrics (MACE §3.1) measured for a version."""
-        with self._tx() as db:
-            self._version(db, adapter, version)
-            db.execute("UPDATE versions SET win_rate = ?, clpd = ? WHERE adapter = ? AND version = ?",
-                       (float(win_rate), float(clpd), adapter, version))
-            return self._version(db, adapter, version)
+        return self.record_scores(adapter, version, win_rate=float(win_rate), clpd=float(clpd))
 
     def rollback(self, adapter: str, version: int) -> AdapterInfo:
         """Point ``current_version`` at an earlier published version; nothing is deleted or re-queued.
@@ -753,17 +1026,23 @@ class FeedbackStore:
         A per_node version rolls back its own node's copy only.
         """
         with self._tx() as db:
+            self._adapter_row(db, adapter)  # 404 names the adapter, not the version
             v = self._version(db, adapter, version)
             current = self._current(db, adapter, v.node)
             if not v.published:
                 raise VersionConflict(f"{adapter} v{version} was never published")
+            if v.state not in ("served", "rolled_back"):
+                raise VersionConflict(f"{adapter} v{version} is {v.state} and was never served; rollback goes back "
+                                      f"to a version that was served (POST /v1/adapters/{adapter}/promote serves any)")
             if current is not None and version > current:
                 raise VersionConflict(f"{adapter} v{version} is newer than the current v{current}; "
                                       "rollback only goes back")
-            if v.node is not None:
-                db.execute("UPDATE node_heads SET version = ? WHERE adapter = ? AND node = ?", (version, adapter, v.node))
-                version = db.execute("SELECT MAX(version) FROM node_heads WHERE adapter = ?", (adapter,)).fetchone()[0]
-            db.execute("UPDATE adapters SET current_version = ? WHERE name = ?", (version, adapter))
+            self._roll_back_newer(db, adapter, version, v.node)
+            if version != current:
+                db.execute("UPDATE versions SET state = 'served', reason = ?, decided_at = ? WHERE adapter = ? "
+                           "AND version = ?", (f"served again by a rollback from {_name(current)}", time.time(),
+                                               adapter, version))
+            self._set_current(db, adapter, version, v.node)
             return self._adapter_info(db, adapter)
 
     def current_version(self, adapter: str, node: int | None = None) -> VersionInfo | None:
@@ -787,10 +1066,23 @@ class FeedbackStore:
 
 
 def _version(row: tuple) -> VersionInfo:
-    (adapter, version, parent, path, created, published, published_at, samples, loss, win, clpd, node) = row
+    (adapter, version, parent, path, created, published, published_at, samples, loss, win, clpd, node, state, reason,
+     score, baseline_version, baseline_score, token_logprob, eval_items, decided_at) = row
     return VersionInfo(adapter=adapter, version=version, parent=parent, path=path, created_at=created,
                        published=bool(published), published_at=published_at, samples_trained=samples,
-                       loss=loss, win_rate=win, clpd=clpd, node=node)
+                       loss=loss, win_rate=win, clpd=clpd, node=node, state=state, reason=reason, score=score,
+                       baseline_version=baseline_version, baseline_score=baseline_score, token_logprob=token_logprob,
+                       eval_items=eval_items, decided_at=decided_at)
+
+
+def _name(version: int | None) -> str:
+    """A version in messages: ``v3``, or the base model before the first."""
+    return "the base model" if version is None else f"v{version}"
+
+
+def _overrides_json(gate: GateOverrides) -> str | None:
+    own = gate.model_dump(exclude_none=True)
+    return json.dumps(own) if own else None
 
 
 def _validate(model: type[BaseModel], data: Any, where: str) -> Any:

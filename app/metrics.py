@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["render", "CONTENT_TYPE_LATEST"]
@@ -46,14 +47,42 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]]) -> bytes:
     loss = Gauge("coserve_adapter_loss", "training loss of the current version", ad, registry=reg)
     win = Gauge("coserve_adapter_win_rate", "win rate on the held-out preferences (MACE §3.1)", ad, registry=reg)
     clpd = Gauge("coserve_adapter_clpd", "CLPD on the held-out preferences (MACE §3.1)", ad, registry=reg)
+    token_logprob = Gauge("coserve_adapter_token_logprob", "sft: mean log-likelihood per held-out completion token",
+                          ad, registry=reg)
+    paused = Gauge("coserve_adapter_paused", "1 while training is paused (e.g. too many versions rejected in a row)",
+                   ad, registry=reg)
+    held_out = Gauge("coserve_adapter_held_out", "feedback items kept out of training as the held-out slice", ad,
+                     registry=reg)
+    candidates = Gauge("coserve_adapter_candidates", "versions waiting for the quality gate", ad, registry=reg)
+    # Counters kept in the store (durable, monotonic); exposed as counter families without _created.
+    promotions = CounterMetricFamily("coserve_adapter_promotions", "versions served by the quality gate or a "
+                                                                   "promotion", labels=ad)
+    rejections = CounterMetricFamily("coserve_adapter_rejections", "versions the quality gate rejected", labels=ad)
+    reg.register(_Families([promotions, rejections]))
     for a in adapters:
         name = a["name"]
         queued.labels(name).set(a.get("queued", 0))
+        paused.labels(name).set(1 if a.get("paused_reason") else 0)
+        held_out.labels(name).set(a.get("held_out", 0))
+        candidates.labels(name).set(sum(v.get("state") == "candidate" for v in a.get("versions", [])))
+        promotions.add_metric([name], a.get("promotions", 0))
+        rejections.add_metric([name], a.get("rejections", 0))
         current = next((v for v in a.get("versions", []) if v["version"] == a.get("current_version")), None)
         version.labels(name).set(a.get("current_version") or 0)
         if current is None:
             continue
-        for gauge, key in ((trained, "samples_trained"), (loss, "loss"), (win, "win_rate"), (clpd, "clpd")):
+        for gauge, key in ((trained, "samples_trained"), (loss, "loss"), (win, "win_rate"), (clpd, "clpd"),
+                           (token_logprob, "token_logprob")):
             if current.get(key) is not None:
                 gauge.labels(name).set(current[key])
     return generate_latest(reg)
+
+
+class _Families:
+    """A collector of metric families built for one scrape."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Any]:
+        return iter(self.families)

@@ -1,4 +1,4 @@
-"""HTTP routes for learning: adapters (create, list, show, change, roll back), feedback and ``/metrics``.
+"""HTTP routes for learning: adapters (create, list, show, change, roll back, promote), feedback and ``/metrics``.
 
 Bodies go to the feedback store's own validation (app/feedback_store.py) through the one actor
 that owns it; its errors carry their HTTP status, and a 2xx on feedback means the whole batch
@@ -51,6 +51,7 @@ class LearningRoutes:
         r.add_api_route("/v1/adapters/{name}", self.show_adapter, methods=["GET"])
         r.add_api_route("/v1/adapters/{name}", self.update_adapter, methods=["PATCH"])
         r.add_api_route("/v1/adapters/{name}/rollback", self.rollback_adapter, methods=["POST"])
+        r.add_api_route("/v1/adapters/{name}/promote", self.promote_adapter, methods=["POST"])
         r.add_api_route("/v1/feedback", self.feedback, methods=["POST"])
         r.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.include_router(r)
@@ -97,7 +98,7 @@ class LearningRoutes:
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     async def update_adapter(self, name: str, request: Request) -> Response:
-        """Change how the adapter trains from now on (mode, learning_rate, beta, periodic); 400 for the rest."""
+        """Change how the adapter trains from now on (mode, learning_rate, beta, periodic, gate, paused); 400 else."""
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
@@ -106,11 +107,21 @@ class LearningRoutes:
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     async def rollback_adapter(self, name: str, request: Request) -> Response:
+        """Serve an earlier version that was served before; 409 for a rejected or candidate one (promote it)."""
+        return await self._serve_version(name, request, "rollback")
+
+    async def promote_adapter(self, name: str, request: Request) -> Response:
+        """Serve any published version now (e.g. one the quality gate rejected); resumes a paused adapter."""
+        return await self._serve_version(name, request, "promote")
+
+    async def _serve_version(self, name: str, request: Request, how: str) -> Response:
         body = await json_body(request)
         version = body.get("version") if isinstance(body, dict) else None
         if not isinstance(version, int) or isinstance(version, bool):
             raise BadRequest("`version` (an integer) is required.", "version")
-        info = await self._store("rollback", name, version)
+        if isinstance(body, dict) and set(body) != {"version"}:
+            raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
+        info = await self._store(how, name, version)
         target = await self._store("get_version", name, version)
         nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
         await self.ask_planner("load_adapter", name, version, target.path, nodes, True)

@@ -10,6 +10,9 @@ the replica, not the scheduler, submits inference requests (vLLM admits them as 
 the trainer owns its samples' progress, so each grant replaces the queues with what was observed:
 ``observe(EngineFacts)`` from the replica's latest report and ``set_samples(...)`` from the trainer's
 request, then ``schedule(now, free_bytes)``; the granted windows go back to the trainer. The
+trainer's samples carry their last reported loss (the γ·L_DPO term of MACE §4.1) and their t_arr;
+after each micro-step the trainer reports every finished pass with ``report_pass`` (CheckEnd,
+MACE Alg. 1 lines 17–21) and trains a requeued sample again in a later micro-step. The
 step-by-step protocol below is the one the simulator and the tests drive:
 
 - replica → ``add_request(InferenceRequest)`` on arrival, ``update_request(id, output_tokens)``
@@ -146,7 +149,8 @@ class FineTuneSample:
     """One fine-tune sample: ``tokens`` = L, the tokens one training pass over it processes.
 
     ``arrival`` is MACE's t_arr (reset when CheckEnd requeues the sample); ``dpo_loss`` its last
-    DPO loss (0 until the trainer reports one); ``done`` the tokens of the current pass already
+    DPO loss (0 until the trainer reports one; for an SFT sample its mean token NLL, which takes
+    L_DPO's place in MACE §4.1's γ·L_DPO term); ``done`` the tokens of the current pass already
     processed in earlier windows (FlexLLM §6.1); ``passes`` completed passes.
     """
 
@@ -599,11 +603,33 @@ class IterationScheduler:
         if sample.done < sample.tokens:
             self.samples[sample_id] = sample
             return "partial" if done > 0 else "released"
+        return self._end_pass(sample, now)
+
+    def report_pass(self, sample: FineTuneSample, now: float) -> SampleOutcome:
+        """The live app's CheckEnd: the trainer finished a pass over ``sample`` (MACE Alg. 1 lines 17–21).
+
+        ``sample`` carries what the trainer knows: ``dpo_loss`` the pass's per-sample loss (L_DPO of
+        MACE §4.1; an SFT adapter's mean token NLL), ``passes`` the passes before this one,
+        ``arrival`` this pass's t_arr. In the live protocol every grant replaces the queues
+        (``set_samples``), so the sample's window may no longer be in flight here (another grant on
+        the node, a switched policy, a restarted planner): the report is self-contained instead of
+        relying on it, and any window of the sample still in flight is dropped. Returns
+        ``"requeued"`` (a new pass with t_arr = ``now``) or ``"retired"``, as :meth:`report_sample`.
+        """
+        if sample.tokens < 1:
+            raise ValueError("need tokens >= 1")
+        self.in_flight.pop(sample.sample_id, None)
+        self.samples.pop(sample.sample_id, None)
+        sample.done = sample.tokens
+        return self._end_pass(sample, now)
+
+    def _end_pass(self, sample: FineTuneSample, now: float) -> SampleOutcome:
+        """CheckEnd after a completed pass: retire the sample, or requeue it with t_arr = now (MACE Alg. 1 line 21)."""
         sample.passes += 1
         if check_end(sample, self.loss_threshold, self.max_passes):
             return "retired"
         sample.done, sample.arrival = 0, now
-        self.samples[sample_id] = sample
+        self.samples[sample.sample_id] = sample
         return "requeued"
 
     def release(self, sample_id: str) -> None:
@@ -769,7 +795,7 @@ class Hybrid(IterationScheduler):
        and the latency room SLO − t_iter(c); bins run in creation order while their summed
        latency fits that room (MACE runs bin 1; later bins that still fit run too). Windows not
        chosen stay queued and keep aging (Alg. 1, lines 17–21); finished passes go through
-       CheckEnd in ``report_sample``.
+       CheckEnd in ``report_sample`` (live: ``report_pass``).
 
     No starvation: among fine-tune samples the order is by t_arr − γ·L_DPO/δ_ft, fixed in time,
     so a sample is overtaken only by samples enqueued less than γ·max L_DPO/δ_ft after it; when the

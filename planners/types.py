@@ -128,3 +128,46 @@ class RoutingSnapshot:
     nodes: tuple[NodeView, ...]
     reported_at: tuple[float, ...]
     traces: tuple[ExecutionTrace, ...] = ()
+
+
+# ---- messages between the trainer and the planner actor -----------------------------------------
+
+PassOutcome = Literal["requeued", "retired"]
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """The trainer's report of one finished training pass over a feedback item (MACE Alg. 1 lines 17–21).
+
+    ``loss`` is the item's own loss in that pass: the DPO loss −log σ(β·(Δ⁺ − Δ⁻)) for a
+    preference pair, the mean token NLL of its completion for an SFT sample. It is MACE §4.1's
+    L_DPO, the γ·L_DPO term of the item's next priority and the value CheckEnd compares with the
+    threshold.
+    """
+
+    sample_id: int
+    """The feedback item's id."""
+    tokens: int
+    """L, the tokens of one pass over the item (DPO: chosen + rejected)."""
+    loss: float
+    arrival: float
+    """t_arr of this pass: the item's acceptance time, or when CheckEnd last requeued it."""
+    passes_before: int = 0
+    """Passes over the item finished before this one (0 on its first)."""
+
+
+@dataclass(frozen=True)
+class PassVerdict:
+    """The planner's CheckEnd answer to a :class:`PassReport`: train the item again, or it is done.
+
+    ``requeued``: its loss is still above the threshold and it has run fewer than the allowed
+    passes; the next pass starts afresh with t_arr = ``arrival`` and ``loss`` in its priority.
+    ``retired``: the item is trained; the version that holds its last pass marks it consumed.
+    """
+
+    sample_id: int
+    outcome: PassOutcome
+    passes: int
+    """Passes finished so far, this one included."""
+    loss: float
+    arrival: float

@@ -23,6 +23,9 @@ from app.feedback_store import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+# These tests are about the queue and the version mechanics: no held-out slice, every publish
+# served at once. The quality gate's own tests are in tests/unit/test_gate_store.py.
+NO_GATE = {"enabled": False, "held_out_share": 0.0}
 
 
 def pair(adapter: str = "acme", i: int = 0) -> dict:
@@ -35,7 +38,7 @@ def sample(adapter: str = "tutor", i: int = 0) -> dict:
 
 @pytest.fixture
 def store(tmp_path):
-    s = FeedbackStore(tmp_path)
+    s = FeedbackStore(tmp_path, gate_defaults=NO_GATE)
     s.create_adapter({"name": "acme", "method": "dpo", "beta": 0.1, "learning_rate": 5e-4,
                       "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, "mode": "hybrid"})
     s.create_adapter({"name": "tutor", "method": "sft"})
@@ -219,7 +222,7 @@ def test_record_eval_is_shown_with_the_version(store):
 
 
 def test_concurrent_writers_threads_and_processes_share_the_file(store, tmp_path):
-    other = FeedbackStore(tmp_path)  # a second connection, as another process would have
+    other = FeedbackStore(tmp_path, gate_defaults=NO_GATE)  # a second connection, as another process would have
     errors = []
 
     def writer(s, k):
@@ -242,7 +245,7 @@ _CRASHING_WRITER = r"""
 import json, sys, time
 from app.feedback_store import FeedbackStore
 
-store = FeedbackStore(sys.argv[1])
+store = FeedbackStore(sys.argv[1], gate_defaults={"held_out_share": 0.0})
 acked = store.add_feedback([{"adapter": "acme", "prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(3)])
 print("ACK " + json.dumps(acked), flush=True)
 
@@ -281,7 +284,7 @@ def test_sigkill_in_the_middle_of_a_batch_keeps_acked_items_and_no_partial_batch
         if proc.poll() is None:
             proc.kill()
     store.close()
-    reopened = FeedbackStore(tmp_path)
+    reopened = FeedbackStore(tmp_path, gate_defaults=NO_GATE)
     assert [it.id for it in reopened.take("acme", 1000)] == acked
     assert reopened.queued("acme") == 3
     assert reopened.add_feedback([pair()])  # the write lock died with the process

@@ -187,8 +187,9 @@ def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data
     for _ in range(3):  # a few passes over the pairs, as a stream of feedback
         _feedback(app_url, [{"adapter": name, **p} for p in pairs])
     info = _wait_consumed(app_url, name, min_version=2, timeout=300)
-    latest = info["versions"][-1]
-    assert latest["version"] == info["current_version"] and latest["samples_trained"] >= 1
+    # The served version (the quality gate may have rejected a later one, or still be judging it).
+    latest = next(v for v in info["versions"] if v["version"] == info["current_version"])
+    assert latest["state"] == "served" and latest["samples_trained"] >= 1
     assert Path(latest["path"]).is_dir()
 
     trained, tok = _version_model(cfg, latest["path"])  # the directory the replicas loaded
@@ -283,10 +284,13 @@ def test_killing_the_trainer_loses_no_acknowledged_sample_and_breaks_no_version(
         done.set()
         thread.join(timeout=150)
 
-    # Every acknowledged sample is consumed by a published version (none is queued any more).
+    # Every acknowledged sample is consumed by a published version (none is queued any more), except
+    # the adapter's held-out slice, which is never trained on.
     assert info["queued"] == 0
+    held_out = {it.id for it in ray.get(store.held_out_items.remote(name, len(ids)))}
+    assert len(held_out) == info["held_out"] and held_out < set(ids)
     consumers = {}
-    for i in ids:
+    for i in sorted(set(ids) - held_out):
         item, version = ray.get(store.feedback_item.remote(i))
         assert item.adapter == name and version is not None, (i, version)
         consumers.setdefault(version, 0)

@@ -63,8 +63,10 @@ def _served(url: str, model: str) -> dict[int, int | None]:
 
 def test_each_node_trains_and_serves_its_own_copy(url):
     name, model = "local", f"{BASE}:local"
+    # No quality gate and no held-out slice: every item trains, every version is served at once.
     r = httpx.post(f"{url}/v1/adapters", json={"name": name, "method": "sft", "mode": "sync",
-                                               "learning_rate": 5e-3, "lora": {"r": 4, "alpha": 8}}, timeout=30)
+                                               "learning_rate": 5e-3, "lora": {"r": 4, "alpha": 8},
+                                               "gate": {"enabled": False, "held_out_share": 0}}, timeout=30)
     assert r.status_code == 201, r.text
     deadline, info = time.time() + 300, {}
     for round_ in range(2):  # two rounds: each node's copy gets two versions

@@ -315,6 +315,60 @@ def test_unfinished_samples_are_requeued_while_their_loss_stays_high():
     assert "x" not in s.samples and not s.in_flight
 
 
+# ---- the live protocol: the trainer reports each finished pass (report_pass) --------------------
+
+
+def _pass(sid, loss, passes_before, arrival=0.0, tokens=40):
+    """A finished pass as the planner builds it from the trainer's PassReport."""
+    return FineTuneSample(sid, tokens, arrival, dpo_loss=loss, passes=passes_before)
+
+
+def test_live_check_end_requeues_while_the_loss_stays_high_and_at_most_max_passes_times():
+    s = sched(loss_threshold=0.5, max_passes=3)
+    s.set_samples([FineTuneSample("x", 40, 0.0)])
+    assert [w.sample_id for w in s.schedule(0.0).windows] == ["x"]
+    assert s.report_pass(_pass("x", 0.9, 0), now=1.0) == "requeued"
+    x = s.samples["x"]
+    assert (x.done, x.passes, x.arrival, x.dpo_loss) == (0, 1, 1.0, 0.9)  # MACE Alg. 1 line 21: fresh t_arr
+    assert not s.in_flight  # the granted window is settled by the report
+    assert s.report_pass(_pass("x", 0.9, 1), now=2.0) == "requeued"
+    # The loss never falls, yet the third pass retires it: training terminates.
+    assert s.report_pass(_pass("x", 0.9, 2), now=3.0) == "retired"
+    assert "x" not in s.samples
+    assert s.report_pass(_pass("y", 0.4, 0), now=3.0) == "retired"  # at or below the threshold: done at once
+
+
+def test_live_check_end_needs_no_window_in_flight_and_is_off_without_a_threshold():
+    s = sched(loss_threshold=0.5, max_passes=2)
+    s.set_samples([FineTuneSample("x", 40, 0.0), FineTuneSample("y", 40, 0.0)])
+    s.schedule(0.0)
+    s.set_samples([FineTuneSample("y", 40, 0.0)])  # another grant on the node replaced the queues
+    assert s.report_pass(_pass("x", 0.9, 0), now=1.0) == "requeued"
+    assert s.samples["x"].arrival == 1.0
+    with pytest.raises(ValueError):
+        s.report_pass(_pass("z", 0.9, 0, tokens=0), now=1.0)
+    off = sched()  # loss_threshold None: one pass per sample (MACE's CheckEnd off)
+    assert off.report_pass(_pass("x", 100.0, 0), now=1.0) == "retired"
+
+
+@pytest.mark.parametrize("gamma, first", [(1.0, "b"), (0.0, "a")])
+def test_reported_loss_reorders_the_grants_of_requeued_samples(gamma, first):
+    """The live round trip: pass 1 runs in arrival order; CheckEnd requeues both with t_arr = now and
+    their losses; pass 2's grants put the higher loss first (γ·L_DPO, MACE §4.1), unless γ = 0."""
+    s = sched(weights=PriorityWeights(gamma=gamma), max_ft_samples=1, loss_threshold=0.1, max_passes=2)
+    samples = [FineTuneSample("a", 20, 0.0), FineTuneSample("b", 20, 0.5)]
+    order = []
+    for t in (1.0, 1.1):  # the trainer asks until both finished pass 1
+        s.set_samples([x for x in samples if x.sample_id not in order])
+        order += [w.sample_id for w in s.schedule(t).windows]
+    assert order == ["a", "b"]
+    verdicts = {x.sample_id: s.report_pass(_pass(x.sample_id, loss, 0, x.arrival, 20), now=2.0)
+                for x, loss in zip(samples, (0.2, 0.9))}
+    assert verdicts == {"a": "requeued", "b": "requeued"}
+    s.set_samples([FineTuneSample("a", 20, 2.0, dpo_loss=0.2), FineTuneSample("b", 20, 2.0, dpo_loss=0.9)])
+    assert [w.sample_id for w in s.schedule(2.1).windows] == [first]
+
+
 def test_partial_report_and_release_keep_the_sample():
     s = sched()
     s.add_sample(FineTuneSample("x", 100, 0.0))

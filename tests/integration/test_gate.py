@@ -1,0 +1,146 @@
+"""The quality gate on the live app: poisoned preference feedback is rejected with the gate on and served with it off.
+
+Real engine, real Ray Train workers and real DPO steps on the embedded tiny model (the session
+app of tests/conftest.py). The pairs differ in one systematic, learnable way: a chosen answer
+always ends in one phrase and a rejected one in another of the same length, so a few DPO steps
+flip which one the model prefers. Poisoned pairs swap the two.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from bench.gate import synthetic_pairs
+
+BASE = "tiny-llama"
+READY_S = 300
+SETTLE_S = 240
+GOOD_PAIRS, POISONED_PAIRS = 24, 24
+SLICE = 6  # held-out items scored: the first 24 pairs at share 0.25 hold out exactly 6 (the oldest are scored)
+
+
+def _get(url: str, path: str) -> dict:
+    r = httpx.get(f"{url}{path}", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _error(r: httpx.Response, status: int, *words: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status
+    for w in words:
+        assert w.lower() in err["message"].lower(), err["message"]
+
+
+def _served(info: dict) -> dict | None:
+    return next((v for v in info["versions"] if v["version"] == info["current_version"]), None)
+
+
+def _settle(url: str, name: str) -> dict:
+    """Wait until the adapter trained what it can (queue empty, or paused), no candidate waits for the gate,
+    and the served version has its held-out win rate (with the gate off it is scored after serving)."""
+    deadline, info = time.time() + SETTLE_S, {}
+    while time.time() < deadline:
+        info = _get(url, f"/v1/adapters/{name}")
+        served = _served(info)
+        if ((info["queued"] == 0 or info["paused_reason"]) and served is not None
+                and all(v["state"] != "candidate" for v in info["versions"]) and served["win_rate"] is not None):
+            return info
+        time.sleep(0.5)
+    pytest.fail(f"{name} did not settle within {SETTLE_S}s: {info}, trainer: {_get(url, '/v1/status')['training']}")
+
+
+@pytest.fixture(scope="module")
+def trainer(app_url) -> dict:
+    deadline, st = time.time() + READY_S, {}
+    while time.time() < deadline:
+        st = _get(app_url, "/v1/status").get("training") or {}
+        if st.get("state") in ("disabled", "unavailable", "failed"):
+            pytest.skip(f"trainer not usable: {st}")
+        if st.get("state") == "running" and st.get("workers"):
+            return st
+        time.sleep(1)
+    pytest.fail(f"trainer not running within {READY_S}s: {st}")
+
+
+def test_the_gate_keeps_poisoned_feedback_from_being_served(app_url, trainer):
+    t0 = time.time()
+    gates = {"gate-on": {"enabled": True, "margin": 0.02, "pause_after_rejections": 3},
+             "gate-off": {"enabled": False}}
+    for name, gate in gates.items():
+        r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
+            "name": name, "method": "dpo", "beta": 0.1, "learning_rate": 1e-2, "mode": "sync",
+            "lora": {"r": 8, "alpha": 16}, "gate": {**gate, "held_out_share": 0.25, "max_eval_items": SLICE}})
+        assert r.status_code == 201, r.text
+        assert r.json()["gate"]["enabled"] is gate["enabled"]
+
+    # 1. Good feedback: both adapters learn to prefer GOOD on their held-out pairs.
+    for name in gates:
+        r = httpx.post(f"{app_url}/v1/feedback", json=[{"adapter": name, **p} for p in synthetic_pairs(0, GOOD_PAIRS)],
+                       timeout=60)
+        assert r.status_code == 202, r.text
+    before = {name: _settle(app_url, name) for name in gates}
+    for name, info in before.items():
+        assert info["held_out"] == SLICE and _served(info)["eval_items"] == SLICE, info
+        assert _served(info)["win_rate"] >= 0.5, info  # the base model prefers BAD: 0.0 on these pairs
+    print(f"good feedback settled after {time.time() - t0:.0f}s: "
+          + ", ".join(f"{n} v{i['current_version']} win rate {_served(i)['win_rate']:.2f}" for n, i in before.items()))
+
+    # 2. Poisoned feedback (chosen and rejected swapped).
+    for name in gates:
+        r = httpx.post(f"{app_url}/v1/feedback", timeout=60, json=[
+            {"adapter": name, **p} for p in synthetic_pairs(100, POISONED_PAIRS, poisoned=True)])
+        assert r.status_code == 202, r.text
+    after = {name: _settle(app_url, name) for name in gates}
+    on, off = after["gate-on"], after["gate-off"]
+    win = {name: (_served(before[name])["win_rate"], _served(after[name])["win_rate"]) for name in gates}
+    rejected = [v for v in on["versions"] if v["state"] == "rejected"]
+    print(f"after poisoning ({time.time() - t0:.0f}s): served held-out win rate {win}; "
+          f"gate-on rejected {[v['version'] for v in rejected]}, paused: {on['paused_reason']}")
+
+    # Gate on: the served version's held-out win rate did not fall by more than 2 points, and the
+    # gate rejected poisoned versions, each kept with its scores and the reason.
+    assert win["gate-on"][1] >= win["gate-on"][0] - 0.02, (win, on["versions"])
+    assert rejected, on["versions"]
+    for v in rejected:
+        assert v["score"] is not None and v["baseline_score"] is not None and "worse" in v["reason"], v
+        assert v["path"] and v["eval_items"] == SLICE
+    assert on["rejections"] == len(rejected) and on["promotions"] >= 1
+    if on["paused_reason"]:
+        assert "in a row rejected by the quality gate" in on["paused_reason"]
+    # Gate off: every version was served, and the served win rate fell.
+    assert all(v["state"] == "served" for v in off["versions"]) and off["rejections"] == 0
+    assert win["gate-off"][1] <= win["gate-off"][0] - 0.25, (win, off["versions"])
+
+    # Prometheus counts the gate's decisions per adapter.
+    metrics = httpx.get(f"{app_url}/metrics", timeout=30).text
+    assert f'coserve_adapter_rejections_total{{adapter="gate-on"}} {float(len(rejected))}' in metrics
+    assert 'coserve_adapter_rejections_total{adapter="gate-off"} 0.0' in metrics
+
+    # 3. A rejected version can still be served by hand, and rolled back from.
+    model = f"{BASE}:gate-on"
+    _error(httpx.post(f"{app_url}/v1/adapters/gate-on/rollback", json={"version": rejected[0]["version"]}), 409,
+           "promote")
+    _error(httpx.post(f"{app_url}/v1/adapters/gate-on/promote", json={"version": "2"}), 400, "version")
+    _error(httpx.post(f"{app_url}/v1/adapters/gate-on/promote", json={"version": 1, "why": "x"}), 400, "why")
+    _error(httpx.post(f"{app_url}/v1/adapters/gate-on/promote", json={"version": 999}), 404, "999")
+    _error(httpx.post(f"{app_url}/v1/adapters/ghost/promote", json={"version": 1}), 404, "ghost")
+    httpx.patch(f"{app_url}/v1/adapters/gate-on", json={"mode": "off"}, timeout=30).raise_for_status()  # hold still
+    r = httpx.post(f"{app_url}/v1/adapters/gate-on/promote", json={"version": rejected[-1]["version"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    promoted = r.json()
+    assert promoted["current_version"] == rejected[-1]["version"] and promoted["paused_reason"] is None
+    assert _served(promoted)["state"] == "served" and "promoted" in _served(promoted)["reason"]
+    nodes = [n for n in _get(app_url, "/v1/status")["nodes"] if n["state"] == "ready"]
+    assert nodes and all(n["adapters"].get(model) == rejected[-1]["version"] for n in nodes), nodes
+    back = max(v["version"] for v in promoted["versions"] if v["state"] == "served"
+               and v["version"] < rejected[-1]["version"])
+    r = httpx.post(f"{app_url}/v1/adapters/gate-on/rollback", json={"version": back}, timeout=60)
+    assert r.status_code == 200, r.text
+    states = {v["version"]: v["state"] for v in r.json()["versions"]}
+    assert r.json()["current_version"] == back and states[rejected[-1]["version"]] == "rolled_back"
+    print(f"test took {time.time() - t0:.0f}s")
