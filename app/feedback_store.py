@@ -10,7 +10,8 @@ Tables (schema version 1, see ``docs/learning.md``):
   :meth:`FeedbackStore.publish_version` flips it to published and, in the same transaction,
   marks the feedback it trained on as consumed. Rows are never deleted.
 - ``feedback``: SFT samples and preference pairs; ``consumed_by_version`` stays NULL until a
-  published version trained on the item (at-least-once training, never lost). ``held_out`` marks
+  published version trained on the item (at-least-once training, never lost); with an adapter's
+  ``epochs`` > 1, until that many published versions did (``passes`` counts them). ``held_out`` marks
   the adapter's held-out slice (chosen when the item is stored, :func:`is_held_out`): never trained on.
 
 The quality gate (schema 3): with an adapter's gate on, a published version is a ``candidate`` that
@@ -46,7 +47,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 3  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate
+SCHEMA_VERSION = 4  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs
 DB_FILENAME = "feedback.sqlite3"
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
@@ -189,6 +190,9 @@ class AdapterSpec(_Strict):
     periodic: PeriodicSettings = Field(default_factory=PeriodicSettings)
     gate: GateOverrides = Field(default_factory=GateOverrides,
                                 description="This adapter's quality-gate settings; unset fields follow training.gate.")
+    epochs: int = Field(
+        1, ge=1, le=100, description="Passes over each feedback item, each in a different version: an item stays "
+                                     "queued until this many published versions trained on it (new items go first).")
 
     @model_validator(mode="after")
     def _periodic_has_trigger(self) -> AdapterSpec:
@@ -472,7 +476,8 @@ CREATE TABLE IF NOT EXISTS adapters (
     paused_reason     TEXT,                      -- why training is paused, NULL: it runs
     rejections_in_row INTEGER NOT NULL DEFAULT 0,  -- gate rejections since the last served version
     promotions_total  INTEGER NOT NULL DEFAULT 0,  -- versions served by the gate or a promotion (a counter)
-    rejections_total  INTEGER NOT NULL DEFAULT 0   -- versions the gate rejected (a counter)
+    rejections_total  INTEGER NOT NULL DEFAULT 0,  -- versions the gate rejected (a counter)
+    epochs            INTEGER NOT NULL DEFAULT 1   -- versions that train on each item before it is consumed
 );
 CREATE TABLE IF NOT EXISTS versions (
     adapter           TEXT NOT NULL REFERENCES adapters(name),
@@ -516,17 +521,20 @@ CREATE TABLE IF NOT EXISTS feedback (
     node              INTEGER,                   -- per_node scope: the node that trains on it, NULL: any
     messages          TEXT,                      -- JSON chat turns (then prompt is ''), NULL: raw prompt
     held_out          INTEGER NOT NULL DEFAULT 0,  -- 1: the adapter's held-out slice, never trained on
+    passes            INTEGER NOT NULL DEFAULT 0,  -- published versions that trained on it (consumed at epochs)
     CHECK ((kind = 'sft' AND completion IS NOT NULL AND chosen IS NULL AND rejected IS NULL)
         OR (kind = 'preference' AND completion IS NULL AND chosen IS NOT NULL AND rejected IS NOT NULL))
 );
 CREATE INDEX IF NOT EXISTS feedback_queue ON feedback (adapter, consumed_by_version, id);
 -- The queue and the held-out slice without scanning the other: held-out items are never consumed.
 CREATE INDEX IF NOT EXISTS feedback_open ON feedback (adapter, held_out, consumed_by_version, id);
+-- take(): fewest passes first (new feedback before another epoch of older items), then oldest.
+CREATE INDEX IF NOT EXISTS feedback_epochs ON feedback (adapter, held_out, consumed_by_version, passes, id);
 """
 
-UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused"})
+UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused", "epochs"})
 _ADAPTER_COLS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
-                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at")
+                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs")
 _VERSION_COLS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
                  "loss, win_rate, clpd, node, state, reason, score, baseline_version, baseline_score, token_logprob, "
                  "eval_items, decided_at")
@@ -541,7 +549,9 @@ _ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER
                   ("versions", "reason", "TEXT"), ("versions", "score", "REAL"),
                   ("versions", "baseline_version", "INTEGER"), ("versions", "baseline_score", "REAL"),
                   ("versions", "token_logprob", "REAL"), ("versions", "eval_items", "INTEGER"),
-                  ("versions", "decided_at", "REAL"), ("feedback", "held_out", "INTEGER NOT NULL DEFAULT 0"))
+                  ("versions", "decided_at", "REAL"), ("feedback", "held_out", "INTEGER NOT NULL DEFAULT 0"),
+                  # schema 4: epochs
+                  ("adapters", "epochs", "INTEGER NOT NULL DEFAULT 1"), ("feedback", "passes", "INTEGER NOT NULL DEFAULT 0"))
 _ITEM_COLS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages"
 
 
@@ -592,6 +602,8 @@ class FeedbackStore:
                 db.execute("UPDATE versions SET state = 'rolled_back' WHERE state = 'served' AND node IS NOT NULL "
                            "AND version > (SELECT version FROM node_heads h WHERE h.adapter = versions.adapter "
                            "AND h.node = versions.node)")
+            if found < 4:
+                db.execute("UPDATE feedback SET passes = 1 WHERE consumed_by_version IS NOT NULL AND passes = 0")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextmanager
@@ -628,10 +640,10 @@ class FeedbackStore:
             if db.execute("SELECT 1 FROM adapters WHERE name = ?", (spec.name,)).fetchone():
                 raise AdapterExists(f"adapter {spec.name!r} already exists")
             db.execute(
-                f"INSERT INTO adapters ({_ADAPTER_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO adapters ({_ADAPTER_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (spec.name, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
                  json.dumps(spec.lora.target_modules), spec.lora.dropout, spec.mode, spec.periodic.every_seconds,
-                 spec.periodic.every_samples, None, time.time()),
+                 spec.periodic.every_samples, None, time.time(), spec.epochs),
             )
             db.execute("UPDATE adapters SET gate = ? WHERE name = ?", (_overrides_json(spec.gate), spec.name))
             return self._adapter_info(db, spec.name)
@@ -652,7 +664,8 @@ class FeedbackStore:
                                   for k in fixed])
         with self._tx() as db:
             info = self._adapter_info(db, name)
-            current = info.model_dump(include={"name", "method", "beta", "learning_rate", "lora", "mode", "periodic"})
+            current = info.model_dump(include={"name", "method", "beta", "learning_rate", "lora", "mode", "periodic",
+                                                "epochs"})
             if "periodic" in changes and isinstance(changes["periodic"], Mapping):
                 changes = {**changes, "periodic": {**current["periodic"], **changes["periodic"]}}
             gate_changes, paused = changes.get("gate"), changes.get("paused")
@@ -667,9 +680,9 @@ class FeedbackStore:
             if paused is not None and not isinstance(paused, bool):
                 raise InvalidRequest("paused: expected true or false")
             db.execute("UPDATE adapters SET mode = ?, learning_rate = ?, beta = ?, periodic_every_seconds = ?, "
-                       "periodic_every_samples = ?, gate = ? WHERE name = ?",
+                       "periodic_every_samples = ?, gate = ?, epochs = ? WHERE name = ?",
                        (spec.mode, spec.learning_rate, spec.beta, spec.periodic.every_seconds,
-                        spec.periodic.every_samples, _overrides_json(gate), name))
+                        spec.periodic.every_samples, _overrides_json(gate), spec.epochs, name))
             if paused is False:
                 db.execute("UPDATE adapters SET paused_reason = NULL, rejections_in_row = 0 WHERE name = ?", (name,))
             elif paused is True and info.paused_reason is None:
@@ -711,7 +724,7 @@ class FeedbackStore:
 
     def _adapter_info(self, db: sqlite3.Connection, name: str) -> AdapterInfo:
         (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
-         created) = self._adapter_row(db, name)
+         created, epochs) = self._adapter_row(db, name)
         versions = [_version(row) for row in db.execute(
             f"SELECT {_VERSION_COLS} FROM versions WHERE adapter = ? AND published = 1 ORDER BY version", (name,))]
         queued, oldest = db.execute(
@@ -723,7 +736,7 @@ class FeedbackStore:
             name=name, method=method, beta=beta, learning_rate=lr,
             lora=LoraSettings(r=r, alpha=alpha, target_modules=json.loads(targets), dropout=dropout),
             mode=mode, periodic=PeriodicSettings(every_seconds=every_s, every_samples=every_n),
-            created_at=created, current_version=current, versions=versions, queued=queued,
+            created_at=created, current_version=current, versions=versions, queued=queued, epochs=epochs,
             oldest_queued_at=oldest, last_published_at=max((v.published_at for v in versions), default=None),
             node_versions=dict(db.execute("SELECT node, version FROM node_heads WHERE adapter = ? ORDER BY node",
                                           (name,)).fetchall()),
@@ -803,7 +816,10 @@ class FeedbackStore:
 
     def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = (),
              node: int | None = None) -> list[FeedbackItem]:
-        """Up to ``limit`` unconsumed items of ``adapter``, oldest first, not marking them (see publish_version).
+        """Up to ``limit`` unconsumed items of ``adapter``, not marking them (see publish_version).
+
+        Fewest passes first, then oldest: with ``epochs`` > 1 new feedback trains before another
+        epoch of older items, and an epoch goes round every queued item before the next starts.
 
         ``exclude_ids``: items the caller already holds (trained into a version not yet published).
         ``node`` (per_node scope): only the items routed to that node.
@@ -816,7 +832,7 @@ class FeedbackStore:
             # At most len(exclude) of the oldest rows can be excluded, so one bounded query suffices.
             rows = db.execute(
                 f"SELECT {_ITEM_COLS} FROM feedback WHERE adapter = ? AND held_out = 0 AND consumed_by_version IS NULL "
-                "AND (? IS NULL OR node = ?) ORDER BY id LIMIT ?",
+                "AND (? IS NULL OR node = ?) ORDER BY passes, id LIMIT ?",
                 (adapter, node, node, limit + len(exclude))).fetchall()
         return [FeedbackItem.from_row(row) for row in rows if row[0] not in exclude][:limit]
 
@@ -890,12 +906,14 @@ class FeedbackStore:
     def publish_version(self, adapter: str, version: int, path: str | Path, item_ids: Iterable[int],
                         samples_trained: int, loss: float | None, *, check_parent: bool = True,
                         gated: bool | None = None) -> VersionInfo:
-        """Publish a reserved version and mark ``item_ids`` consumed by it: one transaction.
+        """Publish a reserved version and count its pass over ``item_ids``: one transaction.
 
         With the adapter's quality gate on (``gated`` None: its settings decide) the version becomes a
-        ``candidate``: complete and durable, its items consumed, but not served until
+        ``candidate``: complete and durable, its pass over its items counted, but not served until
         :meth:`decide_version` passes it. With the gate off it is ``served`` and current at once.
-        Items already consumed by another version keep their first consumer. With ``check_parent``,
+        Each of ``item_ids`` counts one pass; it is consumed by the version that makes its passes reach
+        the adapter's ``epochs`` (1: this one), and stays queued until then. Items already consumed by
+        another version keep their first consumer. With ``check_parent``,
         raises :class:`VersionConflict` (and changes nothing) if the current version moved since
         the reservation (e.g. a rollback): the trainer should reload the current version and retrain.
         """
@@ -920,8 +938,11 @@ class FeedbackStore:
                        (now, str(path), samples_trained, loss, "candidate" if gated else "served",
                         "waiting for the quality gate" if gated else "served at once: the quality gate is off",
                         None if gated else now, adapter, version))
-            db.executemany("UPDATE feedback SET consumed_by_version = ? WHERE id = ? AND consumed_by_version IS NULL",
-                           [(version, i) for i in ids])
+            # One more pass each; consumed (no longer queued) once the adapter's epochs are done.
+            epochs = db.execute("SELECT epochs FROM adapters WHERE name = ?", (adapter,)).fetchone()[0]
+            db.executemany("UPDATE feedback SET passes = passes + 1, consumed_by_version = CASE WHEN passes + 1 >= ? "
+                           "THEN ? END WHERE id = ? AND consumed_by_version IS NULL",
+                           [(epochs, version, i) for i in ids])
             if not gated:
                 self._set_current(db, adapter, version, v.node)
             return self._version(db, adapter, version)

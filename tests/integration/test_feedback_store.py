@@ -177,6 +177,28 @@ def test_take_does_not_consume_and_publish_consumes_in_one_step(store):
     assert store.queued("acme") == 2  # the refused publish marked nothing
 
 
+def test_epochs_keep_each_item_queued_until_that_many_versions_trained_on_it(store):
+    info = store.update_adapter("tutor", {"epochs": 2})
+    assert info.epochs == 2
+    old = store.add_feedback([sample(i=i) for i in range(3)])
+    v1 = store.reserve_version("tutor").version
+    store.publish_version("tutor", v1, "/v1", old[:2], samples_trained=2, loss=1.0)
+    # One pass each: still queued; the untrained item comes first, then the second epoch, oldest first.
+    assert store.queued("tutor") == 3 and store.feedback_item(old[0])[1] is None
+    new = store.add_feedback([sample(i=9)])
+    assert [it.id for it in store.take("tutor", 10)] == [old[2], new[0], old[0], old[1]]
+    v2 = store.reserve_version("tutor").version
+    store.publish_version("tutor", v2, "/v2", [old[2], new[0], old[0]], samples_trained=3, loss=0.5)
+    # old[0] had its second pass in v2 and is consumed by it; the others wait for their second.
+    assert store.feedback_item(old[0])[1] == v2 and store.feedback_item(old[2])[1] is None
+    assert [it.id for it in store.take("tutor", 10)] == [old[1], old[2], new[0]]
+    assert store.queued("tutor") == 3
+    with pytest.raises(InvalidRequest, match="epochs"):
+        store.update_adapter("tutor", {"epochs": 0})
+    assert store.get_adapter("tutor").epochs == 2
+    assert store.get_adapter("acme").epochs == 1  # the default: one pass, consumed by its first version
+
+
 def test_crashed_trainer_leaves_items_queued_and_never_reuses_a_version(store):
     ids = store.add_feedback([pair(i=i) for i in range(3)])
     lost = store.reserve_version("acme")  # trained, wrote v1, died before publishing

@@ -230,6 +230,21 @@ def test_training_after_a_rollback_starts_from_the_rolled_back_version(app_url, 
         time.sleep(0.2)
 
 
+def test_epochs_train_every_item_that_many_times_in_successive_versions(app_url, trainer):
+    name = "learn-epochs"
+    info = _create(app_url, name, method="sft", mode="sync", learning_rate=5e-3, lora={"r": 4, "alpha": 8}, epochs=3,
+                   gate={"enabled": False, "held_out_share": 0.0})
+    assert info["epochs"] == 3
+    _feedback(app_url, [{"adapter": name, "prompt": f"Epoch item {i}:", "completion": f" answer {i}."}
+                        for i in range(4)])  # one micro-batch: each version trains all four once
+    info = _wait_consumed(app_url, name, min_version=1)
+    # Four items, three epochs: 12 samples trained, in three versions of four (one pass each per version).
+    assert [v["samples_trained"] for v in info["versions"]] == [4, 4, 4], info["versions"]
+    assert info["queued"] == 0
+    r = httpx.patch(f"{app_url}/v1/adapters/{name}", json={"epochs": 0}, timeout=30)
+    assert r.status_code == 400 and "epochs" in r.json()["error"]["message"], r.text
+
+
 # ---- faults: kill the trainer's worker and the Trainer actor mid-training --------------------
 
 

@@ -7,6 +7,7 @@ import sqlite3
 import pytest
 
 from app.feedback_store import (
+    SCHEMA_VERSION,
     FeedbackStore,
     InvalidRequest,
     UnknownAdapter,
@@ -274,7 +275,7 @@ def test_a_schema_2_database_gets_version_states_and_the_gate_columns(tmp_path):
     assert [(v.version, v.state) for v in info.versions] == [(1, "served"), (2, "rolled_back")]
     assert (info.queued, info.held_out, info.paused_reason, info.gate.enabled) == (1, 0, None, True)
     assert s.get_version("old", 3).state is None  # reserved, never published
-    assert s._conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert s._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     s.close()
 
 
