@@ -59,6 +59,8 @@ class Result:
     seconds_to_first_behaviour: float | None
     seconds_to_all_trained: float
     versions: int
+    rejected: int = 0  # versions the quality gate rejected (kept, not served)
+    held_out: int = 0  # feedback items the adapter kept out of training for the gate
     facts_base: list[bool] = field(default_factory=list)
     facts_adapter: list[bool] = field(default_factory=list)
     examples: list[tuple[str, str]] = field(default_factory=list)
@@ -107,7 +109,7 @@ def first_sentences(text: str, max_chars: int = 240) -> str:
 
 def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", base: str = MODEL,
         learning_rate: float = 2e-3, batch: int = 8, timeout_s: float = 900, answer_tokens: int = 48,
-        log=print) -> Result:
+        epochs: int = 1, log=print) -> Result:
     """Teach ``adapter`` the phrase from ``samples`` chat feedback items and measure it on the rest of ``prompts``."""
     train, held_out = prompts[:samples], prompts[samples:]
     served = f"{base}:{adapter}"
@@ -117,7 +119,7 @@ def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", 
     facts_base = [bool(re.search(pat, a)) for (_, pat), a in zip(FACTS, answers(url, base, [q for q, _ in FACTS], 48))]
 
     r = httpx.post(f"{url}/v1/adapters", json={
-        "name": adapter, "method": "sft", "learning_rate": learning_rate, "mode": "sync",
+        "name": adapter, "method": "sft", "learning_rate": learning_rate, "mode": "sync", "epochs": epochs,
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}, timeout=30)
     if r.status_code != 201:
         raise RuntimeError(f"creating adapter {adapter}: {r.status_code} {r.text}")
@@ -147,7 +149,9 @@ def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", 
     deadline = t0 + timeout_s
     while True:
         info = httpx.get(f"{url}/v1/adapters/{adapter}", timeout=30).json()
-        if info["queued"] == 0 and info["current_version"] is not None:
+        # Trained, and the quality gate has decided the last candidate (or paused the adapter).
+        settled = all(v["state"] != "candidate" for v in info["versions"])
+        if ((info["queued"] == 0 or info["paused_reason"]) and settled and info["current_version"] is not None):
             break
         if time.time() > deadline:
             stop.set()
@@ -165,6 +169,7 @@ def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", 
         adapter_share=sum(map(shows, tuned_eval)) / len(held_out),
         seconds_to_first_behaviour=round(first_seen[0] - t0, 1) if first_seen else None,
         seconds_to_all_trained=round(trained_s, 1), versions=len(info["versions"]),
+        rejected=sum(v["state"] == "rejected" for v in info["versions"]), held_out=info["held_out"],
         facts_base=facts_base, facts_adapter=facts_tuned,
         examples=list(zip(held_out[:3], tuned_eval[:3])))
 
@@ -176,8 +181,9 @@ def table(res: Result) -> str:
              f"{res.base_share:.0%}", f"{res.adapter_share:.0%}"),
             ("factual answers still correct", facts(res.facts_base), facts(res.facts_adapter)),
             ("seconds from first feedback to first served answer showing it", "", res.seconds_to_first_behaviour),
-            ("seconds until every sample was trained and published", "", res.seconds_to_all_trained),
-            ("versions published", "", res.versions)]
+            ("seconds until every sample was trained and judged by the gate", "", res.seconds_to_all_trained),
+            ("versions published (rejected by the quality gate)", "", f"{res.versions} ({res.rejected})"),
+            ("feedback items held out for the gate (never trained)", "", res.held_out)]
     out = ["| | base model | base:adapter |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(out)
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval", type=int, default=50, help="unseen prompts measured")
     p.add_argument("--prompts", default=str(PROMPTS))
     p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--epochs", type=int, default=1, help="versions that train on each sample (the adapter's epochs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the result here")
     a = p.parse_args(argv)
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         start_app(cfg, port)
         wait_ready(url)
     try:
-        res = run(url, prompts, a.samples, learning_rate=a.learning_rate)
+        res = run(url, prompts, a.samples, learning_rate=a.learning_rate, epochs=a.epochs)
     finally:
         if a.url is None:
             stop_app()

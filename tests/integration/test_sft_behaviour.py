@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from bench.sft_behaviour import MODEL, load_prompts, run
+from bench.sft_behaviour import MODEL, load_prompts, run, table
 
 READY_S = 600
 
@@ -48,7 +48,8 @@ def sft_url(app_url, smollm2_dir, data_dir):
 
 def test_chat_feedback_teaches_a_visible_behaviour_and_keeps_facts(sft_url, shared_data):
     prompts = load_prompts(shared_data / "prompts" / "sharegpt_sample.jsonl", 24 + 12)
-    res = run(sft_url, prompts, 24, learning_rate=3e-3, timeout_s=600, log=lambda *_: None)
+    res = run(sft_url, prompts, 24, learning_rate=3e-3, epochs=2, timeout_s=600, log=lambda *_: None)
+    print(table(res))
     assert res.base_share <= 0.1, res
     assert res.adapter_share >= 0.6, res  # 64 samples at 2e-3 gave 98% (docs/benchmarks.md)
     assert res.seconds_to_first_behaviour is not None, res
