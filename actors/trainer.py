@@ -836,7 +836,8 @@ class _Evaluator:
         self._candidates: deque[dict[str, Any]] = deque()
         self._served: dict[str, dict[str, Any]] = {}  # adapter -> newest version served without the gate
         self._judging: dict[str, int] = {}  # adapter -> its candidates not decided yet
-        self._scores: dict[tuple[str, int | None, str], dict[str, float]] = {}  # (adapter, version, slice) -> scores
+        # (adapter, version, "held-out" or "eval-file") -> {item id (eval file: index) -> its own score}
+        self._scores: dict[tuple[str, int | None, str], dict[int, Any]] = {}
         self._cv = threading.Condition()
         threading.Thread(target=self._run, name="evaluator", daemon=True).start()
 
@@ -913,29 +914,47 @@ class _Evaluator:
 
     def _score(self, adapter: str, version: int | None, path: str | None, info: Any, items: list[Any],
                key: str) -> dict[str, float]:
-        """Held-out scores of one version (``path`` None: the base model) on ``items``, cached per slice."""
-        from app.lora_training import evaluate_completions, evaluate_preferences, load_lora_model
+        """Held-out scores of one version (``path`` None: the base model) on ``items``.
 
-        cached = self._scores.get((adapter, version, key))
-        if cached is not None:
-            return cached
-        # A fresh LoRA has B = 0: exactly the base model, for comparisons before the first served version.
-        model, tok = load_lora_model(self.worker.model_dir, info.lora.model_dump(), adapter_dir=path)
-        try:
-            if info.method == "dpo":
-                ev = evaluate_preferences(model, tok, items, max_length=self.t.max_length)
-                out = {"score": ev.win_rate, "win_rate": ev.win_rate, "clpd": ev.clpd}
-            else:
-                # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
-                field = "completion" if key.startswith("held-out") else "chosen"
-                ev = evaluate_completions(model, tok, items, field=field, max_length=self.t.max_length)
-                out = {"score": ev.token_logprob, "token_logprob": ev.token_logprob}
-        finally:
-            del model
-        if len(self._scores) >= self.MAX_CACHED:
+        Each item's own score (a pair's log-probability difference, a completion's log-likelihood
+        and token count) is cached per version, so while the held-out slice grows toward
+        ``max_eval_items`` only its new items are scored, and the served version, scored before,
+        costs nothing more.
+        """
+        from app.lora_training import (
+            completion_eval,
+            evaluate_completions,
+            evaluate_preferences,
+            load_lora_model,
+            preference_eval,
+        )
+
+        held_out = key.startswith("held-out")
+        ids = [it.id for it in items] if held_out else list(range(len(items)))
+        cache_key = (adapter, version, "held-out" if held_out else "eval-file")
+        if cache_key not in self._scores and len(self._scores) >= self.MAX_CACHED:
             self._scores.clear()
-        self._scores[(adapter, version, key)] = out
-        return out
+        cached = self._scores.setdefault(cache_key, {})
+        missing = [(i, it) for i, it in zip(ids, items) if i not in cached]
+        if missing:
+            # A fresh LoRA has B = 0: exactly the base model, for comparisons before the first served version.
+            model, tok = load_lora_model(self.worker.model_dir, info.lora.model_dump(), adapter_dir=path)
+            todo = [it for _, it in missing]
+            try:
+                if info.method == "dpo":
+                    found = evaluate_preferences(model, tok, todo, max_length=self.t.max_length).diffs
+                else:
+                    # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
+                    found = evaluate_completions(model, tok, todo, field="completion" if held_out else "chosen",
+                                                 max_length=self.t.max_length).per_item
+            finally:
+                del model
+            cached.update(zip((i for i, _ in missing), found))
+        if info.method == "dpo":
+            ev = preference_eval([cached[i] for i in ids])
+            return {"score": ev.win_rate, "win_rate": ev.win_rate, "clpd": ev.clpd}
+        tokens = completion_eval([cached[i] for i in ids])
+        return {"score": tokens.token_logprob, "token_logprob": tokens.token_logprob}
 
     # ---- the gate --------------------------------------------------------------------------------
 

@@ -76,6 +76,7 @@ class PreferenceEval:
     win_rate: float
     clpd: float
     pairs: int
+    diffs: tuple[float, ...] = ()  # log π(y⁺|x) − log π(y⁻|x) of each pair, in order
 
 
 @dataclass(frozen=True)
@@ -651,9 +652,7 @@ def evaluate_preferences(model: Any, tokenizer: Any, pairs: Sequence[Any], *, ba
                                  batch_size=batch_size, max_length=max_length, templated=[t.templated for t in texts])
 
     chosen, rejected = score("chosen"), score("rejected")
-    diffs = [c - r for c, r in zip(chosen, rejected)]
-    return PreferenceEval(win_rate=sum(d > 0 for d in diffs) / len(diffs), clpd=sum(diffs) / len(diffs),
-                          pairs=len(diffs))
+    return preference_eval([c - r for c, r in zip(chosen, rejected)])
 
 
 @dataclass(frozen=True)
@@ -663,6 +662,7 @@ class CompletionEval:
     token_logprob: float  # Σ log π(completion tokens) / number of completion tokens, over all items
     items: int
     tokens: int
+    per_item: tuple[tuple[float, int], ...] = ()  # (Σ log π over its completion tokens, their number), in order
 
 
 def evaluate_completions(model: Any, tokenizer: Any, items: Sequence[Any], *, field: str = "completion",
@@ -675,15 +675,29 @@ def evaluate_completions(model: Any, tokenizer: Any, items: Sequence[Any], *, fi
     """
     if not items:
         raise ValueError("evaluate_completions needs at least one item")
-    total, tokens = 0.0, 0
+    per_item: list[tuple[float, int]] = []
     with torch.no_grad(), _mode(model, False):
         for i in range(0, len(items), batch_size):
             texts = [prompted_text(tokenizer, it, field) for it in items[i: i + batch_size]]
             enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
                          templated=[t.templated for t in texts])
-            total += float(completion_logprobs(model, enc).sum())
-            tokens += int(enc.completion_mask[:, 1:].sum())
-    return CompletionEval(token_logprob=total / max(tokens, 1), items=len(items), tokens=tokens)
+            sums = completion_logprobs(model, enc).tolist()
+            counts = enc.completion_mask[:, 1:].sum(dim=1).tolist()
+            per_item += [(float(s), int(n)) for s, n in zip(sums, counts)]
+    return completion_eval(per_item)
+
+
+def completion_eval(per_item: Sequence[tuple[float, int]]) -> CompletionEval:
+    """The set's score from its items' (log-likelihood sum, token count): the token mean over all of them."""
+    total, tokens = sum(s for s, _ in per_item), sum(n for _, n in per_item)
+    return CompletionEval(token_logprob=total / max(tokens, 1), items=len(per_item), tokens=tokens,
+                          per_item=tuple(per_item))
+
+
+def preference_eval(diffs: Sequence[float]) -> PreferenceEval:
+    """MACE §3.1's win rate and CLPD from each pair's log π(y⁺|x) − log π(y⁻|x)."""
+    return PreferenceEval(win_rate=sum(d > 0 for d in diffs) / len(diffs), clpd=sum(diffs) / len(diffs),
+                          pairs=len(diffs), diffs=tuple(diffs))
 
 
 def read_preference_jsonl(path: str | Path, *, limit: int | None = None,

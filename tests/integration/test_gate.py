@@ -144,3 +144,46 @@ def test_the_gate_keeps_poisoned_feedback_from_being_served(app_url, trainer):
     states = {v["version"]: v["state"] for v in r.json()["versions"]}
     assert r.json()["current_version"] == back and states[rejected[-1]["version"]] == "rolled_back"
     print(f"test took {time.time() - t0:.0f}s")
+
+
+def test_the_gate_rejects_an_sft_version_that_degrades_the_held_out_answers(app_url, trainer):
+    """The sft gate's score is the held-out completions' log-likelihood per token: an adapter taught garbage
+    (like the first "Arr matey!" try of issue 11, which answered "🍰🍰🍰🍰🍰") scores lower and is not served."""
+    name = "gate-sft"
+    r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
+        "name": name, "method": "sft", "learning_rate": 2e-2, "mode": "sync", "lora": {"r": 8, "alpha": 16},
+        "gate": {"enabled": True, "margin": 0.02, "held_out_share": 0.25, "max_eval_items": 4,
+                 "pause_after_rejections": 2}})
+    assert r.status_code == 201, r.text
+    good = [{"adapter": name, "prompt": f"Q{i}: what do you say to {t}?\nA:", "completion": " Hello, nice to meet you."}
+            for i, t in enumerate(["Ann", "Bob", "Cy", "Di", "Ed", "Flo", "Gus", "Hal", "Ida", "Jo", "Kim", "Lu",
+                                   "Max", "Ned", "Oz", "Pam"])]
+    assert httpx.post(f"{app_url}/v1/feedback", json=good, timeout=60).status_code == 202
+    before = _settle_sft(app_url, name)
+    served_before = _served(before)
+    assert served_before is not None and served_before["token_logprob"] is not None, before
+    assert before["held_out"] == 4 and served_before["eval_items"] == 4
+
+    garbage = [{"adapter": name, "prompt": f"Q{i}: what do you say to Zed?\nA:", "completion": " 🍰🍰🍰🍰🍰🍰🍰🍰"}
+               for i in range(100, 116)]
+    assert httpx.post(f"{app_url}/v1/feedback", json=garbage, timeout=60).status_code == 202
+    after = _settle_sft(app_url, name)
+    rejected = [v for v in after["versions"] if v["state"] == "rejected"]
+    assert rejected, after["versions"]
+    for v in rejected:
+        assert v["token_logprob"] < v["baseline_score"] - 0.02 and "token log-likelihood" in v["reason"], v
+    # The served version's held-out log-likelihood did not fall beyond the margin.
+    assert _served(after)["token_logprob"] >= served_before["token_logprob"] - 0.02, after["versions"]
+    assert after["paused_reason"] and "2 versions in a row" in after["paused_reason"], after
+
+
+def _settle_sft(url: str, name: str) -> dict:
+    deadline, info = time.time() + SETTLE_S, {}
+    while time.time() < deadline:
+        info = _get(url, f"/v1/adapters/{name}")
+        served = _served(info)
+        if ((info["queued"] == 0 or info["paused_reason"]) and served is not None
+                and all(v["state"] != "candidate" for v in info["versions"])):
+            return info
+        time.sleep(0.5)
+    pytest.fail(f"{name} did not settle within {SETTLE_S}s: {info}")

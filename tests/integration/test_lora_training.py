@@ -211,3 +211,20 @@ def test_chat_items_train_on_the_served_template_and_its_end_of_turn(model_dir):
         lt.optimizer_step(model, opt)
     after = lt.sequence_logprobs(model, tok, [text.prompt], [text.answer], templated=[True])[0]
     assert after > before + 1.0, (before, after)
+
+
+def test_held_out_scores_of_parts_combine_to_the_score_of_the_whole(model_dir):
+    """The quality gate caches each held-out item's own score and scores only new ones: the parts must add up."""
+    model, tok = lt.load_lora_model(model_dir, LORA)
+    items = [{"prompt": f"Q{i}: say hi\nA:", "completion": " hi" * (i + 1), "chosen": " hi", "rejected": " no" * i}
+             for i in range(1, 6)]
+    whole = lt.evaluate_completions(model, tok, items, batch_size=2)
+    parts = lt.evaluate_completions(model, tok, items[:3]).per_item + lt.evaluate_completions(model, tok, items[3:]).per_item
+    combined = lt.completion_eval(parts)
+    assert combined.tokens == whole.tokens == sum(n for _, n in whole.per_item) and combined.items == 5
+    assert combined.token_logprob == pytest.approx(whole.token_logprob, rel=1e-5)
+    assert whole.token_logprob < 0
+    pref = lt.evaluate_preferences(model, tok, items)
+    again = lt.preference_eval(lt.evaluate_preferences(model, tok, items[:2]).diffs
+                               + lt.evaluate_preferences(model, tok, items[2:]).diffs)
+    assert (again.win_rate, again.pairs) == (pref.win_rate, 5) and again.clpd == pytest.approx(pref.clpd, rel=1e-5)
