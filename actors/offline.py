@@ -32,7 +32,7 @@ class OfflineEngine:
                       "enforce_eager": enforce_eager}
         if omp_threads:
             # Read by vLLM's CPU worker when it starts: replicas sharing a host must not each
-            # claim every core (DESIGN §5).
+            # claim every core (vLLM CPU sets its thread count from OMP_NUM_THREADS).
             os.environ["OMP_NUM_THREADS"] = str(omp_threads)
         # The engine core in this process, not a spawned one (see the module docstring).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -1,4 +1,4 @@
-"""Trainer: the supervisor actor that runs the co-located LoRA SFT/DPO worker loop under Ray Train (DESIGN §4).
+"""Trainer: the supervisor actor that runs the co-located LoRA SFT/DPO worker loop under Ray Train (docs/learning.md, "The trainer").
 
 Two halves, in the manner of verl's single controller and its worker group:
 

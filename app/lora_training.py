@@ -1,7 +1,7 @@
 """LoRA training primitives for the co-located trainer: SFT/DPO micro-steps, MACE metrics, atomic adapter versions.
 
 Everything here is a plain function on a ``peft`` model, so a Ray Train worker loop can run one
-micro-step at a time between planner grants (DESIGN §4):
+micro-step at a time between planner grants (docs/learning.md):
 
     model, tok = load_lora_model(model_dir, spec.lora, adapter_dir=current.path if current else None)
     opt = make_optimizer(model, spec.learning_rate, state_dir=current.path if current else None)

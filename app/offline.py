@@ -55,7 +55,7 @@ from planners.stages import (
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_PROFILE = ROOT / "profiles" / "tiny-llama-cpu.json"
 DEFAULT_DATA_DIR = Path("~/.cache/coserve").expanduser()
-KV_CACHE_CAP = 128 * 2**20  # per replica: plenty for tiny models; DESIGN §5: the CPU KV cache is host memory
+KV_CACHE_CAP = 128 * 2**20  # per replica: plenty for tiny models; on CPU the KV cache is host memory
 STOP_GRACE_S = 8.0  # an engine's own shutdown takes about 5 s here; then its actor is killed anyway
 RESERVE_TIMEOUT_S = 120.0  # the job's devices must be reservable within this
 START_TIMEOUT_S = 600.0  # an engine that has not started in this long is reported as failed
@@ -575,7 +575,7 @@ def run_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: b
     (out / "plan.json").write_text(json.dumps(prep.plan.to_dict(), indent=1))
     if not ray.is_initialized():
         # Under `ray job submit` this joins the job's cluster; alone it starts a local one with logical
-        # CPUs enough for every device slot (DESIGN §5: 2 cores, more logical CPUs).
+        # CPUs enough for every device slot (a small host may have fewer cores than slots: logical CPUs).
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=False)
         else:

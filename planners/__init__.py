@@ -1,1 +1,1 @@
-"""Pure decision logic: dataclasses in, decisions out; no Ray, torch or I/O (DESIGN §3)."""
+"""Pure decision logic: dataclasses in, decisions out; no Ray, torch or I/O (docs/architecture.md)."""

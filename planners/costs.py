@@ -333,7 +333,7 @@ def default_cost_model() -> CostModel:
 
     Used when no fitted profile matches the configured model and hardware. Derivation:
     - iteration (SamuLLM Eq. 5): 6 ms per iteration, 0.05 ms per prefill token, 0.2 ms per decoding
-      sequence, 0.5 µs per context token. Against the plain-vLLM reference of DESIGN §5 (TPOT 6.8 ms
+      sequence, 0.5 µs per context token. Against a plain-vLLM reference measured on a comparable CPU (TPOT 6.8 ms
       at 10 req/s, i.e. ~4 sequences of ~160 context tokens; 1,496 output tok/s saturated at 32
       sequences) it gives TPOT ≈ 7.1 ms and ≈ 1,800 tok/s once prefills take their 15% share:
       about right at low load, ~20% optimistic at saturation.

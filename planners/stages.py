@@ -16,7 +16,7 @@ Source: SamuLLM (shared/papers/samullm.md). The pieces, each citing its section:
 - link-aware device choice minimising reloads and the dynamic re-adjustment of the running phase
   (§4.3): :func:`assign_devices`, :func:`adjust_stage`.
 
-Pure: plain data in and out, numpy only; no Ray, torch, vLLM or I/O (DESIGN §3). The only clock
+Pure: plain data in and out, numpy only; no Ray, torch, vLLM or I/O (docs/architecture.md). The only clock
 read is ``time.perf_counter`` for :attr:`Plan.search_time_s`, which is reported, never decided on.
 
 Assumptions worth knowing (each repeated where it is used):

@@ -40,15 +40,15 @@ def _served(info: dict) -> dict | None:
     return next((v for v in info["versions"] if v["version"] == info["current_version"]), None)
 
 
-def _settle(url: str, name: str) -> dict:
+def _settle(url: str, name: str, score: str = "win_rate") -> dict:
     """Wait until the adapter trained what it can (queue empty, or paused), no candidate waits for the gate,
-    and the served version has its held-out win rate (with the gate off it is scored after serving)."""
+    and the served version has its held-out ``score`` (with the gate off it is scored after serving)."""
     deadline, info = time.time() + SETTLE_S, {}
     while time.time() < deadline:
         info = _get(url, f"/v1/adapters/{name}")
         served = _served(info)
         if ((info["queued"] == 0 or info["paused_reason"]) and served is not None
-                and all(v["state"] != "candidate" for v in info["versions"]) and served["win_rate"] is not None):
+                and all(v["state"] != "candidate" for v in info["versions"]) and served[score] is not None):
             return info
         time.sleep(0.5)
     pytest.fail(f"{name} did not settle within {SETTLE_S}s: {info}, trainer: {_get(url, '/v1/status')['training']}")
@@ -59,8 +59,9 @@ def trainer(app_url) -> dict:
     deadline, st = time.time() + READY_S, {}
     while time.time() < deadline:
         st = _get(app_url, "/v1/status").get("training") or {}
-        if st.get("state") in ("disabled", "unavailable", "failed"):
-            pytest.skip(f"trainer not usable: {st}")
+        if st.get("state") == "disabled":
+            pytest.skip("training is disabled in the test app's config")
+        assert st.get("state") not in ("unavailable", "failed"), st
         if st.get("state") == "running" and st.get("workers"):
             return st
         time.sleep(1)
@@ -159,7 +160,7 @@ def test_the_gate_rejects_an_sft_version_that_degrades_the_held_out_answers(app_
             for i, t in enumerate(["Ann", "Bob", "Cy", "Di", "Ed", "Flo", "Gus", "Hal", "Ida", "Jo", "Kim", "Lu",
                                    "Max", "Ned", "Oz", "Pam"])]
     assert httpx.post(f"{app_url}/v1/feedback", json=good, timeout=60).status_code == 202
-    before = _settle_sft(app_url, name)
+    before = _settle(app_url, name, "token_logprob")
     served_before = _served(before)
     assert served_before is not None and served_before["token_logprob"] is not None, before
     assert before["held_out"] == 4 and served_before["eval_items"] == 4
@@ -167,7 +168,7 @@ def test_the_gate_rejects_an_sft_version_that_degrades_the_held_out_answers(app_
     garbage = [{"adapter": name, "prompt": f"Q{i}: what do you say to Zed?\nA:", "completion": " 🍰🍰🍰🍰🍰🍰🍰🍰"}
                for i in range(100, 116)]
     assert httpx.post(f"{app_url}/v1/feedback", json=garbage, timeout=60).status_code == 202
-    after = _settle_sft(app_url, name)
+    after = _settle(app_url, name, "token_logprob")
     rejected = [v for v in after["versions"] if v["state"] == "rejected"]
     assert rejected, after["versions"]
     for v in rejected:
@@ -176,14 +177,3 @@ def test_the_gate_rejects_an_sft_version_that_degrades_the_held_out_answers(app_
     assert _served(after)["token_logprob"] >= served_before["token_logprob"] - 0.02, after["versions"]
     assert after["paused_reason"] and "2 versions in a row" in after["paused_reason"], after
 
-
-def _settle_sft(url: str, name: str) -> dict:
-    deadline, info = time.time() + SETTLE_S, {}
-    while time.time() < deadline:
-        info = _get(url, f"/v1/adapters/{name}")
-        served = _served(info)
-        if ((info["queued"] == 0 or info["paused_reason"]) and served is not None
-                and all(v["state"] != "candidate" for v in info["versions"])):
-            return info
-        time.sleep(0.5)
-    pytest.fail(f"{name} did not settle within {SETTLE_S}s: {info}")
