@@ -3,22 +3,34 @@
 SQLite's WAL does not work over network file systems, so exactly one process per app owns the
 file; the ingress and the trainer reach it through this actor. Methods mirror ``FeedbackStore``
 and run in a thread so a slow fsync never blocks the actor's event loop.
+
+The actor is pinned to one node (``storage.store_node``, the head by default) and resolves its
+data directory there, so a restart reopens the same database. With ``storage.adapters_uri`` unset
+it also keeps the published adapter versions, in ``data_dir/adapters`` on that node: trainer ranks
+on other nodes send a version's files here (``write_version``) and replicas on other nodes fetch
+them (``read_version``), through Ray's object store (actors/adapter_files.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any, Iterable
 
+import ray
+
+from app.adapter_versions import read_version_files, write_version_files
+from app.config import AppConfig
 from app.feedback_store import FeedbackStore
 
 
 class FeedbackQueue:
     """Create with ``ray.remote(FeedbackQueue).options(name=cfg.feedback_actor_name, ...)``."""
 
-    def __init__(self, data_dir: str, gate_defaults: dict[str, Any] | None = None) -> None:
-        self.store = FeedbackStore(Path(data_dir), gate_defaults=gate_defaults)
+    def __init__(self, config: AppConfig) -> None:
+        # Resolved here, on the store's node: the path names this node's disk, not the planner's.
+        self.data_dir = config.data_path
+        self.adapters_root = config.adapters_path
+        self.store = FeedbackStore(self.data_dir, gate_defaults=config.training.gate.model_dump())
         self._changes = 0  # raised by every write that can give the trainer work (see wait_for_change)
         self._changed: asyncio.Condition | None = None
 
@@ -37,6 +49,18 @@ class FeedbackQueue:
         if self._changed is None:
             self._changed = asyncio.Condition()  # made on the actor's event loop
         return self._changed
+
+    def location(self) -> tuple[str, str, str]:
+        """(Ray node id, data directory, adapters root) of this actor: where the database and versions live."""
+        return ray.get_runtime_context().get_node_id(), str(self.data_dir), str(self.adapters_root)
+
+    async def write_version(self, adapter: str, version: int, files: dict[str, bytes]) -> str:
+        """Write a version a rank on another node saved, atomically, under this node's adapters root; its path."""
+        return str(await asyncio.to_thread(write_version_files, self.adapters_root, adapter, version, files))
+
+    async def read_version(self, path: str) -> dict[str, bytes]:
+        """The files of a version kept on this node (for a replica or rank on another node)."""
+        return await asyncio.to_thread(read_version_files, self.adapters_root, path)
 
     async def wait_for_change(self, seen: int, timeout_s: float) -> int:
         """Block until a write newer than ``seen`` (new feedback, a changed adapter) or ``timeout_s``;

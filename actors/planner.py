@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app.config import AppConfig
 from app.engine_args import served_model_name
@@ -100,11 +101,11 @@ class Planner:
     """Create with ``ray.remote(Planner)``: the app makes it a deployment actor of the model server."""
 
     def __init__(self, config: AppConfig) -> None:
-        from app.default_model import model_dir
+        from app.default_model import model_path
         from app.profile import load_profile
 
         self.cfg = config
-        self.model_dir = model_dir(config)
+        self.model_dir = model_path(config)  # named, not built: the planner needs no weights
         self.served_name = served_model_name(config, self.model_dir)
         self.max_model_len = config.model.max_model_len
         self.cost_model, self.cost_model_note = load_profile(config, self.served_name)
@@ -173,7 +174,9 @@ class Planner:
         self.feedback = ray.remote(FeedbackQueue).options(
             name=self.cfg.feedback_actor_name, namespace=NAMESPACE, get_if_exists=True,
             num_cpus=0, max_restarts=-1, max_task_retries=3, max_concurrency=1000,
-        ).remote(str(self.cfg.data_path), self.cfg.training.gate.model_dump())
+            # Pinned: a restart reopens the same SQLite file on the same disk, never an empty one elsewhere.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(store_node(self.cfg.storage.store_node), soft=False),
+        ).remote(self.cfg)
         # After a restart of the app, every adapter serves its current published version again.
         for info in await self.feedback.list_adapters.remote():
             paths = {v.version: v.path for v in info.versions if v.path}
@@ -190,7 +193,7 @@ class Planner:
         self.trainer = ray.remote(Trainer).options(
             name=self.cfg.trainer_actor_name, namespace=NAMESPACE, get_if_exists=True,
             num_cpus=0, max_restarts=-1, max_concurrency=100,
-        ).remote(self.cfg, self.model_dir, NAMESPACE, ray.get_runtime_context().current_actor)
+        ).remote(self.cfg, NAMESPACE, ray.get_runtime_context().current_actor)
         self.trainer.run.remote()
 
     async def register_node(self, reg: NodeRegistration) -> AdapterAssignment:
@@ -552,6 +555,20 @@ class Planner:
         scope = [nid for nid, published in self._published.items() if adapter in published]
         nodes = await self._publish({nid: {adapter: None} for nid in scope}) if scope else []
         return {"model": f"{self.served_name}:{adapter}", "nodes": nodes}
+
+
+def store_node(setting: str) -> str:
+    """The Ray node id the feedback store is pinned to: ``head`` (the node with Ray's head marker) or a node id."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if setting == "head":
+        for n in alive:
+            if "node:__internal_head__" in n.get("Resources", {}):
+                return n["NodeID"]
+        raise RuntimeError("storage.store_node is head, but no live head node was found")
+    if not any(n["NodeID"] == setting for n in alive):
+        raise RuntimeError(f"storage.store_node {setting!r} is not a live Ray node id; "
+                           f"live: {[n['NodeID'] for n in alive]}")
+    return setting
 
 
 def find_planner(app_name: str, deployment: str = "ModelServer") -> Any:

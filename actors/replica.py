@@ -42,8 +42,10 @@ RETRY_S = 1.0
 class ModelReplica:
     """One engine on one node. In-process: ``ModelReplica(...)``; as an actor: ``ray.remote(ModelReplica)``."""
 
-    def __init__(self, node_id: int, vllm_flags: list[str], served_name: str, omp_threads: int | None = None) -> None:
+    def __init__(self, node_id: int, vllm_flags: list[str], served_name: str, omp_threads: int | None = None,
+                 adapter_files: Any = None) -> None:
         self.node_id = node_id
+        self.files = adapter_files  # AdapterFiles: published versions as local directories (None: paths as given)
         self.served_name = served_name
         self._flags = vllm_flags
         self.started_at = time.time()
@@ -236,7 +238,9 @@ class ModelReplica:
         from vllm.lora.request import LoRARequest
 
         model_id = f"{self.served_name}:{adapter}"
-        lora = LoRARequest(lora_name=model_id, lora_int_id=self._next_lora_id, lora_path=path)
+        # The published location may be on another node or behind a URI: vLLM loads a local copy.
+        local = path if self.files is None else await asyncio.to_thread(self.files.local_path, adapter, version, path)
+        lora = LoRARequest(lora_name=model_id, lora_int_id=self._next_lora_id, lora_path=local)
         self._next_lora_id += 1
         await self.engine.add_lora(lora)  # loads now, so the first request pays nothing
         models = self.state.openai_serving_models

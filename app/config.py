@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.feedback_store import GateSettings
 
@@ -66,7 +66,8 @@ class ClusterConfig(_Strict):
         "PACK", description="Placement-group strategy for one node's bundles."
     )
     replica_resources: dict[str, float] | None = Field(
-        None, description="Resources the replica takes from bundle 0; default: all of it."
+        None, description="The replica's share of bundle 0; default: the bundle less the trainer ranks' shares "
+                          "(all of it with training off)."
     )
 
     @field_validator("bundle")
@@ -105,10 +106,14 @@ class TrainingConfig(_Strict):
     scope: Literal["synced", "per_node"] = Field(
         "synced", description="synced: workers of all nodes average gradients (one version everywhere); per_node: LEMIX §V-B."
     )
-    workers: int | None = Field(None, gt=0, description="Ray Train workers; default: one per node.")
+    workers: int | None = Field(None, gt=0, description="Trainer ranks; default: one per node. Rank r runs in "
+                                                        "bundle 0 of node r mod nodes.")
     resources_per_worker: dict[str, float] = Field(
-        default_factory=lambda: {"CPU": 0.5}, description="Ray Train resources of one worker (fractional device share)."
-    )
+        default_factory=lambda: {"CPU": 0.5}, description="One trainer rank's share of its node's bundle 0, beside "
+                                                          "the replica's (e.g. {GPU: 0.5, CPU: 2} on a GPU host).")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="The trainer's base weights: auto is bfloat16 on GPUs and CPUs with bf16 instructions, "
+                            "else float32. LoRA weights and optimizer moments stay float32.")
     micro_batch: int = Field(4, gt=0, description="Samples per micro-step.")
     steps_per_version: int = Field(1, gt=0, description="Optimizer steps between published versions (k).")
     accumulation: int = Field(1, gt=0, description="Micro-steps per optimizer step.")
@@ -125,6 +130,16 @@ class TrainingConfig(_Strict):
         default_factory=GateSettings, description="The quality gate's defaults; an adapter's own gate settings "
                                                   "override any of them.")
     retraining_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of the retraining policies.")
+
+
+class StorageConfig(_Strict):
+    store_node: str = Field(
+        "head", description="Where the feedback store actor and its SQLite file live: head, or a Ray node id. "
+                            "It is pinned there, so a restart reopens the same database.")
+    adapters_uri: str | None = Field(
+        None, description="Where published adapter versions are kept: null keeps them in data_dir/adapters on the "
+                          "store's node, and other nodes fetch them through Ray's object store; a URI (s3://..., "
+                          "gs://..., file:///shared/dir) is read and written by every node directly (pyarrow.fs).")
 
 
 class IngressConfig(_Strict):
@@ -145,6 +160,43 @@ class AppConfig(_Strict):
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    @model_validator(mode="after")
+    def _shares_fit(self) -> "AppConfig":
+        """The replica's and the trainer ranks' shares must fit in one bundle: they run in it together."""
+        bundle = self.cluster.bundle
+        replica = self.replica_share
+        ranks = self.ranks_per_node if self.training.enabled else 0
+        for key in set(bundle) | set(replica) | set(self.training.resources_per_worker if ranks else {}):
+            need = replica.get(key, 0.0) + ranks * (self.training.resources_per_worker.get(key, 0.0))
+            if need > bundle.get(key, 0.0) + 1e-9:
+                raise ValueError(
+                    f"bundle 0 of a node holds {key}={bundle.get(key, 0.0):g}, but the replica takes "
+                    f"{replica.get(key, 0.0):g} and {ranks} trainer rank(s) take "
+                    f"{self.training.resources_per_worker.get(key, 0.0):g} each; enlarge cluster.bundle or lower "
+                    "cluster.replica_resources / training.resources_per_worker")
+        if not any(v > 0 for v in replica.values()):
+            raise ValueError(f"the replica's share of bundle 0 is empty ({replica}); set cluster.replica_resources")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Trainer ranks that share one node's bundle 0 (the most any node gets)."""
+        workers = self.training.workers or self.cluster.nodes
+        return -(-workers // self.cluster.nodes)
+
+    @property
+    def replica_share(self) -> dict[str, float]:
+        """The model server replica's resources in bundle 0 of its node's placement group."""
+        if self.cluster.replica_resources is not None:
+            return dict(self.cluster.replica_resources)
+        share = dict(self.cluster.bundle)
+        if self.training.enabled:
+            for key, amount in self.training.resources_per_worker.items():
+                if key in share:
+                    share[key] = max(0.0, share[key] - self.ranks_per_node * amount)
+        return share
 
     @property
     def data_path(self) -> Path:

@@ -135,6 +135,17 @@ def build(target: Path, spec: TinyLlamaSpec = DEFAULT_SPEC) -> Path:
     return target
 
 
+def model_path(cfg: AppConfig) -> str:
+    """Where ``model_dir`` puts the model on this host, without fetching or building it."""
+    if cfg.model.path:
+        return cfg.model.path
+    if cfg.model.embedded == "tiny-llama":
+        return str(Path(cfg.data_path) / "models" / DEFAULT_SPEC.name)
+    from app import smollm2
+
+    return str(Path(cfg.data_path) / "models" / smollm2.NAME)
+
+
 def model_dir(cfg: AppConfig) -> str:
     """The directory of the model ``cfg`` serves, fetching or building an embedded one on first use."""
     if cfg.model.path:

@@ -11,25 +11,7 @@ import json
 from pathlib import Path
 
 from app.config import AppConfig
-
-# CPU flags that make bfloat16 matmuls fast; without them vLLM's bf16 kernels run about 3x
-# slower than float32 here (measured on this AMD EPYC, AVX2 only: docs/benchmarks.md).
-_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU has bfloat16 instructions (from ``/proc/cpuinfo``; True when unknown)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return True  # not Linux: keep vLLM's own choice
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-    return any(f in flags for f in _BF16_CPU_FLAGS)
-
+from app.devices import cpu_has_bf16
 
 def resolve_dtype(dtype: str, device: str, model_dir: str, *, bf16: bool | None = None) -> str:
     """The ``--dtype`` to pass: ``auto`` becomes ``float32`` for a float32 checkpoint on a CPU without bf16.

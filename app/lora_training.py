@@ -36,7 +36,6 @@ import functools
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 import time
@@ -49,12 +48,18 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # same rule as app.feedback_store
-VERSION_DIR_RE = re.compile(r"^v(\d+)$")
-TEMP_PREFIX = ".tmp-"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+from app.adapter_versions import (  # noqa: F401 (part of this module's API)
+    ADAPTER_FILES,
+    META_FILE,
+    TEMP_PREFIX,
+    VERSION_DIR_RE,
+    fsync_dir,
+    fsync_tree,
+    is_complete_version,
+    version_dir,
+)
+
 OPTIMIZER_FILE = "optimizer.pt"
-META_FILE = "meta.json"
 DEFAULT_MAX_LENGTH = 512
 
 
@@ -104,7 +109,7 @@ def load_lora_model(model_dir: str | Path, lora_settings: Any, adapter_dir: str 
     ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``app.feedback_store.LoraSettings``
     or a mapping). When resuming, the saved ``adapter_config.json`` wins over ``lora_settings``.
     """
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -114,12 +119,18 @@ def load_lora_model(model_dir: str | Path, lora_settings: Any, adapter_dir: str 
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
     else:
-        s = _settings(lora_settings)
-        config = LoraConfig(r=int(s["r"]), lora_alpha=float(s["alpha"]), target_modules=list(s["target_modules"]),
-                            lora_dropout=float(s.get("dropout", 0.0)), bias="none", task_type="CAUSAL_LM")
-        model = get_peft_model(base, config)
+        model = get_peft_model(base, lora_config(lora_settings))
     model.train()
     return model, tokenizer
+
+
+def lora_config(lora_settings: Any) -> Any:
+    """The ``peft.LoraConfig`` of an adapter's LoRA settings (``r``, ``alpha``, ``target_modules``, ``dropout``)."""
+    from peft import LoraConfig
+
+    s = _settings(lora_settings)
+    return LoraConfig(r=int(s["r"]), lora_alpha=float(s["alpha"]), target_modules=list(s["target_modules"]),
+                      lora_dropout=float(s.get("dropout", 0.0)), bias="none", task_type="CAUSAL_LM")
 
 
 def _settings(s: Any) -> Mapping[str, Any]:
@@ -728,17 +739,9 @@ def _cut(text: str, max_bytes: int | None) -> str:
 # Adapter versions on disk: <root>/<adapter>/v<version>/, written atomically.
 
 
-def version_dir(root: str | Path, adapter_name: str, version: int) -> Path:
-    """``<root>/<adapter>/v<version>``; validates the name (it becomes a path) and the number."""
-    if not ADAPTER_NAME_RE.match(adapter_name):
-        raise ValueError(f"invalid adapter name {adapter_name!r}")
-    if int(version) < 1:
-        raise ValueError("versions start at 1")
-    return Path(root) / adapter_name / f"v{int(version)}"
-
-
 def save_adapter_version(model: Any, optimizer: torch.optim.Optimizer | None, root: str | Path,
-                         adapter_name: str, version: int, meta: Mapping[str, Any] | None = None) -> Path:
+                         adapter_name: str, version: int, meta: Mapping[str, Any] | None = None, *,
+                         peft_name: str | None = None) -> Path:
     """Write the adapter (vLLM-loadable peft files), ``optimizer.pt`` and ``meta.json`` to ``v<version>`` atomically.
 
     Everything goes into a temporary sibling directory, every file and the directory are fsynced,
@@ -751,7 +754,10 @@ def save_adapter_version(model: Any, optimizer: torch.optim.Optimizer | None, ro
         raise FileExistsError(f"{final} already exists; versions are immutable")
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        if peft_name is None:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+        else:
+            write_peft_adapter(model, peft_name, tmp)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         info = {"adapter": adapter_name, "version": int(version), "created_at": time.time(), **(meta or {})}
@@ -759,38 +765,28 @@ def save_adapter_version(model: Any, optimizer: torch.optim.Optimizer | None, ro
         missing = [f for f in ADAPTER_FILES if not (tmp / f).exists()]
         if missing:
             raise RuntimeError(f"peft did not write {missing}; vLLM could not load this adapter")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, final)  # atomic within one file system; fails if final appeared meanwhile
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 
 
-def _fsync_tree(path: Path) -> None:
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+def write_peft_adapter(model: Any, peft_name: str, out: str | Path) -> None:
+    """Write one adapter of a multi-adapter ``PeftModel`` as a plain, vLLM-loadable adapter directory.
 
+    ``save_pretrained`` puts every adapter but ``default`` into a subdirectory named after it, which
+    vLLM would not find; this writes the same two files at the top of ``out``.
+    """
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def is_complete_version(path: str | Path) -> bool:
-    """A version directory with the peft files and meta.json (what save_adapter_version always leaves)."""
-    path = Path(path)
-    return all((path / f).is_file() for f in (*ADAPTER_FILES, META_FILE))
+    state = get_peft_model_state_dict(model, adapter_name=peft_name)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
+              str(Path(out) / "adapter_model.safetensors"), metadata={"format": "pt"})
+    model.peft_config[peft_name].save_pretrained(str(out))
 
 
 def latest_version(root: str | Path, adapter_name: str, *,

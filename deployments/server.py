@@ -29,6 +29,8 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
+from actors.adapter_files import AdapterFiles
+from actors.planner import NAMESPACE
 from actors.replica import TASK_ID, ModelReplica
 from app.config import AppConfig
 from app.engine_args import engine_flags, served_model_name
@@ -76,7 +78,8 @@ class ModelServer:
         self.served_name = served_model_name(config, model_dir)
         self._planner_handle: Any = None
         self.replica = ModelReplica(self.node_id, engine_flags(config, model_dir, self.served_name),
-                                    self.served_name, config.engine.omp_threads)
+                                    self.served_name, config.engine.omp_threads,
+                                    adapter_files=AdapterFiles(config, NAMESPACE))
         await self.replica.start()
         self._guard_requests()
         ctx = ray.get_runtime_context()
@@ -193,7 +196,7 @@ class ModelServer:
 
 def replica_actor_options(cfg: AppConfig) -> dict[str, Any]:
     """The model server replica's share of bundle 0 of its node's placement group."""
-    res = dict(cfg.cluster.replica_resources or cfg.cluster.bundle)
+    res = cfg.replica_share
     options: dict[str, Any] = {"num_cpus": res.pop("CPU", 0.0), "num_gpus": res.pop("GPU", 0.0)}
     if res:
         options["resources"] = res

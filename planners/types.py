@@ -171,3 +171,16 @@ class PassVerdict:
     """Passes finished so far, this one included."""
     loss: float
     arrival: float
+
+
+@dataclass(frozen=True)
+class RankStarted:
+    """A trainer rank tells the Trainer where it runs: its node's placement group (bundle 0) and its device."""
+
+    rank: int
+    node_id: int  # the logical node whose replica shares its bundle
+    pid: int
+    ray_node_id: str
+    placement_group_id: str | None
+    device: str  # cpu | cuda
+    dtype: str  # the base weights' dtype

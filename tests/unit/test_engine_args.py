@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from app.engine_args import cpu_has_bf16, resolve_dtype
+from app.devices import cpu_has_bf16
+from app.engine_args import resolve_dtype
 
 
 def _model(tmp_path, dtype: str):

@@ -1,0 +1,221 @@
+"""VersionEvaluator: the trainer leader's quality gate and held-out scores, on the rank's own model (docs/learning.md §7)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+LOAD_TIMEOUT_S = 120.0
+
+
+class VersionEvaluator:
+    """The leader's quality gate and held-out scores of every version, on the rank's own model.
+
+    A candidate (its adapter's gate on) is scored on the adapter's held-out slice, the oldest
+    ``max_eval_items`` held-out feedback items (or ``training.eval_file`` when it has none), and so
+    is the version served now (the base model before the first; scores are cached per version and
+    slice, so usually only the candidate is scored). ``planners.gate.judge`` compares them; the
+    store records the verdict in one transaction and a passed candidate is loaded on the replicas.
+    The leader does not train an adapter while its candidate is judged, so the next version starts
+    from whatever is served after the verdict, never from rejected weights.
+
+    Versions served without the gate are scored the same way, so the served version's held-out win
+    rate is known with the gate off too; when they come faster than that, only the newest waiting
+    one per adapter is scored. A version is scored with the rank's ``AdapterBank``: loaded as a
+    temporary adapter beside the ones in training (no second copy of the base weights), on the
+    rank's loop between its steps, since one model computes as one adapter at a time.
+    """
+
+    MAX_ATTEMPTS = 3  # a candidate whose scoring fails this often is rejected with the error as its reason
+    MAX_CACHED = 256
+
+    def __init__(self, worker: Any, eval_file: str | None) -> None:
+        self.worker, self.t = worker, worker.t  # the RankLoop whose model, store and planner it uses
+        self.eval_file = eval_file
+        self._file_pairs: list[dict[str, str]] | None = None
+        self._candidates: deque[dict[str, Any]] = deque()
+        self._served: dict[str, dict[str, Any]] = {}  # adapter -> newest version served without the gate
+        self._judging: dict[str, int] = {}  # adapter -> its candidates not decided yet
+        # (adapter, version, "held-out" or "eval-file") -> {item id (eval file: index) -> its own score}
+        self._scores: dict[tuple[str, int | None, str], dict[int, Any]] = {}
+
+    def judging(self, adapter: str) -> bool:
+        """Whether a candidate of ``adapter`` waits for its verdict (the leader does not train it meanwhile)."""
+        return self._judging.get(adapter, 0) > 0
+
+    def submit(self, adapter: str, version: int, path: str, *, candidate: bool, created: list[float]) -> None:
+        job = {"adapter": adapter, "version": version, "path": path, "candidate": candidate, "created": created,
+               "attempts": 0, "submitted_at": time.time(), "not_before": 0.0}
+        if candidate:
+            self._candidates.append(job)
+            self._judging[adapter] = self._judging.get(adapter, 0) + 1
+        else:
+            self._served[adapter] = job
+
+    def pending(self) -> bool:
+        now = time.time()
+        return any(j["not_before"] <= now for j in self._candidates) or bool(self._served)
+
+    def work_one(self) -> None:
+        """Judge the oldest candidate (candidates first: training of their adapter waits), else score a served version."""
+        now = time.time()
+        job = next((j for j in self._candidates if j["not_before"] <= now), None)
+        if job is None:
+            self._score_served_safely(self._served.popitem()[1])
+            return
+        self._candidates.remove(job)
+        try:
+            self._gate(job)
+        except Exception as exc:
+            job["attempts"] += 1
+            self.worker._warn("gate", exc)
+            if job["attempts"] < self.MAX_ATTEMPTS:
+                job["not_before"] = time.time() + 2.0  # e.g. the store actor restarting
+                self._candidates.appendleft(job)
+                return
+            self._give_up(job, exc)
+        self._judging[job["adapter"]] -= 1
+
+    def _score_served_safely(self, job: dict[str, Any]) -> None:
+        try:
+            self._score_served(job)
+        except Exception as exc:
+            self.worker._warn("evaluate", exc)
+
+    # ---- what is scored, and how --------------------------------------------------------------------
+
+    def _eval_file_pairs(self) -> list[dict[str, str]]:
+        from app.lora_training import read_preference_jsonl
+
+        if self.eval_file and self._file_pairs is None:
+            try:
+                self._file_pairs = read_preference_jsonl(self.eval_file, limit=self.t.eval_pairs,
+                                                         max_text_bytes=4 * self.t.max_length)
+            except Exception as exc:
+                self.worker._warn("eval_file", exc)
+                self._file_pairs = []
+        return self._file_pairs or []
+
+    def _slice(self, adapter: str, max_items: int) -> tuple[list[Any], str, str]:
+        """(items, a key naming exactly these items, how to call them in a reason); no items: nothing to score on."""
+        items = ray.get(self.worker.store.held_out_items.remote(adapter, max_items), timeout=60)
+        if items:
+            return items, "held-out:" + ",".join(str(it.id) for it in items), "held-out items"
+        pairs = self._eval_file_pairs()
+        if pairs:
+            return pairs, "eval-file", f"pairs of training.eval_file {os.path.basename(self.eval_file)}"
+        return [], "", ""
+
+    def _score(self, adapter: str, version: int | None, path: str | None, info: Any, items: list[Any],
+               key: str) -> dict[str, float]:
+        """Held-out scores of one version (``path`` None: the base model) on ``items``.
+
+        Each item's own score (a pair's log-probability difference, a completion's log-likelihood
+        and token count) is cached per version, so while the held-out slice grows toward
+        ``max_eval_items`` only its new items are scored, and the served version, scored before,
+        costs nothing more.
+        """
+        from app.lora_training import completion_eval, evaluate_completions, evaluate_preferences, preference_eval
+
+        held_out = key.startswith("held-out")
+        ids = [it.id for it in items] if held_out else list(range(len(items)))
+        cache_key = (adapter, version, "held-out" if held_out else "eval-file")
+        if cache_key not in self._scores and len(self._scores) >= self.MAX_CACHED:
+            self._scores.clear()
+        cached = self._scores.setdefault(cache_key, {})
+        missing = [(i, it) for i, it in zip(ids, items) if i not in cached]
+        if missing:
+            w = self.worker
+            local = w.files.local_path(adapter, version, path) if path else None  # None: the base model
+            tok = w.bank.tokenizer
+            todo = [it for _, it in missing]
+            with w.bank.scoring(info.lora.model_dump(), local) as model:
+                if info.method == "dpo":
+                    found = evaluate_preferences(model, tok, todo, max_length=self.t.max_length).diffs
+                else:
+                    # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
+                    found = evaluate_completions(model, tok, todo, field="completion" if held_out else "chosen",
+                                                 max_length=self.t.max_length).per_item
+            cached.update(zip((i for i, _ in missing), found))
+        if info.method == "dpo":
+            ev = preference_eval([cached[i] for i in ids])
+            return {"score": ev.win_rate, "win_rate": ev.win_rate, "clpd": ev.clpd}
+        tokens = completion_eval([cached[i] for i in ids])
+        return {"score": tokens.token_logprob, "token_logprob": tokens.token_logprob}
+
+    # ---- the gate --------------------------------------------------------------------------------
+
+    def _gate(self, job: dict[str, Any]) -> None:
+        from app.feedback_store import VersionConflict
+        from planners.gate import Verdict, judge
+
+        w = self.worker
+        adapter, version, path = job["adapter"], job["version"], job["path"]
+        t0 = time.time()
+        info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
+        current = ray.get(w.store.current_version.remote(adapter, w.line), timeout=60)
+        base_version, base_path = (current.version, current.path) if current is not None else (None, None)
+        base_name = "the base model" if current is None else f"v{current.version}"
+        items, key, slice_name = self._slice(adapter, info.gate.max_eval_items)
+        cand: dict[str, float] = {}
+        base: dict[str, float] = {}
+        if not items:
+            verdict = Verdict(True, "nothing to compare on: no held-out feedback yet (or held_out_share 0) and no "
+                                    "training.eval_file")
+        else:
+            cand = self._score(adapter, version, path, info, items, key)
+            base = self._score(adapter, base_version, base_path, info, items, key)
+            verdict = judge(info.method, cand["score"], base["score"], info.gate.margin, items=len(items),
+                            baseline_name=base_name, slice_name=slice_name)
+        try:
+            decided = ray.get(w.store.decide_version.remote(
+                adapter, version, passed=verdict.passed, reason=verdict.reason, score=cand.get("score"),
+                baseline_version=base_version if items else None, baseline_score=base.get("score"),
+                win_rate=cand.get("win_rate"), clpd=cand.get("clpd"), token_logprob=cand.get("token_logprob"),
+                eval_items=len(items) or None), timeout=60)
+        except VersionConflict as exc:  # promoted (or otherwise decided) through the API meanwhile
+            w._warn("gate", exc)
+            return
+        w.specs.pop(adapter, None)  # a pause the verdict caused takes effect at the next plan
+        freshness: list[float] = []
+        if decided.state == "served":
+            try:
+                nodes = [w.node_id] if w.per_node else None
+                ray.get(w.planner.load_adapter.remote(adapter, version, path, nodes), timeout=LOAD_TIMEOUT_S)
+            except Exception as exc:  # served in the store; the planner restores it on restart
+                w._warn("load_adapter", exc)
+            now = time.time()
+            freshness = [round(now - c, 3) for c in job["created"]]
+        w._report(adapter, {"kind": "gate", "version": version, "state": decided.state, "reason": decided.reason,
+                            "score": decided.score, "baseline_score": decided.baseline_score,
+                            "baseline_version": decided.baseline_version, "win_rate": cand.get("win_rate"),
+                            "clpd": cand.get("clpd"), "token_logprob": cand.get("token_logprob"),
+                            "seconds": time.time() - t0, "at": time.time(), "freshness_s": freshness})
+
+    def _give_up(self, job: dict[str, Any], exc: BaseException) -> None:
+        """Scoring failed again and again: reject the candidate, with the error as the reason (not served unproven)."""
+        try:
+            ray.get(self.worker.store.decide_version.remote(
+                job["adapter"], job["version"], passed=False,
+                reason=f"the gate could not score it: {type(exc).__name__}: {str(exc)[:300]}"), timeout=60)
+        except Exception as again:
+            self.worker._warn("gate", again)
+
+    def _score_served(self, job: dict[str, Any]) -> None:
+        """Held-out scores of a version served without the gate (the gate off), for the API and the metrics."""
+        w = self.worker
+        adapter, version = job["adapter"], job["version"]
+        t0 = time.time()
+        info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
+        items, key, _ = self._slice(adapter, info.gate.max_eval_items)
+        if not items:
+            return
+        scores = self._score(adapter, version, job["path"], info, items, key)
+        ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items), **scores), timeout=60)
+        w._report(adapter, {"kind": "eval", "version": version, "win_rate": scores.get("win_rate"),
+                            "clpd": scores.get("clpd"), "token_logprob": scores.get("token_logprob"),
+                            "seconds": time.time() - t0})

@@ -1,0 +1,156 @@
+"""Published adapter versions as files: the atomic directory layout, and moving a version between nodes.
+
+A version is the directory ``<root>/<adapter>/v<N>`` with the peft adapter files vLLM loads,
+``optimizer.pt`` (to resume training) and ``meta.json``, written into a temporary sibling and
+renamed into place, so a reader sees all of it or none. Plain files and no torch: the feedback
+store actor uses this module to keep the versions other nodes send it.
+
+Where the versions live (``storage.adapters_uri``):
+
+- unset: under ``data_dir/adapters`` on the feedback store's node. A process on that node reads
+  the directory; one on another node gets the files from the store actor (``read_version_files``
+  there, bytes through Ray's object store) and keeps a copy in its own ``data_dir`` cache.
+- a URI (``s3://bucket/prefix``, ``gs://...``, ``file:///nfs/dir``): every node writes and reads
+  it directly through ``pyarrow.fs`` (already installed with Ray). An object store has no atomic
+  rename: the commit point there is the database's ``publish_version``, which happens only after
+  every file is written, and readers only look up published versions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # same rule as app.feedback_store
+VERSION_DIR_RE = re.compile(r"^v(\d+)$")
+TEMP_PREFIX = ".tmp-"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+META_FILE = "meta.json"
+MAX_FILES = 16  # a version holds four files; anything else is not a version
+
+
+def version_dir(root: str | Path, adapter_name: str, version: int) -> Path:
+    """``<root>/<adapter>/v<version>``; validates the name (it becomes a path) and the number."""
+    if not ADAPTER_NAME_RE.match(adapter_name):
+        raise ValueError(f"invalid adapter name {adapter_name!r}")
+    if int(version) < 1:
+        raise ValueError("versions start at 1")
+    return Path(root) / adapter_name / f"v{int(version)}"
+
+
+def fsync_tree(path: Path) -> None:
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_complete_version(path: str | Path) -> bool:
+    """A version directory with the peft files and meta.json (what save_adapter_version always leaves)."""
+    path = Path(path)
+    return all((path / f).is_file() for f in (*ADAPTER_FILES, META_FILE))
+
+
+def is_uri(location: str) -> bool:
+    """Whether a version's location is a storage URI (read through pyarrow.fs) rather than a path on one node."""
+    return "://" in location
+
+
+def write_version_files(root: str | Path, adapter: str, version: int, files: dict[str, bytes]) -> Path:
+    """Write a version received as ``{file name: bytes}`` to ``<root>/<adapter>/v<N>`` atomically; its path.
+
+    An existing complete copy is kept (the sender retried after a lost reply): versions are immutable.
+    """
+    final = version_dir(root, adapter, version)
+    if final.exists() and is_complete_version(final):
+        return final
+    names = sorted(files)
+    if not names or len(names) > MAX_FILES or any(Path(n).name != n or n.startswith(".") for n in names):
+        raise ValueError(f"{adapter} v{version}: not a version's files: {names[:MAX_FILES + 1]}")
+    missing = [f for f in (*ADAPTER_FILES, META_FILE) if f not in files]
+    if missing:
+        raise ValueError(f"{adapter} v{version}: missing {missing}")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
+    try:
+        for name in names:
+            (tmp / name).write_bytes(files[name])
+        fsync_tree(tmp)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if final.exists() and is_complete_version(final):
+            return final
+        raise
+    return final
+
+
+def read_version_files(root: str | Path, path: str | Path) -> dict[str, bytes]:
+    """The files of the complete version at ``path``, which must lie under ``root`` (the caller names it)."""
+    root, path = Path(root).resolve(), Path(path).resolve()
+    if root not in path.parents or not VERSION_DIR_RE.match(path.name):
+        raise ValueError(f"{path} is not a version under {root}")
+    if not is_complete_version(path):
+        raise FileNotFoundError(f"{path}: no complete version there")
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.is_file()}
+
+
+def read_dir_files(path: str | Path) -> dict[str, bytes]:
+    """Every plain file of a version directory, as bytes (what ``write_version_files`` takes)."""
+    return {f.name: f.read_bytes() for f in sorted(Path(path).iterdir()) if f.is_file()}
+
+
+def upload_version(uri: str, adapter: str, version: int, local_dir: str | Path) -> str:
+    """Copy a locally saved version to ``<uri>/<adapter>/v<N>`` (pyarrow.fs); the location to publish."""
+    from pyarrow import fs as pafs
+
+    version_dir("/", adapter, version)  # validates the name and the number
+    location = f"{uri.rstrip('/')}/{adapter}/v{int(version)}"
+    filesystem, base = pafs.FileSystem.from_uri(location)
+    filesystem.create_dir(base, recursive=True)
+    files = read_dir_files(local_dir)
+    # meta.json last: a reader that finds it finds every other file (is_complete_version's rule).
+    for name in sorted(files, key=lambda n: n == META_FILE):
+        with filesystem.open_output_stream(f"{base}/{name}") as out:
+            out.write(files[name])
+    return location
+
+
+def download_version(location: str) -> dict[str, bytes]:
+    """The files of the version at a storage URI."""
+    from pyarrow import fs as pafs
+
+    filesystem, base = pafs.FileSystem.from_uri(location)
+    infos = filesystem.get_file_info(pafs.FileSelector(base))
+    files = {}
+    for info in infos:
+        if info.type == pafs.FileType.File:
+            with filesystem.open_input_stream(info.path) as f:
+                files[Path(info.path).name] = f.read()
+    if not all(n in files for n in (*ADAPTER_FILES, META_FILE)):
+        raise FileNotFoundError(f"{location}: no complete version there ({sorted(files)})")
+    return files
+
+
+def cache_dir_for(cache_root: str | Path, location: str, adapter: str, version: int) -> Path:
+    """Where a node keeps its copy of a version fetched from elsewhere (one per location, never reused)."""
+    import hashlib
+
+    tag = hashlib.sha256(location.encode()).hexdigest()[:12]
+    return Path(cache_root) / adapter / f"v{int(version)}-{tag}"
