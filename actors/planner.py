@@ -297,6 +297,8 @@ class Planner:
                     "node_id": n.node_id,
                     "state": n.state,
                     "error": n.error,
+                    "ray_node_id": n.ray_node_id,  # the host of its replica (and of its trainer rank)
+                    "placement_group_id": n.placement_group_id,
                     "stages": self.cfg.cluster.stages,
                     "placed": n.placed,
                     "finished": n.finished_total,

@@ -77,7 +77,9 @@ class TrainRank:
         import torch
         import torch.distributed as dist
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # Gradients live on the device (NCCL on GPUs); the small CPU tensors of the step protocol (losses,
+        # counts, broadcast plans) go over gloo.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=self.world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
 

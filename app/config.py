@@ -39,7 +39,10 @@ class EngineConfig(_Strict):
     kv_cache_memory_bytes: int | None = Field(
         256 * 2**20, gt=0, description="KV cache size; on CPU this is host memory. null: use gpu_memory_utilization."
     )
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Used only when kv_cache_memory_bytes is null.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="The device memory fraction vLLM takes: the KV cache when kv_cache_memory_bytes "
+                                     "is null; on a GPU also what it checks is free at start (leave the trainer rank "
+                                     "its share, e.g. 0.45).")
     dtype: str = Field(
         "auto", description="Weights/activations dtype passed to vLLM. auto: vLLM's choice, except float32 for a "
                             "float32 checkpoint on a CPU without bfloat16 instructions (vLLM would downcast to bf16)."

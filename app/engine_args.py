@@ -46,7 +46,9 @@ def engine_flags(cfg: AppConfig, model_dir: str, served_name: str) -> list[str]:
         flags += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
     if e.kv_cache_memory_bytes is not None:
         flags += ["--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes)]
-    else:
+    if e.kv_cache_memory_bytes is None or e.device == "gpu":
+        # On a GPU vLLM checks at start that this fraction of the device is free, whatever the KV cache
+        # size: a replica that shares its GPU with a trainer rank must ask for its share only.
         flags += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
     flags += ["--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
     if e.enable_lora:
