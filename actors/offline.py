@@ -16,17 +16,21 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+from app.offline_job import JobModel
 
 
 class OfflineEngine:
     """One vLLM engine (LoRA off). Create with ``ray.remote(OfflineEngine).options(num_cpus=..., max_concurrency=4)``
     so that :meth:`poll` and :meth:`submit` run while the engine steps."""
 
-    def __init__(self, model_dir: str, *, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int,
-                 seed: int = 0, omp_threads: int | None = None, dtype: str = "auto",
+    def __init__(self, model: JobModel, data_dir: str, *, max_model_len: int, max_num_seqs: int,
+                 kv_cache_bytes: int, seed: int = 0, omp_threads: int | None = None, dtype: str = "auto",
                  enforce_eager: bool = False) -> None:
-        self.model_dir = model_dir
+        # Resolved (an embedded model built) on this actor's host, in this node's data dir.
+        self.model_dir = str(model.local_dir(Path(os.environ.get("COSERVE_DATA_DIR") or data_dir).expanduser()))
         self._args = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
                       "kv_cache_memory_bytes": kv_cache_bytes, "seed": seed, "dtype": dtype,
                       "enforce_eager": enforce_eager}

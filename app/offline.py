@@ -62,15 +62,8 @@ START_TIMEOUT_S = 600.0  # an engine that has not started in this long is report
 
 
 def model_dir(m: JobModel, data_dir: Path) -> Path:
-    """The model's directory; an embedded model is built on first use."""
-    if m.path:
-        return Path(m.path).expanduser()
-    from app.default_model import TinyLlamaSpec, ensure
-
-    e = m.embedded
-    return ensure(data_dir, TinyLlamaSpec(hidden_size=e.hidden_size, num_layers=e.layers,
-                                          num_heads=e.hidden_size // 64, intermediate_size=3 * e.hidden_size,
-                                          seed=e.seed))
+    """The model's directory on this host; an embedded model is built on first use."""
+    return m.local_dir(data_dir)
 
 
 def token_counter(path: Path):
@@ -127,6 +120,8 @@ class PreparedJob:
     devices: DeviceSet
     plan: Plan | None
     notes: list[str]
+    data_dir: Path = DEFAULT_DATA_DIR
+    """Where embedded models are built; an engine on another node resolves its own (COSERVE_DATA_DIR there)."""
 
 
 def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
@@ -144,13 +139,14 @@ def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemptio
     if any(skipped.values()):
         notes.append("already done (resume): " + ", ".join(f"{n} {k}" for n, k in skipped.items()))
     if not todo.nodes:
-        return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, None, devices, None, notes)
+        return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, None, devices, None, notes, data_dir)
     sub = job.model_copy(update={"models": [m for m in job.models if m.name in todo.nodes]})
     counters = {n: token_counter(dirs[n]) for n in todo.nodes}
     graph = job_graph(sub, todo, facts, counters, {m.name: m.load_s or job.engine_load_s for m in sub.models})
     costs, cost_notes = cost_models(sub, dirs, facts, base_dir, counters, data_dir)
     plan = create("stages", planner, preemption=preemption).plan(graph, devices, costs)
-    return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan, notes + cost_notes)
+    return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan, notes + cost_notes,
+                       data_dir)
 
 
 def plan_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
@@ -329,7 +325,7 @@ class JobRunner:
             num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None, max_concurrency=4,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                  placement_group_bundle_index=devs[0]),
-        ).remote(str(self.p.dirs[m]), max_model_len=max_len, max_num_seqs=self.job.max_num_seqs, kv_cache_bytes=kv,
+        ).remote(jm, str(self.p.data_dir), max_model_len=max_len, max_num_seqs=self.job.max_num_seqs, kv_cache_bytes=kv,
                  seed=jm.seed, omp_threads=self.omp_per_device * len(devs), enforce_eager=self.job.enforce_eager)
         r = _Replica(m, devs, actor, time.time())
         r.start_ref = actor.start.remote()

@@ -58,6 +58,21 @@ class JobModel(_Strict):
     load_s: float | None = Field(None, gt=0, description="Seconds this model's engine takes to start (its row "
                                                          "of SamuLLM §4.1's load-time table); null: engine_load_s.")
 
+    def local_dir(self, data_dir: Path) -> Path:
+        """The model's directory on this host; an embedded model is built into ``data_dir`` on first use.
+
+        Each process that loads the model calls this on its own host (the driver for planning, each
+        engine actor for serving), so no node needs a path another node made.
+        """
+        if self.path:
+            return Path(self.path).expanduser()
+        from app.default_model import TinyLlamaSpec, ensure
+
+        e = self.embedded
+        return ensure(data_dir, TinyLlamaSpec(hidden_size=e.hidden_size, num_layers=e.layers,
+                                              num_heads=e.hidden_size // 64, intermediate_size=3 * e.hidden_size,
+                                              seed=e.seed))
+
 
 class DevicesSpec(_Strict):
     count: int = Field(1, ge=1)
