@@ -5,11 +5,25 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 LOAD_TIMEOUT_S = 120.0
+
+
+@dataclass
+class EvalJob:
+    """A version waiting to be scored: a candidate for the gate, or one served without it."""
+
+    adapter: str
+    version: int
+    path: str  # its published location (actors/adapter_files.py makes a local copy)
+    candidate: bool
+    created: list[float]  # acceptance times of the items it trained on (freshness once served)
+    attempts: int = 0
+    not_before: float = 0.0  # a failed attempt waits before the next
 
 
 class VersionEvaluator:
@@ -37,8 +51,8 @@ class VersionEvaluator:
         self.worker, self.t = worker, worker.t  # the RankLoop whose model, store and planner it uses
         self.eval_file = eval_file
         self._file_pairs: list[dict[str, str]] | None = None
-        self._candidates: deque[dict[str, Any]] = deque()
-        self._served: dict[str, dict[str, Any]] = {}  # adapter -> newest version served without the gate
+        self._candidates: deque[EvalJob] = deque()
+        self._served: dict[str, EvalJob] = {}  # adapter -> newest version served without the gate
         self._judging: dict[str, int] = {}  # adapter -> its candidates not decided yet
         # (adapter, version, "held-out" or "eval-file") -> {item id (eval file: index) -> its own score}
         self._scores: dict[tuple[str, int | None, str], dict[int, Any]] = {}
@@ -48,8 +62,7 @@ class VersionEvaluator:
         return self._judging.get(adapter, 0) > 0
 
     def submit(self, adapter: str, version: int, path: str, *, candidate: bool, created: list[float]) -> None:
-        job = {"adapter": adapter, "version": version, "path": path, "candidate": candidate, "created": created,
-               "attempts": 0, "submitted_at": time.time(), "not_before": 0.0}
+        job = EvalJob(adapter, version, path, candidate, created)
         if candidate:
             self._candidates.append(job)
             self._judging[adapter] = self._judging.get(adapter, 0) + 1
@@ -58,12 +71,12 @@ class VersionEvaluator:
 
     def pending(self) -> bool:
         now = time.time()
-        return any(j["not_before"] <= now for j in self._candidates) or bool(self._served)
+        return any(j.not_before <= now for j in self._candidates) or bool(self._served)
 
     def work_one(self) -> None:
         """Judge the oldest candidate (candidates first: training of their adapter waits), else score a served version."""
         now = time.time()
-        job = next((j for j in self._candidates if j["not_before"] <= now), None)
+        job = next((j for j in self._candidates if j.not_before <= now), None)
         if job is None:
             self._score_served_safely(self._served.popitem()[1])
             return
@@ -71,16 +84,16 @@ class VersionEvaluator:
         try:
             self._gate(job)
         except Exception as exc:
-            job["attempts"] += 1
+            job.attempts += 1
             self.worker._warn("gate", exc)
-            if job["attempts"] < self.MAX_ATTEMPTS:
-                job["not_before"] = time.time() + 2.0  # e.g. the store actor restarting
+            if job.attempts < self.MAX_ATTEMPTS:
+                job.not_before = time.time() + 2.0  # e.g. the store actor restarting
                 self._candidates.appendleft(job)
                 return
             self._give_up(job, exc)
-        self._judging[job["adapter"]] -= 1
+        self._judging[job.adapter] -= 1
 
-    def _score_served_safely(self, job: dict[str, Any]) -> None:
+    def _score_served_safely(self, job: EvalJob) -> None:
         try:
             self._score_served(job)
         except Exception as exc:
@@ -149,12 +162,12 @@ class VersionEvaluator:
 
     # ---- the gate --------------------------------------------------------------------------------
 
-    def _gate(self, job: dict[str, Any]) -> None:
+    def _gate(self, job: EvalJob) -> None:
         from app.feedback_store import VersionConflict
         from planners.gate import Verdict, judge
 
         w = self.worker
-        adapter, version, path = job["adapter"], job["version"], job["path"]
+        adapter, version, path = job.adapter, job.version, job.path
         t0 = time.time()
         info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
         current = ray.get(w.store.current_version.remote(adapter, w.line), timeout=60)
@@ -189,32 +202,32 @@ class VersionEvaluator:
             except Exception as exc:  # served in the store; the planner restores it on restart
                 w._warn("load_adapter", exc)
             now = time.time()
-            freshness = [round(now - c, 3) for c in job["created"]]
+            freshness = [round(now - c, 3) for c in job.created]
         w._report(adapter, {"kind": "gate", "version": version, "state": decided.state, "reason": decided.reason,
                             "score": decided.score, "baseline_score": decided.baseline_score,
                             "baseline_version": decided.baseline_version, "win_rate": cand.get("win_rate"),
                             "clpd": cand.get("clpd"), "token_logprob": cand.get("token_logprob"),
                             "seconds": time.time() - t0, "at": time.time(), "freshness_s": freshness})
 
-    def _give_up(self, job: dict[str, Any], exc: BaseException) -> None:
+    def _give_up(self, job: EvalJob, exc: BaseException) -> None:
         """Scoring failed again and again: reject the candidate, with the error as the reason (not served unproven)."""
         try:
             ray.get(self.worker.store.decide_version.remote(
-                job["adapter"], job["version"], passed=False,
+                job.adapter, job.version, passed=False,
                 reason=f"the gate could not score it: {type(exc).__name__}: {str(exc)[:300]}"), timeout=60)
         except Exception as again:
             self.worker._warn("gate", again)
 
-    def _score_served(self, job: dict[str, Any]) -> None:
+    def _score_served(self, job: EvalJob) -> None:
         """Held-out scores of a version served without the gate (the gate off), for the API and the metrics."""
         w = self.worker
-        adapter, version = job["adapter"], job["version"]
+        adapter, version = job.adapter, job.version
         t0 = time.time()
         info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
         items, key, _ = self._slice(adapter, info.gate.max_eval_items)
         if not items:
             return
-        scores = self._score(adapter, version, job["path"], info, items, key)
+        scores = self._score(adapter, version, job.path, info, items, key)
         ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items), **scores), timeout=60)
         w._report(adapter, {"kind": "eval", "version": version, "win_rate": scores.get("win_rate"),
                             "clpd": scores.get("clpd"), "token_logprob": scores.get("token_logprob"),
