@@ -30,7 +30,9 @@ class FeedbackQueue:
         # Resolved here, on the store's node: the path names this node's disk, not the planner's.
         self.data_dir = config.data_path
         self.adapters_root = config.adapters_path
-        self.store = FeedbackStore(self.data_dir, gate_defaults=config.training.gate.model_dump())
+        self.store = FeedbackStore(self.data_dir, gate_defaults=config.training.gate.model_dump(),
+                                   max_item_bytes=config.limits.feedback_max_item_bytes,
+                                   max_batch_items=config.limits.feedback_max_items)
         self._changes = 0  # raised by every write that can give the trainer work (see wait_for_change)
         self._changed: asyncio.Condition | None = None
 
@@ -81,6 +83,9 @@ class FeedbackQueue:
 
     async def get_adapter(self, name: str):
         return await self._run("get_adapter", name)
+
+    async def adapter_tenant(self, name: str) -> str | None:
+        return await self._run("adapter_tenant", name)
 
     async def list_adapters(self):
         return await self._run("list_adapters")

@@ -76,6 +76,7 @@ class _Node:
     in_flight: int = 0
     busy_seconds: float = 0.0
     reported_at: float = 0.0
+    prefix_cache: tuple[int, int] = (0, 0)  # (queried, hit) prompt tokens of this replica's engine
     adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version, as the node confirmed
     confirmed_epoch: int = -1
     ttfts: deque = field(default_factory=lambda: deque(maxlen=64))  # recent TTFTs (s), newest last
@@ -248,6 +249,7 @@ class Planner:
             return False
         node.received, node.finished, node.in_flight = report.received, report.finished, report.in_flight
         node.busy_seconds, node.reported_at = report.busy_seconds, report.at
+        node.prefix_cache = (report.prefix_cache_queries, report.prefix_cache_hits)
         if report.engine is not None:
             node.facts = report.engine
         for t in report.traces:
@@ -304,6 +306,7 @@ class Planner:
                     "finished": n.finished_total,
                     "in_flight": n.in_flight,
                     "busy_seconds": round(n.busy_seconds, 3),
+                    "prefix_cache": {"queried_tokens": n.prefix_cache[0], "hit_tokens": n.prefix_cache[1]},
                     "adapters": dict(n.adapters),
                     "pid": n.pid,
                     "engine": None if n.facts is None else {

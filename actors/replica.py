@@ -177,7 +177,9 @@ class ModelReplica:
         self._facts_reported = not self._live
         return NodeReport(node_id=self.node_id, traces=tuple(traces), received=self._received,
                           finished=self._finished, in_flight=len(self._live), busy_seconds=self._busy_seconds(),
-                          engine=self.facts(), at=time.time())
+                          engine=self.facts(), at=time.time(),
+                          prefix_cache_queries=getattr(self._stats, "prefix_cache_queries", 0),
+                          prefix_cache_hits=getattr(self._stats, "prefix_cache_hits", 0))
 
     # ---- profiling -------------------------------------------------------------------------
 
@@ -366,6 +368,7 @@ def _engine_stats_logger(replica: ModelReplica) -> Any:
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self.iterations = 0
             self.kv_cache_usage = 0.0
+            self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, since the engine started
             cache = vllm_config.cache_config
             self.kv_cache_bytes = float(getattr(cache, "kv_cache_memory_bytes", None) or 0.0)
             replica._stats = self
@@ -374,6 +377,10 @@ def _engine_stats_logger(replica: ModelReplica) -> Any:
                    engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
                 self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                cache = getattr(scheduler_stats, "prefix_cache_stats", None)
+                if cache is not None:
+                    self.prefix_cache_queries += cache.queries
+                    self.prefix_cache_hits += cache.hits
             if iteration_stats is not None:
                 self.iterations += 1
 

@@ -154,6 +154,38 @@ class IngressConfig(_Strict):
                                "as vllm serve does.")
 
 
+class AuthConfig(_Strict):
+    keys_file: str | None = Field(
+        None, description="YAML file of API keys, stored hashed (``python -m app.keys add``); relative paths are "
+                          "resolved against data_dir. Keys are sent as ``Authorization: Bearer <key>``.")
+    keys_env: str | None = Field(
+        "COSERVE_API_KEYS", description="Environment variable of the model servers holding more keys, as "
+                                        "``tenant=key`` or ``tenant=sha256:<hex>`` entries separated by commas; the "
+                                        "tenant ``admin`` is the admin. Plain keys are hashed on load.")
+    allow_unauthenticated_bind: bool = Field(
+        False, description="Serve without keys on an address other than loopback (only behind a proxy that "
+                           "authenticates). Off: the app refuses to start that way.")
+
+
+class LimitsConfig(_Strict):
+    """Caps that keep one client from holding the engine or the ingress' memory (README "Security")."""
+
+    max_body_bytes: int = Field(1 * 2**20, gt=0, description="Largest request body; larger ones get 413.")
+    max_n: int = Field(8, gt=0, description="Most choices (``n``) per request.")
+    max_best_of: int = Field(8, gt=0, description="Most ``best_of`` candidates per request.")
+    max_tokens: int = Field(2048, gt=0, description="Most output tokens (``max_tokens``, ``max_completion_tokens``).")
+    max_logprobs: int = Field(20, ge=0, description="Most ``logprobs`` / ``top_logprobs`` per token.")
+    feedback_max_items: int = Field(1024, gt=0, description="Items per feedback request.")
+    feedback_max_item_bytes: int = Field(32 * 1024, gt=0, description="UTF-8 bytes of text per feedback item.")
+    requests_per_second: float | None = Field(
+        50.0, gt=0, description="Sustained requests per second per API key, on each model server (null: no cap); "
+                                "over it: 429 with Retry-After. Applies when keys are configured.")
+    burst: int = Field(100, gt=0, description="Requests a key may send at once above that rate.")
+    max_concurrent: int | None = Field(
+        64, gt=0, description="Requests one API key may have in flight on a model server (null: no cap); "
+                              "over it: 429. Applies when keys are configured.")
+
+
 class AppConfig(_Strict):
     name: str = Field("coserve", description="Prefix of the app's named actors (feedback store, trainer).")
     data_dir: str = Field(DEFAULT_DATA_DIR, description="Where the embedded model, adapters and databases live.")
@@ -164,6 +196,8 @@ class AppConfig(_Strict):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @model_validator(mode="after")
     def _shares_fit(self) -> "AppConfig":

@@ -47,9 +47,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 4  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs
+SCHEMA_VERSION = 5  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
+# 5: adapters belong to tenants
 DB_FILENAME = "feedback.sqlite3"
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+TENANT_NAME_RE = ADAPTER_NAME_RE  # app/keys.py's TENANT_RE: the same shape
+MAX_COUNT = 1_000_000_000  # the largest count a setting takes: well inside SQLite's 64-bit integers
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
 DEFAULT_MAX_BATCH_ITEMS = 1024
 
@@ -122,7 +125,8 @@ class UnknownItem(StoreError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf/NaN: they would be stored, then fail to encode as JSON in every later answer.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraSettings(_Strict):
@@ -142,7 +146,7 @@ class LoraSettings(_Strict):
 
 class PeriodicSettings(_Strict):
     every_seconds: float | None = Field(60.0, gt=0, description="Train every T seconds (Ekya-like).")
-    every_samples: int | None = Field(None, gt=0, description="... or as soon as K samples are queued.")
+    every_samples: int | None = Field(None, gt=0, le=MAX_COUNT, description="... or as soon as K samples are queued.")
 
 
 class GateSettings(_Strict):
@@ -160,8 +164,8 @@ class GateSettings(_Strict):
         0.1, ge=0, le=0.5, description="Share of the adapter's new feedback kept out of training as its held-out "
                                        "slice (assigned when the item is stored; 0: none).")
     pause_after_rejections: int = Field(
-        3, ge=0, description="Consecutive rejected versions after which the adapter stops training (0: never).")
-    max_eval_items: int = Field(64, gt=0, description="Held-out items a version is scored on (the oldest ones).")
+        3, ge=0, le=MAX_COUNT, description="Consecutive rejected versions after which the adapter stops training (0: never).")
+    max_eval_items: int = Field(64, gt=0, le=MAX_COUNT, description="Held-out items a version is scored on (the oldest ones).")
 
 
 class GateOverrides(_Strict):
@@ -170,8 +174,8 @@ class GateOverrides(_Strict):
     enabled: bool | None = None
     margin: float | None = Field(None, ge=0)
     held_out_share: float | None = Field(None, ge=0, le=0.5)
-    pause_after_rejections: int | None = Field(None, ge=0)
-    max_eval_items: int | None = Field(None, gt=0)
+    pause_after_rejections: int | None = Field(None, ge=0, le=MAX_COUNT)
+    max_eval_items: int | None = Field(None, gt=0, le=MAX_COUNT)
 
     def over(self, defaults: GateSettings) -> GateSettings:
         """The effective settings: these overrides on top of ``defaults``."""
@@ -182,6 +186,9 @@ class AdapterSpec(_Strict):
     """What ``POST /v1/adapters`` takes."""
 
     name: str = Field(pattern=ADAPTER_NAME_RE.pattern)
+    tenant: str | None = Field(None, pattern=TENANT_NAME_RE.pattern,
+                               description="The tenant that owns the adapter: the creating key's (an admin may name "
+                                           "another); null when the app runs without keys.")
     method: Method = "sft"
     beta: float = Field(0.1, gt=0, description="DPO temperature β (stored, unused by SFT).")
     learning_rate: float = Field(5e-4, gt=0, le=1)
@@ -477,7 +484,8 @@ CREATE TABLE IF NOT EXISTS adapters (
     rejections_in_row INTEGER NOT NULL DEFAULT 0,  -- gate rejections since the last served version
     promotions_total  INTEGER NOT NULL DEFAULT 0,  -- versions served by the gate or a promotion (a counter)
     rejections_total  INTEGER NOT NULL DEFAULT 0,  -- versions the gate rejected (a counter)
-    epochs            INTEGER NOT NULL DEFAULT 1   -- versions that train on each item before it is consumed
+    epochs            INTEGER NOT NULL DEFAULT 1,  -- versions that train on each item before it is consumed
+    tenant            TEXT                         -- the owning tenant, NULL: made without API keys
 );
 CREATE TABLE IF NOT EXISTS versions (
     adapter           TEXT NOT NULL REFERENCES adapters(name),
@@ -534,7 +542,7 @@ CREATE INDEX IF NOT EXISTS feedback_epochs ON feedback (adapter, held_out, consu
 
 UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused", "epochs"})
 _ADAPTER_COLS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
-                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs")
+                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant")
 _VERSION_COLS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
                  "loss, win_rate, clpd, node, state, reason, score, baseline_version, baseline_score, token_logprob, "
                  "eval_items, decided_at")
@@ -551,7 +559,9 @@ _ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER
                   ("versions", "token_logprob", "REAL"), ("versions", "eval_items", "INTEGER"),
                   ("versions", "decided_at", "REAL"), ("feedback", "held_out", "INTEGER NOT NULL DEFAULT 0"),
                   # schema 4: epochs
-                  ("adapters", "epochs", "INTEGER NOT NULL DEFAULT 1"), ("feedback", "passes", "INTEGER NOT NULL DEFAULT 0"))
+                  ("adapters", "epochs", "INTEGER NOT NULL DEFAULT 1"), ("feedback", "passes", "INTEGER NOT NULL DEFAULT 0"),
+                  # schema 5: tenants
+                  ("adapters", "tenant", "TEXT"))
 _ITEM_COLS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages"
 
 
@@ -640,10 +650,10 @@ class FeedbackStore:
             if db.execute("SELECT 1 FROM adapters WHERE name = ?", (spec.name,)).fetchone():
                 raise AdapterExists(f"adapter {spec.name!r} already exists")
             db.execute(
-                f"INSERT INTO adapters ({_ADAPTER_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO adapters ({_ADAPTER_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (spec.name, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
                  json.dumps(spec.lora.target_modules), spec.lora.dropout, spec.mode, spec.periodic.every_seconds,
-                 spec.periodic.every_samples, None, time.time(), spec.epochs),
+                 spec.periodic.every_samples, None, time.time(), spec.epochs, spec.tenant),
             )
             db.execute("UPDATE adapters SET gate = ? WHERE name = ?", (_overrides_json(spec.gate), spec.name))
             return self._adapter_info(db, spec.name)
@@ -695,6 +705,14 @@ class FeedbackStore:
         with self._tx(write=False) as db:
             return self._adapter_info(db, name)
 
+    def adapter_tenant(self, name: str) -> str | None:
+        """The tenant that owns adapter ``name`` (None: made without keys); :class:`UnknownAdapter` (404)."""
+        with self._tx(write=False) as db:
+            row = db.execute("SELECT tenant FROM adapters WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise UnknownAdapter(f"no adapter named {name!r}")
+        return row[0]
+
     def list_adapters(self) -> list[AdapterInfo]:
         """Every adapter, by name."""
         with self._tx(write=False) as db:
@@ -724,7 +742,7 @@ class FeedbackStore:
 
     def _adapter_info(self, db: sqlite3.Connection, name: str) -> AdapterInfo:
         (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
-         created, epochs) = self._adapter_row(db, name)
+         created, epochs, tenant) = self._adapter_row(db, name)
         versions = [_version(row) for row in db.execute(
             f"SELECT {_VERSION_COLS} FROM versions WHERE adapter = ? AND published = 1 ORDER BY version", (name,))]
         queued, oldest = db.execute(
@@ -733,7 +751,7 @@ class FeedbackStore:
         held_out = db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ? AND held_out = 1", (name,)).fetchone()[0]
         gate, paused, in_row, promotions, rejections = self._gate_row(db, name)
         return AdapterInfo(
-            name=name, method=method, beta=beta, learning_rate=lr,
+            name=name, tenant=tenant, method=method, beta=beta, learning_rate=lr,
             lora=LoraSettings(r=r, alpha=alpha, target_modules=json.loads(targets), dropout=dropout),
             mode=mode, periodic=PeriodicSettings(every_seconds=every_s, every_samples=every_n),
             created_at=created, current_version=current, versions=versions, queued=queued, epochs=epochs,

@@ -28,8 +28,15 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]]) -> bytes:
     refused = Gauge("coserve_node_ft_grants_refused_total", "trainer requests the node's scheduler refused", node,
                     registry=reg)
     kv = Gauge("coserve_node_kv_cache_usage", "fraction of the engine's KV cache in use", node, registry=reg)
+    cache_queried = Gauge("coserve_node_prefix_cache_queried_tokens_total", "prompt tokens the node's engine looked up "
+                          "in its prefix cache since its replica started", node, registry=reg)
+    cache_hit = Gauge("coserve_node_prefix_cache_hit_tokens_total", "of those, tokens found cached (same tenant's "
+                      "prefixes only: per-tenant cache salt)", node, registry=reg)
     for n in status.get("nodes", []):
         label = str(n["node_id"])
+        if "prefix_cache" in n:
+            cache_queried.labels(label).set(n["prefix_cache"]["queried_tokens"])
+            cache_hit.labels(label).set(n["prefix_cache"]["hit_tokens"])
         ready.labels(label).set(1 if n["state"] == "ready" else 0)
         in_flight.labels(label).set(n["in_flight"])
         placed.labels(label).set(n["placed"])

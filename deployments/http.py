@@ -12,15 +12,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 409: "ConflictError",
-                413: "PayloadTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowed", 409: "ConflictError", 413: "PayloadTooLargeError",
+                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-def error(status: int, message: str, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+def error(status: int, message: str, param: str | None = None, err_type: str | None = None,
+          headers: dict[str, str] | None = None) -> JSONResponse:
     """An OpenAI-shaped error body with the given HTTP status."""
     body = {"error": {"message": message, "type": err_type or _ERROR_TYPES.get(status, "Error"),
                       "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class ServiceUnavailable(Exception):
+    """A part of the service the route needs is restarting; becomes a 503 with Retry-After."""
 
 
 class BadRequest(Exception):
@@ -37,6 +43,8 @@ async def json_body(request: Request) -> Any:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("Request body is nested too deeply.") from None
 
 
 async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
@@ -48,7 +56,39 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error(exc.status_code, str(exc.detail))
 
 
+async def _unavailable(_: Request, exc: ServiceUnavailable) -> JSONResponse:
+    return error(503, str(exc), headers={"Retry-After": "2"})
+
+
+async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+    # FastAPI's own body parsing (vLLM's routes) meets a deeply nested JSON body here.
+    return error(400, "Request body is nested too deeply.")
+
+
+def request_id(request: Request) -> str:
+    """The request's id: the client's or HAProxy's ``X-Request-Id``, else a fresh one."""
+    import uuid
+
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def internal_error(request: Request, exc: BaseException) -> JSONResponse:
+    """A 500 that names the request, never the internals: the detail goes to the log under the same id."""
+    rid = request_id(request)
+    logger.error("request %s %s %s failed", rid, request.method, request.url.path, exc_info=exc)
+    return error(500, f"Internal error; the server log has the detail under request id {rid}.",
+                 headers={"X-Request-Id": rid})
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    return internal_error(request, exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Route-level 4xx of the app's own routes in the OpenAI shape; vLLM's handlers cover its routes."""
+    """Route-level 4xx of the app's own routes in the OpenAI shape; vLLM's handlers cover its routes.
+    An unexpected exception anywhere becomes a 500 with a request id, its detail only in the log."""
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ServiceUnavailable, _unavailable)
+    app.add_exception_handler(RecursionError, _too_deep)
+    app.add_exception_handler(Exception, _internal)

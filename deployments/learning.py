@@ -3,6 +3,11 @@
 Bodies go to the feedback store's own validation (app/feedback_store.py) through the one actor
 that owns it; its errors carry their HTTP status, and a 2xx on feedback means the whole batch
 is durably stored.
+
+Tenancy: every adapter belongs to the tenant whose key created it (or the one an admin named).
+A tenant's key sees, changes, trains and calls only its own adapters; another tenant's adapter
+answers 404, exactly as one that does not exist. The owner of a name never changes, so each
+model server keeps the owners it has looked up.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError, RayTaskError
 
 from app.config import AppConfig
-from app.feedback_store import StoreError
-from deployments.http import BadRequest, error, json_body
+from app.feedback_store import ADAPTER_NAME_RE, StoreError, UnknownAdapter
+from deployments.guard import PRINCIPAL
+from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
+
+UNKNOWN = object()  # the owner of an adapter that does not exist
 
 
 async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
@@ -31,7 +39,7 @@ async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, StoreError):
         return await _store_error(request, cause)
-    return error(500, f"Internal error: {type(exc).__name__}: {exc}")
+    return internal_error(request, exc)
 
 
 class LearningRoutes:
@@ -41,6 +49,7 @@ class LearningRoutes:
         self.cfg = cfg
         self.ask_planner = ask_planner
         self._feedback = None
+        self._owners: dict[str, str | None] = {}  # adapter -> tenant (None: made without keys)
 
     def install(self, app: FastAPI) -> None:
         app.add_exception_handler(StoreError, _store_error)
@@ -63,11 +72,32 @@ class LearningRoutes:
             try:
                 return await getattr(self._feedback, method).remote(*args, **kwargs)
             except RayActorError:
-                # The store went with a planner that Serve recreated; the new planner has a new one.
+                # The store is restarting (Ray restarts it on the same node with the same database).
                 self._feedback = None
                 if attempt == 1:
-                    raise
+                    raise ServiceUnavailable("The feedback store is restarting; retry in a few seconds.") from None
         raise AssertionError("unreachable")
+
+    async def owner(self, adapter: str) -> str | None | object:
+        """The tenant that owns ``adapter`` (None: made without keys), or :data:`UNKNOWN`."""
+        if adapter in self._owners:
+            return self._owners[adapter]
+        if not ADAPTER_NAME_RE.match(adapter):
+            return UNKNOWN
+        try:
+            owner = await self._store("adapter_tenant", adapter)
+        except UnknownAdapter:
+            return UNKNOWN
+        self._owners[adapter] = owner
+        return owner
+
+    async def _visible(self, name: str) -> None:
+        """404 (as if absent) unless the request's principal may use adapter ``name``."""
+        owner, principal = await self.owner(name), PRINCIPAL.get()
+        if owner is UNKNOWN and principal.admin:
+            return  # the store's own answer (404, or 400 for a malformed name)
+        if owner is UNKNOWN or not principal.may_use(owner):
+            raise UnknownAdapter(f"no adapter named {name!r}")
 
     async def _served_name(self) -> str:
         return (await self.ask_planner("models"))["base"]
@@ -85,20 +115,29 @@ class LearningRoutes:
         if isinstance(rank, int) and rank > self.cfg.engine.max_lora_rank:
             limit = self.cfg.engine.max_lora_rank
             raise BadRequest(f"lora.r={rank} exceeds the engine's max_lora_rank={limit}", "lora.r")
+        principal = PRINCIPAL.get()
+        if "tenant" in body:
+            if not principal.admin and body["tenant"] != principal.tenant:
+                raise BadRequest("`tenant`: only an admin key may create adapters for another tenant.", "tenant")
+        elif principal.tenant is not None:
+            body = {**body, "tenant": principal.tenant}
         info = await self._store("create_adapter", body)
         return JSONResponse(self._adapter_json(info, await self._served_name()), status_code=201)
 
     async def list_adapters(self) -> JSONResponse:
         base = await self._served_name()
-        adapters = await self._store("list_adapters")
+        principal = PRINCIPAL.get()
+        adapters = [a for a in await self._store("list_adapters") if principal.may_use(a.tenant)]
         return JSONResponse({"object": "list", "data": [self._adapter_json(i, base) for i in adapters]})
 
     async def show_adapter(self, name: str) -> Response:
+        await self._visible(name)
         info = await self._store("get_adapter", name)
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     async def update_adapter(self, name: str, request: Request) -> Response:
         """Change how the adapter trains from now on (mode, learning_rate, beta, periodic, gate, paused); 400 else."""
+        await self._visible(name)
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
@@ -115,10 +154,11 @@ class LearningRoutes:
         return await self._serve_version(name, request, "promote")
 
     async def _serve_version(self, name: str, request: Request, how: str) -> Response:
+        await self._visible(name)
         body = await json_body(request)
         version = body.get("version") if isinstance(body, dict) else None
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise BadRequest("`version` (an integer) is required.", "version")
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version < 2**63:
+            raise BadRequest("`version` (a positive integer) is required.", "version")
         if isinstance(body, dict) and set(body) != {"version"}:
             raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
         info = await self._store(how, name, version)
@@ -145,6 +185,12 @@ class LearningRoutes:
             items = body
         if not isinstance(items, (list, dict)):
             raise BadRequest("Body must be an item, a list of items, or {\"items\": [...]}.", "items")
+        listed = items if isinstance(items, list) else [items]
+        if len(listed) > self.cfg.limits.feedback_max_items:
+            raise BadRequest(f"{len(listed)} items, at most limits.feedback_max_items="
+                             f"{self.cfg.limits.feedback_max_items} per request.", "items")
+        for name in {it.get("adapter") for it in listed if isinstance(it, dict) and isinstance(it.get("adapter"), str)}:
+            await self._visible(name)  # feedback only to the tenant's own adapters; others do not exist
         nodes = None
         if self.cfg.training.scope == "per_node":  # each node's copy trains on the items routed to it
             listed = items if isinstance(items, list) else [items]

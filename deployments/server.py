@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,17 +35,22 @@ from actors.planner import NAMESPACE
 from actors.replica import TASK_ID, ModelReplica
 from app.config import AppConfig
 from app.engine_args import engine_flags, served_model_name
-from deployments.http import install_error_handlers
-from deployments.learning import LearningRoutes
+from deployments.guard import PRINCIPAL, RequestGuard
+from deployments.http import ServiceUnavailable, install_error_handlers
+from deployments.learning import UNKNOWN, LearningRoutes
 from deployments.streams import CoalesceEventStreams
 from planners.types import NodeRegistration
 
 logger = logging.getLogger(__name__)
 
 PLANNER = "planner"  # the deployment-scoped actor's name
-# vLLM's routes that the app answers its own way: models and health span every node, and /metrics
-# shows the planner's and the adapters' facts.
-OVERRIDDEN_ROUTES = {"/health", "/v1/models", "/metrics"}
+# vLLM's routes the app exposes. The others of its OpenAI server (Responses with their stored
+# responses, Anthropic messages, SageMaker invocations, batch chat, elastic EP control, ...) are
+# not: each would need its own tenant checks, and some change the engine. /health, /v1/models and
+# /metrics are the app's own (they span every node and show the planner's and adapters' facts).
+VLLM_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/ping", "/version",
+                         "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class TaskIdMiddleware:
@@ -72,14 +78,19 @@ class ModelServer:
     async def __init__(self, config: AppConfig) -> None:
         from app.default_model import model_dir as resolve_model_dir
 
+        from app.keys import KeyRing
+
         self.cfg = config
         self.node_id = serve.get_replica_context().rank.rank
+        self.keys = KeyRing.load(config.auth.keys_file, config.auth.keys_env, config.data_path)
+        _check_bind(config, self.keys.enabled)
         model_dir = resolve_model_dir(config)
         self.served_name = served_model_name(config, model_dir)
         self._planner_handle: Any = None
         self.replica = ModelReplica(self.node_id, engine_flags(config, model_dir, self.served_name),
                                     self.served_name, config.engine.omp_threads,
                                     adapter_files=AdapterFiles(config, NAMESPACE))
+        self.learning = LearningRoutes(config, self._ask_planner)
         await self.replica.start()
         self._guard_requests()
         ctx = ray.get_runtime_context()
@@ -98,11 +109,17 @@ class ModelServer:
         return self._planner_handle
 
     async def _ask_planner(self, method: str, *args: Any) -> Any:
-        """``planner.<method>(*args)``; a planner that Serve recreated is looked up again, once."""
+        """``planner.<method>(*args)``; a planner that Serve recreated is looked up again, once.
+        While there is none (Serve recreates it within seconds), :class:`ServiceUnavailable` (503)."""
         try:
             return await getattr(self._planner(), method).remote(*args)
-        except RayActorError:
+        except (RayActorError, ValueError):  # ValueError: Serve has no planner of that name right now
+            pass
+        try:
             return await getattr(self._planner(fresh=True), method).remote(*args)
+        except (RayActorError, ValueError) as exc:
+            logger.warning("planner unavailable for %s: %s", method, exc)
+            raise ServiceUnavailable("The planner is restarting; retry in a few seconds.") from None
 
     def record_replica_metadata(self) -> dict[str, Any]:
         """Published to request routers once: which logical node this replica is."""
@@ -131,13 +148,15 @@ class ModelServer:
         # vLLM's build_app builds the middleware stack eagerly; Starlette rebuilds it on the first
         # request once cleared, with the handlers and middleware added below (Ray Serve LLM does the same).
         app.middleware_stack = None
-        app.router.routes[:] = [rt for rt in app.router.routes if getattr(rt, "path", None) not in OVERRIDDEN_ROUTES]
+        app.router.routes[:] = [rt for rt in app.router.routes if getattr(rt, "path", None) in VLLM_ROUTES]
         install_error_handlers(app)
         self._install_routes(app)
-        LearningRoutes(self.cfg, self._ask_planner).install(app)
+        self.learning.install(app)
         app.add_middleware(TaskIdMiddleware)
         if self.cfg.ingress.stream_batching_ms > 0:
             app.add_middleware(CoalesceEventStreams, interval_s=self.cfg.ingress.stream_batching_ms / 1000)
+        # Outermost: nothing runs for a request without a key, over its limits, or with a body over the cap.
+        app.add_middleware(RequestGuard, keys=self.keys, limits=self.cfg.limits)
         return app
 
     def _install_routes(self, app: FastAPI) -> None:
@@ -146,11 +165,14 @@ class ModelServer:
         async def list_models() -> JSONResponse:
             info = await call("models")
             created = int(time.time())
+            principal = PRINCIPAL.get()
             cards = [{"id": info["base"], "object": "model", "created": created, "owned_by": "coserve",
                       "root": info["root"], "parent": None, "max_model_len": info["max_model_len"]}]
-            cards += [{"id": a, "object": "model", "created": created, "owned_by": "coserve",
-                       "root": a, "parent": info["base"], "max_model_len": info["max_model_len"]}
-                      for a in info["adapters"]]
+            for model in info["adapters"]:
+                owner = await self.learning.owner(model.split(":", 1)[1])
+                if owner is not UNKNOWN and principal.may_use(owner):
+                    cards.append({"id": model, "object": "model", "created": created, "owned_by": owner or "coserve",
+                                  "root": model, "parent": info["base"], "max_model_len": info["max_model_len"]})
             return JSONResponse({"object": "list", "data": cards})
 
         async def health() -> JSONResponse:
@@ -167,21 +189,62 @@ class ModelServer:
         app.add_api_route("/v1/status", status, methods=["GET"])
 
     def _guard_requests(self) -> None:
-        """Checks vLLM's serving classes do not make, wrapped around them once."""
+        """Checks vLLM's serving classes do not make, wrapped around their entry points once: the tenant's
+        rights on the model, the request caps (``limits``), and the tenant's prefix-cache salt."""
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         lora = self.cfg.engine.enable_lora
+        limits = self.cfg.limits
+        base = self.served_name
+
+        def refusal(request: Any) -> str | None:
+            """Why ``request`` is over a cap (the message of a 400), or None."""
+            n = getattr(request, "n", 1) or 1
+            prompt = getattr(request, "prompt", None)
+            prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+            if n * prompts > limits.max_n:
+                return f"n={n} choices for {prompts} prompt(s) exceeds limits.max_n={limits.max_n} per request."
+            best_of = getattr(request, "best_of", None)
+            if best_of is not None and best_of > limits.max_best_of:
+                return f"best_of={best_of} exceeds limits.max_best_of={limits.max_best_of}."
+            for field in ("max_tokens", "max_completion_tokens"):
+                value = getattr(request, field, None)
+                if value is not None and value > limits.max_tokens:
+                    return f"{field}={value} exceeds limits.max_tokens={limits.max_tokens}."
+            for field in ("logprobs", "top_logprobs"):
+                value = getattr(request, field, None)
+                if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limits.max_logprobs:
+                    return f"{field}={value} is outside 0..limits.max_logprobs={limits.max_logprobs}."
+            return None
+
+        async def unknown_to(request: Any) -> bool:
+            """Whether ``request.model`` names an adapter this request's tenant may not use (it then
+            gets vLLM's own 404, as if the adapter did not exist)."""
+            model = request.model or ""
+            if not model.startswith(base + ":"):
+                return False
+            owner = await self.learning.owner(model[len(base) + 1:])
+            return owner is not UNKNOWN and not PRINCIPAL.get().may_use(owner)
 
         def guarded(create: Any) -> Any:
             async def create_checked(request: Any, raw_request: Any = None) -> Any:
                 if not request.model:
                     return create_error_response("`model` is required and must be a string.", param="model")
+                if await unknown_to(request):
+                    return create_error_response(f"The model `{request.model}` does not exist.",
+                                                 err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND,
+                                                 param="model")
+                why = refusal(request)
+                if why is not None:
+                    return create_error_response(why)
                 if lora and (getattr(request, "prompt_logprobs", None) is not None
                              or (getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None)):
                     # vLLM #16668: prompt logprobs in a LoRA-enabled CPU engine crash the engine for everyone.
                     return create_error_response(
                         "Prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are not supported while "
                         "LoRA is enabled (vLLM #16668).", param="prompt_logprobs")
+                # Never the client's: a chosen salt could probe another tenant's cached prefixes.
+                request.cache_salt = PRINCIPAL.get().cache_salt
                 return await create(request, raw_request)
             return create_checked
 
@@ -192,6 +255,30 @@ class ModelServer:
         if getattr(state, "openai_serving_chat", None) is not None:
             serving = state.openai_serving_chat
             serving.create_chat_completion = guarded(serving.create_chat_completion)
+
+
+def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:
+    """Without API keys the app answers everyone who reaches it: only on loopback, unless the operator
+    says a proxy in front authenticates (``auth.allow_unauthenticated_bind``)."""
+    from ray.serve.context import _get_global_client
+
+    host = _get_global_client().http_config.host or "127.0.0.1"
+    if keys_enabled:
+        logger.info("API keys configured: serving on %s", host)
+        return
+    if host in LOOPBACK:
+        logger.warning("No API keys configured (auth.keys_file / $%s): the app answers anyone on %s, with every "
+                       "right; add keys before binding another address (README \"Security\")",
+                       cfg.auth.keys_env, host)
+        return
+    if cfg.auth.allow_unauthenticated_bind:
+        logger.warning("No API keys and HTTP bound to %s: relying on an authenticating proxy "
+                       "(auth.allow_unauthenticated_bind)", host)
+        return
+    raise RuntimeError(
+        f"Refusing to serve on {host} without API keys: anyone who reaches it could train, roll back and call "
+        f"every adapter. Configure auth.keys_file or ${cfg.auth.keys_env} (python -m app.keys add), bind "
+        "http_options.host to 127.0.0.1, or set auth.allow_unauthenticated_bind behind an authenticating proxy.")
 
 
 def replica_actor_options(cfg: AppConfig) -> dict[str, Any]:

@@ -94,6 +94,10 @@ class NodeReport:
     busy_seconds: float
     engine: EngineFacts | None = None
     at: float = 0.0
+    prefix_cache_queries: int = 0
+    """Prompt tokens the engine looked up in its prefix cache since the replica started (vLLM's PrefixCacheStats)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens it found cached: with per-tenant cache salts, only the same tenant's prefixes."""
 
 
 @dataclass(frozen=True)
