@@ -105,6 +105,9 @@ class FeedbackQueue:
     async def queued_by_node(self) -> dict[str, dict[int, int]]:
         return await self._run("queued_by_node")
 
+    async def existing_feedback_ids(self, ids: list[int]) -> list[int]:
+        return await self._run("existing_feedback_ids", ids)
+
     async def feedback_item(self, item_id: int):
         return await self._run("feedback_item", item_id)
 

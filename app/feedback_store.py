@@ -896,6 +896,17 @@ class FeedbackStore:
                               (adapter, max(0, limit))).fetchall()
         return [FeedbackItem.from_row(row) for row in rows]
 
+    def existing_feedback_ids(self, ids: Iterable[int]) -> list[int]:
+        """Which of ``ids`` the store holds (a fault drill's check that nothing acknowledged was lost)."""
+        wanted = sorted({int(i) for i in ids})
+        found: list[int] = []
+        with self._tx(write=False) as db:
+            for start in range(0, len(wanted), 500):
+                chunk = wanted[start:start + 500]
+                found += [r[0] for r in db.execute(
+                    f"SELECT id FROM feedback WHERE id IN ({','.join('?' * len(chunk))})", chunk)]
+        return found
+
     def feedback_item(self, item_id: int) -> tuple[FeedbackItem, int | None]:
         """One item and the version that consumed it (None while queued); :class:`UnknownItem` (404)."""
         with self._tx(write=False) as db:

@@ -147,6 +147,19 @@ def _parse_env(name: str, value: str) -> dict[str, str]:
     return out
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def bind_refusal(host: str, keys_enabled: bool, allow_unauthenticated: bool) -> str | None:
+    """Why the app must not serve HTTP on ``host`` (None: it may). Without keys every client has
+    every right, so only loopback, unless an authenticating proxy in front is declared."""
+    if keys_enabled or host in LOOPBACK_HOSTS or allow_unauthenticated:
+        return None
+    return (f"Refusing to serve on {host} without API keys: anyone who reaches it could train, roll back and call "
+            "every adapter. Configure auth.keys_file or the auth.keys_env variable (python -m app.keys add), bind "
+            "http_options.host to 127.0.0.1, or set auth.allow_unauthenticated_bind behind an authenticating proxy.")
+
+
 def new_key() -> str:
     """A fresh random key (256 bits)."""
     return KEY_PREFIX + secrets.token_urlsafe(32)

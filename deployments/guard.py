@@ -75,7 +75,9 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"  # the app's own path under a Serve route prefix
         if path in PUBLIC_PATHS:
             PRINCIPAL.set(LOCAL if not self.keys.enabled else Principal(None, False, "anonymous"))
             await self.app(scope, receive, send)

@@ -38,6 +38,7 @@ from app.engine_args import engine_flags, served_model_name
 from deployments.guard import PRINCIPAL, RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import UNKNOWN, LearningRoutes
+from deployments.openapi import install_openapi
 from deployments.streams import CoalesceEventStreams
 from planners.types import NodeRegistration
 
@@ -50,7 +51,6 @@ PLANNER = "planner"  # the deployment-scoped actor's name
 # /metrics are the app's own (they span every node and show the planner's and adapters' facts).
 VLLM_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/ping", "/version",
                          "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class TaskIdMiddleware:
@@ -152,6 +152,7 @@ class ModelServer:
         install_error_handlers(app)
         self._install_routes(app)
         self.learning.install(app)
+        install_openapi(app, guarded=self.keys.enabled)
         app.add_middleware(TaskIdMiddleware)
         if self.cfg.ingress.stream_batching_ms > 0:
             app.add_middleware(CoalesceEventStreams, interval_s=self.cfg.ingress.stream_batching_ms / 1000)
@@ -258,27 +259,20 @@ class ModelServer:
 
 
 def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:
-    """Without API keys the app answers everyone who reaches it: only on loopback, unless the operator
-    says a proxy in front authenticates (``auth.allow_unauthenticated_bind``)."""
+    """Refuse to start (the deploy fails with the reason) where :func:`app.keys.bind_refusal` says so."""
     from ray.serve.context import _get_global_client
 
+    from app.keys import bind_refusal
+
     host = _get_global_client().http_config.host or "127.0.0.1"
+    refusal = bind_refusal(host, keys_enabled, cfg.auth.allow_unauthenticated_bind)
+    if refusal is not None:
+        raise RuntimeError(refusal)
     if keys_enabled:
         logger.info("API keys configured: serving on %s", host)
-        return
-    if host in LOOPBACK:
-        logger.warning("No API keys configured (auth.keys_file / $%s): the app answers anyone on %s, with every "
-                       "right; add keys before binding another address (README \"Security\")",
-                       cfg.auth.keys_env, host)
-        return
-    if cfg.auth.allow_unauthenticated_bind:
-        logger.warning("No API keys and HTTP bound to %s: relying on an authenticating proxy "
-                       "(auth.allow_unauthenticated_bind)", host)
-        return
-    raise RuntimeError(
-        f"Refusing to serve on {host} without API keys: anyone who reaches it could train, roll back and call "
-        f"every adapter. Configure auth.keys_file or ${cfg.auth.keys_env} (python -m app.keys add), bind "
-        "http_options.host to 127.0.0.1, or set auth.allow_unauthenticated_bind behind an authenticating proxy.")
+    else:
+        logger.warning("No API keys configured (auth.keys_file / $%s): every client on %s has every right; add keys "
+                       "before binding another address (README \"Security\")", cfg.auth.keys_env, host)
 
 
 def replica_actor_options(cfg: AppConfig) -> dict[str, Any]:

@@ -22,6 +22,10 @@ Statistics, as Locust records them (CSV/HTML):
   streamed request (a custom request type, so Locust's "Aggregated" row counts streamed requests
   twice: read the per-name rows).
 
+With ``--feedback-fraction F --feedback-adapter NAME``, a share F of the requests is followed by
+``POST /v1/feedback`` (an SFT item: the prompt and a fixed answer), recorded as
+``POST /v1/feedback`` (fails unless 202). ``--api-key`` sends a bearer key with every request.
+
 A request fails on a non-200 status, a body without choices, an ``error`` event in the stream, or
 a stream that ends without ``[DONE]``.
 
@@ -123,6 +127,12 @@ def _options(parser: Any) -> None:
                    help="Read timeout of one request.")
     g.add_argument("--load-seed", env_var="LOAD_SEED", type=int, default=0,
                    help="Seed for prompt text and the synthetic schedule.")
+    g.add_argument("--api-key", env_var="API_KEY", default="",
+                   help="Sent as `Authorization: Bearer <key>` (an app with auth keys).")
+    g.add_argument("--feedback-fraction", env_var="FEEDBACK_FRACTION", type=float, default=0.0,
+                   help="Share of answered requests followed by a feedback item (SFT: the prompt and the answer).")
+    g.add_argument("--feedback-adapter", env_var="FEEDBACK_ADAPTER", default="",
+                   help="The adapter that feedback goes to (it must exist); needed with --feedback-fraction.")
     g.add_argument("--replay-log", env_var="REPLAY_LOG", default="",
                    help="Write one JSON line per sent request (scheduled vs. actual send time) here.")
 
@@ -137,6 +147,7 @@ class Arrival:
     output_tokens: int
     chat: bool
     stream: bool
+    feedback: bool = False   # followed by a feedback item (--feedback-fraction)
     sent_s: float | None = None
 
 
@@ -150,6 +161,7 @@ class Plan:
     ignore_eos: bool
     timeout_s: float
     replay_log: str
+    feedback_adapter: str = ""
     next_index: int = 0
     in_flight: int = 0
     done: int = 0
@@ -186,11 +198,12 @@ _plan: Plan | None = None
 _plan_lock = Semaphore()
 
 
-def _fetch_models(host: str) -> list[dict[str, Any]]:
+def _fetch_models(host: str, api_key: str = "") -> list[dict[str, Any]]:
     deadline = time.time() + 60
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while True:
         try:
-            r = requests.get(f"{host.rstrip('/')}/v1/models", timeout=10)
+            r = requests.get(f"{host.rstrip('/')}/v1/models", headers=headers, timeout=10)
             r.raise_for_status()
             return r.json()["data"]
         except (requests.RequestException, KeyError, ValueError) as exc:
@@ -256,7 +269,7 @@ def get_plan(environment: Environment) -> Plan:
         host = environment.host or ""
         model, max_len = opts.model_id, opts.max_model_len
         if not model or not max_len:
-            cards = _fetch_models(host)
+            cards = _fetch_models(host, opts.api_key)
             if not cards:
                 raise RuntimeError(f"GET {host}/v1/models lists no model")
             card = next((c for c in cards if c["id"] == model), cards[0]) if model else cards[0]
@@ -287,10 +300,12 @@ def get_plan(environment: Environment) -> Plan:
                 index=i, offset_s=t, prompt_tokens=max(1, min(ctx, cap)), output_tokens=out,
                 chat=_spread(i, 0.6180339887498949) < opts.chat_fraction,
                 stream=_spread(i, 0.4142135623730951) < opts.stream_fraction,
+                feedback=bool(opts.feedback_adapter) and _spread(i, 0.7548776662466927) < opts.feedback_fraction,
             ))
         _plan = Plan(arrivals=arrivals, source=source, model=model, max_model_len=max_len,
                      t0=time.time() + START_DELAY_S, ignore_eos=not opts.no_ignore_eos,
                      timeout_s=opts.request_timeout_s, replay_log=opts.replay_log,
+                     feedback_adapter=opts.feedback_adapter,
                      corpus=_corpus(rng), rng=rng)
         span = arrivals[-1].offset_s if arrivals else 0.0
         log.info("replay schedule: %d requests over %.0f s from %s; model %s, max_model_len %d, "
@@ -327,6 +342,11 @@ class OpenAIUser(HttpUser):
     def wait_time(self) -> float:
         return 0
 
+    def on_start(self) -> None:
+        key = self.environment.parsed_options.api_key
+        if key:
+            self.client.headers["Authorization"] = f"Bearer {key}"
+
     @task
     def replay(self) -> None:
         plan = get_plan(self.environment)
@@ -359,6 +379,18 @@ class OpenAIUser(HttpUser):
             self._streamed(plan, path, body)
         else:
             self._unary(plan, path, body)
+        if a.feedback:
+            self._feedback(plan, text)
+
+    def _feedback(self, plan: Plan, prompt: str) -> None:
+        """One SFT item for the adapter under test; a 202 means the store has it durably."""
+        item = {"adapter": plan.feedback_adapter, "prompt": prompt[:2000], "completion": "A short, helpful answer."}
+        with self.client.post("/v1/feedback", json=item, name="POST /v1/feedback", catch_response=True,
+                              timeout=(10, plan.timeout_s)) as resp:
+            if resp.status_code == 202:
+                resp.success()
+            else:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
 
     def _unary(self, plan: Plan, path: str, body: dict[str, Any]) -> None:
         with self.client.post(path, json=body, name=path, catch_response=True,

@@ -1,0 +1,325 @@
+"""Fault drills: kill each actor of a live app in turn under load and measure the outage and what survived.
+
+    python bench/faults.py                      # starts its own app (embedded model), Locust load, all drills
+    python bench/faults.py --model tiny-llama --drills planner,store --locust-users 4
+
+For each target (the model replica, a trainer rank's actor, the planner, the feedback store, and
+the whole app), while Locust sends the Azure-trace load (inference plus feedback) and a prober sends
+one completion, one health check and one feedback item every ``--probe-period`` seconds:
+
+- failed: probe requests that did not get a 2xx from the kill on;
+- recovery_s: seconds from the kill to the last failed probe (0: none failed);
+- acked / lost: feedback ids answered 202 before the drill ended, and how many of them the store
+  no longer has afterwards (goal 0);
+- half_written: adapter version directories without their adapter files (goal 0);
+- served / newest: the version the replica serves after recovery, and the adapter's current one.
+
+The tests (``tests/e2e/test_fault_drills.py``) run the same drills, without Locust, on the test app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+NAMESPACE = "coserve"
+
+
+@dataclass
+class DrillResult:
+    target: str
+    sent: int
+    failed: int
+    recovery_s: float
+    acked: int
+    lost: int
+    half_written: int
+    served: int | None
+    newest: int | None
+    statuses: dict[str, int] = field(default_factory=dict)  # failed probe statuses, counted
+
+
+class Prober:
+    """Sends a completion, a health check and a feedback item every ``period`` seconds; keeps every outcome."""
+
+    def __init__(self, url: str, model: str, adapter: str, headers: dict[str, str], period: float = 0.5) -> None:
+        self.url, self.model, self.adapter, self.headers, self.period = url, model, adapter, headers, period
+        self.log: list[tuple[float, str, int]] = []  # (time, route, status; 0: no answer)
+        self.acked: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._n = 0
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _one(self, client: httpx.Client, route: str, call: Callable[[], httpx.Response]) -> httpx.Response | None:
+        try:
+            r = call()
+            self.log.append((time.time(), route, r.status_code))
+            return r
+        except httpx.HTTPError:
+            self.log.append((time.time(), route, 0))
+            return None
+
+    def _run(self) -> None:
+        with httpx.Client(headers=self.headers, timeout=30) as c:
+            while not self._stop.is_set():
+                self._n += 1
+                self._one(c, "completion", lambda: c.post(f"{self.url}/v1/completions", json={
+                    "model": self.model, "prompt": f"probe {self._n}", "max_tokens": 4}))
+                self._one(c, "health", lambda: c.get(f"{self.url}/health"))
+                r = self._one(c, "feedback", lambda: c.post(f"{self.url}/v1/feedback", json={
+                    "adapter": self.adapter, "prompt": f"probe {self._n}", "completion": f"answer {self._n}"}))
+                if r is not None and r.status_code == 202:
+                    self.acked.extend(r.json()["ids"])
+                self._stop.wait(self.period)
+
+    def outcome(self, since: float) -> tuple[int, int, float, dict[str, int]]:
+        """(sent, failed, seconds from ``since`` to the last failure, failed statuses) of probes after ``since``."""
+        after = [(t, route, s) for t, route, s in self.log if t >= since]
+        failed = [(t, route, s) for t, route, s in after if not 200 <= s < 300]
+        statuses: dict[str, int] = {}
+        for _, route, s in failed:
+            statuses[f"{route} {s}"] = statuses.get(f"{route} {s}", 0) + 1
+        return len(after), len(failed), (max(t for t, _, _ in failed) - since) if failed else 0.0, statuses
+
+
+# ---- the kills -------------------------------------------------------------------------------
+
+def kill_planner(app_name: str) -> None:
+    """SIGKILL the planner's process (as ``kill -9`` would); Serve recreates the actor."""
+    import ray
+
+    from app.main import planner_of
+
+    pid = ray.get(planner_of(app_name).__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+
+
+def kill_replica(app_name: str, node: int = 0) -> None:
+    """Kill node ``node``'s model server replica; Serve starts a replacement."""
+    import ray
+
+    from app.main import planner_of
+
+    name = ray.get(planner_of(app_name).node_replicas.remote())[node]
+    ray.kill(ray.get_actor(name, namespace="serve"))
+
+
+def kill_named(name: str) -> None:
+    """Kill a named actor of the app (the feedback store, the trainer); Ray restarts it (max_restarts=-1)."""
+    import ray
+
+    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+
+
+def kill_rank(trainer_name: str) -> None:
+    """SIGKILL one trainer rank's process; the trainer starts its ranks again."""
+    import ray
+
+    trainer = ray.get_actor(trainer_name, namespace=NAMESPACE)
+    pids = [w.get("pid") for w in ray.get(trainer.status.remote(), timeout=30).get("workers", []) if w.get("pid")]
+    if not pids:
+        raise RuntimeError("the trainer has no running rank to kill")
+    os.kill(pids[0], signal.SIGKILL)
+
+
+# ---- what survived ---------------------------------------------------------------------------
+
+def lost_ids(store_name: str, ids: list[int], timeout_s: float = 60) -> int:
+    """How many acknowledged feedback ids the store no longer has (asked until the store answers)."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            store = ray.get_actor(store_name, namespace=NAMESPACE)
+            present = ray.get(store.existing_feedback_ids.remote(ids), timeout=30)
+            return len(set(ids) - set(present))
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+
+
+def half_written(adapters_root: Path) -> int:
+    """Version directories under ``adapters_root`` that lack their adapter files."""
+    from app.adapter_versions import ADAPTER_FILES, VERSION_DIR_RE
+
+    bad = 0
+    if adapters_root.is_dir():
+        for adapter in adapters_root.iterdir():
+            for d in adapter.iterdir() if adapter.is_dir() else ():
+                if VERSION_DIR_RE.match(d.name) and not all((d / f).is_file() for f in ADAPTER_FILES):
+                    bad += 1
+    return bad
+
+
+def served_versions(url: str, headers: dict[str, str], model: str, adapter: str,
+                    timeout_s: float = 120) -> tuple[int | None, int | None]:
+    """(version node 0 serves, the adapter's current version), once they agree or ``timeout_s`` passed."""
+    deadline = time.time() + timeout_s
+    served = newest = None
+    while time.time() < deadline:
+        try:
+            newest = httpx.get(f"{url}/v1/adapters/{adapter}", headers=headers, timeout=30).json()["current_version"]
+            nodes = httpx.get(f"{url}/v1/status", headers=headers, timeout=30).json()["nodes"]
+            served = nodes[0]["adapters"].get(f"{model}:{adapter}")
+            if served == newest:
+                break
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(1)
+    return served, newest
+
+
+def wait_healthy(url: str, headers: dict[str, str], timeout_s: float = 300) -> float:
+    """Seconds until a completion and the adapters list both answer 200."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        try:
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200 and \
+                    httpx.get(f"{url}/v1/adapters", headers=headers, timeout=10).status_code == 200:
+                return time.time() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy within {timeout_s} s")
+
+
+def drill(target: str, kill: Callable[[], None], prober: Prober, *, url: str, headers: dict[str, str], model: str,
+          adapter: str, store_name: str, adapters_root: Path, settle_s: float = 5.0) -> DrillResult:
+    """Kill ``target`` while ``prober`` runs, wait for recovery, and measure what the module docstring lists."""
+    time.sleep(settle_s)
+    t_kill = time.time()
+    kill()
+    wait_healthy(url, headers)
+    time.sleep(settle_s)  # probes after recovery: a late failure would show up
+    # The recovery ends at the last failed probe; keep probing until a quiet stretch follows it.
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        sent, failed, recovery, statuses = prober.outcome(t_kill)
+        if time.time() - (t_kill + recovery) > settle_s:
+            break
+        time.sleep(1)
+    acked = list(prober.acked)
+    served, newest = served_versions(url, headers, model, adapter)
+    return DrillResult(target=target, sent=sent, failed=failed, recovery_s=round(recovery, 1), acked=len(acked),
+                       lost=lost_ids(store_name, acked), half_written=half_written(adapters_root),
+                       served=served, newest=newest, statuses=statuses)
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+def _table(results: list[DrillResult]) -> str:
+    rows = ["| target | probes | failed | recovery (s) | acked feedback | lost | half-written versions | "
+            "served / newest version | failed probes by route |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in results:
+        rows.append(f"| {r.target} | {r.sent} | {r.failed} | {r.recovery_s} | {r.acked} | {r.lost} | {r.half_written} "
+                    f"| v{r.served} / v{r.newest} | {', '.join(f'{k}: {v}' for k, v in sorted(r.statuses.items())) or '-'} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", choices=["smollm2-135m-instruct", "tiny-llama"])
+    p.add_argument("--drills", default="replica,rank,planner,store,app")
+    p.add_argument("--locust-users", type=int, default=4)
+    p.add_argument("--trace-speedup", type=float, default=1.0)
+    p.add_argument("--feedback-fraction", type=float, default=0.3)
+    p.add_argument("--probe-period", type=float, default=0.5)
+    p.add_argument("--port", type=int, default=8017)
+    p.add_argument("--data-dir", default="/tmp/coserve-faults")
+    p.add_argument("--json", default="", help="also write the results here")
+    a = p.parse_args()
+
+    from app import serve_env
+
+    serve_env.apply()
+    import ray
+    from ray import serve
+
+    from app.keys import add_key
+    from app.main import build_app
+
+    data = Path(a.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "keys.yaml").unlink(missing_ok=True)
+    admin = add_key(data / "keys.yaml", "admin")
+    headers = {"Authorization": f"Bearer {admin}"}
+    cfg = {"name": "faults", "data_dir": str(data), "model": {"embedded": a.model, "max_model_len": 2048},
+           "auth": {"keys_file": "keys.yaml", "keys_env": None},
+           "limits": {"requests_per_second": None, "max_concurrent": None}}
+    ray.init(num_cpus=8, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **serve_env.SERVE_ENV}})
+    serve.start(http_options={"host": "127.0.0.1", "port": a.port})
+    url = f"http://127.0.0.1:{a.port}"
+
+    def deploy() -> None:
+        serve.run(build_app(cfg), name="faults", route_prefix="/")
+
+    t0 = time.time()
+    deploy()
+    print(f"app ready in {wait_healthy(url, headers) + (time.time() - t0):.0f} s", flush=True)
+    model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
+    adapter = "drill"
+    httpx.post(f"{url}/v1/adapters", headers=headers, json={"name": adapter, "method": "sft", "mode": "sync",
+                                                            "gate": {"enabled": False}})
+    locust = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "load_tests/locustfile.py"), "--headless", "--host", url,
+         "-u", str(a.locust_users), "--run-time", "3600s", "--csv", str(data / "locust"), "--only-summary",
+         "--trace-speedup", str(a.trace_speedup), "--api-key", admin, "--feedback-fraction", str(a.feedback_fraction),
+         "--feedback-adapter", adapter, "--max-output-tokens", "64"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    kills: dict[str, Callable[[], None]] = {
+        "replica": lambda: kill_replica("faults"),
+        "rank": lambda: kill_rank("faults-trainer"),
+        "planner": lambda: kill_planner("faults"),
+        "store": lambda: kill_named("faults-feedback"),
+        "app": lambda: (serve.delete("faults"), deploy()),
+    }
+    results = []
+    try:
+        served_versions(url, headers, model, adapter, timeout_s=300)  # the first version, before any drill
+        with Prober(url, model, adapter, headers, a.probe_period) as prober:
+            for target in a.drills.split(","):
+                r = drill(target, kills[target], prober, url=url, headers=headers, model=model, adapter=adapter,
+                          store_name="faults-feedback", adapters_root=data / "adapters")
+                results.append(r)
+                print(json.dumps(asdict(r)), flush=True)
+    finally:
+        os.killpg(locust.pid, signal.SIGINT)
+        locust.wait(timeout=60)
+    stats = data / "locust_stats.csv"
+    if stats.is_file():
+        print("\nLocust over the whole run:\n" + stats.read_text())
+    print(_table(results))
+    if a.json:
+        Path(a.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    serve.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

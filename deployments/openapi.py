@@ -1,0 +1,139 @@
+"""The app's OpenAPI schema: vLLM's operations plus the app's, with their request bodies and every error they answer.
+
+FastAPI derives a schema from route signatures; the app's routes read their bodies themselves
+(the feedback store validates them), so their bodies are declared here from the store's own
+pydantic models, and the answers that come from outside a route (the guard's 401/403/413/429,
+a restarting planner's 503, the 500 with a request id) are added to every operation. A fuzzer
+(schemathesis, ``tests/e2e/test_fuzz.py``) holds the app to this document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.feedback_store import AdapterSpec, GateOverrides, Mode, PeriodicSettings, PreferenceItem, SFTItem
+from deployments.guard import PUBLIC_PATHS
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class AppError(BaseModel):
+    """Every error the app and vLLM answer: OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class AdapterChange(BaseModel):
+    """What ``PATCH /v1/adapters/{name}`` takes (at least one field)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Mode | None = None
+    learning_rate: float | None = Field(None, gt=0, le=1)
+    beta: float | None = Field(None, gt=0)
+    periodic: PeriodicSettings | None = None
+    gate: GateOverrides | None = None
+    paused: bool | None = None
+    epochs: int | None = Field(None, ge=1, le=100)
+
+
+class VersionChoice(BaseModel):
+    """What rollback and promote take."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1, lt=2**63)
+
+
+class FeedbackBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: list[SFTItem | PreferenceItem] = Field(min_length=1)
+
+
+FEEDBACK_BODY: dict[str, Any] = {"anyOf": [
+    {"$ref": REF.format(model="SFTItem")}, {"$ref": REF.format(model="PreferenceItem")},
+    {"type": "array", "minItems": 1, "items": {"anyOf": [{"$ref": REF.format(model="SFTItem")},
+                                                         {"$ref": REF.format(model="PreferenceItem")}]}},
+    {"$ref": REF.format(model="FeedbackBatch")}]}
+
+# (path, method) -> (request body schema, the route's own answers besides 2xx)
+APP_OPERATIONS: dict[tuple[str, str], tuple[dict[str, Any] | None, tuple[int, ...]]] = {
+    ("/v1/adapters", "post"): ({"$ref": REF.format(model="AdapterSpec")}, (400, 409)),
+    ("/v1/adapters", "get"): (None, ()),
+    ("/v1/adapters/{name}", "get"): (None, (404,)),
+    ("/v1/adapters/{name}", "patch"): ({"$ref": REF.format(model="AdapterChange")}, (400, 404)),
+    ("/v1/adapters/{name}/rollback", "post"): ({"$ref": REF.format(model="VersionChoice")}, (400, 404, 409)),
+    ("/v1/adapters/{name}/promote", "post"): ({"$ref": REF.format(model="VersionChoice")}, (400, 404, 409)),
+    ("/v1/feedback", "post"): (FEEDBACK_BODY, (400, 404)),
+}
+_DOC_MODELS: tuple[type[BaseModel], ...] = (AppError, AdapterSpec, AdapterChange, VersionChoice, FeedbackBatch,
+                                            SFTItem, PreferenceItem)
+_STATUS_TEXT = {400: "Bad request", 401: "Missing or unknown API key", 403: "Needs an admin key",
+                404: "Not found (or another tenant's)", 409: "Conflict", 413: "Body larger than limits.max_body_bytes",
+                429: "Over the key's rate or concurrency limit", 500: "Internal error (the log has the detail)",
+                503: "A part of the service is restarting"}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
+
+
+def _error_response(status: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": _STATUS_TEXT[status],
+                           "content": {"application/json": {"schema": {"$ref": REF.format(model="AppError")}}}}
+    if status in (429, 503):
+        out["headers"] = _RETRY_AFTER
+    return out
+
+
+def _components() -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in _DOC_MODELS:
+        schema = model.model_json_schema(ref_template=REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    return schemas
+
+
+def install_openapi(app: FastAPI, guarded: bool) -> None:
+    """Make ``app.openapi()`` describe what the app accepts and answers (built once, on first request).
+    ``guarded``: API keys are configured, so every non-public operation may answer 401 and 403."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(title="coserve", version="1", description="OpenAI-compatible serving that learns "
+                          "from feedback (README).", routes=app.routes)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(_components())
+        if guarded:
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, ops in doc.get("paths", {}).items():
+            for method, op in ops.items():
+                body, answers = APP_OPERATIONS.get((path, method), (None, ()))
+                if body is not None:
+                    op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+                responses = op.setdefault("responses", {})
+                statuses = {500, *answers}
+                if path not in PUBLIC_PATHS:
+                    statuses |= {413, 429, 503} | ({401, 403} if guarded else set())
+                    if method in ("post", "put", "patch"):
+                        statuses.add(400)
+                    if guarded:
+                        op["security"] = [{"bearer": []}]
+                if path == "/health":
+                    statuses.add(503)
+                if path == "/metrics":
+                    responses["200"] = {"description": "Prometheus text exposition",
+                                        "content": {"text/plain": {"schema": {"type": "string"}}}}
+                for status in sorted(statuses):
+                    responses.setdefault(str(status), _error_response(status))
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]

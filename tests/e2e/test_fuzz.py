@@ -1,0 +1,25 @@
+"""A bounded schemathesis run against the live secured app: the OpenAPI schema describes what the app
+accepts and answers (status codes, content types, headers, error bodies), and nothing gives a 5xx.
+
+The larger run is ``bench/fuzz.py`` (figures in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from bench.fuzz import CHECKS, run_schemathesis
+
+
+def test_schemathesis_finds_no_server_error_and_no_conformance_failure(secure_app, tmp_path):
+    url, key = secure_app["url"], secure_app["keys"]["admin"]
+    result = run_schemathesis(url, key, max_examples=3, report=tmp_path / "st.json", rate_limit="15/s",
+                              max_time_s=300)
+    assert result.returncode == 0, result.tail
+    assert result.cases >= 200, result.tail  # a few hundred generated requests, not a token run
+    assert result.failures == 0, result.tail
+    assert httpx.get(f"{url}/health").status_code == 200  # and the app still answers
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "tiny-llama", "prompt": "still here?", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert set(CHECKS.split(",")) >= {"not_a_server_error", "status_code_conformance", "response_schema_conformance"}

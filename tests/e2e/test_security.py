@@ -1,0 +1,216 @@
+"""Keys, tenants and limits on a live app with API keys: nobody reaches another tenant's adapter, the
+prefix cache is per tenant, and every limit answers a clear 4xx (never a 5xx)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+BASE = "tiny-llama"
+
+
+def _h(app: dict, tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {app['keys'][tenant]}"}
+
+
+def _error(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"}
+    for w in words:
+        assert w.lower() in err["message"].lower(), err["message"]
+    return err
+
+
+@pytest.fixture(scope="module")
+def beta_served(secure_app) -> str:
+    """An adapter of tenant beta (created by the admin) with a served version, trained from beta's feedback."""
+    url, name = secure_app["url"], "beta-served"
+    r = httpx.post(f"{url}/v1/adapters", headers=_h(secure_app, "admin"),
+                   json={"name": name, "tenant": "beta", "method": "sft", "mode": "sync", "gate": {"enabled": False}})
+    assert r.status_code == 201, r.text
+    assert r.json()["tenant"] == "beta"
+    items = [{"adapter": name, "prompt": f"q{i}", "completion": f"a{i}"} for i in range(4)]
+    assert httpx.post(f"{url}/v1/feedback", headers=_h(secure_app, "beta"), json=items).status_code == 202
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        info = httpx.get(f"{url}/v1/adapters/{name}", headers=_h(secure_app, "beta")).json()
+        models = httpx.get(f"{url}/v1/models", headers=_h(secure_app, "beta")).json()["data"]
+        if info["current_version"] and f"{BASE}:{name}" in {m["id"] for m in models}:
+            return name
+        time.sleep(2)
+    pytest.fail(f"beta's adapter was not served within 300 s: {info}")
+
+
+def test_requests_without_a_known_key_get_401_and_health_stays_open(secure_app):
+    url = secure_app["url"]
+    for r in (httpx.post(f"{url}/v1/completions", json={"model": BASE, "prompt": "hi", "max_tokens": 2}),
+              httpx.get(f"{url}/v1/adapters", headers={"Authorization": "Bearer sk-coserve-not-a-key"}),
+              httpx.post(f"{url}/v1/feedback", json={"adapter": "x", "prompt": "p", "completion": "c"}),
+              httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic abc"})):
+        err = _error(r, 401, "api key")
+        assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"].startswith("Bearer")
+    assert httpx.get(f"{url}/health").status_code == 200
+    ok = httpx.post(f"{url}/v1/completions", headers=_h(secure_app, "acme"),
+                    json={"model": BASE, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_status_and_metrics_need_the_admin_key(secure_app):
+    url = secure_app["url"]
+    for path in ("/v1/status", "/metrics"):
+        _error(httpx.get(url + path, headers=_h(secure_app, "acme")), 403, "admin")
+        assert httpx.get(url + path, headers=_h(secure_app, "admin")).status_code == 200
+
+
+def test_a_tenant_cannot_see_change_train_or_call_another_tenants_adapter(secure_app, beta_served):
+    url, acme, beta = secure_app["url"], _h(secure_app, "acme"), _h(secure_app, "beta")
+    name, model = beta_served, f"{BASE}:{beta_served}"
+    # Its owner uses it.
+    r = httpx.post(f"{url}/v1/completions", headers=beta, json={"model": model, "prompt": "q1", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    # Another tenant gets exactly what a missing adapter gets.
+    missing = httpx.post(f"{url}/v1/completions", headers=acme,
+                         json={"model": f"{BASE}:no-such", "prompt": "q", "max_tokens": 2})
+    other = httpx.post(f"{url}/v1/completions", headers=acme, json={"model": model, "prompt": "q", "max_tokens": 2})
+    assert (other.status_code, missing.status_code) == (404, 404)
+    assert other.json()["error"]["message"] == missing.json()["error"]["message"].replace("no-such", name)
+    chat = httpx.post(f"{url}/v1/chat/completions", headers=acme,
+                      json={"model": model, "messages": [{"role": "user", "content": "q"}], "max_tokens": 2})
+    assert chat.status_code == 404
+    before = httpx.get(f"{url}/v1/adapters/{name}", headers=beta).json()
+    for r in (httpx.get(f"{url}/v1/adapters/{name}", headers=acme),
+              httpx.patch(f"{url}/v1/adapters/{name}", headers=acme, json={"mode": "sync", "learning_rate": 1.0}),
+              httpx.post(f"{url}/v1/adapters/{name}/rollback", headers=acme, json={"version": 1}),
+              httpx.post(f"{url}/v1/adapters/{name}/promote", headers=acme, json={"version": 1}),
+              httpx.post(f"{url}/v1/feedback", headers=acme,
+                         json={"adapter": name, "prompt": "p", "completion": "poison"})):
+        _error(r, 404, name)
+    after = httpx.get(f"{url}/v1/adapters/{name}", headers=beta).json()
+    assert (after["learning_rate"], after["queued"]) == (before["learning_rate"], before["queued"])
+    assert name not in {a["name"] for a in httpx.get(f"{url}/v1/adapters", headers=acme).json()["data"]}
+    assert model not in {m["id"] for m in httpx.get(f"{url}/v1/models", headers=acme).json()["data"]}
+    # The admin sees and may use everything; a tenant may not create for another tenant.
+    assert httpx.get(f"{url}/v1/adapters/{name}", headers=_h(secure_app, "admin")).status_code == 200
+    _error(httpx.post(f"{url}/v1/adapters", headers=acme, json={"name": "sneaky", "tenant": "beta"}), 400, "tenant")
+
+
+def test_a_tenant_creates_and_lists_only_its_own_adapters(secure_app):
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    r = httpx.post(f"{url}/v1/adapters", headers=acme, json={"name": "acme-own", "mode": "off"})
+    assert r.status_code == 201 and r.json()["tenant"] == "acme", r.text
+    listed = httpx.get(f"{url}/v1/adapters", headers=acme).json()["data"]
+    assert {a["tenant"] for a in listed} == {"acme"} and "acme-own" in {a["name"] for a in listed}
+    fb = httpx.post(f"{url}/v1/feedback", headers=acme, json={"adapter": "acme-own", "prompt": "p", "completion": "c"})
+    assert fb.status_code == 202, fb.text
+    _error(httpx.get(f"{url}/v1/adapters/acme-own", headers=_h(secure_app, "beta")), 404)
+
+
+def _cache(secure_app) -> tuple[int, int]:
+    node = httpx.get(f"{secure_app['url']}/v1/status", headers=_h(secure_app, "admin")).json()["nodes"][0]
+    return node["prefix_cache"]["queried_tokens"], node["prefix_cache"]["hit_tokens"]
+
+
+def _send_and_count(secure_app, tenant: str, prompt: str, **extra) -> int:
+    """Send ``prompt`` as ``tenant``; the prompt tokens the engine found in its prefix cache for it."""
+    queried, hits = _cache(secure_app)
+    r = httpx.post(f"{secure_app['url']}/v1/completions", headers=_h(secure_app, tenant),
+                   json={"model": BASE, "prompt": prompt, "max_tokens": 1, **extra})
+    assert r.status_code == 200, r.text
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the replica reports every trace_flush_seconds
+        q, h = _cache(secure_app)
+        if q >= queried + len(prompt) - 8:
+            return h - hits
+        time.sleep(0.1)
+    pytest.fail("the engine's prefix-cache counters did not move")
+
+
+def test_a_tenants_prefix_is_cached_for_it_and_never_for_another_tenant(secure_app):
+    prompt = "".join(f"tenant isolation line {i}. " for i in range(20))  # ~500 tokens (byte-level tokenizer)
+    assert _send_and_count(secure_app, "acme", prompt) == 0
+    assert _send_and_count(secure_app, "acme", prompt) >= 256  # acme's own prefix: a hit
+    assert _send_and_count(secure_app, "beta", prompt) == 0  # the same text from beta: no hit
+    assert _send_and_count(secure_app, "beta", prompt) >= 256
+    # A salt the client picks is replaced by the server's: it can neither dodge nor aim at a tenant's cache.
+    assert _send_and_count(secure_app, "acme", prompt, cache_salt="beta-guess") >= 256
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"n": 9}, "max_n"), ({"max_tokens": 33}, "max_tokens"), ({"logprobs": 21}, "max_logprobs"),
+    ({"n": 3, "prompt": ["a", "b", "c"]}, "max_n"),
+])
+def test_completion_caps_answer_400(secure_app, body, words):
+    r = httpx.post(f"{secure_app['url']}/v1/completions", headers=_h(secure_app, "acme"),
+                   json={"model": BASE, "prompt": "hi", "max_tokens": 2, **body})
+    _error(r, 400, words)
+
+
+def test_chat_caps_answer_400(secure_app):
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    msg = [{"role": "user", "content": "hi"}]
+    _error(httpx.post(f"{url}/v1/chat/completions", headers=acme,
+                      json={"model": BASE, "messages": msg, "max_completion_tokens": 100}), 400, "max_tokens")
+    _error(httpx.post(f"{url}/v1/chat/completions", headers=acme,
+                      json={"model": BASE, "messages": msg, "logprobs": True, "top_logprobs": -1}), 400, "logprobs")
+
+
+WRITE_ROUTES = [("post", "/v1/adapters"), ("patch", "/v1/adapters/acme-own"), ("post", "/v1/adapters/acme-own/rollback"),
+                ("post", "/v1/adapters/acme-own/promote"), ("post", "/v1/feedback"), ("post", "/v1/completions"),
+                ("post", "/v1/chat/completions")]
+
+
+@pytest.mark.parametrize("method, path", WRITE_ROUTES)
+def test_hostile_bodies_get_4xx_on_every_write_route(secure_app, method, path):
+    url, admin = secure_app["url"], {**_h(secure_app, "admin"), "Content-Type": "application/json"}
+    deep = b"[" * 100_000 + b"]" * 100_000
+    _error(httpx.request(method, url + path, headers=admin, content=deep), 400)
+    _error(httpx.request(method, url + path, headers=admin, content=b"x" * (1 * 2**20 + 1)), 413, "max_body_bytes")
+    big = 1180591620717411303424
+    r = httpx.request(method, url + path, headers=admin,
+                      json={"version": big, "name": "big", "periodic": {"every_samples": big}, "model": BASE,
+                            "prompt": "x", "max_tokens": big, "adapter": "acme-own", "completion": "c"})
+    assert 400 <= r.status_code < 500, r.text
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_feedback_batch_and_item_caps(secure_app):
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    item = {"adapter": "acme-own", "prompt": "p", "completion": "c"}
+    _error(httpx.post(f"{url}/v1/feedback", headers=acme, json=[item] * 17), 400, "16")
+    _error(httpx.post(f"{url}/v1/feedback", headers=acme, json={**item, "completion": "x" * 1100}), 400, "1024")
+
+
+def test_rate_limit_answers_429_with_retry_after_for_that_key_only(secure_app):
+    url = secure_app["url"]
+    codes, retry = [], None
+    for _ in range(60):
+        r = httpx.get(f"{url}/v1/adapters", headers=_h(secure_app, "flood"))
+        codes.append(r.status_code)
+        if r.status_code == 429:
+            retry = r.headers.get("retry-after")
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 429 in codes and set(codes) <= {200, 429}, codes
+    assert retry is not None and int(retry) >= 1
+    assert httpx.get(f"{url}/v1/adapters", headers=_h(secure_app, "acme")).status_code == 200
+
+
+def test_concurrency_limit_answers_429_beyond_four_in_flight(secure_app):
+    url, key = secure_app["url"], _h(secure_app, "conc")
+    codes: list[int] = []
+    start = threading.Barrier(8)
+
+    def one() -> None:
+        start.wait()
+        body = {"model": BASE, "prompt": "x" * 600, "max_tokens": 32, "ignore_eos": True}
+        codes.append(httpx.post(f"{url}/v1/completions", headers=key, json=body, timeout=120).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(set(codes)) == [200, 429] and codes.count(200) >= 4, codes
