@@ -33,11 +33,12 @@ class FuzzResult:
 
 
 def run_schemathesis(url: str, key: str | None, *, max_examples: int = 10, report: Path | None = None,
-                     rate_limit: str | None = None, max_time_s: float | None = None, seed: int = 0) -> FuzzResult:
+                     rate_limit: str | None = None, max_time_s: float | None = None, seed: int = 0,
+                     phases: str = "examples,coverage,fuzzing", full_log: Path | None = None) -> FuzzResult:
     """One ``st run`` against ``url``'s ``/openapi.json``; the counts it printed."""
     st = Path(sys.executable).with_name("st")
     cmd = [str(st), "run", f"{url}/openapi.json", "-c", CHECKS, "-n", str(max_examples), "-w", "1",
-           "--phases", "examples,coverage,fuzzing", "--request-timeout", "60", "--seed", str(seed),
+           "--phases", phases, "--request-timeout", "60", "--seed", str(seed),
            "--generation-database", "none"]
     if key:
         cmd += ["-H", f"Authorization: Bearer {key}"]
@@ -51,12 +52,20 @@ def run_schemathesis(url: str, key: str | None, *, max_examples: int = 10, repor
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"},
                          timeout=(max_time_s or 1800) + 120)
     text = out.stdout + out.stderr
+    if full_log is not None:
+        full_log.write_text(text)
     cases = re.search(r"(\d+) generated", text)
     failures = re.search(r"(\d+) unique failures?", text)
     operations = re.search(r"Tested: (\d+)", text)
     return FuzzResult(returncode=out.returncode, cases=int(cases.group(1)) if cases else 0,
                       failures=int(failures.group(1)) if failures else 0, seconds=round(time.time() - t0, 1),
-                      operations=int(operations.group(1)) if operations else 0, tail=text[-6000:])
+                      operations=int(operations.group(1)) if operations else 0, tail=_failures(text))
+
+
+def _failures(text: str) -> str:
+    """The FAILURES section (with the requests that failed) and the summary, cut to fit a test report."""
+    start = text.find("FAILURES")
+    return (text[start:start + 8000] + "\n...\n" + text[-2500:]) if start >= 0 else text[-4000:]
 
 
 def main() -> None:
@@ -66,8 +75,10 @@ def main() -> None:
     p.add_argument("--max-examples", type=int, default=50)
     p.add_argument("--rate-limit", default=None, help="e.g. 40/s, below the app's limits.requests_per_second")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phases", default="examples,coverage,fuzzing")
     a = p.parse_args()
-    r = run_schemathesis(a.url, a.key, max_examples=a.max_examples, rate_limit=a.rate_limit, seed=a.seed)
+    r = run_schemathesis(a.url, a.key, max_examples=a.max_examples, rate_limit=a.rate_limit, seed=a.seed,
+                         phases=a.phases)
     print(r.tail)
     print("| operations | generated cases | failures (5xx or non-conforming) | seconds |")
     print("| ---: | ---: | ---: | ---: |")

@@ -10,7 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-logger = logging.getLogger(__name__)
+# Serve writes its own logger to the replica log file; a 500's detail must land there.
+logger = logging.getLogger("ray.serve")
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                 404: "NotFoundError", 405: "MethodNotAllowed", 409: "ConflictError", 413: "PayloadTooLargeError",
@@ -80,7 +81,21 @@ def internal_error(request: Request, exc: BaseException) -> JSONResponse:
                  headers={"X-Request-Id": rid})
 
 
+def _raised_validating_the_request(exc: BaseException) -> bool:
+    """Whether ``exc`` escaped FastAPI's validation of the request (a validator of a request model that
+    raised something other than ValueError on odd input) before the route's own function ran."""
+    import traceback
+
+    names = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+    return "solve_dependencies" in names and "run_endpoint_function" not in names
+
+
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    if _raised_validating_the_request(exc):
+        # The client's body broke a request model's validator (e.g. vLLM's ChatCompletionRequest on a
+        # `structured_outputs` that is not an object): the request is at fault, not the server.
+        logger.info("request %s: body failed validation: %s: %s", request_id(request), type(exc).__name__, exc)
+        return error(400, f"Invalid request body ({type(exc).__name__} while validating it).")
     return internal_error(request, exc)
 
 

@@ -175,7 +175,7 @@ class PlacementRouter:
     def _task(self, raw: bytes, request_id: str | None) -> Task | None:
         try:
             body = json.loads(raw) if raw else None
-        except ValueError:
+        except (ValueError, RecursionError):  # the replica answers 400; routing does not need the body
             return None
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return None

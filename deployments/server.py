@@ -197,6 +197,7 @@ class ModelServer:
         lora = self.cfg.engine.enable_lora
         limits = self.cfg.limits
         base = self.served_name
+        aliases = ", ".join(m.name for m in self.replica.state.openai_serving_models.base_model_paths)
 
         def refusal(request: Any) -> str | None:
             """Why ``request`` is over a cap (the message of a 400), or None."""
@@ -232,7 +233,9 @@ class ModelServer:
                 if not request.model:
                     return create_error_response("`model` is required and must be a string.", param="model")
                 if await unknown_to(request):
-                    return create_error_response(f"The model `{request.model}` does not exist.",
+                    # Word for word what vLLM answers for a model it does not have.
+                    return create_error_response(f"The model `{request.model}` does not exist. "
+                                                 f"Valid aliases: {aliases}.",
                                                  err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND,
                                                  param="model")
                 why = refusal(request)
