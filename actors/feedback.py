@@ -14,6 +14,7 @@ them (``read_version``), through Ray's object store (actors/adapter_files.py).
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Iterable
 
 import ray
@@ -21,6 +22,13 @@ import ray
 from app.adapter_versions import read_version_files, write_version_files
 from app.config import AppConfig
 from app.feedback_store import FeedbackStore
+
+
+def settings_key(config: AppConfig) -> str:
+    """What a running store must have been started with to serve ``config``'s app (see Planner._start_feedback)."""
+    return json.dumps({"data_dir": str(config.data_path), "gate": config.training.gate.model_dump(),
+                       "limits": [config.limits.feedback_max_items, config.limits.feedback_max_item_bytes],
+                       "adapters": str(config.adapters_path)}, sort_keys=True)
 
 
 class FeedbackQueue:
@@ -33,6 +41,7 @@ class FeedbackQueue:
         self.store = FeedbackStore(self.data_dir, gate_defaults=config.training.gate.model_dump(),
                                    max_item_bytes=config.limits.feedback_max_item_bytes,
                                    max_batch_items=config.limits.feedback_max_items)
+        self._settings = settings_key(config)
         self._changes = 0  # raised by every write that can give the trainer work (see wait_for_change)
         self._changed: asyncio.Condition | None = None
 
@@ -51,6 +60,9 @@ class FeedbackQueue:
         if self._changed is None:
             self._changed = asyncio.Condition()  # made on the actor's event loop
         return self._changed
+
+    def settings_key(self) -> str:
+        return self._settings
 
     def location(self) -> tuple[str, str, str]:
         """(Ray node id, data directory, adapters root) of this actor: where the database and versions live."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app.config import AppConfig
@@ -170,14 +171,37 @@ class Planner:
             self._start_trainer()
 
     async def _start_feedback(self) -> None:
-        from actors.feedback import FeedbackQueue
+        """The feedback store: found if it runs (a restarted planner, a redeploy), else started.
 
-        self.feedback = ray.remote(FeedbackQueue).options(
-            name=self.cfg.feedback_actor_name, namespace=NAMESPACE, get_if_exists=True,
-            num_cpus=0, max_restarts=-1, max_task_retries=3, max_concurrency=1000,
-            # Pinned: a restart reopens the same SQLite file on the same disk, never an empty one elsewhere.
-            scheduling_strategy=NodeAffinitySchedulingStrategy(store_node(self.cfg.storage.store_node), soft=False),
-        ).remote(self.cfg)
+        It is detached, so it outlives this planner: the ingress keeps accepting feedback while Serve
+        recreates a planner that died. A store started with other settings (another data_dir or
+        limits) is replaced; one left behind by a deleted app stays until the next deploy or Ray stops.
+        """
+        from actors.feedback import FeedbackQueue, settings_key
+
+        def find_or_start() -> Any:
+            return ray.remote(FeedbackQueue).options(
+                name=self.cfg.feedback_actor_name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+                num_cpus=0, max_restarts=-1, max_task_retries=3, max_concurrency=1000,
+                # Pinned: a restart reopens the same SQLite file on the same disk, never an empty one elsewhere.
+                scheduling_strategy=NodeAffinitySchedulingStrategy(store_node(self.cfg.storage.store_node),
+                                                                   soft=False),
+            ).remote(self.cfg)
+
+        wanted = settings_key(self.cfg)
+        self.feedback = find_or_start()
+        for _ in range(100):
+            try:
+                if await self.feedback.settings_key.remote() == wanted:
+                    break
+                logger.warning("feedback store %s runs with other settings: replacing it", self.cfg.feedback_actor_name)
+                ray.kill(self.feedback, no_restart=True)
+            except RayActorError:
+                pass  # the replaced one is going away; its name is freed in a moment
+            await asyncio.sleep(0.2)
+            self.feedback = find_or_start()
+        else:
+            raise RuntimeError(f"could not start the feedback store {self.cfg.feedback_actor_name}")
         # After a restart of the app, every adapter serves its current published version again.
         for info in await self.feedback.list_adapters.remote():
             paths = {v.version: v.path for v in info.versions if v.path}

@@ -1086,7 +1086,8 @@ class FeedbackStore:
                                       f"to a version that was served (POST /v1/adapters/{adapter}/promote serves any)")
             if current is not None and version > current:
                 raise VersionConflict(f"{adapter} v{version} is newer than the current v{current}; "
-                                      "rollback only goes back")
+                                      f"rollback only goes back; POST /v1/adapters/{adapter}/promote "
+                                      f"{{\"version\": {version}}} serves it again")
             self._roll_back_newer(db, adapter, version, v.node)
             if version != current:
                 db.execute("UPDATE versions SET state = 'served', reason = ?, decided_at = ? WHERE adapter = ? "

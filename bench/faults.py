@@ -186,7 +186,7 @@ def served_versions(url: str, headers: dict[str, str], model: str, adapter: str,
             newest = httpx.get(f"{url}/v1/adapters/{adapter}", headers=headers, timeout=30).json()["current_version"]
             nodes = httpx.get(f"{url}/v1/status", headers=headers, timeout=30).json()["nodes"]
             served = nodes[0]["adapters"].get(f"{model}:{adapter}")
-            if served == newest:
+            if newest is not None and served == newest:
                 break
         except (httpx.HTTPError, KeyError, ValueError):
             pass

@@ -121,6 +121,13 @@ class ModelServer:
             logger.warning("planner unavailable for %s: %s", method, exc)
             raise ServiceUnavailable("The planner is restarting; retry in a few seconds.") from None
 
+    async def _engine_healthy(self) -> bool:
+        try:
+            await self.replica.check_health()
+            return True
+        except Exception:
+            return False
+
     def record_replica_metadata(self) -> dict[str, Any]:
         """Published to request routers once: which logical node this replica is."""
         return {"node_id": self.node_id}
@@ -177,8 +184,16 @@ class ModelServer:
             return JSONResponse({"object": "list", "data": cards})
 
         async def health() -> JSONResponse:
-            status = await call("status")
-            ok = status["ready_nodes"] > 0
+            try:
+                status = await call("status")
+            except ServiceUnavailable:
+                # The planner is restarting, but this node serves (its engine answered Serve's health
+                # check): requests do not wait on the planner, so neither does the health answer.
+                await self.replica.check_health()
+                return JSONResponse({"status": "ok", "ready_nodes": None, "planner": "restarting"})
+            # A new planner counts this node ready only once it re-registered; the node serving this
+            # answer is ready either way.
+            ok = status["ready_nodes"] > 0 or await self._engine_healthy()
             return JSONResponse({"status": "ok" if ok else "unavailable", "ready_nodes": status["ready_nodes"]},
                                 status_code=200 if ok else 503)
 

@@ -30,7 +30,11 @@ def drilled(secure_app) -> dict:
     items = [{"adapter": ADAPTER, "prompt": f"drill {i}", "completion": f"ok {i}"} for i in range(4)]
     assert httpx.post(f"{url}/v1/feedback", headers=headers, json=items).status_code == 202
     served, newest = served_versions(url, headers, BASE, ADAPTER, timeout_s=300)
-    assert newest is not None and served == newest, (served, newest)
+    if newest is None or served != newest:
+        status = httpx.get(f"{url}/v1/status", headers=headers).json()
+        info = httpx.get(f"{url}/v1/adapters/{ADAPTER}", headers=headers).json()
+        pytest.fail(f"no served version: served={served} newest={newest} adapter={info} "
+                    f"training={status['training']} node={status['nodes'][0]}")
     with Prober(url, BASE, ADAPTER, headers, period=0.5) as prober:
         yield {"url": url, "headers": headers, "prober": prober, "name": secure_app["name"],
                "store": "coserve-sec-feedback", "trainer": "coserve-sec-trainer",

@@ -309,3 +309,15 @@ def test_metrics_show_promotions_rejections_and_pauses_per_adapter(store):
     assert 'coserve_adapter_candidates{adapter="acme"} 1.0' in text
     assert 'coserve_adapter_win_rate{adapter="acme"} 1.0' in text  # the served v1, not a rejected one
     assert "# TYPE coserve_adapter_rejections_total counter" in text and "_created" not in text
+
+
+def test_a_rollback_is_undone_by_promoting_the_version_rolled_back_from(store):
+    for _ in range(3):
+        publish(store)
+        store.decide_version("acme", store.get_adapter("acme").versions[-1].version, passed=True, reason="ok")
+    store.rollback("acme", 1)
+    with pytest.raises(VersionConflict, match="promote"):
+        store.rollback("acme", 3)  # rollback only goes back; the error names the way forward
+    info = store.promote("acme", 3)
+    assert info.current_version == 3
+    assert [(x.version, x.state) for x in info.versions][-1] == (3, "served")

@@ -1,0 +1,138 @@
+"""Sustained load: the Azure conversation trace through Locust with feedback mixed in, for minutes.
+
+    python bench/sustained.py --speedups 1,1.5 --probe-s 90 --duration-s 600
+
+Starts the app (embedded model, API keys, training on, one adapter in ``hybrid`` mode that the
+feedback goes to), runs a short Locust replay at each trace speedup, keeps the highest one that
+finished with 0 failed requests and kept up with the trace (replay lag p99 under
+``--max-lag-s``), then replays ``--duration-s`` at that speedup. Prints, per run: the request
+rate, requests and failures by kind, feedback items accepted, and TTFT percentiles of the
+streamed requests (Locust's ``TTFT`` rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def locust(url: str, key: str, adapter: str, speedup: float, duration_s: int, out: Path, fraction: float,
+           max_output: int) -> dict:
+    """One headless Locust replay; its figures from the CSV and the replay-lag line of its log."""
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "load_tests/locustfile.py"), "--headless", "--host", url,
+         "-u", "8", "--run-time", f"{duration_s}s", "--csv", str(out / "locust"), "--only-summary",
+         "--trace-speedup", str(speedup), "--api-key", key, "--feedback-fraction", str(fraction),
+         "--feedback-adapter", adapter, "--max-output-tokens", str(max_output),
+         "--max-requests", str(int(duration_s * 6 * speedup))],
+        cwd=ROOT, capture_output=True, text=True, timeout=duration_s + 600)
+    (out / "locust.log").write_text(proc.stdout + proc.stderr)
+    rows = {r["Name"] if r["Type"] != "TTFT" else "TTFT " + r["Name"]: r
+            for r in csv.DictReader((out / "locust_stats.csv").open())}
+    agg = {"requests": 0, "failures": 0, "feedback": 0, "feedback_failures": 0}
+    for name, r in rows.items():
+        if name.startswith("TTFT") or name == "Aggregated":
+            continue
+        if name == "POST /v1/feedback":
+            agg["feedback"], agg["feedback_failures"] = int(r["Request Count"]), int(r["Failure Count"])
+        else:
+            agg["requests"] += int(r["Request Count"])
+            agg["failures"] += int(r["Failure Count"])
+    ttft = [r for n, r in rows.items() if n.startswith("TTFT")]
+    lag = re.search(r"replay lag.*?p99[^0-9]*([0-9.]+)", proc.stdout + proc.stderr)
+    wall = time.time() - t0
+    return {"speedup": speedup, "seconds": round(wall), "rate": round(agg["requests"] / max(1.0, wall), 2), **agg,
+            "ttft_p50_ms": _weighted(ttft, "50%"), "ttft_p90_ms": _weighted(ttft, "90%"),
+            "ttft_p99_ms": _weighted(ttft, "99%"), "lag_p99_s": float(lag.group(1)) if lag else None}
+
+
+def _weighted(rows: list[dict], col: str) -> float | None:
+    """A percentile over several Locust rows: the count-weighted mean of theirs (the rows are similar)."""
+    counts = [int(r["Request Count"]) for r in rows]
+    if not sum(counts):
+        return None
+    return round(sum(float(r[col]) * c for r, c in zip(rows, counts)) / sum(counts), 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--speedups", default="1,1.5")
+    p.add_argument("--probe-s", type=int, default=90)
+    p.add_argument("--duration-s", type=int, default=600)
+    p.add_argument("--feedback-fraction", type=float, default=0.2)
+    p.add_argument("--max-output-tokens", type=int, default=64)
+    p.add_argument("--max-lag-s", type=float, default=2.0)
+    p.add_argument("--port", type=int, default=8019)
+    p.add_argument("--data-dir", default="/tmp/coserve-sustained")
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+
+    from app import serve_env
+
+    serve_env.apply()
+    import ray
+    from ray import serve
+
+    from app.keys import add_key
+    from app.main import build_app
+
+    data = Path(a.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "keys.yaml").unlink(missing_ok=True)
+    key = add_key(data / "keys.yaml", "admin")
+    headers = {"Authorization": f"Bearer {key}"}
+    ray.init(num_cpus=8, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **serve_env.SERVE_ENV}})
+    serve.start(http_options={"host": "127.0.0.1", "port": a.port})
+    cfg = {"name": "sustained", "data_dir": str(data), "auth": {"keys_file": "keys.yaml", "keys_env": None},
+           "limits": {"requests_per_second": None, "max_concurrent": None}}
+    serve.run(build_app(cfg), name="sustained", route_prefix="/")
+    url = f"http://127.0.0.1:{a.port}"
+    adapter = "sustained"
+    r = httpx.post(f"{url}/v1/adapters", headers=headers, json={"name": adapter, "method": "sft", "mode": "hybrid"})
+    assert r.status_code in (201, 409), r.text
+    runs, best = [], None
+    for s in [float(x) for x in a.speedups.split(",")]:
+        res = locust(url, key, adapter, s, a.probe_s, data / f"probe-{s:g}", a.feedback_fraction, a.max_output_tokens)
+        res["kind"] = "probe"
+        runs.append(res)
+        print(json.dumps(res), flush=True)
+        if res["failures"] == 0 and res["feedback_failures"] == 0 and (res["lag_p99_s"] or 0) <= a.max_lag_s:
+            best = s
+    if best is not None and a.duration_s > 0:
+        res = locust(url, key, adapter, best, a.duration_s, data / "sustained", a.feedback_fraction,
+                     a.max_output_tokens)
+        res["kind"] = "sustained"
+        runs.append(res)
+        print(json.dumps(res), flush=True)
+    info = httpx.get(f"{url}/v1/adapters/{adapter}", headers=headers).json()
+    print(f"\nadapter {adapter}: {len(info['versions'])} versions published, current v{info['current_version']}, "
+          f"{info['queued']} items queued")
+    print("| run | trace speedup | seconds | requests/s | requests | failed | feedback items | failed | "
+          "TTFT p50 / p90 / p99 (ms) | replay lag p99 (s) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    for r in runs:
+        print(f"| {r['kind']} | {r['speedup']:g} | {r['seconds']} | {r['rate']} | {r['requests']} | {r['failures']} "
+              f"| {r['feedback']} | {r['feedback_failures']} | {r['ttft_p50_ms']} / {r['ttft_p90_ms']} / "
+              f"{r['ttft_p99_ms']} | {r['lag_p99_s']} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(runs, indent=1))
+    serve.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
