@@ -1,0 +1,56 @@
+"""The secured app these tests share: API keys, tight limits, one node, under route prefix /sec beside the session app."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+
+SECURE_PREFIX = "/sec"
+
+
+@pytest.fixture(scope="package")
+def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
+    """A second app beside the session app, under route prefix /sec, with API keys and tight limits:
+    one node, training on. Yields its base URL, the keys by tenant, its config and its app name; removed when
+    this package's tests are done, so the rest of the suite runs beside the session app alone."""
+    import httpx
+    from ray import serve
+
+    from app.keys import add_key
+    from app.main import build_app
+
+    data = tmp_path_factory.mktemp("coserve-sec")
+    keys = {t: add_key(data / "keys.yaml", t) for t in ("admin", "acme", "beta", "flood", "conc")}
+    cfg = {
+        "name": "coserve-sec",
+        "data_dir": str(data),
+        "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
+        "model": {"embedded": "tiny-llama", "max_model_len": 1024},
+        "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 * 2**20},
+        "planner": {"placement": "round_robin"},
+        "auth": {"keys_file": "keys.yaml", "keys_env": None},
+        "limits": {"requests_per_second": 20, "burst": 40, "max_concurrent": 4, "max_tokens": 32,
+                   "feedback_max_items": 16, "feedback_max_item_bytes": 1024},
+    }
+    serve.run(build_app(cfg), name="coserve-sec", route_prefix=SECURE_PREFIX)
+    url = app_url + SECURE_PREFIX
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("the secured app did not become healthy within 300 s")
+    yield {"url": url, "keys": keys, "config": cfg, "name": "coserve-sec", "data_dir": data}
+    serve.delete("coserve-sec")
+    import ray
+
+    try:  # the detached feedback store outlives its app (README "When an actor dies")
+        ray.kill(ray.get_actor("coserve-sec-feedback", namespace="coserve"), no_restart=True)
+    except ValueError:
+        pass
