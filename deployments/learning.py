@@ -86,7 +86,10 @@ class LearningRoutes:
             return UNKNOWN
         try:
             owner = await self._store("adapter_tenant", adapter)
-        except UnknownAdapter:
+        except (UnknownAdapter, RayTaskError) as exc:
+            # Ray re-raises the store's error as a RayTaskError that carries it as ``cause``.
+            if not isinstance(getattr(exc, "cause", exc), UnknownAdapter):
+                raise
             return UNKNOWN
         self._owners[adapter] = owner
         return owner

@@ -180,7 +180,7 @@ class ModelServer:
                 owner = await self.learning.owner(model.split(":", 1)[1])
                 # An adapter the store does not know was loaded by an operator: admins (and local mode) see it.
                 if principal.admin if owner is UNKNOWN else principal.may_use(owner):
-                    cards.append({"id": model, "object": "model", "created": created, "owned_by": owner or "coserve",
+                    cards.append({"id": model, "object": "model", "created": created, "owned_by": owner if isinstance(owner, str) else "coserve",
                                   "root": model, "parent": info["base"], "max_model_len": info["max_model_len"]})
             return JSONResponse({"object": "list", "data": cards})
 
