@@ -25,10 +25,16 @@ from app.feedback_store import FeedbackStore
 
 
 def settings_key(config: AppConfig) -> str:
-    """What a running store must have been started with to serve ``config``'s app (see Planner._start_feedback)."""
-    return json.dumps({"data_dir": str(config.data_path), "gate": config.training.gate.model_dump(),
-                       "limits": [config.limits.feedback_max_items, config.limits.feedback_max_item_bytes],
-                       "adapters": str(config.adapters_path)}, sort_keys=True)
+    """What a running store must have been started with to serve ``config``'s app (see Planner._start_feedback).
+
+    The settings as the config declares them, not paths resolved in the caller's process: each node
+    may resolve ``data_dir`` to a directory of its own (``COSERVE_DATA_DIR``), so the planner's node
+    and the store's node see different paths for the same setting.
+    """
+    return json.dumps({"data_dir": config.data_dir, "storage": config.storage.model_dump(),
+                       "gate": config.training.gate.model_dump(),
+                       "limits": [config.limits.feedback_max_items, config.limits.feedback_max_item_bytes]},
+                      sort_keys=True)
 
 
 class FeedbackQueue:
