@@ -73,8 +73,9 @@ def ray_cluster():
     # An overloaded host can make the raylet miss its startup deadline: try again, not fail the suite.
     for attempt in range(3):
         try:
-            # The dashboard serves Ray's state API, which the placement tests read.
-            ray.init(num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False,
+            # The dashboard serves Ray's state API, which the placement tests read. address="local":
+            # a cluster of the suite's own, even beside a running `make serve` or another suite's.
+            ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **serve_env.SERVE_ENV}})
             break
         except Exception:
