@@ -1,4 +1,4 @@
-"""Feedback visibly teaches the real model: chat feedback through the API makes a tenant adapter open its answers
+"""The real default model served by the app (its answers are right), and feedback visibly teaches it: chat feedback through the API makes a tenant adapter open its answers
 with a fixed phrase that the base model never uses, and factual answers stay correct (bench/sft_behaviour.py)."""
 
 from __future__ import annotations
@@ -44,6 +44,19 @@ def sft_url(app_url, smollm2_dir, data_dir):
         pytest.fail(f"real-model app not ready within {READY_S}s: {st}")
     yield base
     serve.delete("sft")
+
+
+def test_the_app_serves_the_real_model_and_it_answers_correctly(sft_url):
+    # A 135M model knows little (it places Italy's capital in "Il Coriobella"); France it knows.
+    answers = []
+    for q in ("What is the capital of France?", "Say hello."):
+        r = httpx.post(f"{sft_url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": q}], "temperature": 0, "max_tokens": 24})
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["message"]["content"])
+    france, hello = answers
+    assert "Paris" in france, france
+    assert len(hello.split()) >= 2, hello  # real words, not token 0 repeated (empty text)
 
 
 def test_chat_feedback_teaches_a_visible_behaviour_and_keeps_facts(sft_url, shared_data):

@@ -54,3 +54,33 @@ def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
         ray.kill(ray.get_actor("coserve-sec-feedback", namespace="coserve"), no_restart=True)
     except ValueError:
         pass
+
+
+SERVED_ADAPTER = "beta-served"
+
+
+@pytest.fixture(scope="package")
+def served_adapter(secure_app) -> str:
+    """An adapter of tenant beta (created by the admin) with a served version, trained from beta's feedback.
+
+    One for the package: the drills probe it and the tenancy tests fence it off; training it once
+    keeps the package within the suite's time budget."""
+    import httpx
+
+    url, name = secure_app["url"], SERVED_ADAPTER
+    admin = {"Authorization": f"Bearer {secure_app['keys']['admin']}"}
+    beta = {"Authorization": f"Bearer {secure_app['keys']['beta']}"}
+    r = httpx.post(f"{url}/v1/adapters", headers=admin,
+                   json={"name": name, "tenant": "beta", "method": "sft", "mode": "sync", "gate": {"enabled": False}})
+    assert r.status_code == 201, r.text
+    assert r.json()["tenant"] == "beta"
+    items = [{"adapter": name, "prompt": f"q{i}", "completion": f"a{i}"} for i in range(4)]
+    assert httpx.post(f"{url}/v1/feedback", headers=beta, json=items).status_code == 202
+    deadline, info = time.time() + 300, {}
+    while time.time() < deadline:
+        info = httpx.get(f"{url}/v1/adapters/{name}", headers=beta).json()
+        models = httpx.get(f"{url}/v1/models", headers=beta).json()["data"]
+        if info["current_version"] and f"tiny-llama:{name}" in {m["id"] for m in models}:
+            return name
+        time.sleep(1)
+    pytest.fail(f"beta's adapter was not served within 300 s: {info}")

@@ -15,20 +15,17 @@ import pytest
 
 from bench.faults import Prober, drill, kill_named, kill_planner, kill_rank, kill_replica, served_versions
 
+from tests.e2e.secure.conftest import SERVED_ADAPTER
+
 BASE = "tiny-llama"
-ADAPTER = "drilled"
+ADAPTER = SERVED_ADAPTER  # beta's, trained once for the package; the admin key may use it
 
 
 @pytest.fixture(scope="module")
-def drilled(secure_app) -> dict:
+def drilled(secure_app, served_adapter) -> dict:
     """The secured app with an adapter that has a served version, and a prober running against it."""
     url = secure_app["url"]
     headers = {"Authorization": f"Bearer {secure_app['keys']['admin']}"}
-    r = httpx.post(f"{url}/v1/adapters", headers=headers,
-                   json={"name": ADAPTER, "method": "sft", "mode": "sync", "gate": {"enabled": False}})
-    assert r.status_code == 201, r.text
-    items = [{"adapter": ADAPTER, "prompt": f"drill {i}", "completion": f"ok {i}"} for i in range(4)]
-    assert httpx.post(f"{url}/v1/feedback", headers=headers, json=items).status_code == 202
     served, newest = served_versions(url, headers, BASE, ADAPTER, timeout_s=300)
     if newest is None or served != newest:
         status = httpx.get(f"{url}/v1/status", headers=headers).json()

@@ -14,10 +14,10 @@ from bench.fuzz import CHECKS, run_schemathesis
 def test_schemathesis_finds_no_server_error_and_no_conformance_failure(secure_app, tmp_path):
     url, key = secure_app["url"], secure_app["keys"]["admin"]
     # Generated cases only (the coverage phase's thousands of boundary cases are bench/fuzz.py's run).
-    result = run_schemathesis(url, key, max_examples=25, phases="examples,fuzzing", rate_limit="15/s",
-                              max_time_s=150, full_log=tmp_path / "schemathesis.log")
+    result = run_schemathesis(url, key, max_examples=8, phases="examples,fuzzing", rate_limit="15/s",
+                              max_time_s=50, full_log=tmp_path / "schemathesis.log")
     assert result.returncode == 0, result.tail
-    assert result.cases >= 200, result.tail  # a few hundred generated requests, not a token run
+    assert result.cases >= 100, result.tail  # every operation, several generated bodies each: not a token run
     assert result.failures == 0, result.tail
     assert httpx.get(f"{url}/health").status_code == 200  # and the app still answers
     r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
