@@ -40,7 +40,23 @@ import ray
 
 from actors.evaluator import VersionEvaluator
 from app.config import AppConfig
-from planners.types import PassReport, PassVerdict, RankStarted
+from app.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
+from planners.types import (
+    Grant,
+    GrantedWindow,
+    GrantRequest,
+    GrantWaited,
+    MemoryUse,
+    PassReport,
+    PassVerdict,
+    RankStarted,
+    SampleProgress,
+    StepAbandoned,
+    StepDone,
+    TrainerEvent,
+    VersionPublished,
+    WorkDropped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +173,8 @@ class RankLoop:
         self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
         self.opt_steps = 0  # optimizer steps since the last published version
         self.last_round_s = 0.0  # wall time of the last granted windows, told to the planner at the next ask
+        self.last_memory: MemoryUse | None = None  # what those windows added to memory, told likewise
+        self.offloaded_bytes = 0  # optimizer state moved to host memory by an offload grant
         # Leader-only bookkeeping.
         self.held: list[int] = []  # item ids trained into the unpublished weights
         self.held_created: list[float] = []
@@ -235,7 +253,7 @@ class RankLoop:
                 self._stop = False  # the supervisor is restarting; our fate follows it anyway
         return self._stop
 
-    def _report(self, adapter: str, event: dict[str, Any]) -> None:
+    def _report(self, adapter: str, event: TrainerEvent) -> None:
         try:
             self.sup.record.remote(adapter, event)
         except Exception:
@@ -342,7 +360,7 @@ class RankLoop:
         if self.loaded is not None and self.loaded[0] == adapter and self.loaded[1] != version and (
                 self.micro_done or self.opt_steps):
             # The current version moved under unpublished work (a rollback): drop it, train the items again.
-            self._report(adapter, {"kind": "conflict"})
+            self._report(adapter, WorkDropped())
         path = self.files.local_path(adapter, version, location) if location else None
         spec = plan["spec"]
         self.model, self.opt = self.bank.train(adapter, spec["lora"], version, path, spec["learning_rate"])
@@ -358,20 +376,25 @@ class RankLoop:
             self.opt.zero_grad(set_to_none=True)
 
     def _ask_windows(self, plan: dict[str, Any], passes: dict[int, Any], todo: list[dict[str, Any]]
-                     ) -> tuple[list[list[int]], float]:
+                     ) -> tuple[tuple[GrantedWindow, ...], float]:
         """Ask the planner which windows of this rank's unfinished items may run now on its node."""
         if not todo:
-            return [], 0.0
-        samples = [{"id": it["id"], "tokens": passes[it["id"]].length, "done": passes[it["id"]].done,
-                    "arrival": _arrival(plan, it), "dpo_loss": _last_loss(plan, it)} for it in todo]
+            return (), 0.0
+        samples = tuple(SampleProgress(it["id"], passes[it["id"]].length, passes[it["id"]].done, _arrival(plan, it),
+                                       _last_loss(plan, it)) for it in todo)
         ran_s, self.last_round_s = self.last_round_s, 0.0
+        used, self.last_memory = self.last_memory, None
+        request = GrantRequest(self.node_id, plan["adapter"], plan["spec"]["mode"], samples, ran_s, used,
+                               offloadable_bytes(self.opt))
         try:
-            g = ray.get(self.planner.grant.remote(self.node_id, plan["adapter"], plan["spec"]["mode"], samples,
-                                                  ran_s), timeout=30)
+            grant: Grant = ray.get(self.planner.grant.remote(request), timeout=30)
         except Exception as exc:  # planner restarting: treat as "wait", never train unasked
             self._warn("grant", exc)
-            return [], MAX_GRANT_SLEEP_S
-        return g["windows"], float(g.get("wait_s", 0.0))
+            return (), MAX_GRANT_SLEEP_S
+        if grant.offload_optimizer and self.opt is not None:
+            # LEMIX Alg. 2 lines 9–11: free the device for this grant; the state comes back for the optimizer step.
+            self.offloaded_bytes += move_optimizer_state(self.opt, "cpu")
+        return grant.windows, grant.wait_s
 
     def _abandon_requested(self, adapter: str) -> bool:
         """Stop, or the adapter's mode became ``off`` mid-step: its unfinished step is dropped."""
@@ -403,7 +426,9 @@ class RankLoop:
             todo = [it for it in mine if passes[it["id"]].done < passes[it["id"]].length]
             granted, wait = self._ask_windows(plan, passes, todo)
             t0 = time.time()
-            for sid, start, end in granted:
+            mark = memory_mark(self.bank.device) if granted else 0.0
+            for w in granted:
+                sid, start, end = w.sample_id, w.start, w.end
                 p = passes.get(sid)
                 if p is None or start != p.done or end > p.length:
                     continue  # a stale grant (the planner saw an older state): ask again
@@ -419,6 +444,8 @@ class RankLoop:
             run_s += elapsed
             if ran:
                 self.last_round_s = elapsed
+                self.last_memory = MemoryUse(ran, max(w.end - w.start for w in granted),
+                                             memory_added(self.bank.device, mark))
             left = sum(p.done < p.length for p in passes.values())
             abandon = float(self.leader and self._abandon_requested(adapter))
             left_all, ran_all, abandon, wait = self.allreduce([float(left), float(ran), abandon, wait], op="max")
@@ -451,12 +478,11 @@ class RankLoop:
         if stepped:
             self._optimizer_step()
         if self.leader:
-            self._report(adapter, {"kind": "step", "samples": len(items), "loss": loss, "tokens": int(tokens),
-                                   "seconds": run_s, "grant_s": time.time() - t_start - run_s, "windows": windows,
-                                   "shrunk": windows > len(items), "optimizer_step": stepped,
-                                   "requeued": requeued})
+            self._report(adapter, StepDone(samples=len(items), loss=loss, tokens=int(tokens), seconds=run_s,
+                                           grant_s=time.time() - t_start - run_s, windows=windows,
+                                           shrunk=windows > len(items), optimizer_step=stepped, requeued=requeued))
             if waited_s:
-                self._report(adapter, {"kind": "wait", "seconds": waited_s})
+                self._report(adapter, GrantWaited(waited_s))
         if self.opt_steps >= self.t.steps_per_version or (flush and self.opt_steps > 0):
             self._finish_version(plan, flush=False)
 
@@ -488,7 +514,7 @@ class RankLoop:
         """Forget the gradients not yet applied; their items stay queued (they were never held)."""
         self.opt.zero_grad(set_to_none=True)
         self.micro_done, self.pending_items = 0, []
-        self._report(adapter, {"kind": "abandoned"})
+        self._report(adapter, StepAbandoned())
 
     def _optimizer_step(self) -> None:
         from app.lora_training import optimizer_step
@@ -499,6 +525,9 @@ class RankLoop:
                 if p.grad is not None:
                     p.grad.mul_(self.t.accumulation / self.micro_done)
         self.allreduce_grads()
+        if self.offloaded_bytes:
+            move_optimizer_state(self.opt, self.bank.device)  # back from host memory (an offload grant)
+            self.offloaded_bytes = 0
         optimizer_step(self.model, self.opt)
         self.micro_done = 0
         self.opt_steps += 1
@@ -556,7 +585,7 @@ class RankLoop:
             marks.append(time.time())
         except VersionConflict as exc:
             # A rollback moved the current version: drop this work; the items are still queued.
-            self._report(adapter, {"kind": "conflict"})
+            self._report(adapter, WorkDropped())
             self._warn("publish", exc)
             return {"version": None}
         except Exception as exc:
@@ -568,8 +597,7 @@ class RankLoop:
             now = time.time()
             breakdown = dict(zip(("reserve_s", "save_s", "publish_s"),
                                  (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
-            self._report(adapter, {"kind": "published", "version": v.version, "at": now, "seconds": now - t0,
-                                   "breakdown": breakdown, "freshness_s": [], "candidate": True})
+            self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown, candidate=True))
             return {"version": v.version, "path": path, "candidate": True, "created": created}
         try:
             nodes = [self.node_id] if self.per_node else None  # per_node: only this node serves its copy
@@ -580,9 +608,8 @@ class RankLoop:
         marks.append(now)
         breakdown = dict(zip(("reserve_s", "save_s", "publish_s", "load_s"),
                              (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
-        self._report(adapter, {"kind": "published", "version": v.version, "at": now, "seconds": now - t0,
-                               "breakdown": breakdown,
-                               "freshness_s": [round(now - c, 3) for c in created]})
+        self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown,
+                                               tuple(round(now - c, 3) for c in created)))
         return {"version": v.version, "path": path, "candidate": False, "created": created}
 
     # ---- the quality gate and held-out scores --------------------------------------------------------
