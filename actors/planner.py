@@ -40,17 +40,20 @@ from planners.iteration import EngineFacts, FineTuneSample, TokenWindow, whole_w
 from planners.memory import MemoryGuard
 from planners.types import (
     AdapterAssignment,
+    AdapterLoaded,
     AdapterVersion,
     ExecutionTrace,
     Grant,
     GrantedWindow,
     GrantRequest,
+    NodeLocation,
     NodeRegistration,
     NodeReport,
     NodeView,
     PassReport,
     PassVerdict,
     RoutingSnapshot,
+    ServedModels,
 )
 
 logger = logging.getLogger(__name__)
@@ -314,13 +317,9 @@ class Planner:
             models.update(n.adapters)
         return models
 
-    async def models(self) -> dict[str, Any]:
-        return {
-            "base": self.served_name,
-            "max_model_len": self.max_model_len,
-            "root": self.model_dir,
-            "adapters": sorted(m for m in self.known_models() if m != self.served_name),
-        }
+    async def models(self) -> ServedModels:
+        return ServedModels(self.served_name, str(self.model_dir), self.max_model_len,
+                            tuple(sorted(m for m in self.known_models() if m != self.served_name)))
 
     async def node_replicas(self) -> dict[int, str | None]:
         """Each node's replica as its Serve actor name (namespace ``serve``), None while it starts."""
@@ -367,10 +366,9 @@ class Planner:
         except Exception as exc:
             return {"state": "unreachable", "error": f"{type(exc).__name__}: {exc}"}
 
-    async def node_locations(self) -> list[dict[str, Any]]:
+    async def node_locations(self) -> list[NodeLocation]:
         """The physical Ray node of each logical node's replica (for co-locating its trainer rank)."""
-        return [{"node_id": n.node_id, "ray_node_id": n.ray_node_id, "state": n.state,
-                 "placement_group_id": n.placement_group_id} for n in self.nodes]
+        return [NodeLocation(n.node_id, n.ray_node_id, n.state, n.placement_group_id) for n in self.nodes]
 
     async def feedback_queue(self) -> Any:
         await self.start()
@@ -611,7 +609,7 @@ class Planner:
         return sorted(n.node_id for n in targets if n.confirmed_epoch >= epoch)
 
     async def load_adapter(self, adapter: str, version: int, path: str, node_ids: list[int] | None = None,
-                           force: bool = False) -> dict[str, Any]:
+                           force: bool = False) -> AdapterLoaded:
         """Serve ``path`` as ``version`` of ``base:adapter`` on the given nodes (default: all);
         returns when the ready ones serve it.
 
@@ -624,12 +622,12 @@ class Planner:
             if force or current is None or current.version < version:
                 change[nid] = {adapter: AdapterVersion(version, path)}
         nodes = await self._publish(change) if change else []
-        return {"model": f"{self.served_name}:{adapter}", "version": version, "nodes": nodes}
+        return AdapterLoaded(f"{self.served_name}:{adapter}", version, tuple(nodes))
 
-    async def unload_adapter(self, adapter: str) -> dict[str, Any]:
+    async def unload_adapter(self, adapter: str) -> AdapterLoaded:
         scope = [nid for nid, published in self._published.items() if adapter in published]
         nodes = await self._publish({nid: {adapter: None} for nid in scope}) if scope else []
-        return {"model": f"{self.served_name}:{adapter}", "nodes": nodes}
+        return AdapterLoaded(f"{self.served_name}:{adapter}", None, tuple(nodes))
 
 
 def store_node(setting: str) -> str:

@@ -41,6 +41,7 @@ from app.config import AppConfig
 from planners.types import (
     GateDecided,
     GrantWaited,
+    NodeLocation,
     RankStarted,
     StepAbandoned,
     StepDone,
@@ -184,10 +185,10 @@ class Trainer:
 
         t = self.cfg.training
         locations = self._node_locations()
-        nodes = [loc["node_id"] for loc in locations]
+        nodes = [loc.node_id for loc in locations]
         workers = t.workers or len(nodes)
         node_of_rank = [nodes[r % len(nodes)] for r in range(workers)]
-        groups = {loc["node_id"]: loc.get("placement_group_id") for loc in locations}
+        groups = {loc.node_id: loc.placement_group_id for loc in locations}
         self.state = "starting"
         ranks = [ray.remote(TrainRank).options(**rank_actor_options(t.resources_per_worker, groups.get(node)))
                  .remote(r, workers, node, self.cfg, self.namespace, self.planner, self.eval_file)
@@ -215,17 +216,17 @@ class Trainer:
             with self._lock:
                 self._ranks = []
 
-    def _node_locations(self) -> list[dict[str, Any]]:
+    def _node_locations(self) -> list[NodeLocation]:
         """Where each logical node's replica lives; waits (up to a minute) for the planner to place them."""
         deadline = time.time() + 60
-        locations: list[dict[str, Any]] = []
+        locations: list[NodeLocation] = []
         while not self._stop.is_set():
             try:
                 locations = ray.get(self.planner.node_locations.remote(), timeout=30)
             except Exception as exc:
                 self._error("node_locations", f"{type(exc).__name__}: {exc}")
             # Every node's replica registered with its group: a rank goes nowhere else.
-            if locations and all(loc.get("state") == "ready" and loc.get("placement_group_id") for loc in locations):
+            if locations and all(loc.state == "ready" and loc.placement_group_id for loc in locations):
                 break
             if time.time() > deadline:
                 self._error("placement", f"waiting for every node's replica and placement group: {locations}")

@@ -130,7 +130,7 @@ class LearningRoutes:
             raise UnknownAdapter(f"no adapter named {name!r}")
 
     async def _served_name(self) -> str:
-        return (await self.ask_planner(lambda p: p.models.remote()))["base"]
+        return (await self.ask_planner(lambda p: p.models.remote())).base
 
     def _adapter_json(self, info: Any, base: str) -> dict[str, Any]:
         out = info.model_dump()

@@ -174,14 +174,14 @@ class ModelServer:
             info = await call(lambda p: p.models.remote())
             created = int(time.time())
             principal = PRINCIPAL.get()
-            cards = [{"id": info["base"], "object": "model", "created": created, "owned_by": "coserve",
-                      "root": info["root"], "parent": None, "max_model_len": info["max_model_len"]}]
-            for model in info["adapters"]:
+            cards = [{"id": info.base, "object": "model", "created": created, "owned_by": "coserve",
+                      "root": info.root, "parent": None, "max_model_len": info.max_model_len}]
+            for model in info.adapters:
                 owner = await self.learning.owner(model.split(":", 1)[1])
                 # An adapter the store does not know was loaded by an operator: admins (and local mode) see it.
                 if principal.admin if owner is UNKNOWN else principal.may_use(owner):
                     cards.append({"id": model, "object": "model", "created": created, "owned_by": owner if isinstance(owner, str) else "coserve",
-                                  "root": model, "parent": info["base"], "max_model_len": info["max_model_len"]})
+                                  "root": model, "parent": info.base, "max_model_len": info.max_model_len})
             return JSONResponse({"object": "list", "data": cards})
 
         async def health() -> JSONResponse:

@@ -101,6 +101,37 @@ class NodeReport:
 
 
 @dataclass(frozen=True)
+class NodeLocation:
+    """Where a logical node's replica runs: its Ray node and placement group (its trainer rank goes there too)."""
+
+    node_id: int
+    ray_node_id: str | None
+    state: str
+    """``starting`` until the replica registered, then ``ready``."""
+    placement_group_id: str | None
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """What the app serves: the base model and every ``base:adapter`` some node serves (for ``/v1/models``)."""
+
+    base: str
+    root: str
+    """The base model's directory (the ``root`` of its model card)."""
+    max_model_len: int
+    adapters: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AdapterLoaded:
+    """The answer to loading (or unloading) an adapter version: the nodes that serve the change now."""
+
+    model: str
+    version: int | None
+    nodes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class AdapterVersion:
     """One published adapter version: its number and the directory its weights are in."""
 
