@@ -374,3 +374,54 @@ class GateDecided:
 
 
 TrainerEvent = StepDone | GrantWaited | WorkDropped | StepAbandoned | VersionPublished | VersionScored | GateDecided
+
+
+# ---- the trainer ranks' step protocol (the leader decides, every rank runs it) -------------------------
+
+StepOp = Literal["stop", "idle", "step", "flush"]
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """An adapter's training settings as a trainer rank uses them (from the feedback store)."""
+
+    name: str
+    method: str
+    """``sft`` or ``dpo``."""
+    beta: float
+    mode: str
+    learning_rate: float
+    lora: dict[str, Any]
+    """The LoRA settings (r, alpha, dropout, target_modules)."""
+    paused: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank does next, as the leader broadcasts it: stop, idle (``sleep`` s), train one micro-step
+    of ``items`` on ``adapter``, or flush (publish what is trained)."""
+
+    op: StepOp
+    adapter: str | None = None
+    spec: TrainingSpec | None = None
+    target: tuple[int | None, str | None] = (None, None)
+    """The adapter's current version and where its files are (None, None: a fresh LoRA)."""
+    items: tuple[Any, ...] = ()
+    """The micro-step's feedback items (``app.feedback_store.FeedbackItem``)."""
+    last_of_queue: bool = False
+    """No more items wait: apply the gradients and publish after this step."""
+    requeued: dict[int, PassVerdict] = field(default_factory=dict)
+    """Items CheckEnd sent back: their t_arr and last loss go into the grants' priorities (MACE §4.1)."""
+    sleep: float = 0.0
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """What the leader's publish gave, broadcast to every rank: the version (None: nothing published)."""
+
+    version: int | None
+    path: str | None = None
+    candidate: bool = False
+    """Waits for the quality gate before it is served."""
+    created: tuple[float, ...] = ()
+    """Acceptance times of the items it holds (for freshness)."""
