@@ -10,6 +10,8 @@ from typing import Any
 
 import ray
 
+from planners.types import GateDecided, VersionScored
+
 LOAD_TIMEOUT_S = 120.0
 
 
@@ -203,11 +205,9 @@ class VersionEvaluator:
                 w._warn("load_adapter", exc)
             now = time.time()
             freshness = [round(now - c, 3) for c in job.created]
-        w._report(adapter, {"kind": "gate", "version": version, "state": decided.state, "reason": decided.reason,
-                            "score": decided.score, "baseline_score": decided.baseline_score,
-                            "baseline_version": decided.baseline_version, "win_rate": cand.get("win_rate"),
-                            "clpd": cand.get("clpd"), "token_logprob": cand.get("token_logprob"),
-                            "seconds": time.time() - t0, "at": time.time(), "freshness_s": freshness})
+        w._report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,
+                                       decided.baseline_version, time.time() - t0, time.time(), tuple(freshness),
+                                       cand.get("win_rate"), cand.get("clpd"), cand.get("token_logprob")))
 
     def _give_up(self, job: EvalJob, exc: BaseException) -> None:
         """Scoring failed again and again: reject the candidate, with the error as the reason (not served unproven)."""
@@ -229,6 +229,5 @@ class VersionEvaluator:
             return
         scores = self._score(adapter, version, job.path, info, items, key)
         ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items), **scores), timeout=60)
-        w._report(adapter, {"kind": "eval", "version": version, "win_rate": scores.get("win_rate"),
-                            "clpd": scores.get("clpd"), "token_logprob": scores.get("token_logprob"),
-                            "seconds": time.time() - t0})
+        w._report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
+                                         scores.get("token_logprob")))

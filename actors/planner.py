@@ -36,18 +36,24 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from app.config import AppConfig
 from app.engine_args import served_model_name
 from planners import registry
-from planners.iteration import EngineFacts, FineTuneSample, whole_windows
+from planners.iteration import EngineFacts, FineTuneSample, TokenWindow, whole_windows
 from planners.memory import MemoryGuard
 from planners.types import (
     AdapterAssignment,
+    AdapterLoaded,
     AdapterVersion,
     ExecutionTrace,
+    Grant,
+    GrantedWindow,
+    GrantRequest,
+    NodeLocation,
     NodeRegistration,
     NodeReport,
     NodeView,
     PassReport,
     PassVerdict,
     RoutingSnapshot,
+    ServedModels,
 )
 
 logger = logging.getLogger(__name__)
@@ -86,7 +92,8 @@ class _Node:
     guard: MemoryGuard | None = None
     grants: dict[str, Any] = field(default_factory=lambda: {
         "asked": 0, "granted": 0, "refused": 0, "windows": 0, "tokens": 0, "last_budget": None, "last_reason": None,
-        "passes": 0, "requeued": 0})
+        "passes": 0, "requeued": 0, "memory": {"wait": 0, "shrink": 0, "offload": 0, "defer": 0}})
+    memory_wait_since: float | None = None  # when the memory guard first held back the current work (Alg. 2's wait)
     grant_log: deque = field(default_factory=lambda: deque(maxlen=64))  # recent answers, newest last
     pass_log: deque = field(default_factory=lambda: deque(maxlen=64))  # recent CheckEnd verdicts, newest last
 
@@ -145,6 +152,15 @@ class Planner:
             node.grant_log.clear()
             node.pass_log.clear()
         return name
+
+    async def set_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Replace the memory guard's settings live (``planner.memory_params``); each node's guard starts afresh."""
+        MemoryGuard(self.cost_model.with_stages(self.cfg.cluster.stages), **params)  # fail here, not at a grant
+        self.cfg.planner = self.cfg.planner.model_copy(update={"memory_params": dict(params)})
+        for node in self.nodes:
+            node.scheduler = node.guard = None
+            node.memory_wait_since = None
+        return dict(params)
 
     async def set_placement(self, name: str, params: dict[str, Any] | None = None) -> str:
         """Switch the placement policy live; routers build it afresh at their next snapshot."""
@@ -301,13 +317,9 @@ class Planner:
             models.update(n.adapters)
         return models
 
-    async def models(self) -> dict[str, Any]:
-        return {
-            "base": self.served_name,
-            "max_model_len": self.max_model_len,
-            "root": self.model_dir,
-            "adapters": sorted(m for m in self.known_models() if m != self.served_name),
-        }
+    async def models(self) -> ServedModels:
+        return ServedModels(self.served_name, str(self.model_dir), self.max_model_len,
+                            tuple(sorted(m for m in self.known_models() if m != self.served_name)))
 
     async def node_replicas(self) -> dict[int, str | None]:
         """Each node's replica as its Serve actor name (namespace ``serve``), None while it starts."""
@@ -354,10 +366,9 @@ class Planner:
         except Exception as exc:
             return {"state": "unreachable", "error": f"{type(exc).__name__}: {exc}"}
 
-    async def node_locations(self) -> list[dict[str, Any]]:
+    async def node_locations(self) -> list[NodeLocation]:
         """The physical Ray node of each logical node's replica (for co-locating its trainer rank)."""
-        return [{"node_id": n.node_id, "ray_node_id": n.ray_node_id, "state": n.state,
-                 "placement_group_id": n.placement_group_id} for n in self.nodes]
+        return [NodeLocation(n.node_id, n.ray_node_id, n.state, n.placement_group_id) for n in self.nodes]
 
     async def feedback_queue(self) -> Any:
         await self.start()
@@ -389,27 +400,25 @@ class Planner:
         for key in [k for k in self._retraining if k[0] == adapter]:
             del self._retraining[key]
 
-    async def grant(self, node_id: int, adapter: str, mode: str, samples: list[dict[str, Any]],
-                    ran_s: float = 0.0) -> dict[str, Any]:
-        """Which token windows may the trainer on ``node_id`` run now for ``adapter``'s ``samples``?
+    async def grant(self, request: GrantRequest) -> Grant:
+        """Which token windows may the trainer on ``request.node_id`` run now for its unfinished samples?
 
-        ``samples`` are the trainer's unfinished samples of its micro-step on this node, as
-        ``{id, tokens, done, arrival, dpo_loss}`` (it owns their progress; ``arrival`` is t_arr, the
-        time CheckEnd last requeued the item or its acceptance, and ``dpo_loss`` its last reported
-        loss, MACE §4.1's γ·L_DPO term, 0 before its first pass); ``ran_s`` the seconds it
-        took to run the windows of its previous grant on this node (0: none ran). Adapters in mode
-        ``hybrid`` are granted by the node's iteration scheduler (``planner.iteration``, FlexLLM
-        §6.2 budget and MACE §4.1–4.2 by default) within the memory guard's headroom (LEMIX Alg. 2);
-        the other modes, and ``hybrid`` with ``planner.iteration: null``, by the adapter's retraining
-        policy (``planners/retraining.py``), whose whole samples become whole windows. Answer:
-        ``{"windows": [[id, start, end], ...], "wait_s", "reason"}``; no windows means wait.
+        The trainer owns its samples' progress and sends it with each request (``SampleProgress``:
+        tokens, done, t_arr, last loss, MACE §4.1's γ·L_DPO term); ``ran_s`` is how long the windows of
+        its previous grant took. Adapters in mode ``hybrid`` are granted by the node's iteration
+        scheduler (``planner.iteration``, FlexLLM §6.2 budget and MACE §4.1–4.2 by default) within the
+        memory guard's headroom (LEMIX Alg. 2); the other modes, and ``hybrid`` with
+        ``planner.iteration: null``, by the adapter's retraining policy (``planners/retraining.py``),
+        whose whole samples become whole windows. No windows means wait ``wait_s``.
         """
+        node_id, adapter, mode = request.node_id, request.adapter, request.mode
         node = self.nodes[node_id]
         now = time.time()
-        queue = [FineTuneSample(str(x["id"]), int(x["tokens"]), float(x["arrival"]), float(x.get("dpo_loss") or 0.0),
-                                int(x.get("done", 0))) for x in samples]
+        queue = [FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done) for x in request.samples]
+        offload, wait_s = False, self.cfg.planner.grant_recheck_s
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
-            windows, reason, budget = self._iteration_windows(node, queue, now, ran_s)
+            windows, reason, budget = self._iteration_windows(node, queue, now, request.ran_s)
+            windows, reason, offload, wait_s = self._check_memory(node, request, windows, reason, now)
         else:
             windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now)
         g = node.grants
@@ -423,12 +432,12 @@ class Planner:
                                "prefilling": sum(r.output_tokens == 0 for r in reqs), "reason": reason})
         if not windows:
             g["refused"] += 1
-            return {"windows": [], "wait_s": self.cfg.planner.grant_recheck_s, "reason": reason}
+            return Grant((), wait_s, reason)
         self._last_run[adapter] = now
         g["granted"] += 1
         g["windows"] += len(windows)
         g["tokens"] += sum(w.tokens for w in windows)
-        return {"windows": [[int(w.sample_id), w.start, w.end] for w in windows], "wait_s": 0.0, "reason": reason}
+        return Grant(tuple(GrantedWindow(int(w.sample_id), w.start, w.end) for w in windows), 0.0, reason, offload)
 
     async def report_passes(self, node_id: int, adapter: str, mode: str,
                             reports: list[PassReport]) -> list[PassVerdict]:
@@ -478,9 +487,44 @@ class Planner:
             sched.observe(node.facts)
         sched.set_samples(queue)
         sched.observe_ft_run(ran_s, now)
-        used = self.cost_model.memory.weight_bytes + (node.facts.kv_used_bytes if node.facts else 0.0)
-        plan = sched.schedule(now, node.guard.headroom(used))
+        # MACE's P (the bins' memory) is training's share of κ·M_peak beside the weights; what inference
+        # holds now is the memory guard's to weigh (_check_memory), as LEMIX checks before each forward.
+        plan = sched.schedule(now, node.guard.headroom(self.cost_model.memory.weight_bytes))
         return plan.windows, plan.reason, plan.ft_token_budget
+
+    def _check_memory(self, node: _Node, request: GrantRequest, windows: Any, reason: str, now: float
+                      ) -> tuple[Any, str, bool, float]:
+        """LEMIX Alg. 2 on the planned windows: run them, wait (up to T_max), shrink, offload or defer.
+
+        The guard is calibrated with what the previous grant's windows really added (``request.memory``);
+        the memory in use is the weights plus the KV cache the node's engine holds now.
+        """
+        guard = node.guard
+        if request.memory is not None:
+            m = request.memory
+            guard.observe(max(1, m.batch_size), max(1, m.tokens), m.added_bytes)
+        if not windows:
+            return windows, reason, False, self.cfg.planner.grant_recheck_s
+        used = self.cost_model.memory.weight_bytes + (node.facts.kv_used_bytes if node.facts else 0.0)
+        waited = 0.0 if node.memory_wait_since is None else now - node.memory_wait_since
+        d = guard.decide(used, len(windows), max(w.tokens for w in windows), waited,
+                         optimizer_bytes=request.optimizer_bytes)
+        if d.action != "run":
+            node.grants["memory"][d.action] += 1
+        if d.action == "wait":
+            if node.memory_wait_since is None:
+                node.memory_wait_since = now
+            return (), f"memory wait: {d.reason}", False, d.wait_s
+        node.memory_wait_since = None
+        if d.action == "defer":
+            # Give the work back; it asks again after T_max (inference keeps the memory meanwhile).
+            return (), f"memory defer: {d.reason}", False, max(guard.t_max_s, self.cfg.planner.grant_recheck_s)
+        if d.batch_size < len(windows) or d.tokens < max(w.tokens for w in windows):
+            windows = tuple(TokenWindow(w.sample_id, w.start, min(w.end, w.start + d.tokens), w.length)
+                            for w in windows[:d.batch_size])
+        if d.action == "run":
+            return windows, reason, False, 0.0
+        return windows, f"{reason}; memory {d.action}: {d.reason}", d.action == "offload", 0.0
 
     async def _retraining_windows(self, node: _Node, adapter: str, mode: str, queue: list[FineTuneSample],
                                   now: float) -> tuple[Any, str, int]:
@@ -565,7 +609,7 @@ class Planner:
         return sorted(n.node_id for n in targets if n.confirmed_epoch >= epoch)
 
     async def load_adapter(self, adapter: str, version: int, path: str, node_ids: list[int] | None = None,
-                           force: bool = False) -> dict[str, Any]:
+                           force: bool = False) -> AdapterLoaded:
         """Serve ``path`` as ``version`` of ``base:adapter`` on the given nodes (default: all);
         returns when the ready ones serve it.
 
@@ -578,12 +622,12 @@ class Planner:
             if force or current is None or current.version < version:
                 change[nid] = {adapter: AdapterVersion(version, path)}
         nodes = await self._publish(change) if change else []
-        return {"model": f"{self.served_name}:{adapter}", "version": version, "nodes": nodes}
+        return AdapterLoaded(f"{self.served_name}:{adapter}", version, tuple(nodes))
 
-    async def unload_adapter(self, adapter: str) -> dict[str, Any]:
+    async def unload_adapter(self, adapter: str) -> AdapterLoaded:
         scope = [nid for nid, published in self._published.items() if adapter in published]
         nodes = await self._publish({nid: {adapter: None} for nid in scope}) if scope else []
-        return {"model": f"{self.served_name}:{adapter}", "nodes": nodes}
+        return AdapterLoaded(f"{self.served_name}:{adapter}", None, tuple(nodes))
 
 
 def store_node(setting: str) -> str:

@@ -40,7 +40,27 @@ import ray
 
 from actors.evaluator import VersionEvaluator
 from app.config import AppConfig
-from planners.types import PassReport, PassVerdict, RankStarted
+from app.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
+from app.feedback_store import FeedbackItem
+from planners.types import (
+    Grant,
+    GrantedWindow,
+    GrantRequest,
+    GrantWaited,
+    MemoryUse,
+    PassReport,
+    PassVerdict,
+    PublishOutcome,
+    RankStarted,
+    SampleProgress,
+    StepAbandoned,
+    StepDone,
+    StepPlan,
+    TrainerEvent,
+    TrainingSpec,
+    VersionPublished,
+    WorkDropped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,20 +119,20 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _arrival(plan: dict[str, Any], item: dict[str, Any]) -> float:
+def _arrival(plan: StepPlan, item: FeedbackItem) -> float:
     """t_arr of the item's pass in this micro-step (MACE §4.1): when CheckEnd requeued it, else its acceptance."""
-    again = plan.get("requeued", {}).get(item["id"])
-    return item["created_at"] if again is None else again.arrival
+    again = plan.requeued.get(item.id)
+    return item.created_at if again is None else again.arrival
 
 
-def _last_loss(plan: dict[str, Any], item: dict[str, Any]) -> float:
+def _last_loss(plan: StepPlan, item: FeedbackItem) -> float:
     """L_DPO of MACE §4.1's γ·L_DPO priority term: the item's loss in its previous pass (0 before its first)."""
-    again = plan.get("requeued", {}).get(item["id"])
+    again = plan.requeued.get(item.id)
     return 0.0 if again is None else again.loss
 
 
-def _passes_before(plan: dict[str, Any], item: dict[str, Any]) -> int:
-    again = plan.get("requeued", {}).get(item["id"])
+def _passes_before(plan: StepPlan, item: FeedbackItem) -> int:
+    again = plan.requeued.get(item.id)
     return 0 if again is None else again.passes
 
 
@@ -157,10 +177,12 @@ class RankLoop:
         self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
         self.opt_steps = 0  # optimizer steps since the last published version
         self.last_round_s = 0.0  # wall time of the last granted windows, told to the planner at the next ask
+        self.last_memory: MemoryUse | None = None  # what those windows added to memory, told likewise
+        self.offloaded_bytes = 0  # optimizer state moved to host memory by an offload grant
         # Leader-only bookkeeping.
         self.held: list[int] = []  # item ids trained into the unpublished weights
         self.held_created: list[float] = []
-        self.pending_items: list[dict[str, Any]] = []  # items of accumulated micro-steps not yet applied
+        self.pending_items: list[FeedbackItem] = []  # items of accumulated micro-steps not yet applied
         self.version_samples = 0
         self.version_losses: list[tuple[float, int]] = []
         # CheckEnd's last verdict for items it sent back (MACE Alg. 1 line 21): trained again, never held, until retired.
@@ -214,12 +236,12 @@ class RankLoop:
                 # Scoring shares the model, so it runs here, between steps (the other ranks wait in bcast).
                 self.evaluator.work_one()
             plan = self.bcast(self._plan() if self.leader else None)
-            op = plan["op"]
+            op = plan.op
             if op == "stop":
                 return
             if op == "idle":
-                if plan["sleep"]:
-                    time.sleep(plan["sleep"])
+                if plan.sleep:
+                    time.sleep(plan.sleep)
             elif op == "step":
                 self._ensure_model(plan)
                 self._step(plan)
@@ -235,7 +257,7 @@ class RankLoop:
                 self._stop = False  # the supervisor is restarting; our fate follows it anyway
         return self._stop
 
-    def _report(self, adapter: str, event: dict[str, Any]) -> None:
+    def _report(self, adapter: str, event: TrainerEvent) -> None:
         try:
             self.sup.record.remote(adapter, event)
         except Exception:
@@ -251,24 +273,23 @@ class RankLoop:
 
     # ---- leader: what to do next ---------------------------------------------------------------
 
-    def _spec(self, adapter: str) -> dict[str, Any]:
+    def _spec(self, adapter: str) -> TrainingSpec:
         cached = self.specs.get(adapter)
         if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter))
-            spec = {"name": info.name, "method": info.method, "beta": info.beta, "mode": info.mode,
-                    "learning_rate": info.learning_rate, "lora": info.lora.model_dump(),
-                    "paused": info.paused_reason is not None}
+            spec = TrainingSpec(info.name, info.method, info.beta, info.mode, info.learning_rate,
+                                info.lora.model_dump(), info.paused_reason is not None)
             self.specs[adapter] = cached = (time.time(), spec)
         return cached[1]
 
-    def _plan(self) -> dict[str, Any]:
+    def _plan(self) -> StepPlan:
         try:
             return self._plan_unsafe()
         except Exception as exc:  # a store or planner hiccup: say so, look again in a moment
             self._warn("plan", exc)
-            return {"op": "idle", "sleep": 1.0}
+            return StepPlan("idle", sleep=1.0)
 
-    def _idle(self, wake_at: float | None = None) -> dict[str, Any]:
+    def _idle(self, wake_at: float | None = None) -> StepPlan:
         """Nothing to train now: wait until the store changes (new feedback, a changed adapter), at most
         until ``wake_at`` or IDLE_WAIT_S. A long poll, so an idle trainer costs nothing while the app
         serves, and new feedback is picked up at once."""
@@ -277,11 +298,11 @@ class RankLoop:
             timeout = 0.0  # scoring waits: come back to the loop at once
         self.store_changes = ray.get(self.store.wait_for_change.remote(self.store_changes, timeout),
                                      timeout=timeout + 30)
-        return {"op": "idle", "sleep": 0.0}
+        return StepPlan("idle")
 
-    def _plan_unsafe(self) -> dict[str, Any]:
+    def _plan_unsafe(self) -> StepPlan:
         if self._stop_requested():
-            return {"op": "stop"}
+            return StepPlan("stop")
         # adapter -> (unconsumed, oldest created_at), of this node's partition under per_node
         summary = ray.get(self.store.queue_summary.remote(self.line))
         current = self.loaded[0] if self.loaded else None
@@ -289,7 +310,7 @@ class RankLoop:
 
         now = time.time()
 
-        taken = [it["id"] for it in self.pending_items] + self.held  # trained into unpublished weights
+        taken = [it.id for it in self.pending_items] + self.held  # trained into unpublished weights
 
         def available(name: str) -> int:
             return summary.get(name, (0, None))[0] - (len(taken) if name == current else 0)
@@ -297,7 +318,7 @@ class RankLoop:
         def trainable(name: str) -> bool:
             # Not while the gate judges the adapter's candidate: the next version must start from
             # whatever is served after the verdict, never from weights the gate may reject.
-            return (available(name) > 0 and self._spec(name)["mode"] != "off" and not self._spec(name)["paused"]
+            return (available(name) > 0 and self._spec(name).mode != "off" and not self._spec(name).paused
                     and not (self.evaluator is not None and self.evaluator.judging(name))
                     and self.not_before.get(name, 0) <= now)
 
@@ -307,12 +328,12 @@ class RankLoop:
             if trainable(current):
                 adapter = current
             else:
-                return {"op": "flush", "adapter": current}
+                return StepPlan("flush", current)
         else:
             names = sorted(n for n in summary if trainable(n))
             if not names:
                 waiting = [self.not_before[n] for n in summary
-                           if available(n) > 0 and self.not_before.get(n, 0) > now and self._spec(n)["mode"] != "off"]
+                           if available(n) > 0 and self.not_before.get(n, 0) > now and self._spec(n).mode != "off"]
                 return self._idle(min(waiting) if waiting else None)
             later = [n for n in names if self.last_adapter is None or n > self.last_adapter]
             adapter = (later or names)[0]  # round robin in name order
@@ -324,28 +345,22 @@ class RankLoop:
         if not items:
             return self._idle()
         more = available(adapter) - len(items) > 0
-        return {
-            "op": "step", "adapter": adapter, "spec": spec, "target": target,
-            "items": [{"id": i.id, "prompt": i.prompt, "messages": i.messages, "completion": i.completion,
-                       "chosen": i.chosen, "rejected": i.rejected, "created_at": i.created_at} for i in items],
-            "last_of_queue": not more,
-            # Items CheckEnd sent back: their t_arr and last loss go into the grants' priorities (MACE §4.1).
-            "requeued": {i.id: self.requeued[i.id] for i in items if i.id in self.requeued},
-        }
+        return StepPlan("step", adapter, spec, target, tuple(items), last_of_queue=not more,
+                        requeued={i.id: self.requeued[i.id] for i in items if i.id in self.requeued})
 
     # ---- every rank: model, step, version --------------------------------------------------------
 
-    def _ensure_model(self, plan: dict[str, Any]) -> None:
+    def _ensure_model(self, plan: StepPlan) -> None:
         """Make the adapter's slot compute, from its current published version (or a fresh LoRA) unless the slot
         already holds that version's weights; the base model is never reloaded."""
-        adapter, (version, location) = plan["adapter"], plan["target"]
+        adapter, (version, location) = plan.adapter, plan.target
         if self.loaded is not None and self.loaded[0] == adapter and self.loaded[1] != version and (
                 self.micro_done or self.opt_steps):
             # The current version moved under unpublished work (a rollback): drop it, train the items again.
-            self._report(adapter, {"kind": "conflict"})
+            self._report(adapter, WorkDropped())
         path = self.files.local_path(adapter, version, location) if location else None
-        spec = plan["spec"]
-        self.model, self.opt = self.bank.train(adapter, spec["lora"], version, path, spec["learning_rate"])
+        spec = plan.spec
+        self.model, self.opt = self.bank.train(adapter, spec.lora, version, path, spec.learning_rate)
         if self.loaded != (adapter, version):
             self.loaded = (adapter, version)
             self._reset_version()
@@ -357,53 +372,60 @@ class RankLoop:
         if self.opt is not None:
             self.opt.zero_grad(set_to_none=True)
 
-    def _ask_windows(self, plan: dict[str, Any], passes: dict[int, Any], todo: list[dict[str, Any]]
-                     ) -> tuple[list[list[int]], float]:
+    def _ask_windows(self, plan: StepPlan, passes: dict[int, Any], todo: list[FeedbackItem]
+                     ) -> tuple[tuple[GrantedWindow, ...], float]:
         """Ask the planner which windows of this rank's unfinished items may run now on its node."""
         if not todo:
-            return [], 0.0
-        samples = [{"id": it["id"], "tokens": passes[it["id"]].length, "done": passes[it["id"]].done,
-                    "arrival": _arrival(plan, it), "dpo_loss": _last_loss(plan, it)} for it in todo]
+            return (), 0.0
+        samples = tuple(SampleProgress(it.id, passes[it.id].length, passes[it.id].done, _arrival(plan, it),
+                                       _last_loss(plan, it)) for it in todo)
         ran_s, self.last_round_s = self.last_round_s, 0.0
+        used, self.last_memory = self.last_memory, None
+        request = GrantRequest(self.node_id, plan.adapter, plan.spec.mode, samples, ran_s, used,
+                               offloadable_bytes(self.opt))
         try:
-            g = ray.get(self.planner.grant.remote(self.node_id, plan["adapter"], plan["spec"]["mode"], samples,
-                                                  ran_s), timeout=30)
+            grant: Grant = ray.get(self.planner.grant.remote(request), timeout=30)
         except Exception as exc:  # planner restarting: treat as "wait", never train unasked
             self._warn("grant", exc)
-            return [], MAX_GRANT_SLEEP_S
-        return g["windows"], float(g.get("wait_s", 0.0))
+            return (), MAX_GRANT_SLEEP_S
+        if grant.offload_optimizer and self.opt is not None:
+            # LEMIX Alg. 2 lines 9–11: free the device for this grant; the state comes back for the optimizer step.
+            self.offloaded_bytes += move_optimizer_state(self.opt, "cpu")
+        return grant.windows, grant.wait_s
 
     def _abandon_requested(self, adapter: str) -> bool:
         """Stop, or the adapter's mode became ``off`` mid-step: its unfinished step is dropped."""
         if self._stop_requested():
             return True
         try:
-            return self._spec(adapter)["mode"] == "off"
+            return self._spec(adapter).mode == "off"
         except Exception:
             return False
 
-    def _step(self, plan: dict[str, Any]) -> None:
+    def _step(self, plan: StepPlan) -> None:
         from app.lora_training import WindowedPass, batch_scales
 
-        adapter, spec, items = plan["adapter"], plan["spec"], plan["items"]
+        adapter, spec, items = plan.adapter, plan.spec, plan.items
         bounds = _split(len(items), self.group_world)
         lo, hi = bounds[self.group_rank]
         mine = items[lo:hi]
         # Scales that make the accumulated gradient the mean over the whole micro-step (all ranks'
         # items), over `accumulation` micro-steps; the sum over ranks is then the batch mean.
-        scales = batch_scales(self.tok, items, spec["method"], scale=1.0 / self.t.accumulation,
+        scales = batch_scales(self.tok, items, spec.method, scale=1.0 / self.t.accumulation,
                               max_length=self.t.max_length)[lo:hi]
-        passes = {it["id"]: WindowedPass(self.model, self.tok, it, spec["method"], beta=spec["beta"],
+        passes = {it.id: WindowedPass(self.model, self.tok, it, spec.method, beta=spec.beta,
                                          max_length=self.t.max_length, scale=sc) for it, sc in zip(mine, scales)}
-        weight = {it["id"]: (passes[it["id"]].loss_tokens if spec["method"] == "sft" else 1) for it in mine}
+        weight = {it.id: (passes[it.id].loss_tokens if spec.method == "sft" else 1) for it in mine}
         t_start = time.time()
         run_s, waited_s, windows, loss_sum, weight_sum = 0.0, 0.0, 0, 0.0, 0.0
         item_loss: dict[int, float] = {}  # each item's own loss in this pass, for CheckEnd and its next priority
         while True:
-            todo = [it for it in mine if passes[it["id"]].done < passes[it["id"]].length]
+            todo = [it for it in mine if passes[it.id].done < passes[it.id].length]
             granted, wait = self._ask_windows(plan, passes, todo)
             t0 = time.time()
-            for sid, start, end in granted:
+            mark = memory_mark(self.bank.device) if granted else 0.0
+            for w in granted:
+                sid, start, end = w.sample_id, w.start, w.end
                 p = passes.get(sid)
                 if p is None or start != p.done or end > p.length:
                     continue  # a stale grant (the planner saw an older state): ask again
@@ -419,6 +441,8 @@ class RankLoop:
             run_s += elapsed
             if ran:
                 self.last_round_s = elapsed
+                self.last_memory = MemoryUse(ran, max(w.end - w.start for w in granted),
+                                             memory_added(self.bank.device, mark))
             left = sum(p.done < p.length for p in passes.values())
             abandon = float(self.leader and self._abandon_requested(adapter))
             left_all, ran_all, abandon, wait = self.allreduce([float(left), float(ran), abandon, wait], op="max")
@@ -435,8 +459,8 @@ class RankLoop:
                 waited_s += pause
         # One collective for the sums and every item's loss and length (each item is in exactly one share).
         sums = self.allreduce([loss_sum, weight_sum, float(sum(p.length for p in passes.values())), float(windows)]
-                              + [item_loss.get(it["id"], 0.0) for it in items]
-                              + [float(passes[it["id"]].length) if it["id"] in passes else 0.0 for it in items])
+                              + [item_loss.get(it.id, 0.0) for it in items]
+                              + [float(passes[it.id].length) if it.id in passes else 0.0 for it in items])
         loss_sum, weight_sum, tokens, windows = sums[:4]
         windows = int(windows)
         # CheckEnd before the optimizer step: a requeued item must not become held (marked consumed at publish).
@@ -446,21 +470,20 @@ class RankLoop:
         loss = loss_sum / max(weight_sum, 1e-12)
         self.version_samples += len(items)
         self.version_losses.append((loss, len(items)))
-        flush = plan["last_of_queue"]
+        flush = plan.last_of_queue
         stepped = self.micro_done >= self.t.accumulation or flush
         if stepped:
             self._optimizer_step()
         if self.leader:
-            self._report(adapter, {"kind": "step", "samples": len(items), "loss": loss, "tokens": int(tokens),
-                                   "seconds": run_s, "grant_s": time.time() - t_start - run_s, "windows": windows,
-                                   "shrunk": windows > len(items), "optimizer_step": stepped,
-                                   "requeued": requeued})
+            self._report(adapter, StepDone(samples=len(items), loss=loss, tokens=int(tokens), seconds=run_s,
+                                           grant_s=time.time() - t_start - run_s, windows=windows,
+                                           shrunk=windows > len(items), optimizer_step=stepped, requeued=requeued))
             if waited_s:
-                self._report(adapter, {"kind": "wait", "seconds": waited_s})
+                self._report(adapter, GrantWaited(waited_s))
         if self.opt_steps >= self.t.steps_per_version or (flush and self.opt_steps > 0):
             self._finish_version(plan, flush=False)
 
-    def _check_end(self, plan: dict[str, Any], losses: list[float], tokens: list[float]) -> int:
+    def _check_end(self, plan: StepPlan, losses: list[float], tokens: list[float]) -> int:
         """Report each item's loss in this pass to the planner; its CheckEnd (MACE Alg. 1 lines 17–21) says
         which items to train again. Returns how many were requeued.
 
@@ -469,10 +492,10 @@ class RankLoop:
         optimizer step has applied this pass, with CheckEnd's t_arr and loss for the grants'
         priorities. Its last pass, retired, is held like any item and consumed by that version.
         """
-        reports = [PassReport(it["id"], int(n), float(loss), _arrival(plan, it), _passes_before(plan, it))
-                   for it, loss, n in zip(plan["items"], losses, tokens)]
+        reports = [PassReport(it.id, int(n), float(loss), _arrival(plan, it), _passes_before(plan, it))
+                   for it, loss, n in zip(plan.items, losses, tokens)]
         try:
-            verdicts = ray.get(self.planner.report_passes.remote(self.node_id, plan["adapter"], plan["spec"]["mode"],
+            verdicts = ray.get(self.planner.report_passes.remote(self.node_id, plan.adapter, plan.spec.mode,
                                                                  reports), timeout=30)
         except Exception as exc:  # planner restarting: one pass per item, as without CheckEnd
             self._warn("report_passes", exc)
@@ -488,7 +511,7 @@ class RankLoop:
         """Forget the gradients not yet applied; their items stay queued (they were never held)."""
         self.opt.zero_grad(set_to_none=True)
         self.micro_done, self.pending_items = 0, []
-        self._report(adapter, {"kind": "abandoned"})
+        self._report(adapter, StepAbandoned())
 
     def _optimizer_step(self) -> None:
         from app.lora_training import optimizer_step
@@ -499,40 +522,42 @@ class RankLoop:
                 if p.grad is not None:
                     p.grad.mul_(self.t.accumulation / self.micro_done)
         self.allreduce_grads()
+        if self.offloaded_bytes:
+            move_optimizer_state(self.opt, self.bank.device)  # back from host memory (an offload grant)
+            self.offloaded_bytes = 0
         optimizer_step(self.model, self.opt)
         self.micro_done = 0
         self.opt_steps += 1
         if self.leader:
             # Items CheckEnd requeued stay unheld (still queued in the store) until their last pass.
-            done = [it for it in self.pending_items if it["id"] not in self.requeued]
-            self.held += [it["id"] for it in done]
-            self.held_created += [it["created_at"] for it in done]
+            done = [it for it in self.pending_items if it.id not in self.requeued]
+            self.held += [it.id for it in done]
+            self.held_created += [it.created_at for it in done]
         self.pending_items = []
 
-    def _finish_version(self, plan: dict[str, Any], flush: bool) -> None:
+    def _finish_version(self, plan: StepPlan, flush: bool) -> None:
         """Apply pending gradients if flushing, then publish on rank 0 and tell every rank how it went."""
-        if self.model is None or (flush and self.loaded and self.loaded[0] != plan["adapter"]):
+        if self.model is None or (flush and self.loaded and self.loaded[0] != plan.adapter):
             return
         if flush and self.micro_done > 0:
             self._optimizer_step()
         if self.opt_steps == 0:
             return
-        outcome = self._publish(plan["adapter"]) if self.leader else None
-        outcome = self.bcast(outcome)
-        adapter = plan["adapter"]
-        if outcome["version"] is None:
+        outcome: PublishOutcome = self.bcast(self._publish(plan.adapter) if self.leader else None)
+        adapter = plan.adapter
+        if outcome.version is None:
             self.loaded = None  # reload the store's current version before the next step
             self.bank.forget(adapter)
             self._reset_version()
             return
-        self.bank.advance(adapter, outcome["version"])
-        self.loaded = (adapter, outcome["version"])
+        self.bank.advance(adapter, outcome.version)
+        self.loaded = (adapter, outcome.version)
         self.last_adapter = adapter
         self._reset_version()
         if self.leader:
             self._evaluate(adapter, outcome)
 
-    def _publish(self, adapter: str) -> dict[str, Any]:
+    def _publish(self, adapter: str) -> PublishOutcome:
         from app.feedback_store import VersionConflict
         from app.lora_training import save_adapter_version
 
@@ -556,21 +581,20 @@ class RankLoop:
             marks.append(time.time())
         except VersionConflict as exc:
             # A rollback moved the current version: drop this work; the items are still queued.
-            self._report(adapter, {"kind": "conflict"})
+            self._report(adapter, WorkDropped())
             self._warn("publish", exc)
-            return {"version": None}
+            return PublishOutcome(None)
         except Exception as exc:
             self._warn("publish", exc)
-            return {"version": None}
+            return PublishOutcome(None)
         created = list(self.held_created)
         if published.state == "candidate":
             # The gate is on: not served until the evaluator passes it (it loads it on the replicas then).
             now = time.time()
             breakdown = dict(zip(("reserve_s", "save_s", "publish_s"),
                                  (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
-            self._report(adapter, {"kind": "published", "version": v.version, "at": now, "seconds": now - t0,
-                                   "breakdown": breakdown, "freshness_s": [], "candidate": True})
-            return {"version": v.version, "path": path, "candidate": True, "created": created}
+            self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown, candidate=True))
+            return PublishOutcome(v.version, path, True, tuple(created))
         try:
             nodes = [self.node_id] if self.per_node else None  # per_node: only this node serves its copy
             ray.get(self.planner.load_adapter.remote(adapter, v.version, path, nodes), timeout=LOAD_TIMEOUT_S)
@@ -580,17 +604,16 @@ class RankLoop:
         marks.append(now)
         breakdown = dict(zip(("reserve_s", "save_s", "publish_s", "load_s"),
                              (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
-        self._report(adapter, {"kind": "published", "version": v.version, "at": now, "seconds": now - t0,
-                               "breakdown": breakdown,
-                               "freshness_s": [round(now - c, 3) for c in created]})
-        return {"version": v.version, "path": path, "candidate": False, "created": created}
+        self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown,
+                                               tuple(round(now - c, 3) for c in created)))
+        return PublishOutcome(v.version, path, False, tuple(created))
 
     # ---- the quality gate and held-out scores --------------------------------------------------------
 
-    def _evaluate(self, adapter: str, outcome: dict[str, Any]) -> None:
+    def _evaluate(self, adapter: str, outcome: PublishOutcome) -> None:
         if self.evaluator is not None:
-            self.evaluator.submit(adapter, outcome["version"], outcome["path"], candidate=outcome["candidate"],
-                                  created=outcome["created"])
+            self.evaluator.submit(adapter, outcome.version, outcome.path, candidate=outcome.candidate,
+                                  created=list(outcome.created))
 
     def _resume_gate(self) -> None:
         """Candidates that a previous leader left undecided (it died while the gate judged them) are judged now."""

@@ -31,14 +31,25 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from app.config import AppConfig
-from planners.types import RankStarted
+from planners.types import (
+    GateDecided,
+    GrantWaited,
+    NodeLocation,
+    RankStarted,
+    StepAbandoned,
+    StepDone,
+    TrainerEvent,
+    VersionPublished,
+    VersionScored,
+    WorkDropped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +57,39 @@ ROOT = Path(__file__).resolve().parents[1]
 RESTART_BACKOFF_S = 5.0
 PLACE_TIMEOUT_S = 300.0  # ranks wait this long for their share of a bundle (a replica may be starting)
 JOIN_TIMEOUT_S = 300.0
+
+
+@dataclass
+class AdapterProgress:
+    """What the trainer has done for one adapter since it started, as ``/v1/status`` shows it."""
+
+    version: int | None = None
+    versions_published: int = 0
+    samples_trained: int = 0
+    steps: int = 0
+    optimizer_steps: int = 0
+    last_loss: float | None = None
+    last_step_s: float | None = None
+    grants_waited: int = 0
+    grant_wait_s: float = 0.0
+    shrunk_steps: int = 0
+    windows: int = 0
+    abandoned_steps: int = 0
+    requeued: int = 0
+    conflicts: int = 0
+    last_published_at: float | None = None
+    freshness_s: list[float] = field(default_factory=list)
+    win_rate: float | None = None
+    clpd: float | None = None
+    eval_s: float | None = None
+    publish_s: float | None = None
+    last_grant_s: float | None = None
+    last_publish_breakdown: dict[str, float] | None = None
+    evaluated_version: int | None = None
+    token_logprob: float | None = None
+    gate_passed: int = 0
+    gate_rejected: int = 0
+    last_gate: dict[str, Any] | None = None
 
 
 def resolve_eval_file(path: str | None) -> tuple[str | None, str | None]:
@@ -141,10 +185,10 @@ class Trainer:
 
         t = self.cfg.training
         locations = self._node_locations()
-        nodes = [loc["node_id"] for loc in locations]
+        nodes = [loc.node_id for loc in locations]
         workers = t.workers or len(nodes)
         node_of_rank = [nodes[r % len(nodes)] for r in range(workers)]
-        groups = {loc["node_id"]: loc.get("placement_group_id") for loc in locations}
+        groups = {loc.node_id: loc.placement_group_id for loc in locations}
         self.state = "starting"
         ranks = [ray.remote(TrainRank).options(**rank_actor_options(t.resources_per_worker, groups.get(node)))
                  .remote(r, workers, node, self.cfg, self.namespace, self.planner, self.eval_file)
@@ -172,17 +216,17 @@ class Trainer:
             with self._lock:
                 self._ranks = []
 
-    def _node_locations(self) -> list[dict[str, Any]]:
+    def _node_locations(self) -> list[NodeLocation]:
         """Where each logical node's replica lives; waits (up to a minute) for the planner to place them."""
         deadline = time.time() + 60
-        locations: list[dict[str, Any]] = []
+        locations: list[NodeLocation] = []
         while not self._stop.is_set():
             try:
                 locations = ray.get(self.planner.node_locations.remote(), timeout=30)
             except Exception as exc:
                 self._error("node_locations", f"{type(exc).__name__}: {exc}")
             # Every node's replica registered with its group: a rank goes nowhere else.
-            if locations and all(loc.get("state") == "ready" and loc.get("placement_group_id") for loc in locations):
+            if locations and all(loc.state == "ready" and loc.placement_group_id for loc in locations):
                 break
             if time.time() > deadline:
                 self._error("placement", f"waiting for every node's replica and placement group: {locations}")
@@ -210,59 +254,56 @@ class Trainer:
     def should_stop(self) -> bool:
         return self._stop.is_set()
 
-    def record(self, adapter: str, event: dict[str, Any]) -> bool:
-        """The leader's account of a step, a wait, a published version or an evaluation; returns the stop flag."""
+    def record(self, adapter: str, event: TrainerEvent) -> bool:
+        """The leader's account of a step, a wait, a published version or a verdict; returns the stop flag."""
         with self._lock:
-            self._record(adapter, event)
+            self._record(self.adapters.setdefault(adapter, AdapterProgress()), event)
         return self._stop.is_set()
 
-    def _record(self, adapter: str, event: dict[str, Any]) -> None:
-        a = self.adapters.setdefault(adapter, {
-            "version": None, "versions_published": 0, "samples_trained": 0, "steps": 0, "optimizer_steps": 0,
-            "last_loss": None, "last_step_s": None, "grants_waited": 0, "grant_wait_s": 0.0, "shrunk_steps": 0,
-            "windows": 0, "abandoned_steps": 0, "requeued": 0,
-            "conflicts": 0, "last_published_at": None, "freshness_s": [], "win_rate": None, "clpd": None,
-            "eval_s": None, "publish_s": None, "last_grant_s": None, "last_publish_breakdown": None,
-            "evaluated_version": None, "token_logprob": None, "gate_passed": 0, "gate_rejected": 0, "last_gate": None,
-        })
-        kind = event.get("kind")
-        if kind == "step":
-            a["steps"] += 1
-            a["samples_trained"] += event["samples"]
-            a["last_loss"], a["last_step_s"], a["last_grant_s"] = event["loss"], event["seconds"], event["grant_s"]
-            a["shrunk_steps"] += int(event.get("shrunk", False))
-            a["windows"] += event.get("windows", 0)
-            a["optimizer_steps"] += int(event.get("optimizer_step", False))
-            a["requeued"] += event.get("requeued", 0)  # passes CheckEnd sent back for another pass
-        elif kind == "wait":
-            a["grants_waited"] += 1
-            a["grant_wait_s"] += event["seconds"]
-        elif kind == "published":
-            if not event.get("candidate"):  # a candidate is served only once the gate passes it
-                a["version"] = event["version"]
-            a["versions_published"] += 1
-            a["last_published_at"], a["publish_s"] = event["at"], event["seconds"]
-            a["last_publish_breakdown"] = event["breakdown"]
-            a["freshness_s"] = (a["freshness_s"] + event["freshness_s"])[-200:]
-        elif kind == "conflict":
-            a["conflicts"] += 1
-        elif kind == "abandoned":
-            a["abandoned_steps"] += 1
-        elif kind == "eval":
-            a["win_rate"], a["clpd"], a["eval_s"] = event.get("win_rate"), event.get("clpd"), event["seconds"]
-            a["token_logprob"], a["evaluated_version"] = event.get("token_logprob"), event["version"]
-        elif kind == "gate":
-            served = event["state"] == "served"
-            a["gate_passed" if served else "gate_rejected"] += 1
-            a["last_gate"] = {k: event[k] for k in ("version", "state", "reason", "score", "baseline_version",
-                                                     "baseline_score", "seconds")}
-            a["eval_s"] = event["seconds"]
-            if served:
-                a["version"] = event["version"]
-                a["freshness_s"] = (a["freshness_s"] + event["freshness_s"])[-200:]
-                if event.get("score") is not None:
-                    a["win_rate"], a["clpd"] = event.get("win_rate"), event.get("clpd")
-                    a["token_logprob"], a["evaluated_version"] = event.get("token_logprob"), event["version"]
+    @staticmethod
+    def _record(a: AdapterProgress, event: TrainerEvent) -> None:
+        match event:
+            case StepDone():
+                a.steps += 1
+                a.samples_trained += event.samples
+                a.last_loss, a.last_step_s, a.last_grant_s = event.loss, event.seconds, event.grant_s
+                a.shrunk_steps += int(event.shrunk)
+                a.windows += event.windows
+                a.optimizer_steps += int(event.optimizer_step)
+                a.requeued += event.requeued  # passes CheckEnd sent back for another pass
+            case GrantWaited():
+                a.grants_waited += 1
+                a.grant_wait_s += event.seconds
+            case VersionPublished():
+                if not event.candidate:  # a candidate is served only once the gate passes it
+                    a.version = event.version
+                a.versions_published += 1
+                a.last_published_at, a.publish_s = event.at, event.seconds
+                a.last_publish_breakdown = dict(event.breakdown)
+                a.freshness_s = (a.freshness_s + list(event.freshness_s))[-200:]
+            case WorkDropped():
+                a.conflicts += 1
+            case StepAbandoned():
+                a.abandoned_steps += 1
+            case VersionScored():
+                a.win_rate, a.clpd, a.eval_s = event.win_rate, event.clpd, event.seconds
+                a.token_logprob, a.evaluated_version = event.token_logprob, event.version
+            case GateDecided():
+                served = event.state == "served"
+                a.gate_passed += served
+                a.gate_rejected += not served
+                a.last_gate = {"version": event.version, "state": event.state, "reason": event.reason,
+                               "score": event.score, "baseline_version": event.baseline_version,
+                               "baseline_score": event.baseline_score, "seconds": event.seconds}
+                a.eval_s = event.seconds
+                if served:
+                    a.version = event.version
+                    a.freshness_s = (a.freshness_s + list(event.freshness_s))[-200:]
+                    if event.score is not None:
+                        a.win_rate, a.clpd = event.win_rate, event.clpd
+                        a.token_logprob, a.evaluated_version = event.token_logprob, event.version
+            case _:
+                raise TypeError(f"not a trainer event: {event!r}")
 
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``/v1/status``: workers, per-adapter progress, recent errors."""
@@ -271,9 +312,10 @@ class Trainer:
 
     def _status(self) -> dict[str, Any]:
         adapters = {}
-        for name, a in self.adapters.items():
-            fresh = a["freshness_s"]  # seconds from an item's acceptance to its version being loaded
-            adapters[name] = {k: v for k, v in a.items() if k != "freshness_s"} | {
+        for name, progress in self.adapters.items():
+            a = asdict(progress)
+            fresh = a.pop("freshness_s")  # seconds from an item's acceptance to its version being loaded
+            adapters[name] = a | {
                 "freshness_p50_s": round(statistics.median(fresh), 3) if fresh else None,
                 "freshness_max_s": round(max(fresh), 3) if fresh else None,
             }

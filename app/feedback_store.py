@@ -73,15 +73,11 @@ _IS = {"sft": "an SFT sample", "preference": "a preference pair"}
 
 
 class StoreError(Exception):
-    status = 500
-    code = "internal_error"
+    """A refusal of the store's: the HTTP layer (deployments/learning.py) answers each kind with its status."""
 
 
 class InvalidRequest(StoreError):
-    """Malformed input (400). ``errors`` lists every problem found, e.g. ``items[3].chosen: Field required``."""
-
-    status = 400
-    code = "invalid_request_error"
+    """Malformed input. ``errors`` lists every problem found, e.g. ``items[3].chosen: Field required``."""
 
     def __init__(self, errors: str | list[str]):
         self.errors = [errors] if isinstance(errors, str) else list(errors)
@@ -91,20 +87,15 @@ class InvalidRequest(StoreError):
 
 
 class UnknownAdapter(StoreError):
-    status = 404
-    code = "not_found_error"
+    """No adapter of that name."""
 
 
 class UnknownVersion(StoreError):
-    status = 404
-    code = "not_found_error"
+    """The adapter has no version of that number."""
 
 
 class Conflict(StoreError):
-    """The request is well-formed but clashes with the stored state (409)."""
-
-    status = 409
-    code = "conflict_error"
+    """The request is well-formed but clashes with the stored state."""
 
 
 class AdapterExists(Conflict):
@@ -116,8 +107,7 @@ class VersionConflict(Conflict):
 
 
 class UnknownItem(StoreError):
-    status = 404
-    code = "not_found_error"
+    """No feedback item of that id."""
 
 
 # ----------------------------------------------------------------------------------------------

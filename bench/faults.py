@@ -14,7 +14,7 @@ one completion, one health check and one feedback item every ``--probe-period`` 
 - half_written: adapter version directories without their adapter files (goal 0);
 - served / newest: the version the replica serves after recovery, and the adapter's current one.
 
-The tests (``tests/e2e/test_fault_drills.py``) run the same drills, without Locust, on the test app.
+The tests (``tests/e2e/secure/test_fault_drills.py``) run the same drills, without Locust, on the test app.
 """
 
 from __future__ import annotations

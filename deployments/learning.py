@@ -1,7 +1,7 @@
 """HTTP routes for learning: adapters (create, list, show, change, roll back, promote), feedback and ``/metrics``.
 
 Bodies go to the feedback store's own validation (app/feedback_store.py) through the one actor
-that owns it; its errors carry their HTTP status, and a 2xx on feedback means the whole batch
+that owns it; each kind of its errors maps to one HTTP status here, and a 2xx on feedback means the whole batch
 is durably stored.
 
 Tenancy: every adapter belongs to the tenant whose key created it (or the one an admin named).
@@ -19,11 +19,36 @@ from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError, RayTaskError
 
 from app.config import AppConfig
-from app.feedback_store import ADAPTER_NAME_RE, StoreError, UnknownAdapter
+from app.feedback_store import (
+    ADAPTER_NAME_RE,
+    Conflict,
+    InvalidRequest,
+    StoreError,
+    UnknownAdapter,
+    UnknownItem,
+    UnknownVersion,
+)
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
 
 UNKNOWN = object()  # the owner of an adapter that does not exist
+
+# The store's refusals as HTTP answers: (status, OpenAI error type).
+STORE_ERRORS: dict[type[StoreError], tuple[int, str]] = {
+    InvalidRequest: (400, "invalid_request_error"),
+    UnknownAdapter: (404, "not_found_error"),
+    UnknownVersion: (404, "not_found_error"),
+    UnknownItem: (404, "not_found_error"),
+    Conflict: (409, "conflict_error"),
+}
+
+
+def store_error_status(exc: StoreError) -> tuple[int, str]:
+    """The HTTP status and error type of a store error (its nearest mapped class; 500 if none)."""
+    for kind in type(exc).__mro__:
+        if kind in STORE_ERRORS:
+            return STORE_ERRORS[kind]
+    return 500, "internal_error"
 
 
 async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
@@ -32,7 +57,8 @@ async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
     cause = getattr(exc, "cause", exc)
     if not isinstance(cause, StoreError):
         cause = exc
-    return error(cause.status, str(cause), err_type=cause.code)
+    status, err_type = store_error_status(cause)
+    return error(status, str(cause), err_type=err_type)
 
 
 async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
@@ -43,7 +69,7 @@ async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
 
 
 class LearningRoutes:
-    """The learning API of one model server; ``ask_planner(method, *args)`` calls the planner actor."""
+    """The learning API of one model server; ``ask_planner(lambda planner: planner.<method>.remote(...))`` calls the planner actor."""
 
     def __init__(self, cfg: AppConfig, ask_planner: Callable[..., Awaitable[Any]]) -> None:
         self.cfg = cfg
@@ -65,12 +91,13 @@ class LearningRoutes:
         r.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.include_router(r)
 
-    async def _store(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _store(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``call(store)`` on the feedback store's actor, looked up again once if it was restarted."""
         for attempt in range(2):
             if self._feedback is None:
-                self._feedback = await self.ask_planner("feedback_queue")
+                self._feedback = await self.ask_planner(lambda p: p.feedback_queue.remote())
             try:
-                return await getattr(self._feedback, method).remote(*args, **kwargs)
+                return await call(self._feedback)
             except RayActorError:
                 # The store is restarting (Ray restarts it on the same node with the same database).
                 self._feedback = None
@@ -85,7 +112,7 @@ class LearningRoutes:
         if not ADAPTER_NAME_RE.match(adapter):
             return UNKNOWN
         try:
-            owner = await self._store("adapter_tenant", adapter)
+            owner = await self._store(lambda q: q.adapter_tenant.remote(adapter))
         except (UnknownAdapter, RayTaskError) as exc:
             # Ray re-raises the store's error as a RayTaskError that carries it as ``cause``.
             if not isinstance(getattr(exc, "cause", exc), UnknownAdapter):
@@ -103,7 +130,7 @@ class LearningRoutes:
             raise UnknownAdapter(f"no adapter named {name!r}")
 
     async def _served_name(self) -> str:
-        return (await self.ask_planner("models"))["base"]
+        return (await self.ask_planner(lambda p: p.models.remote())).base
 
     def _adapter_json(self, info: Any, base: str) -> dict[str, Any]:
         out = info.model_dump()
@@ -124,18 +151,18 @@ class LearningRoutes:
                 raise BadRequest("`tenant`: only an admin key may create adapters for another tenant.", "tenant")
         elif principal.tenant is not None:
             body = {**body, "tenant": principal.tenant}
-        info = await self._store("create_adapter", body)
+        info = await self._store(lambda q: q.create_adapter.remote(body))
         return JSONResponse(self._adapter_json(info, await self._served_name()), status_code=201)
 
     async def list_adapters(self) -> JSONResponse:
         base = await self._served_name()
         principal = PRINCIPAL.get()
-        adapters = [a for a in await self._store("list_adapters") if principal.may_use(a.tenant)]
+        adapters = [a for a in await self._store(lambda q: q.list_adapters.remote()) if principal.may_use(a.tenant)]
         return JSONResponse({"object": "list", "data": [self._adapter_json(i, base) for i in adapters]})
 
     async def show_adapter(self, name: str) -> Response:
         await self._visible(name)
-        info = await self._store("get_adapter", name)
+        info = await self._store(lambda q: q.get_adapter.remote(name))
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     async def update_adapter(self, name: str, request: Request) -> Response:
@@ -144,8 +171,8 @@ class LearningRoutes:
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
-        info = await self._store("update_adapter", name, body)
-        await self.ask_planner("adapter_changed", name)
+        info = await self._store(lambda q: q.update_adapter.remote(name, body))
+        await self.ask_planner(lambda p: p.adapter_changed.remote(name))
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     async def rollback_adapter(self, name: str, request: Request) -> Response:
@@ -164,17 +191,17 @@ class LearningRoutes:
             raise BadRequest("`version` (a positive integer) is required.", "version")
         if isinstance(body, dict) and set(body) != {"version"}:
             raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
-        info = await self._store(how, name, version)
-        target = await self._store("get_version", name, version)
+        info = await self._store(lambda q: (q.rollback if how == "rollback" else q.promote).remote(name, version))
+        target = await self._store(lambda q: q.get_version.remote(name, version))
         nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
-        await self.ask_planner("load_adapter", name, version, target.path, nodes, True)
+        await self.ask_planner(lambda p: p.load_adapter.remote(name, version, target.path, nodes, True))
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     async def metrics(self) -> Response:
         from app.metrics import CONTENT_TYPE_LATEST, render
 
-        status = await self.ask_planner("status")
-        adapters = [a.model_dump() for a in await self._store("list_adapters")]
+        status = await self.ask_planner(lambda p: p.status.remote())
+        adapters = [a.model_dump() for a in await self._store(lambda q: q.list_adapters.remote())]
         return Response(render(status, adapters), media_type=CONTENT_TYPE_LATEST)
 
     async def feedback(self, request: Request) -> Response:
@@ -199,6 +226,6 @@ class LearningRoutes:
             listed = items if isinstance(items, list) else [items]
             adapters = [it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None
                         for it in listed]
-            nodes = await self.ask_planner("feedback_nodes", adapters)
-        ids = await self._store("add_feedback", items, nodes)
+            nodes = await self.ask_planner(lambda p: p.feedback_nodes.remote(adapters))
+        ids = await self._store(lambda q: q.add_feedback.remote(items, nodes))
         return JSONResponse({"ids": ids, "accepted": len(ids)}, status_code=202)

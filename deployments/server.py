@@ -21,7 +21,7 @@ import os
 import time
 from http import HTTPStatus
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import ray
 from fastapi import FastAPI
@@ -108,17 +108,17 @@ class ModelServer:
             self._planner_handle = serve.get_deployment_actor(PLANNER)
         return self._planner_handle
 
-    async def _ask_planner(self, method: str, *args: Any) -> Any:
-        """``planner.<method>(*args)``; a planner that Serve recreated is looked up again, once.
-        While there is none (Serve recreates it within seconds), :class:`ServiceUnavailable` (503)."""
+    async def _ask_planner(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``call(planner)``, e.g. ``lambda p: p.status.remote()``; a planner that Serve recreated is looked up
+        again, once. While there is none (Serve recreates it within seconds), :class:`ServiceUnavailable` (503)."""
         try:
-            return await getattr(self._planner(), method).remote(*args)
+            return await call(self._planner())
         except (RayActorError, ValueError):  # ValueError: Serve has no planner of that name right now
             pass
         try:
-            return await getattr(self._planner(fresh=True), method).remote(*args)
+            return await call(self._planner(fresh=True))
         except (RayActorError, ValueError) as exc:
-            logger.warning("planner unavailable for %s: %s", method, exc)
+            logger.warning("planner unavailable: %s", exc)
             raise ServiceUnavailable("The planner is restarting; retry in a few seconds.") from None
 
     async def _engine_healthy(self) -> bool:
@@ -171,22 +171,22 @@ class ModelServer:
         call = self._ask_planner
 
         async def list_models() -> JSONResponse:
-            info = await call("models")
+            info = await call(lambda p: p.models.remote())
             created = int(time.time())
             principal = PRINCIPAL.get()
-            cards = [{"id": info["base"], "object": "model", "created": created, "owned_by": "coserve",
-                      "root": info["root"], "parent": None, "max_model_len": info["max_model_len"]}]
-            for model in info["adapters"]:
+            cards = [{"id": info.base, "object": "model", "created": created, "owned_by": "coserve",
+                      "root": info.root, "parent": None, "max_model_len": info.max_model_len}]
+            for model in info.adapters:
                 owner = await self.learning.owner(model.split(":", 1)[1])
                 # An adapter the store does not know was loaded by an operator: admins (and local mode) see it.
                 if principal.admin if owner is UNKNOWN else principal.may_use(owner):
                     cards.append({"id": model, "object": "model", "created": created, "owned_by": owner if isinstance(owner, str) else "coserve",
-                                  "root": model, "parent": info["base"], "max_model_len": info["max_model_len"]})
+                                  "root": model, "parent": info.base, "max_model_len": info.max_model_len})
             return JSONResponse({"object": "list", "data": cards})
 
         async def health() -> JSONResponse:
             try:
-                status = await call("status")
+                status = await call(lambda p: p.status.remote())
             except ServiceUnavailable:
                 # The planner is restarting, but this node serves (its engine answered Serve's health
                 # check): requests do not wait on the planner, so neither does the health answer.
@@ -199,7 +199,7 @@ class ModelServer:
                                 status_code=200 if ok else 503)
 
         async def status() -> JSONResponse:
-            return JSONResponse(await call("status"))
+            return JSONResponse(await call(lambda p: p.status.remote()))
 
         app.add_api_route("/v1/models", list_models, methods=["GET"])
         app.add_api_route("/health", health, methods=["GET"])

@@ -15,13 +15,15 @@ run it calibrates its plan from the execution trace (lines 13–17). Here:
 - ``headroom(used_bytes)`` gives the same limit in the cost model's bytes, to hand to
   ``IterationScheduler.schedule(now, free_bytes)`` so that plans and checks agree.
 
-The caller's loop (trainer before a micro-step, replica before an admission)::
-
-    waited = 0.0
-    while (d := guard.decide(used_bytes(), batch, tokens, waited)).action == "wait":
-        sleep(d.wait_s); waited += d.wait_s
-    # run / shrink: run d.batch_size × d.tokens; offload: move optimizer state to host, then run; defer: release
-    guard.observe(d.batch_size, d.tokens, peak_bytes_during_the_step)
+Live caller: the planner's grant path (``Planner._check_memory``). Each grant the node's iteration
+scheduler plans (its bins packed within ``headroom(weights)``, MACE's P) is checked with the
+memory in use now (weights plus the KV cache the engine holds): ``wait`` answers the trainer "ask
+again in ``wait_s``" and the planner keeps the time the work has waited; ``shrink`` grants fewer or
+shorter windows; ``offload`` grants them and tells the trainer to move its optimizer state to host
+memory first (app/device_memory.py; a CPU rank has none on a device, so it reports 0 bytes and the
+guard never offloads there); ``defer`` gives the work back for T_max. Each grant request carries
+what the previous grant's windows really added (GPU: allocator peak; CPU: resident set), which
+``observe`` turns into the calibration ratio.
 
 Pure: numbers in, a decision out; no Ray, no torch, no I/O.
 """
@@ -160,10 +162,13 @@ class MemoryGuard:
         return (min_b, t) if t >= min_t else None
 
     def decide(self, used_bytes: float, batch_size: int, tokens: int, waited_s: float = 0.0,
-               kind: MemoryKind = "train", optimizer_on_device: bool = True) -> MemoryDecision:
-        """LEMIX Alg. 2 for one step: ``used_bytes`` reported now, ``waited_s`` since the work first asked."""
+               kind: MemoryKind = "train", optimizer_on_device: bool = True,
+               optimizer_bytes: float | None = None) -> MemoryDecision:
+        """LEMIX Alg. 2 for one step: ``used_bytes`` reported now, ``waited_s`` since the work first asked;
+        ``optimizer_bytes`` what offloading would free now (None: the guard's ``optimizer_bytes``)."""
         if batch_size < 1 or tokens < 1:
             raise ValueError("batch_size and tokens must be >= 1")
+        offloadable = self.optimizer_bytes if optimizer_bytes is None else max(0.0, float(optimizer_bytes))
         thr = self.threshold()
         need = self.need(batch_size, tokens, kind)
         if used_bytes + need <= thr:
@@ -172,8 +177,8 @@ class MemoryGuard:
             wait = min(self.check_interval_s, self.t_max_s - waited_s)
             return MemoryDecision("wait", batch_size, tokens, wait, need, thr,
                                   f"{used_bytes + need:.3g} B > threshold {thr:.3g} B")
-        can_offload = optimizer_on_device and self.optimizer_bytes > 0
-        after = used_bytes - self.optimizer_bytes
+        can_offload = optimizer_on_device and offloadable > 0
+        after = used_bytes - offloadable
         if can_offload and after + need <= thr:
             return MemoryDecision("offload", batch_size, tokens, 0.0, need, thr, "offloading the optimizer state fits")
         fit = self.largest_fit(used_bytes, batch_size, tokens, kind)

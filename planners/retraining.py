@@ -19,7 +19,7 @@ samples become whole-pass windows:
   inference latency; nothing in between.
 - ``off``: never train.
 
-Pure: plain dataclasses in, a :class:`Grant` out; no Ray, no torch, no I/O.
+Pure: plain dataclasses in, a :class:`RetrainingDecision` out; no Ray, no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class RetrainingView:
 
 
 @dataclass(frozen=True)
-class Grant:
+class RetrainingDecision:
     """A policy's answer: run ``samples`` of the wanted samples (``tokens`` of the wanted tokens) now, or wait."""
 
     action: Literal["run", "wait"]
@@ -73,7 +73,7 @@ class Grant:
 
 
 class RetrainingPolicy(Protocol):
-    def decide(self, view: RetrainingView) -> Grant: ...
+    def decide(self, view: RetrainingView) -> RetrainingDecision: ...
 
 
 def step_cost(view: RetrainingView, samples: int) -> float:
@@ -86,14 +86,14 @@ def step_cost(view: RetrainingView, samples: int) -> float:
     return max(0.0, view.step_cost_s) * samples / view.samples_wanted
 
 
-def _run(view: RetrainingView, samples: int, reason: str) -> Grant:
+def _run(view: RetrainingView, samples: int, reason: str) -> RetrainingDecision:
     samples = max(0, min(samples, view.samples_wanted))
     tokens = math.ceil(max(0, view.tokens_wanted) * samples / view.samples_wanted) if view.samples_wanted else 0
-    return Grant("run", samples=samples, tokens=tokens, reason=reason)
+    return RetrainingDecision("run", samples=samples, tokens=tokens, reason=reason)
 
 
-def _wait(seconds: float, reason: str) -> Grant:
-    return Grant("wait", wait_s=max(0.0, seconds), reason=reason)
+def _wait(seconds: float, reason: str) -> RetrainingDecision:
+    return RetrainingDecision("wait", wait_s=max(0.0, seconds), reason=reason)
 
 
 @register("retraining", "hybrid")
@@ -154,7 +154,7 @@ class Hybrid:
     def starved(self, view: RetrainingView) -> bool:
         return view.oldest_queued_age_s is not None and view.oldest_queued_age_s >= self.max_wait_s
 
-    def decide(self, view: RetrainingView) -> Grant:
+    def decide(self, view: RetrainingView) -> RetrainingDecision:
         if view.samples_wanted <= 0:
             return _wait(self.recheck_s, "nothing to train")
         budget = self.slo_fraction * view.slo_ttft_s + self.allowance(view) - self.base_ttft(view)
@@ -186,7 +186,7 @@ class Sync:
     def __init__(self, recheck_s: float = 0.1) -> None:
         self.recheck_s = recheck_s
 
-    def decide(self, view: RetrainingView) -> Grant:
+    def decide(self, view: RetrainingView) -> RetrainingDecision:
         if view.samples_wanted <= 0 or view.queued <= 0:
             return _wait(self.recheck_s, "nothing to train")
         return _run(view, view.samples_wanted, "FT-first")
@@ -233,7 +233,7 @@ class Periodic:
             return view.now - view.oldest_queued_age_s
         return view.now
 
-    def decide(self, view: RetrainingView) -> Grant:
+    def decide(self, view: RetrainingView) -> RetrainingDecision:
         if view.samples_wanted <= 0 or view.queued <= 0:
             return _wait(self.recheck_s, "nothing to train")
         if self._in_window(view):
@@ -257,7 +257,7 @@ class Off:
     def __init__(self, recheck_s: float = 1.0) -> None:
         self.recheck_s = recheck_s
 
-    def decide(self, view: RetrainingView) -> Grant:
+    def decide(self, view: RetrainingView) -> RetrainingDecision:
         return _wait(self.recheck_s, "retraining is off")
 
 

@@ -101,6 +101,37 @@ class NodeReport:
 
 
 @dataclass(frozen=True)
+class NodeLocation:
+    """Where a logical node's replica runs: its Ray node and placement group (its trainer rank goes there too)."""
+
+    node_id: int
+    ray_node_id: str | None
+    state: str
+    """``starting`` until the replica registered, then ``ready``."""
+    placement_group_id: str | None
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """What the app serves: the base model and every ``base:adapter`` some node serves (for ``/v1/models``)."""
+
+    base: str
+    root: str
+    """The base model's directory (the ``root`` of its model card)."""
+    max_model_len: int
+    adapters: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AdapterLoaded:
+    """The answer to loading (or unloading) an adapter version: the nodes that serve the change now."""
+
+    model: str
+    version: int | None
+    nodes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class AdapterVersion:
     """One published adapter version: its number and the directory its weights are in."""
 
@@ -188,3 +219,209 @@ class RankStarted:
     placement_group_id: str | None
     device: str  # cpu | cuda
     dtype: str  # the base weights' dtype
+
+
+# ---- grants: the trainer asks, the planner answers (LEMIX Alg. 2, FlexLLM §6.2, MACE §4.1) -------------
+
+
+@dataclass(frozen=True)
+class SampleProgress:
+    """One unfinished sample of a trainer's micro-step, as the trainer reports it when it asks for a grant."""
+
+    sample_id: int
+    tokens: int
+    """L, the tokens of one pass over the sample (DPO: chosen + rejected)."""
+    done: int
+    """Tokens of this pass already run (its windows so far)."""
+    arrival: float
+    """t_arr: the item's acceptance time, or when CheckEnd last requeued it."""
+    last_loss: float = 0.0
+    """The item's loss in its previous pass (MACE §4.1's γ·L_DPO term); 0 before its first."""
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """What the windows of a trainer's previous grant really added to its device memory (LEMIX Alg. 2, lines 13–17).
+
+    On a GPU: ``torch.cuda.max_memory_allocated`` during the windows less the allocation before
+    them. On a CPU, which has no allocator peak: the process's resident set after the windows less
+    before them (a lower bound of the peak).
+    """
+
+    batch_size: int
+    tokens: int
+    """The longest window's tokens."""
+    added_bytes: float
+
+
+@dataclass(frozen=True)
+class GrantRequest:
+    """Which token windows may the trainer on ``node_id`` run now for ``adapter``'s ``samples``?"""
+
+    node_id: int
+    adapter: str
+    mode: str
+    """The adapter's training mode (``hybrid``, ``periodic``, ...): who decides the grant."""
+    samples: tuple[SampleProgress, ...]
+    ran_s: float = 0.0
+    """Seconds the windows of the previous grant on this node took to run (0: none ran)."""
+    memory: MemoryUse | None = None
+    """Measured memory of the previous grant's windows (None: none ran), to calibrate the memory guard."""
+    optimizer_bytes: float = 0.0
+    """Bytes of optimizer state on the device that offloading would free (0 on a CPU, or already offloaded)."""
+
+
+@dataclass(frozen=True)
+class GrantedWindow:
+    """Run tokens [start, end) of the sample's current pass."""
+
+    sample_id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The planner's answer to a :class:`GrantRequest`: windows to run now, in order, or none and how long to wait."""
+
+    windows: tuple[GrantedWindow, ...]
+    wait_s: float
+    reason: str
+    offload_optimizer: bool = False
+    """LEMIX Alg. 2's offload: move the optimizer state to host memory before running the windows."""
+
+
+# ---- events a trainer reports to its supervisor (for /v1/status and the metrics) ---------------------
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A micro-step finished: ``samples`` items, their mean loss, the tokens run as ``windows`` grants."""
+
+    samples: int
+    loss: float
+    tokens: int
+    seconds: float
+    """Time spent running windows."""
+    grant_s: float
+    """Time spent asking for grants and waiting on them."""
+    windows: int
+    shrunk: bool
+    """Some sample ran as more than one window (the grant was smaller than the sample)."""
+    optimizer_step: bool
+    requeued: int
+    """Items CheckEnd sent back for another pass."""
+
+
+@dataclass(frozen=True)
+class GrantWaited:
+    """A micro-step waited ``seconds`` in total for grants."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WorkDropped:
+    """Unpublished training was dropped because the adapter's current version moved (a rollback)."""
+
+
+@dataclass(frozen=True)
+class StepAbandoned:
+    """A micro-step was dropped mid-way (stop, or the adapter's mode became ``off``); its items stay queued."""
+
+
+@dataclass(frozen=True)
+class VersionPublished:
+    """A version was written and recorded; ``candidate``: it waits for the quality gate before it is served."""
+
+    version: int
+    at: float
+    seconds: float
+    breakdown: dict[str, float]
+    """Seconds per publish phase: reserve_s, save_s, publish_s and (served at once) load_s."""
+    freshness_s: tuple[float, ...] = ()
+    """Per item it holds: seconds from the item's acceptance to the version being loaded."""
+    candidate: bool = False
+
+
+@dataclass(frozen=True)
+class VersionScored:
+    """Held-out scores of a version served without the gate."""
+
+    version: int
+    seconds: float
+    win_rate: float | None = None
+    clpd: float | None = None
+    token_logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class GateDecided:
+    """The quality gate's verdict on a candidate version (``served`` or ``rejected``)."""
+
+    version: int
+    state: str
+    reason: str | None
+    score: float | None
+    baseline_score: float | None
+    baseline_version: int | None
+    seconds: float
+    at: float
+    freshness_s: tuple[float, ...] = ()
+    win_rate: float | None = None
+    clpd: float | None = None
+    token_logprob: float | None = None
+
+
+TrainerEvent = StepDone | GrantWaited | WorkDropped | StepAbandoned | VersionPublished | VersionScored | GateDecided
+
+
+# ---- the trainer ranks' step protocol (the leader decides, every rank runs it) -------------------------
+
+StepOp = Literal["stop", "idle", "step", "flush"]
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """An adapter's training settings as a trainer rank uses them (from the feedback store)."""
+
+    name: str
+    method: str
+    """``sft`` or ``dpo``."""
+    beta: float
+    mode: str
+    learning_rate: float
+    lora: dict[str, Any]
+    """The LoRA settings (r, alpha, dropout, target_modules)."""
+    paused: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank does next, as the leader broadcasts it: stop, idle (``sleep`` s), train one micro-step
+    of ``items`` on ``adapter``, or flush (publish what is trained)."""
+
+    op: StepOp
+    adapter: str | None = None
+    spec: TrainingSpec | None = None
+    target: tuple[int | None, str | None] = (None, None)
+    """The adapter's current version and where its files are (None, None: a fresh LoRA)."""
+    items: tuple[Any, ...] = ()
+    """The micro-step's feedback items (``app.feedback_store.FeedbackItem``)."""
+    last_of_queue: bool = False
+    """No more items wait: apply the gradients and publish after this step."""
+    requeued: dict[int, PassVerdict] = field(default_factory=dict)
+    """Items CheckEnd sent back: their t_arr and last loss go into the grants' priorities (MACE §4.1)."""
+    sleep: float = 0.0
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """What the leader's publish gave, broadcast to every rank: the version (None: nothing published)."""
+
+    version: int | None
+    path: str | None = None
+    candidate: bool = False
+    """Waits for the quality gate before it is served."""
+    created: tuple[float, ...] = ()
+    """Acceptance times of the items it holds (for freshness)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 
 MODEL = "tiny-llama"
 
@@ -39,7 +38,7 @@ def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_
 
     v1 = make_adapter(model_dir, tmp_path / "acme-v1", seed=1)
     res = ray.get(planner.load_adapter.remote("acme", 1, str(v1)))
-    assert res == {"model": f"{MODEL}:acme", "version": 1, "nodes": [0, 1]}
+    assert (res.model, res.version, res.nodes) == (f"{MODEL}:acme", 1, (0, 1))
 
     ids = [m["id"] for m in httpx.get(f"{app_url}/v1/models").json()["data"]]
     assert ids == [MODEL, f"{MODEL}:acme"]

@@ -39,7 +39,7 @@ def test_every_trainer_rank_shares_bundle_0_of_its_nodes_placement_group(app_url
 
     nodes = app_config["cluster"]["nodes"]
     training = _trainer_running(app_url, nodes)
-    locations = {loc["node_id"]: loc for loc in ray.get(planner.node_locations.remote())}
+    locations = {loc.node_id: loc for loc in ray.get(planner.node_locations.remote())}
     replicas = {a.placement_group_id: a for a in list_actors(
         filters=[("class_name", "=", "ServeReplica:coserve:ModelServer"), ("state", "=", "ALIVE")], detail=True)}
     ranks = list_actors(filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")], detail=True)
@@ -48,7 +48,7 @@ def test_every_trainer_rank_shares_bundle_0_of_its_nodes_placement_group(app_url
     groups_used = set()
     for rank in ranks:
         reported = by_pid[rank.pid]  # what the rank told the trainer: its logical node
-        group = locations[reported["node_id"]]["placement_group_id"]
+        group = locations[reported["node_id"]].placement_group_id
         # Ray's own record: the rank is in the group of its node's replica, in bundle 0, on the same host.
         assert rank.placement_group_id == group == reported["placement_group_id"]
         replica = replicas[group]
@@ -68,6 +68,6 @@ def test_no_placement_group_besides_the_nodes_own(app_url, app_config, planner):
     from ray.util.state import list_placement_groups
 
     _trainer_running(app_url, app_config["cluster"]["nodes"])
-    node_groups = {loc["placement_group_id"] for loc in ray.get(planner.node_locations.remote())}
+    node_groups = {loc.placement_group_id for loc in ray.get(planner.node_locations.remote())}
     created = {g.placement_group_id for g in list_placement_groups(filters=[("state", "=", "CREATED")])}
     assert created == node_groups

@@ -15,6 +15,7 @@ import pytest
 
 from app.feedback_store import (
     AdapterExists,
+    Conflict,
     FeedbackStore,
     InvalidRequest,
     UnknownAdapter,
@@ -60,15 +61,14 @@ def test_adapters_create_get_list_and_duplicates(store):
     assert [a.name for a in store.list_adapters()] == ["acme", "tutor"]
     with pytest.raises(AdapterExists) as e:
         store.create_adapter({"name": "acme"})
-    assert e.value.status == 409
+    assert isinstance(e.value, Conflict)
     with pytest.raises(UnknownAdapter):
         store.get_adapter("nope")
     for bad in ({"name": "Acme"}, {"name": "a:b"}, {"name": "x" * 65}, {"name": "ok", "method": "ppo"},
                 {"name": "ok", "lora": {"r": 0}}, {"name": "ok", "mode": "periodic",
                                                    "periodic": {"every_seconds": None}}, {"name": "ok", "typo": 1}):
-        with pytest.raises(InvalidRequest) as e:
+        with pytest.raises(InvalidRequest):
             store.create_adapter(bad)
-        assert e.value.status == 400
     assert [a.name for a in store.list_adapters()] == ["acme", "tutor"]
 
 
@@ -108,14 +108,14 @@ def test_invalid_batches_say_which_item_and_store_nothing(store, items, expect):
     store.add_feedback([pair(i=99)])  # something already stored must stay the only thing
     with pytest.raises(InvalidRequest) as e:
         store.add_feedback(items)
-    assert e.value.status == 400 and expect in str(e.value), str(e.value)
+    assert expect in str(e.value), str(e.value)
     assert store.queued("acme") == 1 and store.queued("tutor") == 0
 
 
 def test_unknown_adapter_is_its_own_error_and_stores_nothing(store):
     with pytest.raises(UnknownAdapter) as e:
         store.add_feedback([pair(), pair("ghost"), pair()])
-    assert e.value.status == 404 and "items[1].adapter: no adapter named 'ghost'" in str(e.value)
+    assert "items[1].adapter: no adapter named 'ghost'" in str(e.value)
     assert store.queued("acme") == 0
 
 
@@ -421,5 +421,5 @@ def test_chat_items_are_stored_with_their_turns_and_handed_out_as_such(store):
 def test_bad_chat_items_say_what_is_wrong_and_store_nothing(store, item, expect):
     with pytest.raises(InvalidRequest) as e:
         store.add_feedback([sample(), item])
-    assert e.value.status == 400 and "items[1]" in str(e.value) and expect in str(e.value), str(e.value)
+    assert "items[1]" in str(e.value) and expect in str(e.value), str(e.value)
     assert store.get_adapter("tutor").queued == 0

@@ -65,6 +65,12 @@ def test_offload_the_optimizer_state_when_that_lets_the_step_run():
     assert (d.action, d.batch_size, d.tokens) == ("offload", 1, 100)
 
 
+def test_the_trainer_reports_what_offloading_would_free_per_grant():
+    # A GPU rank reports its optimizer state's bytes with each grant request; a CPU rank reports 0.
+    assert guard().decide(7e5, 2, 100, waited_s=1.0, optimizer_bytes=2e5).action == "offload"
+    assert guard(optimizer_bytes=2e5).decide(7e5, 2, 100, waited_s=1.0, optimizer_bytes=0).action == "shrink"
+
+
 def test_admission_uses_kv_bytes_and_shrinks_only_the_request_count():
     g = guard()
     assert g.decide(7e5, 3, 50, kind="admit").action == "run"  # 3 × 50 × 100 B = 15 kB

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planners import registry
-from planners.retraining import Grant, Hybrid, Periodic, RetrainingView, make_policy, step_cost
+from planners.retraining import RetrainingDecision, Hybrid, Periodic, RetrainingView, make_policy, step_cost
 
 
 def view(**kw) -> RetrainingView:
@@ -30,7 +30,7 @@ def test_registry_names_the_four_modes():
 def test_hybrid_grants_the_whole_step_when_it_fits():
     # 0.2 s predicted + 0.4 s step = 0.6 s <= 1.0 s SLO
     g = registry.create("retraining", "hybrid").decide(view())
-    assert g == Grant("run", samples=4, tokens=400, reason=g.reason)
+    assert g == RetrainingDecision("run", samples=4, tokens=400, reason=g.reason)
 
 
 def test_hybrid_shrinks_before_refusing():
@@ -150,7 +150,7 @@ views = st.builds(
 )
 
 
-def _well_formed(g: Grant, v: RetrainingView) -> None:
+def _well_formed(g: RetrainingDecision, v: RetrainingView) -> None:
     assert g.action in ("run", "wait")
     if g.action == "run":
         assert 1 <= g.samples <= v.samples_wanted and 0 <= g.tokens <= v.tokens_wanted
