@@ -349,6 +349,10 @@ class Planner:
                         "requests": len(n.facts.requests), "iterations": n.facts.iterations,
                         "kv_cache_usage": round(n.facts.kv_cache_usage, 4)},
                     "training_grants": dict(n.grants, recent=list(n.grant_log), passes_recent=list(n.pass_log)),
+                    # LEMIX Alg. 2's state: κ·M_peak and the calibration ratio (measured / modelled bytes).
+                    "memory_guard": None if n.guard is None else {
+                        "threshold_bytes": n.guard.threshold(), "ratio": round(n.guard.ratio(), 4),
+                        "waiting_since": n.memory_wait_since},
                 }
                 for n in self.nodes
             ],
@@ -407,7 +411,7 @@ class Planner:
         tokens, done, t_arr, last loss, MACE §4.1's γ·L_DPO term); ``ran_s`` is how long the windows of
         its previous grant took. Adapters in mode ``hybrid`` are granted by the node's iteration
         scheduler (``planner.iteration``, FlexLLM §6.2 budget and MACE §4.1–4.2 by default) within the
-        memory guard's headroom (LEMIX Alg. 2); the other modes, and ``hybrid`` with
+        memory guard's check (LEMIX Alg. 2, ``_check_memory``); the other modes, and ``hybrid`` with
         ``planner.iteration: null``, by the adapter's retraining policy (``planners/retraining.py``),
         whose whole samples become whole windows. No windows means wait ``wait_s``.
         """
@@ -487,9 +491,11 @@ class Planner:
             sched.observe(node.facts)
         sched.set_samples(queue)
         sched.observe_ft_run(ran_s, now)
-        # MACE's P (the bins' memory) is training's share of κ·M_peak beside the weights; what inference
-        # holds now is the memory guard's to weigh (_check_memory), as LEMIX checks before each forward.
-        plan = sched.schedule(now, node.guard.headroom(self.cost_model.memory.weight_bytes))
+        # MACE's P (the bins' memory) is the cost model's own estimate; the configured budget and the
+        # memory really in use are the memory guard's to weigh (_check_memory), as LEMIX checks before
+        # each forward. (Packing within the guard's room instead would cut every window to nothing under
+        # pressure, and the guard would never get to wait, shrink or defer.)
+        plan = sched.schedule(now)
         return plan.windows, plan.reason, plan.ft_token_budget
 
     def _check_memory(self, node: _Node, request: GrantRequest, windows: Any, reason: str, now: float

@@ -684,7 +684,7 @@ class IterationScheduler:
     def _capacity(self, work: InferenceWork, free_bytes: float | None) -> float:
         """Bytes for fine-tune activations in this window.
 
-        Given ``free_bytes`` (what the node reports free, e.g. ``MemoryGuard.headroom``): that, less the
+        Given ``free_bytes`` (what the node reports free): that, less the
         KV cache of the prompts admitted now (not allocated yet). Otherwise the cost model's guess:
         M_threshold − weights − KV of every sequence in the window (LEMIX §IV-A).
         """

@@ -12,12 +12,11 @@ run it calibrates its plan from the execution trace (lines 13–17). Here:
 - the need is the cost model's prediction (activation bytes for training, KV bytes for an
   admission), multiplied by a calibration ratio: the largest actual/predicted ratio of the last
   ``calibration_window`` observations (``observe``), at least ``min_ratio``;
-- ``headroom(used_bytes)`` gives the same limit in the cost model's bytes, to hand to
-  ``IterationScheduler.schedule(now, free_bytes)`` so that plans and checks agree.
 
 Live caller: the planner's grant path (``Planner._check_memory``). Each grant the node's iteration
-scheduler plans (its bins packed within ``headroom(weights)``, MACE's P) is checked with the
-memory in use now (weights plus the KV cache the engine holds): ``wait`` answers the trainer "ask
+scheduler plans (by latency, its bins packed within the cost model's own memory estimate, MACE's P)
+is checked against the configured budget with the memory in use now (weights plus the KV cache
+the engine holds): ``wait`` answers the trainer "ask
 again in ``wait_s``" and the planner keeps the time the work has waited; ``shrink`` grants fewer or
 shorter windows; ``offload`` grants them and tells the trainer to move its optimizer state to host
 memory first (app/device_memory.py; a CPU rank has none on a device, so it reports 0 bytes and the
@@ -128,10 +127,6 @@ class MemoryGuard:
         if predicted > 0 and actual_bytes >= 0 and math.isfinite(actual_bytes):
             self._ratios[kind].append(actual_bytes / predicted)
         return self.ratio(kind)
-
-    def headroom(self, used_bytes: float, kind: MemoryKind = "train") -> float:
-        """Bytes, in the cost model's (uncalibrated) terms, that work of ``kind`` may add now."""
-        return max(0.0, (self.threshold() - used_bytes) / self.ratio(kind))
 
     # -- the decision (LEMIX Alg. 2, lines 6–12) --------------------------------------------------
 

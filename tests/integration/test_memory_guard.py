@@ -1,7 +1,8 @@
 """The memory guard on the live grant path (LEMIX Alg. 2): under memory pressure training waits, then
 runs smaller or gives its work back; once the pressure is gone it trains everything.
 
-Uses the session app (hybrid grants). The guard's budget is made small (``Planner.set_memory``):
+Uses the session app (hybrid grants, with a latency SLO loose enough that only memory binds). The
+guard's budget is made small (``Planner.set_memory``):
 κ·M_peak is the weights plus room for one 64-token window, so the KV cache that concurrent
 inference requests hold leaves the planned windows no room. Each grant the guard holds back or
 changes is counted per node in ``/v1/status`` (``training_grants.memory``) and named in the
@@ -54,13 +55,17 @@ def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishe
         with httpx.Client(timeout=120) as c:
             while not stop.is_set():
                 r = c.post(f"{app_url}/v1/completions", json={
-                    "model": BASE, "prompt": f"{k} " + "memory " * 200, "max_tokens": 32, "temperature": 0.8})
+                    "model": BASE, "prompt": f"{k} " + "memory " * 90, "max_tokens": 96, "temperature": 0.8})
                 if r.status_code != 200:
                     errors.append(r.text[:200])
 
     before = _memory_counts(app_url)
+    # A latency SLO loose enough that memory, not latency, is what binds the grants here.
+    ray.get(planner.set_iteration.remote("hybrid", {**cfg.planner.iteration_params, "slo_s": 2.0}))
     ray.get(planner.set_memory.remote(tight))
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(6)]
+    # Two long requests at a time: their KV cache fills the budget, yet the SLO still leaves training a
+    # token budget (more load would refuse every grant on latency before memory is ever checked).
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
     try:
         for t in threads:
             t.start()
@@ -82,6 +87,7 @@ def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishe
         stop.set()
         for t in threads:
             t.join(timeout=120)
+        ray.get(planner.set_iteration.remote(cfg.planner.iteration, dict(cfg.planner.iteration_params)))
         ray.get(planner.set_memory.remote(dict(cfg.planner.memory_params)))
     assert not errors, errors[:3]  # inference never failed for it
     assert any(r.startswith("memory wait") for r in reasons), reasons[-10:]

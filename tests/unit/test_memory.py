@@ -6,9 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planners import registry
 from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatency, default_cost_model
-from planners.iteration import FineTuneSample
 from planners.memory import MemoryGuard
 
 # 1,000 activation bytes per training token, 100 KV bytes per token, M_peak = 1e6 B, κ = 0.8 -> 8e5 B.
@@ -96,13 +94,6 @@ def test_calibration_is_the_running_max_of_actual_over_predicted():
     assert g2.observe(0, 10, 5.0) == 0.5  # nothing predicted: ignored
 
 
-def test_headroom_is_the_threshold_left_in_model_bytes():
-    g = guard()
-    g.observe(1, 100, 2e5)  # ratio 2
-    assert g.headroom(6e5) == pytest.approx(1e5)  # (8e5 - 6e5)/2
-    assert g.headroom(9e5) == 0.0
-
-
 def test_alg2_loop_waits_while_memory_drains_then_runs():
     g = guard(t_max_s=1.0, check_interval_s=0.1)
     waited, actions = 0.0, []
@@ -146,18 +137,3 @@ def test_decisions_never_run_past_the_threshold(used, batch, tokens, waited, opt
         smallest = (1, tokens if kind == "admit" else min(16, tokens))  # an admission keeps its length
         assert not g.fits(used, *smallest, kind)
         assert not (on_device and opt > 0 and g.fits(used - opt, *smallest, kind))
-
-
-@settings(max_examples=60, deadline=None)
-@given(used=st.floats(0, 7.9e5), ratio=st.floats(0.5, 3.0), sizes=st.lists(st.integers(1, 900), min_size=1,
-                                                                             max_size=6))
-def test_plans_built_on_headroom_pass_the_guard(used, ratio, sizes):
-    """The iteration scheduler's windows, packed within ``headroom``, are what the guard lets run."""
-    g = guard()
-    g.observe(1, 100, ratio * 1e5)
-    s = registry.create("iteration", "fcfs", cost_model=COST)  # whole passes: the largest windows
-    for i, n in enumerate(sizes):
-        s.add_sample(FineTuneSample(f"s{i}", n, 0.0))
-    plan = s.schedule(0.0, free_bytes=g.headroom(used))
-    for mb in plan.micro_batches:
-        assert g.fits(used, mb.batch_size, mb.padded_tokens)
