@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -134,15 +135,27 @@ def kill_named(name: str) -> None:
     ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
 
 
-def kill_rank(trainer_name: str) -> None:
-    """SIGKILL one trainer rank's process; the trainer starts its ranks again."""
+def kill_rank(trainer_name: str, wait_s: float = 180) -> None:
+    """SIGKILL one trainer rank's process; the trainer starts its ranks again.
+
+    Waits (up to ``wait_s``) for a running rank first: right after another drill (a planner restart
+    starts a new trainer) the ranks may still be starting."""
     import ray
 
-    trainer = ray.get_actor(trainer_name, namespace=NAMESPACE)
-    pids = [w.get("pid") for w in ray.get(trainer.status.remote(), timeout=30).get("workers", []) if w.get("pid")]
-    if not pids:
-        raise RuntimeError("the trainer has no running rank to kill")
-    os.kill(pids[0], signal.SIGKILL)
+    deadline, status = time.time() + wait_s, {}
+    while True:
+        try:
+            status = ray.get(ray.get_actor(trainer_name, namespace=NAMESPACE).status.remote(), timeout=30)
+        except Exception as exc:  # the trainer itself is being restarted
+            status = {"error": f"{type(exc).__name__}: {exc}"}
+        # A rank of an earlier group may still be listed: only a live process is a rank to kill.
+        pids = [w["pid"] for w in status.get("workers", []) if w.get("pid") and psutil.pid_exists(w["pid"])]
+        if status.get("state") == "running" and pids:
+            os.kill(pids[0], signal.SIGKILL)
+            return
+        if time.time() > deadline:
+            raise RuntimeError(f"the trainer has no running rank to kill after {wait_s:.0f} s: {status}")
+        time.sleep(1)
 
 
 # ---- what survived ---------------------------------------------------------------------------
