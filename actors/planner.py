@@ -153,14 +153,14 @@ class Planner:
             node.pass_log.clear()
         return name
 
-    async def set_memory(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Replace the memory guard's settings live (``planner.memory_params``); each node's guard starts afresh."""
+    async def set_memory(self, params: dict[str, Any]) -> None:
+        """Replace the memory guard's settings live: ``params`` are ``planner.memory_params``, the guard's keyword
+        arguments (as ``set_iteration`` takes the scheduler's); each node's guard starts afresh."""
         MemoryGuard(self.cost_model.with_stages(self.cfg.cluster.stages), **params)  # fail here, not at a grant
         self.cfg.planner = self.cfg.planner.model_copy(update={"memory_params": dict(params)})
         for node in self.nodes:
             node.scheduler = node.guard = None
             node.memory_wait_since = None
-        return dict(params)
 
     async def set_placement(self, name: str, params: dict[str, Any] | None = None) -> str:
         """Switch the placement policy live; routers build it afresh at their next snapshot."""

@@ -89,7 +89,7 @@ class AdapterProgress:
     token_logprob: float | None = None
     gate_passed: int = 0
     gate_rejected: int = 0
-    last_gate: dict[str, Any] | None = None
+    last_gate: GateDecided | None = None
 
 
 def resolve_eval_file(path: str | None) -> tuple[str | None, str | None]:
@@ -292,9 +292,7 @@ class Trainer:
                 served = event.state == "served"
                 a.gate_passed += served
                 a.gate_rejected += not served
-                a.last_gate = {"version": event.version, "state": event.state, "reason": event.reason,
-                               "score": event.score, "baseline_version": event.baseline_version,
-                               "baseline_score": event.baseline_score, "seconds": event.seconds}
+                a.last_gate = event
                 a.eval_s = event.seconds
                 if served:
                     a.version = event.version
@@ -314,6 +312,9 @@ class Trainer:
         adapters = {}
         for name, progress in self.adapters.items():
             a = asdict(progress)
+            gate = progress.last_gate  # the verdict as /v1/status has always shown it
+            a["last_gate"] = None if gate is None else {k: getattr(gate, k) for k in (
+                "version", "state", "reason", "score", "baseline_version", "baseline_score", "seconds")}
             fresh = a.pop("freshness_s")  # seconds from an item's acceptance to its version being loaded
             adapters[name] = a | {
                 "freshness_p50_s": round(statistics.median(fresh), 3) if fresh else None,
