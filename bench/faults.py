@@ -56,49 +56,66 @@ class DrillResult:
 
 
 class Prober:
-    """Sends a completion, a health check and a feedback item every ``period`` seconds; keeps every outcome."""
+    """Probes the completion, health and feedback routes every ``period`` seconds, each on its own thread.
+
+    One thread per route: a completion that waits tens of seconds behind a saturated engine must not
+    stop the health and feedback probes from measuring the outage (the first prober sent the three
+    one after another and barely ran under Locust load). Keeps every outcome."""
+
+    ROUTES = ("completion", "health", "feedback")
 
     def __init__(self, url: str, model: str, adapter: str, headers: dict[str, str], period: float = 0.5) -> None:
         self.url, self.model, self.adapter, self.headers, self.period = url, model, adapter, headers, period
         self.log: list[tuple[float, str, int]] = []  # (time, route, status; 0: no answer)
         self.acked: list[int] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._n = 0
+        self._threads = [threading.Thread(target=self._run, args=(route,), daemon=True) for route in self.ROUTES]
 
     def __enter__(self) -> Prober:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        for t in self._threads:
+            t.join()
 
-    def _one(self, client: httpx.Client, route: str, call: Callable[[], httpx.Response]) -> httpx.Response | None:
-        try:
-            r = call()
-            self.log.append((time.time(), route, r.status_code))
-            return r
-        except httpx.HTTPError:
-            self.log.append((time.time(), route, 0))
-            return None
+    def _send(self, client: httpx.Client, route: str, n: int) -> httpx.Response:
+        if route == "completion":
+            return client.post(f"{self.url}/v1/completions",
+                               json={"model": self.model, "prompt": f"probe {n}", "max_tokens": 4})
+        if route == "health":
+            return client.get(f"{self.url}/health")
+        return client.post(f"{self.url}/v1/feedback",
+                           json={"adapter": self.adapter, "prompt": f"probe {n}", "completion": f"answer {n}"})
 
-    def _run(self) -> None:
+    def _run(self, route: str) -> None:
+        n = 0
         with httpx.Client(headers=self.headers, timeout=30) as c:
             while not self._stop.is_set():
-                self._n += 1
-                self._one(c, "completion", lambda: c.post(f"{self.url}/v1/completions", json={
-                    "model": self.model, "prompt": f"probe {self._n}", "max_tokens": 4}))
-                self._one(c, "health", lambda: c.get(f"{self.url}/health"))
-                r = self._one(c, "feedback", lambda: c.post(f"{self.url}/v1/feedback", json={
-                    "adapter": self.adapter, "prompt": f"probe {self._n}", "completion": f"answer {self._n}"}))
-                if r is not None and r.status_code == 202:
-                    self.acked.extend(r.json()["ids"])
+                n += 1
+                try:
+                    r = self._send(c, route, n)
+                    status = r.status_code
+                except httpx.HTTPError:
+                    r, status = None, 0
+                with self._lock:
+                    self.log.append((time.time(), route, status))
+                    if route == "feedback" and status == 202:
+                        self.acked.extend(r.json()["ids"])
                 self._stop.wait(self.period)
+
+    def acked_ids(self) -> list[int]:
+        """The feedback ids the app acknowledged (202) so far."""
+        with self._lock:
+            return list(self.acked)
 
     def outcome(self, since: float) -> tuple[int, int, float, dict[str, int]]:
         """(sent, failed, seconds from ``since`` to the last failure, failed statuses) of probes after ``since``."""
-        after = [(t, route, s) for t, route, s in self.log if t >= since]
+        with self._lock:
+            after = [(t, route, s) for t, route, s in self.log if t >= since]
         failed = [(t, route, s) for t, route, s in after if not 200 <= s < 300]
         statuses: dict[str, int] = {}
         for _, route, s in failed:
@@ -236,7 +253,7 @@ def drill(target: str, kill: Callable[[], None], prober: Prober, *, url: str, he
         if time.time() - (t_kill + recovery) > settle_s:
             break
         time.sleep(1)
-    acked = list(prober.acked)
+    acked = prober.acked_ids()
     served, newest = served_versions(url, headers, model, adapter)
     return DrillResult(target=target, sent=sent, failed=failed, recovery_s=round(recovery, 1), acked=len(acked),
                        lost=lost_ids(store_name, acked), half_written=half_written(adapters_root),

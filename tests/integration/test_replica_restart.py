@@ -1,8 +1,9 @@
-"""A crashed model server: the service keeps answering from the other node, and Serve brings the node back."""
+"""A crashed model server: requests in flight and new ones are answered by the other node, and Serve brings the node back."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -15,7 +16,25 @@ def test_killed_replica_is_replaced_and_requests_keep_succeeding(ray_cluster, ap
     import ray
 
     name = ray.get(planner.node_replicas.remote())[1]
-    ray.kill(ray.get_actor(name, namespace="serve"))  # as if the process crashed
+    victim = ray.get_actor(name, namespace="serve")
+    # Requests in flight on both nodes when one dies (round robin puts half of them on the victim):
+    # HAProxy sends those that got no answer to the other replica (app/serve_env.py, retry-on
+    # empty-response), so their clients see answers, not errors.
+    long = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 600, "ignore_eos": True}
+
+    def timed_post() -> tuple[httpx.Response, float]:
+        r = httpx.post(f"{app_url}/v1/completions", json=long, timeout=180)
+        return r, time.time()
+
+    with ThreadPoolExecutor(8) as pool:
+        in_flight = [pool.submit(timed_post) for _ in range(8)]
+        time.sleep(1.0)
+        killed_at = time.time()
+        ray.kill(victim)  # as if the process crashed
+        answers = [f.result() for f in in_flight]
+    assert all(done > killed_at for _, done in answers), "every request should still have been running at the kill"
+    assert [r.status_code for r, _ in answers] == [200] * 8, [(r.status_code, r.text[:80]) for r, _ in answers]
+    assert all(r.json()["usage"]["completion_tokens"] == 600 for r, _ in answers)
 
     body = {"model": MODEL, "prompt": "are you there", "max_tokens": 4}
     codes = [httpx.post(f"{app_url}/v1/completions", json=body, timeout=60).status_code for _ in range(10)]

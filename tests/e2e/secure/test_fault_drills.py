@@ -56,7 +56,7 @@ def test_planner_killed_comes_back_within_a_minute_and_inference_never_stops(dri
 
 
 def test_feedback_store_killed_restarts_with_the_same_database(drilled):
-    before = list(drilled["prober"].acked)
+    before = drilled["prober"].acked_ids()
     r = _drill(drilled, "store", lambda: kill_named(drilled["store"]))
     assert r.recovery_s <= 60, r
     assert drilled["prober"].acked[-1] > max(before)  # ids go on from the same database
