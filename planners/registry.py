@@ -12,7 +12,7 @@ from typing import Any, Callable, TypeVar
 # Modules whose import registers the policies of each kind; imported on first use.
 _MODULES: dict[str, tuple[str, ...]] = {
     "placement": ("planners.placement",),
-    "iteration": ("planners.iteration",),
+    "iteration": ("planners.coserving.policies",),
     "stages": ("planners.stages",),
     "retraining": ("planners.retraining",),
 }
