@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar
 _MODULES: dict[str, tuple[str, ...]] = {
     "placement": ("planners.placement",),
     "iteration": ("planners.coserving.policies",),
-    "stages": ("planners.stages",),
+    "stages": ("planners.offline.search",),
     "retraining": ("planners.retraining",),
 }
 _POLICIES: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in _MODULES}
