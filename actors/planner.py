@@ -13,7 +13,7 @@ and asks ``planners/`` for every decision:
   replicas as an :class:`AdapterAssignment` (a long poll); :meth:`load_adapter` returns when the
   nodes confirm.
 - Training: each node's engine facts feed that node's iteration scheduler
-  (``planners/iteration.py``) and memory guard (``planners/memory.py``); :meth:`grant` answers a
+  (``planners/coserving/``) and memory guard (``planners/memory.py``); :meth:`grant` answers a
   trainer with the token windows it may run now on its node.
 - It starts the feedback store and the trainer, and watches the replicas' actors, so a node
   whose replica died is not offered to routers or trainers until Serve's replacement registers.
@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from app.config import AppConfig
 from app.engine_args import served_model_name
 from planners import registry
-from planners.iteration import EngineFacts, FineTuneSample, TokenWindow, whole_windows
+from planners.coserving import EngineFacts, FineTuneSample, TokenWindow, whole_windows
 from planners.memory import MemoryGuard
 from planners.types import (
     AdapterAssignment,

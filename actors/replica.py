@@ -25,7 +25,7 @@ import os
 import time
 from typing import Any, Callable
 
-from planners.iteration import EngineFacts, LiveRequest
+from planners.coserving import EngineFacts, LiveRequest
 from planners.types import AdapterAssignment, ExecutionTrace, NodeRegistration, NodeReport
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ Per micro-step: the leader takes up to ``micro_batch`` queued items of one adapt
 over adapters with feedback, skipping mode ``off``); every rank takes its share and runs it in
 token windows (FlexLLM §6.1, ``app.lora_training.WindowedPass``): it asks ``Planner.grant`` for
 its own node, which answers with the windows the node's iteration scheduler fits beside the
-inference work there now (``planners/iteration.py``), runs them, and asks again until its items
+inference work there now (``planners/coserving/``), runs them, and asks again until its items
 are done; a synced step's ranks go round by round (one small all-reduce per round) and apply
 their gradients together. Then the leader reports each item's loss in the pass to the planner
 (``Planner.report_passes``): CheckEnd (MACE Alg. 1 lines 17–21) retires it or requeues it, and a

@@ -87,7 +87,7 @@ class PlannerConfig(_Strict):
     trace_flush_seconds: float = Field(0.25, gt=0, description="How often replicas send execution traces "
                                                                "and engine facts.")
     iteration: str | None = Field(
-        "hybrid", description="Node-level co-serving policy from the registry (planners/iteration.py) that grants "
+        "hybrid", description="Node-level co-serving policy from the registry (planners/coserving/) that grants "
                               "training windows to adapters in mode hybrid; null: LEMIX Eq. 4 grants instead.")
     iteration_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of that policy.")
     memory_params: dict[str, Any] = Field(

@@ -481,7 +481,7 @@ def _capturing_cache_class() -> type:
 class WindowedPass:
     """One training pass over one feedback item, run as consecutive token windows (FlexLLM §6.1).
 
-    The node scheduler (``planners.iteration``) grants fine-tune work as token windows [start, end)
+    The node scheduler (``planners.coserving``) grants fine-tune work as token windows [start, end)
     of an item's stream of ``length`` tokens; ``forward(end)`` runs one grant and ``finish()``, after
     the last, applies the loss: the LoRA gradient it accumulates equals that of one full-sequence
     step (``sft_step`` / ``dpo_step`` on this item alone, same ``scale``) up to float rounding.

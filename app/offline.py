@@ -7,7 +7,7 @@ Planning builds the job's models when they are embedded ones, counts every reque
 tokens with its model's own tokenizer, takes per-model cost models (a fitted profile when there
 is one, else the embedded model's shipped profile scaled by weight size), an output-length eCDF
 (``output_lengths_file``, else the profile's), and runs the registry's stage planner
-(``planners/stages.py``). Running executes the plan with one :class:`actors.offline.OfflineEngine`
+(``planners/offline/``). Running executes the plan with one :class:`actors.offline.OfflineEngine`
 Ray actor per model replica; see :class:`JobRunner`.
 """
 
@@ -40,7 +40,7 @@ from app.offline_job import (
 )
 from planners.costs import CostModel
 from planners.registry import create, names
-from planners.stages import (
+from planners.offline import (
     DeviceSet,
     Edge,
     ExecutionPlan,
@@ -218,13 +218,13 @@ class _Replica:
 
 class JobRunner:
     """Executes a :class:`Plan` on Ray: replicas per stage, a communicator along the graph's edges, and the
-    dynamic adjustment of SamuLLM §4.3 at every model finish (:func:`planners.stages.adjust_stage`).
+    dynamic adjustment of SamuLLM §4.3 at every model finish (:func:`planners.offline.adjust_stage`).
 
     The job's devices are one placement group, a bundle of ``devices.bundle`` per device, reserved
     before anything starts (so a busy cluster gives a clear error, not a job that waits forever); a
     replica runs in its device's bundle, so at most ``devices.count`` replicas hold resources at once. Requests become ready when every upstream output they read
     exists (for a chain: the previous chunk's summary); a model's ready requests go to its dp
-    replicas by :func:`planners.stages.replica_of` (whole chains on one replica, as the planner
+    replicas by :func:`planners.offline.replica_of` (whole chains on one replica, as the planner
     predicted). Policy stays in ``planners/``; this class moves data and starts and stops actors.
     """
 

@@ -13,7 +13,7 @@ graph is one of the shapes SamuLLM evaluates (§5.1) or explicit edges:
   runs chain summary and ensembling together): ``parts``, planned and run as one graph.
 
 :func:`build_workload` turns a job into per-model requests (ids and own text) plus planner edges,
-and :func:`job_graph` into :class:`planners.stages.JobGraph` with token counts from each model's
+and :func:`job_graph` into :class:`planners.offline.JobGraph` with token counts from each model's
 own tokenizer. Nothing here runs a model.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from planners.stages import Edge, EngineConfig, JobGraph, ModelSpec, chain_maps
+from planners.offline import Edge, EngineLimits, JobGraph, ModelSpec, chain_maps
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 
@@ -348,7 +348,7 @@ def job_graph(job: JobSpec, work: Workload, facts: dict[str, ModelFacts],
             name=m.name, weight_bytes=f.weight_bytes, prompt_tokens=prompts, max_output_tokens=m.max_output_tokens,
             kv_bytes_per_token=f.kv_bytes_per_token, max_seq_len=min(job.max_model_len, f.max_position_embeddings),
             load_time_s=((1, (load_s or {}).get(m.name, 0.0)),), tp_options=tuple(job.devices.tp_options),
-            engine=EngineConfig(max_num_seqs=job.max_num_seqs, max_batched_tokens=max(2048, job.max_model_len)),
+            engine=EngineLimits(max_num_seqs=job.max_num_seqs, max_batched_tokens=max(2048, job.max_model_len)),
         ))
     return JobGraph(tuple(specs), tuple(work.edges))
 

@@ -7,7 +7,7 @@
 Simulated (SamuLLM §5): each workload is planned by every planner variant from output lengths
 *sampled* from a ShareGPT eCDF (§4.1), then executed in the simulator against *true* lengths the
 planner never saw, re-adjusting at every model finish as the runtime does (§4.3,
-``planners.stages.replay_plan``). End-to-end time = that execution + the search's CPU seconds (§5
+``planners.offline.replay_plan``). End-to-end time = that execution + the search's CPU seconds (§5
 "Metric"; CPU, not wall, time because other sessions share this machine). The node is SamuLLM's: 8 devices of 80 GB, all linked. Costs: the embedded model's
 fitted profile (``profiles/tiny-llama-cpu.json``) stands for a 7B model in fp16 on one device; a
 bigger model's per-token terms scale by its weight bytes over the 7B's, the rule
@@ -43,7 +43,7 @@ from app.offline_job import chunk_text  # noqa: E402
 from bench.common import init_ray  # noqa: E402
 from planners.costs import CostModel  # noqa: E402
 from planners.registry import create  # noqa: E402
-from planners.stages import (  # noqa: E402
+from planners.offline import (  # noqa: E402
     DeviceSet,
     Edge,
     EngineConfig,

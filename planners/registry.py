@@ -12,8 +12,8 @@ from typing import Any, Callable, TypeVar
 # Modules whose import registers the policies of each kind; imported on first use.
 _MODULES: dict[str, tuple[str, ...]] = {
     "placement": ("planners.placement",),
-    "iteration": ("planners.iteration",),
-    "stages": ("planners.stages",),
+    "iteration": ("planners.coserving.policies",),
+    "stages": ("planners.offline.search",),
     "retraining": ("planners.retraining",),
 }
 _POLICIES: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in _MODULES}

@@ -1,7 +1,7 @@
 """Retraining policies: whether a trainer may run its next LoRA micro-step on a node now, and how much of it.
 
 The trainer asks ``Planner.grant(node, adapter, mode, samples)`` for its next token windows. An
-adapter in mode ``hybrid`` is granted by the node's co-serving scheduler (``planners/iteration.py``,
+adapter in mode ``hybrid`` is granted by the node's co-serving scheduler (``planners/coserving/``,
 ``planner.iteration``); for the other modes, and for ``hybrid`` when ``planner.iteration`` is null,
 the planner builds a :class:`RetrainingView` from its node state and cost model and calls the
 adapter's policy (registry kind ``retraining``, chosen by the adapter's ``mode``), whose granted

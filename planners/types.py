@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from planners.iteration import EngineFacts
+    from planners.coserving import EngineFacts
 
 TaskKind = Literal["inference", "training"]
 

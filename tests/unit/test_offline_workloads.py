@@ -11,7 +11,7 @@ import yaml
 from app.offline_job import JobSpec, ModelFacts, build_workload, job_graph, load_job
 from planners import registry
 from planners.costs import CostModel, IterationLatency, OutputLengthCDF, default_cost_model
-from planners.stages import DeviceSet
+from planners.offline import DeviceSet
 
 JOBS = Path(__file__).resolve().parents[2] / "configs" / "jobs"
 

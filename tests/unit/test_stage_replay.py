@@ -1,11 +1,11 @@
-"""Replaying a plan against true output lengths with the §4.3 adjustment (planners/stages.replay_plan)."""
+"""Replaying a plan against true output lengths with the §4.3 adjustment (planners/offline/replay.py)."""
 
 import numpy as np
 import pytest
 
 from planners import registry
 from planners.costs import CostModel, IterationLatency, OutputLengthCDF, default_cost_model
-from planners.stages import DeviceSet, Edge, ExecutionPlan, JobGraph, ModelSpec, Plan, Stage, chain_maps, replay_plan
+from planners.offline import DeviceSet, Edge, ExecutionPlan, JobGraph, ModelSpec, Plan, Stage, chain_maps, replay_plan
 
 _BASE = default_cost_model()
 
@@ -82,7 +82,7 @@ def test_chain_summary_with_an_evaluator_replays_without_stalling():
 
 
 def test_a_load_cut_short_by_a_stage_boundary_goes_on_in_the_next_stage():
-    from planners.stages import JobSimulator
+    from planners.offline import JobSimulator
 
     quick = ModelSpec("quick", 1e9, (10,) * 4, 5, output_tokens=(3,) * 4, load_time_s=((1, 0.1),), tp_options=(1,))
     slow = ModelSpec("slow", 1e9, (10,) * 4, 5, output_tokens=(3,) * 4, load_time_s=((1, 5.0),), tp_options=(1,))

@@ -1,4 +1,4 @@
-"""Offline multi-LLM stage planning (planners/stages.py, SamuLLM §4): sampler, simulator, plans, search, adjustment."""
+"""Offline multi-LLM stage planning (planners/offline/, SamuLLM §4): sampler, simulator, plans, search, adjustment."""
 
 import itertools
 import math
@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from planners import registry
 from planners.costs import CostModel, IterationLatency, OutputLengthCDF, default_cost_model
-from planners.stages import (
+from planners.offline import (
     DeviceSet,
     Edge,
-    EngineConfig,
+    EngineLimits,
     ExecutionPlan,
     JobGraph,
     JobSimulator,
@@ -86,22 +86,22 @@ def test_two_requests_hand_checked():
 
 def test_max_num_seqs_one_serialises_requests():
     # A: prefill + 2 decodes; B is admitted only after A leaves: prefill + 4 decodes -> 8 iterations.
-    run = simulate_engine([4, 6], [3, 5], HAND, EngineConfig(max_num_seqs=1, max_batched_tokens=8), record=True)
+    run = simulate_engine([4, 6], [3, 5], HAND, EngineLimits(max_num_seqs=1, max_batched_tokens=8), record=True)
     assert run.iterations == 8
     assert [x[0] for x in run.per_iteration()] == [4, 0, 0, 6, 0, 0, 0, 0]
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
-    run = simulate_engine([10], [2], HAND, EngineConfig(max_num_seqs=4, max_batched_tokens=4), record=True)
+    run = simulate_engine([10], [2], HAND, EngineLimits(max_num_seqs=4, max_batched_tokens=4), record=True)
     assert list(run.per_iteration()) == [(4, 0, 0), (4, 0, 0), (2, 0, 0), (0, 1, 11)]
     # A decoding request takes one token of the budget before a waiting prompt gets the rest.
-    run = simulate_engine([2, 5], [3, 1], HAND, EngineConfig(max_num_seqs=4, max_batched_tokens=4),
+    run = simulate_engine([2, 5], [3, 1], HAND, EngineLimits(max_num_seqs=4, max_batched_tokens=4),
                           ready_s=[0.0, 0.5], record=True)
     assert list(run.per_iteration())[:3] == [(2, 0, 0), (3, 1, 3), (2, 1, 4)]
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
-    cfg = EngineConfig(max_num_seqs=4, max_batched_tokens=4, chunked_prefill=False)
+    cfg = EngineLimits(max_num_seqs=4, max_batched_tokens=4, chunked_prefill=False)
     run = simulate_engine([3, 3], [1, 1], HAND, cfg, record=True)
     assert [x[0] for x in run.per_iteration()] == [3, 3]
     with pytest.raises(ValueError, match="chunked"):
@@ -166,7 +166,7 @@ def _reference(prompt, out, lat, cfg, ready):
 @settings(max_examples=80, deadline=None)
 def test_fast_simulator_matches_step_by_step_reference(reqs, seqs, budget):
     prompt, out, ready = (list(x) for x in zip(*reqs))
-    cfg = EngineConfig(max_num_seqs=seqs, max_batched_tokens=budget)
+    cfg = EngineLimits(max_num_seqs=seqs, max_batched_tokens=budget)
     lat = IterationLatency(0.02, 0.001, 0.003, 0.0001)
     iters, finish = _reference(prompt, out, lat, cfg, ready)
     run = simulate_engine(prompt, out, lat, cfg, ready_s=ready)
@@ -177,7 +177,7 @@ def test_fast_simulator_matches_step_by_step_reference(reqs, seqs, budget):
 def test_cutoff_then_resume_reproduces_the_uncut_run():
     prompt, out = np.full(12, 20), np.arange(5, 29, 2)
     lat = IterationLatency(0.02, 0.001, 0.003, 0.0001)
-    cfg = EngineConfig(max_num_seqs=4, max_batched_tokens=64)
+    cfg = EngineLimits(max_num_seqs=4, max_batched_tokens=64)
     whole = simulate_engine(prompt, out, lat, cfg)
     part = simulate_engine(prompt, out, lat, cfg, until_s=0.5)
     assert part.end_s >= 0.5 and part.iterations < whole.iterations
@@ -194,7 +194,7 @@ def test_cutoff_then_resume_reproduces_the_uncut_run():
 def test_data_parallel_replicas_split_work_and_start_after_load():
     prompt, out = np.full(40, 30), np.full(40, 50)
     lat = IterationLatency(0.01, 1e-4, 1e-3, 1e-6)
-    cfg = EngineConfig(max_num_seqs=8, max_batched_tokens=256)
+    cfg = EngineLimits(max_num_seqs=8, max_batched_tokens=256)
     one = simulate_model(prompt, out, lat, cfg, dp=1)
     two = simulate_model(prompt, out, lat, cfg, dp=2, load_s=3.0)
     assert two.end_s - 3.0 < 0.6 * one.end_s
@@ -278,7 +278,7 @@ def _instance(seed, n_models=3):
     models = tuple(_spec(f"m{i}", n=int(rng.integers(4, 60)), weight=float(rng.choice([1e9, 2e9, 4e9])),
                          prompt=int(rng.integers(10, 200)), out=int(rng.integers(10, 60)),
                          load=((1, float(rng.uniform(0.0, 1.0))),), seed=seed * 10 + i, tp_options=(1,),
-                         engine=EngineConfig(max_num_seqs=int(rng.choice([4, 16, 64])), max_batched_tokens=512))
+                         engine=EngineLimits(max_num_seqs=int(rng.choice([4, 16, 64])), max_batched_tokens=512))
                    for i in range(n_models))
     return JobGraph(models)
 
@@ -489,7 +489,7 @@ def test_adjustment_when_a_model_finishes_earlier_than_predicted():
     job = JobGraph(tuple(_spec(n, n=20, seed=i, tp_options=(1,)) for i, n in enumerate("abcd")))
     dev = DeviceSet(4, 1e11)
     s0 = (ExecutionPlan("a", 2, 1, (0, 1)), ExecutionPlan("b", 1, 1, (2,)), ExecutionPlan("c", 1, 1, (3,)))
-    from planners.stages import Plan, Stage
+    from planners.offline import Plan, Stage
     plan = Plan((Stage(s0, 0, 1, ("a",)),
                  Stage((ExecutionPlan("b", 1, 1, (2,)), ExecutionPlan("c", 1, 1, (3,)),
                         ExecutionPlan("d", 2, 1, (0, 1))), 1, 1, ("b",)),
@@ -512,7 +512,7 @@ def test_adjustment_when_a_model_finishes_earlier_than_predicted():
 def test_adjustment_preempts_a_model_whose_next_plan_differs_only_if_devices_are_needed():
     job = JobGraph(tuple(_spec(n, n=20, seed=i, tp_options=(1,)) for i, n in enumerate("abc")))
     dev = DeviceSet(4, 1e11)
-    from planners.stages import Plan, Stage
+    from planners.offline import Plan, Stage
     s0 = (ExecutionPlan("a", 2, 1, (0, 1)), ExecutionPlan("b", 2, 1, (2, 3)))
     plan = Plan((Stage(s0, 0, 1, ("a",)),
                  Stage((ExecutionPlan("c", 4, 1),), 1, 1, ("c",)),

@@ -1,4 +1,4 @@
-"""Node-level iteration scheduling (planners/iteration.py): hand-computed formulas, properties, policies."""
+"""Node-level co-serving scheduling (planners/coserving/): hand-computed formulas, properties, policies."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 
 from planners import registry
 from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatency, default_cost_model
-from planners.iteration import (
+from planners.coserving import (
     EngineFacts,
     FineTuneSample,
-    Hybrid,
     InferenceRequest,
     InferenceWork,
     LiveRequest,
@@ -29,6 +28,7 @@ from planners.iteration import (
     whole_windows,
     window_latency,
 )
+from planners.coserving.policies import HybridScheduler
 
 _CDF = default_cost_model().output_lengths
 
@@ -698,7 +698,7 @@ def test_policies_reject_bad_params():
     with pytest.raises(ValueError):
         sched(slo_s=0.0)
     with pytest.raises(ValueError):
-        Hybrid(weights={"pi_ft": 5.0})
+        HybridScheduler(weights={"pi_ft": 5.0})
 
 
 # ---- the live app's protocol: observed engine facts and the trainer's samples -----------------

@@ -1,0 +1,180 @@
+"""The work one node's co-serving scheduler weighs: inference requests, fine-tune samples, token windows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from planners.costs import CostModel
+
+WorkKind = Literal["prefill", "decode", "ft"]
+SampleOutcome = Literal["partial", "requeued", "retired", "released"]
+
+
+@dataclass
+class InferenceRequest:
+    """One inference request on the node: waiting (its prefill is due) until admitted, then decoding."""
+
+    request_id: str
+    prompt_tokens: int
+    arrival: float
+    max_tokens: int = 256
+    output_tokens: int = 0
+    """Tokens generated so far, as the replica reports them (``update_request``)."""
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass
+class FineTuneSample:
+    """One fine-tune sample: ``tokens`` = L, the tokens one training pass over it processes.
+
+    ``arrival`` is MACE's t_arr (reset when CheckEnd requeues the sample); ``dpo_loss`` its last
+    DPO loss (0 until the trainer reports one; for an SFT sample its mean token NLL, which takes
+    L_DPO's place in MACE §4.1's γ·L_DPO term); ``done`` the tokens of the current pass already
+    processed in earlier windows (FlexLLM §6.1); ``passes`` completed passes.
+    """
+
+    sample_id: str
+    tokens: int
+    arrival: float
+    dpo_loss: float = 0.0
+    done: int = 0
+    passes: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.tokens - self.done
+
+
+@dataclass(frozen=True)
+class LiveRequest:
+    """One inference request in flight on a replica, as the replica reports it."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a replica reports of its engine: the requests in flight, iterations so far, KV cache in use.
+
+    A request with no output token yet is waiting for (or in) its prefill; the others decode.
+    ``iterations`` counts engine steps since the engine started (monotonic), ``kv_cache_usage``
+    is vLLM's fraction of KV blocks in use, ``kv_cache_bytes`` the KV cache's size.
+    """
+
+    at: float
+    requests: tuple[LiveRequest, ...] = ()
+    iterations: int = 0
+    kv_cache_usage: float = 0.0
+    kv_cache_bytes: float = 0.0
+
+    @property
+    def kv_used_bytes(self) -> float:
+        return self.kv_cache_usage * self.kv_cache_bytes
+
+
+@dataclass(frozen=True)
+class InferenceWork:
+    """c of FlexLLM §6.2: the inference work of one window, in the terms of SamuLLM Eq. 5."""
+
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.prefill_tokens == 0 and self.decode_seqs == 0
+
+    def plus_prefill(self, tokens: int) -> InferenceWork:
+        return InferenceWork(self.prefill_tokens + tokens, self.decode_seqs, self.context_tokens)
+
+    def plus_decode(self, context_tokens: int) -> InferenceWork:
+        return InferenceWork(self.prefill_tokens, self.decode_seqs + 1, self.context_tokens + context_tokens)
+
+    def latency(self, cost: CostModel) -> float:
+        """t_iter(c): one engine iteration over this work; 0 when there is none (the engine idles)."""
+        if self.empty:
+            return 0.0
+        return cost.iteration_latency(self.prefill_tokens, self.decode_seqs, self.context_tokens)
+
+
+# --- Token-level windows (FlexLLM §6.1) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenWindow:
+    """Tokens [start, end) of a sample of ``length`` tokens, run as one slice (FlexLLM §6.1, Alg. 2)."""
+
+    sample_id: str
+    start: int
+    end: int
+    length: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def completes_pass(self) -> bool:
+        """The last window of the sequence: after it the accumulated gradient equals the full-sequence one."""
+        return self.end >= self.length
+
+
+def token_windows(length: int, grants: Iterable[int], start: int = 0) -> list[tuple[int, int]]:
+    """FlexLLM §6.1: split tokens [start, length) into consecutive windows of the granted sizes.
+
+    Grants are used in order (a grant ≤ 0 gives no window); the last window is clipped at
+    ``length``; stops once the sequence is covered. The windows tile [start, covered) with no gap
+    or overlap; the torch side accumulates gradients over them (KV and KV-gradient caches).
+    """
+    if length < 0 or not 0 <= start <= length:
+        raise ValueError("need 0 <= start <= length")
+    out, pos = [], start
+    for g in grants:
+        if pos >= length:
+            break
+        if g <= 0:
+            continue
+        end = min(length, pos + int(g))
+        out.append((pos, end))
+        pos = end
+    return out
+
+
+def whole_windows(samples: Sequence[FineTuneSample], count: int) -> tuple[TokenWindow, ...]:
+    """The rest of the current pass of the first ``count`` samples, one window each.
+
+    How a grant of whole samples (the retraining policies of ``planners/retraining.py``) is handed
+    to a trainer that runs token windows.
+    """
+    return tuple(TokenWindow(s.sample_id, s.done, s.tokens, s.tokens) for s in samples[:max(0, count)]
+                 if s.remaining > 0)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Windows the trainer runs as one padded batch: B = ``batch_size`` rows of ``padded_tokens``."""
+
+    windows: tuple[TokenWindow, ...]
+    memory_bytes: float
+    latency_s: float
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.windows)
+
+    @property
+    def padded_tokens(self) -> int:
+        return max((w.tokens for w in self.windows), default=0)
+
+    @property
+    def tokens(self) -> int:
+        return sum(w.tokens for w in self.windows)
