@@ -114,9 +114,6 @@ class FeedbackQueue:
     async def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = (), node: int | None = None):
         return await self._run("take", adapter, limit, list(exclude_ids), node)
 
-    async def queued(self, adapter: str) -> int:
-        return await self._run("queued", adapter)
-
     async def queue_summary(self, node: int | None = None) -> dict[str, tuple[int, float]]:
         return await self._run("queue_summary", node)
 
