@@ -140,13 +140,19 @@ class LeastUtilized:
 
 @dataclass(frozen=True)
 class NodeEstimate:
-    """Alg. 1 and Eq. 1–3 for one task on one node: what LEMIX weighs when it chooses."""
+    """Alg. 1 and Eq. 1–3 for one task on one node: what LEMIX weighs when it chooses.
+
+    ``idle_time`` is II, the stage idle time the task's schedule leaves (Alg. 1); ``response_time``
+    is R, the task's end minus its arrival; ``idle_gain`` is IP of Eq. 1, Δa − II/S (clipped at τ);
+    ``length_affinity`` is LC of Eq. 2, how close the task's length is to the node's recent ones;
+    ``score`` is f of Eq. 3 (or its difference form), higher is better.
+    """
 
     node_id: int
-    ii: float
-    r: float
-    ip: float
-    lc: float
+    idle_time: float
+    response_time: float
+    idle_gain: float
+    length_affinity: float
     score: float
     start_f: tuple[float, ...]
     end_f: tuple[float, ...]
@@ -166,10 +172,10 @@ class _Eval:
 
     start: Any
     end: Any
-    ii: Any
-    r: Any
-    ip: Any
-    lc: Any
+    idle_time: Any
+    response_time: Any
+    idle_gain: Any
+    length_affinity: Any
     f: Any
 
     def best(self) -> int:
@@ -427,10 +433,10 @@ class LemixPlacement:
             num = ip + l2 * lc
             ev.start.append(st_)
             ev.end.append(en_)
-            ev.ii.append(ii)
-            ev.r.append(r)
-            ev.ip.append(ip)
-            ev.lc.append(lc)
+            ev.idle_time.append(ii)
+            ev.response_time.append(r)
+            ev.idle_gain.append(ip)
+            ev.length_affinity.append(lc)
             ev.f.append(num / (l1 * max(r, 1e-12)) if ratio else num - l1 * r)  # Eq. 3
         return ev
 
@@ -609,7 +615,8 @@ class LemixPlacement:
         if not ids:
             return []
         ev = self._evaluate(task, rows, rlist, now)
-        return [NodeEstimate(ids[i], float(ev.ii[i]), float(ev.r[i]), float(ev.ip[i]), float(ev.lc[i]),
+        return [NodeEstimate(ids[i], float(ev.idle_time[i]), float(ev.response_time[i]), float(ev.idle_gain[i]),
+                             float(ev.length_affinity[i]),
                              float(ev.f[i]), tuple(float(x) for x in ev.start[i]), tuple(float(x) for x in ev.end[i]))
                 for i in range(len(ids))]
 

@@ -49,9 +49,9 @@ def test_first_task_on_empty_nodes_ties_and_takes_the_first():
     for n in (0, 1):
         assert e[n].start_f == (0.0, 1.0) and e[n].end_f == (1.0, 2.0)
         # Idle since the horizon (10 s) on both stages: 10 + 11 seconds of idleness made unusable.
-        assert e[n].ii == pytest.approx(21.0)
-        assert e[n].r == pytest.approx(2.0)
-        assert e[n].ip == pytest.approx(-10.5)  # Eq. 1, no previous arrival
+        assert e[n].idle_time == pytest.approx(21.0)
+        assert e[n].response_time == pytest.approx(2.0)
+        assert e[n].idle_gain == pytest.approx(-10.5)  # Eq. 1, no previous arrival
         assert e[n].score == pytest.approx(-12.5)  # Eq. 3, additive: IP − λ1·R
     assert p.choose(train("T1", 0.0), TWO, 0.0) == 0
 
@@ -64,12 +64,12 @@ def test_fig7_inference_fits_before_one_backward_and_waits_for_the_other():
     # Stage 1: fits in 1→2, before T1's backward at 4. Stage 2: would overlap T1's backward 2→4,
     # so it runs 4→5 (far dependency); the 2 s it waited were spent on that backward: II = 0.
     assert e[0].start_f == (1.0, 4.0) and e[0].end_f == (2.0, 5.0)
-    assert e[0].ii == pytest.approx(0.0)
-    assert e[0].r == pytest.approx(4.5)
-    assert e[0].ip == pytest.approx(0.5)  # −(0/2 − (0.5 − 0))
+    assert e[0].idle_time == pytest.approx(0.0)
+    assert e[0].response_time == pytest.approx(4.5)
+    assert e[0].idle_gain == pytest.approx(0.5)  # −(0/2 − (0.5 − 0))
     assert e[0].score == pytest.approx(-4.0)
     # Node 1 is idle: fastest answer, but it wakes a node (II = 10 + 11).
-    assert e[1].end_f == (1.5, 2.5) and e[1].r == pytest.approx(2.0) and e[1].ii == pytest.approx(21.0)
+    assert e[1].end_f == (1.5, 2.5) and e[1].response_time == pytest.approx(2.0) and e[1].idle_time == pytest.approx(21.0)
     assert e[1].score == pytest.approx(-12.0)
     assert p.choose(infer("I1", 0.5), TWO, 0.5) == 0  # consolidate
 
@@ -79,7 +79,7 @@ def test_a_short_idle_horizon_makes_waking_a_node_cheap():
     p.choose(train("T1", 0.0), TWO, 0.0)
     e = by_node(p.estimate(infer("I1", 0.5), TWO, 0.5))
     assert e[0].score == pytest.approx(-4.0)
-    assert e[1].ii == pytest.approx(3.0) and e[1].ip == pytest.approx(-1.0) and e[1].score == pytest.approx(-3.0)
+    assert e[1].idle_time == pytest.approx(3.0) and e[1].idle_gain == pytest.approx(-1.0) and e[1].score == pytest.approx(-3.0)
     assert p.choose(infer("I1", 0.5), TWO, 0.5) == 1
 
 
@@ -89,14 +89,14 @@ def test_queues_grow_and_backward_planning_chains_stages():
     p.choose(infer("I1", 0.5), TWO, 0.5)
     e = by_node(p.estimate(train("T2", 1.0), TWO, 1.0))
     assert e[0].start_f == (2.0, 5.0) and e[0].end_f == (3.0, 6.0)
-    assert e[0].ii == pytest.approx(0.0) and e[0].r == pytest.approx(5.0)
+    assert e[0].idle_time == pytest.approx(0.0) and e[0].response_time == pytest.approx(5.0)
     assert p.choose(train("T2", 1.0), TWO, 1.0) == 0
     # T2's backward: stage 2 at 6→8 (after its forward), stage 1 at 8→10 (after stage 2 and T1's 4→6).
     e = by_node(p.estimate(infer("I2", 1.5), TWO, 1.5))
     # Stage 1: 3→4 ends exactly when T1's backward starts: it fits. Stage 2: T2's backward 6→8
     # is in the way, so 8→9.
     assert e[0].start_f == (3.0, 8.0) and e[0].end_f == (4.0, 9.0)
-    assert e[0].r == pytest.approx(7.5) and e[0].ii == pytest.approx(0.0)
+    assert e[0].response_time == pytest.approx(7.5) and e[0].idle_time == pytest.approx(0.0)
     assert p.queues(1.5)[0]["training"] == 2.0
 
 
@@ -141,7 +141,7 @@ def test_observe_calibrates_speed_and_the_planned_forward_end():
     assert q["forward_free_at"] == pytest.approx(4.0)
     e = p.estimate(infer("I2", 1.0), one, 1.0)[0]
     # Stage 1 waits for the calibrated forward end (3.0); each stage now takes 2 s.
-    assert e.start_f == (3.0, 5.0) and e.end_f == (5.0, 7.0) and e.r == pytest.approx(6.0)
+    assert e.start_f == (3.0, 5.0) and e.end_f == (5.0, 7.0) and e.response_time == pytest.approx(6.0)
 
 
 def test_a_failed_or_forgotten_task_frees_its_intervals():
@@ -161,8 +161,8 @@ def test_length_consistency_prefers_the_node_with_similar_lengths():
     p.choose(infer("a", 0.0, prompt=100), nodes, 0.0)    # node 0: ℓ = 100
     p.choose(infer("b", 0.0, prompt=1000), nodes, 0.0)   # node 0 is busy until 2: node 1, ℓ = 1000
     e = by_node(p.estimate(infer("c", 100.0, prompt=1000), nodes, 100.0))
-    assert e[0].lc == pytest.approx(np.exp(-0.5 * (900 / 10) ** 2))  # σ floor: 10% of μ
-    assert e[1].lc == pytest.approx(1.0)
+    assert e[0].length_affinity == pytest.approx(np.exp(-0.5 * (900 / 10) ** 2))  # σ floor: 10% of μ
+    assert e[1].length_affinity == pytest.approx(1.0)
     assert p.choose(infer("c", 100.0, prompt=1000), nodes, 100.0) == 1
 
 
@@ -172,7 +172,7 @@ def test_literal_eq3_ratio_prefers_the_longer_response_when_scores_are_negative(
     p = lemix(score="ratio", idle_horizon=0.0)
     p.choose(train("T1", 0.0), TWO, 0.0)
     e = by_node(p.estimate(train("T2", 0.0), TWO, 0.0))
-    assert e[0].r > e[1].r and e[0].score > e[1].score
+    assert e[0].response_time > e[1].response_time and e[0].score > e[1].score
 
 
 def test_not_ready_nodes_are_skipped_and_none_when_none_is_ready():

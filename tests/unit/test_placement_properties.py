@@ -40,8 +40,8 @@ def test_response_covers_the_own_forward_and_idleness_is_never_negative(specs, n
     for task in _tasks(specs):
         own = p._isolated_forward(task)  # speed 1: no calibration
         for e in p.estimate(task, nodes, task.arrival):
-            assert e.ii >= 0.0
-            assert e.r >= own - 1e-9
+            assert e.idle_time >= 0.0
+            assert e.response_time >= own - 1e-9
             assert all(b >= a for a, b in zip(e.start_f, e.end_f))
             assert all(e.start_f[j + 1] >= e.end_f[j] - 1e-12 for j in range(stages - 1))  # stage order
         p.choose(task, nodes, task.arrival)
@@ -55,8 +55,8 @@ def test_scalar_and_vector_planners_agree(specs, n, stages, report):
     nodes = [NodeView(i, True) for i in range(n)]
     placed = []
     for k, task in enumerate(_tasks(specs)):
-        a = [(e.node_id, e.ii, e.r, e.score) for e in small.estimate(task, nodes, task.arrival)]
-        b = [(e.node_id, e.ii, e.r, e.score) for e in big.estimate(task, nodes, task.arrival)]
+        a = [(e.node_id, e.idle_time, e.response_time, e.score) for e in small.estimate(task, nodes, task.arrival)]
+        b = [(e.node_id, e.idle_time, e.response_time, e.score) for e in big.estimate(task, nodes, task.arrival)]
         assert [x[0] for x in a] == [x[0] for x in b]
         assert np.allclose([x[1:] for x in a], [x[1:] for x in b], rtol=1e-9, atol=1e-9)
         ca, cb = small.choose(task, nodes, task.arrival), big.choose(task, nodes, task.arrival)
