@@ -17,7 +17,7 @@ def _bin(cost: CostModel, windows: Sequence[TokenWindow]) -> MicroBatch:
 
 def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes: float,
                   latency_cap_s: float = math.inf, lambdas: tuple[float, float] = (1.0, 1.0),
-                  tau_mem: float = 1.0, tau_task: int | None = None) -> list[MicroBatch]:
+                  first_bin_fill: float = 1.0, max_windows: int | None = None) -> list[MicroBatch]:
     """MACE Alg. 1: pack windows (in priority order) into micro-batches ("bins") by best fit.
 
     A window (m, ℓ) = (its activation bytes, its forward+backward latency) may join bin i if the
@@ -26,7 +26,7 @@ def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes:
     bin's memory, m the memory the window adds to it (padding included), maxlat_i the latency of
     the bin's longest window alone, and L the latency cap (or ℓ when uncapped): the two terms are
     normalised so λ1, λ2 are unitless. No bin fits → a new bin. Line 3 of Alg. 1: stop taking
-    windows once bin 1 holds τ_mem·P bytes or ``tau_task`` windows were taken. A window that does
+    windows once bin 1 holds ``first_bin_fill``·P bytes (τ_mem) or ``max_windows`` (τ_task) windows were taken. A window that does
     not fit even alone is skipped. Returns the bins in creation order (bin 1 first).
     """
     lam1, lam2 = lambdas
@@ -34,7 +34,7 @@ def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes:
     mems: list[float] = []
     taken = 0
     for w in windows:
-        if bins and (mems[0] >= tau_mem * memory_bytes or (tau_task is not None and taken >= tau_task)):
+        if bins and (mems[0] >= first_bin_fill * memory_bytes or (max_windows is not None and taken >= max_windows)):
             break
         if w.tokens <= 0:
             continue

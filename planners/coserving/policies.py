@@ -99,7 +99,7 @@ class HybridScheduler(IterationScheduler):
         capacity = self._capacity(work, free_bytes)
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
-        bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.tau_mem, self.max_ft_samples)
+        bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.first_bin_fill, self.max_ft_samples)
         chosen, _ = within_room(bins, room)
         granted = self._grant(chosen)
         reason = f"promoted {promoted.sample_id}" if promoted is not None and any(
@@ -284,7 +284,7 @@ class SeparateScheduler(IterationScheduler):
             share = phi * (cost.memory_threshold() - cost.memory.weight_bytes)
             capacity = max(0.0, share if free_bytes is None else min(share, free_bytes))
             windows = self._windows(self._by_arrival(), budget, capacity)
-            bins = best_fit_pack(windows, cost, capacity, self.slo_s, self.lambdas, self.tau_mem, self.max_ft_samples)
+            bins = best_fit_pack(windows, cost, capacity, self.slo_s, self.lambdas, self.first_bin_fill, self.max_ft_samples)
             chosen, total = within_room(bins, self.slo_s)
             granted = self._grant(chosen)
             if granted:

@@ -19,36 +19,39 @@ class PriorityWeights:
     and δ_ft > δ_prefill > δ_decode (fine-tuning ages fastest, so it cannot starve); both are
     checked. Rates are per second. With the defaults a fresh fine-tune sample of zero loss
     outranks a prefill that arrived with it after (1 − 0)/(0.1 − 0.01) ≈ 11 s, a decode after ≈ 20 s.
+
+    Fields: ``*_base`` are π_decode, π_prefill, π_ft; ``*_aging`` are δ_decode, δ_prefill, δ_ft;
+    ``loss_weight`` is γ, the weight of the sample's last loss.
     """
 
-    pi_decode: float = 2.0
-    pi_prefill: float = 1.0
-    pi_ft: float = 0.0
-    delta_decode: float = 0.001
-    delta_prefill: float = 0.01
-    delta_ft: float = 0.1
-    gamma: float = 1.0
+    decode_base: float = 2.0
+    prefill_base: float = 1.0
+    ft_base: float = 0.0
+    decode_aging: float = 0.001
+    prefill_aging: float = 0.01
+    ft_aging: float = 0.1
+    loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.pi_decode > self.pi_prefill > self.pi_ft:
-            raise ValueError("MACE §4.1 needs pi_decode > pi_prefill > pi_ft")
-        if not self.delta_ft > self.delta_prefill > self.delta_decode >= 0:
-            raise ValueError("MACE §4.1 needs delta_ft > delta_prefill > delta_decode >= 0")
-        if self.gamma < 0:
-            raise ValueError("gamma must be >= 0")
+        if not self.decode_base > self.prefill_base > self.ft_base:
+            raise ValueError("MACE §4.1 needs decode_base > prefill_base > ft_base")
+        if not self.ft_aging > self.prefill_aging > self.decode_aging >= 0:
+            raise ValueError("MACE §4.1 needs ft_aging > prefill_aging > decode_aging >= 0")
+        if self.loss_weight < 0:
+            raise ValueError("loss_weight must be >= 0")
 
     def base(self, kind: WorkKind) -> float:
-        return {"decode": self.pi_decode, "prefill": self.pi_prefill, "ft": self.pi_ft}[kind]
+        return {"decode": self.decode_base, "prefill": self.prefill_base, "ft": self.ft_base}[kind]
 
     def rate(self, kind: WorkKind) -> float:
-        return {"decode": self.delta_decode, "prefill": self.delta_prefill, "ft": self.delta_ft}[kind]
+        return {"decode": self.decode_aging, "prefill": self.prefill_aging, "ft": self.ft_aging}[kind]
 
 
 def priority(kind: WorkKind, arrival: float, now: float, weights: PriorityWeights, dpo_loss: float = 0.0) -> float:
     """MACE §4.1: P_w(t) = π_w + δ_w·(t − t_arr), plus γ·L_DPO for a fine-tune sample (P_ft^total)."""
     p = weights.base(kind) + weights.rate(kind) * max(0.0, now - arrival)
     if kind == "ft":
-        p += weights.gamma * max(0.0, dpo_loss)
+        p += weights.loss_weight * max(0.0, dpo_loss)
     return p
 
 

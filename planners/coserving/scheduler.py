@@ -81,7 +81,7 @@ class IterationScheduler:
     each); ``max_ft_samples`` (8) τ_task, fine-tune windows per plan; ``min_window_tokens`` (16)
     the smallest window cut from a longer sample; ``max_window_tokens`` (None) the largest;
     ``loss_threshold`` (None) and ``max_passes`` (1) for CheckEnd; ``lambdas`` ((1, 1)) and
-    ``tau_mem`` (1.0) for best-fit packing; ``admission_control`` (True): the plan decides which
+    ``first_bin_fill`` (1.0) for best-fit packing; ``admission_control`` (True): the plan decides which
     waiting requests start now. False is the live app's case, where vLLM starts every request as
     it arrives: then every waiting request the engine's per-iteration limits allow counts in c, and
     the SLO can only shrink the fine-tuning, never defer inference (a plan that deferred a prefill
@@ -94,7 +94,7 @@ class IterationScheduler:
                  max_num_seqs: int = 32, max_batched_tokens: int | None = 2048, max_ft_samples: int = 8,
                  min_window_tokens: int = 16, max_window_tokens: int | None = None,
                  loss_threshold: float | None = None, max_passes: int = 1,
-                 lambdas: tuple[float, float] = (1.0, 1.0), tau_mem: float = 1.0,
+                 lambdas: tuple[float, float] = (1.0, 1.0), first_bin_fill: float = 1.0,
                  admission_control: bool = True) -> None:
         if slo_s <= 0 or max_num_seqs < 1 or max_ft_samples < 1 or min_window_tokens < 1 or max_passes < 1:
             raise ValueError("need slo_s > 0, max_num_seqs >= 1, max_ft_samples >= 1, "
@@ -113,7 +113,7 @@ class IterationScheduler:
         self.loss_threshold = loss_threshold
         self.max_passes = max_passes
         self.lambdas = (float(lambdas[0]), float(lambdas[1]))
-        self.tau_mem = tau_mem
+        self.first_bin_fill = first_bin_fill
         self.admission_control = admission_control
         self.waiting: dict[str, InferenceRequest] = {}
         self.running: dict[str, InferenceRequest] = {}
@@ -339,4 +339,4 @@ class IterationScheduler:
     def _whole_passes(self, samples: Iterable[FineTuneSample], capacity: float) -> tuple[MicroBatch, ...]:
         """Baselines without a budget: whole remaining passes, packed by memory only, all run."""
         windows = self._windows(samples, math.inf, capacity)
-        return self._grant(best_fit_pack(windows, self.cost, capacity, math.inf, self.lambdas, self.tau_mem))
+        return self._grant(best_fit_pack(windows, self.cost, capacity, math.inf, self.lambdas, self.first_bin_fill))

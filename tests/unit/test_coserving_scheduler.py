@@ -88,8 +88,8 @@ def test_fresh_work_orders_decode_prefill_ft_and_ft_overtakes_with_age():
     assert f > d > p
 
 
-@pytest.mark.parametrize("bad", [{"pi_prefill": 3.0}, {"pi_ft": 1.0}, {"delta_ft": 0.005},
-                                 {"delta_decode": 0.02}, {"gamma": -1.0}])
+@pytest.mark.parametrize("bad", [{"prefill_base": 3.0}, {"ft_base": 1.0}, {"ft_aging": 0.005},
+                                 {"decode_aging": 0.02}, {"loss_weight": -1.0}])
 def test_weights_enforce_mace_orderings(bad):
     with pytest.raises(ValueError):
         PriorityWeights(**bad)
@@ -267,9 +267,9 @@ def test_best_fit_latency_term_groups_similar_lengths():
 def test_best_fit_stops_at_tau_task_and_tau_mem():
     cm = cost_model(act_bytes=1.0)
     ws = [_w(str(i), 2) for i in range(6)]
-    assert sum(b.batch_size for b in best_fit_pack(ws, cm, 100, tau_task=4)) == 4
+    assert sum(b.batch_size for b in best_fit_pack(ws, cm, 100, max_windows=4)) == 4
     # τ_mem = 0.05: bin 1 holds 2 B >= 0.05 × 30 after the first window -> stop
-    assert _names(best_fit_pack(ws, cm, 30, tau_mem=0.05)) == [["0"]]
+    assert _names(best_fit_pack(ws, cm, 30, first_bin_fill=0.05)) == [["0"]]
     # a window that does not fit even alone is skipped, not packed
     assert _names(best_fit_pack([_w("big", 50), _w("ok", 5)], cm, 20)) == [["ok"]]
 
@@ -280,7 +280,7 @@ def test_best_fit_stops_at_tau_task_and_tau_mem():
 def test_packing_never_exceeds_memory_or_latency(sizes, mem, lat, l1, l2):
     cm = cost_model(act_bytes=3.0)
     ws = [_w(f"s{i}", n) for i, n in enumerate(sizes)]
-    bins = best_fit_pack(ws, cm, mem, lat, (l1, l2), tau_mem=2.0)  # no τ limit (bin 1 may fill exactly)
+    bins = best_fit_pack(ws, cm, mem, lat, (l1, l2), first_bin_fill=2.0)  # no τ limit (bin 1 may fill exactly)
     packed = [w.sample_id for b in bins for w in b.windows]
     assert len(packed) == len(set(packed))
     for b in bins:
@@ -355,7 +355,7 @@ def test_live_check_end_needs_no_window_in_flight_and_is_off_without_a_threshold
 def test_reported_loss_reorders_the_grants_of_requeued_samples(gamma, first):
     """The live round trip: pass 1 runs in arrival order; CheckEnd requeues both with t_arr = now and
     their losses; pass 2's grants put the higher loss first (γ·L_DPO, MACE §4.1), unless γ = 0."""
-    s = sched(weights=PriorityWeights(gamma=gamma), max_ft_samples=1, loss_threshold=0.1, max_passes=2)
+    s = sched(weights=PriorityWeights(loss_weight=gamma), max_ft_samples=1, loss_threshold=0.1, max_passes=2)
     samples = [FineTuneSample("a", 20, 0.0), FineTuneSample("b", 20, 0.5)]
     order = []
     for t in (1.0, 1.1):  # the trainer asks until both finished pass 1
@@ -500,17 +500,17 @@ load = st.lists(st.tuples(st.integers(0, 17), st.integers(0, 200)), min_size=1, 
 
 
 @settings(max_examples=40, deadline=None)
-@given(loads=load, gamma=st.floats(0.0, 2.0), lmax=st.floats(0.0, 2.0), delta_ft=st.floats(0.5, 5.0),
+@given(loads=load, gamma=st.floats(0.0, 2.0), lmax=st.floats(0.0, 2.0), ft_aging=st.floats(0.5, 5.0),
        losses=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8))
-def test_no_starvation_when_the_load_leaves_slack(loads, gamma, lmax, delta_ft, losses):
+def test_no_starvation_when_the_load_leaves_slack(loads, gamma, lmax, ft_aging, losses):
     """A zero-loss sample against a stream of newcomers of loss up to L_max, one per window, while one
     window per plan is granted: the victim's first grant comes within γ·L_max/δ_ft + 2 windows.
 
     Loads: d ≤ 17 decodes and p ≤ 200 prefill tokens give t_iter ≤ 42 ms, so f(c, 16) ≤ 50 ms: slack."""
-    w = PriorityWeights(delta_ft=delta_ft, delta_prefill=0.01, delta_decode=0.001, gamma=gamma)
+    w = PriorityWeights(ft_aging=ft_aging, prefill_aging=0.01, decode_aging=0.001, loss_weight=gamma)
     s = sched(weights=w, max_ft_samples=1, max_num_seqs=64)
     s.add_sample(FineTuneSample("victim", 16, 0.0, dpo_loss=0.0))
-    bound = gamma * lmax / delta_ft + 2 * SLO
+    bound = gamma * lmax / ft_aging + 2 * SLO
     t, k = 0.0, 0
     while True:
         s.add_sample(FineTuneSample(f"n{k}", 16, t, dpo_loss=lmax * losses[k % len(losses)]))
@@ -535,7 +535,7 @@ def test_no_starvation_when_the_load_leaves_slack(loads, gamma, lmax, delta_ft, 
 def test_loss_term_outranks_without_enough_aging():
     """The counterpart: with δ_ft tiny, newcomers of loss 1 keep the zero-loss victim waiting (the
     bound γ·L/δ_ft = 1,000 s is far): the no-starvation test above could fail."""
-    w = PriorityWeights(delta_ft=1e-3, delta_prefill=5e-4, delta_decode=0.0, gamma=1.0)
+    w = PriorityWeights(ft_aging=1e-3, prefill_aging=5e-4, decode_aging=0.0, loss_weight=1.0)
     s = sched(weights=w, max_ft_samples=1)
     s.add_sample(FineTuneSample("victim", 16, 0.0))
     for k in range(100):
@@ -698,7 +698,7 @@ def test_policies_reject_bad_params():
     with pytest.raises(ValueError):
         sched(slo_s=0.0)
     with pytest.raises(ValueError):
-        HybridScheduler(weights={"pi_ft": 5.0})
+        HybridScheduler(weights={"ft_base": 5.0})
 
 
 # ---- the live app's protocol: observed engine facts and the trainer's samples -----------------
