@@ -38,6 +38,8 @@ def busiest_offset(trace: Path, window_s: float, span_s: float) -> float:
     start says little about the ten minutes after it; the probes replay its busiest stretch instead."""
     from datetime import datetime
 
+    # The locustfile parses the trace the same way, but importing it imports Locust, which
+    # monkey-patches the standard library with gevent: not in a process that drives Ray.
     with trace.open(newline="") as f:
         stamps = sorted(datetime.strptime(r["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
                         for r in csv.DictReader(f))
