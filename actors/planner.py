@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from app.config import AppConfig
 from app.engine_args import served_model_name
 from planners import registry
-from planners.coserving import EngineFacts, FineTuneSample, TokenWindow, whole_windows
+from planners.coserving import EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, ft_latency, whole_windows
 from planners.memory import MemoryGuard
 from planners.types import (
     AdapterAssignment,
@@ -90,6 +90,8 @@ class _Node:
     facts: EngineFacts | None = None  # the replica's latest engine report
     scheduler: Any = None  # the node's iteration scheduler (planner.iteration), built on first grant
     guard: MemoryGuard | None = None
+    window_cost: WindowCostCalibration = field(default_factory=WindowCostCalibration)  # the live refit of t_ft
+    granted_model_s: float = 0.0  # modelled seconds of the windows last granted, paired with the trainer's measurement
     grants: dict[str, Any] = field(default_factory=lambda: {
         "asked": 0, "granted": 0, "refused": 0, "windows": 0, "tokens": 0, "last_budget": None, "last_reason": None,
         "passes": 0, "requeued": 0, "memory": {"wait": 0, "shrink": 0, "offload": 0, "defer": 0}})
@@ -104,6 +106,10 @@ class _Node:
     @property
     def finished_total(self) -> int:
         return self.finished_before + self.finished
+
+
+def _rounded(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 class Planner:
@@ -353,6 +359,12 @@ class Planner:
                     "memory_guard": None if n.guard is None else {
                         "threshold_bytes": n.guard.threshold(), "ratio": round(n.guard.ratio(), 4),
                         "waiting_since": n.memory_wait_since},
+                    # The live refit of t_ft: the factor on the profile's fine-tuning terms, and how far the
+                    # recent grants' modelled window time was from the measured one ((modelled − measured) / measured).
+                    "window_cost": {
+                        "factor": round(n.window_cost.factor, 4), "grants_measured": len(n.window_cost.samples),
+                        "median_error": _rounded(n.window_cost.median_error()),
+                        "median_abs_error": _rounded(n.window_cost.median_abs_error())},
                 }
                 for n in self.nodes
             ],
@@ -423,6 +435,8 @@ class Planner:
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
             windows, reason, budget = self._iteration_windows(node, queue, now, request.ran_s)
             windows, reason, offload, wait_s = self._check_memory(node, request, windows, reason, now)
+            # The trainer runs the windows one after another: each pays a whole forward and backward.
+            node.granted_model_s = sum(ft_latency(node.scheduler.cost, 1, w.tokens) for w in windows)
         else:
             windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now)
         g = node.grants
@@ -433,7 +447,8 @@ class Planner:
                                "tokens": sum(w.tokens for w in windows),
                                "samples": [int(w.sample_id) for w in windows],  # in the scheduler's order
                                "decoding": sum(r.output_tokens > 0 for r in reqs),
-                               "prefilling": sum(r.output_tokens == 0 for r in reqs), "reason": reason})
+                               "prefilling": sum(r.output_tokens == 0 for r in reqs), "reason": reason,
+                               "window_cost_factor": round(node.window_cost.factor, 4)})
         if not windows:
             g["refused"] += 1
             return Grant((), wait_s, reason)
@@ -487,6 +502,11 @@ class Planner:
     def _iteration_windows(self, node: _Node, queue: list[FineTuneSample], now: float,
                            ran_s: float = 0.0) -> tuple[Any, str, int]:
         sched = self._scheduler(node)
+        if ran_s > 0 and node.granted_model_s > 0:
+            node.window_cost.observe(node.granted_model_s, ran_s)
+        node.granted_model_s = 0.0
+        # Refit t_ft live: the profile's fine-tuning terms times what the windows really took.
+        sched.cost = self.cost_model.with_stages(self.cfg.cluster.stages).with_training_time(node.window_cost.factor)
         if node.facts is not None:
             sched.observe(node.facts)
         sched.set_samples(queue)

@@ -2,6 +2,15 @@
 
     .venv/bin/python bench/coserve.py                                   # 6 policies + separate@0.5 × 2 loads × 2 α, ~40 min
     .venv/bin/python bench/coserve.py --policies hybrid,separate --alphas 0.5 --duration 30
+    .venv/bin/python bench/coserve.py --contention --policies hybrid,fcfs,separate --loads heavy --alphas 0.5
+
+``--contention``: the engine and the trainer share one core, as they share a GPU's compute. Every
+process of the app is pinned (``os.sched_setaffinity``, each thread) to the other cores, except
+vLLM's engine core process and the trainer ranks, which get the last core to themselves; a
+thread re-applies the pinning every 2 s (a restarted rank is a new process). Without it the
+engine and the trainer run on separate cores and only contend for memory bandwidth (ρ ≈ 0.3).
+``--profile FILE`` serves the app with that cost-model profile (e.g. one whose ρ was measured under
+the same pinning: ``taskset -c 1 python -m app.profile --only-interference --out FILE``).
 
 One app (one node: one vLLM engine and one Ray Train worker sharing the machine, training scope
 synced) is started once; for every (load, α) the policies run one after another on it, switched
@@ -122,6 +131,9 @@ class Run:
     fed: int = 0
     versions: int = 0
     feed_errors: list[str] = field(default_factory=list)
+    window_error: float | None = None  # median |modelled − measured| / measured window time, recent grants
+    window_factor: float | None = None  # the live refit's factor on the profile's t_ft at the run's end
+    grants: dict[str, int] = field(default_factory=dict)  # grant counters during the run
 
 
 def stream_one(c: httpx.Client, url: str, a: Arrival, k: int) -> Result:
@@ -158,6 +170,83 @@ def granted_tokens(url: str) -> int:
     return sum((n.get("training_grants") or {}).get("tokens", 0) for n in st["nodes"])
 
 
+def grant_counts(url: str) -> dict[str, int]:
+    """Node 0's grant counters: asked, granted, refused, and the memory guard's non-run decisions."""
+    g = httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"][0].get("training_grants") or {}
+    return {"asked": g.get("asked", 0), "granted": g.get("granted", 0), "refused": g.get("refused", 0),
+            **{f"memory_{k}": v for k, v in (g.get("memory") or {}).items()}}
+
+
+def window_cost(url: str) -> tuple[float | None, float | None]:
+    """(median |relative error| of the modelled window time over the recent grants, the refit factor) of node 0."""
+    node = httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"][0]
+    w = node.get("window_cost") or {}
+    return w.get("median_abs_error"), w.get("factor")
+
+
+class CorePinning:
+    """Pins the engine core and the trainer ranks to ``core``, every other process of this run elsewhere.
+
+    Only this process and its descendants (Ray, Serve, HAProxy, the engine) are pinned; each thread
+    separately, because ``sched_setaffinity`` applies to one thread. Threads started later inherit
+    their creator's mask, and ``run`` re-applies it for processes started since.
+    """
+
+    SHARED = ("VLLM::EngineCore", "ray::TrainRank")
+
+    def __init__(self, core: int) -> None:
+        cores = set(range(os.cpu_count() or 1))
+        if core not in cores or len(cores) < 2:
+            raise SystemExit(f"--contention needs at least 2 cores and core {core} among them")
+        self.shared, self.others = {core}, cores - {core}
+        self.pinned: dict[int, str] = {}
+        self._stop = threading.Event()
+
+    @staticmethod
+    def _descendants(root: int) -> list[int]:
+        parent: dict[int, int] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        out, frontier = [root], [root]
+        while frontier:
+            frontier = [p for p, pp in parent.items() if pp in frontier]
+            out += frontier
+        return out
+
+    def apply(self) -> None:
+        for pid in self._descendants(os.getpid()):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                mask = self.shared if any(cmd.startswith(s) for s in self.SHARED) else self.others
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    os.sched_setaffinity(int(tid), mask)
+                if mask is self.shared:
+                    self.pinned[pid] = cmd.split(" ", 1)[0]
+            except (OSError, ValueError):
+                pass  # the process or thread is gone
+
+    def run(self) -> None:
+        while not self._stop.wait(2.0):
+            self.apply()
+
+    def start(self) -> None:
+        self.apply()
+        names = sorted(set(self.pinned.values()))
+        if not any(n.startswith("VLLM::EngineCore") for n in names) or not any(n.startswith("ray::TrainRank")
+                                                                                for n in names):
+            raise SystemExit(f"--contention: found {names or 'nothing'} to pin; need the engine core and a trainer rank")
+        print(f"contention: {names} share core {sorted(self.shared)}; the rest of the app runs on "
+              f"{sorted(self.others)}", file=sys.stderr, flush=True)
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arrivals: list[Arrival],
             pairs: list[dict[str, str]], args: argparse.Namespace, tag: str) -> Run:
     import ray
@@ -173,7 +262,7 @@ def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arriva
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}).raise_for_status()
     todo = [a for a in arrivals if a.at < args.duration]
     pair_iter = iter(pairs)
-    tokens0, (busy0, total0) = granted_tokens(url), cpu_times()
+    tokens0, (busy0, total0), grants0 = granted_tokens(url), cpu_times(), grant_counts(url)
     t_start = time.time()
 
     def feeder() -> None:
@@ -204,6 +293,8 @@ def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arriva
     run.ft_tokens = granted_tokens(url) - tokens0
     busy1, total1 = cpu_times()
     run.busy = (busy1 - busy0) / max(total1 - total0, 1e-9)
+    run.window_error, run.window_factor = window_cost(url)
+    run.grants = {k: v - grants0.get(k, 0) for k, v in grant_counts(url).items()}
     httpx.patch(f"{url}/v1/adapters/{adapter}", json={"mode": "off"}, timeout=30).raise_for_status()
     run.versions = len(httpx.get(f"{url}/v1/adapters/{adapter}", timeout=30).json()["versions"])
     time.sleep(args.cooldown)  # the trainer drops the adapter's step in flight before the next run
@@ -228,22 +319,31 @@ def summarize(run: Run, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
             "failed": len(run.results) - len(ok), "slo": attained / max(1, len(run.results)),
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tbt_p50": pct(tbt, 50), "tbt_p99": pct(tbt, 99),
             "inf_tps": sum(r.tokens for r in ok) / run.seconds, "ft_tps": run.ft_tokens / run.seconds,
-            "busy": run.busy, "fed": run.fed, "versions": run.versions}
+            "busy": run.busy, "fed": run.fed, "versions": run.versions, "window_error": run.window_error,
+            "window_factor": run.window_factor, "grants": run.grants}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     base = {(r["load"], r["alpha"]): r for r in rows if r["policy"] == "separate"}
     out = ["| load | α | policy | SLO attained | TTFT p50 / p99 (s) | TBT p50 / p99 (ms) | inference tok/s "
-           "| fine-tune tok/s | CPU busy | fine-tune × separate | SLO × separate | pairs fed | versions |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| fine-tune tok/s | CPU busy | fine-tune × separate | SLO × separate | pairs fed | versions "
+           "| window model error (refit ×) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = base.get((r["load"], r["alpha"]))
         ft_ratio = f"{r['ft_tps'] / b['ft_tps']:.2f}" if b and b["ft_tps"] > 0 else "—"
         slo_ratio = f"{r['slo'] / b['slo']:.2f}" if b and b["slo"] > 0 else "—"
         out.append(f"| {r['load']} | {r['alpha']} | {r['policy']} | {r['slo']:.1%} | {r['ttft_p50']:.3f} / "
                    f"{r['ttft_p99']:.3f} | {r['tbt_p50'] * 1e3:.1f} / {r['tbt_p99'] * 1e3:.1f} | {r['inf_tps']:.0f} "
-                   f"| {r['ft_tps']:.0f} | {r['busy']:.0%} | {ft_ratio} | {slo_ratio} | {r['fed']} | {r['versions']} |")
+                   f"| {r['ft_tps']:.0f} | {r['busy']:.0%} | {ft_ratio} | {slo_ratio} | {r['fed']} | {r['versions']} "
+                   f"| {_window(r)} |")
     return "\n".join(out)
+
+
+def _window(r: dict[str, Any]) -> str:
+    if r.get("window_error") is None:
+        return "—"
+    return f"{r['window_error']:.0%} (×{r['window_factor']:.2f})"
 
 
 def goals(rows: list[dict[str, Any]]) -> list[str]:
@@ -312,6 +412,10 @@ def main() -> None:
     p.add_argument("--pairs", default=str(SHARED / "preferences" / "hh_rlhf_train_sample.jsonl"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "coserve.png"))
     p.add_argument("--json", help="write the raw rows here")
+    p.add_argument("--contention", action="store_true",
+                   help="pin the engine core and the trainer ranks to one core, the rest of the app elsewhere")
+    p.add_argument("--shared-core", type=int, default=None, help="the core of --contention (default: the last)")
+    p.add_argument("--profile", default=None, help="serve with this cost-model profile (JSON from app.profile)")
     args = p.parse_args()
 
     from app.lora_training import read_preference_jsonl
@@ -332,6 +436,9 @@ def main() -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
 
     data_dir = tempfile.mkdtemp(prefix="bench-coserve-")
+    if args.profile:  # the data dir's profiles come before the shipped ones (app.profile.profile_paths)
+        (Path(data_dir) / "profiles").mkdir()
+        (Path(data_dir) / "profiles" / f"{BASE}-cpu.json").write_text(Path(args.profile).read_text())
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = {"name": "bench-coserve", "data_dir": data_dir,
@@ -343,8 +450,12 @@ def main() -> None:
                            "max_length": 512, "slo_tbt_s": args.slo_tbt}}
     start_app(config, port)
     rows: list[dict[str, Any]] = []
+    pinning = None
     try:
         wait_ready(url)
+        if args.contention:
+            pinning = CorePinning((os.cpu_count() or 1) - 1 if args.shared_core is None else args.shared_core)
+            pinning.start()
         import ray
 
         from app.main import planner_of
@@ -369,8 +480,12 @@ def main() -> None:
                     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
                           file=sys.stderr, flush=True)
     finally:
+        if pinning is not None:
+            pinning.stop()
         stop_app()
-    print(f"co-serving on one node (1 engine + 1 trainer worker, 2 cores): Azure conv trace, prompts ≤ "
+    where = ("the engine and the trainer share one core (--contention)" if args.contention
+             else "the engine and the trainer on separate cores")
+    print(f"co-serving on one node (1 engine + 1 trainer worker, 2 cores; {where}): Azure conv trace, prompts ≤ "
           f"{args.max_prompt}, outputs ≤ {args.max_output} tokens, {args.duration:.0f} s per run; light "
           f"{args.light_rate} req/s, heavy {args.heavy_rate} req/s; a fine-tuning task ({args.pairs_per_task} DPO pairs) "
           f"with probability α per arrival; "

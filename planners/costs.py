@@ -267,6 +267,13 @@ class CostModel:
         f = self.stages / stages
         return replace(self, forward=self.forward.scaled(f), backward=self.backward.scaled(f), stages=stages)
 
+    def with_training_time(self, factor: float) -> CostModel:
+        """The same model with the fine-tuning terms (forward and backward) ``factor`` times as long:
+        a live refit from measured windows (``planners.coserving.calibration``)."""
+        if factor <= 0:
+            raise ValueError("factor must be > 0")
+        return replace(self, forward=self.forward.scaled(factor), backward=self.backward.scaled(factor))
+
     def fit_table(self) -> list[dict[str, Any]]:
         """One row per fitted term group, for the profiler's printout and the docs."""
         rows = []

@@ -53,13 +53,15 @@ Modules, each one concept (pure: plain dataclasses in, a plan out; no Ray, no to
 - ``budget``: the cost of a window and FlexLLM's token budget;
 - ``packing``: MACE's best-fit packing into micro-batches;
 - ``scheduler``: the queues and protocol every policy shares, and the plan it returns;
-- ``policies``: the six registered policies.
+- ``policies``: the six registered policies;
+- ``calibration``: the live refit of the fine-tuning window cost from measured windows.
 """
 
 from __future__ import annotations
 
 from planners.coserving.budget import (ft_delay, ft_latency, ft_memory, ft_room, ft_tokens_within, token_budget,
                                        window_latency)
+from planners.coserving.calibration import WindowCostCalibration, WindowCostSample
 from planners.coserving.packing import best_fit_pack
 from planners.coserving.priorities import PRIORITY_SCALE, PriorityWeights, check_end, priority, vllm_priority
 from planners.coserving.scheduler import Admission, IterationScheduler, WindowPlan
@@ -79,6 +81,8 @@ __all__ = [
     "PriorityWeights",
     "SampleOutcome",
     "TokenWindow",
+    "WindowCostCalibration",
+    "WindowCostSample",
     "WindowPlan",
     "WorkKind",
     "best_fit_pack",

@@ -46,15 +46,20 @@ class HybridScheduler(IterationScheduler):
     load leaves slack (f(c, ``min_window_tokens``) ≤ SLO and that window fits memory) every window
     grants the top sample at least ``min_window_tokens``, so its wait is bounded.
 
-    Params (besides the common ones): ``weights`` (PriorityWeights or a dict of its fields).
+    Params (besides the common ones): ``weights`` (PriorityWeights or a dict of its fields);
+    ``max_grant_s`` (1.0): the most fine-tuning seconds one grant holds, whatever ρ allows.
     """
 
     name = "hybrid"
 
     def __init__(self, weights: PriorityWeights | Mapping[str, float] | None = None,
-                 cost_model: CostModel | Mapping[str, Any] | None = None, **common: Any) -> None:
+                 cost_model: CostModel | Mapping[str, Any] | None = None, max_grant_s: float = 1.0,
+                 **common: Any) -> None:
         super().__init__(cost_model, **common)
+        if max_grant_s <= 0:
+            raise ValueError("max_grant_s must be > 0")
         self.weights = as_priority_weights(weights)
+        self.max_grant_s = float(max_grant_s)
 
     def scores(self, now: float) -> list[tuple[float, WorkKind, InferenceRequest | FineTuneSample]]:
         """(P, kind, item) of every queued item, in descending P (ties: earlier arrival, then id)."""
@@ -91,11 +96,13 @@ class HybridScheduler(IterationScheduler):
             now, order, self._decode_work(),
             fits_slo=lambda req, trial: gate[req.request_id] == 0
             or window_latency(cost, trial, gate[req.request_id]) <= slo)
-        # A grant covers one window: at most SLO seconds of fine-tuning even when ρ < 1 would allow
-        # more, so that inference arriving meanwhile is seen at the next grant.
-        budget = max(min(token_budget(cost, work, slo), ft_tokens_within(cost, slo)), reserve)
+        # The grant's fine-tuning delays the inference beside it by ρ·t_ft ≤ SLO − t_iter(c): with
+        # ρ < 1 (separate cores) that is more than SLO seconds of fine-tuning, and one grant takes it
+        # all rather than paying a round trip per SLO-long slice. ``max_grant_s`` still bounds it
+        # (ρ = 0 would allow any), so inference arriving meanwhile is seen at a later grant.
+        budget = max(token_budget(cost, work, slo, cap=ft_tokens_within(cost, self.max_grant_s)), reserve)
         # Fine-tuning seconds (alone) the window has room for, at least the promoted reserve.
-        room = max(min(ft_room(cost, slo - work.latency(cost)), slo), ft_latency(cost, 1, reserve))
+        room = max(min(ft_room(cost, slo - work.latency(cost)), self.max_grant_s), ft_latency(cost, 1, reserve))
         capacity = self._capacity(work, free_bytes)
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)

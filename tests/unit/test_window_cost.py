@@ -1,0 +1,41 @@
+"""The live refit of the fine-tuning window cost (planners/coserving/calibration.py) and its use in the budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from planners.costs import default_cost_model
+from planners.coserving import InferenceWork, WindowCostCalibration, ft_latency, token_budget
+
+
+def test_factor_converges_to_the_measured_ratio_and_the_error_shrinks():
+    cal = WindowCostCalibration(rate=0.2)
+    model_s = 0.05  # the profile's time for the granted windows
+    for _ in range(60):
+        cal.observe(model_s * cal.factor, 4 * model_s)  # they really take 4x as long (DPO's extra passes)
+    assert cal.factor == pytest.approx(4.0, rel=0.02)
+    first, last = cal.samples[0], cal.samples[-1]
+    assert first.error == pytest.approx(-0.75)  # the uncalibrated model: 4x too cheap
+    assert abs(last.error) < 0.02
+    assert cal.median_abs_error() < 0.2
+
+
+def test_noise_and_nonsense_are_ignored():
+    cal = WindowCostCalibration()
+    cal.observe(0.0, 1.0)
+    cal.observe(0.1, 0.0001)  # below the timer's resolution
+    assert cal.factor == 1.0 and cal.median_error() is None
+    for _ in range(200):
+        cal.observe(1.0 * cal.factor, 1e6)
+    assert cal.factor == cal.high  # bounded: beyond it the profile needs re-fitting, not a factor
+    with pytest.raises(ValueError):
+        WindowCostCalibration(rate=0.0)
+
+
+def test_a_slower_refit_shrinks_the_token_budget():
+    cost = default_cost_model()
+    slow = cost.with_training_time(4.0)
+    assert ft_latency(slow, 1, 100) == pytest.approx(4 * ft_latency(cost, 1, 100))
+    assert slow.iteration_latency(64, 2, 128) == cost.iteration_latency(64, 2, 128)  # inference untouched
+    work = InferenceWork(0, 4, 256)
+    assert 0 < token_budget(slow, work, 0.1) < token_budget(cost, work, 0.1)
