@@ -495,6 +495,8 @@ class Planner:
             params = {"slo_s": self.cfg.training.slo_tbt_s, "max_num_seqs": e.max_num_seqs,
                       "max_batched_tokens": e.max_num_batched_tokens or 2048, "admission_control": False,
                       **self.cfg.planner.iteration_params}
+            if registry.accepts("iteration", self.cfg.planner.iteration, "ttft_slo_s"):
+                params.setdefault("ttft_slo_s", self.cfg.training.slo_ttft_s)
             node.scheduler = registry.create("iteration", self.cfg.planner.iteration, cost_model=cm, **params)
             node.guard = MemoryGuard(cm, **self.cfg.planner.memory_params)
         return node.scheduler

@@ -11,7 +11,7 @@ from planners.coserving.budget import ft_delay, ft_latency, ft_room, ft_tokens_w
 from planners.coserving.packing import best_fit_pack
 from planners.coserving.priorities import PriorityWeights, priority, as_priority_weights
 from planners.coserving.scheduler import IterationScheduler, WindowPlan, within_room
-from planners.coserving.work import FineTuneSample, InferenceRequest, InferenceWork, MicroBatch, WorkKind
+from planners.coserving.work import EngineFacts, FineTuneSample, InferenceRequest, InferenceWork, MicroBatch, WorkKind
 from planners.registry import register
 from planners.retraining import Periodic as _PeriodicTimer
 from planners.retraining import RetrainingView
@@ -46,20 +46,46 @@ class HybridScheduler(IterationScheduler):
     load leaves slack (f(c, ``min_window_tokens``) ≤ SLO and that window fits memory) every window
     grants the top sample at least ``min_window_tokens``, so its wait is bounded.
 
+    An idle engine (nothing running or waiting) has no time between tokens to protect, only the
+    TTFT of a request that arrives during the grant: with ``ttft_slo_s`` set, the grant may then
+    delay that request's prefill (of the mean prompt seen so far) up to the TTFT SLO, not the TBT SLO.
+
     Params (besides the common ones): ``weights`` (PriorityWeights or a dict of its fields);
-    ``max_grant_s`` (1.0): the most fine-tuning seconds one grant holds, whatever ρ allows.
+    ``max_grant_s`` (1.0): the most fine-tuning seconds one grant holds, whatever ρ allows;
+    ``ttft_slo_s`` (None: the idle engine gets the TBT bound too).
     """
 
     name = "hybrid"
 
     def __init__(self, weights: PriorityWeights | Mapping[str, float] | None = None,
                  cost_model: CostModel | Mapping[str, Any] | None = None, max_grant_s: float = 1.0,
-                 **common: Any) -> None:
+                 ttft_slo_s: float | None = None, **common: Any) -> None:
         super().__init__(cost_model, **common)
-        if max_grant_s <= 0:
-            raise ValueError("max_grant_s must be > 0")
+        if max_grant_s <= 0 or (ttft_slo_s is not None and ttft_slo_s <= 0):
+            raise ValueError("max_grant_s and ttft_slo_s must be > 0")
         self.weights = as_priority_weights(weights)
         self.max_grant_s = float(max_grant_s)
+        self.ttft_slo_s = ttft_slo_s
+        self.prompts_seen, self.prompt_tokens_seen = 0, 0
+        self._counted: set[str] = set()
+
+    def observe(self, facts: EngineFacts) -> None:
+        super().observe(facts)
+        for r in facts.requests:  # the mean prompt, for the prefill a grant on an idle engine may delay
+            if r.request_id not in self._counted:
+                self._counted.add(r.request_id)
+                self.prompts_seen += 1
+                self.prompt_tokens_seen += max(1, r.prompt_tokens)
+        self._counted &= {r.request_id for r in facts.requests}
+
+    def _delay_bound(self, work: InferenceWork) -> float:
+        """The most a grant may delay the inference beside it: SLO − t_iter(c), or, on an idle engine
+        with ``ttft_slo_s``, the TTFT SLO less the prefill of the mean prompt (if that is larger)."""
+        bound = self.slo_s - work.latency(self.cost)
+        if self.ttft_slo_s is not None and not self.running and not self.waiting and self.prompts_seen:
+            prefill = InferenceWork().plus_prefill(round(self.prompt_tokens_seen / self.prompts_seen))
+            bound = max(bound, self.ttft_slo_s - prefill.latency(self.cost))
+        return bound
 
     def scores(self, now: float) -> list[tuple[float, WorkKind, InferenceRequest | FineTuneSample]]:
         """(P, kind, item) of every queued item, in descending P (ties: earlier arrival, then id)."""
@@ -100,9 +126,11 @@ class HybridScheduler(IterationScheduler):
         # ρ < 1 (separate cores) that is more than SLO seconds of fine-tuning, and one grant takes it
         # all rather than paying a round trip per SLO-long slice. ``max_grant_s`` still bounds it
         # (ρ = 0 would allow any), so inference arriving meanwhile is seen at a later grant.
-        budget = max(token_budget(cost, work, slo, cap=ft_tokens_within(cost, self.max_grant_s)), reserve)
+        delay = self._delay_bound(work)
+        budget = max(token_budget(cost, work, work.latency(cost) + delay, cap=ft_tokens_within(cost, self.max_grant_s)),
+                     reserve)
         # Fine-tuning seconds (alone) the window has room for, at least the promoted reserve.
-        room = max(min(ft_room(cost, slo - work.latency(cost)), self.max_grant_s), ft_latency(cost, 1, reserve))
+        room = max(min(ft_room(cost, delay), self.max_grant_s), ft_latency(cost, 1, reserve))
         capacity = self._capacity(work, free_bytes)
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)

@@ -1,0 +1,47 @@
+"""How much fine-tuning one ``hybrid`` grant holds: the TBT bound beside running decodes, the TTFT bound on an idle engine."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from planners.costs import default_cost_model
+from planners.coserving import EngineFacts, FineTuneSample, LiveRequest, ft_latency
+from planners.coserving.policies import HybridScheduler
+
+COST = replace(default_cost_model(), ft_interference=1.0)
+
+
+def _granted_seconds(s: HybridScheduler) -> float:
+    s.add_sample(FineTuneSample("x", 100_000, 0.0))
+    plan = s.schedule(1.0)
+    return sum(ft_latency(COST, 1, w.tokens) for w in plan.windows)
+
+
+def _facts(*requests: LiveRequest) -> EngineFacts:
+    return EngineFacts(at=1.0, requests=requests)
+
+
+def test_an_idle_engine_grants_up_to_the_ttft_slack_of_the_mean_prompt():
+    tbt_only = HybridScheduler(cost_model=COST, slo_s=0.05)
+    with_ttft = HybridScheduler(cost_model=COST, slo_s=0.05, ttft_slo_s=0.5)
+    for s in (tbt_only, with_ttft):
+        s.observe(_facts(LiveRequest("a", 200, 3, 0.0, 16)))  # a request seen, then gone: the engine idles
+        s.observe(_facts())
+    short, long = _granted_seconds(tbt_only), _granted_seconds(with_ttft)
+    assert short <= 0.05 + 1e-9
+    prefill = COST.iteration_latency(200, 0, 0)
+    # The grant delays a request arriving meanwhile by ρ·t_ft ≤ TTFT SLO − its prefill (ρ = 1 here).
+    assert long <= 0.5 - prefill + 1e-9 and long > 0.5 - prefill - 0.05
+    assert long > 3 * short
+
+
+def test_running_decodes_keep_the_tbt_bound_and_max_grant_caps_any_grant():
+    busy = HybridScheduler(cost_model=COST, slo_s=0.05, ttft_slo_s=0.5)
+    busy.observe(_facts(LiveRequest("a", 200, 3, 0.0, 16)))  # decoding: TBT is what a grant may delay
+    assert _granted_seconds(busy) <= 0.05 - COST.iteration_latency(0, 1, 203) + 1e-9
+    capped = HybridScheduler(cost_model=replace(COST, ft_interference=0.1), slo_s=0.05, max_grant_s=0.2)
+    assert _granted_seconds(capped) <= 0.2 + 1e-9  # ρ = 0.1 would allow 0.5 s
+    with pytest.raises(ValueError):
+        HybridScheduler(cost_model=COST, ttft_slo_s=0.0)
