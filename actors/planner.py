@@ -353,7 +353,9 @@ class Planner:
                     "pid": n.pid,
                     "engine": None if n.facts is None else {
                         "requests": len(n.facts.requests), "iterations": n.facts.iterations,
-                        "kv_cache_usage": round(n.facts.kv_cache_usage, 4)},
+                        "kv_cache_usage": round(n.facts.kv_cache_usage, 4),
+                        # How often requests queued inside vLLM (steps that left one waiting; the most left).
+                        "steps_with_waiting": n.facts.steps_with_waiting, "waiting_peak": n.facts.waiting_peak},
                     "training_grants": dict(n.grants, recent=list(n.grant_log), passes_recent=list(n.pass_log)),
                     # LEMIX Alg. 2's state: κ·M_peak and the calibration ratio (measured / modelled bytes).
                     "memory_guard": None if n.guard is None else {

@@ -68,6 +68,11 @@ class EngineFacts:
     A request with no output token yet is waiting for (or in) its prefill; the others decode.
     ``iterations`` counts engine steps since the engine started (monotonic), ``kv_cache_usage``
     is vLLM's fraction of KV blocks in use, ``kv_cache_bytes`` the KV cache's size.
+    ``steps_with_waiting`` counts the engine steps after which vLLM's waiting queue still held a
+    request (one that step did not start: ``max_num_seqs`` reached, no token budget or KV blocks
+    left), since the engine started; ``waiting_peak`` is the most requests that queue held after
+    any step. They measure how often request order inside vLLM could matter at all
+    (docs/coserving.md, "Admission by priority: measured, then removed").
     """
 
     at: float
@@ -75,6 +80,8 @@ class EngineFacts:
     iterations: int = 0
     kv_cache_usage: float = 0.0
     kv_cache_bytes: float = 0.0
+    steps_with_waiting: int = 0
+    waiting_peak: int = 0
 
     @property
     def kv_used_bytes(self) -> float:
