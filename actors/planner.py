@@ -493,10 +493,9 @@ class Planner:
         if node.scheduler is None:
             cm = self.cost_model.with_stages(self.cfg.cluster.stages)
             e = self.cfg.engine
-            # vLLM starts every request as it arrives: the plans count them all (admission_control off).
+            # vLLM starts every request as it arrives: the plans count every one its limits let in.
             params = {"slo_s": self.cfg.training.slo_tbt_s, "max_num_seqs": e.max_num_seqs,
-                      "max_batched_tokens": e.max_num_batched_tokens or 2048, "admission_control": False,
-                      **self.cfg.planner.iteration_params}
+                      "max_batched_tokens": e.max_num_batched_tokens or 2048, **self.cfg.planner.iteration_params}
             node.scheduler = registry.create("iteration", self.cfg.planner.iteration, cost_model=cm, **params)
             node.guard = MemoryGuard(cm, **self.cfg.planner.memory_params)
         return node.scheduler

@@ -1,4 +1,4 @@
-"""The work one node's co-serving scheduler weighs: inference requests, fine-tune samples, token windows."""
+"""The work one node's co-serving scheduler weighs: the engine's requests, fine-tune samples, token windows."""
 
 from __future__ import annotations
 
@@ -9,23 +9,7 @@ from typing import Literal
 from planners.costs import CostModel
 
 WorkKind = Literal["prefill", "decode", "ft"]
-SampleOutcome = Literal["partial", "requeued", "retired", "released"]
-
-
-@dataclass
-class InferenceRequest:
-    """One inference request on the node: waiting (its prefill is due) until admitted, then decoding."""
-
-    request_id: str
-    prompt_tokens: int
-    arrival: float
-    max_tokens: int = 256
-    output_tokens: int = 0
-    """Tokens generated so far, as the replica reports them (``update_request``)."""
-
-    @property
-    def context_tokens(self) -> int:
-        return self.prompt_tokens + self.output_tokens
+SampleOutcome = Literal["requeued", "retired"]
 
 
 @dataclass
@@ -52,13 +36,20 @@ class FineTuneSample:
 
 @dataclass(frozen=True)
 class LiveRequest:
-    """One inference request in flight on a replica, as the replica reports it."""
+    """One inference request in flight on a replica, as the replica reports it.
+
+    With no output token yet it waits for (or is in) its prefill; after that it decodes.
+    """
 
     request_id: str
     prompt_tokens: int
     output_tokens: int
     arrival: float
     max_tokens: int
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
 
 
 @dataclass(frozen=True)
