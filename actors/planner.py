@@ -353,7 +353,9 @@ class Planner:
                     "pid": n.pid,
                     "engine": None if n.facts is None else {
                         "requests": len(n.facts.requests), "iterations": n.facts.iterations,
-                        "kv_cache_usage": round(n.facts.kv_cache_usage, 4)},
+                        "kv_cache_usage": round(n.facts.kv_cache_usage, 4),
+                        # How often requests queued inside vLLM (steps that left one waiting; the most left).
+                        "steps_with_waiting": n.facts.steps_with_waiting, "waiting_peak": n.facts.waiting_peak},
                     "training_grants": dict(n.grants, recent=list(n.grant_log), passes_recent=list(n.pass_log)),
                     # LEMIX Alg. 2's state: κ·M_peak and the calibration ratio (measured / modelled bytes).
                     "memory_guard": None if n.guard is None else {
@@ -491,10 +493,9 @@ class Planner:
         if node.scheduler is None:
             cm = self.cost_model.with_stages(self.cfg.cluster.stages)
             e = self.cfg.engine
-            # vLLM starts every request as it arrives: the plans count them all (admission_control off).
+            # vLLM starts every request as it arrives: the plans count every one its limits let in.
             params = {"slo_s": self.cfg.training.slo_tbt_s, "max_num_seqs": e.max_num_seqs,
-                      "max_batched_tokens": e.max_num_batched_tokens or 2048, "admission_control": False,
-                      **self.cfg.planner.iteration_params}
+                      "max_batched_tokens": e.max_num_batched_tokens or 2048, **self.cfg.planner.iteration_params}
             if registry.accepts("iteration", self.cfg.planner.iteration, "ttft_slo_s"):
                 params.setdefault("ttft_slo_s", self.cfg.training.slo_ttft_s)
             node.scheduler = registry.create("iteration", self.cfg.planner.iteration, cost_model=cm, **params)

@@ -339,6 +339,8 @@ class ModelReplica:
             iterations=0 if st is None else st.iterations,
             kv_cache_usage=0.0 if st is None else st.kv_cache_usage,
             kv_cache_bytes=0.0 if st is None else st.kv_cache_bytes,
+            steps_with_waiting=0 if st is None else st.steps_with_waiting,
+            waiting_peak=0 if st is None else st.waiting_peak,
         )
 
 
@@ -361,6 +363,8 @@ def _engine_stats_logger(replica: ModelReplica) -> Any:
 
     vLLM calls ``record`` once per engine step with the scheduler's state (running and waiting
     requests, KV cache usage): the only place outside the engine core that sees every iteration.
+    The scheduler takes its stats after the step is scheduled, so ``num_waiting_reqs`` (plus the
+    waiting requests it skipped for a transient reason) are the requests that step left waiting.
     """
     from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -369,6 +373,8 @@ def _engine_stats_logger(replica: ModelReplica) -> Any:
             self.iterations = 0
             self.kv_cache_usage = 0.0
             self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, since the engine started
+            self.steps_with_waiting = 0  # steps that left at least one request in vLLM's waiting queue
+            self.waiting_peak = 0  # the most requests a step left waiting
             cache = vllm_config.cache_config
             self.kv_cache_bytes = float(getattr(cache, "kv_cache_memory_bytes", None) or 0.0)
             replica._stats = self
@@ -377,6 +383,11 @@ def _engine_stats_logger(replica: ModelReplica) -> Any:
                    engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
                 self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                waiting = int(scheduler_stats.num_waiting_reqs) + int(
+                    getattr(scheduler_stats, "num_skipped_waiting_reqs", 0))
+                if waiting > 0:
+                    self.steps_with_waiting += 1
+                    self.waiting_peak = max(self.waiting_peak, waiting)
                 cache = getattr(scheduler_stats, "prefix_cache_stats", None)
                 if cache is not None:
                     self.prefix_cache_queries += cache.queries

@@ -1,17 +1,21 @@
-"""Memory guard before a training step or an inference admission: LEMIX Alg. 2 (§IV-D) as a pure decision object.
+"""Memory guard before a training step: LEMIX Alg. 2 (§IV-D) as a pure decision object.
 
 LEMIX checks memory before each stage's forward (Alg. 2, line 7: MemoryAvailable against
 M_threshold = κ·M_peak, LEMIX §IV-A), waits in steps of Δ_t while it is short (lines 6–8), and after
 T_max offloads state to host memory instead of risking an out-of-memory (lines 9–11); after the
 run it calibrates its plan from the execution trace (lines 13–17). Here:
 
-- ``decide(used_bytes, batch_size, tokens, waited_s, kind)`` answers ``run``, ``wait`` (for
+- ``decide(used_bytes, batch_size, tokens, waited_s)`` answers ``run``, ``wait`` (for
   ``wait_s``), ``shrink`` (run a smaller batch or a shorter token window), ``offload`` (move the
-  optimizer state to host memory, then run) or ``defer`` (give the work back: the trainer releases
-  its window, the replica keeps the request queued);
-- the need is the cost model's prediction (activation bytes for training, KV bytes for an
-  admission), multiplied by a calibration ratio: the largest actual/predicted ratio of the last
-  ``calibration_window`` observations (``observe``), at least ``min_ratio``;
+  optimizer state to host memory, then run) or ``defer`` (give the work back for T_max);
+- the need is the cost model's prediction (the activation bytes of the training windows),
+  multiplied by a calibration ratio: the largest actual/predicted ratio of the last
+  ``calibration_window`` observations (``observe``), at least ``min_ratio``.
+
+Only training is guarded. LEMIX also checks before an inference admission; here vLLM admits
+every request itself and holds it in its own queue while its KV block allocator has no room (and
+preempts under pressure), so a planner-side check would duplicate that at the cost of a round trip
+per request (docs/coserving.md). The KV cache inference holds is counted in ``used_bytes``.
 
 Live caller: the planner's grant path (``Planner._check_memory``). Each grant the node's iteration
 scheduler plans (by latency, its bins packed within the cost model's own memory estimate, MACE's P)
@@ -38,7 +42,6 @@ from typing import Any, Literal
 from planners.costs import CostModel, as_cost_model
 
 MemoryAction = Literal["run", "wait", "shrink", "offload", "defer"]
-MemoryKind = Literal["train", "admit"]
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,7 @@ class MemoryGuard:
     After T_max, for training: if offloading lets the whole step run, ``offload``; else the largest
     smaller step that fits as is, ``shrink`` (fewer samples first, then, at ``min_batch``, a shorter
     token window, which FlexLLM §6.1's token-level fine-tuning makes equivalent); else the largest
-    that fits after offloading, ``offload``; else ``defer``. For an admission: ``offload`` when that
-    frees room for the wanted requests (LEMIX frees memory for inference first), else the largest
-    number of requests that fits (``shrink``), else ``defer``.
+    that fits after offloading, ``offload``; else ``defer``.
     """
 
     def __init__(self, cost_model: CostModel | Mapping[str, Any] | None = None, kappa: float | None = None,
@@ -96,7 +97,7 @@ class MemoryGuard:
         self.min_batch = min_batch
         self.min_tokens = min_tokens
         self.min_ratio = min_ratio
-        self._ratios: dict[str, deque[float]] = {k: deque(maxlen=calibration_window) for k in ("train", "admit")}
+        self._ratios: deque[float] = deque(maxlen=calibration_window)
 
     # -- prediction and calibration (LEMIX Alg. 2, lines 13–17) -------------------------------------
 
@@ -104,68 +105,61 @@ class MemoryGuard:
         """M_threshold = κ·M_peak (LEMIX §IV-A)."""
         return self.kappa * self.peak_bytes
 
-    def raw_need(self, batch_size: int, tokens: int, kind: MemoryKind = "train") -> float:
-        """The cost model's bytes: activations of B×ℓ training tokens, or KV of B requests of ℓ tokens."""
+    def raw_need(self, batch_size: int, tokens: int) -> float:
+        """The cost model's bytes: activations of B×ℓ training tokens."""
         if batch_size <= 0 or tokens <= 0:
             return 0.0
-        if kind == "train":
-            return self.cost.activation_bytes(batch_size, tokens)
-        return self.cost.kv_bytes(batch_size * tokens)
+        return self.cost.activation_bytes(batch_size, tokens)
 
-    def ratio(self, kind: MemoryKind = "train") -> float:
+    def ratio(self) -> float:
         """Calibration: max of actual/predicted over the recent window, at least ``min_ratio`` (1.0 before any)."""
-        seen = self._ratios[kind]
-        return max(self.min_ratio, max(seen)) if seen else 1.0
+        return max(self.min_ratio, max(self._ratios)) if self._ratios else 1.0
 
-    def need(self, batch_size: int, tokens: int, kind: MemoryKind = "train") -> float:
+    def need(self, batch_size: int, tokens: int) -> float:
         """Calibrated bytes the work will add: raw need × ratio."""
-        return self.raw_need(batch_size, tokens, kind) * self.ratio(kind)
+        return self.raw_need(batch_size, tokens) * self.ratio()
 
-    def observe(self, batch_size: int, tokens: int, actual_bytes: float, kind: MemoryKind = "train") -> float:
+    def observe(self, batch_size: int, tokens: int, actual_bytes: float) -> float:
         """Record what a run really added (peak during it minus before it); returns the new ratio."""
-        predicted = self.raw_need(batch_size, tokens, kind)
+        predicted = self.raw_need(batch_size, tokens)
         if predicted > 0 and actual_bytes >= 0 and math.isfinite(actual_bytes):
-            self._ratios[kind].append(actual_bytes / predicted)
-        return self.ratio(kind)
+            self._ratios.append(actual_bytes / predicted)
+        return self.ratio()
 
     # -- the decision (LEMIX Alg. 2, lines 6–12) --------------------------------------------------
 
-    def fits(self, used_bytes: float, batch_size: int, tokens: int, kind: MemoryKind = "train") -> bool:
+    def fits(self, used_bytes: float, batch_size: int, tokens: int) -> bool:
         """MemoryAvailable(n, s, M_threshold): reported use plus calibrated need stays under κ·M_peak."""
-        return used_bytes + self.need(batch_size, tokens, kind) <= self.threshold()
+        return used_bytes + self.need(batch_size, tokens) <= self.threshold()
 
-    def largest_fit(self, used_bytes: float, batch_size: int, tokens: int,
-                    kind: MemoryKind = "train") -> tuple[int, int] | None:
+    def largest_fit(self, used_bytes: float, batch_size: int, tokens: int) -> tuple[int, int] | None:
         """The largest (B, ℓ) ≤ (batch_size, tokens) that fits: B first; ℓ only at the smallest B.
 
-        For an admission only B (requests) shrinks. None when not even the minimum fits.
+        None when not even the minimum fits.
         """
-        min_b = 1 if kind == "admit" else min(self.min_batch, batch_size)
+        min_b = min(self.min_batch, batch_size)
         b = batch_size
-        while b >= min_b and not self.fits(used_bytes, b, tokens, kind):
+        while b >= min_b and not self.fits(used_bytes, b, tokens):
             b -= 1
         if b >= min_b:
             return b, tokens
-        if kind == "admit":
-            return None
         min_t = min(self.min_tokens, tokens)
         room = self.threshold() - used_bytes
-        per_token = self.need(min_b, 1, kind)
+        per_token = self.need(min_b, 1)
         t = tokens if per_token <= 0 else min(tokens, math.floor(room / per_token + 1e-9))
-        while t >= min_t and not self.fits(used_bytes, min_b, t, kind):
+        while t >= min_t and not self.fits(used_bytes, min_b, t):
             t -= 1
         return (min_b, t) if t >= min_t else None
 
     def decide(self, used_bytes: float, batch_size: int, tokens: int, waited_s: float = 0.0,
-               kind: MemoryKind = "train", optimizer_on_device: bool = True,
-               optimizer_bytes: float | None = None) -> MemoryDecision:
+               optimizer_on_device: bool = True, optimizer_bytes: float | None = None) -> MemoryDecision:
         """LEMIX Alg. 2 for one step: ``used_bytes`` reported now, ``waited_s`` since the work first asked;
         ``optimizer_bytes`` what offloading would free now (None: the guard's ``optimizer_bytes``)."""
         if batch_size < 1 or tokens < 1:
             raise ValueError("batch_size and tokens must be >= 1")
         offloadable = self.optimizer_bytes if optimizer_bytes is None else max(0.0, float(optimizer_bytes))
         thr = self.threshold()
-        need = self.need(batch_size, tokens, kind)
+        need = self.need(batch_size, tokens)
         if used_bytes + need <= thr:
             return MemoryDecision("run", batch_size, tokens, 0.0, need, thr, "fits")
         if waited_s < self.t_max_s:
@@ -176,14 +170,14 @@ class MemoryGuard:
         after = used_bytes - offloadable
         if can_offload and after + need <= thr:
             return MemoryDecision("offload", batch_size, tokens, 0.0, need, thr, "offloading the optimizer state fits")
-        fit = self.largest_fit(used_bytes, batch_size, tokens, kind)
+        fit = self.largest_fit(used_bytes, batch_size, tokens)
         if fit is not None:
             b, t = fit
-            return MemoryDecision("shrink", b, t, 0.0, self.need(b, t, kind), thr, f"shrunk to {b}x{t}")
+            return MemoryDecision("shrink", b, t, 0.0, self.need(b, t), thr, f"shrunk to {b}x{t}")
         if can_offload:
-            fit = self.largest_fit(after, batch_size, tokens, kind)
+            fit = self.largest_fit(after, batch_size, tokens)
             if fit is not None:
                 b, t = fit
-                return MemoryDecision("offload", b, t, 0.0, self.need(b, t, kind), thr,
+                return MemoryDecision("offload", b, t, 0.0, self.need(b, t), thr,
                                       f"offloading the optimizer state fits {b}x{t}")
         return MemoryDecision("defer", batch_size, tokens, 0.0, need, thr, f"nothing fits after {waited_s:.2f}s")

@@ -1,47 +1,35 @@
-"""Co-serving on one node: iteration scheduling of prefill, decode and fine-tune work (MACE §4.1–§4.2, FlexLLM §6, §8.2).
+"""Co-serving on one node: how much fine-tuning runs beside the engine's inference, window by window
+(MACE §4.1–§4.2, FlexLLM §6, §8.2).
 
-One scheduler object per node, in the manner of nano-vllm's scheduler: inference requests and
-fine-tune samples enter queues, and ``schedule(now)`` returns a :class:`WindowPlan` for the next
-iteration window: which waiting inference requests the replica submits now and with which vLLM
-priority, and which fine-tune micro-batches the trainer runs, each a list of token windows.
+One scheduler object per node, in the manner of nano-vllm's scheduler: it holds the node's
+inference requests and fine-tune samples, and ``schedule(now)`` returns a :class:`WindowPlan` for
+the next iteration window: the inference work c it assumes the engine runs, and the fine-tune
+micro-batches the trainer may run beside it, each a list of token windows.
 
-Protocol (the planner actor owns one scheduler per node). In the running app (``actors/planner.py``)
-the replica, not the scheduler, submits inference requests (vLLM admits them as they arrive), and
-the trainer owns its samples' progress, so each grant replaces the queues with what was observed:
-``observe(EngineFacts)`` from the replica's latest report and ``set_samples(...)`` from the trainer's
-request, then ``schedule(now, free_bytes)``; the granted windows go back to the trainer. The
-trainer's samples carry their last reported loss (the γ·L_DPO term of MACE §4.1) and their t_arr;
-after each micro-step the trainer reports every finished pass with ``report_pass`` (CheckEnd,
-MACE Alg. 1 lines 17–21) and trains a requeued sample again in a later micro-step. The
-step-by-step protocol below is the one the simulator and the tests drive:
+Protocol (the planner actor, ``actors/planner.py``, owns one scheduler per node). vLLM starts
+every inference request as it arrives, and the trainer owns its samples' progress, so each grant
+replaces the queues with what was observed: ``observe(EngineFacts)`` from the replica's latest
+report (requests in flight, engine iterations) and ``set_samples(...)`` from the trainer's request;
+``observe_ft_run`` with the seconds the previous grant's windows took; then
+``schedule(now, free_bytes)``, whose windows go back to the trainer (after the memory guard of
+``planners/memory.py``). The trainer's samples carry their last reported loss (the γ·L_DPO term
+of MACE §4.1) and their t_arr; after each micro-step the trainer reports every finished pass with
+``report_pass`` (CheckEnd, MACE Alg. 1 lines 17–21) and trains a requeued sample again later.
 
-- replica → ``add_request(InferenceRequest)`` on arrival, ``update_request(id, output_tokens)``
-  after iterations (returns True once ``max_tokens`` is reached: MACE's CheckEnd for inference),
-  ``finish(id)`` on EOS / abort;
-- feedback → ``add_sample(FineTuneSample)`` with the sample's tokens and, once known, its last
-  DPO loss;
-- each window → ``plan = schedule(now, free_bytes)``; the replica submits ``plan.admitted`` in order
-  with ``Admission.priority`` as vLLM's per-request ``priority`` (engine built with
-  ``scheduling_policy="priority"``); the trainer runs ``plan.micro_batches`` one after another
-  (gradient accumulation; ``TokenWindow.start/end`` slice the sample's sequence) unless
-  ``plan.inference_paused`` says the engine idles this window (temporal sharing);
-- trainer → ``report_sample(id, now, tokens_done, dpo_loss)`` for every granted window (CheckEnd:
-  retire, or requeue while the DPO loss stays above ``loss_threshold``), ``release(id)`` for a
-  window it did not run (e.g. the memory guard of ``planners/memory.py`` said "defer").
-
-vLLM priority mapping. MACE's priority P is "higher runs first"; vLLM's ``priority`` is "lower runs
-first" (ties by arrival). ``vllm_priority(P) = -round(P · 1000)`` maps one to the other at the
-moment of submission; vLLM keeps that number, so aging after submission is not seen by the engine
-(vLLM #19057: it reorders only its waiting queue and preempts only under KV pressure). Admission
-control, and with it aging, therefore stays here: the scheduler submits only what should run now.
+Inference order is vLLM's. MACE §4.1 also orders prefills by priority; here the planner never
+holds a request back and vLLM's ``priority`` is not fed: a prefill's priority at submission is
+the same for every request, vLLM never re-reads it (aging is invisible to it), and vLLM's queue
+is empty almost always (docs/coserving.md, "Admission by priority: measured, then removed"). The
+priorities still rank fine-tune samples, and an aged sample against the inference beside it.
 
 Cost of a window (FlexLLM §6.2, with the shared cost model of ``planners/costs.py``):
-f(c, s) = t_iter(c) + t_ft(s), where t_iter is SamuLLM Eq. 5 for the window's inference work c
+f(c, s) = t_iter(c) + ρ·t_ft(s), where t_iter is SamuLLM Eq. 5 for the window's inference work c
 (0 when there is none) and t_ft(s) = S·(Δ_F(1, s) + Δ_B(1, s)) is one forward and backward pass
 over a window of s fine-tune tokens on the node's S stages (LEMIX §IV-A). The two add: the trainer
 and the engine share the devices, so fine-tune work lengthens the window the inference tokens
-wait in. A micro-batch of B windows is padded to its longest window ℓ: its memory is the
-activation bytes of B·ℓ tokens and its latency S·(Δ_F(B, ℓ) + Δ_B(B, ℓ)).
+wait in, by ρ (the profile's ``ft_interference``) engine seconds per second of fine-tuning. A
+micro-batch of B windows is padded to its longest window ℓ: its memory is the activation bytes
+of B·ℓ tokens and its latency S·(Δ_F(B, ℓ) + Δ_B(B, ℓ)).
 
 Policies (registry kind ``iteration``): ``hybrid`` (ours), ``fcfs``, ``temporal``, ``ft_first``,
 ``periodic``, ``separate``; all share the queues and the protocol above.
@@ -63,21 +51,18 @@ from planners.coserving.budget import (ft_delay, ft_latency, ft_memory, ft_room,
                                        window_latency)
 from planners.coserving.calibration import WindowCostCalibration, WindowCostSample
 from planners.coserving.packing import best_fit_pack
-from planners.coserving.priorities import PRIORITY_SCALE, PriorityWeights, check_end, priority, vllm_priority
-from planners.coserving.scheduler import Admission, IterationScheduler, WindowPlan
-from planners.coserving.work import (EngineFacts, FineTuneSample, InferenceRequest, InferenceWork, LiveRequest,
-                                     MicroBatch, SampleOutcome, TokenWindow, WorkKind, token_windows, whole_windows)
+from planners.coserving.priorities import PriorityWeights, check_end, priority
+from planners.coserving.scheduler import IterationScheduler, WindowPlan
+from planners.coserving.work import (EngineFacts, FineTuneSample, InferenceWork, LiveRequest, MicroBatch,
+                                     SampleOutcome, TokenWindow, WorkKind, token_windows, whole_windows)
 
 __all__ = [
-    "Admission",
     "EngineFacts",
     "FineTuneSample",
-    "InferenceRequest",
     "InferenceWork",
     "IterationScheduler",
     "LiveRequest",
     "MicroBatch",
-    "PRIORITY_SCALE",
     "PriorityWeights",
     "SampleOutcome",
     "TokenWindow",
@@ -95,7 +80,6 @@ __all__ = [
     "priority",
     "token_budget",
     "token_windows",
-    "vllm_priority",
     "whole_windows",
     "window_latency",
 ]

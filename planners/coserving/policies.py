@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from planners.costs import CostModel
-from planners.coserving.budget import ft_delay, ft_latency, ft_room, ft_tokens_within, token_budget, window_latency
+from planners.coserving.budget import ft_delay, ft_latency, ft_room, ft_tokens_within, token_budget
 from planners.coserving.packing import best_fit_pack
 from planners.coserving.priorities import PriorityWeights, priority, as_priority_weights
 from planners.coserving.scheduler import IterationScheduler, WindowPlan, within_room
-from planners.coserving.work import EngineFacts, FineTuneSample, InferenceRequest, InferenceWork, MicroBatch, WorkKind
+from planners.coserving.work import EngineFacts, FineTuneSample, InferenceWork, LiveRequest, MicroBatch, WorkKind
 from planners.registry import register
 from planners.retraining import Periodic as _PeriodicTimer
 from planners.retraining import RetrainingView
@@ -25,21 +25,22 @@ class HybridScheduler(IterationScheduler):
 
     1. Every item gets its MACE priority P (``PriorityWeights``): running decodes, waiting
        prefills, queued fine-tune samples (with γ·L_DPO). Items are walked in descending P.
-    2. Inference first (FlexLLM §6.2): waiting prefills are admitted in that order within the
-       engine's limits, each with ``vllm_priority(P)``. Running decodes always stay.
+    2. Inference first (FlexLLM §6.2): c is every running decode and every waiting prefill the
+       engine's per-iteration limits let in. vLLM starts requests as they arrive and the planner
+       holds none back: among prefills P's order is their arrival order anyway, and vLLM never
+       sees P (docs/coserving.md, "Admission by priority: measured, then removed").
     3. Aging against inference (MACE Fig. 7, iteration 9): if the top fine-tune sample outranks
        some inference item (a running decode or a waiting prefill) it is *promoted*: it reserves
-       ``min_window_tokens``, and a prefill ranked below it is admitted only if f(c, reserve) ≤ SLO, else deferred. The
-       reserve runs even when inference alone breaks the SLO: that is the starvation bound under
-       overload. Without promotion the plan never exceeds the SLO under the cost model.
+       ``min_window_tokens``, even when inference alone breaks the SLO: that is the starvation
+       bound under overload. Without promotion the plan never exceeds the SLO under the cost model.
     4. Budget: s = max{ s : f(c, s) ≤ SLO } (``token_budget``), at least the reserve. Fine-tune
        samples in priority order each get one window of
        min(remaining pass, tokens left, ``max_window_tokens``, memory) tokens.
     5. The windows are packed by ``best_fit_pack`` into micro-batches with the memory capacity
        and the latency room SLO − t_iter(c); bins run in creation order while their summed
        latency fits that room (MACE runs bin 1; later bins that still fit run too). Windows not
-       chosen stay queued and keep aging (Alg. 1, lines 17–21); finished passes go through
-       CheckEnd in ``report_sample`` (live: ``report_pass``).
+       chosen stay with the trainer and keep aging (Alg. 1, lines 17–21); finished passes go
+       through CheckEnd in ``report_pass``.
 
     No starvation: among fine-tune samples the order is by t_arr − γ·L_DPO/δ_ft, fixed in time,
     so a sample is overtaken only by samples enqueued less than γ·max L_DPO/δ_ft after it; when the
@@ -87,7 +88,7 @@ class HybridScheduler(IterationScheduler):
             bound = max(bound, self.ttft_slo_s - prefill.latency(self.cost))
         return bound
 
-    def scores(self, now: float) -> list[tuple[float, WorkKind, InferenceRequest | FineTuneSample]]:
+    def scores(self, now: float) -> list[tuple[float, WorkKind, LiveRequest | FineTuneSample]]:
         """(P, kind, item) of every queued item, in descending P (ties: earlier arrival, then id)."""
         w = self.weights
         items: list[tuple[float, float, str, WorkKind, Any]] = []
@@ -101,27 +102,18 @@ class HybridScheduler(IterationScheduler):
         return [(p, kind, obj) for p, _, _, kind, obj in items]
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
-        cost, slo = self.cost, self.slo_s
+        cost = self.cost
         ranked = self.scores(now)
         last_inference = max((i for i, (_, kind, _) in enumerate(ranked) if kind != "ft"), default=-1)
         promoted: FineTuneSample | None = None
         reserve = 0
-        order: list[tuple[InferenceRequest, float | None]] = []
-        gate: dict[str, int] = {}  # the reserve in force when each prefill is reached
         ft_order: list[FineTuneSample] = []
-        for i, (p, kind, obj) in enumerate(ranked):
+        for i, (_, kind, obj) in enumerate(ranked):
             if kind == "ft":
                 ft_order.append(obj)
                 if promoted is None and i < last_inference:
                     promoted, reserve = obj, min(self.min_window_tokens, obj.remaining)
-            elif kind == "prefill":
-                order.append((obj, p))
-                gate[obj.request_id] = reserve
-        # Admit in priority order; a prefill ranked below the promoted sample must fit beside its reserve.
-        admitted, deferred, work = self._admit(
-            now, order, self._decode_work(),
-            fits_slo=lambda req, trial: gate[req.request_id] == 0
-            or window_latency(cost, trial, gate[req.request_id]) <= slo)
+        work = self._inference_work()
         # The grant's fine-tuning delays the inference beside it by ρ·t_ft ≤ SLO − t_iter(c): with
         # ρ < 1 (separate cores) that is more than SLO seconds of fine-tuning, and one grant takes it
         # all rather than paying a round trip per SLO-long slice. ``max_grant_s`` still bounds it
@@ -136,10 +128,9 @@ class HybridScheduler(IterationScheduler):
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
         bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.first_bin_fill, self.max_ft_samples)
         chosen, _ = within_room(bins, room)
-        granted = self._grant(chosen)
         reason = f"promoted {promoted.sample_id}" if promoted is not None and any(
-            w.sample_id == promoted.sample_id for mb in granted for w in mb.windows) else "budget"
-        return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, budget, work,
+            w.sample_id == promoted.sample_id for mb in chosen for w in mb.windows) else "budget"
+        return WindowPlan(now, self.name, tuple(chosen), budget, work,
                           work.latency(cost) + ft_delay(cost, chosen), reason=reason)
 
 
@@ -147,32 +138,31 @@ class HybridScheduler(IterationScheduler):
 class FcfsScheduler(IterationScheduler):
     """Naive mix (LEMIX's NaiveMix, FlexLLM without the budget): everything runs in arrival order.
 
-    Waiting requests are admitted in arrival order within the engine's limits (vLLM priority 0:
-    arrival decides); every queued fine-tune sample (up to τ_task) runs its whole remaining pass,
-    packed by memory only. The SLO is never consulted.
+    Inference runs as vLLM starts it, in arrival order within the engine's limits; every queued
+    fine-tune sample (up to τ_task) runs its whole remaining pass, packed by memory only. The SLO
+    is never consulted.
     """
 
     name = "fcfs"
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
-        admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work())
+        work = self._inference_work()
         granted = self._whole_passes(self._by_arrival(), self._capacity(work, free_bytes))
         ft = sum(mb.tokens for mb in granted)
         lat = work.latency(self.cost) + ft_delay(self.cost, granted)
-        return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, ft, work, lat, reason="fcfs")
+        return WindowPlan(now, self.name, granted, ft, work, lat, reason="fcfs")
 
 
 @register("iteration", "temporal")
 class TemporalScheduler(IterationScheduler):
     """Temporal sharing (FlexLLM §8.2): n inference windows, then one fine-tuning window, and again.
 
-    An inference window admits in arrival order and runs no fine-tuning. Once ``n`` inference
-    windows have passed and samples are queued, the next window is a fine-tuning iteration: up to
-    τ_task whole passes, no admission, and ``inference_paused`` so the engine does not step. An
-    idle engine (no request waiting or running) leaves nothing to alternate with: fine-tuning runs.
-    In the live app the engine steps on its own and reports its iterations (``observe_iterations``),
-    which then count as the inference windows; vLLM is not paused there, so the fine-tuning step
-    runs beside whatever the engine does at that moment.
+    The engine's reported iterations (``observe_iterations``) are the inference windows, which run
+    no fine-tuning. Once ``n`` of them have passed since the last fine-tuning window and samples
+    are queued, the next grant is a fine-tuning window: up to τ_task whole passes, planned without
+    inference (``inference_paused``). vLLM is not paused for it, so the fine-tuning step runs
+    beside whatever the engine does at that moment. An idle engine (no request waiting or running)
+    leaves nothing to alternate with: fine-tuning runs.
     Params: ``n`` (64, FlexLLM's lowest inference frequency).
     """
 
@@ -184,24 +174,19 @@ class TemporalScheduler(IterationScheduler):
             raise ValueError("n must be >= 1")
         self.n = n
         self.since_ft = 0
-        self._counted = False
 
     def observe_iterations(self, count: int) -> None:
-        # In the live app the engine steps on its own: its reported iterations are the inference windows.
         self.since_ft += count
-        self._counted = True
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
         if self.samples and (self.since_ft >= self.n or not (self.waiting or self.running)):
             self.since_ft = 0
             granted = self._whole_passes(self._by_arrival(), self._capacity(InferenceWork(), free_bytes))
             ft = sum(mb.tokens for mb in granted)
-            return WindowPlan(now, self.name, (), tuple(self.waiting), granted, ft, InferenceWork(),
-                              sum(mb.latency_s for mb in granted), inference_paused=True, reason="fine-tuning window")
-        if not self._counted:  # driven window by window (simulator, tests): each schedule() is one
-            self.since_ft += 1
-        admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work())
-        return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), (), 0, work, work.latency(self.cost),
+            return WindowPlan(now, self.name, granted, ft, InferenceWork(), sum(mb.latency_s for mb in granted),
+                              inference_paused=True, reason="fine-tuning window")
+        work = self._inference_work()
+        return WindowPlan(now, self.name, (), 0, work, work.latency(self.cost),
                           reason=f"inference window {self.since_ft}/{self.n}")
 
 
@@ -209,22 +194,20 @@ class TemporalScheduler(IterationScheduler):
 class FtFirstScheduler(IterationScheduler):
     """AdaInf-like FT-first (MACE §6.1 baseline): fine-tuning takes the window first, inference the rest.
 
-    Every queued sample (up to τ_task) runs its whole remaining pass, whatever the load; then
-    waiting requests are admitted in arrival order only while f(c, fine-tuning) ≤ SLO (all of
-    them, within the engine's limits, when no fine-tuning runs). Running decodes stay.
+    Every queued sample (up to τ_task) runs its whole remaining pass, whatever the load, in the
+    memory the running decodes leave (waiting prompts' KV cache is not set aside for them).
+    AdaInf would then start waiting requests only in the time left; vLLM starts them as they
+    arrive, so here they run beside the fine-tuning and the plan's latency counts both.
     """
 
     name = "ft_first"
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
-        decodes = self._decode_work()
-        granted = self._whole_passes(self._by_arrival(), self._capacity(decodes, free_bytes))
-        ft_lat = ft_delay(self.cost, granted)
-        fits = None if not granted else (lambda _req, trial: trial.latency(self.cost) + ft_lat <= self.slo_s)
-        admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), decodes, fits)
+        granted = self._whole_passes(self._by_arrival(), self._capacity(self._decode_work(), free_bytes))
+        work = self._inference_work()
         ft = sum(mb.tokens for mb in granted)
-        return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, ft, work,
-                          work.latency(self.cost) + ft_lat, reason="ft first")
+        return WindowPlan(now, self.name, granted, ft, work, work.latency(self.cost) + ft_delay(self.cost, granted),
+                          reason="ft first")
 
 
 @register("iteration", "periodic")
@@ -234,8 +217,8 @@ class PeriodicScheduler(IterationScheduler):
     The timing is the ``periodic`` retraining policy's (``planners/retraining.py``): a training
     window opens ``every_seconds`` after the previous one (or once ``every_samples`` are queued),
     and while it is open the samples enqueued before it opened run as whole passes (τ_task per
-    plan); samples arriving later wait for the next window. Inference is admitted in arrival
-    order throughout. Params: ``every_seconds`` (60.0), ``every_samples`` (None).
+    plan); samples arriving later wait for the next window. Inference runs as vLLM starts it
+    throughout. Params: ``every_seconds`` (60.0), ``every_samples`` (None).
     """
 
     name = "periodic"
@@ -250,13 +233,13 @@ class PeriodicScheduler(IterationScheduler):
         oldest = min((s.arrival for s in self.samples.values()), default=None)
         return RetrainingView(
             now=now, node_id=0, in_flight=len(self.running) + len(self.waiting), ttft_p50_s=None, ttft_p99_s=None,
-            slo_ttft_s=self.slo_s, predicted_ttft_s=0.0, queued=len(self.samples) + len(self.in_flight),
+            slo_ttft_s=self.slo_s, predicted_ttft_s=0.0, queued=len(self.samples),
             oldest_queued_age_s=None if oldest is None else now - oldest, last_run_at=self.last_run_at,
             samples_wanted=len(self.samples), tokens_wanted=sum(s.remaining for s in self.samples.values()),
             step_cost_s=0.0)
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
-        admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work())
+        work = self._inference_work()
         granted: tuple[MicroBatch, ...] = ()
         reason = "between windows"
         if self.samples and self.timer.decide(self._view(now)).action == "run":
@@ -268,7 +251,7 @@ class PeriodicScheduler(IterationScheduler):
             reason = "periodic window"
         ft = sum(mb.tokens for mb in granted)
         lat = work.latency(self.cost) + ft_delay(self.cost, granted)
-        return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, ft, work, lat, reason=reason)
+        return WindowPlan(now, self.name, granted, ft, work, lat, reason=reason)
 
 
 @register("iteration", "separate")
@@ -281,9 +264,8 @@ class SeparateScheduler(IterationScheduler):
     t·(1 − φ)/φ in which nothing more is granted; t is the cost model's time until the trainer
     reports the time the work really took (``observe_ft_run``), and then the longer of the two. Each
     grant is one window's worth, s = max{ s : t_ft(s) ≤ SLO } tokens of φ·(M_threshold − weights)
-    memory, in arrival order. Inference is
-    admitted in arrival order within (1 − φ) of the engine's limits and its iterations take
-    t_iter(c)/(1 − φ) on its share. (A split of each window's time instead, t_ft(s) ≤ φ·SLO, would
+    memory, in arrival order. The plan's inference work c is what fits (1 − φ) of the engine's
+    limits, and its iterations take t_iter(c)/(1 − φ) on that share. (A split of each window's time instead, t_ft(s) ≤ φ·SLO, would
     leave a CPU node nothing: one forward and backward pass costs more than φ·SLO in fixed costs.)
     Params: ``train_fraction`` (0.25).
     """
@@ -308,9 +290,7 @@ class SeparateScheduler(IterationScheduler):
         phi, cost = self.train_fraction, self.cost
         serve = 1.0 - phi
         max_tokens = None if self.max_batched_tokens is None else max(1, math.floor(self.max_batched_tokens * serve))
-        admitted, deferred, work = self._admit(now, self._waiting_by_arrival(), self._decode_work(),
-                                               max_seqs=max(1, math.floor(self.max_num_seqs * serve)),
-                                               max_tokens=max_tokens)
+        work = self._inference_work(max_seqs=max(1, math.floor(self.max_num_seqs * serve)), max_tokens=max_tokens)
         budget = ft_tokens_within(cost, self.slo_s)  # its own share: no inference beside it to delay
         granted: tuple[MicroBatch, ...] = ()
         total = 0.0
@@ -321,10 +301,9 @@ class SeparateScheduler(IterationScheduler):
             windows = self._windows(self._by_arrival(), budget, capacity)
             bins = best_fit_pack(windows, cost, capacity, self.slo_s, self.lambdas, self.first_bin_fill, self.max_ft_samples)
             chosen, total = within_room(bins, self.slo_s)
-            granted = self._grant(chosen)
+            granted = tuple(chosen)
             if granted:
                 self.next_grant_at = now + total / phi  # t of work, then t·(1 − φ)/φ of none
         else:
             reason += f", next grant in {self.next_grant_at - now:.3f} s"
-        return WindowPlan(now, self.name, tuple(admitted), tuple(deferred), granted, budget, work,
-                          work.latency(cost) / serve + total, reason=reason)
+        return WindowPlan(now, self.name, granted, budget, work, work.latency(cost) / serve + total, reason=reason)

@@ -7,10 +7,6 @@ from dataclasses import dataclass
 
 from planners.coserving.work import FineTuneSample, WorkKind
 
-PRIORITY_SCALE = 1000.0
-"""Resolution of ``vllm_priority``: scores closer than 1/1000 share a vLLM priority (arrival breaks the tie)."""
-
-
 @dataclass(frozen=True)
 class PriorityWeights:
     """π_w, δ_w and γ of MACE §4.1: P_w(t) = π_w + δ_w·(t − t_arr) (+ γ·L_DPO for fine-tune samples).
@@ -53,11 +49,6 @@ def priority(kind: WorkKind, arrival: float, now: float, weights: PriorityWeight
     if kind == "ft":
         p += weights.loss_weight * max(0.0, dpo_loss)
     return p
-
-
-def vllm_priority(score: float, scale: float = PRIORITY_SCALE) -> int:
-    """vLLM's per-request ``priority`` for a MACE score: a higher score gives a lower number, which vLLM runs first."""
-    return -round(score * scale)
 
 
 def as_priority_weights(value: PriorityWeights | Mapping[str, float] | None) -> PriorityWeights:

@@ -1,4 +1,4 @@
-"""The work one node's co-serving scheduler weighs: inference requests, fine-tune samples, token windows."""
+"""The work one node's co-serving scheduler weighs: the engine's requests, fine-tune samples, token windows."""
 
 from __future__ import annotations
 
@@ -9,23 +9,7 @@ from typing import Literal
 from planners.costs import CostModel
 
 WorkKind = Literal["prefill", "decode", "ft"]
-SampleOutcome = Literal["partial", "requeued", "retired", "released"]
-
-
-@dataclass
-class InferenceRequest:
-    """One inference request on the node: waiting (its prefill is due) until admitted, then decoding."""
-
-    request_id: str
-    prompt_tokens: int
-    arrival: float
-    max_tokens: int = 256
-    output_tokens: int = 0
-    """Tokens generated so far, as the replica reports them (``update_request``)."""
-
-    @property
-    def context_tokens(self) -> int:
-        return self.prompt_tokens + self.output_tokens
+SampleOutcome = Literal["requeued", "retired"]
 
 
 @dataclass
@@ -52,13 +36,20 @@ class FineTuneSample:
 
 @dataclass(frozen=True)
 class LiveRequest:
-    """One inference request in flight on a replica, as the replica reports it."""
+    """One inference request in flight on a replica, as the replica reports it.
+
+    With no output token yet it waits for (or is in) its prefill; after that it decodes.
+    """
 
     request_id: str
     prompt_tokens: int
     output_tokens: int
     arrival: float
     max_tokens: int
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
 
 
 @dataclass(frozen=True)
@@ -68,6 +59,11 @@ class EngineFacts:
     A request with no output token yet is waiting for (or in) its prefill; the others decode.
     ``iterations`` counts engine steps since the engine started (monotonic), ``kv_cache_usage``
     is vLLM's fraction of KV blocks in use, ``kv_cache_bytes`` the KV cache's size.
+    ``steps_with_waiting`` counts the engine steps after which vLLM's waiting queue still held a
+    request (one that step did not start: ``max_num_seqs`` reached, no token budget or KV blocks
+    left), since the engine started; ``waiting_peak`` is the most requests that queue held after
+    any step. They measure how often request order inside vLLM could matter at all
+    (docs/coserving.md, "Admission by priority: measured, then removed").
     """
 
     at: float
@@ -75,6 +71,8 @@ class EngineFacts:
     iterations: int = 0
     kv_cache_usage: float = 0.0
     kv_cache_bytes: float = 0.0
+    steps_with_waiting: int = 0
+    waiting_peak: int = 0
 
     @property
     def kv_used_bytes(self) -> float:

@@ -1,4 +1,10 @@
-"""Node-level co-serving scheduling (planners/coserving/): hand-computed formulas, properties, policies."""
+"""Node-level co-serving scheduling (planners/coserving/): hand-computed formulas, properties, policies.
+
+The schedulers are driven as the planner drives them (actors/planner.py): each grant observes the
+engine's requests (``observe(EngineFacts)``), replaces the fine-tune queue with the trainer's
+samples and their progress (``set_samples``), and plans (``schedule``); finished passes go through
+CheckEnd (``report_pass``).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,6 @@ from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatenc
 from planners.coserving import (
     EngineFacts,
     FineTuneSample,
-    InferenceRequest,
     InferenceWork,
     LiveRequest,
     PriorityWeights,
@@ -24,7 +29,6 @@ from planners.coserving import (
     priority,
     token_budget,
     token_windows,
-    vllm_priority,
     whole_windows,
     window_latency,
 )
@@ -51,11 +55,23 @@ def sched(name="hybrid", **kw):
     return registry.create("iteration", name, **kw)
 
 
-def add_decodes(s, n, arrival=0.0, context=0, prefix="d"):
-    """n requests already running (decoding) on the node."""
-    for i in range(n):
-        r = InferenceRequest(f"{prefix}{i}", max(1, context), arrival, max_tokens=10_000)
-        s.running[r.request_id] = r
+def facts(decodes=0, prefills=(), context=1, arrival=0.0, iterations=0, at=0.0):
+    """A replica's engine report: ``decodes`` requests decoding (``context`` prompt tokens and one output
+    token each: context + 1 in the KV cache) and ``prefills`` (id, prompt tokens, arrival) waiting."""
+    reqs = [LiveRequest(f"d{i}", context, 1, arrival, 10_000) for i in range(decodes)]
+    reqs += [LiveRequest(rid, p, 0, t, 64) for rid, p, t in prefills]
+    return EngineFacts(at, tuple(reqs), iterations, 0.25, 4e6)
+
+
+def trained(samples, plan):
+    """The trainer's samples after it ran ``plan``'s windows: progress advanced, finished passes gone."""
+    ends = {w.sample_id: w.end for w in plan.windows}
+    out = []
+    for x in samples:
+        done = ends.get(x.sample_id, x.done)
+        if done < x.tokens:
+            out.append(FineTuneSample(x.sample_id, x.tokens, x.arrival, x.dpo_loss, done, x.passes))
+    return out
 
 
 # ---- priorities (MACE §4.1) ------------------------------------------------------------------
@@ -95,13 +111,6 @@ def test_weights_enforce_mace_orderings(bad):
         PriorityWeights(**bad)
 
 
-def test_vllm_priority_maps_higher_score_to_lower_number():
-    scores = [2.01, 1.5, 1.05, 0.0, -0.3]
-    prios = [vllm_priority(x) for x in scores]
-    assert prios == [-2010, -1500, -1050, 0, 300]
-    assert sorted(scores, key=vllm_priority) == scores  # vLLM runs the lowest number first
-
-
 # ---- token budget (FlexLLM §6.2) -------------------------------------------------------------
 
 
@@ -131,8 +140,8 @@ def test_token_budget_with_measured_interference():
 
     def hybrid_grant(cost, decodes):
         s = sched(cost_model=cost, max_num_seqs=64)
-        add_decodes(s, decodes)
-        s.add_sample(FineTuneSample("x", 5000, 0.0))
+        s.observe(facts(decodes))
+        s.set_samples([FineTuneSample("x", 5000, 0.0)])
         plan = s.schedule(0.0)
         assert plan.predicted_latency_s <= SLO + 1e-12
         return plan.ft_tokens
@@ -222,17 +231,18 @@ def test_token_windows_tile_the_sequence(length, grants):
 
 def test_scheduler_cuts_a_long_sample_into_the_granted_windows_across_grants():
     s = sched(max_window_tokens=None)
-    add_decodes(s, 4)  # budget 126 tokens per window
-    s.add_sample(FineTuneSample("long", 1000, 0.0))
-    cut, outcome, t = [], None, 0.0
-    while outcome != "retired":
+    s.observe(facts(decodes=4))  # budget 126 tokens per window
+    queue, cut, t = [FineTuneSample("long", 1000, 0.0)], [], 0.0
+    while queue:  # the trainer asks again, with its progress, until the pass is done
+        s.set_samples(queue)
         plan = s.schedule(t)
         (w,) = plan.windows
         cut.append((w.start, w.end))
-        outcome = s.report_sample("long", t)
+        queue = trained(queue, plan)
         t += SLO
     assert [b - a for a, b in cut] == [126] * 7 + [118]
     assert cut == token_windows(1000, [126] * 8)
+    assert s.report_pass(FineTuneSample("long", 1000, 0.0), now=t) == "retired"
 
 
 # ---- best-fit packing (MACE Alg. 1) ----------------------------------------------------------
@@ -293,7 +303,7 @@ def test_packing_never_exceeds_memory_or_latency(sizes, mem, lat, l1, l2):
     assert set(packed) == fits
 
 
-# ---- CheckEnd and the report protocol --------------------------------------------------------
+# ---- CheckEnd ----------------------------------------------------------------------------------
 
 
 def test_check_end():
@@ -304,19 +314,7 @@ def test_check_end():
     assert check_end(FineTuneSample("x", 10, 0.0, dpo_loss=0.7, passes=5), 0.5, 5)  # pass limit
 
 
-def test_unfinished_samples_are_requeued_while_their_loss_stays_high():
-    s = sched(loss_threshold=0.3, max_passes=3)
-    s.add_sample(FineTuneSample("x", 50, 0.0))
-    s.schedule(0.0)
-    assert s.report_sample("x", now=1.0, dpo_loss=0.9) == "requeued"
-    x = s.samples["x"]
-    assert (x.done, x.passes, x.arrival, x.dpo_loss) == (0, 1, 1.0, 0.9)  # fresh t_arr, new pass
-    s.schedule(1.0)
-    assert s.report_sample("x", now=2.0, dpo_loss=0.2) == "retired"
-    assert "x" not in s.samples and not s.in_flight
-
-
-# ---- the live protocol: the trainer reports each finished pass (report_pass) --------------------
+# The trainer reports each finished pass (report_pass).
 
 
 def _pass(sid, loss, passes_before, arrival=0.0, tokens=40):
@@ -331,7 +329,6 @@ def test_live_check_end_requeues_while_the_loss_stays_high_and_at_most_max_passe
     assert s.report_pass(_pass("x", 0.9, 0), now=1.0) == "requeued"
     x = s.samples["x"]
     assert (x.done, x.passes, x.arrival, x.dpo_loss) == (0, 1, 1.0, 0.9)  # MACE Alg. 1 line 21: fresh t_arr
-    assert not s.in_flight  # the granted window is settled by the report
     assert s.report_pass(_pass("x", 0.9, 1), now=2.0) == "requeued"
     # The loss never falls, yet the third pass retires it: training terminates.
     assert s.report_pass(_pass("x", 0.9, 2), now=3.0) == "retired"
@@ -339,7 +336,7 @@ def test_live_check_end_requeues_while_the_loss_stays_high_and_at_most_max_passe
     assert s.report_pass(_pass("y", 0.4, 0), now=3.0) == "retired"  # at or below the threshold: done at once
 
 
-def test_live_check_end_needs_no_window_in_flight_and_is_off_without_a_threshold():
+def test_live_check_end_needs_no_granted_window_and_is_off_without_a_threshold():
     s = sched(loss_threshold=0.5, max_passes=2)
     s.set_samples([FineTuneSample("x", 40, 0.0), FineTuneSample("y", 40, 0.0)])
     s.schedule(0.0)
@@ -370,50 +367,26 @@ def test_reported_loss_reorders_the_grants_of_requeued_samples(gamma, first):
     assert [w.sample_id for w in s.schedule(2.1).windows] == [first]
 
 
-def test_partial_report_and_release_keep_the_sample():
+def test_sample_queue_rejects_bad_and_duplicate_samples():
     s = sched()
-    s.add_sample(FineTuneSample("x", 100, 0.0))
-    (w,) = s.schedule(0.0).windows
-    assert (w.start, w.end) == (0, 100)
-    assert s.schedule(0.0).windows == ()  # in flight: not granted twice
-    assert s.report_sample("x", 0.1, tokens_done=30) == "partial"  # the memory guard shrank it
-    (w,) = s.schedule(0.1).windows
-    assert (w.start, w.end) == (30, 100)
-    s.release("x")
-    assert s.samples["x"].done == 30
-    with pytest.raises(KeyError):
-        s.report_sample("x", 0.2)
-
-
-def test_queue_api_errors_and_inference_check_end():
-    s = sched()
-    s.add_request(InferenceRequest("r", 10, 0.0, max_tokens=3))
-    with pytest.raises(ValueError):
-        s.add_request(InferenceRequest("r", 10, 0.0))
     with pytest.raises(ValueError):
         s.add_sample(FineTuneSample("bad", 0, 0.0))
-    s.schedule(0.0)
-    assert "r" in s.running
-    assert s.update_request("r", 2) is False
-    assert s.update_request("r", 3) is True and "r" not in s.running  # reached max_tokens
-    with pytest.raises(KeyError):
-        s.finish("r")
+    with pytest.raises(ValueError):
+        s.set_samples([FineTuneSample("x", 10, 0.0, done=10)])  # nothing left of the pass
+    with pytest.raises(ValueError):
+        s.set_samples([FineTuneSample("x", 10, 0.0), FineTuneSample("x", 10, 1.0)])
 
 
 # ---- hybrid ----------------------------------------------------------------------------------
 
 
-def test_hybrid_fills_exactly_the_budget_and_admits_by_priority():
+def test_hybrid_fills_exactly_the_budget_beside_the_observed_inference():
     s = sched()
-    add_decodes(s, 2)
-    s.add_request(InferenceRequest("old", 40, 0.0))
-    s.add_request(InferenceRequest("new", 50, 5.0))
-    s.add_sample(FineTuneSample("x", 1000, 9.0))
+    s.observe(facts(decodes=2, prefills=[("old", 40, 0.0), ("new", 50, 5.0)]))
+    s.set_samples([FineTuneSample("x", 1000, 9.0)])
     plan = s.schedule(10.0)
-    assert [a.request_id for a in plan.admitted] == ["old", "new"]  # 1.1 > 1.05
-    assert [a.priority for a in plan.admitted] == [-1100, -1050]
     # c = 90 prefill tokens + 2 decodes: 5 + 9 + 2 = 16 ms; (34 - 3)/0.3 = 103.3 -> 103 tokens
-    assert plan.work == InferenceWork(90, 2, 2)
+    assert plan.work == InferenceWork(90, 2, 4)
     assert plan.ft_token_budget == 103 and plan.ft_tokens == 103
     assert plan.predicted_latency_s == pytest.approx(0.016 + 0.003 + 0.0309)
     assert plan.predicted_latency_s <= SLO
@@ -423,8 +396,8 @@ def test_hybrid_grants_shrink_as_inference_load_rises():
     granted = []
     for n in (0, 10, 20, 35, 40, 46):
         s = sched(max_num_seqs=64)
-        add_decodes(s, n)
-        s.add_sample(FineTuneSample("x", 5000, 0.0))
+        s.observe(facts(decodes=n))
+        s.set_samples([FineTuneSample("x", 5000, 0.0)])
         plan = s.schedule(0.0)
         granted.append((plan.ft_token_budget, plan.ft_tokens))
     # s = (50 - 5 - n - 3)/0.3 (no decodes: 47/0.3); at 40 decodes s = 6 is below the 16-token minimum window
@@ -433,57 +406,44 @@ def test_hybrid_grants_shrink_as_inference_load_rises():
 
 def test_hybrid_respects_the_memory_capacity():
     s = sched()
-    s.add_sample(FineTuneSample("x", 1000, 0.0))
+    s.set_samples([FineTuneSample("x", 1000, 0.0)])
     plan = s.schedule(0.0, free_bytes=50_000)  # 1,000 B per token -> 50 tokens
     assert plan.ft_tokens == 50 and plan.micro_batches[0].memory_bytes <= 50_000
-    # with 100 KV bytes per token: the 100-token prompt admitted now takes 10 kB of the 60 kB reported free
+    # with 100 KV bytes per token: the 100-token prompt waiting now takes 10 kB of the 60 kB reported free
     s = sched(cost_model=cost_model(kv_bytes=100.0))
-    s.add_request(InferenceRequest("p", 100, 0.0))
-    s.add_sample(FineTuneSample("x", 1000, 0.0))
+    s.observe(facts(prefills=[("p", 100, 0.0)]))
+    s.set_samples([FineTuneSample("x", 1000, 0.0)])
     assert s.schedule(0.0, free_bytes=60_000).ft_tokens == 50
     # no report: M_threshold - KV of the window's 100 + 3 × 1,000 tokens = 1e6 - 3.1e5 -> 690 tokens
     s = sched(cost_model=cost_model(kv_bytes=100.0), slo_s=1.0)
-    add_decodes(s, 3, context=1000)
-    s.add_request(InferenceRequest("p", 100, 0.0))
-    s.add_sample(FineTuneSample("x", 1000, 0.0))
+    s.observe(facts(decodes=3, context=999, prefills=[("p", 100, 0.0)]))
+    s.set_samples([FineTuneSample("x", 1000, 0.0)])
     assert s.schedule(0.0).ft_tokens == 690
 
 
 def test_hybrid_promotes_aged_fine_tuning_past_an_overloaded_engine():
-    # 50 decodes: t_iter = 55 ms > SLO, so the FlexLLM budget is 0. One prefill (100 tokens) waits.
+    # 50 decodes and one waiting 100-token prefill: t_iter = 65 ms > SLO, so the FlexLLM budget is 0.
     def node(t):
         s = sched(max_num_seqs=64)
-        add_decodes(s, 50)
-        s.add_request(InferenceRequest("p", 100, 0.0))
-        s.add_sample(FineTuneSample("x", 500, 0.0))
+        s.observe(facts(decodes=50, prefills=[("p", 100, 0.0)]))
+        s.set_samples([FineTuneSample("x", 500, 0.0)])
         return s.schedule(t)
 
     early = node(5.0)  # P_ft = 0.5 < P_prefill = 1.05: inference first, no fine-tuning
-    assert early.ft_tokens == 0 and [a.request_id for a in early.admitted] == ["p"]
-    # at 12 s P_ft = 1.2 > P_prefill = 1.12: x reserves 16 tokens and the prefill below it waits
+    assert early.ft_tokens == 0 and early.work == InferenceWork(100, 50, 100)
+    # at 12 s P_ft = 1.2 > P_prefill = 1.12: x reserves 16 tokens (the starvation bound); vLLM runs the
+    # prefill anyway, so it stays in c and the reserve is all that is granted
     late = node(12.0)
-    assert late.ft_tokens == 16 and late.deferred == ("p",) and late.reason == "promoted x"
-    assert late.predicted_latency_s == pytest.approx(0.055 + 0.003 + 0.3e-3 * 16)
-
-
-def test_without_admission_control_a_promoted_sample_never_defers_inference():
-    """The live app: vLLM runs the prefill anyway, so it stays in c and only the reserve is granted."""
-    s = sched(max_num_seqs=64, admission_control=False)
-    add_decodes(s, 50)
-    s.add_request(InferenceRequest("p", 100, 0.0))
-    s.add_sample(FineTuneSample("x", 500, 0.0))
-    plan = s.schedule(12.0)
-    assert [a.request_id for a in plan.admitted] == ["p"] and plan.deferred == ()
-    assert plan.ft_tokens == 16 and plan.reason == "promoted x"  # the starvation bound still holds
-    assert plan.predicted_latency_s == pytest.approx(0.055 + 0.01 + 0.003 + 0.3e-3 * 16)
+    assert late.ft_tokens == 16 and late.reason == "promoted x" and late.work == early.work
+    assert late.predicted_latency_s == pytest.approx(0.055 + 0.01 + 0.003 + 0.3e-3 * 16)
 
 
 def test_hybrid_promotion_against_decodes_only():
     # no prefill waiting: x must outrank the lowest decode, at t > 2/(0.1 - 0.001) = 20.2 s
     def grant(t):
         s = sched(max_num_seqs=64)
-        add_decodes(s, 50)
-        s.add_sample(FineTuneSample("x", 500, 0.0))
+        s.observe(facts(decodes=50))
+        s.set_samples([FineTuneSample("x", 500, 0.0)])
         return s.schedule(t).ft_tokens
 
     assert grant(20.0) == 0
@@ -492,8 +452,8 @@ def test_hybrid_promotion_against_decodes_only():
 
 def test_hybrid_dpo_loss_orders_fine_tune_samples():
     s = sched(max_ft_samples=1)
-    s.add_sample(FineTuneSample("low", 20, 0.0, dpo_loss=0.1))
-    s.add_sample(FineTuneSample("high", 20, 1.0, dpo_loss=0.9))  # 0.9 - 0.1·(1 - 0) > 0.1
+    s.set_samples([FineTuneSample("low", 20, 0.0, dpo_loss=0.1),
+                   FineTuneSample("high", 20, 1.0, dpo_loss=0.9)])  # 0.9 - 0.1·(1 - 0) > 0.1
     assert [w.sample_id for w in s.schedule(1.0).windows] == ["high"]
 
 
@@ -510,25 +470,20 @@ def test_no_starvation_when_the_load_leaves_slack(loads, gamma, lmax, ft_aging, 
     Loads: d ≤ 17 decodes and p ≤ 200 prefill tokens give t_iter ≤ 42 ms, so f(c, 16) ≤ 50 ms: slack."""
     w = PriorityWeights(ft_aging=ft_aging, prefill_aging=0.01, decode_aging=0.001, loss_weight=gamma)
     s = sched(weights=w, max_ft_samples=1, max_num_seqs=64)
-    s.add_sample(FineTuneSample("victim", 16, 0.0, dpo_loss=0.0))
+    queue = [FineTuneSample("victim", 16, 0.0, dpo_loss=0.0)]
     bound = gamma * lmax / ft_aging + 2 * SLO
     t, k = 0.0, 0
     while True:
-        s.add_sample(FineTuneSample(f"n{k}", 16, t, dpo_loss=lmax * losses[k % len(losses)]))
+        queue.append(FineTuneSample(f"n{k}", 16, t, dpo_loss=lmax * losses[k % len(losses)]))
         d, p = loads[k % len(loads)]
-        for i in range(d):
-            s.add_request(InferenceRequest(f"d{k}.{i}", 1, t))
-        if p:
-            s.add_request(InferenceRequest(f"p{k}", p, t))
+        s.observe(facts(decodes=d, prefills=[(f"p{k}", p, t)] if p else [], arrival=t))
+        s.set_samples(queue)
         plan = s.schedule(t)
         assert plan.ft_tokens == 16  # slack: one window granted every time
         assert plan.predicted_latency_s <= SLO + 1e-12
         if [w.sample_id for w in plan.windows] == ["victim"]:
             break
-        for win in plan.windows:
-            s.report_sample(win.sample_id, t)
-        for rid in list(s.running) + list(s.waiting):
-            s.finish(rid)
+        queue = trained(queue, plan)  # one 16-token window is the whole pass
         t, k = t + SLO, k + 1
         assert t <= bound, f"victim still waiting at {t:.2f}s > bound {bound:.2f}s"
 
@@ -538,12 +493,14 @@ def test_loss_term_outranks_without_enough_aging():
     bound γ·L/δ_ft = 1,000 s is far): the no-starvation test above could fail."""
     w = PriorityWeights(ft_aging=1e-3, prefill_aging=5e-4, decode_aging=0.0, loss_weight=1.0)
     s = sched(weights=w, max_ft_samples=1)
-    s.add_sample(FineTuneSample("victim", 16, 0.0))
+    queue = [FineTuneSample("victim", 16, 0.0)]
     for k in range(100):
-        s.add_sample(FineTuneSample(f"n{k}", 16, k * SLO, dpo_loss=1.0))
-        (win,) = s.schedule(k * SLO).windows
+        queue.append(FineTuneSample(f"n{k}", 16, k * SLO, dpo_loss=1.0))
+        s.set_samples(queue)
+        plan = s.schedule(k * SLO)
+        (win,) = plan.windows
         assert win.sample_id != "victim"
-        s.report_sample(win.sample_id, k * SLO)
+        queue = trained(queue, plan)
 
 
 @settings(max_examples=60, deadline=None)
@@ -551,11 +508,8 @@ def test_loss_term_outranks_without_enough_aging():
        samples=st.lists(st.integers(1, 2000), max_size=6), free=st.one_of(st.none(), st.floats(0, 2e6)))
 def test_hybrid_never_plans_past_the_slo_without_promotion(dec, prompts, samples, free):
     s = sched(max_num_seqs=128)  # fresh zero-loss samples rank below every inference item: no promotion
-    add_decodes(s, dec)
-    for i, p in enumerate(prompts):
-        s.add_request(InferenceRequest(f"p{i}", p, 0.0))
-    for i, n in enumerate(samples):
-        s.add_sample(FineTuneSample(f"s{i}", n, 0.0))
+    s.observe(facts(decodes=dec, prefills=[(f"p{i}", p, 0.0) for i, p in enumerate(prompts)]))
+    s.set_samples([FineTuneSample(f"s{i}", n, 0.0) for i, n in enumerate(samples)])
     plan = s.schedule(0.0, free_bytes=free)
     t_iter = plan.work.latency(COST)
     if plan.ft_tokens:
@@ -565,7 +519,10 @@ def test_hybrid_never_plans_past_the_slo_without_promotion(dec, prompts, samples
         assert plan.predicted_latency_s == pytest.approx(t_iter)
     cap = 1e6 if free is None else free  # reported free memory replaces the model's guess (no KV bytes here)
     assert all(mb.memory_bytes <= cap + 1e-6 for mb in plan.micro_batches)
-    assert {a.request_id for a in plan.admitted} | set(plan.deferred) == {f"p{i}" for i in range(len(prompts))}
+    # c: every decode, and the waiting prompts the engine's 2,048-token iteration starts
+    assert plan.work.decode_seqs == dec and dec + plan.work.prefill_tokens <= 2048
+    if dec + sum(prompts) <= 2048:
+        assert plan.work.prefill_tokens == sum(prompts)
     # one sample with room to spare gets exactly min(budget, its tokens, memory)
     if len(samples) == 1 and plan.ft_tokens:
         by_mem = math.floor(cap / 1000.0)
@@ -582,11 +539,11 @@ def test_registry_names_the_six_policies():
 
 
 def _heavy(name, **kw):
-    """40 decodes (t_iter 45 ms: 5 ms left of the 50 ms SLO), one waiting prefill, one 500-token sample."""
+    """40 decodes (45 ms) and one waiting 100-token prefill (10 ms): t_iter 55 ms > the 50 ms SLO; one
+    500-token sample."""
     s = sched(name, max_num_seqs=64, **kw)
-    add_decodes(s, 40)
-    s.add_request(InferenceRequest("p", 100, 0.0))
-    s.add_sample(FineTuneSample("x", 500, 0.0))
+    s.observe(facts(decodes=40, prefills=[("p", 100, 0.0)]))
+    s.set_samples([FineTuneSample("x", 500, 0.0)])
     return s
 
 
@@ -594,60 +551,65 @@ def test_fcfs_ignores_the_slo():
     plan = _heavy("fcfs").schedule(1.0)
     assert plan.ft_tokens == 500  # the whole sample, no budget
     assert plan.predicted_latency_s == pytest.approx(0.045 + 0.01 + 0.003 + 0.15)
-    assert plan.predicted_latency_s > SLO
-    assert [(a.request_id, a.priority) for a in plan.admitted] == [("p", 0)]  # arrival order decides
+    assert plan.predicted_latency_s > SLO and plan.work == InferenceWork(100, 40, 80)
     hybrid = _heavy("hybrid").schedule(1.0)
     assert hybrid.ft_tokens == 0 and hybrid.predicted_latency_s <= 0.055 + 1e-12
 
 
-def test_fcfs_admits_in_arrival_order_within_engine_limits():
-    s = sched("fcfs", max_num_seqs=3, max_batched_tokens=100)
-    for i, (p, t) in enumerate([(30, 2.0), (40, 1.0), (50, 3.0), (10, 4.0)]):
-        s.add_request(InferenceRequest(f"r{i}", p, t))
-    plan = s.schedule(5.0)
-    # arrival order r1 (40), r0 (30), r2 (50 would make 120 > 100: deferred), r3 (10)
-    assert [a.request_id for a in plan.admitted] == ["r1", "r0", "r3"]
-    assert plan.deferred == ("r2",)
+@pytest.mark.parametrize("name", ["fcfs", "hybrid", "periodic", "ft_first"])
+def test_inference_work_counts_waiting_prompts_in_arrival_order_within_engine_limits(name):
+    s = sched(name, max_num_seqs=3, max_batched_tokens=100)
+    prompts = [(30, 2.0), (40, 1.0), (50, 3.0), (10, 4.0)]  # (tokens, arrival)
+    s.observe(facts(prefills=[(f"r{i}", p, t) for i, (p, t) in enumerate(prompts)]))
+    # arrival order r1 (40), r0 (30), r2 (50 would make 120 > 100: the engine leaves it waiting), r3 (10)
+    assert s.schedule(5.0).work == InferenceWork(80, 0, 0)
 
 
 def test_temporal_alternates_n_inference_windows_and_one_fine_tuning_window():
+    """One engine iteration between grants: after the first report (a baseline), every n = 3 a
+    fine-tuning window of one whole pass, planned without inference."""
     s = sched("temporal", n=3, max_ft_samples=1)
-    for i in range(4):
-        s.add_sample(FineTuneSample(f"x{i}", 100, 0.0))
+    queue = [FineTuneSample(f"x{i}", 100, 0.0) for i in range(4)]
     pattern = []
     for k in range(8):
-        s.add_request(InferenceRequest(f"r{k}", 20, k * 0.01))
+        s.observe(facts(decodes=2, prefills=[(f"r{k}", 20, k * 0.01)], iterations=k))
+        s.set_samples(queue)
         plan = s.schedule(k * 0.01)
         pattern.append("F" if plan.inference_paused else "I")
         if plan.inference_paused:
-            assert plan.admitted == () and plan.ft_tokens == 100 and plan.work.empty
+            assert plan.ft_tokens == 100 and plan.work.empty
         else:
-            assert plan.ft_tokens == 0 and plan.admitted
-        for w in plan.windows:
-            s.report_sample(w.sample_id, k * 0.01)
-    assert "".join(pattern) == "IIIFIIIF"
+            assert plan.ft_tokens == 0 and plan.work == InferenceWork(20, 2, 4)
+        queue = trained(queue, plan)
+    assert "".join(pattern) == "IIIFIIFI"
 
 
 def test_ft_first_runs_fine_tuning_before_inference():
     plan = _heavy("ft_first").schedule(1.0)
     assert plan.ft_tokens == 500  # whole sample, whatever the load
-    assert plan.deferred == ("p",) and plan.admitted == ()  # no room left in the window for the prefill
-    s = sched("ft_first", max_num_seqs=64)
-    add_decodes(s, 40)
-    s.add_request(InferenceRequest("p", 100, 0.0))
-    assert [a.request_id for a in s.schedule(1.0).admitted] == ["p"]  # nothing to train: inference runs
+    # vLLM runs the prefill beside it anyway: the plan counts both
+    assert plan.work == InferenceWork(100, 40, 80)
+    assert plan.predicted_latency_s == pytest.approx(0.055 + 0.003 + 0.15)
+    # fine-tuning takes the memory first: the waiting prompt's KV cache is not set aside (fcfs sets it aside)
+    def grant(name):
+        s = sched(name, cost_model=cost_model(kv_bytes=100.0))
+        s.observe(facts(prefills=[("p", 100, 0.0)]))
+        s.set_samples([FineTuneSample("x", 1000, 0.0)])
+        return s.schedule(0.0, free_bytes=60_000).ft_tokens
+
+    assert (grant("ft_first"), grant("fcfs")) == (60, 50)
 
 
 def test_periodic_trains_every_t_seconds_on_what_arrived_before():
     s = sched("periodic", every_seconds=10.0)
-    s.add_sample(FineTuneSample("a", 50, 1.0))
-    s.add_sample(FineTuneSample("b", 50, 3.0))
+    queue = [FineTuneSample("a", 50, 1.0), FineTuneSample("b", 50, 3.0)]
+    s.set_samples(queue)
     assert s.schedule(5.0).ft_tokens == 0  # first window opens 10 s after the first sample
     plan = s.schedule(11.0)
     assert sorted(w.sample_id for w in plan.windows) == ["a", "b"]
-    s.add_sample(FineTuneSample("c", 50, 12.0))
-    for w in plan.windows:
-        s.report_sample(w.sample_id, 12.0)
+    queue = trained(queue, plan) + [FineTuneSample("c", 50, 12.0)]
+    assert [x.sample_id for x in queue] == ["c"]
+    s.set_samples(queue)
     assert s.schedule(12.5).ft_tokens == 0  # c arrived after the window opened: next window
     assert s.schedule(20.0).ft_tokens == 0
     assert [w.sample_id for w in s.schedule(21.0).windows] == ["c"]
@@ -660,11 +622,8 @@ def test_separate_never_exceeds_its_share_and_ignores_inference_load(dec, prompt
     def plan(load):
         s = sched("separate", train_fraction=phi, max_num_seqs=100)
         if load:
-            add_decodes(s, dec)
-            for i, p in enumerate(prompts):
-                s.add_request(InferenceRequest(f"p{i}", p, 0.0))
-        for i, n in enumerate(samples):
-            s.add_sample(FineTuneSample(f"s{i}", n, 0.0))
+            s.observe(facts(decodes=dec, prefills=[(f"p{i}", p, 0.0) for i, p in enumerate(prompts)]))
+        s.set_samples([FineTuneSample(f"s{i}", n, 0.0) for i, n in enumerate(samples)])
         return s.schedule(0.0)
 
     busy, idle = plan(True), plan(False)
@@ -672,21 +631,24 @@ def test_separate_never_exceeds_its_share_and_ignores_inference_load(dec, prompt
     assert all(mb.memory_bytes <= phi * 1e6 + 1e-6 for mb in busy.micro_batches)
     assert busy.ft_token_budget == token_budget(COST, InferenceWork(), SLO)
     assert [(w.sample_id, w.end) for w in busy.windows] == [(w.sample_id, w.end) for w in idle.windows]
-    assert dec + len(busy.admitted) <= max(dec, math.floor(100 * (1 - phi)))
+    # the plan's inference is what fits the serving share (1 − φ) of the engine
+    assert busy.work.decode_seqs == dec
+    if dec >= math.floor(100 * (1 - phi)):
+        assert busy.work.prefill_tokens == 0
 
 
 @pytest.mark.parametrize("phi", [0.1, 0.25, 0.5])
 def test_separate_trains_a_duty_cycle_of_its_share_over_time(phi):
     """Grants at every 1 ms tick for 20 s: fine-tuning time adds up to φ of the time, under any load."""
     s = sched("separate", train_fraction=phi, max_num_seqs=100)
-    add_decodes(s, 30)
-    s.set_samples([FineTuneSample(f"x{i}", 10_000, 0.0) for i in range(3)])
+    s.observe(facts(decodes=30))
+    queue = [FineTuneSample(f"x{i}", 10_000, 0.0) for i in range(3)]
     busy_s, t = 0.0, 0.0
     while t < 20.0:
+        s.set_samples(queue)
         plan = s.schedule(t)
         busy_s += plan.ft_latency_s
-        for w in plan.windows:
-            s.report_sample(w.sample_id, t)
+        queue = trained(queue, plan)
         t += 0.001
     assert busy_s / 20.0 == pytest.approx(phi, rel=0.05)
 
@@ -705,24 +667,18 @@ def test_policies_reject_bad_params():
 # ---- the live app's protocol: observed engine facts and the trainer's samples -----------------
 
 
-def _facts(decodes=0, prefills=0, iterations=0, at=0.0):
-    reqs = [LiveRequest(f"d{i}", 1, 5, 0.0, 10_000) for i in range(decodes)]
-    reqs += [LiveRequest(f"p{i}", 20, 0, 0.0, 64) for i in range(prefills)]
-    return EngineFacts(at, tuple(reqs), iterations, 0.25, 4e6)
-
-
 def test_observed_engine_facts_set_the_inference_work_of_the_budget():
     """Requests with output tokens decode, the rest wait for their prefill; the budget follows them."""
     s = sched(max_num_seqs=64)
-    s.observe(_facts(decodes=10, prefills=1))
+    s.observe(facts(decodes=10, prefills=[("p0", 20, 0.0)]))
     assert set(s.running) == {f"d{i}" for i in range(10)} and set(s.waiting) == {"p0"}
     s.set_samples([FineTuneSample("x", 5000, 0.0)])
     plan = s.schedule(0.0)
     # c = 10 decodes + one 20-token prefill: s = (50 - 5 - 10 - 2 - 3)/0.3 = 100
     assert plan.ft_token_budget == 100 and plan.ft_tokens == 100
-    s.observe(_facts(decodes=40))  # a later report replaces the queues
+    s.observe(facts(decodes=40))  # a later report replaces the queues
     assert len(s.running) == 40 and not s.waiting
-    assert _facts(decodes=1).kv_used_bytes == 1e6
+    assert facts(decodes=1).kv_used_bytes == 1e6
 
 
 def test_trainer_samples_replace_the_queue_and_windows_start_at_their_progress():
@@ -737,15 +693,15 @@ def test_trainer_samples_replace_the_queue_and_windows_start_at_their_progress()
 def test_temporal_counts_the_engines_reported_iterations_and_trains_an_idle_engine_at_once():
     s = sched("temporal", n=100)
     s.set_samples([FineTuneSample("x", 100, 0.0)])
-    s.observe(_facts(decodes=2, iterations=1000))  # first report: a baseline, not 1,000 windows
+    s.observe(facts(decodes=2, iterations=1000))  # first report: a baseline, not 1,000 windows
     assert not s.schedule(0.0).inference_paused
-    s.observe(_facts(decodes=2, iterations=1060))
+    s.observe(facts(decodes=2, iterations=1060))
     assert not s.schedule(0.1).inference_paused
-    s.observe(_facts(decodes=2, iterations=1101))  # 101 iterations since the last fine-tuning window
+    s.observe(facts(decodes=2, iterations=1101))  # 101 iterations since the last fine-tuning window
     plan = s.schedule(0.2)
     assert plan.inference_paused and plan.ft_tokens == 100
     s.set_samples([FineTuneSample("y", 100, 0.3)])
-    s.observe(_facts(decodes=0, iterations=1101))  # idle engine: nothing to alternate with
+    s.observe(facts(decodes=0, iterations=1101))  # idle engine: nothing to alternate with
     assert s.schedule(0.3).ft_tokens == 100
 
 
@@ -760,13 +716,13 @@ def test_separate_holds_to_its_share_of_measured_time_when_work_outlasts_the_mod
     """Real windows took 4× the model's time: the pause after them stretches so φ still holds."""
     phi = 0.25
     s = sched("separate", train_fraction=phi, max_num_seqs=100)
-    s.set_samples([FineTuneSample(f"x{i}", 10_000, 0.0) for i in range(3)])
+    queue = [FineTuneSample(f"x{i}", 10_000, 0.0) for i in range(3)]
+    s.set_samples(queue)
     first = s.schedule(0.0)
     assert first.windows
     modeled = first.ft_latency_s
     ran = 4 * modeled
-    for w in first.windows:
-        s.report_sample(w.sample_id, ran)
+    s.set_samples(trained(queue, first))
     s.observe_ft_run(ran, ran)
     pause = ran * (1 - phi) / phi
     assert s.schedule(ran + 0.99 * pause).windows == ()  # the model alone would have granted here

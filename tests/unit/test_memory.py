@@ -69,16 +69,6 @@ def test_the_trainer_reports_what_offloading_would_free_per_grant():
     assert guard(optimizer_bytes=2e5).decide(7e5, 2, 100, waited_s=1.0, optimizer_bytes=0).action == "shrink"
 
 
-def test_admission_uses_kv_bytes_and_shrinks_only_the_request_count():
-    g = guard()
-    assert g.decide(7e5, 3, 50, kind="admit").action == "run"  # 3 × 50 × 100 B = 15 kB
-    d = g.decide(7.9e5, 3, 50, waited_s=1.0, kind="admit")  # 8.05e5 > 8e5; two requests fit
-    assert (d.action, d.batch_size, d.tokens) == ("shrink", 2, 50)
-    assert g.decide(7.999e5, 1, 50, waited_s=1.0, kind="admit").action == "defer"
-    d = guard(optimizer_bytes=1e5).decide(7.999e5, 1, 50, waited_s=1.0, kind="admit")
-    assert d.action == "offload"  # training's optimizer state moves out for the inference request
-
-
 def test_calibration_is_the_running_max_of_actual_over_predicted():
     g = guard(calibration_window=2)
     assert g.ratio() == 1.0
@@ -87,7 +77,6 @@ def test_calibration_is_the_running_max_of_actual_over_predicted():
     assert g.decide(5e5, 2, 100).action == "wait"  # 5e5 + 4e5 > 8e5: ran before calibration, not now
     assert g.observe(2, 100, 2e5) == pytest.approx(2.0)  # max over the window
     assert g.observe(2, 100, 2.2e5) == pytest.approx(1.1)  # the 2.0 slid out of the 2-observation window
-    assert g.ratio("admit") == 1.0  # kinds calibrate separately
     assert g.observe(1, 10, actual_bytes=0.0) == pytest.approx(1.1)
     g2 = guard(calibration_window=1, min_ratio=0.5)
     assert g2.observe(1, 10, 0.0) == 0.5  # a near-zero reading cannot make the need vanish
@@ -111,14 +100,14 @@ def test_alg2_loop_waits_while_memory_drains_then_runs():
 @settings(max_examples=300, deadline=None)
 @given(used=st.floats(0, 1.2e6), batch=st.integers(1, 16), tokens=st.integers(1, 2000),
        waited=st.floats(0, 3.0), opt=st.floats(0, 5e5), on_device=st.booleans(),
-       ratio_obs=st.lists(st.floats(0.1, 4.0), max_size=4), kind=st.sampled_from(["train", "admit"]))
-def test_decisions_never_run_past_the_threshold(used, batch, tokens, waited, opt, on_device, ratio_obs, kind):
+       ratio_obs=st.lists(st.floats(0.1, 4.0), max_size=4))
+def test_decisions_never_run_past_the_threshold(used, batch, tokens, waited, opt, on_device, ratio_obs):
     g = guard(optimizer_bytes=opt, t_max_s=1.0)
     for r in ratio_obs:
-        g.observe(2, 100, r * g.raw_need(2, 100, kind), kind)
-    d = g.decide(used, batch, tokens, waited, kind, on_device)
+        g.observe(2, 100, r * g.raw_need(2, 100))
+    d = g.decide(used, batch, tokens, waited, on_device)
     thr = g.threshold()
-    need = g.need(d.batch_size, d.tokens, kind)
+    need = g.need(d.batch_size, d.tokens)
     assert 1 <= d.batch_size <= batch and 1 <= d.tokens <= tokens
     if d.action == "run":
         assert (d.batch_size, d.tokens) == (batch, tokens) and used + need <= thr
@@ -127,13 +116,13 @@ def test_decisions_never_run_past_the_threshold(used, batch, tokens, waited, opt
     elif d.action == "shrink":
         assert waited >= 1.0 and used + need <= thr and (d.batch_size, d.tokens) < (batch, tokens)
         if d.tokens == tokens and d.batch_size < batch:
-            assert not g.fits(used, d.batch_size + 1, tokens, kind)  # the largest batch that fits
+            assert not g.fits(used, d.batch_size + 1, tokens)  # the largest batch that fits
         if d.tokens < tokens:
-            assert kind == "train" and d.batch_size == 1 and not g.fits(used, 1, d.tokens + 1, kind)
+            assert d.batch_size == 1 and not g.fits(used, 1, d.tokens + 1)
     elif d.action == "offload":
         assert waited >= 1.0 and on_device and opt > 0 and used - opt + need <= thr
     else:
         assert d.action == "defer" and waited >= 1.0
-        smallest = (1, tokens if kind == "admit" else min(16, tokens))  # an admission keeps its length
-        assert not g.fits(used, *smallest, kind)
-        assert not (on_device and opt > 0 and g.fits(used - opt, *smallest, kind))
+        smallest = (1, min(16, tokens))
+        assert not g.fits(used, *smallest)
+        assert not (on_device and opt > 0 and g.fits(used - opt, *smallest))
