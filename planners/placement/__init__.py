@@ -22,6 +22,7 @@ from planners.placement.baselines import LeastUtilized, RoundRobin, Separate
 from planners.placement.lemix import LemixPlacement
 from planners.placement.planning import NodeEstimate
 from planners.placement.policy import PlacementPolicy, task_length
+from planners.placement.training import FeedbackChoice, TrainingPlacer, route_feedback
 
-__all__ = ["LeastUtilized", "LemixPlacement", "NodeEstimate", "PlacementPolicy", "RoundRobin", "Separate",
-           "task_length"]
+__all__ = ["FeedbackChoice", "LeastUtilized", "LemixPlacement", "NodeEstimate", "PlacementPolicy", "RoundRobin",
+           "Separate", "TrainingPlacer", "route_feedback", "task_length"]

@@ -120,10 +120,7 @@ class LemixPlacement:
         for n in nodes:
             row = self._rows.get(n.node_id)
             if row is None:
-                row = len(self._nodes)
-                self._rows[n.node_id] = row
-                self._nodes.append(_Node(row, self._type_costs.get(n.node_type, self.cost), self.stages))
-                self._dirty.add(row)
+                row = self._row(n.node_id, n.node_type)
             if n.ready:
                 ids.append(n.node_id)
                 rows.append(row)
@@ -132,6 +129,16 @@ class LemixPlacement:
             sel = slice(0, len(rows))  # views, not copies, on the common all-ready path
         self._cache_key, self._cache_rows, self._cache_list, self._cache_ids = key, sel, rows, ids
         return sel, rows, ids
+
+    def _row(self, node_id: int, node_type: str = "default") -> int:
+        """The row of ``node_id``'s state, made on first sight."""
+        row = self._rows.get(node_id)
+        if row is None:
+            row = len(self._nodes)
+            self._rows[node_id] = row
+            self._nodes.append(_Node(row, self._type_costs.get(node_type, self.cost), self.stages))
+            self._dirty.add(row)
+        return row
 
     # --- SLO ---------------------------------------------------------------------------------
 
@@ -385,10 +392,7 @@ class LemixPlacement:
         if not ids:
             return []
         ev = self._evaluate(task, rows, rlist, now)
-        return [NodeEstimate(ids[i], float(ev.idle_time[i]), float(ev.response_time[i]), float(ev.idle_gain[i]),
-                             float(ev.length_affinity[i]),
-                             float(ev.f[i]), tuple(float(x) for x in ev.start[i]), tuple(float(x) for x in ev.end[i]))
-                for i in range(len(ids))]
+        return [_estimate(ev, i, ids[i]) for i in range(len(ids))]
 
     def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None:
         """The node with the highest f (Eq. 3); None when no node is ready or, for a training task,
@@ -399,7 +403,7 @@ class LemixPlacement:
         ev = self._evaluate(task, rows, rlist, now)
         i = ev.best()
         if task.kind == "training" and self.deprioritize and self.predict_next and not self._overdue(task, now):
-            nxt = self._predicted_inference(max(task.arrival, now))
+            nxt = self.predicted_inference(max(task.arrival, now))
             if nxt is not None and self._violates(task, nxt, rows, rlist, i, ev, now):
                 return None
         self._commit(task, rlist[i], ev.start[i], ev.end[i], max(task.arrival, now))
@@ -430,16 +434,29 @@ class LemixPlacement:
             i += 1
         return out
 
-    def deprioritizes(self, train: Task, nxt: Task, nodes: Sequence[NodeView], now: float) -> bool:
-        """Eq. 4 for one pair: would placing ``train`` (on the node LEMIX would give it) push the
-        inference task ``nxt`` past τ_R on every node? ``prioritize`` applies this to a queue."""
+    def deprioritizes(self, train: Task, nxt: Task, nodes: Sequence[NodeView], now: float,
+                      node: int | None = None) -> bool:
+        """Eq. 4 for one pair: would placing ``train`` push the inference task ``nxt`` past τ_R on
+        every node? ``train`` goes on ``node`` when given (a trainer already runs there: the grant
+        path), else on the node LEMIX would give it; False when that node is not ready.
+        ``prioritize`` applies this to a queue."""
         if train.kind != "training" or nxt.kind != "inference":
             raise ValueError("deprioritizes(train, nxt): a training task, then an inference task")
         rows, rlist, ids = self._select(nodes)
-        if not ids:
+        if not ids or (node is not None and node not in ids):
             return False
         ev = self._evaluate(train, rows, rlist, now)
-        return self._violates(train, nxt, rows, rlist, ev.best(), ev, now)
+        return self._violates(train, nxt, rows, rlist, ev.best() if node is None else ids.index(node), ev, now)
+
+    def commit(self, task: Task, node_id: int, now: float) -> NodeEstimate:
+        """Plan ``task`` on ``node_id``, a node someone else chose, and keep the plan, as ``choose`` would
+        had it chosen that node: a request another router placed, a training step granted there (its
+        backward intervals enter Q_train^n, so later forwards on the node are planned past them, Alg. 1
+        lines 7–14). The node need not be ready. Returns the plan's Alg. 1 and Eq. 1–3 terms."""
+        row = self._row(node_id)
+        ev = self._eval_small(task, [row], now)
+        self._commit(task, row, ev.start[0], ev.end[0], max(task.arrival, now))
+        return _estimate(ev, 0, node_id)
 
     def observe(self, trace: ExecutionTrace) -> None:
         """Calibrate the node's planned intervals from what actually ran (LEMIX Alg. 2, lines 13–17)."""
@@ -500,7 +517,9 @@ class LemixPlacement:
         return out
 
     def forget(self, task_id: str) -> None:
-        """Drop the plan of a task that will not run (cancelled, or its replica died)."""
+        """Drop the plan of a task that will not run (cancelled, or its replica died), or of a training
+        step that is done: its backward leaves Q_train^n (Alg. 1 lines 17–18) without calibrating, since
+        a step's windows share the node with inference and their wall time is no profile measure."""
         p = self._planned.pop(task_id, None)
         if p is not None:
             self._release(self._nodes[p.row], task_id)
@@ -588,8 +607,10 @@ class LemixPlacement:
         self._inf_len = ell if self._inf_len is None else 0.9 * self._inf_len + 0.1 * ell
         self._inf_max = m if self._inf_max is None else 0.9 * self._inf_max + 0.1 * m
 
-    def _predicted_inference(self, t: float) -> Task | None:
-        """The next inference request as the recent stream predicts it (Poisson: one mean gap away)."""
+    def predicted_inference(self, t: float) -> Task | None:
+        """task_next of Eq. 4 at time ``t``: the next inference request as the recent stream of committed
+        ones predicts it (Poisson: one mean gap away; its length and output the recent means). None
+        before two requests, or once the stream has been quiet for ten mean gaps."""
         if self._inf_gap is None or self._inf_len is None or self._inf_max is None or self._inf_last is None:
             return None
         if t - self._inf_last > 10 * self._inf_gap:
@@ -632,3 +653,9 @@ class LemixPlacement:
                 h = be[0]
             with_t = min(with_t, (h if h > t else t) + fwd)
         return with_t > slo
+
+
+def _estimate(ev: _Eval, i: int, node_id: int) -> NodeEstimate:
+    return NodeEstimate(node_id, float(ev.idle_time[i]), float(ev.response_time[i]), float(ev.idle_gain[i]),
+                        float(ev.length_affinity[i]), float(ev.f[i]), tuple(float(x) for x in ev.start[i]),
+                        tuple(float(x) for x in ev.end[i]))

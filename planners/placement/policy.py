@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from planners.types import ExecutionTrace, NodeView, Task
+
+if TYPE_CHECKING:
+    from planners.placement.planning import NodeEstimate
 
 
 class PlacementPolicy(Protocol):
@@ -15,7 +18,7 @@ class PlacementPolicy(Protocol):
 
     def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None: ...
 
-    def commit(self, task: Task, node_id: int, now: float) -> None: ...
+    def commit(self, task: Task, node_id: int, now: float) -> NodeEstimate | None: ...
 
     def observe(self, trace: ExecutionTrace) -> None: ...
 
