@@ -599,10 +599,13 @@ class LemixPlacement:
 
     def _note_inference(self, task: Task) -> None:
         a = task.arrival
-        if self._inf_last is not None and a >= self._inf_last:
-            g = a - self._inf_last
-            self._inf_gap = g if self._inf_gap is None else 0.9 * self._inf_gap + 0.1 * g
-        self._inf_last = a
+        # A task committed out of arrival order (the planner learns of each node's requests from that
+        # node's reports) has no gap to measure, and the stream's latest arrival stays the latest.
+        if self._inf_last is None or a >= self._inf_last:
+            if self._inf_last is not None:
+                g = a - self._inf_last
+                self._inf_gap = g if self._inf_gap is None else 0.9 * self._inf_gap + 0.1 * g
+            self._inf_last = a
         ell, m = float(task.prompt_tokens), float(task.max_tokens)
         self._inf_len = ell if self._inf_len is None else 0.9 * self._inf_len + 0.1 * ell
         self._inf_max = m if self._inf_max is None else 0.9 * self._inf_max + 0.1 * m

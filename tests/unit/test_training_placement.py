@@ -80,6 +80,9 @@ def test_predicted_inference_follows_the_stream_and_stops_when_it_goes_quiet():
     nxt = p.predicted_inference(0.25)
     assert nxt.kind == "inference" and nxt.prompt_tokens == 80 and nxt.arrival == pytest.approx(0.35)
     assert p.predicted_inference(5.0) is None  # quiet for more than ten mean gaps
+    # Another node's request learned late (arrived 0.15): it neither measures a gap nor moves the stream back.
+    p.commit(infer("I3", 0.15, prompt=80), 1, 0.3)
+    assert p.predicted_inference(0.3).arrival == pytest.approx(0.4)
 
 
 # ---- the routers: training steps from the snapshot -----------------------------------------------
