@@ -1,4 +1,4 @@
-"""Placement of each request on a node, decided where routing happens (LEMIX §IV-B/C through ``planners/placement.py``).
+"""Placement of each request on a node, decided where routing happens (LEMIX §IV-B/C through ``planners/placement/``).
 
 With HAProxy in front (``app/serve_env.py``), HAProxy asks an *ingress request router* which
 model server replica takes each request, then forwards the request straight to it
