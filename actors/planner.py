@@ -498,7 +498,9 @@ class Planner:
         """
         node = self.nodes[node_id]
         now = time.time()
-        self.training.done(node_id, now)  # the micro-step's passes are over: its steps leave Q_train
+        # The micro-step's passes are over: its steps leave Q_train. Synced, the leader reports for every
+        # rank (the step's collective waited for all their shares); per_node, each rank for its own node.
+        self.training.done(node_id if self.cfg.training.scope == "per_node" else None, now)
         sched = self._scheduler(node) if mode == "hybrid" and self.cfg.planner.iteration is not None else None
         verdicts = []
         for r in reports:

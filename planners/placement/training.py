@@ -240,13 +240,13 @@ class TrainingPlacer:
                               "done_at": None})
         return placement
 
-    def done(self, node_id: int, now: float) -> int:
-        """The trainer on ``node_id`` ran what it was granted: release its steps. Returns how many."""
-        ids = [tid for tid, p in self._steps.items() if p.node_id == node_id]
+    def done(self, node_id: int | None, now: float) -> int:
+        """The trainer on ``node_id`` (None: on every node) ran what it was granted: release those steps.
+        Returns how many."""
+        ids = [tid for tid, p in self._steps.items() if node_id is None or p.node_id == node_id]
         for tid in ids:
-            del self._steps[tid]
+            self.nodes[self._steps.pop(tid).node_id].steps_done += 1
             self.policy.forget(tid)
-        self.nodes[node_id].steps_done += len(ids)
         for entry in self.step_log:
             if entry["task_id"] in ids:
                 entry["done_at"] = round(now, 3)

@@ -210,6 +210,9 @@ def test_a_granted_step_is_placed_until_its_node_reports_back():
     assert placer.done(1, 1.0) == 1 and placer.placed() == ()
     assert placer.node_status(1, 0.0)["plan"]["training"] == 0.0 and placer.nodes[1].steps_done == 1
     assert placer.status()["steps_recent"][-1]["done_at"] == 1.0
+    for node in (0, 1):
+        placer.granted(placer.step_task(node, "a", 1, 30, 2.0), node, 2.0)
+    assert placer.done(None, 3.0) == 2 and placer.placed() == ()  # a synced step: every rank's share is over
 
 
 # ---- the baselines -------------------------------------------------------------------------------
