@@ -43,6 +43,7 @@ from app.engine_args import served_model_name
 from planners import registry
 from planners.coserving import EngineFacts, FineTuneSample, TokenWindow, whole_windows
 from planners.memory import MemoryGuard
+from planners.placement import Separate, TrainingPlacer
 from planners.types import (
     AdapterAssignment,
     AdapterLoaded,
@@ -178,14 +179,12 @@ class Planner:
             await self.trainer.regroup.remote()
         return name
 
-    def _training_placer(self, name: str, params: dict[str, Any]) -> Any:
+    def _training_placer(self, name: str, params: dict[str, Any]) -> TrainingPlacer:
         """This planner's own instance of placement policy ``name``, for training decisions.
 
         Eq. 4's τ_R on the grant path is ``training.slo_ttft_s`` unless the params set ``tau_r``: the
         routers' instances keep the policy's own default (only training ever meets Eq. 4).
         """
-        from planners.placement import Separate, TrainingPlacer
-
         kwargs = self._placement_kwargs(name, params)
         if "tau_r" not in kwargs and registry.accepts("placement", name, "tau_r"):
             kwargs["tau_r"] = self.cfg.training.slo_ttft_s
