@@ -30,6 +30,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -139,7 +140,8 @@ class PromptCounter:
         try:
             if "messages" in body:
                 ids = self.tok.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True)
-                return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+                # transformers 5 returns a BatchEncoding (a Mapping, not a dict): its length is its key count.
+                return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
             prompt = body.get("prompt")
             prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
             total = 0
