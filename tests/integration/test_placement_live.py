@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.helpers import placed_now, placed_since
+from tests.integration.test_learning import trainer  # noqa: F401  (the trainer runs before training tests start)
 
 MODEL = "tiny-llama"
 
@@ -63,13 +64,14 @@ def _slow_prefill(planner, seconds: float) -> dict:
 
     import ray
 
+    ray.get(planner.set_placement.remote("lemix"))  # its keyword arguments hold the profile's cost model
     cm = ray.get(planner.placement_kwargs.remote())["cost_model"]
     cm = dataclasses.replace(cm, iteration=dataclasses.replace(cm.iteration, base=cm.iteration.base + seconds))
     return {"cost_model": cm, "calibration_rate": 0.0}
 
 
 def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step_reaches_the_routers(
-        app_url, app_config, planner):
+        app_url, app_config, planner, trainer):
     """With the grant path of LEMIX Eq. 4 (adapter mode hybrid, ``planner.iteration: null``), training waits
     while a stream of requests would miss τ_R (``training.slo_ttft_s``, 1 s) on both nodes, and runs once the
     stream stops; each granted step is a training task in the planner's Q_train^n and in the snapshot the
@@ -101,8 +103,11 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
         for t in threads:
             t.start()
         time.sleep(2.0)  # the stream is on: the planner has seen its requests in flight
+        # Long items (512 tokens a pass): each step then runs for a few tenths of a second, long enough to be
+        # seen in the snapshot the routers poll.
         r = httpx.post(f"{app_url}/v1/feedback", json={"items": [
-            {"adapter": name, "prompt": f"Eq4 fact {i}:", "completion": f" value {i}."} for i in range(4)]}, timeout=60)
+            {"adapter": name, "prompt": f"Eq4 fact {i}: " + "lorem ipsum " * 20, "completion": " value" * 40}
+            for i in range(8)]}, timeout=60)
         assert r.status_code == 202, r.text
         time.sleep(6.0)
         during = _nodes(app_url)
@@ -133,7 +138,7 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
             info = httpx.get(f"{app_url}/v1/adapters/{name}", timeout=30).json()
             if info["queued"] == 0 and info["current_version"]:
                 break
-            time.sleep(0.02)
+            time.sleep(0.01)
         else:
             pytest.fail(f"{name} not trained after the stream stopped: {info}")
         assert seen, "no training step reached the routing snapshot"
@@ -169,7 +174,7 @@ def _trainer_workers(app_url: str, nodes: set[int], timeout: float = 180) -> dic
     pytest.fail(f"trainer not running on nodes {nodes} within {timeout}s: {st}")
 
 
-def test_separate_trains_only_on_its_training_node_and_serves_only_on_the_other(app_url, planner):
+def test_separate_trains_only_on_its_training_node_and_serves_only_on_the_other(app_url, planner, trainer):
     """``placement: separate`` (α = 0.5 on two nodes): node 1 trains and serves no inference, node 0 serves and
     trains nothing. Switched live, the trainer regroups its ranks onto node 1."""
     import ray
