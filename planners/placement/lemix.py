@@ -28,7 +28,10 @@ class LemixPlacement:
 
     State per node: the forward end of the last planned task on each stage (``task_prev.end_f^s``),
     the planned backward intervals of unfinished training tasks (Q_train^n), and the planned decode
-    spans of inference tasks (LEMIX §V-D: decoding stays on the prefill's node).
+    spans of inference tasks (LEMIX §V-D: decoding stays on the prefill's node). ``choose`` fills it
+    with the tasks it places; ``commit`` with tasks placed elsewhere (in the live app: requests another
+    router placed, as the planner learns of them, and training steps the planner granted, which the
+    routers commit too, so their inference forwards are planned past those backwards).
 
     Deliberate readings of the paper, each behind a parameter:
     - Eq. 3 as printed, f = (IP + λ2·LC)/(λ1·R), rewards a *longer* R whenever its numerator is
@@ -42,7 +45,8 @@ class LemixPlacement:
     - LC (Eq. 2, truncated in our copy of the paper) is the unit-free Gaussian kernel
       exp(−(ℓ−μ)²/(2σ²)) of ℓ against the node's history; 0 on a node with no history.
     - Eq. 4 counts planned backward ends in "max end of the tasks in Q^n", and includes the
-      training task being placed, on the node it would take.
+      training task being placed, on the node it would take (or, on the live grant path, on the
+      node its trainer already runs on: ``deprioritizes(..., node=...)``).
 
     Up to ``vector_above`` ready nodes the planner runs scalar Python (numpy's per-call overhead
     dominates on a handful of nodes); above it, numpy on a mirror of the per-node state, synced

@@ -122,6 +122,7 @@ def test_lemix_places_feedback_on_the_node_its_score_prefers(url):
     from actors.planner import find_planner
 
     planner = find_planner("pernode")
+    ray.get(planner.set_placement.remote("lemix"))  # its keyword arguments hold the profile's cost model
     cm = ray.get(planner.placement_kwargs.remote())["cost_model"]
     slow = dataclasses.replace(cm, iteration=dataclasses.replace(cm.iteration, base=cm.iteration.base + 30.0))
     ray.get(planner.set_placement.remote("lemix", {"cost_model": slow, "calibration_rate": 0.0}))
