@@ -15,6 +15,12 @@ and asks ``planners/`` for every decision:
 - Training: each node's engine facts feed that node's iteration scheduler
   (``planners/coserving/``) and memory guard (``planners/memory.py``); :meth:`grant` answers a
   trainer with the token windows it may run now on its node.
+- Training placement: its own instance of the placement policy, kept current with where inference
+  runs (the replicas' reports), places training work (``planners/placement/training.py``): new
+  feedback of ``per_node`` scope (LEMIX Eq. 1–3), the grant verdict of Eq. 4 for adapters the
+  iteration policy does not grant, and every granted step, which enters Q_train^n here and in the
+  routers (:class:`TrainingPlacement` in the snapshot) until the trainer reports back. Under
+  ``placement: separate`` only its training nodes take trainer ranks (:meth:`node_locations`).
 - It starts the feedback store and the trainer, and watches the replicas' actors, so a node
   whose replica died is not offered to routers or trainers until Serve's replacement registers.
 """
@@ -23,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +43,7 @@ from app.engine_args import served_model_name
 from planners import registry
 from planners.coserving import EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, ft_latency, whole_windows
 from planners.memory import MemoryGuard
+from planners.placement import Separate, TrainingPlacer
 from planners.types import (
     AdapterAssignment,
     AdapterLoaded,
@@ -47,6 +53,7 @@ from planners.types import (
     GrantedWindow,
     GrantRequest,
     NodeLocation,
+    NewFeedback,
     NodeRegistration,
     NodeReport,
     NodeView,
@@ -86,7 +93,6 @@ class _Node:
     prefix_cache: tuple[int, int] = (0, 0)  # (queried, hit) prompt tokens of this replica's engine
     adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version, as the node confirmed
     confirmed_epoch: int = -1
-    ttfts: deque = field(default_factory=lambda: deque(maxlen=64))  # recent TTFTs (s), newest last
     facts: EngineFacts | None = None  # the replica's latest engine report
     scheduler: Any = None  # the node's iteration scheduler (planner.iteration), built on first grant
     guard: MemoryGuard | None = None
@@ -127,8 +133,8 @@ class Planner:
         logger.info(self.cost_model_note)
         self.placement = config.planner.placement
         self.placement_params = dict(config.planner.placement_params)
-        registry.create("placement", self.placement, **self._placement_kwargs(self.placement, self.placement_params))
         self.nodes = [_Node(node_id=i) for i in range(config.cluster.nodes)]
+        self.training = self._training_placer(self.placement, self.placement_params)
         self.traces_seen = 0
         self._traces: deque[tuple[int, ExecutionTrace]] = deque(maxlen=TRACES_KEPT)
         self._published: dict[int, dict[str, AdapterVersion]] = {n.node_id: {} for n in self.nodes}
@@ -169,11 +175,38 @@ class Planner:
             node.memory_wait_since = None
 
     async def set_placement(self, name: str, params: dict[str, Any] | None = None) -> str:
-        """Switch the placement policy live; routers build it afresh at their next snapshot."""
+        """Switch the placement policy live; routers build it afresh at their next snapshot, this planner's
+        training placement now. When the nodes that train change (``separate``), the trainer regroups."""
         params = dict(params or {})
-        registry.create("placement", name, **self._placement_kwargs(name, params))  # fail here, not in a router
-        self.placement, self.placement_params = name, params
+        placer = self._training_placer(name, params)  # fails here, not in a router
+        before = self.training.training_nodes()
+        self.placement, self.placement_params, self.training = name, params, placer
+        if placer.training_nodes() != before and self.trainer is not None:
+            await self.trainer.regroup.remote()
         return name
+
+    def _training_placer(self, name: str, params: dict[str, Any]) -> TrainingPlacer:
+        """This planner's own instance of placement policy ``name``, for training decisions.
+
+        Eq. 4's τ_R on the grant path is ``training.slo_ttft_s`` unless the params set ``tau_r``: the
+        routers' instances keep the policy's own default (only training ever meets Eq. 4).
+        """
+        kwargs = self._placement_kwargs(name, params)
+        if "tau_r" not in kwargs and registry.accepts("placement", name, "tau_r"):
+            kwargs["tau_r"] = self.cfg.training.slo_ttft_s
+        policy = registry.create("placement", name, **kwargs)
+        t = self.cfg.training
+        if isinstance(policy, Separate):
+            problem = policy.problem(len(self.nodes), t.enabled, t.scope == "per_node")
+            if problem:
+                raise ValueError(problem)
+        placer = TrainingPlacer(policy, [n.node_id for n in self.nodes])
+        n_train = len(placer.training_nodes())
+        if t.enabled and -(-(t.workers or n_train) // n_train) > self.cfg.ranks_per_node:
+            # The bundles were sized at deploy time for cfg.ranks_per_node ranks a node.
+            raise ValueError(f"{t.workers} trainer ranks on {n_train} training node(s) would not fit the bundles, "
+                             f"sized for {self.cfg.ranks_per_node} rank(s) a node")
+        return placer
 
     def placement_kwargs(self) -> dict[str, Any]:
         """The current placement policy's keyword arguments, cost model included (for routers)."""
@@ -301,21 +334,25 @@ class Planner:
         for t in report.traces:
             self.traces_seen += 1
             self._traces.append((self.traces_seen, t))
-            if t.ok and t.ttft is not None:
-                node.ttfts.append(t.ttft)
+        # Where inference runs, for the training placement's node state (Alg. 1's Q_inference^n).
+        self.training.inference_report(report.node_id, report.traces,
+                                       None if report.engine is None else report.engine.requests)
         return True
 
     # ---- what routers and the HTTP layer read ----------------------------------------------
 
     async def routing_snapshot(self, after: int = 0) -> RoutingSnapshot:
-        """Node facts, the placement policy, and the traces newer than sequence number ``after``."""
+        """Node facts, the placement policy, the traces newer than sequence number ``after``, and the
+        training steps placed now."""
         traces = tuple(t for seq, t in self._traces if seq > after) if after < self.traces_seen else ()
         return RoutingSnapshot(
             seq=self.traces_seen, base_model=self.served_name, placement=self.placement,
-            placement_params=self.placement_kwargs(),
-            nodes=tuple(NodeView(node_id=n.node_id, ready=n.state == "ready", in_flight=n.in_flight,
-                                 busy_seconds=n.busy_seconds, adapters=frozenset(n.adapters)) for n in self.nodes),
-            reported_at=tuple(n.reported_at for n in self.nodes), traces=traces)
+            placement_params=self.placement_kwargs(), nodes=self._views(),
+            reported_at=tuple(n.reported_at for n in self.nodes), traces=traces, training=self.training.placed())
+
+    def _views(self) -> tuple[NodeView, ...]:
+        return tuple(NodeView(node_id=n.node_id, ready=n.state == "ready", in_flight=n.in_flight,
+                              busy_seconds=n.busy_seconds, adapters=frozenset(n.adapters)) for n in self.nodes)
 
     def known_models(self) -> set[str]:
         models = {self.served_name}
@@ -332,9 +369,12 @@ class Planner:
         return {n.node_id: n.actor_name for n in self.nodes}
 
     async def status(self) -> dict[str, Any]:
+        now = time.time()
         return {
             "model": self.served_name,
             "placement": self.placement,
+            # The planner's own placement of training work: feedback choices, granted steps (LEMIX Eq. 1–4).
+            "training_placement": self.training.status(),
             "cost_model": self.cost_model_note,
             "nodes": [
                 {
@@ -357,6 +397,8 @@ class Planner:
                         # How often requests queued inside vLLM (steps that left one waiting; the most left).
                         "steps_with_waiting": n.facts.steps_with_waiting, "waiting_peak": n.facts.waiting_peak},
                     "training_grants": dict(n.grants, recent=list(n.grant_log), passes_recent=list(n.pass_log)),
+                    # Training placed here: steps in Q_train, Eq. 4 verdicts, feedback items, the planned queues.
+                    "training_placement": self.training.node_status(n.node_id, now),
                     # LEMIX Alg. 2's state: κ·M_peak and the calibration ratio (measured / modelled bytes).
                     "memory_guard": None if n.guard is None else {
                         "threshold_bytes": n.guard.threshold(), "ratio": round(n.guard.ratio(), 4),
@@ -385,8 +427,11 @@ class Planner:
             return {"state": "unreachable", "error": f"{type(exc).__name__}: {exc}"}
 
     async def node_locations(self) -> list[NodeLocation]:
-        """The physical Ray node of each logical node's replica (for co-locating its trainer rank)."""
-        return [NodeLocation(n.node_id, n.ray_node_id, n.state, n.placement_group_id) for n in self.nodes]
+        """The physical Ray node of each logical node's replica (for co-locating its trainer rank), and
+        whether the node trains (every node, except those ``placement: separate`` keeps for inference)."""
+        trains = set(self.training.training_nodes())
+        return [NodeLocation(n.node_id, n.ray_node_id, n.state, n.placement_group_id, n.node_id in trains)
+                for n in self.nodes]
 
     async def feedback_queue(self) -> Any:
         await self.start()
@@ -397,21 +442,15 @@ class Planner:
 
     # ---- training grants -------------------------------------------------------------------
 
-    async def feedback_nodes(self, adapters: list[str | None]) -> list[int | None]:
-        """per_node scope: the node whose copy trains on each new feedback item, in item order."""
-        from planners.retraining import route_feedback
+    async def feedback_nodes(self, items: list[NewFeedback]) -> list[int | None]:
+        """per_node scope: the node whose copy trains on each new feedback item, in item order.
 
+        Each item is a training task placed by the training placement: LEMIX's best Eq. 3 score
+        (Eq. 1–3), the shortest queue for the other policies (``planners/placement/training.py``).
+        """
         await self.start()
-        ready = [n.node_id for n in self.nodes if n.state == "ready"] or [n.node_id for n in self.nodes]
-        queued = await self.feedback.queued_by_node.remote()
-        positions: dict[str | None, list[int]] = {}
-        for i, adapter in enumerate(adapters):
-            positions.setdefault(adapter, []).append(i)
-        out: list[int | None] = [None] * len(adapters)
-        for adapter, idx in positions.items():
-            for i, node in zip(idx, route_feedback(queued.get(adapter, {}) if adapter else {}, ready, len(idx))):
-                out[i] = node
-        return out
+        queued = {} if self.training.has_eq4 else await self.feedback.queued_by_node.remote()
+        return self.training.place_feedback(items, self._views(), queued, time.time())
 
     def adapter_changed(self, adapter: str) -> None:
         """The adapter's training settings changed: build its retraining policy afresh at the next grant."""
@@ -432,6 +471,7 @@ class Planner:
         node_id, adapter, mode = request.node_id, request.adapter, request.mode
         node = self.nodes[node_id]
         now = time.time()
+        self.training.done(node_id, now)  # it asks again: what it was granted before has run
         queue = [FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done) for x in request.samples]
         offload, wait_s = False, self.cfg.planner.grant_recheck_s
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
@@ -454,6 +494,7 @@ class Planner:
         if not windows:
             g["refused"] += 1
             return Grant((), wait_s, reason)
+        self._training_granted(node_id, adapter, windows, now)
         self._last_run[adapter] = now
         g["granted"] += 1
         g["windows"] += len(windows)
@@ -473,6 +514,9 @@ class Planner:
         """
         node = self.nodes[node_id]
         now = time.time()
+        # The micro-step's passes are over: its steps leave Q_train. Synced, the leader reports for every
+        # rank (the step's collective waited for all their shares); per_node, each rank for its own node.
+        self.training.done(node_id if self.cfg.training.scope == "per_node" else None, now)
         sched = self._scheduler(node) if mode == "hybrid" and self.cfg.planner.iteration is not None else None
         verdicts = []
         for r in reports:
@@ -555,6 +599,13 @@ class Planner:
             return windows, reason, False, 0.0
         return windows, f"{reason}; memory {d.action}: {d.reason}", d.action == "offload", 0.0
 
+    def _training_granted(self, node_id: int, adapter: str, windows: Any, now: float) -> None:
+        """A granted step becomes a training task on its node (C = its samples, ℓ = its longest window):
+        it enters Q_train^n of this planner's placement and, through the snapshot, the routers'."""
+        step = self.training.step_task(node_id, adapter, len({w.sample_id for w in windows}),
+                                       max(w.tokens for w in windows), now)
+        self.training.granted(step, node_id, now)
+
     async def _retraining_windows(self, node: _Node, adapter: str, mode: str, queue: list[FineTuneSample],
                                   now: float) -> tuple[Any, str, int]:
         from planners.retraining import RetrainingView, make_policy
@@ -566,32 +617,22 @@ class Planner:
             policy = make_policy(mode, self.cfg.training.retraining_params, own)
             self._retraining[(adapter, mode)] = policy
         queued, oldest = (await self.feedback.queue_summary.remote()).get(adapter, (0, None))
-        ttfts = sorted(node.ttfts)
         wanted = len(queue)
         tokens = sum(s.remaining for s in queue)
-        per_sample = max(1, tokens // max(1, wanted))
-        cm = self.cost_model
+        # LEMIX Eq. 4, the placement's verdict: the wanted step (C samples of ℓ tokens) on this node now,
+        # against the next inference request its stream predicts. Only the hybrid policy heeds it.
+        step = self.training.step_task(node.node_id, adapter, wanted, max(1, tokens // max(1, wanted)), now)
+        deprioritized = mode == "hybrid" and wanted > 0 and self.training.deprioritized(
+            step, node.node_id, self._views(), now)
         view = RetrainingView(
-            now=now, node_id=node.node_id, in_flight=node.in_flight,
-            ttft_p50_s=statistics.median(ttfts) if ttfts else None,
-            ttft_p99_s=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
-            slo_ttft_s=self.cfg.training.slo_ttft_s,
-            predicted_ttft_s=self._predicted_ttft(node),
-            queued=queued, oldest_queued_age_s=None if oldest is None else now - oldest,
-            last_run_at=self._last_run.get(adapter),
-            samples_wanted=wanted, tokens_wanted=tokens,
-            step_cost_s=cm.forward_latency(wanted, per_sample) + cm.backward_latency(wanted, per_sample),
-        )
+            now=now, node_id=node.node_id, queued=queued,
+            oldest_queued_age_s=None if oldest is None else now - oldest,
+            last_run_at=self._last_run.get(adapter), samples_wanted=wanted, tokens_wanted=tokens,
+            deprioritized=deprioritized)
         decision = policy.decide(view)
         if decision.action != "run":
             return (), decision.reason or mode, 0
         return whole_windows(queue, decision.samples), decision.reason or mode, decision.tokens
-
-    def _predicted_ttft(self, node: _Node) -> float:
-        """Cost-model TTFT of a new request on ``node``: its prefill iteration beside the running decodes."""
-        running = node.in_flight
-        prompt = 256  # a typical prompt when nothing better is known; the calibrated policies refine it
-        return self.cost_model.iteration_latency(prompt, running, running * prompt)
 
     # ---- adapters --------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 In the manner of verl's single controller and its worker group: :class:`Trainer` (a named Ray
 actor, 0 CPU) holds no model. ``run()`` starts a background thread that places one
-:class:`~actors.train_worker.TrainRank` per logical node (or ``training.workers``) in **bundle 0 of
+:class:`~actors.train_worker.TrainRank` per logical node that trains (every node, except under
+``placement: separate``, whose inference nodes take none; or ``training.workers``) in **bundle 0 of
 that node's placement group**, the bundle its model server replica runs in, each with
 ``training.resources_per_worker`` as its share (``{CPU: 0.5}`` on a CPU host, ``{GPU: 0.5, CPU: 2}``
 beside a replica taking the other half of a GPU); joins them into one torch process group; and
@@ -114,6 +115,7 @@ class Trainer:
         self._lock = threading.RLock()  # methods run on the actor's thread pool (max_concurrency)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._regroup = False  # the ranks were stopped to start again where the nodes that train are now
         self.state = "idle"
         self.started_at: float | None = None
         self.fits = 0  # worker groups started by fit() (Ray Train restarts inside one fit are counted by workers)
@@ -155,6 +157,17 @@ class Trainer:
         with self._lock:
             return list(self._ranks)
 
+    def regroup(self) -> dict[str, Any]:
+        """The nodes that train changed (the planner switched to or from ``placement: separate``): stop the
+        ranks, and the supervisor starts a new group on the nodes that train now, at once and without
+        counting an error. Their unpublished step is dropped; its items stay queued."""
+        with self._lock:
+            ranks = list(self._ranks)
+            self._regroup = bool(ranks)
+        for a in ranks:
+            ray.kill(a)
+        return self.status()
+
     def stop(self) -> dict[str, Any]:
         """Ask the workers to finish (the leader sees it within about a second); status at once."""
         self._stop.set()
@@ -171,6 +184,11 @@ class Trainer:
                     break
                 self._error("fit", "the worker loop returned without a stop request")
             except Exception as exc:  # the controller gave up (it retries worker failures itself)
+                with self._lock:
+                    regroup, self._regroup = self._regroup, False
+                if regroup:
+                    logger.info("trainer: starting the ranks again on the nodes that train now")
+                    continue
                 logger.exception("Ray Train fit failed")
                 self._error("fit", f"{type(exc).__name__}: {exc}")
             self.state = "restarting"
@@ -185,7 +203,10 @@ class Trainer:
 
         t = self.cfg.training
         locations = self._node_locations()
-        nodes = [loc.node_id for loc in locations]
+        # Only the nodes that train take ranks (placement separate keeps its inference nodes free of them).
+        nodes = [loc.node_id for loc in locations if loc.trains]
+        if not nodes:
+            raise RuntimeError(f"no node trains: {locations}")
         workers = t.workers or len(nodes)
         node_of_rank = [nodes[r % len(nodes)] for r in range(workers)]
         groups = {loc.node_id: loc.placement_group_id for loc in locations}
@@ -195,6 +216,7 @@ class Trainer:
                  for r, node in enumerate(node_of_rank)]
         with self._lock:
             self._ranks = ranks
+            self.workers = {}  # a new group: its ranks report where they run afresh
         try:
             try:
                 ray.get([a.__ray_ready__.remote() for a in ranks], timeout=PLACE_TIMEOUT_S)

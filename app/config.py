@@ -109,8 +109,9 @@ class TrainingConfig(_Strict):
     scope: Literal["synced", "per_node"] = Field(
         "synced", description="synced: workers of all nodes average gradients (one version everywhere); per_node: LEMIX §V-B."
     )
-    workers: int | None = Field(None, gt=0, description="Trainer ranks; default: one per node. Rank r runs in "
-                                                        "bundle 0 of node r mod nodes.")
+    workers: int | None = Field(None, gt=0, description="Trainer ranks; default: one per node that trains (every "
+                                                        "node, or separate's training nodes). Rank r runs in bundle 0 "
+                                                        "of training node r mod their number.")
     resources_per_worker: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 0.5}, description="One trainer rank's share of its node's bundle 0, beside "
                                                           "the replica's (e.g. {GPU: 0.5, CPU: 2} on a GPU host).")
@@ -217,11 +218,36 @@ class AppConfig(_Strict):
             raise ValueError(f"the replica's share of bundle 0 is empty ({replica}); set cluster.replica_resources")
         return self
 
+    @model_validator(mode="after")
+    def _separate_fits(self) -> "AppConfig":
+        """``placement: separate`` needs a node that serves, one that trains, and a scope whose copies get served."""
+        if self.planner.placement == "separate":
+            t = self.training
+            problem = self._separate().problem(self.cluster.nodes, t.enabled, t.scope == "per_node")
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    def _separate(self) -> Any:
+        from planners.registry import create
+
+        try:
+            return create("placement", "separate", **self.planner.placement_params)
+        except TypeError as exc:  # an unknown keyword: a config error, not a crash
+            raise ValueError(f"planner.placement_params for separate: {exc}") from None
+
+    @property
+    def training_nodes(self) -> int:
+        """Nodes that take trainer ranks: every node, or the N_train that ``placement: separate`` sets aside."""
+        if self.planner.placement == "separate":
+            return max(1, self._separate().n_train(self.cluster.nodes))
+        return self.cluster.nodes
+
     @property
     def ranks_per_node(self) -> int:
         """Trainer ranks that share one node's bundle 0 (the most any node gets)."""
-        workers = self.training.workers or self.cluster.nodes
-        return -(-workers // self.cluster.nodes)
+        workers = self.training.workers or self.training_nodes
+        return -(-workers // self.training_nodes)
 
     @property
     def replica_share(self) -> dict[str, float]:

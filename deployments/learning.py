@@ -12,6 +12,7 @@ model server keeps the owners it has looked up.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI, Request
@@ -30,6 +31,7 @@ from app.feedback_store import (
 )
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
+from planners.types import NewFeedback
 
 UNKNOWN = object()  # the owner of an adapter that does not exist
 
@@ -76,6 +78,17 @@ class LearningRoutes:
         self.ask_planner = ask_planner
         self._feedback = None
         self._owners: dict[str, str | None] = {}  # adapter -> tenant (None: made without keys)
+        self._counter: Any = None  # the model's tokenizer, loaded with the first per_node feedback
+
+    def _sizes(self, items: list[Any]) -> list[NewFeedback]:
+        """Each item's adapter and tokens, for the planner to place it as a training task (LEMIX Eq. 1–3)."""
+        if self._counter is None:
+            from app.default_model import model_dir
+            from deployments.routing import PromptCounter
+
+            self._counter = PromptCounter(model_dir(self.cfg))
+        return [NewFeedback(it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None,
+                            self._counter.feedback_tokens(it, self.cfg.training.max_length)) for it in items]
 
     def install(self, app: FastAPI) -> None:
         app.add_exception_handler(StoreError, _store_error)
@@ -222,10 +235,8 @@ class LearningRoutes:
         for name in {it.get("adapter") for it in listed if isinstance(it, dict) and isinstance(it.get("adapter"), str)}:
             await self._visible(name)  # feedback only to the tenant's own adapters; others do not exist
         nodes = None
-        if self.cfg.training.scope == "per_node":  # each node's copy trains on the items routed to it
-            listed = items if isinstance(items, list) else [items]
-            adapters = [it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None
-                        for it in listed]
-            nodes = await self.ask_planner(lambda p: p.feedback_nodes.remote(adapters))
+        if self.cfg.training.scope == "per_node":  # each node's copy trains on the items placed on it
+            sizes = await asyncio.to_thread(self._sizes, listed)  # tokenizing is CPU work: off the event loop
+            nodes = await self.ask_planner(lambda p: p.feedback_nodes.remote(sizes))
         ids = await self._store(lambda q: q.add_feedback.remote(items, nodes))
         return JSONResponse({"ids": ids, "accepted": len(ids)}, status_code=202)

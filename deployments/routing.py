@@ -1,4 +1,4 @@
-"""Placement of each request on a node, decided where routing happens (LEMIX §IV-B/C through ``planners/placement.py``).
+"""Placement of each request on a node, decided where routing happens (LEMIX §IV-B/C through ``planners/placement/``).
 
 With HAProxy in front (``app/serve_env.py``), HAProxy asks an *ingress request router* which
 model server replica takes each request, then forwards the request straight to it
@@ -12,7 +12,8 @@ HAProxy's Lua calls ``POST /internal/route`` with the request body):
 - :class:`NodeRequestRouter` is the model server deployment's Serve request router
   (``ray.serve.request_router.RequestRouter``). It keeps the configured placement policy from the
   registry and a :class:`RoutingTable` fed by the planner's published snapshot (node facts,
-  execution traces for the policy's calibration), polled every ``planner.trace_flush_seconds``.
+  execution traces for the policy's calibration, the training steps granted now, which it commits
+  so inference is planned past their backwards), polled every ``planner.trace_flush_seconds``.
   The policy chooses a node; the router answers with that node's replica. No request waits on
   the planner actor.
 
@@ -29,6 +30,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -73,6 +75,13 @@ class NodeRequestRouter(RequestRouter):
                 self._adopt_policy(snapshot.placement, snapshot.placement_params)
                 for trace in self.table.update(snapshot):
                     self.policy.observe(trace)
+                # Training steps granted on a node enter this policy's Q_train^n (LEMIX Alg. 1), planned
+                # from their grant, and leave it once done; inference forwards are planned past them.
+                placed, done = self.table.training_changes()
+                for p in placed:
+                    self.policy.commit(p.task, p.node_id, p.task.arrival)
+                for task_id in done:
+                    self.policy.forget(task_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the planner (re)starting: keep routing on what is known
@@ -86,6 +95,7 @@ class NodeRequestRouter(RequestRouter):
         if key != self._policy_key:
             self.policy = registry.create("placement", name, **params)
             self._policy_key = key
+            self.table.policy_replaced()
             logger.info("placement router: policy %s", name)
 
     # ---- Serve's hook -----------------------------------------------------------------------
@@ -130,7 +140,8 @@ class PromptCounter:
         try:
             if "messages" in body:
                 ids = self.tok.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True)
-                return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+                # transformers 5 returns a BatchEncoding (a Mapping, not a dict): its length is its key count.
+                return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
             prompt = body.get("prompt")
             prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
             total = 0
@@ -138,6 +149,27 @@ class PromptCounter:
                 total += len(p) if isinstance(p, list) else len(self.tok(p).input_ids) if isinstance(p, str) else 0
             return max(1, total)
         except Exception:  # a malformed body: the replica rejects it, the count does not matter
+            return 1
+
+    def feedback_tokens(self, item: Any, max_length: int) -> int:
+        """ℓ of a feedback item's training task: the tokens of one pass over it, each sequence cut at
+        ``max_length`` as the trainer cuts it: context + completion (SFT), context + chosen and context +
+        rejected (DPO). The context is rendered as a request's is; a malformed item counts 1 (the store
+        rejects it)."""
+        try:
+            if not isinstance(item, dict):
+                return 1
+            messages = item.get("messages")
+            answers = [item[k] for k in ("completion", "chosen", "rejected") if isinstance(item.get(k), str)]
+            if isinstance(messages, list) and messages and not answers and isinstance(messages[-1], dict) \
+                    and messages[-1].get("role") == "assistant":  # OpenAI's fine-tuning shape
+                answers, messages = [str(messages[-1].get("content") or "")], messages[:-1]
+            body = {"messages": messages} if isinstance(messages, list) else {"prompt": str(item.get("prompt") or "")}
+            context = self.count(body)
+            if not answers:
+                return min(max_length, context)
+            return sum(min(max_length, context + len(self.tok(a).input_ids)) for a in answers)
+        except Exception:
             return 1
 
 

@@ -3,15 +3,14 @@
 The trainer asks ``Planner.grant(node, adapter, mode, samples)`` for its next token windows. An
 adapter in mode ``hybrid`` is granted by the node's co-serving scheduler (``planners/coserving/``,
 ``planner.iteration``); for the other modes, and for ``hybrid`` when ``planner.iteration`` is null,
-the planner builds a :class:`RetrainingView` from its node state and cost model and calls the
+the planner builds a :class:`RetrainingView` from its feedback queue and its placement and calls the
 adapter's policy (registry kind ``retraining``, chosen by the adapter's ``mode``), whose granted
 samples become whole-pass windows:
 
-- ``hybrid`` (with ``planner.iteration: null``): LEMIX §IV-C queue-level deprioritization (Eq. 4). A training step
-  runs only if the predicted response time of the next inference request on the node, with the
-  step added in front of it, stays within the SLO; a step that does not fit is shrunk (fewer
-  samples) before it is refused, and a bounded wait keeps training from starving (the role of
-  MACE §4.1's aging term δ_ft·(t − t_arr), which lifts fine-tuning priority over time).
+- ``hybrid`` (with ``planner.iteration: null``): LEMIX §IV-C queue-level deprioritization (Eq. 4),
+  decided by the placement (``RetrainingView.deprioritized``): the step runs unless, placed on its
+  node now, it would push the predicted next inference request past τ_R on every node; a bounded
+  wait keeps training from starving (the role of MACE §4.1's aging term δ_ft·(t − t_arr)).
 - ``sync``: AdaInf-like FT-first (MACE §6.1 baseline): train as soon as there is feedback, even if
   inference waits.
 - ``periodic``: Ekya-like (MACE §6.1 baseline, §3.1 "periodic retraining"): every T seconds, or
@@ -39,15 +38,6 @@ class RetrainingView:
 
     now: float
     node_id: int
-    in_flight: int
-    """Inference requests running or queued on the node."""
-    ttft_p50_s: float | None
-    """Median TTFT over the node's recent execution traces (None: no traces yet)."""
-    ttft_p99_s: float | None
-    slo_ttft_s: float
-    """τ_R of LEMIX Eq. 4: the TTFT an inference request must not exceed."""
-    predicted_ttft_s: float
-    """The planner's predicted TTFT of a new inference request on the node (cost model + its queue)."""
     queued: int
     """Unconsumed feedback items of this adapter (including items trained into an unpublished version)."""
     oldest_queued_age_s: float | None
@@ -56,8 +46,18 @@ class RetrainingView:
     """When this adapter was last granted a step (any node), None if never."""
     samples_wanted: int
     tokens_wanted: int
-    step_cost_s: float
-    """The cost model's estimated seconds for the wanted micro-step (all samples_wanted)."""
+    deprioritized: bool = False
+    """The placement's verdict on the wanted step (LEMIX §IV-C, Eq. 4): placed on this node now it would
+    push the predicted next inference request past τ_R on every node. Only ``placement: lemix`` ever
+    says so (``planners/placement/training.py``); the baselines have no Eq. 4."""
+    # Not read by any policy here: planners/coserving/policies.py still passes them (that package is
+    # being changed elsewhere); drop them together.
+    in_flight: int = 0
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    slo_ttft_s: float = 0.0
+    predicted_ttft_s: float = 0.0
+    step_cost_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,6 @@ class RetrainingPolicy(Protocol):
     def decide(self, view: RetrainingView) -> RetrainingDecision: ...
 
 
-def step_cost(view: RetrainingView, samples: int) -> float:
-    """Estimated seconds of a micro-step with ``samples`` of the wanted samples.
-
-    Linear in the batch size, as LEMIX's per-task cost η_F·C·ℓ² is linear in C (§IV-A).
-    """
-    if view.samples_wanted <= 0:
-        return 0.0
-    return max(0.0, view.step_cost_s) * samples / view.samples_wanted
-
-
 def _run(view: RetrainingView, samples: int, reason: str) -> RetrainingDecision:
     samples = max(0, min(samples, view.samples_wanted))
     tokens = math.ceil(max(0, view.tokens_wanted) * samples / view.samples_wanted) if view.samples_wanted else 0
@@ -98,58 +88,25 @@ def _wait(seconds: float, reason: str) -> RetrainingDecision:
 
 @register("retraining", "hybrid")
 class Hybrid:
-    """LEMIX Eq. 4 as a grant: run the largest part of the step that keeps the next request within the SLO.
+    """LEMIX §IV-C queue-level deprioritization (Eq. 4) as a grant, bounded so training never starves.
 
-    LEMIX defers a training task when ``max end of the node queue + η_F·C'·ℓ'² − a' > τ_R`` for
-    the next inference task. Here the planner's ``predicted_ttft_s`` is that response time
-    without the step, and the step's cost (``step_cost_s``, linear in the samples) is what the
-    step would add in front of the next request. The grant is the largest ``n ≤ samples_wanted``
-    with ``base + cost(n) ≤ slo_fraction·slo_ttft_s``; ``n = 0`` means wait ``recheck_s``.
+    The verdict is the placement's, one implementation of Eq. 4 for the simulator, the routers and
+    this grant path: ``view.deprioritized`` says whether the wanted step, planned on the asking node
+    now, would push the predicted next inference request past τ_R on every node
+    (``LemixPlacement.deprioritizes``; τ_R is ``training.slo_ttft_s``). Not deprioritized: the whole
+    step runs. Deprioritized: wait ``recheck_s`` and ask again, until the oldest queued item has
+    waited ``max_wait_s``; then ``min_samples`` run anyway, the role of MACE §4.1's aging term
+    δ_ft·(t − t_arr), so under sustained overload training goes on slowly instead of stopping.
 
-    ``base`` is the prediction, raised to the node's observed median TTFT while requests are in
-    flight (``use_observed``): the execution-trace calibration of LEMIX Alg. 2 (lines 13–17),
-    so a cost model that is too optimistic under load does not let training in. An idle node
-    is judged by the prediction alone (old traces say nothing about the next arrival).
-
-    Starvation, in two steps after MACE §4.1, whose fine-tuning priority
-    ``P_ft(t) = π_ft + δ_ft·(t − t_arr)`` grows with waiting so that retraining never starves:
-
-    - aging: the budget grows by ``aging`` seconds of TTFT per second the oldest queued item has
-      waited (``δ_ft``), so when inference alone already breaks the SLO (e.g. a machine shared
-      with other work) training resumes after a wait proportional to the excess, in small steps;
-      ``aging=0`` is LEMIX Eq. 4 to the letter;
-    - bound: once the oldest item has waited ``max_wait_s``, a step that still does not fit runs
-      with ``min_samples`` samples. Under sustained overload training thus proceeds at
-      ``min_samples`` per step instead of stopping.
-
-    Params: ``slo_fraction`` (1.0) share of the SLO the step may fill; ``aging`` (0.1 s per s);
-    ``max_wait_s`` (30.0); ``min_samples`` (1); ``recheck_s`` (0.1) how long a refused trainer
-    waits before asking again; ``use_observed`` (True).
+    Params: ``max_wait_s`` (30.0), ``min_samples`` (1), ``recheck_s`` (0.1).
     """
 
-    def __init__(self, slo_fraction: float = 1.0, max_wait_s: float = 30.0, min_samples: int = 1,
-                 recheck_s: float = 0.1, use_observed: bool = True, aging: float = 0.1) -> None:
-        if not 0 < slo_fraction <= 10:
-            raise ValueError("slo_fraction must be in (0, 10]")
-        if max_wait_s < 0 or recheck_s <= 0 or min_samples < 1 or aging < 0:
-            raise ValueError("need max_wait_s >= 0, recheck_s > 0, min_samples >= 1, aging >= 0")
-        self.aging = aging
-        self.slo_fraction = slo_fraction
+    def __init__(self, max_wait_s: float = 30.0, min_samples: int = 1, recheck_s: float = 0.1) -> None:
+        if max_wait_s < 0 or recheck_s <= 0 or min_samples < 1:
+            raise ValueError("need max_wait_s >= 0, recheck_s > 0, min_samples >= 1")
         self.max_wait_s = max_wait_s
         self.min_samples = min_samples
         self.recheck_s = recheck_s
-        self.use_observed = use_observed
-
-    def base_ttft(self, view: RetrainingView) -> float:
-        """The response time the next inference request would see without the step."""
-        base = max(0.0, view.predicted_ttft_s)
-        if self.use_observed and view.in_flight > 0 and view.ttft_p50_s is not None:
-            base = max(base, view.ttft_p50_s)
-        return base
-
-    def allowance(self, view: RetrainingView) -> float:
-        """Seconds of TTFT beyond the SLO that aging allows now (0 for a fresh queue)."""
-        return self.aging * max(0.0, view.oldest_queued_age_s or 0.0)
 
     def starved(self, view: RetrainingView) -> bool:
         return view.oldest_queued_age_s is not None and view.oldest_queued_age_s >= self.max_wait_s
@@ -157,23 +114,15 @@ class Hybrid:
     def decide(self, view: RetrainingView) -> RetrainingDecision:
         if view.samples_wanted <= 0:
             return _wait(self.recheck_s, "nothing to train")
-        budget = self.slo_fraction * view.slo_ttft_s + self.allowance(view) - self.base_ttft(view)
-        per_sample = step_cost(view, 1)
-        if budget < 0:
-            fits = 0
-        elif per_sample <= 0 or budget >= per_sample * view.samples_wanted:
-            fits = view.samples_wanted
-        else:
-            fits = max(0, math.floor(budget / per_sample + 1e-9))
-        if fits >= view.samples_wanted:
-            return _run(view, fits, "fits the SLO")
-        if fits > 0:
-            return _run(view, fits, f"shrunk to {fits}/{view.samples_wanted} to fit the SLO")
+        if not view.deprioritized:
+            return _run(view, view.samples_wanted, "Eq. 4: the next inference request keeps its SLO")
         if self.starved(view):
-            return _run(view, self.min_samples, f"starvation bound: oldest item waited {view.oldest_queued_age_s:.1f}s")
+            return _run(view, self.min_samples,
+                        f"starvation bound: oldest item waited {view.oldest_queued_age_s:.1f}s despite Eq. 4")
         # Ask again soon, but not later than the moment the starvation bound applies.
         left = self.max_wait_s - (view.oldest_queued_age_s or 0.0)
-        return _wait(min(self.recheck_s, left) if left > 0 else self.recheck_s, "would break the TTFT SLO")
+        return _wait(min(self.recheck_s, left) if left > 0 else self.recheck_s,
+                     "Eq. 4: the next inference request would miss its SLO on every node")
 
 
 @register("retraining", "sync")
@@ -279,20 +228,3 @@ def make_policy(mode: str, params: Mapping[str, Any] | None = None,
     taken = inspect.signature(cls).parameters if cls is not None else {}
     return create("retraining", mode, **{k: v for k, v in merged.items() if k in taken})
 
-
-def route_feedback(queued_by_node: Mapping[int, int], ready: list[int], count: int) -> list[int]:
-    """Nodes for ``count`` new feedback items of one adapter under the ``per_node`` scope (LEMIX §V-B).
-
-    Each node trains its own copy on its local share of the feedback, so items go where that
-    adapter's queue is shortest (ties: the lower node id), one at a time: the nodes' backlogs,
-    and with them their copies' freshness, stay even. ``queued_by_node``: unconsumed items per node.
-    """
-    if not ready:
-        raise ValueError("no ready node to route feedback to")
-    load = {n: queued_by_node.get(n, 0) for n in ready}
-    out = []
-    for _ in range(count):
-        node = min(load, key=lambda n: (load[n], n))
-        load[node] += 1
-        out.append(node)
-    return out

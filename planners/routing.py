@@ -4,7 +4,9 @@ A router (``deployments/routing.py``) places every request itself, so no request
 planner actor. It polls the planner's :class:`RoutingSnapshot` every ``trace_flush_seconds``; in
 between, requests it placed count as in flight on their node from the moment it placed them
 until that node's next report, which already includes them. :meth:`RoutingTable.views` gives
-the placement policy (``planners/placement.py``) the same :class:`NodeView` s the planner would.
+the placement policy (``planners/placement/``) the same :class:`NodeView` s the planner would.
+The training steps the planner granted come with each snapshot (:meth:`RoutingTable.training_changes`);
+the router commits them in its policy, so it plans inference forwards past their backwards (LEMIX Alg. 1).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Collection
 
-from planners.types import ExecutionTrace, NodeView, RoutingSnapshot
+from planners.types import ExecutionTrace, NodeView, RoutingSnapshot, TrainingPlacement
 
 
 class RoutingTable:
@@ -21,6 +23,7 @@ class RoutingTable:
     def __init__(self) -> None:
         self.snapshot: RoutingSnapshot | None = None
         self._placed: dict[int, deque[float]] = {}  # node -> times this router placed a request there
+        self._training: set[str] = set()  # training steps handed to the policy and not yet forgotten
 
     @property
     def seq(self) -> int:
@@ -35,6 +38,22 @@ class RoutingTable:
             while placed and placed[0] <= reported_at:
                 placed.popleft()
         return snapshot.traces
+
+    def training_changes(self) -> tuple[tuple[TrainingPlacement, ...], tuple[str, ...]]:
+        """Training steps the policy must commit (new in the snapshot) and forget (gone from it, done).
+
+        The snapshot carries the steps placed now rather than events, so a router that missed a poll,
+        or a policy built afresh (:meth:`policy_replaced`), still ends up with exactly the planner's.
+        """
+        now = {} if self.snapshot is None else {p.task.task_id: p for p in self.snapshot.training}
+        new = tuple(p for tid, p in now.items() if tid not in self._training)
+        gone = tuple(tid for tid in self._training if tid not in now)
+        self._training = set(now)
+        return new, gone
+
+    def policy_replaced(self) -> None:
+        """The router built a new policy: it knows none of the training steps yet."""
+        self._training = set()
 
     def placed(self, node_id: int, at: float) -> None:
         """This router sent a request to ``node_id`` at ``at``."""

@@ -109,6 +109,9 @@ class NodeLocation:
     state: str
     """``starting`` until the replica registered, then ``ready``."""
     placement_group_id: str | None
+    trains: bool = True
+    """Whether the node takes a trainer rank: every node, except under ``placement: separate``, whose
+    split (LEMIX §VI-A) sets the last N_train nodes aside for training and keeps ranks off the others."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,16 @@ class AdapterAssignment:
 
 
 @dataclass(frozen=True)
+class TrainingPlacement:
+    """A training step the planner granted on ``node_id``, as placement sees it: a training :class:`Task`
+    (C = ``batch_size`` samples, ℓ = ``prompt_tokens`` per sample) committed there with its planned
+    backward intervals (Q_train^n of LEMIX Alg. 1) until the step is done."""
+
+    task: Task
+    node_id: int
+
+
+@dataclass(frozen=True)
 class RoutingSnapshot:
     """What the planner publishes to placement routers: node facts and traces since ``after``.
 
@@ -163,6 +176,20 @@ class RoutingSnapshot:
     nodes: tuple[NodeView, ...]
     reported_at: tuple[float, ...]
     traces: tuple[ExecutionTrace, ...] = ()
+    training: tuple[TrainingPlacement, ...] = ()
+    """The training steps placed now (granted, not yet done): a router commits each in its own policy,
+    so its inference forwards are planned past their backwards (LEMIX Alg. 1 lines 7–14), and forgets
+    each once it is gone from here."""
+
+
+@dataclass(frozen=True)
+class NewFeedback:
+    """A feedback item about to be stored, as the planner places it (``training.scope: per_node``)."""
+
+    adapter: str | None
+    """None: the item names no adapter (the store rejects it; it needs no node)."""
+    tokens: int
+    """ℓ of its training task: the tokens of one pass over it (DPO: chosen and rejected sequences)."""
 
 
 # ---- messages between the trainer and the planner actor -----------------------------------------

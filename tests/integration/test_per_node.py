@@ -108,3 +108,72 @@ def test_each_node_trains_and_serves_its_own_copy(url):
     assert r.status_code == 200, r.text
     assert {int(k): v for k, v in r.json()["node_versions"].items()} == {0: first0, 1: heads[1]}
     assert _served(url, model) == {0: first0, 1: heads[1]}
+
+
+def test_lemix_places_feedback_on_the_node_its_score_prefers(url):
+    """Under placement lemix each new item is a training task placed by Eq. 1–3: while a request is planned on
+    one node (a cost model whose prefill takes 30 s, so its plan is long), the item's forward there would wait
+    behind it, and the item goes to the other node, whose copy then learns it."""
+    import dataclasses
+    import threading
+
+    import ray
+
+    from actors.planner import find_planner
+
+    planner = find_planner("pernode")
+    ray.get(planner.set_placement.remote("lemix"))  # its keyword arguments hold the profile's cost model
+    cm = ray.get(planner.placement_kwargs.remote())["cost_model"]
+    slow = dataclasses.replace(cm, iteration=dataclasses.replace(cm.iteration, base=cm.iteration.base + 30.0))
+    ray.get(planner.set_placement.remote("lemix", {"cost_model": slow, "calibration_rate": 0.0}))
+    name = "placed"
+    r = httpx.post(f"{url}/v1/adapters", json={"name": name, "method": "sft", "mode": "sync", "learning_rate": 5e-3,
+                                               "lora": {"r": 4, "alpha": 8},
+                                               "gate": {"enabled": False, "held_out_share": 0}}, timeout=30)
+    assert r.status_code == 201, r.text
+    done = threading.Event()
+
+    def long_request() -> None:
+        try:
+            httpx.post(f"{url}/v1/completions", json={"model": BASE, "prompt": "busy", "max_tokens": 400,
+                                                      "ignore_eos": True}, timeout=120)
+        finally:
+            done.set()
+
+    try:
+        threading.Thread(target=long_request, daemon=True).start()
+        deadline, busy = time.time() + 30, None
+        while busy is None:  # the planner has the request in flight and planned on its node
+            assert time.time() < deadline and not done.is_set(), "the request was never seen in flight"
+            st = httpx.get(f"{url}/v1/status", timeout=30).json()
+            busy = next((n["node_id"] for n in st["nodes"] if n["in_flight"]
+                         and (n["training_placement"]["plan"].get("forward_free_at") or 0) > time.time()), None)
+            time.sleep(0.05)
+        idle = 1 - busy
+        items = [{"adapter": name, "prompt": f"Placed fact {i}:", "completion": f" value {i}."} for i in range(2)]
+        r = httpx.post(f"{url}/v1/feedback", json={"items": items}, timeout=60)
+        assert r.status_code == 202, r.text
+        st = httpx.get(f"{url}/v1/status", timeout=30).json()
+        choices = st["training_placement"]["feedback_recent"][-2:]
+        assert [c["node_id"] for c in choices] == [idle, idle], choices
+        for c in choices:  # JSON keys: node ids as strings
+            assert c["how"] == "lemix" and c["scores"][str(idle)] > c["scores"][str(busy)], c
+            assert c["response_s"][str(busy)] > c["response_s"][str(idle)] + 10, c
+            assert c["tokens"] > 4  # ℓ: the item's prompt and completion tokens
+        by_node = {n["node_id"]: n["training_placement"]["feedback_items"] for n in st["nodes"]}
+        assert by_node[idle] >= 2
+
+        # The idle node's copy learns both items; the busy node's copy none of them.
+        deadline, info = time.time() + 180, {}
+        while time.time() < deadline:
+            info = _adapter(url, name)
+            if info["queued"] == 0 and info["versions"]:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"{name} not trained: {info}")
+        assert {v["node"] for v in info["versions"]} == {idle}
+        assert sum(v["samples_trained"] for v in info["versions"]) == 2
+    finally:
+        done.wait(120)
+        ray.get(planner.set_placement.remote("round_robin"))

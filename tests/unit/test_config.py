@@ -55,3 +55,19 @@ def test_engine_flags_carry_the_engine_settings():
     assert flags[flags.index("--max-num-seqs") + 1] == "7"
     assert "--gpu-memory-utilization" in flags and "--kv-cache-memory-bytes" not in flags
     assert "--enable-lora" not in flags
+
+
+def test_separate_is_checked_against_the_nodes_and_the_training_scope():
+    two = {"cluster": {"nodes": 2}, "planner": {"placement": "separate"}}
+    cfg = config.load(two)
+    assert (cfg.training_nodes, cfg.ranks_per_node) == (1, 1)  # one training node takes the one rank
+    with pytest.raises(ValidationError, match="per_node cannot run with placement separate"):
+        config.load(two, training={"scope": "per_node"})
+    with pytest.raises(ValidationError, match="none of the 1 node"):
+        config.load({"planner": {"placement": "separate"}})
+    with pytest.raises(ValidationError, match="to train"):
+        config.load({"cluster": {"nodes": 2}, "planner": {"placement": "separate", "placement_params": {"alpha": 0}}})
+    assert config.load({"cluster": {"nodes": 2}, "training": {"enabled": False},
+                        "planner": {"placement": "separate", "placement_params": {"alpha": 0}}})
+    with pytest.raises(ValidationError, match="placement_params for separate"):
+        config.load({"cluster": {"nodes": 2}, "planner": {"placement": "separate", "placement_params": {"beta": 1}}})

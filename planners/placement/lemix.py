@@ -1,9 +1,4 @@
-"""Cluster-level placement: which node runs a task (LEMIX §IV-B/§IV-C, Alg. 1, Eq. 1–4; baselines of §VI-A).
-
-Every policy implements ``choose(task, nodes, now) -> node_id | None`` (None: keep the task queued
-and ask again later) and ``observe(trace)`` (feedback from a finished task). Policies with a
-queue-level rule also offer ``prioritize(queue, nodes, now) -> list[Task]`` (LEMIX Eq. 4); for the
-others the queue order stays first-come first-served.
+"""LEMIX placement (§IV-B, §IV-C): Alg. 1 on every ready node, Eq. 1–3 to choose, Eq. 4 to hold training back.
 
 Lengths: an inference task's ℓ is its prompt length; a training task's ℓ is its whole sequence,
 prompt plus response (``prompt_tokens + max_tokens``), with C = ``batch_size``.
@@ -12,244 +7,19 @@ prompt plus response (``prompt_tokens + max_tokens``), with C = ``batch_size``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from planners.costs import CostModel, as_cost_model
+from planners.placement.planning import _NEG, NodeEstimate, _Eval, _Node, _Planned, _plan_row
+from planners.placement.policy import task_length
 from planners.registry import register
 from planners.types import ExecutionTrace, NodeView, Task
 
-_NEG = -np.inf
 _ID = attrgetter("node_id")
 _READY = attrgetter("ready")
-
-
-class PlacementPolicy(Protocol):
-    def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None: ...
-
-    def observe(self, trace: ExecutionTrace) -> None: ...
-
-
-def task_length(task: Task) -> int:
-    """ℓ of LEMIX §IV-A: prompt tokens for inference, the full sequence for training."""
-    return task.prompt_tokens + task.max_tokens if task.kind == "training" else task.prompt_tokens
-
-
-@register("placement", "round_robin")
-class RoundRobin:
-    """MIX-RR / NaiveMix (LEMIX §III, §VI-A): cycle through the ready nodes, ignoring their load."""
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None:
-        ready = [n for n in nodes if n.ready]
-        if not ready:
-            return None
-        node = ready[self._next % len(ready)]
-        self._next += 1
-        return node.node_id
-
-    def observe(self, trace: ExecutionTrace) -> None:
-        return None
-
-
-@register("placement", "separate")
-class Separate:
-    """SEPARATE (LEMIX §VI-A): N_train = ⌊N·α + 0.5⌋ nodes train, the rest serve; round robin in each group.
-
-    Nodes are split by their order in ``nodes`` (the last N_train train). When both kinds exist
-    each group keeps at least one node, since α = 0.1 on 4 nodes would otherwise leave training
-    with none. A group with no ready node leaves its task queued (None).
-    """
-
-    def __init__(self, alpha: float = 0.5) -> None:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        self.alpha = alpha
-        self._next = {"inference": 0, "training": 0}
-
-    def n_train(self, n_nodes: int) -> int:
-        n = math.floor(n_nodes * self.alpha + 0.5)
-        if n_nodes >= 2 and 0.0 < self.alpha < 1.0:
-            n = min(max(n, 1), n_nodes - 1)
-        return n
-
-    def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None:
-        n_inf = len(nodes) - self.n_train(len(nodes))
-        group = nodes[n_inf:] if task.kind == "training" else nodes[:n_inf]
-        ready = [n for n in group if n.ready]
-        if not ready:
-            return None
-        i = self._next[task.kind]
-        self._next[task.kind] = i + 1
-        return ready[i % len(ready)].node_id
-
-    def observe(self, trace: ExecutionTrace) -> None:
-        return None
-
-
-@register("placement", "least_utilized")
-class LeastUtilized:
-    """MIX-LUF (LEMIX §VI-A): the ready node with the least measured busy time.
-
-    Busy time is what the replicas report (``NodeView.busy_seconds``), not a device poll, plus
-    the estimated work of tasks this policy placed whose traces have not come back yet, so that
-    a burst does not land on one node before its busy time catches up.
-    """
-
-    def __init__(self, cost_model: CostModel | Mapping[str, Any] | None = None, stages: int | None = None) -> None:
-        self.cost = as_cost_model(cost_model)
-        self.stages = int(stages or self.cost.stages)
-        self._scale = self.cost.stages / self.stages
-        self._pending: dict[int, float] = {}
-        self._owed: dict[str, tuple[int, float]] = {}
-
-    def _work(self, task: Task) -> float:
-        # Seconds one stage is busy with the task, comparable to a node's mean stage busy time.
-        ell = task_length(task)
-        if task.kind == "training":
-            c = task.batch_size
-            return self._scale * (self.cost.forward(c, ell) + self.cost.backward(c, ell))
-        out = self.cost.output_lengths.mean(task.max_tokens)
-        return self.cost.request_latency(task.prompt_tokens, out) / self.stages
-
-    def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None:
-        pending = self._pending
-        best, best_load = None, math.inf
-        for n in nodes:
-            if n.ready:
-                load = n.busy_seconds + pending.get(n.node_id, 0.0)
-                if load < best_load:
-                    best, best_load = n.node_id, load
-        if best is not None:
-            w = self._work(task)
-            pending[best] = pending.get(best, 0.0) + w
-            self._owed[task.task_id] = (best, w)
-        return best
-
-    def observe(self, trace: ExecutionTrace) -> None:
-        owed = self._owed.pop(trace.task_id, None)
-        if owed is not None:
-            node, w = owed
-            self._pending[node] = max(self._pending.get(node, 0.0) - w, 0.0)
-
-
-@dataclass(frozen=True)
-class NodeEstimate:
-    """Alg. 1 and Eq. 1–3 for one task on one node: what LEMIX weighs when it chooses.
-
-    ``idle_time`` is II, the stage idle time the task's schedule leaves (Alg. 1); ``response_time``
-    is R, the task's end minus its arrival; ``idle_gain`` is IP of Eq. 1, Δa − II/S (clipped at τ);
-    ``length_affinity`` is LC of Eq. 2, how close the task's length is to the node's recent ones;
-    ``score`` is f of Eq. 3 (or its difference form), higher is better.
-    """
-
-    node_id: int
-    idle_time: float
-    response_time: float
-    idle_gain: float
-    length_affinity: float
-    score: float
-    start_f: tuple[float, ...]
-    end_f: tuple[float, ...]
-
-
-@dataclass
-class _Planned:
-    row: int
-    kind: str
-    first_end: float  # planned end of the forward on the last stage (the first token)
-    finish: float     # planned end of the backward (training) or of decoding (inference)
-
-
-@dataclass
-class _Eval:
-    """Alg. 1 and Eq. 1–3 of one task on R rows: lists on the scalar path, arrays on the vector path."""
-
-    start: Any
-    end: Any
-    idle_time: Any
-    response_time: Any
-    idle_gain: Any
-    length_affinity: Any
-    f: Any
-
-    def best(self) -> int:
-        f = self.f
-        if isinstance(f, np.ndarray):
-            return int(np.argmax(f))
-        # First maximum, as np.argmax: ties go to the earliest node in the caller's order.
-        return max(range(len(f)), key=f.__getitem__)
-
-
-class _Node:
-    """The trace queues of one node (LEMIX §IV-B): plain Python, the planner's source of truth."""
-
-    __slots__ = ("row", "cost", "fend", "train", "dec", "dec_done", "dec_done_from", "speed", "lc_n", "lc_sum",
-                 "lc_sq")
-
-    def __init__(self, row: int, cost: CostModel, stages: int) -> None:
-        self.row = row
-        self.cost = cost
-        self.fend = [_NEG] * stages           # task_prev.end_f^s
-        self.train: list[tuple[list[float], list[float], str]] = []  # Q_train^n: backward start/end per stage
-        self.dec: list[tuple[float, float, float, str]] = []          # decodes: start, end, context, task
-        self.dec_done = _NEG                  # end of the latest-ending decode that has left ``dec``
-        self.dec_done_from = _NEG             # and its start
-        self.speed = 1.0                      # calibration: actual / planned durations
-        self.lc_n = 0.0
-        self.lc_sum = 0.0
-        self.lc_sq = 0.0
-
-
-def _plan_row(a: float, t0: float, floor: float, stages: int, d: float, wait: float, fend: Sequence[float],
-              train: Sequence[tuple[Sequence[float], Sequence[float], str]], dec_from: float, dec_until: float,
-              duty: float) -> tuple[list[float], list[float], float]:
-    """ComputeIdleness (LEMIX Alg. 1) for one node; the scalar twin of ``LemixPlacement._eval_vec``.
-
-    Forward path (lines 4–6); far-dependency rescheduling past the planned backward intervals of
-    Q_train^n (lines 7–14); II (lines 15–19) with backward and decode work inside each gap
-    subtracted. The paper walks Q_temp once; we repeat until no backward overlaps the forward,
-    which is the same when postponements do not cascade and correct when they do.
-    """
-    starts = [0.0] * stages
-    ends = [0.0] * stages
-    ii = 0.0
-    prev_end = t0 + wait
-    for j in range(stages):
-        fs = fend[j]
-        start = prev_end if prev_end > fs else fs
-        if train:
-            for _ in range(len(train) + 1):
-                end = start + d
-                m = _NEG
-                for bs, be, _id in train:
-                    if bs[j] < end and be[j] > start and be[j] > m:
-                        m = be[j]
-                if m == _NEG:
-                    break
-                if m > start:
-                    start = m
-        end = start + d
-        ref = fs if fs > floor else floor
-        gap = start - ref
-        for bs, be, _id in train:
-            ov = min(be[j], start) - max(bs[j], ref)
-            if ov > 0:
-                gap -= ov
-        dv = min(dec_until, start) - (ref if ref > dec_from else dec_from)
-        if dv > 0:
-            gap -= duty * dv
-        if gap > 0:
-            ii += gap
-        starts[j] = start
-        ends[j] = end
-        prev_end = end
-    return starts, ends, ii
 
 
 @register("placement", "lemix")
@@ -258,7 +28,10 @@ class LemixPlacement:
 
     State per node: the forward end of the last planned task on each stage (``task_prev.end_f^s``),
     the planned backward intervals of unfinished training tasks (Q_train^n), and the planned decode
-    spans of inference tasks (LEMIX §V-D: decoding stays on the prefill's node).
+    spans of inference tasks (LEMIX §V-D: decoding stays on the prefill's node). ``choose`` fills it
+    with the tasks it places; ``commit`` with tasks placed elsewhere (in the live app: requests another
+    router placed, as the planner learns of them, and training steps the planner granted, which the
+    routers commit too, so their inference forwards are planned past those backwards).
 
     Deliberate readings of the paper, each behind a parameter:
     - Eq. 3 as printed, f = (IP + λ2·LC)/(λ1·R), rewards a *longer* R whenever its numerator is
@@ -272,7 +45,8 @@ class LemixPlacement:
     - LC (Eq. 2, truncated in our copy of the paper) is the unit-free Gaussian kernel
       exp(−(ℓ−μ)²/(2σ²)) of ℓ against the node's history; 0 on a node with no history.
     - Eq. 4 counts planned backward ends in "max end of the tasks in Q^n", and includes the
-      training task being placed, on the node it would take.
+      training task being placed, on the node it would take (or, on the live grant path, on the
+      node its trainer already runs on: ``deprioritizes(..., node=...)``).
 
     Up to ``vector_above`` ready nodes the planner runs scalar Python (numpy's per-call overhead
     dominates on a handful of nodes); above it, numpy on a mirror of the per-node state, synced
@@ -350,10 +124,7 @@ class LemixPlacement:
         for n in nodes:
             row = self._rows.get(n.node_id)
             if row is None:
-                row = len(self._nodes)
-                self._rows[n.node_id] = row
-                self._nodes.append(_Node(row, self._type_costs.get(n.node_type, self.cost), self.stages))
-                self._dirty.add(row)
+                row = self._row(n.node_id, n.node_type)
             if n.ready:
                 ids.append(n.node_id)
                 rows.append(row)
@@ -362,6 +133,16 @@ class LemixPlacement:
             sel = slice(0, len(rows))  # views, not copies, on the common all-ready path
         self._cache_key, self._cache_rows, self._cache_list, self._cache_ids = key, sel, rows, ids
         return sel, rows, ids
+
+    def _row(self, node_id: int, node_type: str = "default") -> int:
+        """The row of ``node_id``'s state, made on first sight."""
+        row = self._rows.get(node_id)
+        if row is None:
+            row = len(self._nodes)
+            self._rows[node_id] = row
+            self._nodes.append(_Node(row, self._type_costs.get(node_type, self.cost), self.stages))
+            self._dirty.add(row)
+        return row
 
     # --- SLO ---------------------------------------------------------------------------------
 
@@ -615,10 +396,7 @@ class LemixPlacement:
         if not ids:
             return []
         ev = self._evaluate(task, rows, rlist, now)
-        return [NodeEstimate(ids[i], float(ev.idle_time[i]), float(ev.response_time[i]), float(ev.idle_gain[i]),
-                             float(ev.length_affinity[i]),
-                             float(ev.f[i]), tuple(float(x) for x in ev.start[i]), tuple(float(x) for x in ev.end[i]))
-                for i in range(len(ids))]
+        return [_estimate(ev, i, ids[i]) for i in range(len(ids))]
 
     def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None:
         """The node with the highest f (Eq. 3); None when no node is ready or, for a training task,
@@ -629,7 +407,7 @@ class LemixPlacement:
         ev = self._evaluate(task, rows, rlist, now)
         i = ev.best()
         if task.kind == "training" and self.deprioritize and self.predict_next and not self._overdue(task, now):
-            nxt = self._predicted_inference(max(task.arrival, now))
+            nxt = self.predicted_inference(max(task.arrival, now))
             if nxt is not None and self._violates(task, nxt, rows, rlist, i, ev, now):
                 return None
         self._commit(task, rlist[i], ev.start[i], ev.end[i], max(task.arrival, now))
@@ -660,16 +438,29 @@ class LemixPlacement:
             i += 1
         return out
 
-    def deprioritizes(self, train: Task, nxt: Task, nodes: Sequence[NodeView], now: float) -> bool:
-        """Eq. 4 for one pair: would placing ``train`` (on the node LEMIX would give it) push the
-        inference task ``nxt`` past τ_R on every node? ``prioritize`` applies this to a queue."""
+    def deprioritizes(self, train: Task, nxt: Task, nodes: Sequence[NodeView], now: float,
+                      node: int | None = None) -> bool:
+        """Eq. 4 for one pair: would placing ``train`` push the inference task ``nxt`` past τ_R on
+        every node? ``train`` goes on ``node`` when given (a trainer already runs there: the grant
+        path), else on the node LEMIX would give it; False when that node is not ready.
+        ``prioritize`` applies this to a queue."""
         if train.kind != "training" or nxt.kind != "inference":
             raise ValueError("deprioritizes(train, nxt): a training task, then an inference task")
         rows, rlist, ids = self._select(nodes)
-        if not ids:
+        if not ids or (node is not None and node not in ids):
             return False
         ev = self._evaluate(train, rows, rlist, now)
-        return self._violates(train, nxt, rows, rlist, ev.best(), ev, now)
+        return self._violates(train, nxt, rows, rlist, ev.best() if node is None else ids.index(node), ev, now)
+
+    def commit(self, task: Task, node_id: int, now: float) -> NodeEstimate:
+        """Plan ``task`` on ``node_id``, a node someone else chose, and keep the plan, as ``choose`` would
+        had it chosen that node: a request another router placed, a training step granted there (its
+        backward intervals enter Q_train^n, so later forwards on the node are planned past them, Alg. 1
+        lines 7–14). The node need not be ready. Returns the plan's Alg. 1 and Eq. 1–3 terms."""
+        row = self._row(node_id)
+        ev = self._eval_small(task, [row], now)
+        self._commit(task, row, ev.start[0], ev.end[0], max(task.arrival, now))
+        return _estimate(ev, 0, node_id)
 
     def observe(self, trace: ExecutionTrace) -> None:
         """Calibrate the node's planned intervals from what actually ran (LEMIX Alg. 2, lines 13–17)."""
@@ -730,7 +521,9 @@ class LemixPlacement:
         return out
 
     def forget(self, task_id: str) -> None:
-        """Drop the plan of a task that will not run (cancelled, or its replica died)."""
+        """Drop the plan of a task that will not run (cancelled, or its replica died), or of a training
+        step that is done: its backward leaves Q_train^n (Alg. 1 lines 17–18) without calibrating, since
+        a step's windows share the node with inference and their wall time is no profile measure."""
         p = self._planned.pop(task_id, None)
         if p is not None:
             self._release(self._nodes[p.row], task_id)
@@ -810,16 +603,21 @@ class LemixPlacement:
 
     def _note_inference(self, task: Task) -> None:
         a = task.arrival
-        if self._inf_last is not None and a >= self._inf_last:
-            g = a - self._inf_last
-            self._inf_gap = g if self._inf_gap is None else 0.9 * self._inf_gap + 0.1 * g
-        self._inf_last = a
+        # A task committed out of arrival order (the planner learns of each node's requests from that
+        # node's reports) has no gap to measure, and the stream's latest arrival stays the latest.
+        if self._inf_last is None or a >= self._inf_last:
+            if self._inf_last is not None:
+                g = a - self._inf_last
+                self._inf_gap = g if self._inf_gap is None else 0.9 * self._inf_gap + 0.1 * g
+            self._inf_last = a
         ell, m = float(task.prompt_tokens), float(task.max_tokens)
         self._inf_len = ell if self._inf_len is None else 0.9 * self._inf_len + 0.1 * ell
         self._inf_max = m if self._inf_max is None else 0.9 * self._inf_max + 0.1 * m
 
-    def _predicted_inference(self, t: float) -> Task | None:
-        """The next inference request as the recent stream predicts it (Poisson: one mean gap away)."""
+    def predicted_inference(self, t: float) -> Task | None:
+        """task_next of Eq. 4 at time ``t``: the next inference request as the recent stream of committed
+        ones predicts it (Poisson: one mean gap away; its length and output the recent means). None
+        before two requests, or once the stream has been quiet for ten mean gaps."""
         if self._inf_gap is None or self._inf_len is None or self._inf_max is None or self._inf_last is None:
             return None
         if t - self._inf_last > 10 * self._inf_gap:
@@ -862,3 +660,9 @@ class LemixPlacement:
                 h = be[0]
             with_t = min(with_t, (h if h > t else t) + fwd)
         return with_t > slo
+
+
+def _estimate(ev: _Eval, i: int, node_id: int) -> NodeEstimate:
+    return NodeEstimate(node_id, float(ev.idle_time[i]), float(ev.response_time[i]), float(ev.idle_gain[i]),
+                        float(ev.length_affinity[i]), float(ev.f[i]), tuple(float(x) for x in ev.start[i]),
+                        tuple(float(x) for x in ev.end[i]))
