@@ -157,7 +157,7 @@ class Trainer:
         with self._lock:
             return list(self._ranks)
 
-    def regroup(self) -> dict[str, Any]:
+    def regroup(self) -> None:
         """The nodes that train changed (the planner switched to or from ``placement: separate``): stop the
         ranks, and the supervisor starts a new group on the nodes that train now, at once and without
         counting an error. Their unpublished step is dropped; its items stay queued."""
@@ -166,7 +166,6 @@ class Trainer:
             self._regroup = bool(ranks)
         for a in ranks:
             ray.kill(a)
-        return self.status()
 
     def stop(self) -> dict[str, Any]:
         """Ask the workers to finish (the leader sees it within about a second); status at once."""
