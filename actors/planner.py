@@ -38,10 +38,11 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from app.config import AppConfig
+from app.config import AppConfig, PlannerConfig
 from app.engine_args import served_model_name
 from planners import registry
-from planners.coserving import EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, ft_latency, whole_windows
+from planners.coserving import (EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, grant_run_time,
+                                whole_windows)
 from planners.memory import MemoryGuard
 from planners.placement import Separate, TrainingPlacer
 from planners.types import (
@@ -154,36 +155,37 @@ class Planner:
                 params[key] = value
         return params
 
-    async def set_iteration(self, name: str | None, params: dict[str, Any] | None = None) -> str | None:
-        """Switch the node-level co-serving policy live (bench/coserve.py compares them on one deployment)."""
-        self.cfg.planner = self.cfg.planner.model_copy(update={"iteration": name, "iteration_params": params or {}})
-        if name is not None:
-            registry.create("iteration", name, **(params or {}))  # fail here, not at the next grant
-        for node in self.nodes:
-            node.scheduler = node.guard = None
-            node.grant_log.clear()
-            node.pass_log.clear()
-        return name
+    def policies(self) -> PlannerConfig:
+        """The ``planner:`` section in force, as :meth:`set_policies` last set it."""
+        return self.cfg.planner
 
-    async def set_memory(self, params: dict[str, Any]) -> None:
-        """Replace the memory guard's settings live: ``params`` are ``planner.memory_params``, the guard's keyword
-        arguments (as ``set_iteration`` takes the scheduler's); each node's guard starts afresh."""
-        MemoryGuard(self.cost_model.with_stages(self.cfg.cluster.stages), **params)  # fail here, not at a grant
-        self.cfg.planner = self.cfg.planner.model_copy(update={"memory_params": dict(params)})
-        for node in self.nodes:
-            node.scheduler = node.guard = None
-            node.memory_wait_since = None
+    async def set_policies(self, planner: PlannerConfig) -> None:
+        """Switch to the policies of ``planner`` (a ``planner:`` config section) live.
 
-    async def set_placement(self, name: str, params: dict[str, Any] | None = None) -> str:
-        """Switch the placement policy live; routers build it afresh at their next snapshot, this planner's
-        training placement now. When the nodes that train change (``separate``), the trainer regroups."""
-        params = dict(params or {})
-        placer = self._training_placer(name, params)  # fails here, not in a router
+        bench/coserve.py compares the co-serving policies on one deployment this way, and tests tighten
+        the memory guard or change the placement. Every policy is built first, so a bad setting fails
+        here and changes nothing. A changed co-serving policy or memory guard starts afresh on every
+        node (grant and pass logs included); routers build a changed placement policy at their next
+        snapshot, and when the nodes that train change (``separate``) the trainer regroups.
+        """
+        placer = self._training_placer(planner.placement, dict(planner.placement_params))
+        if planner.iteration is not None:
+            registry.create("iteration", planner.iteration, **planner.iteration_params)
+        MemoryGuard(self.cost_model.with_stages(self.cfg.cluster.stages), **planner.memory_params)
+        old = self.cfg.planner
+        coserving_changed = ((planner.iteration, planner.iteration_params, planner.memory_params)
+                             != (old.iteration, old.iteration_params, old.memory_params))
         before = self.training.training_nodes()
-        self.placement, self.placement_params, self.training = name, params, placer
+        self.cfg.planner = planner
+        self.placement, self.placement_params, self.training = planner.placement, dict(planner.placement_params), placer
+        if coserving_changed:
+            for node in self.nodes:
+                node.scheduler = node.guard = None
+                node.memory_wait_since = None
+                node.grant_log.clear()
+                node.pass_log.clear()
         if placer.training_nodes() != before and self.trainer is not None:
             await self.trainer.regroup.remote()
-        return name
 
     def _training_placer(self, name: str, params: dict[str, Any]) -> TrainingPlacer:
         """This planner's own instance of placement policy ``name``, for training decisions.
@@ -477,8 +479,8 @@ class Planner:
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
             windows, reason, budget = self._iteration_windows(node, queue, now, request.ran_s)
             windows, reason, offload, wait_s = self._check_memory(node, request, windows, reason, now)
-            # The trainer runs the windows one after another: each pays a whole forward and backward.
-            node.granted_model_s = sum(ft_latency(node.scheduler.cost, 1, w.tokens) for w in windows)
+            # What the trainer will measure: the windows' forwards, and the backward of every sample they complete.
+            node.granted_model_s = grant_run_time(node.scheduler.cost, windows)
         else:
             windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now)
         g = node.grants

@@ -14,7 +14,7 @@ the same pinning: ``taskset -c 1 python -m app.profile --only-interference --out
 
 One app (one node: one vLLM engine and one Ray Train worker sharing the machine, training scope
 synced) is started once; for every (load, α) the policies run one after another on it, switched
-live (``Planner.set_iteration``), each with a fresh DPO adapter in mode ``hybrid`` (so the node's
+live (``Planner.set_policies``), each with a fresh DPO adapter in mode ``hybrid`` (so the node's
 iteration policy grants its windows) that is switched ``off`` when its window ends. Inference:
 the Azure conversation trace (``../shared/data/traces/azure_conv_sample.csv``), arrivals rescaled
 to ``--light-rate`` / ``--heavy-rate`` requests per second, prompt and output lengths from its
@@ -256,7 +256,8 @@ def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arriva
     params = dict(POLICY_PARAMS.get(name, {}), **({"train_fraction": float(fraction)} if fraction else {}))
     if name == "hybrid":
         params["ttft_slo_s"] = args.ttft_slo  # the run's own TTFT SLO bounds a grant on an idle engine
-    ray.get(planner.set_iteration.remote(name, params))
+    current = ray.get(planner.policies.remote())
+    ray.get(planner.set_policies.remote(current.model_copy(update={"iteration": name, "iteration_params": params})))
     label = policy.replace("_", "-").replace("@", "-").replace(".", "")
     adapter = f"co-{label}-{load}-{int(alpha * 100)}-{tag}"
     httpx.post(f"{url}/v1/adapters", timeout=30, json={

@@ -50,14 +50,6 @@ class RetrainingView:
     """The placement's verdict on the wanted step (LEMIX §IV-C, Eq. 4): placed on this node now it would
     push the predicted next inference request past τ_R on every node. Only ``placement: lemix`` ever
     says so (``planners/placement/training.py``); the baselines have no Eq. 4."""
-    # Not read by any policy here: planners/coserving/policies.py still passes them (that package is
-    # being changed elsewhere); drop them together.
-    in_flight: int = 0
-    ttft_p50_s: float | None = None
-    ttft_p99_s: float | None = None
-    slo_ttft_s: float = 0.0
-    predicted_ttft_s: float = 0.0
-    step_cost_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from typing import Any
+
 import httpx
 
 
@@ -31,3 +33,19 @@ def placed_now(app_url: str, timeout: float = 30.0) -> dict[int, int]:
             return counts
         last = counts
         time.sleep(1.0)
+
+
+def switch_policies(planner: Any, **changes: Any) -> Any:
+    """Change fields of the planner's ``planner:`` section live (``Planner.set_policies``); returns the
+    section as it was, for ``restore_policies`` in the test's ``finally``."""
+    import ray
+
+    before = ray.get(planner.policies.remote())
+    ray.get(planner.set_policies.remote(before.model_copy(update=changes)))
+    return before
+
+
+def restore_policies(planner: Any, before: Any) -> None:
+    import ray
+
+    ray.get(planner.set_policies.remote(before))

@@ -47,8 +47,8 @@ Modules, each one concept (pure: plain dataclasses in, a plan out; no Ray, no to
 
 from __future__ import annotations
 
-from planners.coserving.budget import (ft_delay, ft_latency, ft_memory, ft_room, ft_tokens_within, token_budget,
-                                       window_latency)
+from planners.coserving.budget import (ft_delay, ft_latency, ft_memory, ft_room, ft_tokens_within, grant_run_time,
+                                       token_budget, window_latency)
 from planners.coserving.calibration import WindowCostCalibration, WindowCostSample
 from planners.coserving.packing import best_fit_pack
 from planners.coserving.priorities import PriorityWeights, check_end, priority
@@ -74,6 +74,7 @@ __all__ = [
     "check_end",
     "ft_delay",
     "ft_latency",
+    "grant_run_time",
     "ft_memory",
     "ft_room",
     "ft_tokens_within",

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from planners.costs import CostModel
-from planners.coserving.work import InferenceWork, MicroBatch
+from planners.coserving.work import InferenceWork, MicroBatch, TokenWindow
 
 EPS = 1e-12
 """Slack in the floating-point comparisons of budgets and room."""
@@ -18,6 +18,24 @@ def ft_latency(cost: CostModel, batch: int, tokens: int) -> float:
     if batch <= 0 or tokens <= 0:
         return 0.0
     return cost.stages * (cost.forward_latency(batch, tokens) + cost.backward_latency(batch, tokens))
+
+
+def grant_run_time(cost: CostModel, windows: Iterable[TokenWindow]) -> float:
+    """Seconds the trainer takes to run ``windows`` one after another, as it really runs them.
+
+    Each window pays its forward; a window that completes its sample also pays the backward of the
+    whole sample, because the trainer's windowed pass (``WindowedPass.finish``) sweeps every window's
+    backward once the loss is known. :func:`ft_latency` prices forward and backward per window, which
+    is right over a whole pass but wrong for any one grant (LEMIX Alg. 2 calibrates against this).
+    """
+    total = 0.0
+    for w in windows:
+        if w.tokens <= 0:
+            continue
+        total += cost.forward_latency(1, w.tokens)
+        if w.completes_pass:
+            total += cost.backward_latency(1, w.length)
+    return cost.stages * total
 
 
 def ft_memory(cost: CostModel, batch: int, tokens: int) -> float:

@@ -232,11 +232,9 @@ class PeriodicScheduler(IterationScheduler):
     def _view(self, now: float) -> RetrainingView:
         oldest = min((s.arrival for s in self.samples.values()), default=None)
         return RetrainingView(
-            now=now, node_id=0, in_flight=len(self.running) + len(self.waiting), ttft_p50_s=None, ttft_p99_s=None,
-            slo_ttft_s=self.slo_s, predicted_ttft_s=0.0, queued=len(self.samples),
+            now=now, node_id=0, queued=len(self.samples),
             oldest_queued_age_s=None if oldest is None else now - oldest, last_run_at=self.last_run_at,
-            samples_wanted=len(self.samples), tokens_wanted=sum(s.remaining for s in self.samples.values()),
-            step_cost_s=0.0)
+            samples_wanted=len(self.samples), tokens_wanted=sum(s.remaining for s in self.samples.values()))
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
         work = self._inference_work()

@@ -40,9 +40,11 @@ def test_every_trainer_rank_shares_bundle_0_of_its_nodes_placement_group(app_url
     nodes = app_config["cluster"]["nodes"]
     training = _trainer_running(app_url, nodes)
     locations = {loc.node_id: loc for loc in ray.get(planner.node_locations.remote())}
+    here = ray.get_runtime_context().gcs_address  # this suite's cluster, even beside another on the machine
     replicas = {a.placement_group_id: a for a in list_actors(
-        filters=[("class_name", "=", "ServeReplica:coserve:ModelServer"), ("state", "=", "ALIVE")], detail=True)}
-    ranks = list_actors(filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")], detail=True)
+        filters=[("class_name", "=", "ServeReplica:coserve:ModelServer"), ("state", "=", "ALIVE")], detail=True,
+        address=here)}
+    ranks = list_actors(filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")], detail=True, address=here)
     assert len(ranks) == nodes, [(a.actor_id, a.placement_group_id) for a in ranks]
     by_pid = {w["pid"]: w for w in training["workers"]}
     groups_used = set()
@@ -69,5 +71,6 @@ def test_no_placement_group_besides_the_nodes_own(app_url, app_config, planner):
 
     _trainer_running(app_url, app_config["cluster"]["nodes"])
     node_groups = {loc.placement_group_id for loc in ray.get(planner.node_locations.remote())}
-    created = {g.placement_group_id for g in list_placement_groups(filters=[("state", "=", "CREATED")])}
+    created = {g.placement_group_id for g in list_placement_groups(
+        filters=[("state", "=", "CREATED")], address=ray.get_runtime_context().gcs_address)}
     assert created == node_groups

@@ -4,7 +4,7 @@ The session app's real trainer reports every item's loss after each pass (MACE �
 SFT item's mean token NLL) and the planner's node schedulers use it: CheckEnd (MACE Alg. 1 lines
 17–21) sends an item whose loss is above ``loss_threshold`` back for another pass, at most
 ``max_passes`` passes, and the γ·L term of its priority decides which of the requeued items the
-next grants serve first. The test switches the iteration params live (``Planner.set_iteration``)
+next grants serve first. The test switches the iteration params live (``Planner.set_policies``)
 and restores them afterwards.
 """
 
@@ -16,6 +16,7 @@ from itertools import pairwise
 import pytest
 import ray
 
+from tests.helpers import restore_policies, switch_policies
 from tests.integration.test_learning import (  # noqa: F401
     _adapter,
     _create,
@@ -78,7 +79,7 @@ def test_reported_loss_orders_the_grants_and_check_end_requeues(app_url, trainer
     posted = [items[i] for i in picked[:4]]
 
     params = {"loss_threshold": 0.0, "max_passes": 2, "max_ft_samples": 1}  # every item: exactly two passes
-    ray.get(planner.set_iteration.remote("hybrid", params))
+    before_policies = switch_policies(planner, iteration="hybrid", iteration_params=params)
     try:
         _create(app_url, name, method="sft", learning_rate=1e-3, mode="hybrid",
                 lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
@@ -93,7 +94,7 @@ def test_reported_loss_orders_the_grants_and_check_end_requeues(app_url, trainer
             pytest.fail(f"not trained twice and consumed within 90 s: {verdicts}, {_adapter(app_url, name)}")
         grants = _grants(app_url, name)
     finally:
-        ray.get(planner.set_iteration.remote(cfg.planner.iteration, dict(cfg.planner.iteration_params)))
+        restore_policies(planner, before_policies)
 
     # CheckEnd: each item's first pass (loss > 0 = threshold) was requeued, its second retired (max_passes).
     first = {v["id"]: v for v in verdicts if v["passes"] == 1}

@@ -2,7 +2,7 @@
 runs smaller or gives its work back; once the pressure is gone it trains everything.
 
 Uses the session app (hybrid grants, with a latency SLO loose enough that only memory binds). The
-guard's budget is made small (``Planner.set_memory``):
+guard's budget is made small (``Planner.set_policies``):
 κ·M_peak is the weights plus room for one 64-token window, so the KV cache that concurrent
 inference requests hold leaves the planned windows no room. Each grant the guard holds back or
 changes is counted per node in ``/v1/status`` (``training_grants.memory``) and named in the
@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
-import ray
 
+from tests.helpers import restore_policies, switch_policies
 from tests.integration.test_learning import _adapter, _create, _feedback, _status, cfg, trainer  # noqa: F401
 
 BASE = "tiny-llama"
@@ -61,8 +61,8 @@ def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishe
 
     before = _memory_counts(app_url)
     # A latency SLO loose enough that memory, not latency, is what binds the grants here.
-    ray.get(planner.set_iteration.remote("hybrid", {**cfg.planner.iteration_params, "slo_s": 2.0}))
-    ray.get(planner.set_memory.remote(tight))
+    before_policies = switch_policies(planner, iteration="hybrid", memory_params=tight,
+                                      iteration_params={**cfg.planner.iteration_params, "slo_s": 2.0})
     # Two long requests at a time: their KV cache fills the budget, yet the SLO still leaves training a
     # token budget (more load would refuse every grant on latency before memory is ever checked).
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
@@ -87,8 +87,7 @@ def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishe
         stop.set()
         for t in threads:
             t.join(timeout=120)
-        ray.get(planner.set_iteration.remote(cfg.planner.iteration, dict(cfg.planner.iteration_params)))
-        ray.get(planner.set_memory.remote(dict(cfg.planner.memory_params)))
+        restore_policies(planner, before_policies)
     assert not errors, errors[:3]  # inference never failed for it
     assert any(r.startswith("memory wait") for r in reasons), reasons[-10:]
     assert any("memory shrink" in r or r.startswith("memory defer") for r in reasons), reasons[-10:]

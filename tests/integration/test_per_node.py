@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import restore_policies, switch_policies
+
 BASE = "tiny-llama"
 READY_S = 420
 
@@ -122,10 +124,10 @@ def test_lemix_places_feedback_on_the_node_its_score_prefers(url):
     from actors.planner import find_planner
 
     planner = find_planner("pernode")
-    ray.get(planner.set_placement.remote("lemix"))  # its keyword arguments hold the profile's cost model
+    before = switch_policies(planner, placement="lemix", placement_params={})  # its kwargs hold the profile's model
     cm = ray.get(planner.placement_kwargs.remote())["cost_model"]
     slow = dataclasses.replace(cm, iteration=dataclasses.replace(cm.iteration, base=cm.iteration.base + 30.0))
-    ray.get(planner.set_placement.remote("lemix", {"cost_model": slow, "calibration_rate": 0.0}))
+    switch_policies(planner, placement_params={"cost_model": slow, "calibration_rate": 0.0})
     name = "placed"
     r = httpx.post(f"{url}/v1/adapters", json={"name": name, "method": "sft", "mode": "sync", "learning_rate": 5e-3,
                                                "lora": {"r": 4, "alpha": 8},
@@ -176,4 +178,4 @@ def test_lemix_places_feedback_on_the_node_its_score_prefers(url):
         assert sum(v["samples_trained"] for v in info["versions"]) == 2
     finally:
         done.wait(120)
-        ray.get(planner.set_placement.remote("round_robin"))
+        restore_policies(planner, before)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import placed_now, placed_since
+from tests.helpers import placed_now, placed_since, restore_policies, switch_policies
 from tests.integration.test_learning import trainer  # noqa: F401  (the trainer runs before training tests start)
 
 MODEL = "tiny-llama"
@@ -17,12 +17,10 @@ MODEL = "tiny-llama"
 
 @pytest.fixture
 def lemix(ray_cluster, app_url, planner):
-    import ray
-
-    ray.get(planner.set_placement.remote("lemix"))
+    before = switch_policies(planner, placement="lemix", placement_params={})
     time.sleep(1.0)  # routers adopt the policy at their next snapshot (every trace_flush_seconds)
     yield planner
-    ray.get(planner.set_placement.remote("round_robin"))
+    restore_policies(planner, before)
     time.sleep(1.0)
 
 
@@ -64,8 +62,9 @@ def _slow_prefill(planner, seconds: float) -> dict:
 
     import ray
 
-    ray.get(planner.set_placement.remote("lemix"))  # its keyword arguments hold the profile's cost model
+    before = switch_policies(planner, placement="lemix", placement_params={})  # its kwargs hold the profile's model
     cm = ray.get(planner.placement_kwargs.remote())["cost_model"]
+    restore_policies(planner, before)
     cm = dataclasses.replace(cm, iteration=dataclasses.replace(cm.iteration, base=cm.iteration.base + seconds))
     return {"cost_model": cm, "calibration_rate": 0.0}
 
@@ -82,8 +81,7 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
 
     from planners.types import TrainingPlacement
 
-    ray.get(planner.set_iteration.remote(None))
-    ray.get(planner.set_placement.remote("lemix", _slow_prefill(planner, 1.0)))
+    policies = switch_policies(planner, iteration=None, placement="lemix", placement_params=_slow_prefill(planner, 1.0))
     name = "eq4-live"
     r = httpx.post(f"{app_url}/v1/adapters", json={
         "name": name, "method": "sft", "mode": "hybrid", "learning_rate": 1e-3, "lora": {"r": 4, "alpha": 8},
@@ -159,8 +157,7 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
             assert tp["steps_in_queue"] == [] and tp["steps_done"] == tp["steps_placed"], tp
         assert sum(n["training_placement"]["steps_placed"] for n in after) >= len({p.task.task_id for p in seen})
     finally:
-        ray.get(planner.set_placement.remote("round_robin"))
-        ray.get(planner.set_iteration.remote(app_config.get("planner", {}).get("iteration", "hybrid")))
+        restore_policies(planner, policies)
         time.sleep(1.0)
 
 
@@ -180,15 +177,16 @@ def test_separate_trains_only_on_its_training_node_and_serves_only_on_the_other(
     import ray
     from ray.util.state import list_actors
 
-    ray.get(planner.set_placement.remote("separate"))
+    policies = switch_policies(planner, placement="separate", placement_params={})
     try:
         st = _trainer_workers(app_url, {1})
         assert [w["node_id"] for w in st["workers"]] == [1]
         group = {loc.node_id: loc for loc in ray.get(planner.node_locations.remote())}
         assert [loc.trains for loc in group.values()] == [False, True]
         deadline = time.time() + 60
+        here = ray.get_runtime_context().gcs_address  # this suite's cluster, even beside another on the machine
         while len(ranks := list_actors(filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")],
-                                       detail=True)) != 1 and time.time() < deadline:
+                                       detail=True, address=here)) != 1 and time.time() < deadline:
             time.sleep(1)  # the old group's ranks are going away
         assert [a.placement_group_id for a in ranks] == [group[1].placement_group_id]
 
@@ -222,6 +220,6 @@ def test_separate_trains_only_on_its_training_node_and_serves_only_on_the_other(
             assert time.time() < deadline, served  # the inference node serves what node 1 trained
             time.sleep(0.2)
     finally:
-        ray.get(planner.set_placement.remote("round_robin"))
+        restore_policies(planner, policies)
         _trainer_workers(app_url, {0, 1})
         time.sleep(1.0)

@@ -39,3 +39,19 @@ def test_a_slower_refit_shrinks_the_token_budget():
     assert slow.iteration_latency(64, 2, 128) == cost.iteration_latency(64, 2, 128)  # inference untouched
     work = InferenceWork(0, 4, 256)
     assert 0 < token_budget(slow, work, 0.1) < token_budget(cost, work, 0.1)
+
+
+def test_a_grant_is_modelled_as_the_trainer_runs_it():
+    """Forwards per window; the backward of a sample only in the grant whose window completes it."""
+    from planners.coserving import TokenWindow, grant_run_time
+
+    cm = default_cost_model()
+    first, last = TokenWindow("7", 0, 300, 500), TokenWindow("7", 300, 500, 500)
+    fwd, bwd = cm.forward_latency, cm.backward_latency
+    assert grant_run_time(cm, [first]) == pytest.approx(cm.stages * fwd(1, 300))
+    assert grant_run_time(cm, [last]) == pytest.approx(cm.stages * (fwd(1, 200) + bwd(1, 500)))
+    # Over the whole pass the grants cost more than the per-window pricing only by the backward's
+    # superlinear part: never less than the forwards of every window.
+    whole = grant_run_time(cm, [first]) + grant_run_time(cm, [last])
+    assert whole >= cm.stages * (fwd(1, 300) + fwd(1, 200))
+    assert grant_run_time(cm, [TokenWindow("8", 0, 0, 10)]) == 0.0
