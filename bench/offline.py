@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from app.offline_job import chunk_text  # noqa: E402
-from bench.common import init_ray  # noqa: E402
+from app.serve_env import init_ray  # noqa: E402
 from planners.costs import CostModel  # noqa: E402
 from planners.registry import create  # noqa: E402
 from planners.offline import (  # noqa: E402
