@@ -1,6 +1,6 @@
 """OfflineEngine: a Ray actor holding one vLLM engine for one model replica of an offline job's stage (SamuLLM §3).
 
-The actor only generates: the driver (``app/offline.py``) decides which requests it gets and when
+The actor only generates: the runner (``actors/offline_runner.py``) decides which requests it gets and when
 (stage plans, §4.2–4.3), and fills their prompts from upstream outputs. Requests are submitted in
 batches and join vLLM's continuous batching as they arrive; finished ones are collected with
 :meth:`OfflineEngine.poll`, so the driver can persist each output and release downstream requests
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.offline_job import JobModel
+from actors.offline_job import JobModel
 
 
 class OfflineEngine:

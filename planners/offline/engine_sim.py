@@ -187,6 +187,18 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
         for c in children.get(j, ()):
             heapq.heappush(waiting, (max(float(ready[c]), at), c))
 
+    def retire(at: float, step: int) -> tuple[int, int]:
+        """Finish, at ``at``, every decode whose last iteration is ``step`` or earlier; the context
+        tokens and sequences they free."""
+        freed_ctx = freed = 0
+        while dec and dec[0][0] <= step:
+            _, j = heapq.heappop(dec)
+            finish[j], gen[j] = at, ol[j]
+            freed_ctx += pl[j] + ol[j]
+            freed += 1
+            release(j, at)
+        return freed_ctx, freed
+
     while t < until_s:
         n_run = n_dec + len(prefilling)
         admissible = bool(waiting) and waiting[0][0] <= t and n_run < cap
@@ -214,12 +226,9 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
             g += k
             tokens += n_dec * k
             ctx += n_dec * k
-            while dec and dec[0][0] <= g:
-                _, j = heapq.heappop(dec)
-                finish[j], gen[j] = t, ol[j]
-                ctx -= pl[j] + ol[j]
-                n_dec -= 1
-                release(j, t)
+            freed_ctx, freed = retire(t, g)
+            ctx -= freed_ctx
+            n_dec -= freed
             curve_s.append(t)
             curve_tok.append(tokens)
             continue
@@ -257,12 +266,9 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
         g += 1
         tokens += pre + n_dec
         ctx += n_dec
-        while dec and dec[0][0] <= g:
-            _, j = heapq.heappop(dec)
-            finish[j], gen[j] = t, ol[j]
-            ctx -= pl[j] + ol[j]
-            n_dec -= 1
-            release(j, t)
+        freed_ctx, freed = retire(t, g)
+        ctx -= freed_ctx
+        n_dec -= freed
         for j in completed:
             if ol[j] == 1:
                 finish[j], gen[j] = t, 1

@@ -149,28 +149,17 @@ class StagePlanner:
                     self.known_output_lengths)
 
 
-@register("stages", "greedy")
-class GreedyStages(StagePlanner):
-    """SamuLLM's planner: Algorithm 1 per stage (:func:`select_greedy`)."""
-
-    name = "greedy"
-    selector = staticmethod(select_greedy)
-
-
-@register("stages", "max")
-class MaxStages(StagePlanner):
-    """Max-heuristic baseline (:func:`select_max`)."""
-
-    name = "max"
-    selector = staticmethod(select_max)
+def _heuristic(name: str, selector: Selector, doc: str) -> type[StagePlanner]:
+    """The registered :class:`StagePlanner` ``<Name>Stages`` that selects each stage with ``selector``."""
+    cls_name = f"{name.capitalize()}Stages"
+    cls = type(cls_name, (StagePlanner,), {"name": name, "selector": staticmethod(selector), "__doc__": doc,
+                                           "__module__": __name__, "__qualname__": cls_name})
+    return register("stages", name)(cls)
 
 
-@register("stages", "min")
-class MinStages(StagePlanner):
-    """Min-heuristic baseline (:func:`select_min`)."""
-
-    name = "min"
-    selector = staticmethod(select_min)
+GreedyStages = _heuristic("greedy", select_greedy, "SamuLLM's planner: Algorithm 1 per stage (:func:`select_greedy`).")
+MaxStages = _heuristic("max", select_max, "Max-heuristic baseline (:func:`select_max`).")
+MinStages = _heuristic("min", select_min, "Min-heuristic baseline (:func:`select_min`).")
 
 
 @register("stages", "best")

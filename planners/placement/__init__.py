@@ -11,7 +11,11 @@ One concept a module:
 - ``policy``: the interface and ℓ of a task (§IV-A);
 - ``baselines``: round robin (NaiveMix), SEPARATE, least utilized (§VI-A);
 - ``planning``: Alg. 1, a node's trace queues and a task's forward path through them (§IV-B);
-- ``lemix``: Eq. 1–3 (which node), Eq. 4 (training waits), calibration (Alg. 2 lines 13–17);
+- ``scoring``: Eq. 1–3 of a task on a few nodes, in plain Python; ``node_arrays``: the same on
+  many nodes, in numpy over a mirror of their queues;
+- ``lemix_settings``: LEMIX's tuning knobs (the config's λ1, λ2, τ, τ_R, ...) in plain words;
+- ``lemix``: the LEMIX policy: choose by Eq. 3, Eq. 4 (training waits), calibration (Alg. 2
+  lines 13–17);
 - ``training``: the planner's own placement of training work in the live app (feedback items,
   granted training steps, Eq. 4 on the grant path).
 
@@ -20,9 +24,10 @@ Importing the package registers every policy (``planners/registry.py`` loads it 
 
 from planners.placement.baselines import LeastUtilized, RoundRobin, Separate
 from planners.placement.lemix import LemixPlacement
+from planners.placement.lemix_settings import LemixSettings
 from planners.placement.planning import NodeEstimate
 from planners.placement.policy import PlacementPolicy, task_length
 from planners.placement.training import FeedbackChoice, TrainingPlacer, route_feedback
 
-__all__ = ["FeedbackChoice", "LeastUtilized", "LemixPlacement", "NodeEstimate", "PlacementPolicy", "RoundRobin",
-           "Separate", "TrainingPlacer", "route_feedback", "task_length"]
+__all__ = ["FeedbackChoice", "LeastUtilized", "LemixPlacement", "LemixSettings", "NodeEstimate", "PlacementPolicy",
+           "RoundRobin", "Separate", "TrainingPlacer", "route_feedback", "task_length"]

@@ -1,8 +1,9 @@
 """Task-specific execution planning of LEMIX §IV-B (Alg. 1, ComputeIdleness): one node's trace queues
 and the forward path of a new task through them.
 
-Package-internal: :class:`~planners.placement.lemix.LemixPlacement` owns the per-node state
-(``_Node``), plans with ``_plan_row`` (its vector twin lives beside it) and reports
+Package-internal but for :class:`NodeEstimate`: :class:`~planners.placement.lemix.LemixPlacement` owns
+the per-node state (:class:`NodeQueues`), plans with :func:`plan_forward` (its numpy twin is
+``planners/placement/node_arrays.py``), scores with ``planners/placement/scoring.py`` and reports
 :class:`NodeEstimate` s.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from planners.costs import CostModel
 
-_NEG = -np.inf
+NEVER = -np.inf  # "no time yet": before every real time, so max() ignores it
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class NodeEstimate:
 
 
 @dataclass
-class _Planned:
+class PlannedTask:
+    """Where a placed task went and when the plan expects it done (what ``observe`` calibrates against)."""
+
     row: int
     kind: str
     first_end: float  # planned end of the forward on the last stage (the first token)
@@ -47,7 +50,7 @@ class _Planned:
 
 
 @dataclass
-class _Eval:
+class NodeScores:
     """Alg. 1 and Eq. 1–3 of one task on R rows: lists on the scalar path, arrays on the vector path."""
 
     start: Any
@@ -56,40 +59,55 @@ class _Eval:
     response_time: Any
     idle_gain: Any
     length_affinity: Any
-    f: Any
+    score: Any
 
     def best(self) -> int:
-        f = self.f
-        if isinstance(f, np.ndarray):
-            return int(np.argmax(f))
+        """Index of the highest score (f of Eq. 3)."""
+        score = self.score
+        if isinstance(score, np.ndarray):
+            return int(np.argmax(score))
         # First maximum, as np.argmax: ties go to the earliest node in the caller's order.
-        return max(range(len(f)), key=f.__getitem__)
+        return max(range(len(score)), key=score.__getitem__)
+
+    def estimate(self, i: int, node_id: int) -> NodeEstimate:
+        """Row ``i`` as the public :class:`NodeEstimate` of node ``node_id``."""
+        return NodeEstimate(node_id, float(self.idle_time[i]), float(self.response_time[i]),
+                            float(self.idle_gain[i]), float(self.length_affinity[i]), float(self.score[i]),
+                            tuple(float(x) for x in self.start[i]), tuple(float(x) for x in self.end[i]))
 
 
-class _Node:
-    """The trace queues of one node (LEMIX §IV-B): plain Python, the planner's source of truth."""
+class NodeQueues:
+    """The trace queues of one node (LEMIX §IV-B): plain Python, the planner's source of truth.
 
-    __slots__ = ("row", "cost", "fend", "train", "dec", "dec_done", "dec_done_from", "speed", "lc_n", "lc_sum",
-                 "lc_sq")
+    ``forward_end`` is task_prev.end_f^s; ``backwards`` is Q_train^n (each planned backward's start and
+    end per stage, and its task id); ``length_*`` are the moments of the lengths placed here, LC's
+    history (Eq. 2).
+    """
+
+    __slots__ = ("row", "cost", "forward_end", "backwards", "decodes", "decode_done", "decode_done_from", "speed",
+                 "length_count", "length_sum", "length_sq_sum")
 
     def __init__(self, row: int, cost: CostModel, stages: int) -> None:
         self.row = row
         self.cost = cost
-        self.fend = [_NEG] * stages           # task_prev.end_f^s
-        self.train: list[tuple[list[float], list[float], str]] = []  # Q_train^n: backward start/end per stage
-        self.dec: list[tuple[float, float, float, str]] = []          # decodes: start, end, context, task
-        self.dec_done = _NEG                  # end of the latest-ending decode that has left ``dec``
-        self.dec_done_from = _NEG             # and its start
+        self.forward_end = [NEVER] * stages
+        self.backwards: list[tuple[list[float], list[float], str]] = []
+        self.decodes: list[tuple[float, float, float, str]] = []  # start, end, context tokens, task id
+        self.decode_done = NEVER              # end of the latest-ending decode that has left ``decodes``
+        self.decode_done_from = NEVER         # and its start
         self.speed = 1.0                      # calibration: actual / planned durations
-        self.lc_n = 0.0
-        self.lc_sum = 0.0
-        self.lc_sq = 0.0
+        self.length_count = 0.0
+        self.length_sum = 0.0
+        self.length_sq_sum = 0.0
 
 
-def _plan_row(a: float, t0: float, floor: float, stages: int, d: float, wait: float, fend: Sequence[float],
-              train: Sequence[tuple[Sequence[float], Sequence[float], str]], dec_from: float, dec_until: float,
-              duty: float) -> tuple[list[float], list[float], float]:
-    """ComputeIdleness (LEMIX Alg. 1) for one node; the scalar twin of ``LemixPlacement._eval_vec``.
+def plan_forward(t0: float, floor: float, stages: int, d: float, wait: float, fend: Sequence[float],
+                 train: Sequence[tuple[Sequence[float], Sequence[float], str]], dec_from: float, dec_until: float,
+                 duty: float) -> tuple[list[float], list[float], float]:
+    """ComputeIdleness (LEMIX Alg. 1) for one node; the scalar twin of ``NodeArrays.score``.
+
+    Starts no earlier than ``t0`` + ``wait``, each stage's forward taking ``d``; idle time before
+    ``floor`` is sunk. Returns the forward's start and end per stage and the idle time II it leaves.
 
     Forward path (lines 4–6); far-dependency rescheduling past the planned backward intervals of
     Q_train^n (lines 7–14); II (lines 15–19) with backward and decode work inside each gap
@@ -106,11 +124,11 @@ def _plan_row(a: float, t0: float, floor: float, stages: int, d: float, wait: fl
         if train:
             for _ in range(len(train) + 1):
                 end = start + d
-                m = _NEG
+                m = NEVER
                 for bs, be, _id in train:
                     if bs[j] < end and be[j] > start and be[j] > m:
                         m = be[j]
-                if m == _NEG:
+                if m == NEVER:
                     break
                 if m > start:
                     start = m

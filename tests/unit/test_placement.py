@@ -1,46 +1,16 @@
 """LEMIX placement worked by hand (Alg. 1, Eq. 1–4, Alg. 2 calibration) and the baselines of §VI-A.
 
-The toy cost model makes every number exact: a training task of ℓ = 100 (C = 1) runs a 1 s
-forward and a 2 s backward per stage; an inference prompt of 100 tokens is a 2 s engine
-iteration, 1 s per stage; answers are one token long, so nothing decodes.
+On the toy cost model of ``placement_toy.py``, where every number is exact.
 """
 
 import numpy as np
 import pytest
 
 from planners import registry
-from planners.costs import CostModel, IterationLatency, MemoryModel, OutputLengthCDF, StageLatency, default_cost_model
+from planners.costs import default_cost_model
 from planners.placement import LemixPlacement
-from planners.types import ExecutionTrace, NodeView, Task
-
-TOY = CostModel(
-    forward=StageLatency(quad=0.0, lin=0.01),
-    backward=StageLatency(quad=0.0, lin=0.02),
-    iteration=IterationLatency(base=0.0, per_prefill_token=0.02, per_decode_seq=0.0),
-    memory=MemoryModel(1, 1, 0, 1e9),
-    output_lengths=OutputLengthCDF((1,), (1.0,)),
-    stages=2,
-)
-TWO = [NodeView(0, True), NodeView(1, True)]
-
-
-def lemix(**kw) -> LemixPlacement:
-    params = dict(cost_model=TOY, stages=2, lambda1=1.0, lambda2=0.0, idle_horizon=10.0, deprioritize=False,
-                  calibration_rate=0.0)
-    params.update(kw)
-    return registry.create("placement", "lemix", **params)
-
-
-def train(tid: str, a: float) -> Task:
-    return Task(tid, "training", "m", 50, 50, a, batch_size=1)
-
-
-def infer(tid: str, a: float, prompt: int = 100) -> Task:
-    return Task(tid, "inference", "m", prompt, 1, a)
-
-
-def by_node(estimates):
-    return {e.node_id: e for e in estimates}
+from planners.types import ExecutionTrace, NodeView
+from tests.unit.placement_toy import TOY, TWO, by_node, infer, lemix, train
 
 
 def test_first_task_on_empty_nodes_ties_and_takes_the_first():

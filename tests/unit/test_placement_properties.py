@@ -147,5 +147,5 @@ def test_training_backward_intervals_never_overlap_on_a_stage(stages):
         p.choose(Task(f"x{k}", kind, "m", int(rng.integers(10, 500)), int(rng.integers(1, 200)), t, 2), nodes, t)
     for node in p._nodes:
         for j in range(stages):
-            iv = sorted((bs[j], be[j]) for bs, be, _ in node.train)
+            iv = sorted((bs[j], be[j]) for bs, be, _ in node.backwards)
             assert all(b0 <= a1 + 1e-12 for (_, b0), (a1, _) in zip(iv, iv[1:]))

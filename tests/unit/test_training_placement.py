@@ -7,41 +7,10 @@ import pytest
 
 from planners import registry
 from planners.coserving import LiveRequest
-from planners.costs import CostModel, IterationLatency, MemoryModel, OutputLengthCDF, StageLatency
-from planners.placement import LemixPlacement, Separate, TrainingPlacer, route_feedback
+from planners.placement import Separate, TrainingPlacer, route_feedback
 from planners.routing import RoutingTable
-from planners.types import ExecutionTrace, NewFeedback, NodeView, RoutingSnapshot, Task, TrainingPlacement
-
-# The toy of test_placement.py: a training forward of ℓ = 100 takes 1 s a stage, its backward 2 s;
-# an inference prefill of 100 tokens takes 2 s over the two stages.
-TOY = CostModel(
-    forward=StageLatency(quad=0.0, lin=0.01),
-    backward=StageLatency(quad=0.0, lin=0.02),
-    iteration=IterationLatency(base=0.0, per_prefill_token=0.02, per_decode_seq=0.0),
-    memory=MemoryModel(1, 1, 0, 1e9),
-    output_lengths=OutputLengthCDF((1,), (1.0,)),
-    stages=2,
-)
-TWO = [NodeView(0, True), NodeView(1, True)]
-
-
-def lemix(**kw) -> LemixPlacement:
-    params = dict(cost_model=TOY, stages=2, lambda1=1.0, lambda2=0.0, idle_horizon=10.0, deprioritize=False,
-                  calibration_rate=0.0)
-    params.update(kw)
-    return registry.create("placement", "lemix", **params)
-
-
-def train(tid: str, a: float) -> Task:
-    return Task(tid, "training", "m", 50, 50, a, batch_size=1)
-
-
-def infer(tid: str, a: float, prompt: int = 100) -> Task:
-    return Task(tid, "inference", "m", prompt, 1, a)
-
-
-def by_node(estimates):
-    return {e.node_id: e for e in estimates}
+from planners.types import ExecutionTrace, NewFeedback, NodeView, RoutingSnapshot, TrainingPlacement
+from tests.unit.placement_toy import TOY, TWO, by_node, infer, lemix, train
 
 
 # ---- LemixPlacement: a task someone else placed ------------------------------------------------

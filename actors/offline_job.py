@@ -32,11 +32,13 @@ from planners.offline import Edge, EngineLimits, JobGraph, ModelSpec, chain_maps
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 
 
-class _Strict(BaseModel):
+class _JobSpecPart(BaseModel):
+    """A part of an offline job spec: an unknown key is an error, not silently ignored."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class EmbeddedSpec(_Strict):
+class EmbeddedSpec(_JobSpecPart):
     """A tiny Llama the project builds itself (no model hub here): hidden size, layers, seed."""
 
     hidden_size: int = Field(256, ge=64, multiple_of=64)
@@ -44,7 +46,7 @@ class EmbeddedSpec(_Strict):
     seed: int = 0
 
 
-class JobModel(_Strict):
+class JobModel(_JobSpecPart):
     name: str = Field(pattern=NAME_PATTERN)
     path: str | None = Field(None, description="A local HF model directory; null: build the embedded model below.")
     embedded: EmbeddedSpec = Field(default_factory=EmbeddedSpec)
@@ -74,7 +76,7 @@ class JobModel(_Strict):
                                               seed=e.seed))
 
 
-class DevicesSpec(_Strict):
+class DevicesSpec(_JobSpecPart):
     count: int = Field(1, ge=1)
     memory_gb: float = Field(4.0, gt=0, description="Memory of one device (host memory share on CPU).")
     links: list[tuple[int, int]] | None = Field(None, description="Linked pairs (e.g. NVLink); null: all linked.")
@@ -92,7 +94,7 @@ class DevicesSpec(_Strict):
         return self
 
 
-class AppSpec(_Strict):
+class AppSpec(_JobSpecPart):
     kind: Literal["ensemble", "routing", "chain_summary", "edges", "mixed"]
     routing_file: str | None = Field(None, description="routing: JSONL of {id, model}.")
     summarizer: str | None = Field(None, description="chain_summary: the model that summarizes chunk by chunk.")
@@ -103,7 +105,7 @@ class AppSpec(_Strict):
     parts: list[PartSpec] = Field(default_factory=list, description="mixed: the sub-applications.")
 
 
-class PartSpec(_Strict):
+class PartSpec(_JobSpecPart):
     """One sub-application of a ``mixed`` job: its own models (a subset, disjoint from other parts'),
     input file and graph; the input fields default to the job's."""
 
@@ -118,7 +120,7 @@ class PartSpec(_Strict):
 AppSpec.model_rebuild()
 
 
-class JobSpec(_Strict):
+class JobSpec(_JobSpecPart):
     """What ``python -m app.offline plan|run JOB.yaml`` reads."""
 
     name: str = Field(pattern=NAME_PATTERN)
