@@ -26,6 +26,7 @@ the trainer down and starts a new one, resuming from the last published version 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any, Sequence
 
 import ray
 
+from actors.pipeline.layout import LlamaDims, check_bounds, layer_names
 from actors.pipeline.messages import (
     MicroBatch,
     Method,
@@ -87,6 +89,10 @@ class PipelineTrainer:
                            accumulation=s.accumulation, learning_rate=s.learning_rate, beta=s.beta,
                            max_grad_norm=s.max_grad_norm, seed=s.seed, threads=s.threads)
         self.info = ray.get([st.setup.remote(setup) for st in self.stages])
+        config = json.loads((Path(self.weights_from) / "config.json").read_text())
+        check_bounds(self.info[0].bounds, len(layer_names(LlamaDims.from_config(config))), n)
+        if any(i.bounds != self.info[0].bounds for i in self.info):
+            raise RuntimeError(f"stages disagree on the partition: {[i.bounds for i in self.info]}")
         return self.info
 
     def shutdown(self) -> None:
