@@ -62,8 +62,11 @@ class PipelineStage:
                                     world_size=s.stages, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         deepspeed.init_distributed(dist_backend=backend)
         self.loss = PipelineLoss(beta=s.beta)
-        pipe = PipelineModule(layers=layer_specs(read_config(s.model_dir)), num_stages=s.stages,
-                              partition_method=s.partition_method, loss_fn=self.loss, dynamic_shape=True)
+        # No grad while building: the module's constructor broadcasts the tied weights in place, which
+        # must not enter the autograd graph (torch warns of an op without an autograd kernel at backward).
+        with torch.no_grad():
+            pipe = PipelineModule(layers=layer_specs(read_config(s.model_dir)), num_stages=s.stages,
+                                  partition_method=s.partition_method, loss_fn=self.loss, dynamic_shape=True)
         load_slice(pipe, s.model_dir)
         optimizer = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], lr=s.learning_rate,
                                       weight_decay=0.0)
@@ -82,8 +85,12 @@ class PipelineStage:
 
     def _resync_tied(self) -> None:
         # Both tied copies were loaded from the same file; broadcasting again keeps them equal bit for bit
-        # should a checkpoint carry a stale lm_head copy.
-        self.engine.module._synchronize_tied_weights()
+        # should a checkpoint carry a stale lm_head copy. No grad: an in-place collective on a parameter
+        # must not enter the autograd graph.
+        import torch
+
+        with torch.no_grad():
+            self.engine.module._synchronize_tied_weights()
 
     def load(self, model_dir: str) -> None:
         """Restart from the weights in ``model_dir`` (rollback): new weights, fresh optimizer moments."""
