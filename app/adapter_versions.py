@@ -154,3 +154,54 @@ def cache_dir_for(cache_root: str | Path, location: str, adapter: str, version: 
 
     tag = hashlib.sha256(location.encode()).hexdigest()[:12]
     return Path(cache_root) / adapter / f"v{int(version)}-{tag}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Full-model versions (actors/pipeline/): the same ``<root>/<unit>/v<N>`` layout and commit rule.
+
+FULL_WEIGHTS = "model.safetensors"
+FULL_FILES = (FULL_WEIGHTS, "config.json")
+
+
+def is_complete_full_version(path: str | Path) -> bool:
+    """A full-model version directory: HF weights, config.json and meta.json (what write_full_version leaves)."""
+    path = Path(path)
+    return all((path / f).is_file() for f in (*FULL_FILES, META_FILE))
+
+
+def write_full_version(root: str | Path, unit: str, version: int, tensors: dict, meta: dict,
+                       files: dict[str, bytes] | None = None) -> Path:
+    """Write a full model version atomically to ``<root>/<unit>/v<N>``; its path.
+
+    ``tensors``: HF-named torch tensors (saved as one ``model.safetensors``, loadable by
+    ``LlamaForCausalLM.from_pretrained`` and vLLM's ``load_weights``); ``meta``: written as
+    meta.json; ``files``: more files by name (config.json, the tokenizer's). Temp sibling, fsync,
+    rename, as for adapter versions; an existing complete version is kept (versions are immutable).
+    """
+    import json
+
+    from safetensors.torch import save_file  # here, not at import: the store actor imports this module without torch
+
+    final = version_dir(root, unit, version)
+    if final.exists() and is_complete_full_version(final):
+        return final
+    files = dict(files or {})
+    bad = [n for n in files if Path(n).name != n or n.startswith(".") or n in (FULL_WEIGHTS, META_FILE)]
+    if bad or "config.json" not in files:
+        raise ValueError(f"{unit} v{version}: extra files must be plain names and include config.json, got {sorted(files)}")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / FULL_WEIGHTS), metadata={"format": "pt"})
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        fsync_tree(tmp)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if final.exists() and is_complete_full_version(final):
+            return final
+        raise
+    return final

@@ -1,0 +1,211 @@
+"""PipelineTrainer: creates a node's stage actors in its placement group's bundles and trains and publishes full-model versions.
+
+Usage (the caller holds the node's placement group, e.g. the replica's; stage i goes to bundle i)::
+
+    trainer = PipelineTrainer(PipelineSettings.from_config(cfg), placement_group)
+    v = trainer.train(samples, "full_sft", unit="base", version=1, steps=4)
+    v2 = trainer.train(pairs, "full_dpo", unit="base", version=2, steps=2)
+    trainer.train(samples, "full_sft", unit="base", version=3, steps=4, resume_from=v.path)  # rollback to v1
+    trainer.shutdown()
+
+Like actors/trainer.py this places its workers itself (``PlacementGroupSchedulingStrategy``) rather
+than through Ray Train, whose ``TorchTrainer`` always reserves a placement group of its own.
+The trainer is a plain object in the caller's process: it tokenizes, builds fixed micro-batches,
+calls every stage at once (each call is a collective over the pipeline), and publishes.
+
+DPO's reference is not a third model copy: before training on a set of pairs, one no-grad pipeline
+pass (``eval_batch``) with the weights the version starts from gives the reference sequence
+log-probs of every chosen and rejected answer, which then ride with the labels of each
+micro-batch to the last stage. This costs one forward pass per pair per ``train`` call and no
+memory, against a frozen copy of every stage's slice that would be run every step; it is exact
+because the reference is fixed for the whole call (the starting weights).
+
+Faults: a stage actor that dies fails the call (its collectives cannot finish); the caller shuts
+the trainer down and starts a new one, resuming from the last published version (``resume_from``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import ray
+
+from actors.pipeline.layout import LlamaDims, check_bounds, layer_names
+from actors.pipeline.messages import (
+    MicroBatch,
+    Method,
+    PipelineSettings,
+    PublishedVersion,
+    StageInfo,
+    StageSetup,
+    TrainingSample,
+)
+from app.adapter_versions import is_complete_full_version, write_full_version
+
+PLACE_TIMEOUT_S = 300.0
+# Files copied from the starting model next to the weights, so a version is a complete HF model directory.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "chat_template.jinja")
+MODES = {"full_sft": "sft", "full_dpo": "dpo"}
+
+
+class PipelineTrainer:
+    """One node's full-model pipeline: S stage actors, S = the placement group's bundle count."""
+
+    def __init__(self, settings: PipelineSettings, placement_group: Any) -> None:
+        self.settings = settings
+        self.pg = placement_group
+        self.stages: list[Any] = []
+        self.info: list[StageInfo] = []
+        self.weights_from = settings.model_dir  # the version (or base model) the stages hold now
+        self._tokenizer: Any = None
+
+    # -------------------------------------------------------------------- stage actors
+
+    def start(self) -> list[StageInfo]:
+        """Create stage i in bundle i, join them into one process group and load the starting weights."""
+        if self.stages:
+            return self.info
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from actors.pipeline.stage import PipelineStage
+
+        ray.get(self.pg.ready(), timeout=PLACE_TIMEOUT_S)
+        n = len(self.pg.bundle_specs)
+        res = dict(self.settings.stage_resources)
+        cpus, gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
+        cls = ray.remote(PipelineStage)
+        self.stages = [cls.options(num_cpus=cpus, num_gpus=gpus, resources=res or None, max_restarts=0,
+                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                       self.pg, placement_group_bundle_index=i)).remote(i) for i in range(n)]
+        host, port = ray.get(self.stages[0].address.remote(), timeout=PLACE_TIMEOUT_S)
+        s = self.settings
+        setup = StageSetup(host=host, port=port, stages=n, model_dir=self.weights_from,
+                           partition_method=s.partition_method, micro_batch=s.micro_batch,
+                           accumulation=s.accumulation, learning_rate=s.learning_rate, beta=s.beta,
+                           max_grad_norm=s.max_grad_norm, seed=s.seed, threads=s.threads)
+        self.info = ray.get([st.setup.remote(setup) for st in self.stages])
+        config = json.loads((Path(self.weights_from) / "config.json").read_text())
+        check_bounds(self.info[0].bounds, len(layer_names(LlamaDims.from_config(config))), n)
+        if any(i.bounds != self.info[0].bounds for i in self.info):
+            raise RuntimeError(f"stages disagree on the partition: {[i.bounds for i in self.info]}")
+        return self.info
+
+    def shutdown(self) -> None:
+        for st in self.stages:
+            ray.kill(st)
+        self.stages, self.info = [], []
+
+    # -------------------------------------------------------------------- training
+
+    def train(self, samples: Sequence[TrainingSample], method: Method, *, unit: str, version: int, steps: int,
+              resume_from: str | Path | None = None) -> PublishedVersion:
+        """Run ``steps`` optimizer steps of ``method`` over ``samples`` (cycled) and publish ``<unit>/v<version>``.
+
+        ``resume_from``: a published version directory (or an HF model directory) to start from
+        instead of the current weights, with fresh optimizer moments (rollback). The new version's
+        ``parent`` is the directory its starting weights came from.
+        """
+        if method not in MODES:
+            raise ValueError(f"unknown method {method!r}; choose one of {sorted(MODES)}")
+        if not samples or steps < 1:
+            raise ValueError("train needs samples and at least one step")
+        self.start()
+        if resume_from is not None:
+            if not is_complete_full_version(resume_from) and not (Path(resume_from) / "config.json").exists():
+                raise FileNotFoundError(f"{resume_from}: not a model directory")
+            ray.get([st.load.remote(str(resume_from)) for st in self.stages])
+            self.weights_from = str(resume_from)
+        parent = self.weights_from
+        s = self.settings
+        per_step = s.micro_batch * s.accumulation
+        ref = self.reference_logps(samples) if method == "full_dpo" else None
+        losses = []
+        for k in range(steps):
+            idx = [(k * per_step + j) % len(samples) for j in range(per_step)]
+            batches = [self._micro_batch(samples, idx[m:m + s.micro_batch], method, ref)
+                       for m in range(0, per_step, s.micro_batch)]
+            losses.append(self._run_all("train_batch", batches, MODES[method])[0])
+        margin = self.reward_margin(samples, ref) if ref is not None else None
+        meta = {"version": int(version), "parent": parent, "method": method, "steps": steps, "loss": losses[-1],
+                "losses": losses, "reward_margin": margin, "created_at": time.time(),
+                "stages": [asdict(i) for i in self.info]}
+        path = self.publish(unit, version, meta)
+        self.weights_from = str(path)
+        return PublishedVersion(unit=unit, version=int(version), path=str(path), parent=parent, method=method,
+                                steps=steps, losses=losses, reward_margin=margin)
+
+    def reference_logps(self, samples: Sequence[TrainingSample]) -> tuple[list[float], list[float]]:
+        """(chosen, rejected) sequence log-probs of every pair under the current weights (no grad)."""
+        mb = self.settings.micro_batch
+        batches = [self._micro_batch(samples, list(range(i, min(i + mb, len(samples)))), "full_dpo", None)
+                   for i in range(0, len(samples), mb)]
+        rows = next(r for r in self._run_all("logps", batches, len(batches)) if r is not None)
+        chosen, rejected, at = [], [], 0
+        for b in batches:
+            n = b.ids.shape[0] // 2
+            chosen += rows[at:at + n]
+            rejected += rows[at + n:at + 2 * n]
+            at += 2 * n
+        return chosen, rejected
+
+    def reward_margin(self, samples: Sequence[TrainingSample], ref: tuple[list[float], list[float]]) -> float:
+        """Mean β·((log π − log π_ref)(chosen) − (log π − log π_ref)(rejected)) over the pairs, with the current weights."""
+        pc, pr = self.reference_logps(samples)
+        rc, rr = ref
+        b = self.settings.beta
+        return sum(b * ((pc[i] - rc[i]) - (pr[i] - rr[i])) for i in range(len(pc))) / len(pc)
+
+    def publish(self, unit: str, version: int, meta: dict) -> Path:
+        """Gather every stage's HF-named slice and write the version atomically."""
+        tensors: dict[str, Any] = {}
+        for part in ray.get([st.state_slice.remote() for st in self.stages]):
+            overlap = set(tensors) & set(part)
+            if overlap:
+                raise RuntimeError(f"two stages claim {sorted(overlap)[:3]}")
+            tensors.update(part)
+        src = Path(self.settings.model_dir)
+        files = {name: (src / name).read_bytes() for name in MODEL_FILES if (src / name).is_file()}
+        return write_full_version(self.settings.versions_root, unit, version, tensors, meta, files)
+
+    # -------------------------------------------------------------------- helpers
+
+    def _run_all(self, call: str, batches: list[MicroBatch], *args: Any) -> list[Any]:
+        """Call ``call`` on every stage at once; only the first and the last stage need the data."""
+        data = ray.put(batches)
+        last = len(self.stages) - 1
+        return ray.get([getattr(st, call).remote(data if i in (0, last) else None, *args)
+                        for i, st in enumerate(self.stages)])
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.settings.model_dir)
+        return self._tokenizer
+
+    def _micro_batch(self, samples: Sequence[TrainingSample], idx: list[int], method: Method,
+                     ref: tuple[list[float], list[float]] | None) -> MicroBatch:
+        """Tokenize (as the LoRA trainer does: app.lora_training.encode) and shift into next-token targets."""
+        import torch
+
+        from app.lora_training import encode, prompted_text
+
+        fields = ["completion"] if method == "full_sft" else ["chosen", "rejected"]
+        texts = [prompted_text(self.tokenizer, samples[i], f) for f in fields for i in idx]
+        enc = encode(self.tokenizer, [t.prompt for t in texts], [t.answer for t in texts],
+                     max_length=self.settings.max_length, templated=[t.templated for t in texts])
+        ids = enc.input_ids
+        targets = torch.zeros_like(ids)
+        mask = torch.zeros(ids.shape, dtype=torch.float32)
+        targets[:, :-1] = ids[:, 1:]
+        mask[:, :-1] = enc.completion_mask[:, 1:].float()
+        ref_t = None
+        if ref is not None:
+            ref_t = torch.tensor([ref[0][i] for i in idx] + [ref[1][i] for i in idx], dtype=torch.float32)
+        return MicroBatch(ids=ids, targets=targets, mask=mask, ref=ref_t)
