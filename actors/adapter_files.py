@@ -1,6 +1,6 @@
 """AdapterFiles: where a process on any node saves a new adapter version and finds a published one's files.
 
-No shared file system is assumed (app/adapter_versions.py explains the two layouts). A version's
+No shared file system is assumed (actors/adapter_versions.py explains the two layouts). A version's
 location, as the store records it, is either a path under the feedback store's node's
 ``data_dir/adapters`` or a storage URI. A process on the store's node reads and writes that
 directory itself, as on a single host; one on another node sends a new version's files to the
@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from app.adapter_versions import (
+from actors.adapter_versions import (
     download_version,
     is_complete_version,
     is_uri,
@@ -27,7 +27,7 @@ from app.adapter_versions import (
     version_dir,
     write_version_files,
 )
-from app.config import AppConfig
+from actors.config import AppConfig
 
 FETCH_TIMEOUT_S = 120.0
 

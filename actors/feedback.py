@@ -1,4 +1,4 @@
-"""FeedbackQueue: the one actor that owns the durable feedback store (SQLite, app/feedback_store.py).
+"""FeedbackQueue: the one actor that owns the durable feedback store (SQLite, actors/feedback_store.py).
 
 SQLite's WAL does not work over network file systems, so exactly one process per app owns the
 file; the ingress and the trainer reach it through this actor. Methods mirror ``FeedbackStore``
@@ -19,9 +19,9 @@ from typing import Any, Iterable
 
 import ray
 
-from app.adapter_versions import read_version_files, write_version_files
-from app.config import AppConfig
-from app.feedback_store import FeedbackStore
+from actors.adapter_versions import read_version_files, write_version_files
+from actors.config import AppConfig
+from actors.feedback_store import FeedbackStore
 
 
 def settings_key(config: AppConfig) -> str:

@@ -54,7 +54,7 @@ class OfflineEngine:
         t0 = time.time()
         from vllm import LLM
 
-        from app.engine_args import resolve_dtype
+        from actors.engine_args import resolve_dtype
 
         a = dict(self._args)
         a["dtype"] = resolve_dtype(a["dtype"], "cpu" if _on_cpu() else "gpu", self.model_dir)

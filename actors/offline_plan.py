@@ -41,7 +41,7 @@ def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts
                 counters: dict[str, Any], data_dir: Path) -> tuple[dict[str, CostModel], list[str]]:
     """Per model: its own fitted profile if one is shipped, else the embedded model's profile scaled by
     weight bytes (a first guess: `python -m app.profile` fits a model's own); with the job's eCDF."""
-    from app.default_model import ensure
+    from actors.default_model import ensure
 
     reference = CostModel.from_dict(json.loads(REFERENCE_PROFILE.read_text()))
     ref_facts = model_facts(ensure(data_dir))  # the model that profile was fitted on

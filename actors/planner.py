@@ -38,8 +38,8 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from app.config import AppConfig, PlannerConfig
-from app.engine_args import served_model_name
+from actors.config import AppConfig, PlannerConfig
+from actors.engine_args import served_model_name
 from planners import registry
 from planners.coserving import (EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, grant_run_time,
                                 whole_windows)
@@ -123,8 +123,8 @@ class Planner:
     """Create with ``ray.remote(Planner)``: the app makes it a deployment actor of the model server."""
 
     def __init__(self, config: AppConfig) -> None:
-        from app.default_model import model_path
-        from app.profile import load_profile
+        from actors.default_model import model_path
+        from actors.cost_profile import load_profile
 
         self.cfg = config
         self.model_dir = model_path(config)  # named, not built: the planner needs no weights

@@ -10,7 +10,7 @@ leader for its node's queue and versions (LEMIX §V-B).
 
 Per micro-step: the leader takes up to ``micro_batch`` queued items of one adapter (round robin
 over adapters with feedback, skipping mode ``off``); every rank takes its share and runs it in
-token windows (FlexLLM §6.1, ``app.lora_training.WindowedPass``): it asks ``Planner.grant`` for
+token windows (FlexLLM §6.1, ``actors.lora_training.WindowedPass``): it asks ``Planner.grant`` for
 its own node, which answers with the windows the node's iteration scheduler fits beside the
 inference work there now (``planners/coserving/``), runs them, and asks again until its items
 are done; a synced step's ranks go round by round (one small all-reduce per round) and apply
@@ -39,9 +39,9 @@ from typing import Any
 import ray
 
 from actors.evaluator import VersionEvaluator
-from app.config import AppConfig
-from app.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
-from app.feedback_store import FeedbackItem
+from actors.config import AppConfig
+from actors.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
+from actors.feedback_store import FeedbackItem
 from planners.types import (
     Grant,
     GrantedWindow,
@@ -145,8 +145,8 @@ class RankLoop:
         import torch.distributed as dist
 
         from actors.adapter_files import AdapterFiles
-        from app.adapter_bank import AdapterBank
-        from app.default_model import model_dir
+        from actors.adapter_bank import AdapterBank
+        from actors.default_model import model_dir
 
         self.torch, self.dist = torch, dist
         self.cfg = cfg
@@ -403,7 +403,7 @@ class RankLoop:
             return False
 
     def _step(self, plan: StepPlan) -> None:
-        from app.lora_training import WindowedPass, batch_scales
+        from actors.lora_training import WindowedPass, batch_scales
 
         adapter, spec, items = plan.adapter, plan.spec, plan.items
         bounds = _split(len(items), self.group_world)
@@ -514,7 +514,7 @@ class RankLoop:
         self._report(adapter, StepAbandoned())
 
     def _optimizer_step(self) -> None:
-        from app.lora_training import optimizer_step
+        from actors.lora_training import optimizer_step
 
         if self.micro_done < self.t.accumulation:
             # A partial accumulation (the queue ran dry): rescale to the mean over the steps taken.
@@ -558,8 +558,8 @@ class RankLoop:
             self._evaluate(adapter, outcome)
 
     def _publish(self, adapter: str) -> PublishOutcome:
-        from app.feedback_store import VersionConflict
-        from app.lora_training import save_adapter_version
+        from actors.feedback_store import VersionConflict
+        from actors.lora_training import save_adapter_version
 
         t0 = time.time()
         samples = self.version_samples

@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 
-from app.config import AppConfig
+from actors.config import AppConfig
 from planners.types import (
     GateDecided,
     GrantWaited,

@@ -12,7 +12,7 @@ from typing import Any
 
 from ray import serve
 
-from app.config import AppConfig
+from actors.config import AppConfig
 from deployments.server import build
 
 

@@ -17,8 +17,7 @@ of the training steps that ran meanwhile). On a GPU the two take turns and ρ �
 they run on different cores and only contend. ``--only-interference`` measures ρ alone and writes
 it into the existing profile.
 
-``load_profile`` is what the planner calls. It takes the profile matching the configured model
-and device, and otherwise says so and falls back to ``planners.costs.default_cost_model()``.
+Profiles are read back by ``actors/cost_profile.py`` (``load_profile``), which the planner calls.
 """
 
 from __future__ import annotations
@@ -35,35 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.config import AppConfig, load
-from planners.costs import CostModel, MemoryModel, default_cost_model, fit_cost_model
+from actors.config import AppConfig, load
+from actors.cost_profile import SHIPPED_PROFILES, profile_name
+from planners.costs import CostModel, MemoryModel, fit_cost_model
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_PROFILES = ROOT / "profiles"
-
-
-def profile_name(served_name: str, device: str) -> str:
-    return f"{served_name}-{device}.json"
-
-
-def profile_paths(cfg: AppConfig, served_name: str) -> list[Path]:
-    """Where a profile for this model and device may be: the data dir first, then the shipped ones."""
-    name = profile_name(served_name, cfg.engine.device)
-    return [cfg.data_path / "profiles" / name, SHIPPED_PROFILES / name]
-
-
-def load_profile(cfg: AppConfig, served_name: str) -> tuple[CostModel, str]:
-    """The fitted cost model for ``served_name`` on ``cfg.engine.device`` and a line saying which."""
-    for path in profile_paths(cfg, served_name):
-        if path.is_file():
-            model = CostModel.from_dict(json.loads(path.read_text()))
-            return model, f"cost model: {path} (fitted {model.metadata.get('fitted_at', '?')} on {model.metadata.get('hardware', '?')})"
-    tried = ", ".join(str(p) for p in profile_paths(cfg, served_name))
-    return default_cost_model(), (
-        f"cost model: no profile for model {served_name!r} on {cfg.engine.device} (looked in {tried}); "
-        "using the documented default (planners.costs.default_cost_model). Run `python -m app.profile` to fit one."
-    )
 
 
 def hardware() -> str:
@@ -85,7 +61,7 @@ def measure_engine(cfg: AppConfig, model_dir: str, served_name: str, batches: li
     import ray
 
     from actors.replica import ModelReplica
-    from app.engine_args import engine_flags
+    from actors.engine_args import engine_flags
 
     replica = ray.remote(ModelReplica).options(num_cpus=0, max_concurrency=1000).remote(
         0, engine_flags(cfg, model_dir, served_name), served_name)
@@ -164,7 +140,7 @@ def measure_interference(cfg: AppConfig, model_dir: str, served_name: str, repea
     import ray
 
     from actors.replica import ModelReplica
-    from app.engine_args import engine_flags
+    from actors.engine_args import engine_flags
 
     replica = ray.remote(ModelReplica).options(num_cpus=0, max_concurrency=1000).remote(
         0, engine_flags(cfg, model_dir, served_name), served_name)
@@ -305,8 +281,8 @@ def main(argv: list[str] | None = None) -> Path:
 
     from tqdm import tqdm
 
-    from app.default_model import model_dir as resolve_model_dir
-    from app.engine_args import served_model_name
+    from actors.default_model import model_dir as resolve_model_dir
+    from actors.engine_args import served_model_name
 
     cfg = load(args.config)
     model_dir = resolve_model_dir(cfg)

@@ -64,13 +64,6 @@ def apply(env: dict[str, str] | None = None) -> dict[str, str]:
     return target
 
 
-def haproxy_enabled() -> bool:
-    """Whether this process's Ray Serve runs HAProxy with direct ingress (read as Serve reads it)."""
-    from ray.serve._private import constants
-
-    return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)
-
-
 def init_ray(address: str | None = None, dashboard_port: int | None = None) -> None:
     """``ray.init`` for a driver that runs the app in-process (tests, benchmarks): 8 logical CPUs,
     the repo on every worker's PYTHONPATH, ``SERVE_ENV`` in every worker's environment, and the

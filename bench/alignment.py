@@ -117,7 +117,7 @@ def run_mode(url: str, mode: str, args: argparse.Namespace, pairs: list[dict[str
 
 def evaluate_runs(runs: list[dict[str, Any]], args: argparse.Namespace, model_dir: str) -> None:
     """Add ``curve``: [(seconds into the window, version, win rate, CLPD)] to every run, in place."""
-    from app.lora_training import evaluate_preferences, load_lora_model, read_preference_jsonl
+    from actors.lora_training import evaluate_preferences, load_lora_model, read_preference_jsonl
 
     if args.model != BASE:
         test = [hh_as_chat(p, 3 * args.max_text_bytes, args.max_text_bytes)
@@ -216,8 +216,8 @@ def main() -> None:
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args()
 
-    from app.default_model import ensure
-    from app.lora_training import read_preference_jsonl
+    from actors.default_model import ensure
+    from actors.lora_training import read_preference_jsonl
 
     for f in (args.train_file, args.test_file):
         if not Path(f).is_file():

@@ -195,7 +195,7 @@ def lost_ids(store_name: str, ids: list[int], timeout_s: float = 60) -> int:
 
 def half_written(adapters_root: Path) -> int:
     """Version directories under ``adapters_root`` that lack their adapter files."""
-    from app.adapter_versions import ADAPTER_FILES, VERSION_DIR_RE
+    from actors.adapter_versions import ADAPTER_FILES, VERSION_DIR_RE
 
     bad = 0
     if adapters_root.is_dir():
@@ -290,7 +290,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from app.keys import add_key
+    from actors.keys import add_key
     from app.main import build_app
 
     data = Path(a.data_dir)

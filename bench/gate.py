@@ -145,7 +145,7 @@ def main() -> None:
     url, started = args.url, False
     if url is None:
         if args.config:
-            from app.config import load
+            from actors.config import load
 
             config = load(args.config).model_dump()
         else:

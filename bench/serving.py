@@ -7,7 +7,7 @@
 The three systems (each started in its own session, always stopped, even on failure):
 
 - **plain**: ``python -m vllm.entrypoints.openai.api_server`` with exactly the flags a replica of
-  ``--config`` (default ``configs/default.yaml``) gets (``app.engine_args.engine_flags``).
+  ``--config`` (default ``configs/default.yaml``) gets (``actors.engine_args.engine_flags``).
 - **ours**: this app, started the way ``make serve`` starts it: ``python -m app.serve_env
   <venv>/bin/serve run --address local <copy of --config>`` (the copy gets port ``--port-ours``,
   host 127.0.0.1, ``--data-dir``, ``--dtype`` if given and ``cluster.nodes = --nodes``).
@@ -732,7 +732,7 @@ def ray_env(system: str, args: argparse.Namespace) -> dict[str, str]:
 
 
 def start_plain(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[Server, dict[str, Any]]:
-    from app.engine_args import engine_flags
+    from actors.engine_args import engine_flags
 
     port = args.port_plain
     flags = engine_flags(cfg, str(model_dir), served)
@@ -834,7 +834,7 @@ def sustained_from(plain_inf: list[dict[str, Any]], fraction: float) -> str:
 
 def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run the benchmarks and the replay; returns (results per system, run facts)."""
-    from app.engine_args import engine_flags
+    from actors.engine_args import engine_flags
 
     flags = engine_flags(cfg, str(model_dir), served)
     systems = list(args.systems)
@@ -1111,7 +1111,7 @@ def goals(results: dict[str, Any], rates: list[str], sustained: str | None) -> l
 
 
 def main() -> int:
-    from app import config as app_config
+    from actors import config as app_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -1204,8 +1204,8 @@ def main() -> int:
         if args.replay_requests < 1:
             p.error(f"no trace arrivals in {args.replay_seconds} s after offset {args.replay_offset_s:g} s")
 
-    from app.default_model import model_dir as resolve_model_dir
-    from app.engine_args import served_model_name
+    from actors.default_model import model_dir as resolve_model_dir
+    from actors.engine_args import served_model_name
 
     if args.model:
         cfg.model.embedded = args.model

@@ -42,7 +42,7 @@ def rss_mib() -> float:
 def run_variant(variant: str, model_dir: str) -> dict:
     import torch
 
-    from app import lora_training as lt
+    from actors import lora_training as lt
 
     torch.set_num_threads(1)
     start = rss_mib()
@@ -65,7 +65,7 @@ def run_variant(variant: str, model_dir: str) -> dict:
             lt.evaluate_completions(scored, tok, ITEMS)
             del scored
     else:
-        from app.adapter_bank import AdapterBank
+        from actors.adapter_bank import AdapterBank
 
         bank = AdapterBank(model_dir, dtype="float32" if variant == "bank-fp32" else "auto")
         model, opt = bank.train("a", LORA, None, None, 1e-3)
@@ -100,14 +100,14 @@ def main() -> None:
         return
     data = Path(args.data_dir).expanduser()
     if args.model == "tiny-llama":
-        from app.default_model import ensure
+        from actors.default_model import ensure
 
         model_dir = ensure(data)
     else:
-        from app import smollm2
+        from actors import smollm2
 
         model_dir = smollm2.ensure(data)
-    from app.devices import training_dtype
+    from actors.devices import training_dtype
 
     rows = []
     for variant in ("copies-fp32", "bank-fp32", "bank-auto"):

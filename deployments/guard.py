@@ -18,8 +18,8 @@ import json
 import time
 from typing import Any
 
-from app.config import LimitsConfig
-from app.keys import LOCAL, KeyRing, Principal
+from actors.config import LimitsConfig
+from actors.keys import LOCAL, KeyRing, Principal
 
 PRINCIPAL: contextvars.ContextVar[Principal] = contextvars.ContextVar("coserve_principal", default=LOCAL)
 

@@ -1,6 +1,6 @@
 """HTTP routes for learning: adapters (create, list, show, change, roll back, promote), feedback and ``/metrics``.
 
-Bodies go to the feedback store's own validation (app/feedback_store.py) through the one actor
+Bodies go to the feedback store's own validation (actors/feedback_store.py) through the one actor
 that owns it; each kind of its errors maps to one HTTP status here, and a 2xx on feedback means the whole batch
 is durably stored.
 
@@ -19,8 +19,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError, RayTaskError
 
-from app.config import AppConfig
-from app.feedback_store import (
+from actors.config import AppConfig
+from actors.feedback_store import (
     ADAPTER_NAME_RE,
     Conflict,
     InvalidRequest,
@@ -83,7 +83,7 @@ class LearningRoutes:
     def _sizes(self, items: list[Any]) -> list[NewFeedback]:
         """Each item's adapter and tokens, for the planner to place it as a training task (LEMIX Eq. 1–3)."""
         if self._counter is None:
-            from app.default_model import model_dir
+            from actors.default_model import model_dir
             from deployments.routing import PromptCounter
 
             self._counter = PromptCounter(model_dir(self.cfg))
@@ -211,7 +211,7 @@ class LearningRoutes:
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     async def metrics(self) -> Response:
-        from app.metrics import CONTENT_TYPE_LATEST, render
+        from deployments.metrics import CONTENT_TYPE_LATEST, render
 
         status = await self.ask_planner(lambda p: p.status.remote())
         adapters = [a.model_dump() for a in await self._store(lambda q: q.list_adapters.remote())]

@@ -37,7 +37,7 @@ from fastapi import FastAPI, HTTPException, Request
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from app.config import AppConfig
+from actors.config import AppConfig
 from planners import registry
 from planners.routing import RoutingTable
 from planners.types import Task
@@ -178,7 +178,7 @@ class PlacementRouter:
     """HAProxy's ingress request router: ``POST /internal/route`` answers which replica takes the request."""
 
     def __init__(self, server: Any, config: AppConfig) -> None:
-        from app.default_model import model_dir
+        from actors.default_model import model_dir
 
         self.server = server
         self.cfg = config

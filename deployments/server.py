@@ -33,8 +33,8 @@ from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 from actors.adapter_files import AdapterFiles
 from actors.planner import NAMESPACE
 from actors.replica import TASK_ID, ModelReplica
-from app.config import AppConfig
-from app.engine_args import engine_flags, served_model_name
+from actors.config import AppConfig
+from actors.engine_args import engine_flags, served_model_name
 from deployments.guard import PRINCIPAL, RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import UNKNOWN, LearningRoutes
@@ -76,9 +76,9 @@ class ModelServer:
     """One node's engine and the app's HTTP API (built by :func:`build`)."""
 
     async def __init__(self, config: AppConfig) -> None:
-        from app.default_model import model_dir as resolve_model_dir
+        from actors.default_model import model_dir as resolve_model_dir
 
-        from app.keys import KeyRing
+        from actors.keys import KeyRing
 
         self.cfg = config
         self.node_id = serve.get_replica_context().rank.rank
@@ -278,10 +278,10 @@ class ModelServer:
 
 
 def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:
-    """Refuse to start (the deploy fails with the reason) where :func:`app.keys.bind_refusal` says so."""
+    """Refuse to start (the deploy fails with the reason) where :func:`actors.keys.bind_refusal` says so."""
     from ray.serve.context import _get_global_client
 
-    from app.keys import bind_refusal
+    from actors.keys import bind_refusal
 
     host = _get_global_client().http_config.host or "127.0.0.1"
     refusal = bind_refusal(host, keys_enabled, cfg.auth.allow_unauthenticated_bind)
@@ -303,10 +303,17 @@ def replica_actor_options(cfg: AppConfig) -> dict[str, Any]:
     return options
 
 
+def haproxy_enabled() -> bool:
+    """Whether this process's Ray Serve runs HAProxy with direct ingress (``app/serve_env.py`` turns it on;
+    read here as Serve reads it)."""
+    from ray.serve._private import constants
+
+    return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)
+
+
 def build(cfg: AppConfig) -> serve.Application:
     """The Serve application for ``cfg``: the model servers, their planner, and (several nodes) the router."""
     from actors.planner import Planner
-    from app.serve_env import haproxy_enabled
     from deployments.routing import NodeRequestRouter, PlacementRouter
 
     haproxy = haproxy_enabled()

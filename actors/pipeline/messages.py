@@ -12,7 +12,7 @@ Method = Literal["full_sft", "full_dpo"]
 class TrainingSample:
     """One training example: ``completion`` for full_sft, ``chosen`` and ``rejected`` for full_dpo.
 
-    ``messages`` (chat turns) is rendered with the model's chat template, as app.lora_training does
+    ``messages`` (chat turns) is rendered with the model's chat template, as actors.lora_training does
     for adapters; otherwise ``prompt`` is used as raw text.
     """
 
@@ -48,7 +48,7 @@ class PipelineSettings:
     @classmethod
     def from_config(cls, cfg: Any, *, versions_root: str | None = None, **overrides: Any) -> "PipelineSettings":
         """From an AppConfig: its model, ``training.resources_per_worker``, micro_batch, accumulation, max_length."""
-        from app.default_model import model_dir
+        from actors.default_model import model_dir
 
         t = cfg.training
         values: dict[str, Any] = dict(

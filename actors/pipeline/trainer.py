@@ -44,7 +44,7 @@ from actors.pipeline.messages import (
     StageSetup,
     TrainingSample,
 )
-from app.adapter_versions import is_complete_full_version, write_full_version
+from actors.adapter_versions import is_complete_full_version, write_full_version
 
 PLACE_TIMEOUT_S = 300.0
 # Files copied from the starting model next to the weights, so a version is a complete HF model directory.
@@ -191,10 +191,10 @@ class PipelineTrainer:
 
     def _micro_batch(self, samples: Sequence[TrainingSample], idx: list[int], method: Method,
                      ref: tuple[list[float], list[float]] | None) -> MicroBatch:
-        """Tokenize (as the LoRA trainer does: app.lora_training.encode) and shift into next-token targets."""
+        """Tokenize (as the LoRA trainer does: actors.lora_training.encode) and shift into next-token targets."""
         import torch
 
-        from app.lora_training import encode, prompted_text
+        from actors.lora_training import encode, prompted_text
 
         fields = ["completion"] if method == "full_sft" else ["chosen", "rejected"]
         texts = [prompted_text(self.tokenizer, samples[i], f) for f in fields for i in idx]

@@ -4,7 +4,7 @@ The CUDA counterparts of tests/integration/test_lora_training.py and test_token_
 trainer runs on a GPU host: base weights in bfloat16 on the device, LoRA weights and optimizer
 moments in float32 (peft's ``autocast_adapter_dtype``), log-probs summed in float32. Skipped where
 ``torch.cuda.is_available()`` is False (tests/gpu/conftest.py). Imports only torch, peft,
-transformers and the project's app.lora_training / app.default_model.
+transformers and the project's actors.lora_training / actors.default_model.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ for _name in ("peft", "transformers"):
     if importlib.util.find_spec(_name) is None:
         pytest.skip(f"needs {_name}", allow_module_level=True)
 
-from app import lora_training as lt  # noqa: E402
+from actors import lora_training as lt  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -136,9 +136,9 @@ def test_sft_steps_reduce_the_loss_in_bf16(tiny_model_dir, device):
 
 
 def test_optimizer_state_offloads_to_host_and_the_step_after_it_matches(tiny_model_dir, device):
-    """LEMIX Alg. 2's offload (app/device_memory.py): Adam's moments leave the device and come back
+    """LEMIX Alg. 2's offload (actors/device_memory.py): Adam's moments leave the device and come back
     for the optimizer step, which then updates exactly as if they had stayed."""
-    from app.device_memory import move_optimizer_state, offloadable_bytes
+    from actors.device_memory import move_optimizer_state, offloadable_bytes
 
     runs = []
     for offload in (False, True):

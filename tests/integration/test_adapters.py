@@ -30,7 +30,7 @@ def greedy(app_url: str, model: str) -> httpx.Response:
 def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_path):
     import ray
 
-    from app.default_model import ensure
+    from actors.default_model import ensure
 
     model_dir = ensure(data_dir)
     base_text = greedy(app_url, MODEL).json()["choices"][0]["text"]

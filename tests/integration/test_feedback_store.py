@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.feedback_store import (
+from actors.feedback_store import (
     AdapterExists,
     Conflict,
     FeedbackStore,
@@ -265,7 +265,7 @@ def test_concurrent_writers_threads_and_processes_share_the_file(store, tmp_path
 
 _CRASHING_WRITER = r"""
 import json, sys, time
-from app.feedback_store import FeedbackStore
+from actors.feedback_store import FeedbackStore
 
 store = FeedbackStore(sys.argv[1], gate_defaults={"held_out_share": 0.0})
 acked = store.add_feedback([{"adapter": "acme", "prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(3)])

@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from app import lora_training as lt  # noqa: E402
-from app.default_model import build_tokenizer, ensure  # noqa: E402
+from actors import lora_training as lt  # noqa: E402
+from actors.default_model import build_tokenizer, ensure  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
 ITEM = {"prompt": "Human: what is the capital of France?\nAssistant:", "completion": " Paris, of course."}

@@ -41,7 +41,7 @@ TEXTS = [
 
 def _first_pass_losses(config, items: list[dict]) -> list[float]:
     """Each item's mean token NLL as the trainer's first pass computes it (WindowedPass on a fresh LoRA)."""
-    from app.lora_training import WindowedPass
+    from actors.lora_training import WindowedPass
 
     model, tok = _version_model(config, None)
     out = []

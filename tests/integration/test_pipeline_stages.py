@@ -24,7 +24,7 @@ def pipeline(ray_cluster, data_dir, tmp_path_factory):
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from actors.pipeline.trainer import PipelineTrainer
-    from app import default_model
+    from actors import default_model
 
     pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=120)
@@ -52,7 +52,7 @@ def _sft_stats(model, tok, samples) -> tuple[float, int]:
     """(completion-token mean NLL, completion tokens the model's greedy choice gets right under teacher forcing)."""
     import torch
 
-    from app.lora_training import encode
+    from actors.lora_training import encode
 
     enc = encode(tok, [s.prompt for s in samples], [s.completion for s in samples], max_length=64)
     with torch.no_grad():
@@ -109,7 +109,7 @@ def test_full_sft_publishes_a_version_hf_loads_and_rollback_resumes_from_it(pipe
 
 
 def test_full_dpo_raises_the_reward_margin(pipeline):
-    from app.lora_training import sequence_logprob
+    from actors.lora_training import sequence_logprob
 
     start = pipeline.weights_from
     v = pipeline.train(DPO, "full_dpo", unit="dpo", version=1, steps=2)

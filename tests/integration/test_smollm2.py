@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from app import smollm2
-from app.config import load
-from app.default_model import model_dir
-from app.engine_args import served_model_name
+from actors import smollm2
+from actors.config import load
+from actors.default_model import model_dir
+from actors.engine_args import served_model_name
 
 @pytest.fixture(scope="module")
 def converted(smollm2_dir) -> Path:

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from app import lora_training as lt  # noqa: E402
-from app.default_model import ensure  # noqa: E402
+from actors import lora_training as lt  # noqa: E402
+from actors.default_model import ensure  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 ALL_PROJ = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "dropout": 0.0}

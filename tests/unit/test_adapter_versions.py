@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.adapter_versions import (
+from actors.adapter_versions import (
     download_version,
     is_complete_version,
     read_version_files,

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from app.feedback_store import (
+from actors.feedback_store import (
     SCHEMA_VERSION,
     FeedbackStore,
     InvalidRequest,
@@ -15,7 +15,7 @@ from app.feedback_store import (
     VersionConflict,
     is_held_out,
 )
-from app.metrics import render
+from deployments.metrics import render
 from planners.gate import judge
 
 

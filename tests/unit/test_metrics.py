@@ -1,6 +1,6 @@
 """The Prometheus rendering of node and adapter facts."""
 
-from app.metrics import render
+from deployments.metrics import render
 
 
 def test_metrics_render_nodes_and_the_current_adapter_version():

@@ -2,8 +2,8 @@
 
 import json
 
-from app import config
-from app.profile import load_profile, profile_name
+from actors import config
+from actors.cost_profile import load_profile, profile_name
 from planners.costs import default_cost_model
 
 

@@ -3,7 +3,7 @@
 Before this, a rank loaded the base model again for every switch between adapters, and the
 quality gate loaded a further copy for every version it scored. Here the base weights are loaded
 once, in the rank's training dtype (bf16 where the device computes it natively,
-``app.devices.training_dtype``), and adapters come and go on top of them as ``peft`` adapters of
+``actors.devices.training_dtype``), and adapters come and go on top of them as ``peft`` adapters of
 one ``PeftModel``:
 
 - each adapter in training has a slot (``peft`` adapter name ``<adapter>@<n>``) and its own
@@ -28,8 +28,8 @@ from typing import Any, Iterator
 
 import torch
 
-from app.devices import torch_device, training_dtype
-from app.lora_training import lora_config, seed_everything
+from actors.devices import torch_device, training_dtype
+from actors.lora_training import lora_config, seed_everything
 
 
 @dataclass
@@ -94,7 +94,7 @@ class AdapterBank:
         return {name: s.version for name, s in self._slots.items()}
 
     def _load(self, adapter: str, lora: Any, version: int | None, path: str | None, learning_rate: float) -> _Slot:
-        from app.lora_training import make_optimizer
+        from actors.lora_training import make_optimizer
 
         peft_name = f"{adapter}@{next(self._names)}"
         seed_everything(self.seed)  # a fresh LoRA's A matrices are the same on every rank

@@ -51,7 +51,7 @@ SCHEMA_VERSION = 5  # 2: per-node queues and version lines (training.scope per_n
 # 5: adapters belong to tenants
 DB_FILENAME = "feedback.sqlite3"
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-TENANT_NAME_RE = ADAPTER_NAME_RE  # app/keys.py's TENANT_RE: the same shape
+TENANT_NAME_RE = ADAPTER_NAME_RE  # actors/keys.py's TENANT_RE: the same shape
 MAX_COUNT = 1_000_000_000  # the largest count a setting takes: well inside SQLite's 64-bit integers
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
 DEFAULT_MAX_BATCH_ITEMS = 1024

@@ -48,7 +48,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from app.adapter_versions import (  # noqa: F401 (part of this module's API)
+from actors.adapter_versions import (  # noqa: F401 (part of this module's API)
     ADAPTER_FILES,
     META_FILE,
     TEMP_PREFIX,
@@ -106,7 +106,7 @@ def load_lora_model(model_dir: str | Path, lora_settings: Any, adapter_dir: str 
                     dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Return ``(peft_model, tokenizer)``: the base model with a fresh LoRA adapter, or resumed from ``adapter_dir``.
 
-    ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``app.feedback_store.LoraSettings``
+    ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``actors.feedback_store.LoraSettings``
     or a mapping). When resuming, the saved ``adapter_config.json`` wins over ``lora_settings``.
     """
     from peft import PeftModel, get_peft_model

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.feedback_store import GateSettings
+from actors.feedback_store import GateSettings
 
 DEFAULT_DATA_DIR = "~/.cache/coserve"
 
@@ -159,7 +159,7 @@ class IngressConfig(_ConfigSection):
 
 class AuthConfig(_ConfigSection):
     keys_file: str | None = Field(
-        None, description="YAML file of API keys, stored hashed (``python -m app.keys add``); relative paths are "
+        None, description="YAML file of API keys, stored hashed (``python -m actors.keys add``); relative paths are "
                           "resolved against data_dir. Keys are sent as ``Authorization: Bearer <key>``.")
     keys_env: str | None = Field(
         "COSERVE_API_KEYS", description="Environment variable of the model servers holding more keys, as "

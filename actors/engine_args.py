@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.config import AppConfig
-from app.devices import cpu_has_bf16
+from actors.config import AppConfig
+from actors.devices import cpu_has_bf16
 
 def resolve_dtype(dtype: str, device: str, model_dir: str, *, bf16: bool | None = None) -> str:
     """The ``--dtype`` to pass: ``auto`` becomes ``float32`` for a float32 checkpoint on a CPU without bf16.

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # same rule as app.feedback_store
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # same rule as actors.feedback_store
 VERSION_DIR_RE = re.compile(r"^v(\d+)$")
 TEMP_PREFIX = ".tmp-"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
