@@ -197,17 +197,18 @@ class Stream:
 
 
 def stall_figures(requests: list[dict[str, Any]], t0: float, t1: float) -> dict[str, float]:
-    """For the streamed requests active in [t0, t1]: the largest gap between two tokens (or from start to the
-    first token), and TTFT p50 / max of those that started in the window; errors among them."""
+    """The streamed requests active in [t0, t1]: the largest gap between two of a request's tokens (its start
+    counts as the first "token") that overlaps the window, the gaps' median, and the TTFT of the requests
+    that were waiting for their first token at some point in the window; errors among them."""
     active = [r for r in requests if r["start"] <= t1 and r.get("end", t1) >= t0]
     gaps = []
     for r in active:
         times = [r["start"], *r["tokens"]]
         gaps += [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1]
-    started = [r for r in active if t0 <= r["start"] <= t1 and r["tokens"]]
-    ttft = [r["tokens"][0] - r["start"] for r in started]
+    waiting = [r for r in active if r["tokens"] and r["tokens"][0] >= t0]
+    ttft = [r["tokens"][0] - r["start"] for r in waiting]
     return {"requests": len(active), "errors": sum(1 for r in active if not r["ok"]),
-            "max_gap_s": max(gaps, default=float("nan")), "gap_p50_s": pct(gaps, 50),
+            "max_gap_s": max(gaps, default=float("nan")), "gap_p50_s": pct(gaps, 50), "gap_p99_s": pct(gaps, 99),
             "ttft_p50_s": pct(ttft, 50), "ttft_max_s": max(ttft, default=float("nan"))}
 
 
@@ -293,20 +294,20 @@ def table(results: list[dict[str, Any]]) -> str:
     def f(x: Any) -> str:
         return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
-    rows = ["| model | checkpoint | run | sync call s | engine load s | publish → new weights served s | "
-            "max token gap s | TTFT p50 / max s (started in window) | requests (errors) | fingerprint |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| model | run | sync call s | engine load s | publish → new weights answer s | "
+            "token gap p50 / max s | TTFT p50 / max s (waiting in window) | requests (errors) | fingerprint |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for res in results:
-        size = f"{res['params_bytes'] / 2**20:.0f} MiB, {res['tensors']} tensors"
+        name = f"{res['model']} ({res['params_bytes'] / 2**20:.0f} MiB, {res['tensors']} tensors)"
         b = res["baseline"]
-        rows.append(f"| {res['model']} | {size} | no sync (same stream, {res['clients']} clients) | - | - | - | "
-                    f"{f(b['max_gap_s'])} | {f(b['ttft_p50_s'])} / {f(b['ttft_max_s'])} | "
-                    f"{b['requests']} ({b['errors']}) | - |")
+        rows.append(f"| {name} | no sync ({res['window']:.0f} s of the same stream, {res['clients']} clients) "
+                    f"| - | - | - | {f(b['gap_p50_s'])} / {f(b['max_gap_s'])} | {f(b['ttft_p50_s'])} / "
+                    f"{f(b['ttft_max_s'])} | {b['requests']} ({b['errors']}) | - |")
         for i, s in enumerate(res["syncs"], 1):
-            rows.append(f"| {res['model']} | {size} | sync {i} | {f(s['call_s'])} | {f(s['engine_load_s'])} | "
-                        f"{f(s['publish_to_served_s'])} | {f(s['max_gap_s'])} | {f(s['ttft_p50_s'])} / "
-                        f"{f(s['ttft_max_s'])} | {s['requests']} ({s['errors']}) | "
-                        f"{'changed as expected' if s['fingerprint_ok'] else 'WRONG'} |")
+            rows.append(f"| {name} | sync {i} | {f(s['call_s'])} | {f(s['engine_load_s'])} | "
+                        f"{f(s['publish_to_served_s'])} | {f(s['gap_p50_s'])} / {f(s['max_gap_s'])} | "
+                        f"{f(s['ttft_p50_s'])} / {f(s['ttft_max_s'])} | {s['requests']} ({s['errors']}) | "
+                        f"{'new version' if s['fingerprint_ok'] else 'WRONG'} |")
     return "\n".join(rows)
 
 
@@ -324,7 +325,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as work:
         for model in a.models.split(","):
             res = measure(model.strip(), data_dir, Path(work), a.clients, a.max_tokens, a.window, a.rounds)
-            res["clients"] = a.clients
+            res["clients"], res["window"] = a.clients, a.window
             results.append(res)
             print(json.dumps(res, indent=1), flush=True)
     print()
