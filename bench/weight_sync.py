@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
 from bench.common import free_port, pct  # noqa: E402
 
 PROBE = "The weights now served say:"
+PROBE_TOKENS = 4
 
 
 class ReplicaServer:
@@ -169,6 +170,7 @@ class Stream:
             while not self._stop.is_set():
                 n += 1
                 rec: dict[str, Any] = {"start": time.time(), "tokens": [], "ok": False}
+                self.requests.append(rec)  # now, so a request still running when figures are taken counts
                 body = {"model": self.model, "prompt": f"Client {i} request {n}: tell me about the sea.",
                         "max_tokens": self.max_tokens, "temperature": 0.8, "ignore_eos": True, "stream": True}
                 try:
@@ -184,7 +186,6 @@ class Stream:
                 except Exception as exc:  # counted as a failed request
                     rec["error"] = repr(exc)
                 rec["end"] = time.time()
-                self.requests.append(rec)
 
     def start(self) -> None:
         for t in self._threads:
@@ -212,7 +213,7 @@ def stall_figures(requests: list[dict[str, Any]], t0: float, t1: float) -> dict[
             "ttft_p50_s": pct(ttft, 50), "ttft_max_s": max(ttft, default=float("nan"))}
 
 
-def greedy(url: str, model: str, max_tokens: int = 12) -> str:
+def greedy(url: str, model: str, max_tokens: int = PROBE_TOKENS) -> str:
     """The greedy answer to the probe prompt, as its token ids (the tiny model's text is often only special tokens)."""
     import httpx
 
@@ -225,7 +226,11 @@ def greedy(url: str, model: str, max_tokens: int = 12) -> str:
 
 
 def first_new_response(url: str, model: str, new_text: str, since: float, deadline: float) -> float | None:
-    """Seconds from ``since`` to the end of the first greedy probe answered with ``new_text`` (probes back to back)."""
+    """Seconds from ``since`` to the end of the first greedy probe answered with ``new_text`` (probes back to back).
+
+    The probe is short (``PROBE_TOKENS``) because greedy tokens can flip with the batch a request
+    shares on bf16 kernels: the first few tokens are what an idle engine answers, a long tail is not.
+    """
     while time.time() < deadline:
         if greedy(url, model) == new_text:
             return time.time() - since
@@ -240,51 +245,52 @@ def measure(model: str, data_dir: Path, work: Path, clients: int, max_tokens: in
     # The tiny random model's logits are nearly flat: only a large change flips its greedy tokens.
     scale = 0.5 if model == "tiny" else 0.05
     versions = {v: write_full_version(model_dir, root, unit, v, scale=scale, seed=v) for v in (1, 2)}
+    versions[0] = model_dir  # the start weights: loading them back is the rollback
     server = ReplicaServer(flags, served).start()
     r = server.replica
     out: dict[str, Any] = {"model": served, "params_bytes": (model_dir / "model.safetensors").stat().st_size}
     try:
-        # The text each weight set answers when idle, and a warm-up of the sync path itself.
+        # Idle: the text each weight set answers, its fingerprint, and the sync's cost with nothing running.
         texts = {0: greedy(server.url, served)}
         fingerprints = {0: server.call(r.weights_fingerprint)}
-        for v, path in versions.items():
-            server.call(lambda p=str(path), v=v: r.load_full_version(p, v))
-            texts[v] = greedy(server.url, served)
-            fingerprints[v] = server.call(r.weights_fingerprint)
-        server.call(lambda: r.load_full_version(str(model_dir), 0))
-        assert greedy(server.url, served) == texts[0], "rollback to the start weights changed the greedy output"
+        idle = []
+        for v in (1, 2, 0, 1, 2, 0):
+            load = server.call(lambda v=v: r.load_full_version(str(versions[v]), v))
+            idle.append({"call_s": load.total_s, "engine_load_s": load.load_s})
+            text, fp = greedy(server.url, served), server.call(r.weights_fingerprint)
+            if texts.setdefault(v, text) != text or fingerprints.setdefault(v, fp) != fp:
+                raise SystemExit(f"{model}: loading v{v} again did not give the same weights")
         if len(set(texts.values())) < 3:
-            raise SystemExit(f"{model}: perturbation too small, greedy texts coincide: {texts}")
+            raise SystemExit(f"{model}: perturbation too small, greedy probes coincide: {texts}")
 
         stream = Stream(server.url, served, clients, max_tokens)
         stream.start()
         time.sleep(window / 2)  # warm: every client has a request in flight
         b0 = time.time()
         time.sleep(window)
-        baseline = stall_figures(stream.requests, b0, time.time())
-
-        syncs = []
-        current = 0
-        for i in range(rounds):
+        b1 = time.time()
+        syncs, current = [], 0
+        for _ in range(rounds):
             target = 1 if current != 1 else 2
             time.sleep(window / 2)
+            load_avg = os.getloadavg()[0]
             t0 = time.time()
             fut = asyncio.run_coroutine_threadsafe(r.load_full_version(str(versions[target]), target), server._loop)
             served_after = first_new_response(server.url, served, texts[target], t0, t0 + 30)
             load = fut.result(300)
-            t1 = t0 + load.total_s
-            time.sleep(window / 2)
             live = server.call(r.weights_fingerprint)
-            syncs.append({"call_s": load.total_s, "engine_load_s": load.load_s, "publish_to_served_s": served_after,
+            syncs.append({"t0": t0, "t1": t0 + load.total_s, "call_s": load.total_s, "engine_load_s": load.load_s,
+                          "publish_to_served_s": served_after, "load_avg_1m": load_avg,
                           "fingerprint_ok": live == fingerprints[target] != fingerprints[current],
-                          "prefix_cache_reset": load.prefix_cache_reset, **stall_figures(stream.requests, t0, t1)})
+                          "prefix_cache_reset": load.prefix_cache_reset})
             current = target
-        time.sleep(window / 4)
-        stream.stop()
-        out["all_requests"] = len(stream.requests)
-        out["all_errors"] = sum(1 for q in stream.requests if not q["ok"])
-        out.update(baseline={k: v for k, v in baseline.items()}, syncs=syncs, load_bytes=load.bytes,
-                   tensors=load.tensors)
+            time.sleep(window / 2)
+        stream.stop()  # every request finished: the figures below see all their tokens
+        out["baseline"] = stall_figures(stream.requests, b0, b1)
+        for s in syncs:
+            s.update(stall_figures(stream.requests, s["t0"], s["t1"]))
+        out.update(idle=idle, syncs=syncs, load_bytes=load.bytes, tensors=load.tensors,
+                   all_requests=len(stream.requests), all_errors=sum(1 for q in stream.requests if not q["ok"]))
     finally:
         server.stop()
     return out
@@ -295,19 +301,23 @@ def table(results: list[dict[str, Any]]) -> str:
         return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
     rows = ["| model | run | sync call s | engine load s | publish → new weights answer s | "
-            "token gap p50 / max s | TTFT p50 / max s (waiting in window) | requests (errors) | fingerprint |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "token gap p50 / max s | TTFT p50 / max s (waiting in window) | requests (errors) | fingerprint | load 1m |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for res in results:
         name = f"{res['model']} ({res['params_bytes'] / 2**20:.0f} MiB, {res['tensors']} tensors)"
         b = res["baseline"]
+        idle = sorted(res["idle"], key=lambda x: x["call_s"])
+        mid = idle[len(idle) // 2]
+        rows.append(f"| {name} | idle engine, median of {len(idle)} syncs | {f(mid['call_s'])} | "
+                    f"{f(mid['engine_load_s'])} | - | - | - | - | - | - |")
         rows.append(f"| {name} | no sync ({res['window']:.0f} s of the same stream, {res['clients']} clients) "
                     f"| - | - | - | {f(b['gap_p50_s'])} / {f(b['max_gap_s'])} | {f(b['ttft_p50_s'])} / "
-                    f"{f(b['ttft_max_s'])} | {b['requests']} ({b['errors']}) | - |")
+                    f"{f(b['ttft_max_s'])} | {b['requests']} ({b['errors']}) | - | - |")
         for i, s in enumerate(res["syncs"], 1):
             rows.append(f"| {name} | sync {i} | {f(s['call_s'])} | {f(s['engine_load_s'])} | "
                         f"{f(s['publish_to_served_s'])} | {f(s['gap_p50_s'])} / {f(s['max_gap_s'])} | "
                         f"{f(s['ttft_p50_s'])} / {f(s['ttft_max_s'])} | {s['requests']} ({s['errors']}) | "
-                        f"{'new version' if s['fingerprint_ok'] else 'WRONG'} |")
+                        f"{'new version' if s['fingerprint_ok'] else 'WRONG'} | {s['load_avg_1m']:.1f} |")
     return "\n".join(rows)
 
 
