@@ -306,7 +306,8 @@ class ModelReplica:
         async with self._weights_lock:
             t0 = time.perf_counter()
             local = path
-            if self.files is not None:
+            # The directory the engine started from is on every node already (a rollback to it).
+            if self.files is not None and os.path.realpath(path) != os.path.realpath(self.engine.model_config.model):
                 unit, _ = version_of(path)
                 local = await asyncio.to_thread(self.files.local_path, unit, version, path)
             meta = await asyncio.to_thread(read_meta, local)
