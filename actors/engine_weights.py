@@ -53,8 +53,7 @@ class FullVersionLoad:
     tensors: int  # checkpoint tensors read, summed over the engine's workers
     bytes: int
     load_s: float  # the slowest worker's load (inside the engine, engine steps stopped)
-    total_s: float  # the whole call: pause, load, cache reset, resume
-    prefix_cache_reset: bool
+    total_s: float  # the whole call: pause (with the cache reset), load, resume
     fingerprint: str  # of the live weights after the load (see :func:`combine_fingerprints`)
     meta: dict[str, Any] = field(default_factory=dict)  # the version's meta.json
 
@@ -84,14 +83,19 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         return {}
 
 
-def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, Any]]:
+def _checkpoint_tensors(path: Path, dtype: Any = None) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         # Sorted names keep each layer's tensors together, so vLLM's layerwise reload finishes
         # (and frees the buffers of) one layer before the next starts.
         for name in sorted(f.keys()):
-            yield name, f.get_tensor(name)
+            tensor = f.get_tensor(name)
+            # Cast here what the loaders would cast anyway (a float32 checkpoint into a bf16
+            # engine): vLLM's loader otherwise logs a warning per tensor on every sync.
+            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            yield name, tensor
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -124,7 +128,9 @@ class FullWeightsExtension:
         backend vLLM packs each linear layer's weight for oneDNN after loading and frees the
         parameter, so the reload restores the layer, loads it and packs it again, one layer at a
         time. It also drops the LoRA adapters the worker holds (their layers cache base shapes);
-        vLLM loads an adapter again on its next request.
+        vLLM loads an adapter again on its next request. vLLM logs "RotaryEmbedding: Failed to
+        load weights" on every reload: the rotary table is a buffer no checkpoint holds, and it is
+        kept as it was, which is right.
         """
         path = Path(directory) / WEIGHTS_FILE
         if not path.is_file():
@@ -137,12 +143,14 @@ class FullWeightsExtension:
             why = shape_mismatch(checkpoint_shapes(path), checkpoint_shapes(start))
             if why:
                 raise ValueError(f"{path} does not fit the served model: {why}")
-        counted = {"tensors": 0, "bytes": 0}
+        counted = {"tensors": 0, "bytes": path.stat().st_size}  # bytes: of the file, whatever the engine's dtype
+
+        # A quantized model's checkpoint holds scales and packed ints: those keep their own dtypes.
+        dtype = self.model_config.dtype if self.model_config.quantization is None else None
 
         def counting() -> Iterator[tuple[str, Any]]:
-            for name, tensor in _checkpoint_tensors(path):
+            for name, tensor in _checkpoint_tensors(path, dtype):
                 counted["tensors"] += 1
-                counted["bytes"] += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
         self.reload_weights(weights_iterator=counting(), is_checkpoint_format=True)

@@ -286,21 +286,22 @@ class ModelReplica:
         directory first, as adapter versions do (``AdapterFiles.local_path``: the store's node
         reads it in place, another node fetches a copy once), then:
 
-        1. ``pause_generation(mode="keep")``: the scheduler stops between two steps, keeping every
-           request; new requests queue. Without it an engine step could run between the load and
-           the cache reset below and reuse blocks the old weights computed.
+        1. ``pause_generation(mode="keep", clear_cache=True)``, vLLM's own step before a weight
+           update: the scheduler stops between two steps, keeping every request (new ones queue),
+           and resets the prefix cache with ``reset_running_requests``: the running requests are
+           preempted and every cached block is forgotten, so no KV computed with the old weights
+           is used again (a plain ``reset_prefix_cache()`` fails while any request holds blocks,
+           which under load is always). Nothing steps until the resume, so resetting before the
+           load is as good as after it.
         2. the worker extension loads the checkpoint into the running model (every worker, in
            place: the engine's KV cache, compiled graphs and LoRA slots stay allocated).
-        3. ``reset_prefix_cache(reset_running_requests=True)``: vLLM preempts the running requests
-           and forgets every cached block, so no KV computed with the old weights is used again.
-           A request in flight is not broken: it resumes from its prompt and the tokens already
-           streamed, recomputed with the new weights (its first tokens came from the old version,
-           the rest from the new; the client sees one unbroken stream). The reset alone would fail
-           while any request holds blocks, which under load is always.
-        4. ``resume_generation()``, also when the load failed: the old weights then still serve,
+        3. ``resume_generation()``, also when the load failed: the old weights then still serve,
            since the worker checks the checkpoint's names and shapes before it changes anything.
 
-        New requests and in-flight streams stall for steps 1-4 plus the recompute of the
+        A request in flight is not broken: it resumes from its prompt and the tokens already
+        streamed, recomputed with the new weights (its first tokens came from the old version,
+        the rest from the new; the client sees one unbroken stream).
+        New requests and in-flight streams stall for steps 1-3 plus the recompute of the
         preempted requests (``bench/weight_sync.py`` measures both).
         """
         async with self._weights_lock:
@@ -312,10 +313,9 @@ class ModelReplica:
                 local = await asyncio.to_thread(self.files.local_path, unit, version, path)
             meta = await asyncio.to_thread(read_meta, local)
             previous = None if self._full is None else self._full["version"]
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            await self.engine.pause_generation(mode="keep", clear_cache=True)
             try:
                 loads = await self.engine.collective_rpc(LOAD_METHOD, args=(local,))
-                reset = await self.engine.reset_prefix_cache(reset_running_requests=True)
             finally:
                 await self.engine.resume_generation()
             total = time.perf_counter() - t0
@@ -326,7 +326,7 @@ class ModelReplica:
                 node_id=self.node_id, version=int(version), path=path, local_path=str(local),
                 previous_version=previous, tensors=sum(r["tensors"] for r in loads),
                 bytes=sum(r["bytes"] for r in loads), load_s=max(r["seconds"] for r in loads),
-                total_s=total, prefix_cache_reset=bool(reset), fingerprint=fingerprint, meta=meta)
+                total_s=total, fingerprint=fingerprint, meta=meta)
 
     async def weights_fingerprint(self) -> str:
         """A short digest of the weights the engine computes with now (equal digests: equal weights)."""

@@ -288,8 +288,7 @@ def measure(model: str, data_dir: Path, work: Path, clients: int, max_tokens: in
             live = server.call(r.weights_fingerprint)
             syncs.append({"t0": t0, "t1": t0 + load.total_s, "call_s": load.total_s, "engine_load_s": load.load_s,
                           "publish_to_served_s": served_after, "load_avg_1m": load_avg,
-                          "fingerprint_ok": live == fingerprints[target] != fingerprints[current],
-                          "prefix_cache_reset": load.prefix_cache_reset})
+                          "fingerprint_ok": live == fingerprints[target] != fingerprints[current]})
             current = target
             time.sleep(window / 2)
         stream.stop()  # every request finished: the figures below see all their tokens

@@ -63,7 +63,7 @@ def test_full_version_is_served_in_place_and_rollback_restores_it(server, tmp_pa
     # Every token once: the preempted request resumed where its stream was, none lost or repeated.
     assert result["tokens"] == result["usage"]["completion_tokens"] == 300
 
-    assert (load.version, load.previous_version, load.prefix_cache_reset) == (1, None, True)
+    assert (load.version, load.previous_version) == (1, None)
     assert load.tensors > 0 and load.meta["version"] == 1
     assert r.engine is engine  # same engine, no restart
     assert r.info()["full_version"] == 1
