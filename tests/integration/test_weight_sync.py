@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from bench.weight_sync import ReplicaServer, engine_flags_for, greedy, write_full_version
+from tests.integration.test_adapters import make_adapter
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +96,25 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_the_old_weights_keep_serv
     assert greedy(url, model) == before_text
     assert server.call(r.weights_fingerprint) == before_fp
     assert r.info()["full_version"] != 7
+
+
+def test_a_lora_adapter_keeps_serving_through_a_full_sync_and_its_rollback(server, tmp_path):
+    r, url, model = server.replica, server.url, server.served
+
+    def tokens(name: str) -> list[int]:
+        res = httpx.post(f"{url}/v1/completions", timeout=60,
+                         json={"model": name, "prompt": "adapter test", "max_tokens": 8, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True})
+        assert res.status_code == 200, res.text
+        return res.json()["choices"][0]["token_ids"]
+
+    adapter = make_adapter(Path(server.model_dir), tmp_path / "acme", seed=1)
+    server.call(lambda: r.load_adapter("acme", 1, str(adapter)))
+    before = tokens(f"{model}:acme")
+    assert before != tokens(model)
+    # vLLM drops the worker's adapters with the old base weights and loads them again on demand.
+    server.call(lambda: r.load_full_version(str(write_full_version(server.model_dir, tmp_path, model, 2, 0.5, 2)), 2))
+    assert tokens(f"{model}:acme") != before
+    server.call(lambda: r.load_full_version(str(server.model_dir), 0))
+    assert tokens(f"{model}:acme") == before
+    server.call(lambda: r.unload_adapter("acme"))
