@@ -16,7 +16,9 @@ module only reads it. Transport:
   the same path adapter versions take (``actors.adapter_files.AdapterFiles.local_path``: the
   feedback store actor's ``read_version`` through Ray's object store, or the
   ``storage.adapters_uri`` URI through ``pyarrow.fs``, kept in the node's ``data_dir`` cache),
-  and the worker reads that copy. See ``ModelReplica.load_full_version``.
+  and the worker reads that copy. See ``ModelReplica.load_full_version``. Not working yet:
+  ``app/adapter_versions.py`` checks a version for the adapter files only, so that route refuses
+  a full version (``model.safetensors`` + ``meta.json``) until it learns the second layout.
 
 Kept import-light (the standard library at import; torch, safetensors and vLLM inside the
 methods, where the worker has them loaded already): the module is imported in every engine.

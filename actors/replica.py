@@ -284,7 +284,8 @@ class ModelReplica:
         ``meta.json``); a rollback is this same call with an earlier version's directory (or the
         model directory the engine started from). The published location becomes a local
         directory first, as adapter versions do (``AdapterFiles.local_path``: the store's node
-        reads it in place, another node fetches a copy once), then:
+        reads it in place, another node fetches a copy once; that module's completeness check
+        knows only adapter files so far, so another node refuses a full version, loudly), then:
 
         1. ``pause_generation(mode="keep", clear_cache=True)``, vLLM's own step before a weight
            update: the scheduler stops between two steps, keeping every request (new ones queue),
