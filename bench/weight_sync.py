@@ -12,11 +12,13 @@ server replica serves), runs ``--clients`` closed-loop streamed completions agai
   model's own weights plus noise, and ``meta.json``, written as ``<root>/<unit>/v<N>/``) and calls
   ``ModelReplica.load_full_version`` while the stream runs.
 
-Measured: the sync call (and the load inside the engine), the time from the publish call to the
-first token of a greedy probe request (sent in a loop beside the stream) whose output is the new
-version's (its text equals what the new weights answer once idle, and differs from the old),
-and the stall: the largest gap between two streamed tokens of any request, and the TTFT of the
-requests that started while the sync ran, against the same figures without a sync.
+Measured: the sync call with an idle engine and under the stream (and the load inside the
+engine); the time from the publish call to the end of the first short greedy probe (sent back to
+back beside the stream) whose tokens are the new version's (what the new weights answer once
+idle, which differs from the old); and the stall: the largest gap between two streamed tokens of
+any request over the sync's window, and the TTFT of the requests waiting for their first token
+in it, against the same figures over a window without a sync. Every sync is checked with the
+weights fingerprint.
 The model's files are written once beforehand: the writer's cost is not part of the sync.
 """
 
