@@ -12,6 +12,8 @@ from pathlib import Path
 
 from actors.config import AppConfig
 from actors.devices import cpu_has_bf16
+from actors.engine_weights import EXTENSION as WEIGHTS_EXTENSION
+
 
 def resolve_dtype(dtype: str, device: str, model_dir: str, *, bf16: bool | None = None) -> str:
     """The ``--dtype`` to pass: ``auto`` becomes ``float32`` for a float32 checkpoint on a CPU without bf16.
@@ -41,6 +43,9 @@ def engine_flags(cfg: AppConfig, model_dir: str, served_name: str) -> list[str]:
         "--dtype", resolve_dtype(e.dtype, e.device, model_dir),
         "--seed", str(e.seed),
         "--scheduling-policy", e.scheduling_policy,
+        # Always on, so any replica can take a full-weight sync (ModelReplica.load_full_version):
+        # vLLM only adds the class to the worker's bases at start, nothing runs until it is called.
+        "--worker-extension-cls", WEIGHTS_EXTENSION,
     ]
     if e.max_num_batched_tokens is not None:
         flags += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]

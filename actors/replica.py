@@ -11,7 +11,9 @@ Besides the engine it keeps, for the planner:
 - the engine's per-iteration facts (requests in flight, iterations, KV cache in use), from a
   vLLM stat logger;
 - the adapter versions this node must serve, which it loads and unloads as the planner's
-  :class:`AdapterAssignment` changes (a long poll, so a published version is served at once).
+  :class:`AdapterAssignment` changes (a long poll, so a published version is served at once);
+- which full model version the engine computes with, swapped in place without a restart by
+  :meth:`ModelReplica.load_full_version` (``actors/engine_weights.py``).
 
 Traces and facts go to the planner in one :class:`NodeReport` per ``trace_flush_seconds``.
 """
@@ -25,6 +27,14 @@ import os
 import time
 from typing import Any, Callable
 
+from actors.engine_weights import (
+    FINGERPRINT_METHOD,
+    LOAD_METHOD,
+    FullVersionLoad,
+    combine_fingerprints,
+    read_meta,
+    version_of,
+)
 from planners.coserving import EngineFacts, LiveRequest
 from planners.types import AdapterAssignment, ExecutionTrace, NodeRegistration, NodeReport
 
@@ -65,6 +75,8 @@ class ModelReplica:
         self._adapters: dict[str, dict[str, Any]] = {}  # "base:adapter" -> {version, lora_id, path}
         self._next_lora_id = 1
         self._assignment_epoch = -1
+        self._full: dict[str, Any] | None = None  # the full version loaded last: {version, path}; None: the start weights
+        self._weights_lock = asyncio.Lock()  # one full-weight sync at a time
         self._tasks: list[asyncio.Task] = []
         if omp_threads:
             # Read by vLLM's CPU worker when the engine process starts; one engine must not
@@ -105,6 +117,7 @@ class ModelReplica:
             "received": self._received,
             "busy_seconds": self._busy_seconds(),
             "adapters": {name: a["version"] for name, a in self._adapters.items()},
+            "full_version": None if self._full is None else self._full["version"],
             "pid": os.getpid(),
         }
 
@@ -261,6 +274,64 @@ class ModelReplica:
             return False
         await self.engine.remove_lora(lora.lora_int_id)
         return True
+
+    # ---- full model versions ---------------------------------------------------------------
+
+    async def load_full_version(self, path: str, version: int) -> FullVersionLoad:
+        """Compute with the full checkpoint published at ``path`` from now on, without restarting the engine.
+
+        ``path`` is a version directory (``<root>/<unit>/v<N>`` with ``model.safetensors`` and
+        ``meta.json``); a rollback is this same call with an earlier version's directory (or the
+        model directory the engine started from). The published location becomes a local
+        directory first, as adapter versions do (``AdapterFiles.local_path``: the store's node
+        reads it in place, another node fetches a copy once; that module's completeness check
+        knows only adapter files so far, so another node refuses a full version, loudly), then:
+
+        1. ``pause_generation(mode="keep", clear_cache=True)``, vLLM's own step before a weight
+           update: the scheduler stops between two steps, keeping every request (new ones queue),
+           and resets the prefix cache with ``reset_running_requests``: the running requests are
+           preempted and every cached block is forgotten, so no KV computed with the old weights
+           is used again (a plain ``reset_prefix_cache()`` fails while any request holds blocks,
+           which under load is always). Nothing steps until the resume, so resetting before the
+           load is as good as after it.
+        2. the worker extension loads the checkpoint into the running model (every worker, in
+           place: the engine's KV cache, compiled graphs and LoRA slots stay allocated).
+        3. ``resume_generation()``, also when the load failed: the old weights then still serve,
+           since the worker checks the checkpoint's names and shapes before it changes anything.
+
+        A request in flight is not broken: it resumes from its prompt and the tokens already
+        streamed, recomputed with the new weights (its first tokens came from the old version,
+        the rest from the new; the client sees one unbroken stream).
+        New requests and in-flight streams stall for steps 1-3 plus the recompute of the
+        preempted requests (``bench/weight_sync.py`` measures both).
+        """
+        async with self._weights_lock:
+            t0 = time.perf_counter()
+            local = path
+            # The directory the engine started from is on every node already (a rollback to it).
+            if self.files is not None and os.path.realpath(path) != os.path.realpath(self.engine.model_config.model):
+                unit, _ = version_of(path)
+                local = await asyncio.to_thread(self.files.local_path, unit, version, path)
+            meta = await asyncio.to_thread(read_meta, local)
+            previous = None if self._full is None else self._full["version"]
+            await self.engine.pause_generation(mode="keep", clear_cache=True)
+            try:
+                loads = await self.engine.collective_rpc(LOAD_METHOD, args=(local,))
+            finally:
+                await self.engine.resume_generation()
+            total = time.perf_counter() - t0
+            self._full = {"version": int(version), "path": path}
+            fingerprint = await self.weights_fingerprint()
+            logger.info("node %d serves full version %d from %s (%.2f s)", self.node_id, version, local, total)
+            return FullVersionLoad(
+                node_id=self.node_id, version=int(version), path=path, local_path=str(local),
+                previous_version=previous, tensors=sum(r["tensors"] for r in loads),
+                bytes=sum(r["bytes"] for r in loads), load_s=max(r["seconds"] for r in loads),
+                total_s=total, fingerprint=fingerprint, meta=meta)
+
+    async def weights_fingerprint(self) -> str:
+        """A short digest of the weights the engine computes with now (equal digests: equal weights)."""
+        return combine_fingerprints(await self.engine.collective_rpc(FINGERPRINT_METHOD))
 
     # ---- execution traces ------------------------------------------------------------------
 

@@ -1,0 +1,356 @@
+"""Full-weight sync into serving (issue 15): how long a published full version takes to be served, and the stall it costs.
+
+    /work/main/.venv/bin/python bench/weight_sync.py                    # tiny test model and SmolLM2-135M
+    /work/main/.venv/bin/python bench/weight_sync.py --models tiny --rounds 2
+
+For each model it starts one real replica in this process (``ModelReplica``: vLLM's AsyncLLM
+with the app's own engine flags, and vLLM's OpenAI app on 127.0.0.1 through uvicorn, as a model
+server replica serves), runs ``--clients`` closed-loop streamed completions against it, and:
+
+- baseline: the same stream for ``--window`` seconds with no sync;
+- sync: after a warm-up, publishes a perturbed full version (``model.safetensors`` of the
+  model's own weights plus noise, and ``meta.json``, written as ``<root>/<unit>/v<N>/``) and calls
+  ``ModelReplica.load_full_version`` while the stream runs.
+
+Measured: the sync call with an idle engine and under the stream (and the load inside the
+engine); the time from the publish call to the end of the first short greedy probe (sent back to
+back beside the stream) whose tokens are the new version's (what the new weights answer once
+idle, which differs from the old); and the stall: the largest gap between two streamed tokens of
+any request over the sync's window, and the TTFT of the requests waiting for their first token
+in it, against the same figures over a window without a sync. Every sync is checked with the
+weights fingerprint.
+The model's files are written once beforehand: the writer's cost is not part of the sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Coroutine
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import free_port, pct  # noqa: E402
+
+PROBE = "Here are five random words:"
+PROBE_TOKENS = 6
+
+
+class ReplicaServer:
+    """A ModelReplica and vLLM's OpenAI app on 127.0.0.1, run on an event loop in a background thread.
+
+    The engine's output handler and the HTTP server share that loop, as in a model server
+    replica; callers on other threads reach the replica through :meth:`call`.
+    """
+
+    def __init__(self, flags: list[str], served_name: str, omp_threads: int | None = None) -> None:
+        from actors.replica import ModelReplica
+
+        self.replica = ModelReplica(0, flags, served_name, omp_threads)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self, timeout: float = 900) -> ReplicaServer:
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._error is not None:
+            raise RuntimeError(f"replica did not start: {self._error!r}")
+        return self
+
+    def call(self, make: Callable[[], Coroutine[Any, Any, Any]], timeout: float = 600) -> Any:
+        """Run ``make()`` on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(make(), self._loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=120)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        from types import SimpleNamespace
+
+        import uvicorn
+        from vllm.entrypoints.launchers.app import build_app
+
+        self._stop = asyncio.Event()
+        r = self.replica
+        await r.start()
+        try:
+            # As deployments/server.py does: vLLM's own app over the replica's serving objects.
+            app = build_app(r.args, supported_tasks=r.supported_tasks, model_config=r.engine.model_config)
+            app.state._state.update(r.state._state)
+            app.state.server = SimpleNamespace()
+            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                   lifespan="off"))
+            serving = asyncio.ensure_future(server.serve())
+            while not server.started:
+                if serving.done():
+                    serving.result()
+                await asyncio.sleep(0.05)
+            self._ready.set()
+            await self._stop.wait()
+            server.should_exit = True
+            await serving
+        finally:
+            r.shutdown()
+
+
+def engine_flags_for(model: str, data_dir: Path) -> tuple[list[str], str, Path]:
+    """(vLLM flags, served name, model dir) a replica of the app would use for ``model`` (tiny or smollm2)."""
+    from actors.config import load
+    from actors.default_model import model_dir
+    from actors.engine_args import engine_flags, served_model_name
+
+    if model == "tiny":
+        cfg = load({"data_dir": str(data_dir), "model": {"embedded": "tiny-llama", "max_model_len": 1024},
+                    "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20}})
+    else:
+        cfg = load({"model": {"embedded": "smollm2-135m-instruct", "max_model_len": 2048},
+                    "engine": {"max_num_seqs": 32, "kv_cache_memory_bytes": 256 * 2**20}})
+    directory = model_dir(cfg)
+    return engine_flags(cfg, directory, served_model_name(cfg, directory)), served_model_name(cfg, directory), \
+        Path(directory)
+
+
+def write_full_version(model_dir: Path, root: Path, unit: str, version: int, scale: float, seed: int) -> Path:
+    """``<root>/<unit>/v<version>/``: the model's own weights, each plus Gaussian noise of ``scale`` x its std."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    state = load_file(str(model_dir / "model.safetensors"))
+    perturbed = {}
+    for name, t in state.items():
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32) * (scale * float(t.float().std()) + 1e-8)
+        perturbed[name] = (t.float() + noise).to(t.dtype).contiguous()
+    target = root / unit / f"v{version}"
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(perturbed, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "meta.json").write_text(json.dumps({"unit": unit, "version": version, "kind": "full",
+                                                  "note": f"base weights + N(0, ({scale} std)^2), seed {seed}"}))
+    return target
+
+
+# ---- the measurement -----------------------------------------------------------------------------
+
+
+class Stream:
+    """Closed-loop streamed completions; keeps each request's start and token arrival times."""
+
+    def __init__(self, url: str, model: str, clients: int, max_tokens: int) -> None:
+        self.url, self.model, self.clients, self.max_tokens = url, model, clients, max_tokens
+        self.requests: list[dict[str, Any]] = []  # {start, tokens: [t...], ok}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        import httpx
+
+        n = 0
+        with httpx.Client(timeout=120) as c:
+            while not self._stop.is_set():
+                n += 1
+                rec: dict[str, Any] = {"start": time.time(), "tokens": [], "ok": False}
+                self.requests.append(rec)  # now, so a request still running when figures are taken counts
+                body = {"model": self.model, "prompt": f"Client {i} request {n}: tell me about the sea.",
+                        "max_tokens": self.max_tokens, "temperature": 0.8, "ignore_eos": True, "stream": True}
+                try:
+                    with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                        rec["status"] = r.status_code
+                        for line in r.iter_lines():
+                            if line.startswith("data: ") and line != "data: [DONE]":
+                                if "error" in line:
+                                    break
+                                rec["tokens"].append(time.time())
+                            elif line == "data: [DONE]":
+                                rec["ok"] = r.status_code == 200
+                except Exception as exc:  # counted as a failed request
+                    rec["error"] = repr(exc)
+                rec["end"] = time.time()
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=130)
+
+
+def stall_figures(requests: list[dict[str, Any]], t0: float, t1: float) -> dict[str, float]:
+    """The streamed requests active in [t0, t1]: the largest gap between two of a request's tokens (its start
+    counts as the first "token") that overlaps the window, the gaps' median, and the TTFT of the requests
+    that were waiting for their first token at some point in the window; errors among them."""
+    active = [r for r in requests if r["start"] <= t1 and r.get("end", t1) >= t0]
+    gaps = []
+    for r in active:
+        times = [r["start"], *r["tokens"]]
+        gaps += [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1]
+    waiting = [r for r in active if r["tokens"] and r["tokens"][0] >= t0]
+    ttft = [r["tokens"][0] - r["start"] for r in waiting]
+    return {"requests": len(active), "errors": sum(1 for r in active if not r["ok"]),
+            "max_gap_s": max(gaps, default=float("nan")), "gap_p50_s": pct(gaps, 50), "gap_p99_s": pct(gaps, 99),
+            "ttft_p50_s": pct(ttft, 50), "ttft_max_s": max(ttft, default=float("nan"))}
+
+
+def greedy(url: str, model: str, max_tokens: int = PROBE_TOKENS) -> str:
+    """The greedy answer to the probe prompt, as its token ids (the tiny model's text is often only special tokens)."""
+    import httpx
+
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"model": model, "prompt": PROBE, "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True, "return_token_ids": True})
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return " ".join(map(str, choice["token_ids"])) + " | " + choice["text"]
+
+
+def first_new_response(url: str, model: str, new_text: str, since: float, deadline: float) -> float | None:
+    """Seconds from ``since`` to the end of the first greedy probe answered with ``new_text`` (probes back to back).
+
+    The probe is short (``PROBE_TOKENS``) because greedy tokens can flip with the batch a request
+    shares on bf16 kernels: the first few tokens are what an idle engine answers, a long tail is not.
+    """
+    while time.time() < deadline:
+        if greedy(url, model) == new_text:
+            return time.time() - since
+    return None
+
+
+def measure(model: str, data_dir: Path, work: Path, clients: int, max_tokens: int, window: float,
+            rounds: int) -> dict[str, Any]:
+    flags, served, model_dir = engine_flags_for(model, data_dir)
+    unit = served
+    root = work / model / "full"
+    # The tiny random model's logits are nearly flat: only a large change flips its greedy tokens.
+    scale = 0.5 if model == "tiny" else 0.05
+    versions = {v: write_full_version(model_dir, root, unit, v, scale=scale, seed=v) for v in (1, 2)}
+    versions[0] = model_dir  # the start weights: loading them back is the rollback
+    server = ReplicaServer(flags, served).start()
+    r = server.replica
+    out: dict[str, Any] = {"model": served, "params_bytes": (model_dir / "model.safetensors").stat().st_size}
+    try:
+        # Idle: the text each weight set answers, its fingerprint, and the sync's cost with nothing running.
+        texts = {0: greedy(server.url, served)}
+        fingerprints = {0: server.call(r.weights_fingerprint)}
+        idle = []
+        for v in (1, 2):
+            for attempt in range(5):  # another seed until the probe tells this version from the others
+                load = server.call(lambda v=v: r.load_full_version(str(versions[v]), v))
+                idle.append({"call_s": load.total_s, "engine_load_s": load.load_s})
+                texts[v], fingerprints[v] = greedy(server.url, served), server.call(r.weights_fingerprint)
+                if texts[v] not in [t for k, t in texts.items() if k != v]:
+                    break
+                write_full_version(model_dir, root, unit, v, scale=scale, seed=v + 10 * (attempt + 1))
+            else:
+                raise SystemExit(f"{model}: perturbation too small, greedy probes coincide: {texts}")
+        for v in (0, 1, 2, 0):
+            load = server.call(lambda v=v: r.load_full_version(str(versions[v]), v))
+            idle.append({"call_s": load.total_s, "engine_load_s": load.load_s})
+            if greedy(server.url, served) != texts[v] or server.call(r.weights_fingerprint) != fingerprints[v]:
+                raise SystemExit(f"{model}: loading v{v} again did not give the same weights")
+
+        stream = Stream(server.url, served, clients, max_tokens)
+        stream.start()
+        time.sleep(window / 2)  # warm: every client has a request in flight
+        b0 = time.time()
+        time.sleep(window)
+        b1 = time.time()
+        syncs, current = [], 0
+        for _ in range(rounds):
+            target = 1 if current != 1 else 2
+            time.sleep(window / 2)
+            load_avg = os.getloadavg()[0]
+            t0 = time.time()
+            fut = asyncio.run_coroutine_threadsafe(r.load_full_version(str(versions[target]), target), server._loop)
+            served_after = first_new_response(server.url, served, texts[target], t0, t0 + 30)
+            load = fut.result(300)
+            live = server.call(r.weights_fingerprint)
+            syncs.append({"t0": t0, "t1": t0 + load.total_s, "call_s": load.total_s, "engine_load_s": load.load_s,
+                          "publish_to_served_s": served_after, "load_avg_1m": load_avg,
+                          "fingerprint_ok": live == fingerprints[target] != fingerprints[current]})
+            current = target
+            time.sleep(window / 2)
+        stream.stop()  # every request finished: the figures below see all their tokens
+        out["baseline"] = stall_figures(stream.requests, b0, b1)
+        for s in syncs:
+            s.update(stall_figures(stream.requests, s["t0"], s["t1"]))
+        out.update(idle=idle, syncs=syncs, load_bytes=load.bytes, tensors=load.tensors,
+                   all_requests=len(stream.requests), all_errors=sum(1 for q in stream.requests if not q["ok"]))
+    finally:
+        server.stop()
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    def f(x: Any) -> str:
+        return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
+
+    rows = ["| model | run | sync call s | engine load s | publish → new weights answer s | "
+            "token gap p50 / max s | TTFT p50 / max s (waiting in window) | requests (errors) | fingerprint | load 1m |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for res in results:
+        name = f"{res['model']} ({res['params_bytes'] / 2**20:.0f} MiB, {res['tensors']} tensors)"
+        b = res["baseline"]
+        idle = sorted(res["idle"], key=lambda x: x["call_s"])
+        mid = idle[len(idle) // 2]
+        rows.append(f"| {name} | idle engine, median of {len(idle)} syncs | {f(mid['call_s'])} | "
+                    f"{f(mid['engine_load_s'])} | - | - | - | - | - | - |")
+        rows.append(f"| {name} | no sync ({res['window']:.0f} s of the same stream, {res['clients']} clients) "
+                    f"| - | - | - | {f(b['gap_p50_s'])} / {f(b['max_gap_s'])} | {f(b['ttft_p50_s'])} / "
+                    f"{f(b['ttft_max_s'])} | {b['requests']} ({b['errors']}) | - | - |")
+        for i, s in enumerate(res["syncs"], 1):
+            rows.append(f"| {name} | sync {i} | {f(s['call_s'])} | {f(s['engine_load_s'])} | "
+                        f"{f(s['publish_to_served_s'])} | {f(s['gap_p50_s'])} / {f(s['max_gap_s'])} | "
+                        f"{f(s['ttft_p50_s'])} / {f(s['ttft_max_s'])} | {s['requests']} ({s['errors']}) | "
+                        f"{'new version' if s['fingerprint_ok'] else 'WRONG'} | {s['load_avg_1m']:.1f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2")
+    p.add_argument("--clients", type=int, default=4, help="concurrent streamed requests")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--window", type=float, default=6.0, help="seconds of stream measured per phase")
+    p.add_argument("--rounds", type=int, default=3, help="syncs per model")
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args()
+    data_dir = Path(os.environ.get("COSERVE_DATA_DIR") or "~/.cache/coserve").expanduser()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="weight-sync-") as work:
+        for model in a.models.split(","):
+            res = measure(model.strip(), data_dir, Path(work), a.clients, a.max_tokens, a.window, a.rounds)
+            res["clients"], res["window"] = a.clients, a.window
+            results.append(res)
+            print(json.dumps(res, indent=1), flush=True)
+    print()
+    print(table(results))
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
