@@ -104,7 +104,7 @@ class VersionEvaluator:
     # ---- what is scored, and how --------------------------------------------------------------------
 
     def _eval_file_pairs(self) -> list[dict[str, str]]:
-        from actors.lora_training import read_preference_jsonl
+        from actors.adapter_eval import read_preference_jsonl
 
         if self.eval_file and self._file_pairs is None:
             try:
@@ -134,7 +134,7 @@ class VersionEvaluator:
         ``max_eval_items`` only its new items are scored, and the served version, scored before,
         costs nothing more.
         """
-        from actors.lora_training import completion_eval, evaluate_completions, evaluate_preferences, preference_eval
+        from actors.adapter_eval import completion_eval, evaluate_completions, evaluate_preferences, preference_eval
 
         held_out = key.startswith("held-out")
         ids = [it.id for it in items] if held_out else list(range(len(items)))

@@ -10,7 +10,7 @@ leader for its node's queue and versions (LEMIX §V-B).
 
 Per micro-step: the leader takes up to ``micro_batch`` queued items of one adapter (round robin
 over adapters with feedback, skipping mode ``off``); every rank takes its share and runs it in
-token windows (FlexLLM §6.1, ``actors.lora_training.WindowedPass``): it asks ``Planner.grant`` for
+token windows (FlexLLM §6.1, ``actors.windowed_pass.WindowedPass``): it asks ``Planner.grant`` for
 its own node, which answers with the windows the node's iteration scheduler fits beside the
 inference work there now (``planners/coserving/``), runs them, and asks again until its items
 are done; a synced step's ranks go round by round (one small all-reduce per round) and apply
@@ -403,7 +403,7 @@ class RankLoop:
             return False
 
     def _step(self, plan: StepPlan) -> None:
-        from actors.lora_training import WindowedPass, batch_scales
+        from actors.windowed_pass import WindowedPass, batch_scales
 
         adapter, spec, items = plan.adapter, plan.spec, plan.items
         bounds = _split(len(items), self.group_world)

@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from actors import lora_training as lt  # noqa: E402  (torch only at import; peft/transformers when loading)
+from actors import windowed_pass as wp  # noqa: E402  (torch only at import; peft/transformers when loading)
 from actors.default_model import ensure  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -183,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     if bad := [d for d in dtypes if d not in DTYPES]:
         p.error(f"unknown dtype(s) {bad}; choose from {list(DTYPES)}")
-    if bad := [m for m in methods if m not in lt.WINDOW_METHODS]:
-        p.error(f"unknown method(s) {bad}; choose from {list(lt.WINDOW_METHODS)}")
+    if bad := [m for m in methods if m not in wp.WINDOW_METHODS]:
+        p.error(f"unknown method(s) {bad}; choose from {list(wp.WINDOW_METHODS)}")
     grid = GRIDS["quick" if a.quick else device.type]
     lengths, batches, repeats = a.lengths or grid[0], a.batches or grid[1], a.repeats or grid[2]
     if min(lengths) < 4 or min(batches) < 1 or repeats < 1:

@@ -43,6 +43,7 @@ def run_variant(variant: str, model_dir: str) -> dict:
     import torch
 
     from actors import lora_training as lt
+    from actors import adapter_eval as ae
 
     torch.set_num_threads(1)
     start = rss_mib()
@@ -62,7 +63,7 @@ def run_variant(variant: str, model_dir: str) -> dict:
             lt.optimizer_step(model, opt)
         for path in (cand, None):  # the gate: a copy per scored version, beside the model in training
             scored, _ = lt.load_lora_model(model_dir, LORA, adapter_dir=path)
-            lt.evaluate_completions(scored, tok, ITEMS)
+            ae.evaluate_completions(scored, tok, ITEMS)
             del scored
     else:
         from actors.adapter_bank import AdapterBank
@@ -80,7 +81,7 @@ def run_variant(variant: str, model_dir: str) -> dict:
             lt.optimizer_step(model, opt)
         for path in (str(cand), None):
             with bank.scoring(LORA, path) as scored:
-                lt.evaluate_completions(scored, bank.tokenizer, ITEMS)
+                ae.evaluate_completions(scored, bank.tokenizer, ITEMS)
     import gc
 
     gc.collect()

@@ -25,6 +25,8 @@ for _name in ("peft", "transformers"):
         pytest.skip(f"needs {_name}", allow_module_level=True)
 
 from actors import lora_training as lt  # noqa: E402
+from actors import adapter_eval as ae  # noqa: E402
+from actors import windowed_pass as wp  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -74,7 +76,7 @@ def run_for_grads(model, fn):
 
 
 def windowed(model, tok, item, method, ends, **kw):
-    p = lt.WindowedPass(model, tok, item, method, **kw)
+    p = wp.WindowedPass(model, tok, item, method, **kw)
     for end in ends:
         p.forward(end)
     return p.finish()
@@ -164,7 +166,7 @@ def test_optimizer_state_offloads_to_host_and_the_step_after_it_matches(tiny_mod
 def test_dpo_starts_at_log2_and_reduces_the_loss_in_bf16(tiny_model_dir, device):
     model, tok = load(tiny_model_dir, device)
     opt = lt.make_optimizer(model, 1e-2)
-    before = lt.evaluate_preferences(model, tok, PAIRS)
+    before = ae.evaluate_preferences(model, tok, PAIRS)
     # A fresh adapter (lora_B = 0) makes π_θ = π_ref: the policy adds an exact fp32 zero to each bf16
     # projection, so the margin is 0 up to kernel choice between the no-grad reference forward and the
     # grad-enabled policy forward (bf16 logits, ~2^-8 relative). β = 0.1 scales that into the margin;
@@ -178,7 +180,7 @@ def test_dpo_starts_at_log2_and_reduces_the_loss_in_bf16(tiny_model_dir, device)
     for _ in range(4):
         losses.append(lt.dpo_step(model, tok, PAIRS, beta=0.1).loss)
         lt.optimizer_step(model, opt)
-    after = lt.evaluate_preferences(model, tok, PAIRS)
+    after = ae.evaluate_preferences(model, tok, PAIRS)
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0] - 0.1, losses
     assert after.clpd > before.clpd + 1.0, (before, after)
@@ -243,7 +245,7 @@ def test_windowed_pass_gives_the_one_shot_gradient_in_bf16(tiny_model_dir, devic
 
         def one_shot(m):
             return lt.dpo_step(m, tok, [item], beta=0.1, scale=0.7)
-    length = lt.item_length(tok, item, method)
+    length = wp.item_length(tok, item, method)
     ends = sorted({5, 23, 40 % length, length} - {0})  # DPO: 40 crosses from chosen into rejected
     want_stats, want = run_for_grads(model, lambda: one_shot(model))
     got_stats, got = run_for_grads(model, lambda: windowed(model, tok, item, method, ends, scale=0.7, **kw))
@@ -267,11 +269,11 @@ def test_windowed_pass_gives_the_one_shot_gradient_in_bf16(tiny_model_dir, devic
 def test_windowed_batch_scales_give_the_batch_gradient_in_bf16(tiny_model_dir, device):
     model, tok = window_model(tiny_model_dir, device, BF16)
     _, want = run_for_grads(model, lambda: lt.sft_step(model, tok, ITEMS))
-    scales = lt.batch_scales(tok, ITEMS, "sft")
+    scales = wp.batch_scales(tok, ITEMS, "sft")
 
     def accumulate():
         for it, s in zip(ITEMS, scales):
-            windowed(model, tok, it, "sft", [7, lt.item_length(tok, it, "sft")], scale=s)
+            windowed(model, tok, it, "sft", [7, wp.item_length(tok, it, "sft")], scale=s)
 
     _, got = run_for_grads(model, accumulate)
     assert worst_rel_err(got, want) < WINDOW_REL_TOL

@@ -173,7 +173,7 @@ def test_sft_feedback_is_served_within_seconds_and_raises_the_completion_logprob
 
 
 def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data, cfg):
-    from actors.lora_training import evaluate_preferences, read_preference_jsonl
+    from actors.adapter_eval import evaluate_preferences, read_preference_jsonl
 
     name = "learn-dpo"
     pairs = read_preference_jsonl(shared_data / "preferences" / "hh_rlhf_train_sample.jsonl", limit=12,

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from actors import lora_training as lt  # noqa: E402
+from actors import adapter_eval as ae  # noqa: E402
 from actors.default_model import build_tokenizer, ensure  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
@@ -32,7 +33,7 @@ def hh_pairs(shared_data):
     if not path.exists():
         pytest.skip(f"{path} not found: the HH-RLHF sample is needed for the DPO test")
     # Byte-level tokenizer: 96 bytes per text keeps a DPO step around a second on this CPU.
-    return lt.read_preference_jsonl(path, limit=4, max_text_bytes=96)
+    return ae.read_preference_jsonl(path, limit=4, max_text_bytes=96)
 
 
 def lora_weights(model) -> dict[str, torch.Tensor]:
@@ -80,7 +81,7 @@ def test_dpo_starts_at_log2_and_raises_the_preference_margin(model_dir, hh_pairs
     prompts = [p["prompt"] for p in hh_pairs]
     chosen0 = lt.sequence_logprobs(model, tok, prompts, [p["chosen"] for p in hh_pairs])
     rejected0 = lt.sequence_logprobs(model, tok, prompts, [p["rejected"] for p in hh_pairs])
-    before = lt.evaluate_preferences(model, tok, hh_pairs)
+    before = ae.evaluate_preferences(model, tok, hh_pairs)
     # MACE §3.1 by hand: win rate and CLPD from the sequence log-probs.
     margins0 = [c - r for c, r in zip(chosen0, rejected0)]
     assert before.win_rate == sum(m > 0 for m in margins0) / 4
@@ -93,7 +94,7 @@ def test_dpo_starts_at_log2_and_raises_the_preference_margin(model_dir, hh_pairs
     for _ in range(3):
         lt.dpo_step(model, tok, hh_pairs, beta=0.1)
         lt.optimizer_step(model, opt)
-    after = lt.evaluate_preferences(model, tok, hh_pairs)
+    after = ae.evaluate_preferences(model, tok, hh_pairs)
     assert after.clpd > before.clpd + 1.0, (before, after)
     assert after.win_rate >= before.win_rate
     margins = [c - r for c, r in zip(lt.sequence_logprobs(model, tok, prompts, [p["chosen"] for p in hh_pairs]),
@@ -218,13 +219,13 @@ def test_held_out_scores_of_parts_combine_to_the_score_of_the_whole(model_dir):
     model, tok = lt.load_lora_model(model_dir, LORA)
     items = [{"prompt": f"Q{i}: say hi\nA:", "completion": " hi" * (i + 1), "chosen": " hi", "rejected": " no" * i}
              for i in range(1, 6)]
-    whole = lt.evaluate_completions(model, tok, items, batch_size=2)
-    parts = lt.evaluate_completions(model, tok, items[:3]).per_item + lt.evaluate_completions(model, tok, items[3:]).per_item
-    combined = lt.completion_eval(parts)
+    whole = ae.evaluate_completions(model, tok, items, batch_size=2)
+    parts = ae.evaluate_completions(model, tok, items[:3]).per_item + ae.evaluate_completions(model, tok, items[3:]).per_item
+    combined = ae.completion_eval(parts)
     assert combined.tokens == whole.tokens == sum(n for _, n in whole.per_item) and combined.items == 5
     assert combined.token_logprob == pytest.approx(whole.token_logprob, rel=1e-5)
     assert whole.token_logprob < 0
-    pref = lt.evaluate_preferences(model, tok, items)
-    again = lt.preference_eval(lt.evaluate_preferences(model, tok, items[:2]).diffs
-                               + lt.evaluate_preferences(model, tok, items[2:]).diffs)
+    pref = ae.evaluate_preferences(model, tok, items)
+    again = ae.preference_eval(ae.evaluate_preferences(model, tok, items[:2]).diffs
+                               + ae.evaluate_preferences(model, tok, items[2:]).diffs)
     assert (again.win_rate, again.pairs) == (pref.win_rate, 5) and again.clpd == pytest.approx(pref.clpd, rel=1e-5)

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from actors import lora_training as lt  # noqa: E402
+from actors import windowed_pass as wp  # noqa: E402
 from actors.default_model import ensure  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
@@ -73,7 +74,7 @@ def step_grads(model, fn):
 
 
 def windowed(model, tok, item, method, ends, **kw):
-    p = lt.WindowedPass(model, tok, item, method, **kw)
+    p = wp.WindowedPass(model, tok, item, method, **kw)
     for end in ends:
         p.forward(end)
     return p.finish()
@@ -82,19 +83,19 @@ def windowed(model, tok, item, method, ends, **kw):
 def test_item_length_is_the_encoded_stream(model_dir):
     _, tok = lora_model(model_dir, QV)
     enc = lt.encode(tok, [ITEM["prompt"]], [ITEM["completion"]])
-    assert lt.item_length(tok, ITEM, "sft") == enc.input_ids.shape[1]
+    assert wp.item_length(tok, ITEM, "sft") == enc.input_ids.shape[1]
     pair = lt.encode(tok, [PAIR["prompt"]] * 2, [PAIR["chosen"], PAIR["rejected"]])
-    assert lt.item_length(tok, PAIR, "dpo") == int(pair.attention_mask.sum())
-    assert lt.item_length(tok, ITEM, "sft", max_length=16) == 16  # the same _fit truncation
+    assert wp.item_length(tok, PAIR, "dpo") == int(pair.attention_mask.sum())
+    assert wp.item_length(tok, ITEM, "sft", max_length=16) == 16  # the same _fit truncation
     with pytest.raises(ValueError, match="unknown training method"):
-        lt.item_length(tok, ITEM, "ppo")
+        wp.item_length(tok, ITEM, "ppo")
 
 
 @pytest.mark.parametrize("settings", [ALL_PROJ, QV], ids=["qkvo", "qv"])
 @pytest.mark.parametrize("cuts", [[5, 23], [], [5, 23, 60, -1]], ids=["three", "one", "last-token-alone"])
 def test_sft_windows_give_the_full_sequence_gradient(model_dir, settings, cuts):
     model, tok = lora_model(model_dir, settings)
-    length = lt.item_length(tok, ITEM, "sft")
+    length = wp.item_length(tok, ITEM, "sft")
     ends = [c % length for c in cuts] + [length]
     want_stats, want = step_grads(model, lambda: lt.sft_step(model, tok, [ITEM], scale=0.7))
     got_stats, got = step_grads(model, lambda: windowed(model, tok, ITEM, "sft", ends, scale=0.7))
@@ -109,14 +110,14 @@ def test_each_forward_runs_only_its_window(model_dir):
     seen: list[int] = []
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
     try:
-        windowed(model, tok, ITEM, "sft", [5, 23, lt.item_length(tok, ITEM, "sft")])
+        windowed(model, tok, ITEM, "sft", [5, 23, wp.item_length(tok, ITEM, "sft")])
         n_chosen = lt.encode(tok, [PAIR["prompt"]], [PAIR["chosen"]]).input_ids.shape[1]
-        length = lt.item_length(tok, PAIR, "dpo")
+        length = wp.item_length(tok, PAIR, "dpo")
         seen_sft, seen[:] = list(seen), []
         windowed(model, tok, PAIR, "dpo", [n_chosen + 3, length])
     finally:
         hook.remove()
-    assert seen_sft == [5, 18, lt.item_length(tok, ITEM, "sft") - 23]
+    assert seen_sft == [5, 18, wp.item_length(tok, ITEM, "sft") - 23]
     # DPO: each piece twice (reference, then policy); the first window crosses into the rejected sequence.
     assert seen == [n_chosen, n_chosen, 3, 3, length - n_chosen - 3, length - n_chosen - 3]
 
@@ -125,7 +126,7 @@ def test_each_forward_runs_only_its_window(model_dir):
 def test_dpo_windows_give_the_full_sequence_gradient(model_dir, cuts):
     model, tok = lora_model(model_dir)
     n_chosen = lt.encode(tok, [PAIR["prompt"]], [PAIR["chosen"]]).input_ids.shape[1]
-    length = lt.item_length(tok, PAIR, "dpo")
+    length = wp.item_length(tok, PAIR, "dpo")
     ends = [c if isinstance(c, int) else n_chosen + int(c[1:] or 0) for c in cuts] + [length]
     want_stats, want = step_grads(model, lambda: lt.dpo_step(model, tok, [PAIR], beta=0.1, scale=0.7))
     got_stats, got = step_grads(model, lambda: windowed(model, tok, PAIR, "dpo", ends, beta=0.1, scale=0.7))
@@ -144,18 +145,18 @@ def test_batch_mean_scales(model_dir):
 
     def accumulate(method, batch, scales, **kw):
         zero_grads(model)
-        losses = [windowed(model, tok, it, method, [7, lt.item_length(tok, it, method)], scale=s, **kw).loss
+        losses = [windowed(model, tok, it, method, [7, wp.item_length(tok, it, method)], scale=s, **kw).loss
                   for it, s in zip(batch, scales)]
         return losses, grads(model)
 
     # SFT: sft_step's batch loss is a token mean over the whole batch, so 1/B per item is wrong when
     # the items have different numbers of completion tokens, and n_i / Σ n_j is right.
-    counts = [lt.item_loss_tokens(tok, it, "sft") for it in items]
+    counts = [wp.item_loss_tokens(tok, it, "sft") for it in items]
     assert counts[0] != counts[1]
     batch_stats, want = step_grads(model, lambda: lt.sft_step(model, tok, items))
     _, half = accumulate("sft", items, [0.5, 0.5])
     assert max((half[n] - want[n]).abs().max().item() for n in want) > 1e-3
-    scales = lt.batch_scales(tok, items, "sft")
+    scales = wp.batch_scales(tok, items, "sft")
     assert scales == pytest.approx([n / sum(counts) for n in counts])
     losses, got = accumulate("sft", items, scales)
     assert_same_grads(got, want)
@@ -163,7 +164,7 @@ def test_batch_mean_scales(model_dir):
 
     # DPO: dpo_step's loss is a mean over pairs, so 1/B per item is exactly the batch step.
     pairs = [PAIR, PAIR_2]
-    assert lt.batch_scales(tok, pairs, "dpo") == [0.5, 0.5]
+    assert wp.batch_scales(tok, pairs, "dpo") == [0.5, 0.5]
     batch_stats, want = step_grads(model, lambda: lt.dpo_step(model, tok, pairs, beta=0.1))
     losses, got = accumulate("dpo", pairs, [0.5, 0.5], beta=0.1)
     assert_same_grads(got, want)
@@ -173,8 +174,8 @@ def test_batch_mean_scales(model_dir):
 def test_misuse_raises_and_abandon_leaves_grads_alone(model_dir):
     model, tok = lora_model(model_dir, QV)
     zero_grads(model)
-    length = lt.item_length(tok, ITEM, "sft")
-    p = lt.WindowedPass(model, tok, ITEM, "sft")
+    length = wp.item_length(tok, ITEM, "sft")
+    p = wp.WindowedPass(model, tok, ITEM, "sft")
     assert (p.length, p.done) == (length, 0)
     with pytest.raises(ValueError, match=rf"forward\(end={length + 1}\) needs 0 < end <= {length}"):
         p.forward(length + 1)
@@ -188,7 +189,7 @@ def test_misuse_raises_and_abandon_leaves_grads_alone(model_dir):
     assert all(q.grad is None for q in model.parameters())  # nothing reached .grad before finish()
     with pytest.raises(ValueError, match="finished or abandoned"):
         p.forward(length)
-    done = lt.WindowedPass(model, tok, ITEM, "sft")
+    done = wp.WindowedPass(model, tok, ITEM, "sft")
     done.forward(length)
     done.finish()
     with pytest.raises(ValueError, match="finished or abandoned"):
