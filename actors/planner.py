@@ -190,12 +190,12 @@ class Planner:
     def _training_placer(self, name: str, params: dict[str, Any]) -> TrainingPlacer:
         """This planner's own instance of placement policy ``name``, for training decisions.
 
-        Eq. 4's τ_R on the grant path is ``training.slo_ttft_s`` unless the params set ``tau_r``: the
+        Eq. 4's τ_R on the grant path is ``training.slo_ttft_s`` unless the params set ``response_slo_s``: the
         routers' instances keep the policy's own default (only training ever meets Eq. 4).
         """
         kwargs = self._placement_kwargs(name, params)
-        if "tau_r" not in kwargs and registry.accepts("placement", name, "tau_r"):
-            kwargs["tau_r"] = self.cfg.training.slo_ttft_s
+        if "response_slo_s" not in kwargs and registry.accepts("placement", name, "response_slo_s"):
+            kwargs["response_slo_s"] = self.cfg.training.slo_ttft_s
         policy = registry.create("placement", name, **kwargs)
         t = self.cfg.training
         if isinstance(policy, Separate):

@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--train-batches", default="1,2,4", help="training micro-batch sizes C")
     parser.add_argument("--train-lengths", default="32,64,128,256", help="training sequence lengths ℓ")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kappa", type=float, default=0.8, help="M_threshold = κ·M_peak (LEMIX §IV-A)")
+    parser.add_argument("--threshold-fraction", type=float, default=0.8,
+                        help="κ of LEMIX §IV-A: the memory guard lets a node use this share of its peak")
     parser.add_argument("--only-interference", action="store_true",
                         help="measure ρ only and write it into the existing profile (--out or the shipped one)")
     args = parser.parse_args(argv)
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> Path:
     from planners.costs import fit_memory
 
     peak = float(cfg.engine.kv_cache_memory_bytes or 0) + weight_bytes + max(r["bytes"] for r in mem_rows)
-    memory: MemoryModel = fit_memory(kv_rows, mem_rows, kappa=args.kappa, peak_bytes=peak)
+    memory: MemoryModel = fit_memory(kv_rows, mem_rows, threshold_fraction=args.threshold_fraction, peak_bytes=peak)
     lengths_sample = output_lengths_from_sharegpt(model_dir, 2000, cfg.model.max_model_len // 2)
     model = fit_cost_model(
         fwd, bwd, iteration_rows, output_lengths=lengths_sample, memory=memory, stages=1,

@@ -108,23 +108,26 @@ class MemoryModel:
     activation_bytes_per_token: float
     weight_bytes: float
     peak_bytes: float
-    kappa: float = 0.8
+    threshold_fraction: float = 0.8
+    """κ: the share of the peak the guard lets a node use, M_threshold = κ·M_peak."""
     fit: FitQuality | None = None
 
     def threshold(self) -> float:
-        return self.kappa * self.peak_bytes
+        return self.threshold_fraction * self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {"kv_bytes_per_token": self.kv_bytes_per_token,
                 "activation_bytes_per_token": self.activation_bytes_per_token,
-                "weight_bytes": self.weight_bytes, "peak_bytes": self.peak_bytes, "kappa": self.kappa,
+                "weight_bytes": self.weight_bytes, "peak_bytes": self.peak_bytes,
+                "threshold_fraction": self.threshold_fraction,
                 "fit": None if self.fit is None else self.fit.to_dict()}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> MemoryModel:
         fit = d.get("fit")
         return MemoryModel(float(d["kv_bytes_per_token"]), float(d["activation_bytes_per_token"]),
-                           float(d["weight_bytes"]), float(d["peak_bytes"]), float(d.get("kappa", 0.8)),
+                           float(d["weight_bytes"]), float(d["peak_bytes"]),
+                           float(d.get("threshold_fraction", d.get("kappa", 0.8))),  # "kappa": profiles before 2026-11-24
                            None if fit is None else FitQuality.from_dict(fit))
 
 
@@ -355,7 +358,7 @@ def default_cost_model() -> CostModel:
         backward=StageLatency(quad=4e-7, lin=2e-4, const=5e-3),
         iteration=IterationLatency(base=6e-3, per_prefill_token=5e-5, per_decode_seq=2e-4, per_context_token=5e-7),
         memory=MemoryModel(kv_bytes_per_token=4096, activation_bytes_per_token=96 * 1024, weight_bytes=13e6,
-                           peak_bytes=float(1 << 30), kappa=0.8),
+                           peak_bytes=float(1 << 30), threshold_fraction=0.8),
         output_lengths=_default_output_cdf(),
         stages=1,
         metadata={"model": "embedded-default", "hardware": "cpu-2core", "fitted_at": None,
@@ -438,11 +441,11 @@ def fit_iteration_latency(rows: Sequence[Mapping[str, Any]]) -> IterationLatency
 
 
 def fit_memory(kv_rows: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]],
-               kappa: float = 0.8, peak_bytes: float | None = None) -> MemoryModel:
+               threshold_fraction: float = 0.8, peak_bytes: float | None = None) -> MemoryModel:
     """Bytes per KV token from ``{"tokens", "bytes"}`` and per activation token from
     ``{"batch_size", "tokens", "bytes"}`` (intercept = weights); M_peak defaults to the largest row."""
-    if not 0 < kappa <= 1:
-        raise ValueError("kappa must be in (0, 1]")
+    if not 0 < threshold_fraction <= 1:
+        raise ValueError("threshold_fraction (κ) must be in (0, 1]")
     kv = _rows(kv_rows, ("tokens", "bytes"))
     tr = _rows(train_rows, ("batch_size", "tokens", "bytes"))
     kv_coef, _ = fit_linear({"tokens": kv["tokens"], "1": np.ones_like(kv["tokens"])}, kv["bytes"],
@@ -450,7 +453,7 @@ def fit_memory(kv_rows: Sequence[Mapping[str, Any]], train_rows: Sequence[Mappin
     ct = tr["batch_size"] * tr["tokens"]
     tr_coef, q = fit_linear({"C*l": ct, "1": np.ones_like(ct)}, tr["bytes"], required=("C*l",))
     peak = float(max(kv["bytes"].max(), tr["bytes"].max())) if peak_bytes is None else float(peak_bytes)
-    return MemoryModel(kv_coef["tokens"], tr_coef["C*l"], tr_coef["1"], peak, kappa, q)
+    return MemoryModel(kv_coef["tokens"], tr_coef["C*l"], tr_coef["1"], peak, threshold_fraction, q)
 
 
 def fit_cost_model(forward_rows: Sequence[Mapping[str, Any]], backward_rows: Sequence[Mapping[str, Any]],

@@ -65,7 +65,7 @@ class MemoryDecision:
 class MemoryGuard:
     """LEMIX Alg. 2 (EXECUTETASKMEMORYAWARE) for one node: run, wait up to T_max, then shrink, offload or defer.
 
-    Params: ``cost_model`` (CostModel, profile dict or None: the default); ``kappa`` and
+    Params: ``cost_model`` (CostModel, profile dict or None: the default); ``threshold_fraction`` and
     ``peak_bytes`` override the model's κ and M_peak (e.g. the device's real size);
     ``t_max_s`` (1.0) T_max; ``check_interval_s`` (0.05) Δ_t; ``optimizer_bytes`` (0) what
     offloading the optimizer state frees (0: offloading is not available); ``min_batch`` (1) and
@@ -78,15 +78,16 @@ class MemoryGuard:
     that fits after offloading, ``offload``; else ``defer``.
     """
 
-    def __init__(self, cost_model: CostModel | Mapping[str, Any] | None = None, kappa: float | None = None,
+    def __init__(self, cost_model: CostModel | Mapping[str, Any] | None = None, threshold_fraction: float | None = None,
                  peak_bytes: float | None = None, t_max_s: float = 1.0, check_interval_s: float = 0.05,
                  optimizer_bytes: float = 0.0, min_batch: int = 1, min_tokens: int = 16,
                  calibration_window: int = 32, min_ratio: float = 0.5) -> None:
         self.cost = as_cost_model(cost_model)
-        self.kappa = self.cost.memory.kappa if kappa is None else float(kappa)
+        self.threshold_fraction = (self.cost.memory.threshold_fraction if threshold_fraction is None
+                                   else float(threshold_fraction))
         self.peak_bytes = self.cost.memory.peak_bytes if peak_bytes is None else float(peak_bytes)
-        if not 0 < self.kappa <= 1 or self.peak_bytes <= 0:
-            raise ValueError("need 0 < kappa <= 1 and peak_bytes > 0")
+        if not 0 < self.threshold_fraction <= 1 or self.peak_bytes <= 0:
+            raise ValueError("need 0 < threshold_fraction (κ) <= 1 and peak_bytes > 0")
         if t_max_s < 0 or check_interval_s <= 0 or optimizer_bytes < 0:
             raise ValueError("need t_max_s >= 0, check_interval_s > 0, optimizer_bytes >= 0")
         if min_batch < 1 or min_tokens < 1 or calibration_window < 1 or min_ratio <= 0:
@@ -103,7 +104,7 @@ class MemoryGuard:
 
     def threshold(self) -> float:
         """M_threshold = κ·M_peak (LEMIX §IV-A)."""
-        return self.kappa * self.peak_bytes
+        return self.threshold_fraction * self.peak_bytes
 
     def raw_need(self, batch_size: int, tokens: int) -> float:
         """The cost model's bytes: activations of B×ℓ training tokens."""

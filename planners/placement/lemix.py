@@ -60,10 +60,10 @@ class LemixPlacement:
         self,
         cost_model: CostModel | Mapping[str, Any] | None = None,
         stages: int | None = None,
-        lambda1: float = _DEFAULTS.response_weight,
-        lambda2: float = _DEFAULTS.affinity_weight,
-        tau: float | None = _DEFAULTS.idle_clip,
-        tau_r: float | None = _DEFAULTS.response_slo_s,
+        response_weight: float = _DEFAULTS.response_weight,
+        affinity_weight: float = _DEFAULTS.affinity_weight,
+        idle_clip: float | None = _DEFAULTS.idle_clip,
+        response_slo_s: float | None = _DEFAULTS.response_slo_s,
         slo_factor: float = _DEFAULTS.slo_factor,
         idle_horizon: float | None = _DEFAULTS.idle_horizon,
         score: str = _DEFAULTS.score,
@@ -75,10 +75,11 @@ class LemixPlacement:
         vector_above: int = _DEFAULTS.vector_above,
     ) -> None:
         # Explicit keywords, not **kwargs: registry.accepts reads this signature (the planner adds
-        # ``cost_model``, ``stages`` and ``tau_r`` only where the policy takes them).
+        # ``cost_model``, ``stages`` and ``response_slo_s`` only where the policy takes them).
         self.settings = LemixSettings(
-            response_weight=float(lambda1), affinity_weight=float(lambda2),
-            idle_clip=None if tau is None else float(tau), response_slo_s=None if tau_r is None else float(tau_r),
+            response_weight=float(response_weight), affinity_weight=float(affinity_weight),
+            idle_clip=None if idle_clip is None else float(idle_clip),
+            response_slo_s=None if response_slo_s is None else float(response_slo_s),
             slo_factor=float(slo_factor), idle_horizon=None if idle_horizon is None else float(idle_horizon),
             score=score, deprioritize=deprioritize, predict_next=predict_next, max_defer=max_defer,
             calibration_rate=float(calibration_rate), vector_above=int(vector_above))

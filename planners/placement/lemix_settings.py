@@ -21,13 +21,13 @@ class LemixSettings:
     """
 
     response_weight: float = 2.0
-    """λ1 of Eq. 3 (config ``lambda1``): how much a longer response time R costs."""
+    """λ1 of Eq. 3 (config ``response_weight``): how much a longer response time R costs."""
     affinity_weight: float = 0.002
-    """λ2 of Eq. 3 (config ``lambda2``): how much a length close to the node's recent ones (LC) counts."""
+    """λ2 of Eq. 3 (config ``affinity_weight``): how much a length close to the node's recent ones (LC) counts."""
     idle_clip: float | None = None
-    """τ of Eq. 1 (config ``tau``): IP = −max(II/S − Δa, τ); None leaves it unclipped."""
+    """τ of Eq. 1 (config ``idle_clip``): IP = −max(II/S − Δa, τ); None leaves it unclipped."""
     response_slo_s: float | None = None
-    """τ_R of Eq. 4 (config ``tau_r``), seconds; None: ``slo_factor`` × the task's isolated forward."""
+    """τ_R of Eq. 4 (config ``response_slo_s``), seconds; None: ``slo_factor`` × the task's isolated forward."""
     slo_factor: float = 5.0
     idle_horizon: float | None = None
     score: str = "additive"
@@ -47,7 +47,7 @@ class LemixSettings:
         if self.score not in ("additive", "ratio"):
             raise ValueError(f"score must be 'additive' or 'ratio', got {self.score!r}")
         if self.response_weight <= 0:
-            raise ValueError("lambda1 must be > 0")
+            raise ValueError("response_weight (λ1) must be > 0")
         if not 0.0 <= self.calibration_rate <= 1.0:
             raise ValueError("calibration_rate must be in [0, 1]")
         if self.slo_factor <= 0:

@@ -43,7 +43,7 @@ def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishe
 
     cm, _ = load_profile(cfg, BASE)
     window = MemoryGuard(cm).raw_need(1, 64)
-    tight = {"peak_bytes": cm.memory.weight_bytes + window, "kappa": 1.0, "t_max_s": 0.3, "min_tokens": 8}
+    tight = {"peak_bytes": cm.memory.weight_bytes + window, "threshold_fraction": 1.0, "t_max_s": 0.3, "min_tokens": 8}
     name = "memory-pressure"
     _create(app_url, name, method="sft", learning_rate=1e-3, mode="hybrid",
             lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})

@@ -70,13 +70,13 @@ def test_fit_rejects_rows_without_the_needed_keys():
 def test_memory_fit_and_threshold():
     kv = [{"tokens": t, "bytes": 1000 + 4096 * t} for t in (0, 128, 1024, 4096)]
     train = [{"batch_size": c, "tokens": t, "bytes": 5e6 + 98304 * c * t} for c in (1, 2) for t in (64, 512)]
-    mem = fit_memory(kv, train, kappa=0.75, peak_bytes=2e9)
+    mem = fit_memory(kv, train, threshold_fraction=0.75, peak_bytes=2e9)
     assert mem.kv_bytes_per_token == pytest.approx(4096)
     assert mem.activation_bytes_per_token == pytest.approx(98304)
     assert mem.weight_bytes == pytest.approx(5e6)
     assert mem.threshold() == pytest.approx(1.5e9)
-    with pytest.raises(ValueError, match="kappa"):
-        fit_memory(kv, train, kappa=1.5)
+    with pytest.raises(ValueError, match="threshold_fraction"):
+        fit_memory(kv, train, threshold_fraction=1.5)
 
 
 def test_default_model_numbers_are_the_documented_ones():

@@ -19,11 +19,11 @@ def guard(**kw) -> MemoryGuard:
     return MemoryGuard(COST, **kw)
 
 
-def test_threshold_is_kappa_times_peak():
+def test_threshold_is_the_fraction_times_peak():
     assert guard().threshold() == pytest.approx(8e5)
-    assert guard(kappa=0.5, peak_bytes=2e6).threshold() == pytest.approx(1e6)
+    assert guard(threshold_fraction=0.5, peak_bytes=2e6).threshold() == pytest.approx(1e6)
     with pytest.raises(ValueError):
-        guard(kappa=1.5)
+        guard(threshold_fraction=1.5)
     with pytest.raises(ValueError):
         guard(check_interval_s=0.0)
 

@@ -72,29 +72,29 @@ def test_queues_grow_and_backward_planning_chains_stages():
 
 def test_eq4_moves_a_training_task_behind_the_inference_it_would_delay():
     one = [NodeView(0, True)]
-    p = lemix(deprioritize=True, tau_r=3.0)
+    p = lemix(deprioritize=True, response_slo_s=3.0)
     t, i = train("T", 0.0), infer("I", 0.1)
     # Without T the request ends at 0.1 + 2 = 2.1 (R = 2 ≤ 3); with it, after T's backward at 6: R = 7.9.
     assert p.deprioritizes(t, i, one, 0.0)
     assert [x.task_id for x in p.prioritize([t, i], one, 0.0)] == ["I", "T"]
-    relaxed = lemix(deprioritize=True, tau_r=10.0)
+    relaxed = lemix(deprioritize=True, response_slo_s=10.0)
     assert not relaxed.deprioritizes(t, i, one, 0.0)
     assert [x.task_id for x in relaxed.prioritize([t, i], one, 0.0)] == ["T", "I"]
     # With a second, idle node the request still makes τ_R there: nothing to protect.
     assert not p.deprioritizes(t, i, TWO, 0.0)
     assert [x.task_id for x in p.prioritize([t, i], TWO, 0.0)] == ["T", "I"]
-    off = lemix(deprioritize=False, tau_r=3.0)
+    off = lemix(deprioritize=False, response_slo_s=3.0)
     assert [x.task_id for x in off.prioritize([t, i], one, 0.0)] == ["T", "I"]
 
 
 def test_eq4_in_choose_holds_training_back_for_the_predicted_next_request():
     one = [NodeView(0, True)]
-    p = lemix(deprioritize=True, tau_r=3.0)
+    p = lemix(deprioritize=True, response_slo_s=3.0)
     for k, a in enumerate((0.0, 0.1, 0.2)):
         p.choose(infer(f"I{k}", a), one, a)
     assert p.choose(train("T", 0.25), one, 0.25) is None  # keep it queued
-    assert lemix(deprioritize=True, tau_r=3.0, max_defer=0.0).choose(train("T", 0.25), one, 0.25) == 0
-    q = lemix(deprioritize=True, tau_r=3.0)
+    assert lemix(deprioritize=True, response_slo_s=3.0, max_defer=0.0).choose(train("T", 0.25), one, 0.25) == 0
+    q = lemix(deprioritize=True, response_slo_s=3.0)
     for k, a in enumerate((0.0, 0.1, 0.2)):
         q.choose(infer(f"I{k}", a), one, a)
     # Once the stream has been quiet for ten mean gaps there is nothing to make room for.
@@ -126,7 +126,7 @@ def test_a_failed_or_forgotten_task_frees_its_intervals():
 
 
 def test_length_consistency_prefers_the_node_with_similar_lengths():
-    p = lemix(lambda2=1.0, idle_horizon=0.0)
+    p = lemix(affinity_weight=1.0, idle_horizon=0.0)
     nodes = TWO
     p.choose(infer("a", 0.0, prompt=100), nodes, 0.0)    # node 0: ℓ = 100
     p.choose(infer("b", 0.0, prompt=1000), nodes, 0.0)   # node 0 is busy until 2: node 1, ℓ = 1000
@@ -155,8 +155,8 @@ def test_not_ready_nodes_are_skipped_and_none_when_none_is_ready():
 def test_bad_parameters_are_rejected():
     with pytest.raises(ValueError, match="score"):
         LemixPlacement(score="max")
-    with pytest.raises(ValueError, match="lambda1"):
-        LemixPlacement(lambda1=0)
+    with pytest.raises(ValueError, match="response_weight"):
+        LemixPlacement(response_weight=0)
     with pytest.raises(ValueError, match="alpha"):
         registry.create("placement", "separate", alpha=1.5)
 

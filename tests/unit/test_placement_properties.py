@@ -75,7 +75,7 @@ def test_scalar_and_vector_planners_agree(specs, n, stages, report):
 @given(specs=st.lists(task_spec, min_size=0, max_size=12), queue=st.lists(task_spec, min_size=2, max_size=6),
        n=st.integers(1, 3), tau_r=st.floats(0.05, 2.0))
 def test_a_deprioritized_training_task_never_precedes_the_inference_it_protects(specs, queue, n, tau_r):
-    p = _lemix(2, deprioritize=True, tau_r=tau_r, predict_next=False)
+    p = _lemix(2, deprioritize=True, response_slo_s=tau_r, predict_next=False)
     nodes = [NodeView(i, True) for i in range(n)]
     history = _tasks(specs)
     for task in history:

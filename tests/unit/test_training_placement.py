@@ -30,7 +30,7 @@ def test_commit_plans_on_the_given_node_and_later_forwards_go_past_its_backward(
 
 
 def test_deprioritizes_plans_the_step_on_the_node_given():
-    p = lemix(deprioritize=True, tau_r=3.0)
+    p = lemix(deprioritize=True, response_slo_s=3.0)
     p.commit(train("T0", 0.0), 0, 0.0)  # node 0 trains until its backward ends at 6
     t, i = train("T", 0.0), infer("I", 0.1)
     # The step on node 0: node 1 still answers the next request within τ_R (R = 2).
@@ -150,7 +150,7 @@ def test_route_feedback_fills_the_shortest_queue_first():
 
 def test_eq4_on_the_grant_path_holds_a_step_back_while_the_stream_would_miss_its_slo():
     one = [NodeView(0, True)]
-    placer = TrainingPlacer(lemix(deprioritize=True, tau_r=3.0), [0])
+    placer = TrainingPlacer(lemix(deprioritize=True, response_slo_s=3.0), [0])
     step = placer.step_task(0, "a", 1, 100, 0.25)
     assert not placer.deprioritized(step, 0, one, 0.25)  # no stream yet: nothing to protect
     # Three requests in flight (arrived 0.0, 0.1, 0.2): the next is due at 0.3 and would end after 6 s of
