@@ -127,7 +127,7 @@ class MemoryModel:
         fit = d.get("fit")
         return MemoryModel(float(d["kv_bytes_per_token"]), float(d["activation_bytes_per_token"]),
                            float(d["weight_bytes"]), float(d["peak_bytes"]),
-                           float(d.get("threshold_fraction", d.get("kappa", 0.8))),  # "kappa": profiles before 2026-11-24
+                           float(d.get("threshold_fraction", d.get("kappa", 0.8))),  # "kappa": older profiles
                            None if fit is None else FitQuality.from_dict(fit))
 
 
