@@ -1,4 +1,4 @@
-"""LoRA training primitives for the co-located trainer: SFT/DPO micro-steps, MACE metrics, atomic adapter versions.
+"""LoRA training primitives for the co-located trainer: loading, SFT/DPO micro-steps, atomic adapter versions.
 
 Everything here is a plain function on a ``peft`` model, so a Ray Train worker loop can run one
 micro-step at a time between planner grants (docs/learning.md):
