@@ -829,7 +829,9 @@ class FeedbackStore:
             # The held-out slice is assigned here, once, by each item's number within its adapter.
             names = {it.adapter for it in parsed}
             seen = {a: db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ?", (a,)).fetchone()[0] for a in names}
-            share = {a: self._gate_overrides(db, a).over(self.gate_defaults).held_out_share for a in names}
+            # A full unit has no quality gate to score a held-out slice with: every item trains.
+            share = {a: 0.0 if self._adapter_row(db, a)[1] in FULL_METHODS
+                     else self._gate_overrides(db, a).over(self.gate_defaults).held_out_share for a in names}
             ids = []
             for item, node in zip(parsed, nodes):
                 cur = db.execute(

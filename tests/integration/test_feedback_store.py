@@ -425,14 +425,15 @@ def test_a_schema_5_database_keeps_its_adapters_and_takes_full_units(tmp_path):
 
 
 def test_one_full_unit_per_store_and_its_version_0_is_the_starting_model(store):
-    store.create_adapter({"name": "whole", "method": "full_dpo"})
+    store.create_adapter({"name": "whole", "method": "full_dpo", "gate": {"held_out_share": 0.5}})
     with pytest.raises(FullUnitExists, match="at most one"):
         store.create_adapter({"name": "whole2", "method": "full_sft"})
     with pytest.raises(InvalidRequest, match="takes preference pairs"):
         store.add_feedback([sample("whole", 1)])
-    ids = store.add_feedback([pair("whole", 1)])
+    ids = store.add_feedback([pair("whole", i) for i in range(4)])
+    assert store.get_adapter("whole").held_out == 0  # no gate judges a full unit: every item trains
     v = store.reserve_version("whole")
-    store.publish_version("whole", v.version, "/full/whole/v1", ids, 1, 0.7, gated=False)
+    store.publish_version("whole", v.version, "/full/whole/v1", ids, 4, 0.7, gated=False)
     info = store.rollback("whole", 0)
     assert info.current_version is None and info.versions[0].state == "rolled_back"
     assert store.current_version("whole") is None
