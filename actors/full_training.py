@@ -90,14 +90,14 @@ class FullUnitLoop:
         while not self.stop.is_set():
             try:
                 wait = self.round()
-            except Exception as exc:
+                if wait > 0:  # new feedback or a changed unit ends the wait at once
+                    seen = ray.get(self.store.wait_for_change.remote(seen, wait), timeout=wait + 30)
+            except Exception as exc:  # the store restarting, a stage dying: start again from the store's state
                 logger.exception("full unit training failed")
                 self.error("full", f"{type(exc).__name__}: {exc}")
                 self.progress.state = "failed"
                 self.shutdown()
-                wait = RETRY_S
-            if wait > 0:
-                seen = ray.get(self.store.wait_for_change.remote(seen, wait), timeout=wait + 30)
+                self.stop.wait(RETRY_S)
         self.shutdown()
 
     def shutdown(self) -> None:
