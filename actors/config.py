@@ -117,6 +117,11 @@ class TrainingConfig(_ConfigSection):
     resources_per_worker: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 0.5}, description="One trainer rank's share of its node's bundle 0, beside "
                                                           "the replica's (e.g. {GPU: 0.5, CPU: 2} on a GPU host).")
+    stage_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.1},
+        description="One full-model pipeline stage actor's share of its bundle (stage i in bundle i of node 0's group; "
+                    "full_sft/full_dpo units). With cluster.stages > 1 bundle 0 keeps it free beside the replica "
+                    "and the trainer rank.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="The trainer's base weights: auto is bfloat16 on GPUs and CPUs with bf16 instructions, "
                             "else float32. LoRA weights and optimizer moments stay float32.")
@@ -208,14 +213,17 @@ class AppConfig(_ConfigSection):
         bundle = self.cluster.bundle
         replica = self.replica_share
         ranks = self.ranks_per_node if self.training.enabled else 0
-        for key in set(bundle) | set(replica) | set(self.training.resources_per_worker if ranks else {}):
-            need = replica.get(key, 0.0) + ranks * (self.training.resources_per_worker.get(key, 0.0))
+        stage = self.training.stage_resources if ranks and self.cluster.stages > 1 else {}
+        for key in set(bundle) | set(replica) | set(self.training.resources_per_worker if ranks else {}) | set(stage):
+            need = (replica.get(key, 0.0) + ranks * (self.training.resources_per_worker.get(key, 0.0))
+                    + stage.get(key, 0.0))
             if need > bundle.get(key, 0.0) + 1e-9:
                 raise ValueError(
                     f"bundle 0 of a node holds {key}={bundle.get(key, 0.0):g}, but the replica takes "
                     f"{replica.get(key, 0.0):g} and {ranks} trainer rank(s) take "
-                    f"{self.training.resources_per_worker.get(key, 0.0):g} each; enlarge cluster.bundle or lower "
-                    "cluster.replica_resources / training.resources_per_worker")
+                    f"{self.training.resources_per_worker.get(key, 0.0):g} each (and a full-model stage "
+                    f"{stage.get(key, 0.0):g}); enlarge cluster.bundle or lower "
+                    "cluster.replica_resources / training.resources_per_worker / training.stage_resources")
         if not any(v > 0 for v in replica.values()):
             raise ValueError(f"the replica's share of bundle 0 is empty ({replica}); set cluster.replica_resources")
         return self
@@ -261,6 +269,10 @@ class AppConfig(_ConfigSection):
             for key, amount in self.training.resources_per_worker.items():
                 if key in share:
                     share[key] = max(0.0, share[key] - self.ranks_per_node * amount)
+            if self.cluster.stages > 1:  # a full unit's stage 0 also runs in bundle 0
+                for key, amount in self.training.stage_resources.items():
+                    if key in share:
+                        share[key] = max(0.0, share[key] - amount)
         return share
 
     @property

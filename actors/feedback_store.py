@@ -47,8 +47,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 5  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
-# 5: adapters belong to tenants
+SCHEMA_VERSION = 6  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
+# 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo)
 DB_FILENAME = "feedback.sqlite3"
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 TENANT_NAME_RE = ADAPTER_NAME_RE  # actors/keys.py's TENANT_RE: the same shape
@@ -56,15 +56,18 @@ MAX_COUNT = 1_000_000_000  # the largest count a setting takes: well inside SQLi
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
 DEFAULT_MAX_BATCH_ITEMS = 1024
 
-Method = Literal["sft", "dpo"]
+Method = Literal["sft", "dpo", "full_sft", "full_dpo"]
 Mode = Literal["hybrid", "sync", "periodic", "off"]
 Kind = Literal["sft", "preference"]
 VersionState = Literal["candidate", "served", "rejected", "rolled_back"]
 # Which feedback kind each training method consumes. A DPO adapter takes only preference pairs:
 # an SFT sample has no rejected answer to contrast, and one loss per adapter keeps the queue,
 # the grant budget and the reported loss of a version meaningful. An SFT adapter takes only SFT samples.
-KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference"}
-_TAKES = {"dpo": "preference pairs (prompt, chosen, rejected)", "sft": "SFT samples (prompt, completion)"}
+# A full unit (full_sft, full_dpo) trains every weight of the served model itself, through the same feedback.
+KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference", "full_sft": "sft", "full_dpo": "preference"}
+FULL_METHODS = frozenset({"full_sft", "full_dpo"})
+_TAKES = {"dpo": "preference pairs (prompt, chosen, rejected)", "sft": "SFT samples (prompt, completion)",
+          "full_dpo": "preference pairs (prompt, chosen, rejected)", "full_sft": "SFT samples (prompt, completion)"}
 _IS = {"sft": "an SFT sample", "preference": "a preference pair"}
 
 
@@ -100,6 +103,10 @@ class Conflict(StoreError):
 
 class AdapterExists(Conflict):
     pass
+
+
+class FullUnitExists(Conflict):
+    """A second full_sft/full_dpo unit: there is one served model, so at most one full unit trains it."""
 
 
 class VersionConflict(Conflict):
@@ -457,7 +464,7 @@ def is_held_out(n: int, share: float) -> bool:
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS adapters (
     name              TEXT PRIMARY KEY,
-    method            TEXT NOT NULL CHECK (method IN ('sft', 'dpo')),
+    method            TEXT NOT NULL CHECK (method IN ('sft', 'dpo', 'full_sft', 'full_dpo')),
     beta              REAL NOT NULL,
     learning_rate     REAL NOT NULL,
     lora_r            INTEGER NOT NULL,
@@ -530,6 +537,8 @@ CREATE INDEX IF NOT EXISTS feedback_open ON feedback (adapter, held_out, consume
 CREATE INDEX IF NOT EXISTS feedback_epochs ON feedback (adapter, held_out, consumed_by_version, passes, id);
 """
 
+_OLD_METHODS = "CHECK (method IN ('sft', 'dpo'))"
+_NEW_METHODS = "CHECK (method IN ('sft', 'dpo', 'full_sft', 'full_dpo'))"
 UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused", "epochs"})
 _ADAPTER_COLS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
                  "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant")
@@ -582,6 +591,7 @@ class FeedbackStore:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _migrate(self) -> None:
+        self._widen_methods()
         with self._tx() as db:
             found = db.execute("PRAGMA user_version").fetchone()[0]
             if found > SCHEMA_VERSION:
@@ -605,6 +615,28 @@ class FeedbackStore:
             if found < 4:
                 db.execute("UPDATE feedback SET passes = 1 WHERE consumed_by_version IS NOT NULL AND passes = 0")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _widen_methods(self) -> None:
+        """Schema 6: an adapters table made before full units has ``CHECK (method IN ('sft', 'dpo'))``, which
+        SQLite cannot alter; rebuild it with the new check in one transaction (SQLite's documented 12-step
+        table change), its rows and column order kept. Foreign keys are off meanwhile (only outside a
+        transaction does the pragma take effect), so dropping the old table deletes nothing that refers to it."""
+        row = self._conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'adapters'").fetchone()
+        if row is None or _OLD_METHODS not in row[0]:
+            return
+        self._conn.execute("PRAGMA foreign_keys = OFF")
+        try:
+            with self._tx() as db:
+                create = re.sub(r"^CREATE TABLE[^(]*\(", "CREATE TABLE adapters_widened (", row[0], count=1)
+                db.execute(create.replace(_OLD_METHODS, _NEW_METHODS))
+                db.execute("INSERT INTO adapters_widened SELECT * FROM adapters")
+                db.execute("DROP TABLE adapters")
+                db.execute("ALTER TABLE adapters_widened RENAME TO adapters")
+                broken = db.execute("PRAGMA foreign_key_check").fetchall()
+                if broken:
+                    raise StoreError(f"{self.path}: widening the adapters table broke references: {broken[:5]}")
+        finally:
+            self._conn.execute("PRAGMA foreign_keys = ON")
 
     @contextmanager
     def _tx(self, write: bool = True) -> Iterator[sqlite3.Connection]:
@@ -639,6 +671,12 @@ class FeedbackStore:
         with self._tx() as db:
             if db.execute("SELECT 1 FROM adapters WHERE name = ?", (spec.name,)).fetchone():
                 raise AdapterExists(f"adapter {spec.name!r} already exists")
+            if spec.method in FULL_METHODS:
+                # A full unit changes the base model every request is served with: one per deployment.
+                other = db.execute("SELECT name FROM adapters WHERE method IN ('full_sft', 'full_dpo')").fetchone()
+                if other:
+                    raise FullUnitExists(f"full unit {other[0]!r} already trains this deployment's model; "
+                                         "at most one full_sft/full_dpo unit per deployment")
             db.execute(
                 f"INSERT INTO adapters ({_ADAPTER_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (spec.name, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
@@ -791,7 +829,9 @@ class FeedbackStore:
             # The held-out slice is assigned here, once, by each item's number within its adapter.
             names = {it.adapter for it in parsed}
             seen = {a: db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ?", (a,)).fetchone()[0] for a in names}
-            share = {a: self._gate_overrides(db, a).over(self.gate_defaults).held_out_share for a in names}
+            # A full unit has no quality gate to score a held-out slice with: every item trains.
+            share = {a: 0.0 if self._adapter_row(db, a)[1] in FULL_METHODS
+                     else self._gate_overrides(db, a).over(self.gate_defaults).held_out_share for a in names}
             ids = []
             for item, node in zip(parsed, nodes):
                 cur = db.execute(
@@ -1063,10 +1103,20 @@ class FeedbackStore:
     def rollback(self, adapter: str, version: int) -> AdapterInfo:
         """Point ``current_version`` at an earlier published version; nothing is deleted or re-queued.
 
+        A full unit's ``version`` 0 is the starting model (``current_version`` becomes null).
+
         A per_node version rolls back its own node's copy only.
         """
         with self._tx() as db:
-            self._adapter_row(db, adapter)  # 404 names the adapter, not the version
+            row = self._adapter_row(db, adapter)  # 404 names the adapter, not the version
+            if version == 0:
+                # A full unit's version 0 is the model the deployment started with: serve it again.
+                if row[1] not in FULL_METHODS:
+                    raise InvalidRequest("version: 0 (the starting model) is a full unit's; an adapter rolls back to v1 "
+                                         "or later")
+                self._roll_back_newer(db, adapter, 0, None)
+                db.execute("UPDATE adapters SET current_version = NULL WHERE name = ?", (adapter,))
+                return self._adapter_info(db, adapter)
             v = self._version(db, adapter, version)
             current = self._current(db, adapter, v.node)
             if not v.published:

@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.config import AppConfig, PlannerConfig
 from actors.engine_args import served_model_name
+from actors.feedback_store import FULL_METHODS
 from planners import registry
 from planners.coserving import (EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, grant_run_time,
                                 whole_windows)
@@ -50,6 +51,8 @@ from planners.types import (
     AdapterLoaded,
     AdapterVersion,
     ExecutionTrace,
+    FullSynced,
+    FullVersion,
     Grant,
     GrantedWindow,
     GrantRequest,
@@ -93,6 +96,7 @@ class _Node:
     reported_at: float = 0.0
     prefix_cache: tuple[int, int] = (0, 0)  # (queried, hit) prompt tokens of this replica's engine
     adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version, as the node confirmed
+    full: FullSynced | None = None  # the full-model version the node's engine computes with, as it confirmed
     confirmed_epoch: int = -1
     facts: EngineFacts | None = None  # the replica's latest engine report
     scheduler: Any = None  # the node's iteration scheduler (planner.iteration), built on first grant
@@ -139,6 +143,7 @@ class Planner:
         self.traces_seen = 0
         self._traces: deque[tuple[int, ExecutionTrace]] = deque(maxlen=TRACES_KEPT)
         self._published: dict[int, dict[str, AdapterVersion]] = {n.node_id: {} for n in self.nodes}
+        self._full: FullVersion | None = None  # the full unit's version every node computes with (None: the start)
         self._epoch = 0
         self._changed: asyncio.Condition | None = None  # created on the actor's event loop
         self._started = False
@@ -262,6 +267,10 @@ class Planner:
         # After a restart of the app, every adapter serves its current published version again.
         for info in await self.feedback.list_adapters.remote():
             paths = {v.version: v.path for v in info.versions if v.path}
+            if info.method in FULL_METHODS:  # the full unit: its current version is the model every node serves
+                if info.current_version in paths:
+                    self._full = FullVersion(info.name, info.current_version, paths[info.current_version])
+                continue
             for node in self.nodes:
                 # per_node: each node its own copy's version; synced: the adapter's current version.
                 version = info.node_versions.get(node.node_id) if info.node_versions else info.current_version
@@ -286,13 +295,13 @@ class Planner:
             # A new replica of the node: its counters start at zero, and it holds no adapter yet.
             node.received_before, node.finished_before = node.placed, node.finished_total
             node.received = node.finished = node.in_flight = 0
-            node.adapters, node.confirmed_epoch, node.facts = {}, -1, None
+            node.adapters, node.confirmed_epoch, node.facts, node.full = {}, -1, None, None
         node.actor_name, node.pid, node.ray_node_id = reg.actor_name, reg.pid, reg.ray_node_id
         node.placement_group_id, node.registered_at = reg.placement_group_id, time.time()
         node.state, node.error = "ready", None
         logger.info("node %d: replica %s (pid %d) registered after %.1fs", node.node_id, reg.actor_name, reg.pid,
                     time.time() - node.started_at)
-        return AdapterAssignment(self._epoch, dict(self._published[node.node_id]))
+        return AdapterAssignment(self._epoch, dict(self._published[node.node_id]), self._full)
 
     async def _watch_replicas(self) -> None:
         """A node whose replica actor died goes back to ``starting`` until Serve's replacement registers."""
@@ -392,6 +401,11 @@ class Planner:
                     "busy_seconds": round(n.busy_seconds, 3),
                     "prefix_cache": {"queried_tokens": n.prefix_cache[0], "hit_tokens": n.prefix_cache[1]},
                     "adapters": dict(n.adapters),
+                    # The full-model version the engine computes with (version null: the model it started
+                    # with) and the seconds its last sync took (pause, load, resume).
+                    "full_version": None if n.full is None else {
+                        "unit": n.full.unit, "version": n.full.version, "sync_s": _rounded(n.full.sync_s),
+                        "fingerprint": n.full.fingerprint, "at": n.full.at},
                     "pid": n.pid,
                     "engine": None if n.facts is None else {
                         "requests": len(n.facts.requests), "iterations": n.facts.iterations,
@@ -646,12 +660,15 @@ class Planner:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self._epoch != known_epoch), timeout=wait_s)
             except asyncio.TimeoutError:
                 pass
-        return AdapterAssignment(self._epoch, dict(self._published[node_id]))
+        return AdapterAssignment(self._epoch, dict(self._published[node_id]), self._full)
 
-    async def adapters_loaded(self, node_id: int, epoch: int, loaded: dict[str, int]) -> None:
-        """A replica serves ``loaded`` (adapter -> version) as of assignment ``epoch``."""
+    async def adapters_loaded(self, node_id: int, epoch: int, loaded: dict[str, int],
+                              full: FullSynced | None = None) -> None:
+        """A replica serves ``loaded`` (adapter -> version) and computes with ``full`` as of assignment ``epoch``."""
         node = self.nodes[node_id]
         node.adapters = {f"{self.served_name}:{name}": v for name, v in loaded.items()}
+        if full is not None:
+            node.full = full
         node.confirmed_epoch = max(node.confirmed_epoch, epoch)
         async with self._changed:
             self._changed.notify_all()
@@ -695,6 +712,13 @@ class Planner:
                 change[nid] = {adapter: AdapterVersion(version, path)}
         nodes = await self._publish(change) if change else []
         return AdapterLoaded(f"{self.served_name}:{adapter}", version, tuple(nodes))
+
+    async def load_full(self, full: FullVersion | None) -> list[int]:
+        """Every node computes with ``full`` from now on (None: the model the engines started with, a rollback
+        to version 0); returns the ready nodes that confirmed the sync."""
+        await self.start()
+        self._full = full
+        return await self._publish({n.node_id: {} for n in self.nodes})
 
     async def unload_adapter(self, adapter: str) -> AdapterLoaded:
         scope = [nid for nid, published in self._published.items() if adapter in published]

@@ -36,7 +36,7 @@ from actors.engine_weights import (
     version_of,
 )
 from planners.coserving import EngineFacts, LiveRequest
-from planners.types import AdapterAssignment, ExecutionTrace, NodeRegistration, NodeReport
+from planners.types import AdapterAssignment, ExecutionTrace, FullSynced, FullVersion, NodeRegistration, NodeReport
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ class ModelReplica:
         self._assignment_epoch = -1
         self._full: dict[str, Any] | None = None  # the full version loaded last: {version, path}; None: the start weights
         self._weights_lock = asyncio.Lock()  # one full-weight sync at a time
+        self._full_unit: str | None = None  # the training unit whose assigned version the engine computes with
+        self._full_sync_s: float | None = None  # the last assigned sync's whole call
+        self._fingerprint: str | None = None  # of the live weights after the last full sync
         self._tasks: list[asyncio.Task] = []
         if omp_threads:
             # Read by vLLM's CPU worker when the engine process starts; one engine must not
@@ -144,7 +147,9 @@ class ModelReplica:
         failed call, so a planner that Serve recreated is found again.
         """
         assignment = await _retry(lambda: planner().register_node.remote(registration), "register with the planner")
-        await self.apply_adapters(assignment)
+        loaded = await self.apply_adapters(assignment)
+        if assignment.full is not None:  # a replacement replica took the full version up: say so at once
+            await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded, self.full_synced())
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._report_forever(planner, registration, flush_s)),
                        loop.create_task(self._follow_assignments(planner))]
@@ -176,7 +181,7 @@ class ModelReplica:
                     self.node_id, self._assignment_epoch, ASSIGNMENT_POLL_S)
                 if assignment.epoch != self._assignment_epoch:
                     loaded = await self.apply_adapters(assignment)
-                    await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded)
+                    await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded, self.full_synced())
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -231,6 +236,10 @@ class ModelReplica:
         Returns the loaded versions by adapter name. The assignment is the planner's truth, so an
         older version is loaded too (a rollback); the planner decides when that is allowed.
         """
+        try:
+            await self.apply_full(assignment.full)
+        except Exception:  # the old weights still serve (the worker checks a checkpoint before it changes any)
+            logger.exception("node %d could not sync full version %s", self.node_id, assignment.full)
         wanted = {f"{self.served_name}:{name}": (name, v) for name, v in assignment.adapters.items()}
         for model_id, (name, v) in wanted.items():
             current = self._adapters.get(model_id)
@@ -277,6 +286,28 @@ class ModelReplica:
 
     # ---- full model versions ---------------------------------------------------------------
 
+    async def apply_full(self, full: FullVersion | None) -> None:
+        """Compute with the assigned full version (None: the model the engine started with) if it is not live yet."""
+        current = None if self._full is None else (self._full["version"], self._full["path"])
+        wanted = None if full is None else (full.version, full.path)
+        if wanted == current:
+            return
+        if full is None:
+            load = await self.load_full_version(str(self.engine.model_config.model), 0)
+            self._full = None  # version 0: the starting weights again
+        else:
+            load = await self.load_full_version(full.path, full.version)
+        self._full_unit = None if full is None else full.unit
+        self._full_sync_s = load.total_s
+        logger.info("node %d: full sync to %s took %.3f s (engine load %.3f s)", self.node_id,
+                    "the starting model" if full is None else f"{full.unit} v{full.version}", load.total_s,
+                    load.load_s)
+
+    def full_synced(self) -> FullSynced:
+        """The full version the engine computes with now and what its last assigned sync cost, for the planner."""
+        version = None if self._full is None else self._full["version"]
+        return FullSynced(self._full_unit, version, self._full_sync_s, self._fingerprint, time.time())
+
     async def load_full_version(self, path: str, version: int) -> FullVersionLoad:
         """Compute with the full checkpoint published at ``path`` from now on, without restarting the engine.
 
@@ -322,6 +353,7 @@ class ModelReplica:
             total = time.perf_counter() - t0
             self._full = {"version": int(version), "path": path}
             fingerprint = await self.weights_fingerprint()
+            self._fingerprint = fingerprint
             logger.info("node %d serves full version %d from %s (%.2f s)", self.node_id, version, local, total)
             return FullVersionLoad(
                 node_id=self.node_id, version=int(version), path=path, local_path=str(local),

@@ -41,7 +41,7 @@ import ray
 from actors.evaluator import VersionEvaluator
 from actors.config import AppConfig
 from actors.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
-from actors.feedback_store import FeedbackItem
+from actors.feedback_store import FULL_METHODS, FeedbackItem
 from planners.types import (
     Grant,
     GrantedWindow,
@@ -318,7 +318,9 @@ class RankLoop:
         def trainable(name: str) -> bool:
             # Not while the gate judges the adapter's candidate: the next version must start from
             # whatever is served after the verdict, never from weights the gate may reject.
-            return (available(name) > 0 and self._spec(name).mode != "off" and not self._spec(name).paused
+            # A full unit (full_sft/full_dpo) is not a LoRA adapter: actors/full_training.py trains it.
+            return (available(name) > 0 and self._spec(name).method not in FULL_METHODS
+                    and self._spec(name).mode != "off" and not self._spec(name).paused
                     and not (self.evaluator is not None and self.evaluator.judging(name))
                     and self.not_before.get(name, 0) <= now)
 

@@ -115,6 +115,8 @@ class Trainer:
         self._lock = threading.RLock()  # methods run on the actor's thread pool (max_concurrency)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.full: Any = None  # FullUnitLoop (actors/full_training.py): the full unit, with cluster.stages > 1
+        self._full_thread: threading.Thread | None = None
         self._regroup = False  # the ranks were stopped to start again where the nodes that train are now
         self.state = "idle"
         self.started_at: float | None = None
@@ -150,6 +152,14 @@ class Trainer:
                 self.state, self.started_at = "starting", time.time()
                 self._thread = threading.Thread(target=self._supervise, name="ray-train-fit", daemon=True)
                 self._thread.start()
+            if self.problem is None and self.cfg.cluster.stages > 1 and (
+                    self._full_thread is None or not self._full_thread.is_alive()):
+                from actors.full_training import FullUnitLoop
+
+                store = ray.get_actor(self.cfg.feedback_actor_name, namespace=self.namespace)
+                self.full = FullUnitLoop(self.cfg, self.planner, store, self._stop, self._error)
+                self._full_thread = threading.Thread(target=self.full.run, name="full-unit", daemon=True)
+                self._full_thread.start()
         return self.status()
 
     def ranks(self) -> list[Any]:
@@ -350,6 +360,8 @@ class Trainer:
             "workers": [self.workers[r] for r in sorted(self.workers)],
             "adapters": adapters,
             "eval_file": self.eval_file,
+            # The full unit (full_sft/full_dpo) trained on node 0's pipeline stages; None: cluster.stages is 1.
+            "full": None if self.full is None else self.full.status(),
             "errors": list(self.errors),
         }
 

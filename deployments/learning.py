@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from actors.config import AppConfig
 from actors.feedback_store import (
     ADAPTER_NAME_RE,
+    FULL_METHODS,
     Conflict,
     InvalidRequest,
     StoreError,
@@ -31,7 +32,7 @@ from actors.feedback_store import (
 )
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
-from planners.types import NewFeedback
+from planners.types import FullVersion, NewFeedback
 
 UNKNOWN = object()  # the owner of an adapter that does not exist
 
@@ -147,7 +148,8 @@ class LearningRoutes:
 
     def _adapter_json(self, info: Any, base: str) -> dict[str, Any]:
         out = info.model_dump()
-        out["model"] = f"{base}:{info.name}"
+        # A full unit's versions are the base model itself: requests name the base.
+        out["model"] = base if info.method in FULL_METHODS else f"{base}:{info.name}"
         return out
 
     async def create_adapter(self, request: Request) -> Response:
@@ -159,6 +161,14 @@ class LearningRoutes:
             limit = self.cfg.engine.max_lora_rank
             raise BadRequest(f"lora.r={rank} exceeds the engine's max_lora_rank={limit}", "lora.r")
         principal = PRINCIPAL.get()
+        if body.get("method") in FULL_METHODS:
+            # A full unit retrains the model every tenant is served: the operator's decision, not a tenant's.
+            if not principal.admin:
+                return error(403, "a full_sft/full_dpo unit changes the model every tenant is served; only an "
+                                  "admin key may create one", "method")
+            if self.cfg.cluster.stages < 2:
+                raise BadRequest(f"method {body['method']!r} trains the model on a pipeline of cluster.stages >= 2 "
+                                 f"bundles; this deployment has cluster.stages={self.cfg.cluster.stages}", "method")
         if "tenant" in body:
             if not principal.admin and body["tenant"] != principal.tenant:
                 raise BadRequest("`tenant`: only an admin key may create adapters for another tenant.", "tenant")
@@ -189,7 +199,8 @@ class LearningRoutes:
         return JSONResponse(self._adapter_json(info, await self._served_name()))
 
     async def rollback_adapter(self, name: str, request: Request) -> Response:
-        """Serve an earlier version that was served before; 409 for a rejected or candidate one (promote it)."""
+        """Serve an earlier version that was served before; 409 for a rejected or candidate one (promote it).
+        A full unit also takes ``version`` 0: the model the deployment started with."""
         return await self._serve_version(name, request, "rollback")
 
     async def promote_adapter(self, name: str, request: Request) -> Response:
@@ -200,11 +211,18 @@ class LearningRoutes:
         await self._visible(name)
         body = await json_body(request)
         version = body.get("version") if isinstance(body, dict) else None
-        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version < 2**63:
+        lowest = 0 if how == "rollback" else 1  # the store answers 400 for version 0 of an adapter
+        if not isinstance(version, int) or isinstance(version, bool) or not lowest <= version < 2**63:
             raise BadRequest("`version` (a positive integer) is required.", "version")
         if isinstance(body, dict) and set(body) != {"version"}:
             raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
         info = await self._store(lambda q: (q.rollback if how == "rollback" else q.promote).remote(name, version))
+        if info.method in FULL_METHODS:
+            # Every node's engine computes with that version (0: the starting model) once this returns.
+            path = None if version == 0 else (await self._store(lambda q: q.get_version.remote(name, version))).path
+            full = None if path is None else FullVersion(name, version, path)
+            await self.ask_planner(lambda p: p.load_full.remote(full))
+            return JSONResponse(self._adapter_json(info, await self._served_name()))
         target = await self._store(lambda q: q.get_version.remote(name, version))
         nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
         await self.ask_planner(lambda p: p.load_adapter.remote(name, version, target.path, nodes, True))

@@ -143,11 +143,35 @@ class AdapterVersion:
 
 
 @dataclass(frozen=True)
+class FullVersion:
+    """A full-model version of training unit ``unit`` (methods full_sft, full_dpo), published at ``path``."""
+
+    unit: str
+    version: int
+    path: str
+
+
+@dataclass(frozen=True)
+class FullSynced:
+    """What a node's engine computes with after an assignment: ``version`` of ``unit`` (None: the weights it
+    started with) and what the last sync into it cost."""
+
+    unit: str | None
+    version: int | None
+    sync_s: float | None
+    """The replica's whole ``load_full_version`` call (pause, load, resume); None: no sync was needed."""
+    fingerprint: str | None
+    at: float
+
+
+@dataclass(frozen=True)
 class AdapterAssignment:
     """The adapter versions one node must serve, as of ``epoch`` (raised by every change)."""
 
     epoch: int
     adapters: dict[str, AdapterVersion] = field(default_factory=dict)
+    full: FullVersion | None = None
+    """The full-model version the node's engine must compute with; None: the model it started with."""
 
 
 @dataclass(frozen=True)

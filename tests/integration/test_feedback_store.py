@@ -17,6 +17,7 @@ from actors.feedback_store import (
     AdapterExists,
     Conflict,
     FeedbackStore,
+    FullUnitExists,
     InvalidRequest,
     UnknownAdapter,
     UnknownVersion,
@@ -387,6 +388,58 @@ def test_a_schema_1_database_is_migrated_in_place(tmp_path):
     s.add_feedback([sample("old", 1)], nodes=[1])
     assert s.queued_by_node() == {"old": {1: 1}}
     s.close()
+
+
+def test_a_schema_5_database_keeps_its_adapters_and_takes_full_units(tmp_path):
+    """Schema 6 widens the adapters table's method check (SQLite cannot alter a CHECK): rows, versions, queue kept."""
+    db = sqlite3.connect(tmp_path / "feedback.sqlite3")
+    db.executescript("""
+        CREATE TABLE adapters (name TEXT PRIMARY KEY, method TEXT NOT NULL CHECK (method IN ('sft', 'dpo')),
+            beta REAL NOT NULL, learning_rate REAL NOT NULL, lora_r INTEGER NOT NULL, lora_alpha REAL NOT NULL,
+            lora_target_modules TEXT NOT NULL, lora_dropout REAL NOT NULL, mode TEXT NOT NULL,
+            periodic_every_seconds REAL, periodic_every_samples INTEGER, current_version INTEGER,
+            created_at REAL NOT NULL);
+        CREATE TABLE versions (adapter TEXT NOT NULL REFERENCES adapters(name), version INTEGER NOT NULL,
+            parent INTEGER, path TEXT, created_at REAL NOT NULL, published INTEGER NOT NULL DEFAULT 0,
+            published_at REAL, samples_trained INTEGER, loss REAL, win_rate REAL, clpd REAL,
+            PRIMARY KEY (adapter, version));
+        CREATE TABLE feedback (id INTEGER PRIMARY KEY AUTOINCREMENT, adapter TEXT NOT NULL REFERENCES adapters(name),
+            kind TEXT NOT NULL, prompt TEXT NOT NULL, completion TEXT, chosen TEXT, rejected TEXT,
+            created_at REAL NOT NULL, consumed_by_version INTEGER);
+        INSERT INTO adapters VALUES ('old', 'dpo', 0.1, 0.0005, 8, 16, '["q_proj"]', 0, 'hybrid', 60, NULL, 1, 1.0);
+        INSERT INTO versions VALUES ('old', 1, NULL, '/x/v1', 1.0, 1, 2.0, 3, 0.5, NULL, NULL);
+        INSERT INTO feedback (adapter, kind, prompt, chosen, rejected, created_at) VALUES ('old', 'preference', 'p',
+            'a', 'b', 1.0);
+        PRAGMA user_version = 1;
+    """)
+    db.close()
+    FeedbackStore(tmp_path).close()  # migrated to schema 5's columns first, then widened; again: nothing to do
+    s = FeedbackStore(tmp_path, gate_defaults=NO_GATE)
+    info = s.get_adapter("old")
+    assert (info.method, info.current_version, info.queued, info.versions[0].path) == ("dpo", 1, 1, "/x/v1")
+    assert s.create_adapter({"name": "whole", "method": "full_sft", "mode": "sync"}).method == "full_sft"
+    s.add_feedback([sample("whole", 1)])
+    assert s.get_adapter("whole").queued == 1
+    assert s._conn.execute("PRAGMA foreign_keys").fetchone() == (1,)
+    s.close()
+
+
+def test_one_full_unit_per_store_and_its_version_0_is_the_starting_model(store):
+    store.create_adapter({"name": "whole", "method": "full_dpo", "gate": {"held_out_share": 0.5}})
+    with pytest.raises(FullUnitExists, match="at most one"):
+        store.create_adapter({"name": "whole2", "method": "full_sft"})
+    with pytest.raises(InvalidRequest, match="takes preference pairs"):
+        store.add_feedback([sample("whole", 1)])
+    ids = store.add_feedback([pair("whole", i) for i in range(4)])
+    assert store.get_adapter("whole").held_out == 0  # no gate judges a full unit: every item trains
+    v = store.reserve_version("whole")
+    store.publish_version("whole", v.version, "/full/whole/v1", ids, 4, 0.7, gated=False)
+    info = store.rollback("whole", 0)
+    assert info.current_version is None and info.versions[0].state == "rolled_back"
+    assert store.current_version("whole") is None
+    assert store.rollback("whole", 1).current_version == 1  # and forward again: v1 was served
+    with pytest.raises(InvalidRequest, match="full unit"):
+        store.rollback("acme", 0)
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]

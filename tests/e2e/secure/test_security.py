@@ -102,6 +102,15 @@ def test_a_tenant_creates_and_lists_only_its_own_adapters(secure_app):
     _error(httpx.get(f"{url}/v1/adapters/acme-own", headers=_h(secure_app, "beta")), 404)
 
 
+def test_only_an_admin_key_may_create_a_full_unit(secure_app):
+    """A full unit retrains the model every tenant is served: a tenant's key gets 403; the admin's passes that
+    check and meets the next one (this app's nodes have one bundle, a pipeline needs two)."""
+    url = secure_app["url"]
+    body = {"name": "whole", "method": "full_sft"}
+    _error(httpx.post(f"{url}/v1/adapters", headers=_h(secure_app, "acme"), json=body), 403, "admin")
+    _error(httpx.post(f"{url}/v1/adapters", headers=_h(secure_app, "admin"), json=body), 400, "cluster.stages")
+
+
 def _cache(secure_app) -> tuple[int, int]:
     node = httpx.get(f"{secure_app['url']}/v1/status", headers=_h(secure_app, "admin")).json()["nodes"][0]
     return node["prefix_cache"]["queried_tokens"], node["prefix_cache"]["hit_tokens"]

@@ -1,0 +1,126 @@
+"""A full_sft unit through the adapters and feedback API: its stages train in the node's bundles while it serves; versions sync in."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+READY_S = 300
+PROMPT = "Q: sky color?\nA:"
+ITEMS = [{"adapter": "whole", "prompt": PROMPT, "completion": " blue sky blue"},
+         {"adapter": "whole", "prompt": "Q: pet?\nA:", "completion": " cat cat cat"}] * 2
+
+
+@pytest.fixture(scope="module")
+def url(ray_cluster, app_url, tmp_path_factory) -> str:
+    """A one-node app whose placement group has two bundles (cluster.stages 2), beside the session app."""
+    from ray import serve
+
+    from app.main import build_app
+
+    cfg = {
+        "name": "coserve-full",
+        "data_dir": str(tmp_path_factory.mktemp("full-data")),
+        "cluster": {"nodes": 1, "stages": 2, "bundle": {"CPU": 1}},
+        "model": {"embedded": "tiny-llama", "max_model_len": 512},
+        "engine": {"max_num_seqs": 4, "kv_cache_memory_bytes": 64 * 2**20},
+        "planner": {"placement": "round_robin"},
+        "training": {"micro_batch": 2, "accumulation": 2, "steps_per_version": 6, "max_length": 64},
+    }
+    serve.run(build_app(cfg), name="fullunit", route_prefix="/fullunit")
+    base = f"{app_url}/fullunit"
+    deadline, st = time.time() + READY_S, {}
+    while time.time() < deadline:
+        try:
+            st = httpx.get(f"{base}/v1/status", timeout=10).json()
+            if st["ready_nodes"] == 1 and (st.get("training") or {}).get("full") is not None:
+                break
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail(f"full-unit app not ready within {READY_S}s: {st}")
+    yield base
+    serve.delete("fullunit")
+
+
+def _greedy(url: str) -> str:
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 6,
+                                                  "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _stage_bundles(group: str) -> dict[str, int]:
+    """actor id -> bundle index of every live PipelineStage actor in placement group ``group`` (Ray's state API)."""
+    import ray
+    from ray.util.state import list_actors
+
+    out = {}
+    for a in list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                         filters=[("placement_group_id", "=", group), ("class_name", "=", "PipelineStage")]):
+        if a.state == "ALIVE":
+            # Ray books an actor's share of bundle i of group G as <resource>_group_<i>_<G>.
+            out[a.actor_id] = next(int(k.split("_")[2]) for k in a.required_resources
+                                   if k.startswith("CPU_group_") and k.endswith(group) and k.split("_")[2].isdigit())
+    return out
+
+
+def test_bad_units_are_refused_in_the_openai_error_shape(url):
+    r = httpx.post(f"{url}/v1/adapters", json={"name": "odd", "method": "full_ppo"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and "method" in err["message"] and set(err) >= {"message", "type", "param", "code"}
+
+
+def test_a_full_unit_trains_in_the_nodes_bundles_while_serving_and_rolls_back(url):
+    before = _greedy(url)
+    r = httpx.post(f"{url}/v1/adapters", json={"name": "whole", "method": "full_sft", "mode": "sync",
+                                               "learning_rate": 5e-3, "gate": {"enabled": False, "held_out_share": 0}},
+                   timeout=30)
+    assert r.status_code == 201, r.text
+    assert r.json()["model"] == "tiny-llama"  # requests keep naming the base model
+    second = httpx.post(f"{url}/v1/adapters", json={"name": "whole2", "method": "full_dpo"}, timeout=30)
+    assert second.status_code == 409 and "at most one" in second.json()["error"]["message"], second.text
+
+    group = httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"][0]["placement_group_id"]
+    t0 = time.time()
+    r = httpx.post(f"{url}/v1/feedback", json={"items": ITEMS}, timeout=60)
+    assert r.status_code == 202, r.text
+    seen: dict[str, int] = {}
+    answered = 0
+    info = {}
+    while time.time() - t0 < 180:
+        seen.update(_stage_bundles(group))
+        assert _greedy(url) is not None  # the replica keeps answering 200 while its node trains
+        answered += 1
+        info = httpx.get(f"{url}/v1/adapters/whole", timeout=30).json()
+        if info["current_version"] == 1:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"no version within 180 s: {info}")
+    trained_s = time.time() - t0
+    seen.update(_stage_bundles(group))  # the stages stay up: they hold the weights the next version starts from
+    assert sorted(seen.values()) == [0, 1], seen  # two stage actors, in bundles 0 and 1 of the replica's group
+    assert answered >= 2
+    assert info["queued"] == 0 and info["versions"][0]["samples_trained"] == 4, info
+
+    st = httpx.get(f"{url}/v1/status", timeout=30).json()
+    full = st["nodes"][0]["full_version"]
+    assert full["unit"] == "whole" and full["version"] == 1 and full["sync_s"] > 0, full
+    progress = st["training"]["full"]
+    assert progress["version"] == 1 and progress["placement_group_id"] == group
+    assert {s["actor_id"] for s in progress["stages"]} == set(seen)
+    after = _greedy(url)
+    assert after != before, (before, after)
+
+    r = httpx.post(f"{url}/v1/adapters/whole/rollback", json={"version": 0}, timeout=120)
+    assert r.status_code == 200 and r.json()["current_version"] is None, r.text
+    assert _greedy(url) == before
+    back = httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"][0]["full_version"]
+    assert back["version"] is None and back["sync_s"] > 0, back
+    print(f"trained and served v1 in {trained_s:.1f} s; sync {full['sync_s']} s; "
+          f"publish -> served {progress['publish_to_served_s']} s; before {before!r} after {after!r}")
