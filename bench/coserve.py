@@ -462,8 +462,6 @@ def main() -> None:
         if args.contention:
             pinning = CorePinning((os.cpu_count() or 1) - 1 if args.shared_core is None else args.shared_core)
             pinning.start()
-        import ray
-
         from app.main import planner_of
 
         planner = planner_of("coserve")

@@ -50,7 +50,7 @@ def _get(url: str) -> dict:
 
 
 def test_remote_replica_serves_a_version_trained_beside_it(two_nodes):
-    url, head, worker = two_nodes["url"], two_nodes["head_node"], two_nodes["worker_node"]
+    url, worker = two_nodes["url"], two_nodes["worker_node"]
     head_dir, worker_dir = Path(two_nodes["head_dir"]), Path(two_nodes["worker_dir"])
     status = _get(f"{url}/v1/status")
     assert status["ready_nodes"] == 1

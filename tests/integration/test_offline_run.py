@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from actors.offline_runner import OutputFile
