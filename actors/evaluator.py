@@ -165,7 +165,7 @@ class VersionEvaluator:
     # ---- the gate --------------------------------------------------------------------------------
 
     def _gate(self, job: EvalJob) -> None:
-        from actors.feedback_store import VersionConflict
+        from actors.feedback_models import VersionConflict
         from planners.gate import Verdict, judge
 
         w = self.worker

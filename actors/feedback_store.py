@@ -30,6 +30,13 @@ fsync for writes). One connection per store object, serialised by a lock, so an 
 may call them directly or through ``asyncio.to_thread``. Several processes on one host may open
 the same file (writers take ``BEGIN IMMEDIATE`` and wait up to ``busy_timeout_s``); WAL does not
 work on network file systems, so in a multi-node cluster exactly one actor should own the store.
+
+Why one module of about 800 lines: :class:`FeedbackStore` is one transaction boundary. Its
+invariants span the three tables (an item is consumed exactly when a published version trained
+on it; a version number is never reused; the current version moves only by publish, decide,
+promote or rollback), and each method is one transaction that keeps them. Splitting the class
+would split those invariants across files. What it accepts and returns is in
+``actors/feedback_models.py``.
 """
 
 from __future__ import annotations
@@ -41,422 +48,44 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ValidationError
+
+from actors.feedback_models import (
+    AdapterExists,
+    AdapterInfo,
+    AdapterSpec,
+    DEFAULT_MAX_BATCH_ITEMS,
+    DEFAULT_MAX_ITEM_BYTES,
+    FULL_METHODS,
+    FeedbackItem,
+    FullUnitExists,
+    GateOverrides,
+    GateSettings,
+    InvalidRequest,
+    KIND_FOR_METHOD,
+    KIND_NAMES,
+    LoraSettings,
+    METHOD_TAKES,
+    PeriodicSettings,
+    PreferenceItem,
+    SFTItem,
+    StoreError,
+    UnknownAdapter,
+    UnknownItem,
+    UnknownVersion,
+    VersionConflict,
+    VersionInfo,
+    is_held_out,
+    pydantic_error,
+    validate_feedback,
+)
 
 SCHEMA_VERSION = 6  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
 # 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo)
 DB_FILENAME = "feedback.sqlite3"
-ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-TENANT_NAME_RE = ADAPTER_NAME_RE  # actors/keys.py's TENANT_RE: the same shape
-MAX_COUNT = 1_000_000_000  # the largest count a setting takes: well inside SQLite's 64-bit integers
-DEFAULT_MAX_ITEM_BYTES = 32 * 1024
-DEFAULT_MAX_BATCH_ITEMS = 1024
-
-Method = Literal["sft", "dpo", "full_sft", "full_dpo"]
-Mode = Literal["hybrid", "sync", "periodic", "off"]
-Kind = Literal["sft", "preference"]
-VersionState = Literal["candidate", "served", "rejected", "rolled_back"]
-# Which feedback kind each training method consumes. A DPO adapter takes only preference pairs:
-# an SFT sample has no rejected answer to contrast, and one loss per adapter keeps the queue,
-# the grant budget and the reported loss of a version meaningful. An SFT adapter takes only SFT samples.
-# A full unit (full_sft, full_dpo) trains every weight of the served model itself, through the same feedback.
-KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference", "full_sft": "sft", "full_dpo": "preference"}
-FULL_METHODS = frozenset({"full_sft", "full_dpo"})
-_TAKES = {"dpo": "preference pairs (prompt, chosen, rejected)", "sft": "SFT samples (prompt, completion)",
-          "full_dpo": "preference pairs (prompt, chosen, rejected)", "full_sft": "SFT samples (prompt, completion)"}
-_IS = {"sft": "an SFT sample", "preference": "a preference pair"}
-
-
-# ----------------------------------------------------------------------------------------------
-# Errors: each carries the HTTP status and the OpenAI-style error type the ingress should use.
-
-
-class StoreError(Exception):
-    """A refusal of the store's: the HTTP layer (deployments/learning.py) answers each kind with its status."""
-
-
-class InvalidRequest(StoreError):
-    """Malformed input. ``errors`` lists every problem found, e.g. ``items[3].chosen: Field required``."""
-
-    def __init__(self, errors: str | list[str]):
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        shown = self.errors[:10]
-        more = f"; ... and {len(self.errors) - len(shown)} more" if len(self.errors) > len(shown) else ""
-        super().__init__("; ".join(shown) + more)
-
-
-class UnknownAdapter(StoreError):
-    """No adapter of that name."""
-
-
-class UnknownVersion(StoreError):
-    """The adapter has no version of that number."""
-
-
-class Conflict(StoreError):
-    """The request is well-formed but clashes with the stored state."""
-
-
-class AdapterExists(Conflict):
-    pass
-
-
-class FullUnitExists(Conflict):
-    """A second full_sft/full_dpo unit: there is one served model, so at most one full unit trains it."""
-
-
-class VersionConflict(Conflict):
-    pass
-
-
-class UnknownItem(StoreError):
-    """No feedback item of that id."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Validated inputs.
-
-
-class _Strict(BaseModel):
-    # No inf/NaN: they would be stored, then fail to encode as JSON in every later answer.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class LoraSettings(_Strict):
-    r: int = Field(8, ge=1, le=256, description="LoRA rank (must not exceed the engine's max_lora_rank).")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-
-    @field_validator("target_modules")
-    @classmethod
-    def _module_names(cls, v: list[str]) -> list[str]:
-        bad = [m for m in v if not re.fullmatch(r"[A-Za-z0-9_.]{1,128}", m)]
-        if bad:
-            raise ValueError(f"not module names: {bad}")
-        return v
-
-
-class PeriodicSettings(_Strict):
-    every_seconds: float | None = Field(60.0, gt=0, description="Train every T seconds (Ekya-like).")
-    every_samples: int | None = Field(None, gt=0, le=MAX_COUNT, description="... or as soon as K samples are queued.")
-
-
-class GateSettings(_Strict):
-    """The quality gate: a trained version is served only if it scores on the adapter's held-out slice
-    no worse than the version served now (the base model before the first) by more than ``margin``.
-
-    The app's default is ``training.gate``; an adapter's ``gate`` overrides any of these fields.
-    """
-
-    enabled: bool = Field(True, description="Gate new versions; false: serve every version at once (still scored).")
-    margin: float = Field(
-        0.02, ge=0, description="How much worse than the served version a candidate may score and still be served: "
-                                "win-rate points (0-1) for dpo adapters, nats per token for sft adapters.")
-    held_out_share: float = Field(
-        0.1, ge=0, le=0.5, description="Share of the adapter's new feedback kept out of training as its held-out "
-                                       "slice (assigned when the item is stored; 0: none).")
-    pause_after_rejections: int = Field(
-        3, ge=0, le=MAX_COUNT, description="Consecutive rejected versions after which the adapter stops training (0: never).")
-    max_eval_items: int = Field(64, gt=0, le=MAX_COUNT, description="Held-out items a version is scored on (the oldest ones).")
-
-
-class GateOverrides(_Strict):
-    """An adapter's own gate settings; a field left null follows the app's default (``training.gate``)."""
-
-    enabled: bool | None = None
-    margin: float | None = Field(None, ge=0)
-    held_out_share: float | None = Field(None, ge=0, le=0.5)
-    pause_after_rejections: int | None = Field(None, ge=0, le=MAX_COUNT)
-    max_eval_items: int | None = Field(None, gt=0, le=MAX_COUNT)
-
-    def over(self, defaults: GateSettings) -> GateSettings:
-        """The effective settings: these overrides on top of ``defaults``."""
-        return defaults.model_copy(update=self.model_dump(exclude_none=True))
-
-
-class AdapterSpec(_Strict):
-    """What ``POST /v1/adapters`` takes."""
-
-    name: str = Field(pattern=ADAPTER_NAME_RE.pattern)
-    tenant: str | None = Field(None, pattern=TENANT_NAME_RE.pattern,
-                               description="The tenant that owns the adapter: the creating key's (an admin may name "
-                                           "another); null when the app runs without keys.")
-    method: Method = "sft"
-    beta: float = Field(0.1, gt=0, description="DPO temperature β (stored, unused by SFT).")
-    learning_rate: float = Field(5e-4, gt=0, le=1)
-    lora: LoraSettings = Field(default_factory=LoraSettings)
-    mode: Mode = "hybrid"
-    periodic: PeriodicSettings = Field(default_factory=PeriodicSettings)
-    gate: GateOverrides = Field(default_factory=GateOverrides,
-                                description="This adapter's quality-gate settings; unset fields follow training.gate.")
-    epochs: int = Field(
-        1, ge=1, le=100, description="Passes over each feedback item, each in a different version: an item stays "
-                                     "queued until this many published versions trained on it (new items go first).")
-
-    @model_validator(mode="after")
-    def _periodic_has_trigger(self) -> AdapterSpec:
-        if self.mode == "periodic" and self.periodic.every_seconds is None and self.periodic.every_samples is None:
-            raise ValueError("mode 'periodic' needs periodic.every_seconds or periodic.every_samples")
-        return self
-
-
-def _text(v: str) -> str:
-    if not v.strip():
-        raise ValueError("must not be blank")
-    return v
-
-
-class ChatTurn(_Strict):
-    """One message of a conversation, as in OpenAI's chat and fine-tuning formats."""
-
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(min_length=1)
-
-
-class _Prompted(_Strict):
-    """An item's context: a raw ``prompt`` text, or chat ``messages`` that the trainer renders with
-    the served model's chat template, so that what is trained is what is served."""
-
-    adapter: str = Field(min_length=1)
-    prompt: str | None = Field(None, min_length=1)
-    messages: list[ChatTurn] | None = Field(None, min_length=1, max_length=256)
-
-    @model_validator(mode="after")
-    def _one_context(self) -> _Prompted:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt (raw text) or messages (a chat), not both or neither")
-        if self.messages is not None and self.messages[-1].role == "assistant":
-            raise ValueError("messages must end with a user (or system) turn; the answer goes in "
-                             "completion, or chosen and rejected")
-        return self
-
-    @field_validator("prompt")
-    @classmethod
-    def _nonblank_prompt(cls, v: str | None) -> str | None:
-        return v if v is None else _text(v)
-
-    def context_texts(self) -> tuple[str, ...]:
-        return (self.prompt,) if self.prompt is not None else tuple(m.content for m in self.messages or ())
-
-    def messages_json(self) -> str | None:
-        return None if self.messages is None else json.dumps([m.model_dump() for m in self.messages])
-
-
-class SFTItem(_Prompted):
-    """One supervised sample: train the adapter to answer the context with ``completion``."""
-
-    completion: str = Field(min_length=1)
-
-    _nonblank = field_validator("completion")(_text)
-
-    @property
-    def kind(self) -> Kind:
-        return "sft"
-
-    def texts(self) -> tuple[str, ...]:
-        return (*self.context_texts(), self.completion)
-
-
-class PreferenceItem(_Prompted):
-    """One preference pair: ``chosen`` is the better answer to the context than ``rejected``."""
-
-    chosen: str = Field(min_length=1)
-    rejected: str = Field(min_length=1)
-
-    _nonblank = field_validator("chosen", "rejected")(_text)
-
-    @property
-    def kind(self) -> Kind:
-        return "preference"
-
-    def texts(self) -> tuple[str, ...]:
-        return (*self.context_texts(), self.chosen, self.rejected)
-
-
-# ----------------------------------------------------------------------------------------------
-# Records handed out.
-
-
-class VersionInfo(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    adapter: str
-    version: int
-    parent: int | None = Field(description="The current version when this one was reserved (its starting weights).")
-    path: str | None
-    created_at: float
-    published: bool
-    published_at: float | None
-    samples_trained: int | None
-    loss: float | None
-    win_rate: float | None = Field(description="dpo: held-out win rate (MACE §3.1) of this version.")
-    clpd: float | None = Field(description="dpo: held-out CLPD, mean log π(chosen) - log π(rejected).")
-    node: int | None = Field(None, description="per_node scope: the node whose copy this version is; None: synced.")
-    state: VersionState | None = Field(
-        None, description="candidate (waiting for the quality gate), served (passed it, or promoted; the one "
-                          "served now is current_version), rejected (kept, never served unless promoted), "
-                          "rolled_back (was served until a rollback or promotion went back past it); None: reserved.")
-    reason: str | None = Field(None, description="Why the version is in its state, e.g. the gate's comparison.")
-    score: float | None = Field(None, description="The gated score: win_rate (dpo) or token_logprob (sft).")
-    baseline_version: int | None = Field(
-        None, description="The version the gate compared with (None with a baseline_score: the base model).")
-    baseline_score: float | None = Field(None, description="That version's score on the same held-out items.")
-    token_logprob: float | None = Field(None, description="sft: mean log-likelihood per held-out completion token.")
-    eval_items: int | None = Field(None, description="Held-out items (or eval_file pairs) the scores are over.")
-    decided_at: float | None = Field(None, description="When the gate (or a promotion) decided the state.")
-
-
-class AdapterInfo(AdapterSpec):
-    """An adapter with its state, the shape of ``GET /v1/adapters/{name}``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    created_at: float
-    current_version: int | None
-    versions: list[VersionInfo] = Field(description="Published versions in every state, oldest first.")
-    queued: int = Field(description="Feedback items no published version has trained on yet (held-out ones excluded).")
-    oldest_queued_at: float | None
-    last_published_at: float | None
-    node_versions: dict[int, int] = Field(
-        default_factory=dict, description="per_node scope: the version each node serves; empty when synced.")
-    gate: GateSettings = Field(default_factory=GateSettings,
-                               description="The quality-gate settings in effect: the adapter's own over training.gate.")
-    held_out: int = Field(0, description="Feedback items kept out of training as the adapter's held-out slice.")
-    rejections_in_row: int = Field(0, description="Versions the gate rejected since the last one it served.")
-    paused_reason: str | None = Field(
-        None, description="Why training is paused (too many rejections in a row, or a PATCH); None: not paused.")
-    promotions: int = Field(0, description="Versions served by the gate or a promotion, since creation.")
-    rejections: int = Field(0, description="Versions the gate rejected, since creation.")
-
-
-@dataclass(frozen=True, slots=True)
-class FeedbackItem:
-    """A stored feedback row as the trainer sees it."""
-
-    id: int
-    adapter: str
-    kind: Kind
-    prompt: str | None  # None when the context is chat messages
-    completion: str | None
-    chosen: str | None
-    rejected: str | None
-    created_at: float
-    messages: tuple[dict[str, str], ...] | None = None
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> FeedbackItem:
-        """From the columns of ``_ITEM_COLS`` (a chat item stores '' as its prompt and its turns as JSON)."""
-        (id_, adapter, kind, prompt, completion, chosen, rejected, created_at, messages) = row
-        turns = None if messages is None else tuple(json.loads(messages))
-        return cls(id_, adapter, kind, prompt if turns is None else None, completion, chosen, rejected,
-                   created_at, turns)
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation of feedback batches (pure: no database).
-
-
-def validate_feedback(
-    items: Sequence[Mapping[str, Any]] | Mapping[str, Any], max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
-    max_items: int = DEFAULT_MAX_BATCH_ITEMS,
-) -> list[SFTItem | PreferenceItem]:
-    """Validate every item of a batch; raise :class:`InvalidRequest` listing each bad item by index."""
-    if isinstance(items, Mapping):
-        items = [items]
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-        raise InvalidRequest("items: expected a list of feedback items")
-    if not items:
-        raise InvalidRequest("items: the list is empty")
-    if len(items) > max_items:
-        raise InvalidRequest(f"items: {len(items)} items, at most {max_items} per request")
-    parsed, errors = [], []
-    for i, raw in enumerate(items):
-        try:
-            parsed.append(_parse_item(raw, f"items[{i}]", max_item_bytes))
-        except InvalidRequest as e:
-            errors.extend(e.errors)
-    if errors:
-        raise InvalidRequest(errors)
-    return parsed
-
-
-def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceItem:
-    if isinstance(raw, BaseModel):
-        raw = raw.model_dump()
-    if not isinstance(raw, Mapping):
-        raise InvalidRequest(f"{where}: expected an object, got {type(raw).__name__}")
-    raw = _split_final_answer(raw)
-    is_sft = "completion" in raw
-    is_pref = "chosen" in raw or "rejected" in raw
-    if is_sft and is_pref:
-        raise InvalidRequest(f"{where}: give either completion (SFT sample) or chosen and rejected "
-                             "(preference pair), not both")
-    if not (is_sft or is_pref):
-        raise InvalidRequest(f"{where}: needs completion (SFT sample) or chosen and rejected (preference pair)")
-    model = SFTItem if is_sft else PreferenceItem
-    try:
-        item = model.model_validate(raw)
-    except ValidationError as e:
-        raise InvalidRequest([_pydantic_error(where, err) for err in e.errors()]) from None
-    size = 0
-    for name, text in zip(_text_fields(item), item.texts()):
-        try:
-            size += len(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise InvalidRequest(f"{where}.{name}: not valid Unicode text (lone surrogate)") from None
-    if size > max_bytes:
-        raise InvalidRequest(f"{where}: {size} bytes of text, more than the limit of {max_bytes}")
-    return item
-
-
-def _text_fields(item: SFTItem | PreferenceItem) -> tuple[str, ...]:
-    """The names of ``item.texts()``, in order, for error messages."""
-    context = ("prompt",) if item.messages is None else tuple(f"messages[{i}].content"
-                                                               for i in range(len(item.messages)))
-    return (*context, "completion") if item.kind == "sft" else (*context, "chosen", "rejected")
-
-
-def _split_final_answer(raw: Mapping[str, Any]) -> Mapping[str, Any]:
-    """OpenAI's fine-tuning shape (``messages`` ending with the assistant's answer, no ``completion``)
-    becomes ``messages`` + ``completion``."""
-    msgs = raw.get("messages")
-    if ("completion" in raw or "chosen" in raw or "rejected" in raw or not isinstance(msgs, list) or len(msgs) < 2
-            or not isinstance(msgs[-1], Mapping) or msgs[-1].get("role") != "assistant"):
-        return raw
-    return {**raw, "messages": msgs[:-1], "completion": msgs[-1].get("content")}
-
-
-def _pydantic_error(where: str, err: Mapping[str, Any]) -> str:
-    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.get("loc", ()))
-    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-    if err.get("type") == "missing":
-        msg = "field required"
-    elif err.get("type") == "extra_forbidden":
-        msg = "unknown field"
-    return f"{where}{loc}: {msg}"
-
-
-# ----------------------------------------------------------------------------------------------
-# The held-out slice.
-
-_GOLDEN = (5 ** 0.5 - 1) / 2
-
-
-def is_held_out(n: int, share: float) -> bool:
-    """Whether an adapter's ``n``-th feedback item (1-based) belongs to its held-out slice.
-
-    The fractional parts of n·φ (a Weyl sequence) spread evenly over [0, 1) in every prefix, so any
-    run of items holds out close to ``share`` of them, with no period that a client's batches could
-    line up with; with a share up to 0.2 the first four items are always trained. It depends only on
-    n, so the assignment is the same after a restart (and it is stored with the item anyway).
-    """
-    return share > 0 and (n * _GOLDEN) % 1.0 < share
-
 
 # ----------------------------------------------------------------------------------------------
 # The store.
@@ -857,7 +486,7 @@ class FeedbackStore:
         if unknown:
             raise UnknownAdapter("; ".join(unknown[:10]))
         wrong = [f"items[{i}]: adapter {it.adapter!r} trains with {methods[it.adapter]} and takes "
-                 f"{_TAKES[methods[it.adapter]]}, not {_IS[it.kind]}"
+                 f"{METHOD_TAKES[methods[it.adapter]]}, not {KIND_NAMES[it.kind]}"
                  for i, it in enumerate(parsed) if KIND_FOR_METHOD[methods[it.adapter]] != it.kind]
         if wrong:
             raise InvalidRequest(wrong)
@@ -1184,4 +813,4 @@ def _validate(model: type[BaseModel], data: Any, where: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise InvalidRequest([_pydantic_error(where, err) for err in e.errors()]) from None
+        raise InvalidRequest([pydantic_error(where, err) for err in e.errors()]) from None

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import ray
 
 from actors.config import AppConfig
-from actors.feedback_store import FULL_METHODS, FeedbackItem, VersionConflict
+from actors.feedback_models import FULL_METHODS, FeedbackItem, VersionConflict
 from actors.pipeline.messages import PipelineSettings, TrainingSample
 from planners.retraining import RetrainingPolicy, RetrainingView, make_policy
 from planners.types import FullVersion

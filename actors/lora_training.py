@@ -92,7 +92,7 @@ def load_lora_model(model_dir: str | Path, lora_settings: Any, adapter_dir: str 
                     dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Return ``(peft_model, tokenizer)``: the base model with a fresh LoRA adapter, or resumed from ``adapter_dir``.
 
-    ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``actors.feedback_store.LoraSettings``
+    ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``actors.feedback_models.LoraSettings``
     or a mapping). When resuming, the saved ``adapter_config.json`` wins over ``lora_settings``.
     """
     from peft import PeftModel, get_peft_model

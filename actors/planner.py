@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.config import AppConfig, PlannerConfig
 from actors.engine_args import served_model_name
-from actors.feedback_store import FULL_METHODS
+from actors.feedback_models import FULL_METHODS
 from planners import registry
 from planners.coserving import (EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, grant_run_time,
                                 whole_windows)

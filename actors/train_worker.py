@@ -41,7 +41,7 @@ import ray
 from actors.evaluator import VersionEvaluator
 from actors.config import AppConfig
 from actors.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
-from actors.feedback_store import FULL_METHODS, FeedbackItem
+from actors.feedback_models import FULL_METHODS, FeedbackItem
 from planners.types import (
     Grant,
     GrantedWindow,
@@ -560,7 +560,7 @@ class RankLoop:
             self._evaluate(adapter, outcome)
 
     def _publish(self, adapter: str) -> PublishOutcome:
-        from actors.feedback_store import VersionConflict
+        from actors.feedback_models import VersionConflict
         from actors.lora_training import save_adapter_version
 
         t0 = time.time()

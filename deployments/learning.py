@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.config import AppConfig
-from actors.feedback_store import (
+from actors.feedback_models import (
     ADAPTER_NAME_RE,
     FULL_METHODS,
     Conflict,

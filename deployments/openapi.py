@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.feedback_store import AdapterSpec, GateOverrides, Mode, PeriodicSettings, PreferenceItem, SFTItem
+from actors.feedback_models import AdapterSpec, GateOverrides, Mode, PeriodicSettings, PreferenceItem, SFTItem
 from deployments.guard import PUBLIC_PATHS
 
 REF = "#/components/schemas/{model}"

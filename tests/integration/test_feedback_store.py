@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from actors.feedback_store import (
+from actors.feedback_models import (
     AdapterExists,
     Conflict,
-    FeedbackStore,
     FullUnitExists,
     InvalidRequest,
     UnknownAdapter,
     UnknownVersion,
     VersionConflict,
 )
+from actors.feedback_store import FeedbackStore
 
 ROOT = Path(__file__).resolve().parents[2]
 # These tests are about the queue and the version mechanics: no held-out slice, every publish

@@ -6,15 +6,8 @@ import sqlite3
 
 import pytest
 
-from actors.feedback_store import (
-    SCHEMA_VERSION,
-    FeedbackStore,
-    InvalidRequest,
-    UnknownAdapter,
-    UnknownVersion,
-    VersionConflict,
-    is_held_out,
-)
+from actors.feedback_models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict, is_held_out
+from actors.feedback_store import SCHEMA_VERSION, FeedbackStore
 from deployments.metrics import render
 from planners.gate import judge
 
