@@ -42,8 +42,8 @@ from actors.config import AppConfig, PlannerConfig
 from actors.engine_args import served_model_name
 from actors.feedback_models import FULL_METHODS
 from planners import registry
-from planners.coserving import (EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, grant_run_time,
-                                whole_windows)
+from actors.node_coserving import NodeCoServing
+from planners.coserving import EngineFacts, FineTuneSample, whole_windows
 from planners.memory import MemoryGuard
 from planners.placement import Separate, TrainingPlacer
 from planners.types import (
@@ -99,16 +99,7 @@ class _Node:
     full: FullSynced | None = None  # the full-model version the node's engine computes with, as it confirmed
     confirmed_epoch: int = -1
     facts: EngineFacts | None = None  # the replica's latest engine report
-    scheduler: Any = None  # the node's iteration scheduler (planner.iteration), built on first grant
-    guard: MemoryGuard | None = None
-    window_cost: WindowCostCalibration = field(default_factory=WindowCostCalibration)  # the live refit of t_ft
-    granted_model_s: float = 0.0  # modelled seconds of the windows last granted, paired with the trainer's measurement
-    grants: dict[str, Any] = field(default_factory=lambda: {
-        "asked": 0, "granted": 0, "refused": 0, "windows": 0, "tokens": 0, "last_budget": None, "last_reason": None,
-        "passes": 0, "requeued": 0, "memory": {"wait": 0, "shrink": 0, "offload": 0, "defer": 0}})
-    memory_wait_since: float | None = None  # when the memory guard first held back the current work (Alg. 2's wait)
-    grant_log: deque = field(default_factory=lambda: deque(maxlen=64))  # recent answers, newest last
-    pass_log: deque = field(default_factory=lambda: deque(maxlen=64))  # recent CheckEnd verdicts, newest last
+    coserving: NodeCoServing | None = None  # its grants: scheduler, memory guard, window-cost refit, logs
 
     @property
     def placed(self) -> int:
@@ -138,7 +129,8 @@ class Planner:
         logger.info(self.cost_model_note)
         self.placement = config.planner.placement
         self.placement_params = dict(config.planner.placement_params)
-        self.nodes = [_Node(node_id=i) for i in range(config.cluster.nodes)]
+        self.nodes = [_Node(node_id=i, coserving=NodeCoServing(config, self.cost_model))
+                      for i in range(config.cluster.nodes)]
         self.training = self._training_placer(self.placement, self.placement_params)
         self.traces_seen = 0
         self._traces: deque[tuple[int, ExecutionTrace]] = deque(maxlen=TRACES_KEPT)
@@ -185,10 +177,7 @@ class Planner:
         self.placement, self.placement_params, self.training = planner.placement, dict(planner.placement_params), placer
         if coserving_changed:
             for node in self.nodes:
-                node.scheduler = node.guard = None
-                node.memory_wait_since = None
-                node.grant_log.clear()
-                node.pass_log.clear()
+                node.coserving.reset()
         if placer.training_nodes() != before and self.trainer is not None:
             await self.trainer.regroup.remote()
 
@@ -412,19 +401,9 @@ class Planner:
                         "kv_cache_usage": round(n.facts.kv_cache_usage, 4),
                         # How often requests queued inside vLLM (steps that left one waiting; the most left).
                         "steps_with_waiting": n.facts.steps_with_waiting, "waiting_peak": n.facts.waiting_peak},
-                    "training_grants": dict(n.grants, recent=list(n.grant_log), passes_recent=list(n.pass_log)),
                     # Training placed here: steps in Q_train, Eq. 4 verdicts, feedback items, the planned queues.
                     "training_placement": self.training.node_status(n.node_id, now),
-                    # LEMIX Alg. 2's state: κ·M_peak and the calibration ratio (measured / modelled bytes).
-                    "memory_guard": None if n.guard is None else {
-                        "threshold_bytes": n.guard.threshold(), "ratio": round(n.guard.ratio(), 4),
-                        "waiting_since": n.memory_wait_since},
-                    # The live refit of t_ft: the factor on the profile's fine-tuning terms, and how far the
-                    # recent grants' modelled window time was from the measured one ((modelled − measured) / measured).
-                    "window_cost": {
-                        "factor": round(n.window_cost.factor, 4), "grants_measured": len(n.window_cost.samples),
-                        "median_error": _rounded(n.window_cost.median_error()),
-                        "median_abs_error": _rounded(n.window_cost.median_abs_error())},
+                    **n.coserving.status(),  # training_grants, memory_guard, window_cost
                 }
                 for n in self.nodes
             ],
@@ -480,7 +459,7 @@ class Planner:
         tokens, done, t_arr, last loss, MACE §4.1's γ·L_DPO term); ``ran_s`` is how long the windows of
         its previous grant took. Adapters in mode ``hybrid`` are granted by the node's iteration
         scheduler (``planner.iteration``, FlexLLM §6.2 budget and MACE §4.1–4.2 by default) within the
-        memory guard's check (LEMIX Alg. 2, ``_check_memory``); the other modes, and ``hybrid`` with
+        memory guard's check (LEMIX Alg. 2, ``NodeCoServing.check_memory``); the other modes, and ``hybrid`` with
         ``planner.iteration: null``, by the adapter's retraining policy (``planners/retraining.py``),
         whose whole samples become whole windows. No windows means wait ``wait_s``.
         """
@@ -490,31 +469,19 @@ class Planner:
         self.training.done(node_id, now)  # it asks again: what it was granted before has run
         queue = [FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done) for x in request.samples]
         offload, wait_s = False, self.cfg.planner.grant_recheck_s
+        co = node.coserving
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
-            windows, reason, budget = self._iteration_windows(node, queue, now, request.ran_s)
-            windows, reason, offload, wait_s = self._check_memory(node, request, windows, reason, now)
-            # What the trainer will measure: the windows' forwards, and the backward of every sample they complete.
-            node.granted_model_s = grant_run_time(node.scheduler.cost, windows)
+            windows, reason, budget = co.iteration_windows(queue, node.facts, now, request.ran_s)
+            windows, reason, offload, wait_s = co.check_memory(request, windows, reason, node.facts,
+                                                               self.cost_model.memory.weight_bytes, now)
+            co.granted(windows)
         else:
             windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now)
-        g = node.grants
-        g["asked"] += 1
-        g["last_reason"], g["last_budget"] = reason, budget
-        reqs = node.facts.requests if node.facts else ()
-        node.grant_log.append({"at": round(now, 3), "adapter": adapter, "mode": mode, "budget": budget,
-                               "tokens": sum(w.tokens for w in windows),
-                               "samples": [int(w.sample_id) for w in windows],  # in the scheduler's order
-                               "decoding": sum(r.output_tokens > 0 for r in reqs),
-                               "prefilling": sum(r.output_tokens == 0 for r in reqs), "reason": reason,
-                               "window_cost_factor": round(node.window_cost.factor, 4)})
+        co.record_answer(adapter, mode, windows, reason, budget, node.facts, now)
         if not windows:
-            g["refused"] += 1
             return Grant((), wait_s, reason)
         self._training_granted(node_id, adapter, windows, now)
         self._last_run[adapter] = now
-        g["granted"] += 1
-        g["windows"] += len(windows)
-        g["tokens"] += sum(w.tokens for w in windows)
         return Grant(tuple(GrantedWindow(int(w.sample_id), w.start, w.end) for w in windows), 0.0, reason, offload)
 
     async def report_passes(self, node_id: int, adapter: str, mode: str,
@@ -533,87 +500,8 @@ class Planner:
         # The micro-step's passes are over: its steps leave Q_train. Synced, the leader reports for every
         # rank (the step's collective waited for all their shares); per_node, each rank for its own node.
         self.training.done(node_id if self.cfg.training.scope == "per_node" else None, now)
-        sched = self._scheduler(node) if mode == "hybrid" and self.cfg.planner.iteration is not None else None
-        verdicts = []
-        for r in reports:
-            sample = FineTuneSample(str(r.sample_id), max(1, int(r.tokens)), float(r.arrival), float(r.loss),
-                                    passes=int(r.passes_before))
-            outcome = "retired" if sched is None else sched.report_pass(sample, now)
-            verdicts.append(PassVerdict(r.sample_id, outcome, r.passes_before + 1, float(r.loss),
-                                        now if outcome == "requeued" else float(r.arrival)))
-        g = node.grants
-        g["passes"] += len(verdicts)
-        g["requeued"] += sum(v.outcome == "requeued" for v in verdicts)
-        node.pass_log.extend({"at": round(now, 3), "adapter": adapter, "id": v.sample_id, "loss": round(v.loss, 6),
-                              "passes": v.passes, "outcome": v.outcome} for v in verdicts)
-        return verdicts
-
-    def _scheduler(self, node: _Node) -> Any:
-        """The node's iteration scheduler (``planner.iteration``), built on first use."""
-        if node.scheduler is None:
-            cm = self.cost_model.with_stages(self.cfg.cluster.stages)
-            e = self.cfg.engine
-            # vLLM starts every request as it arrives: the plans count every one its limits let in.
-            params = {"slo_s": self.cfg.training.slo_tbt_s, "max_num_seqs": e.max_num_seqs,
-                      "max_batched_tokens": e.max_num_batched_tokens or 2048, **self.cfg.planner.iteration_params}
-            if registry.accepts("iteration", self.cfg.planner.iteration, "ttft_slo_s"):
-                params.setdefault("ttft_slo_s", self.cfg.training.slo_ttft_s)
-            node.scheduler = registry.create("iteration", self.cfg.planner.iteration, cost_model=cm, **params)
-            node.guard = MemoryGuard(cm, **self.cfg.planner.memory_params)
-        return node.scheduler
-
-    def _iteration_windows(self, node: _Node, queue: list[FineTuneSample], now: float,
-                           ran_s: float = 0.0) -> tuple[Any, str, int]:
-        sched = self._scheduler(node)
-        if ran_s > 0 and node.granted_model_s > 0:
-            node.window_cost.observe(node.granted_model_s, ran_s)
-        node.granted_model_s = 0.0
-        # Refit t_ft live: the profile's fine-tuning terms times what the windows really took.
-        sched.cost = self.cost_model.with_stages(self.cfg.cluster.stages).with_training_time(node.window_cost.factor)
-        if node.facts is not None:
-            sched.observe(node.facts)
-        sched.set_samples(queue)
-        sched.observe_ft_run(ran_s, now)
-        # MACE's P (the bins' memory) is the cost model's own estimate; the configured budget and the
-        # memory really in use are the memory guard's to weigh (_check_memory), as LEMIX checks before
-        # each forward. (Packing within the guard's room instead would cut every window to nothing under
-        # pressure, and the guard would never get to wait, shrink or defer.)
-        plan = sched.schedule(now)
-        return plan.windows, plan.reason, plan.ft_token_budget
-
-    def _check_memory(self, node: _Node, request: GrantRequest, windows: Any, reason: str, now: float
-                      ) -> tuple[Any, str, bool, float]:
-        """LEMIX Alg. 2 on the planned windows: run them, wait (up to T_max), shrink, offload or defer.
-
-        The guard is calibrated with what the previous grant's windows really added (``request.memory``);
-        the memory in use is the weights plus the KV cache the node's engine holds now.
-        """
-        guard = node.guard
-        if request.memory is not None:
-            m = request.memory
-            guard.observe(max(1, m.batch_size), max(1, m.tokens), m.added_bytes)
-        if not windows:
-            return windows, reason, False, self.cfg.planner.grant_recheck_s
-        used = self.cost_model.memory.weight_bytes + (node.facts.kv_used_bytes if node.facts else 0.0)
-        waited = 0.0 if node.memory_wait_since is None else now - node.memory_wait_since
-        d = guard.decide(used, len(windows), max(w.tokens for w in windows), waited,
-                         optimizer_bytes=request.optimizer_bytes)
-        if d.action != "run":
-            node.grants["memory"][d.action] += 1
-        if d.action == "wait":
-            if node.memory_wait_since is None:
-                node.memory_wait_since = now
-            return (), f"memory wait: {d.reason}", False, d.wait_s
-        node.memory_wait_since = None
-        if d.action == "defer":
-            # Give the work back; it asks again after T_max (inference keeps the memory meanwhile).
-            return (), f"memory defer: {d.reason}", False, max(guard.t_max_s, self.cfg.planner.grant_recheck_s)
-        if d.batch_size < len(windows) or d.tokens < max(w.tokens for w in windows):
-            windows = tuple(TokenWindow(w.sample_id, w.start, min(w.end, w.start + d.tokens), w.length)
-                            for w in windows[:d.batch_size])
-        if d.action == "run":
-            return windows, reason, False, 0.0
-        return windows, f"{reason}; memory {d.action}: {d.reason}", d.action == "offload", 0.0
+        scheduled = mode == "hybrid" and self.cfg.planner.iteration is not None
+        return node.coserving.check_end(adapter, reports, scheduled, now)
 
     def _training_granted(self, node_id: int, adapter: str, windows: Any, now: float) -> None:
         """A granted step becomes a training task on its node (C = its samples, ℓ = its longest window):

@@ -27,6 +27,12 @@ The rank's model is an ``AdapterBank``: the base weights once, in bf16 where the
 with every adapter it trains as a ``peft`` adapter switched in place, and the versions the
 quality gate scores loaded beside them for the time of scoring (actors/evaluator.py). The DPO
 reference is the same model with its adapters disabled.
+
+Why one module of about 600 lines: :class:`RankLoop` is one loop whose steps share one state (the
+rank's model and optimizer, the items trained into the unpublished version, the version's
+counters, the process group): taking items, running their windows, the optimizer step and
+publishing are the phases of that loop, and splitting them apart would pass that state around.
+The windowed pass itself is in ``actors/windowed_pass.py``, the gate in ``actors/evaluator.py``.
 """
 
 from __future__ import annotations
