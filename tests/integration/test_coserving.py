@@ -70,7 +70,8 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
     _feedback(app_url, _items(name, 8, 0))
     v1 = _collect_until_consumed(app_url, name, 1, idle)["current_version"]
     quiet = [g for g in idle.values() if g["decoding"] == 0 and g["prefilling"] == 0]
-    assert quiet and all(g["budget"] == idle_budget(g) > 0 for g in quiet), quiet[:5]
+    assert quiet and all(g["budget"] == idle_budget(g) > 0 for g in quiet), [
+        (g["budget"], idle_budget(g), g["window_cost_factor"], g["reason"]) for g in quiet]
 
     # Phase 2: closed-loop clients with long prompts keep both engines prefilling and decoding.
     stop = threading.Event()
