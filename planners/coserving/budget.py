@@ -60,8 +60,8 @@ def ft_tokens_within(cost: CostModel, seconds: float) -> int:
 
 def ft_room(cost: CostModel, room_s: float) -> float:
     """Seconds of fine-tuning work (alone) that delay inference by ``room_s``: room/ρ (∞ when ρ = 0)."""
-    rho = cost.ft_interference
-    return math.inf if rho <= 0 else max(0.0, room_s) / rho
+    interference = cost.ft_interference
+    return math.inf if interference <= 0 else max(0.0, room_s) / interference
 
 
 def ft_delay(cost: CostModel, bins: Iterable[MicroBatch]) -> float:

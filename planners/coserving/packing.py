@@ -11,8 +11,8 @@ from planners.coserving.work import MicroBatch, TokenWindow
 
 
 def _bin(cost: CostModel, windows: Sequence[TokenWindow]) -> MicroBatch:
-    b, ell = len(windows), max(w.tokens for w in windows)
-    return MicroBatch(tuple(windows), ft_memory(cost, b, ell), ft_latency(cost, b, ell))
+    b, padded = len(windows), max(w.tokens for w in windows)
+    return MicroBatch(tuple(windows), ft_memory(cost, b, padded), ft_latency(cost, b, padded))
 
 
 def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes: float,
@@ -45,9 +45,9 @@ def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes:
         lat_ref = latency_cap_s if math.isfinite(latency_cap_s) and latency_cap_s > 0 else max(lat_alone, EPS)
         best, best_score = None, math.inf
         for i, members in enumerate(bins):
-            b, ell = len(members) + 1, max(w.tokens, max(x.tokens for x in members))
-            new_mem = ft_memory(cost, b, ell)
-            if new_mem > memory_bytes + EPS or ft_latency(cost, b, ell) > latency_cap_s + EPS:
+            b, padded = len(members) + 1, max(w.tokens, max(x.tokens for x in members))
+            new_mem = ft_memory(cost, b, padded)
+            if new_mem > memory_bytes + EPS or ft_latency(cost, b, padded) > latency_cap_s + EPS:
                 continue
             free = memory_bytes - mems[i]
             maxlat = ft_latency(cost, 1, max(x.tokens for x in members))

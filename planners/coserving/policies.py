@@ -281,27 +281,27 @@ class SeparateScheduler(IterationScheduler):
     def observe_ft_run(self, seconds: float, now: float) -> None:
         # Real work outlasting the model (grant round trips, a slow core) must not buy more than φ.
         if seconds > 0:
-            phi = self.train_fraction
-            self.next_grant_at = max(self.next_grant_at, now + seconds * (1.0 - phi) / phi)
+            fraction = self.train_fraction
+            self.next_grant_at = max(self.next_grant_at, now + seconds * (1.0 - fraction) / fraction)
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
-        phi, cost = self.train_fraction, self.cost
-        serve = 1.0 - phi
+        fraction, cost = self.train_fraction, self.cost
+        serve = 1.0 - fraction
         max_tokens = None if self.max_batched_tokens is None else max(1, math.floor(self.max_batched_tokens * serve))
         work = self._inference_work(max_seqs=max(1, math.floor(self.max_num_seqs * serve)), max_tokens=max_tokens)
         budget = ft_tokens_within(cost, self.slo_s)  # its own share: no inference beside it to delay
         granted: tuple[MicroBatch, ...] = ()
         total = 0.0
-        reason = f"static split: {phi:.0%} training"
+        reason = f"static split: {fraction:.0%} training"
         if now >= self.next_grant_at:
-            share = phi * (cost.memory_threshold() - cost.memory.weight_bytes)
+            share = fraction * (cost.memory_threshold() - cost.memory.weight_bytes)
             capacity = max(0.0, share if free_bytes is None else min(share, free_bytes))
             windows = self._windows(self._by_arrival(), budget, capacity)
             bins = best_fit_pack(windows, cost, capacity, self.slo_s, self.lambdas, self.first_bin_fill, self.max_ft_samples)
             chosen, total = within_room(bins, self.slo_s)
             granted = tuple(chosen)
             if granted:
-                self.next_grant_at = now + total / phi  # t of work, then t·(1 − φ)/φ of none
+                self.next_grant_at = now + total / fraction  # t of work, then t·(1 − φ)/φ of none
         else:
             reason += f", next grant in {self.next_grant_at - now:.3f} s"
         return WindowPlan(now, self.name, granted, budget, work, work.latency(cost) / serve + total, reason=reason)

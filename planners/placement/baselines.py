@@ -119,10 +119,10 @@ class LeastUtilized:
 
     def _work(self, task: Task) -> float:
         # Seconds one stage is busy with the task, comparable to a node's mean stage busy time.
-        ell = task_length(task)
+        length = task_length(task)
         if task.kind == "training":
             c = task.batch_size
-            return self._scale * (self.cost.forward(c, ell) + self.cost.backward(c, ell))
+            return self._scale * (self.cost.forward(c, length) + self.cost.backward(c, length))
         out = self.cost.output_lengths.mean(task.max_tokens)
         return self.cost.request_latency(task.prompt_tokens, out) / self.stages
 
