@@ -116,7 +116,7 @@ def plan_forward(t0: float, floor: float, stages: int, d: float, wait: float, fe
     """
     starts = [0.0] * stages
     ends = [0.0] * stages
-    ii = 0.0
+    idle = 0.0
     prev_end = t0 + wait
     for j in range(stages):
         fs = fend[j]
@@ -143,9 +143,9 @@ def plan_forward(t0: float, floor: float, stages: int, d: float, wait: float, fe
         if dv > 0:
             gap -= duty * dv
         if gap > 0:
-            ii += gap
+            idle += gap
         starts[j] = start
         ends[j] = end
         prev_end = end
-    return starts, ends, ii
+    return starts, ends, idle
 
