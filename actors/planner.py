@@ -23,6 +23,10 @@ and asks ``planners/`` for every decision:
   ``placement: separate`` only its training nodes take trainer ranks (:meth:`node_locations`).
 - It starts the feedback store and the trainer, and watches the replicas' actors, so a node
   whose replica died is not offered to routers or trainers until Serve's replacement registers.
+
+Why one module of about 650 lines: every public method here is the planner's Ray interface, and
+they share one state (the nodes, the published versions and their epoch, the training placement);
+the per-node co-serving grant state and decisions are in ``actors/node_coserving.py``.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class StageInfo:
 
 
 @dataclass(frozen=True)
-class MicroBatch:
+class TokenBatch:
     """One micro-batch: ``ids`` [B, T] for the first stage; ``targets``, ``mask`` and for DPO ``ref`` [B] for the last."""
 
     ids: Any

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from actors.pipeline.messages import MicroBatch, StageInfo, StageSetup
+from actors.pipeline.messages import TokenBatch, StageInfo, StageSetup
 
 GROUP_TIMEOUT_S = 1800.0
 
@@ -102,13 +102,13 @@ class PipelineStage:
         self._resync_tied()
         self.engine.optimizer.state = defaultdict(dict)
 
-    def train_batch(self, batches: list[MicroBatch] | None, mode: str) -> float:
+    def train_batch(self, batches: list[TokenBatch] | None, mode: str) -> float:
         """One optimizer step over ``accumulation`` micro-batches (first and last stage get them); the mean loss."""
         self.loss.mode = mode
         loss = self.engine.train_batch(data_iter=None if batches is None else iter(_ds_batches(batches)))
         return float(loss)
 
-    def logps(self, batches: list[MicroBatch] | None, count: int) -> list[float] | None:
+    def logps(self, batches: list[TokenBatch] | None, count: int) -> list[float] | None:
         """No-grad pass: each row's completion log-prob (the last stage answers; the others return None)."""
         self.loss.mode, self.loss.rows = "logp", []
         self.engine.total_loss = None  # eval_batch adds onto what the last train_batch left
@@ -132,7 +132,7 @@ class PipelineStage:
             dist.destroy_process_group()
 
 
-def _ds_batches(batches: list[MicroBatch]) -> list[tuple[Any, tuple[Any, ...]]]:
+def _ds_batches(batches: list[TokenBatch]) -> list[tuple[Any, tuple[Any, ...]]]:
     """DeepSpeed's micro-batch shape: (first stage's inputs, last stage's labels)."""
     out = []
     for b in batches:

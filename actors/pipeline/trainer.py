@@ -36,7 +36,7 @@ import ray
 
 from actors.pipeline.layout import LlamaDims, check_bounds, layer_names
 from actors.pipeline.messages import (
-    MicroBatch,
+    TokenBatch,
     Method,
     PipelineSettings,
     PublishedVersion,
@@ -174,7 +174,7 @@ class PipelineTrainer:
 
     # -------------------------------------------------------------------- helpers
 
-    def _run_all(self, call: str, batches: list[MicroBatch], *args: Any) -> list[Any]:
+    def _run_all(self, call: str, batches: list[TokenBatch], *args: Any) -> list[Any]:
         """Call ``call`` on every stage at once; only the first and the last stage need the data."""
         data = ray.put(batches)
         last = len(self.stages) - 1
@@ -190,7 +190,7 @@ class PipelineTrainer:
         return self._tokenizer
 
     def _micro_batch(self, samples: Sequence[TrainingSample], idx: list[int], method: Method,
-                     ref: tuple[list[float], list[float]] | None) -> MicroBatch:
+                     ref: tuple[list[float], list[float]] | None) -> TokenBatch:
         """Tokenize (as the LoRA trainer does: actors.lora_training.encode) and shift into next-token targets."""
         import torch
 
@@ -208,4 +208,4 @@ class PipelineTrainer:
         ref_t = None
         if ref is not None:
             ref_t = torch.tensor([ref[0][i] for i in idx] + [ref[1][i] for i in idx], dtype=torch.float32)
-        return MicroBatch(ids=ids, targets=targets, mask=mask, ref=ref_t)
+        return TokenBatch(ids=ids, targets=targets, mask=mask, ref=ref_t)

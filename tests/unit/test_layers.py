@@ -40,3 +40,18 @@ def test_no_import_runs_back_up(layer):
 def test_app_holds_only_entry_points_and_wiring():
     assert sorted(p.name for p in (ROOT / "app").glob("*.py")) == [
         "__init__.py", "main.py", "offline.py", "profile.py", "serve_env.py"]
+
+
+def test_no_class_name_is_defined_twice():
+    """One name per concept: a class name means one thing anywhere in the app."""
+    seen: dict[str, str] = {}
+    twice = []
+    for layer in sorted(LAYERS):
+        for f in sorted((ROOT / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                if isinstance(node, ast.ClassDef):
+                    where = f"{f.relative_to(ROOT)}:{node.lineno}"
+                    if node.name in seen:
+                        twice.append(f"{node.name}: {seen[node.name]} and {where}")
+                    seen.setdefault(node.name, where)
+    assert not twice, twice
