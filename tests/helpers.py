@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -49,3 +49,29 @@ def restore_policies(planner: Any, before: Any) -> None:
     import ray
 
     ray.get(planner.set_policies.remote(before))
+
+
+def serve_test_app(app_url: str, name: str, cfg: dict[str, Any], ready: Callable[[dict[str, Any]], bool],
+                   timeout_s: float) -> str:
+    """Start a Serve app of its own for a test module, beside the session app, at ``/<name>``; its URL
+    once ``ready(status)`` holds. A trainer that reports ``failed`` fails the test at once."""
+    import pytest
+    from ray import serve
+
+    from app.main import build_app
+
+    serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
+    base = f"{app_url}/{name}"
+    deadline, st = time.time() + timeout_s, {}
+    while time.time() < deadline:
+        try:
+            st = httpx.get(f"{base}/v1/status", timeout=10).json()
+            training = st.get("training") or {}
+            if training.get("state") == "failed":
+                pytest.fail(f"{name}: trainer failed: {training}")
+            if ready(st):
+                return base
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(1)
+    pytest.fail(f"{name} app not ready within {timeout_s}s: {st}")

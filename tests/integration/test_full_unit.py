@@ -7,6 +7,8 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import serve_test_app
+
 READY_S = 300
 PROMPT = "Q: sky color?\nA:"
 ITEMS = [{"adapter": "whole", "prompt": PROMPT, "completion": " blue sky blue"},
@@ -18,8 +20,6 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
     """A one-node app whose placement group has two bundles (cluster.stages 2), beside the session app."""
     from ray import serve
 
-    from app.main import build_app
-
     cfg = {
         "name": "coserve-full",
         "data_dir": str(tmp_path_factory.mktemp("full-data")),
@@ -29,19 +29,9 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
         "planner": {"placement": "round_robin"},
         "training": {"micro_batch": 2, "accumulation": 2, "steps_per_version": 6, "max_length": 64},
     }
-    serve.run(build_app(cfg), name="fullunit", route_prefix="/fullunit")
-    base = f"{app_url}/fullunit"
-    deadline, st = time.time() + READY_S, {}
-    while time.time() < deadline:
-        try:
-            st = httpx.get(f"{base}/v1/status", timeout=10).json()
-            if st["ready_nodes"] == 1 and (st.get("training") or {}).get("full") is not None:
-                break
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail(f"full-unit app not ready within {READY_S}s: {st}")
+    base = serve_test_app(app_url, "fullunit", cfg,
+                          lambda st: st["ready_nodes"] == 1 and (st.get("training") or {}).get("full") is not None,
+                          READY_S)
     yield base
     serve.delete("fullunit")
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import restore_policies, switch_policies
+from tests.helpers import restore_policies, serve_test_app, switch_policies
 
 BASE = "tiny-llama"
 READY_S = 420
@@ -20,8 +20,6 @@ READY_S = 420
 @pytest.fixture(scope="module")
 def url(ray_cluster, app_url, tmp_path_factory) -> str:
     from ray import serve
-
-    from app.main import build_app
 
     cfg = {
         "name": "coserve-pernode",
@@ -32,22 +30,11 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
         "planner": {"placement": "round_robin"},
         "training": {"scope": "per_node", "steps_per_version": 1, "micro_batch": 4},
     }
-    serve.run(build_app(cfg), name="pernode", route_prefix="/pernode")
-    base = f"{app_url}/pernode"
-    deadline, st = time.time() + READY_S, {}
-    while time.time() < deadline:
-        try:
-            st = httpx.get(f"{base}/v1/status", timeout=10).json()
-            training = st.get("training") or {}
-            if training.get("state") == "failed":
-                pytest.fail(f"per_node trainer failed: {training}")
-            if st["ready_nodes"] == 2 and training.get("state") == "running" and len(training.get("workers", {})) == 2:
-                break
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail(f"per_node app not ready within {READY_S}s: {st}")
+    def ready(st: dict) -> bool:
+        training = st.get("training") or {}
+        return st["ready_nodes"] == 2 and training.get("state") == "running" and len(training.get("workers", {})) == 2
+
+    base = serve_test_app(app_url, "pernode", cfg, ready, READY_S)
     yield base
     serve.delete("pernode")
 
