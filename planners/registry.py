@@ -15,6 +15,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "iteration": ("planners.coserving.policies",),
     "stages": ("planners.offline.search",),
     "retraining": ("planners.retraining",),
+    "stage_order": ("planners.pipeline.orders",),
 }
 _POLICIES: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in _MODULES}
 

@@ -75,6 +75,9 @@ class StageSetup:
     max_grad_norm: float
     seed: int
     threads: int
+    schedule: Literal["deepspeed", "planner"] = "deepspeed"
+    """``deepspeed``: DeepSpeed's engine runs whole batches (``train_batch``); ``planner``: the stage runs
+    single ops the stage scheduler picks (``forward_op`` / ``backward_op`` / ``step_op``)."""
 
 
 @dataclass(frozen=True)

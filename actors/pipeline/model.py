@@ -184,3 +184,17 @@ def load_slice(pipe, model_dir: str | Path) -> int:
     if missing:
         raise ValueError(f"{model_dir}: {missing} of this stage's {len(wanted)} tensors are not in the checkpoint")
     return found
+
+
+def load_tensors(pipe, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy HF-named ``tensors`` into this stage's layers (a weight sync): every tensor the stage holds must be there."""
+    n = 0
+    with torch.no_grad():
+        for _, module, _ in local_layers(pipe):
+            params = dict(module.named_parameters())
+            for local, hf in module.hf_names().items():
+                if hf not in tensors:
+                    raise ValueError(f"weight sync lacks {hf}")
+                params[local].copy_(tensors[hf])
+                n += 1
+    return n

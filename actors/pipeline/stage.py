@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
 import ray
 
-from actors.pipeline.messages import TokenBatch, StageInfo, StageSetup
+from actors.pipeline.messages import StageInfo, StageSetup, TokenBatch
+from planners.pipeline import OpDone, StageOp
 
 GROUP_TIMEOUT_S = 1800.0
 
@@ -27,8 +29,13 @@ class PipelineStage:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.engine: Any = None
+        self.engine: Any = None  # DeepSpeed's engine (schedule "deepspeed")
+        self.pipe: Any = None    # this stage's PipelineModule
+        self.optimizer: Any = None
         self.loss: Any = None
+        self.setup_msg: StageSetup | None = None
+        self.first = self.last = False
+        self._saved: dict[str, tuple[Any, Any, float]] = {}  # task id -> (input, output or loss, bytes)
 
     def address(self) -> tuple[str, int]:
         """Rank 0: where the other stages meet it (this node's IP, a free port)."""
@@ -70,14 +77,18 @@ class PipelineStage:
         load_slice(pipe, s.model_dir)
         optimizer = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], lr=s.learning_rate,
                                       weight_decay=0.0)
-        ds_config = {"train_micro_batch_size_per_gpu": s.micro_batch, "gradient_accumulation_steps": s.accumulation,
-                     "gradient_clipping": s.max_grad_norm, "steps_per_print": 2**31 - 1,
-                     "wall_clock_breakdown": False}
-        self.engine, *_ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds_config)
+        self.pipe, self.optimizer, self.setup_msg = pipe, optimizer, s
+        self.first, self.last = pipe._local_start == 0, pipe._local_stop == len(pipe._layer_specs)
+        if s.schedule == "deepspeed":
+            ds_config = {"train_micro_batch_size_per_gpu": s.micro_batch,
+                         "gradient_accumulation_steps": s.accumulation, "gradient_clipping": s.max_grad_norm,
+                         "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+            self.engine, *_ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds_config)
+            self.optimizer = self.engine.optimizer
         self._resync_tied()
         ctx = ray.get_runtime_context()
         pg = ray.util.get_current_placement_group()
-        return StageInfo(rank=self.rank, stage_id=self.engine.stage_id, layer_start=int(pipe._local_start),
+        return StageInfo(rank=self.rank, stage_id=pipe.stage_id, layer_start=int(pipe._local_start),
                          layer_stop=int(pipe._local_stop), bounds=[int(b) for b in pipe.parts],
                          params=sum(p.numel() for p in pipe.parameters()),
                          placement_group_id=None if pg is None else pg.id.hex(),
@@ -90,7 +101,7 @@ class PipelineStage:
         import torch
 
         with torch.no_grad():
-            self.engine.module._synchronize_tied_weights()
+            self.pipe._synchronize_tied_weights()
 
     def load(self, model_dir: str) -> None:
         """Restart from the weights in ``model_dir`` (rollback): new weights, fresh optimizer moments."""
@@ -98,9 +109,9 @@ class PipelineStage:
 
         from actors.pipeline.model import load_slice
 
-        load_slice(self.engine.module, model_dir)
+        load_slice(self.pipe, model_dir)
         self._resync_tied()
-        self.engine.optimizer.state = defaultdict(dict)
+        self.optimizer.state = defaultdict(dict)
 
     def train_batch(self, batches: list[TokenBatch] | None, mode: str) -> float:
         """One optimizer step over ``accumulation`` micro-batches (first and last stage get them); the mean loss."""
@@ -123,7 +134,135 @@ class PipelineStage:
         """This stage's weights as HF-named CPU tensors (a tied embedding only from the stage that owns it)."""
         from actors.pipeline.model import state_slice
 
-        return state_slice(self.engine.module)
+        return state_slice(self.pipe)
+
+    # -------------------------------------------------------------- single ops (schedule "planner")
+    # The stage scheduler (planners/pipeline) picks each op; tensors travel between stages as Ray
+    # objects: a forward's output is the next stage's input, a backward's input gradient the previous
+    # stage's output gradient. Times are this process's wall clock (one host: comparable across stages).
+
+    def forward_op(self, op: StageOp, x: Any, labels: TokenBatch | None = None) -> tuple[Any, OpDone]:
+        """One forward of ``op`` over this stage's layers.
+
+        Inference: no graph; the last stage applies the head to the last position only and returns the
+        greedy next token of each row. Training: the graph is kept for ``backward_op`` (its saved
+        activation bytes counted); the last stage returns the micro-batch's loss, scaled by 1/accumulation.
+        """
+        import torch
+
+        start = time.time()
+        if op.kind == "inference":
+            with torch.no_grad():
+                out = self._infer(x)
+            return out, OpDone(op, start, time.time(), self._held())
+        inp = x if self.first else x.detach().requires_grad_(True)
+        counted = [0.0]
+
+        def pack(t: Any) -> Any:
+            counted[0] += t.numel() * t.element_size()
+            return t
+
+        self.loss.mode = "sft" if labels is None or labels.ref is None else "dpo"
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.pipe(inp)
+            if self.last:
+                assert labels is not None, "the last stage needs the micro-batch's labels"
+                parts = (labels.targets, labels.mask) if labels.ref is None else (labels.targets, labels.mask,
+                                                                                  labels.ref)
+                out = self.loss(out, parts) / self.setup_msg.accumulation
+        self._saved[op.task_id] = (inp, out, counted[0])
+        result = float(out.detach()) * self.setup_msg.accumulation if self.last else out.detach()
+        return result, OpDone(op, start, time.time(), self._held())
+
+    def backward_op(self, op: StageOp, grad: Any = None) -> tuple[Any, OpDone]:
+        """The backward of ``op``'s micro-batch on this stage; returns the gradient of its input (None on
+        the first stage), which the stage before needs."""
+        start = time.time()
+        inp, out, _ = self._saved.pop(op.task_id)
+        if self.last:
+            out.backward()
+        else:
+            out.backward(grad)
+        g = None if self.first else inp.grad
+        return g, OpDone(op, start, time.time(), self._held())
+
+    def step_op(self, op: StageOp) -> OpDone:
+        """The optimizer step closing a mini-batch; a collective, so every stage of the pipeline runs it
+        at once: tied gradients are summed between the first and the last stage and the gradient norm
+        is clipped over the whole model (its squares summed over the stages)."""
+        import torch
+        import torch.distributed as dist
+
+        start = time.time()
+        params = [p for p in self.pipe.parameters() if p.grad is not None]
+        if dist.get_world_size() > 1:
+            self.pipe.allreduce_tied_weight_gradients()
+        square = torch.zeros(1)
+        for p in params:
+            square += p.grad.detach().float().pow(2).sum()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(square)
+        norm = float(square.sqrt())
+        limit = self.setup_msg.max_grad_norm
+        if limit and norm > limit:
+            for p in params:
+                p.grad.mul_(limit / (norm + 1e-6))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return OpDone(op, start, time.time(), self._held())
+
+    def export_op(self, op: StageOp) -> tuple[dict[str, Any], OpDone]:
+        """Weight sync, the training side: this stage's HF-named weights."""
+        start = time.time()
+        return self.state_slice(), OpDone(op, start, time.time(), self._held())
+
+    def import_op(self, op: StageOp, *parts: dict[str, Any]) -> OpDone:
+        """Weight sync, the serving side: copy the trained weights (every training stage's slice) in."""
+        from actors.pipeline.model import load_tensors
+
+        start = time.time()
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        load_tensors(self.pipe, merged)
+        return OpDone(op, start, time.time(), self._held())
+
+    def profile_op(self, kind: str, batch: int, tokens: int) -> dict[str, float]:
+        """Time one forward (and for training one backward) on synthetic input, changing no weights: a
+        row of the stage cost model (LEMIX §IV-A's offline profiling)."""
+        import torch
+
+        h = self.pipe
+        x: Any = torch.randint(0, 100, (batch, tokens)) if self.first else torch.randn(
+            batch, tokens, self._hidden_size(), requires_grad=kind == "training")
+        start = time.time()
+        if kind == "inference":
+            with torch.no_grad():
+                self._infer(x)
+            return {"forward": time.time() - start}
+        out = h(x)
+        mid = time.time()
+        (out.float().mean() if self.last else out.float().pow(2).mean()).backward()
+        end = time.time()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"forward": mid - start, "backward": end - mid}
+
+    def _infer(self, x: Any) -> Any:
+        funcs = list(self.pipe.forward_funcs)
+        head = funcs.pop() if self.last else None
+        for f in funcs:
+            x = f(x)
+        if head is None:
+            return x
+        return head(x[:, -1:, :])[:, -1].argmax(-1)
+
+    def _hidden_size(self) -> int:
+        from actors.pipeline.model import read_config
+
+        return int(read_config(self.setup_msg.model_dir)["hidden_size"])
+
+    def _held(self) -> float:
+        return float(sum(b for _, _, b in self._saved.values()))
 
     def close(self) -> None:
         import torch.distributed as dist
