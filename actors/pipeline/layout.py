@@ -55,6 +55,14 @@ def layer_param_counts(dims: LlamaDims) -> list[int]:
     return [embed, *([decoder_params(dims)] * dims.num_hidden_layers), dims.hidden_size, embed]
 
 
+def layer_compute_weights(dims: LlamaDims) -> list[int]:
+    """Multiply-adds per token of each pipeline layer (``partition_method: compute``): the embedding is a
+    lookup and the norm is elementwise (0), a decoder layer its weights, the head vocab × hidden. The
+    head of a 49k-token vocabulary costs as much as several decoder layers, so a split by parameters
+    or by layer count leaves the last stage the slowest, and the first idle behind it."""
+    return [0, *([decoder_params(dims)] * dims.num_hidden_layers), 0, dims.vocab_size * dims.hidden_size]
+
+
 def total_params(dims: LlamaDims) -> int:
     """The HF model's parameter count (a tied head shares the embedding's)."""
     counts = layer_param_counts(dims)

@@ -35,7 +35,7 @@ class PipelineSettings:
     model_dir: str
     versions_root: str
     stage_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
-    partition_method: Literal["uniform", "parameters"] = "parameters"
+    partition_method: Literal["uniform", "parameters", "compute"] = "parameters"
     micro_batch: int = 2
     accumulation: int = 2
     learning_rate: float = 1e-4
@@ -44,6 +44,9 @@ class PipelineSettings:
     max_grad_norm: float = 1.0
     seed: int = 0
     threads: int = 1  # torch intra-op threads per stage actor
+    chunks: int = 1
+    """Under the stage scheduler (``ScheduledPipeline``): ops a stage's layers run as, so an inference
+    pass can run between two parts of a training pass on the same stage (1: one op per stage)."""
 
     @classmethod
     def from_config(cls, cfg: Any, *, versions_root: str | None = None, **overrides: Any) -> "PipelineSettings":
@@ -75,6 +78,7 @@ class StageSetup:
     max_grad_norm: float
     seed: int
     threads: int
+    chunks: int = 1
     schedule: Literal["deepspeed", "planner"] = "deepspeed"
     """``deepspeed``: DeepSpeed's engine runs whole batches (``train_batch``); ``planner``: the stage runs
     single ops the stage scheduler picks (``forward_op`` / ``backward_op`` / ``step_op``)."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.pipeline.layout import LlamaDims, layer_names
+from actors.pipeline.layout import LlamaDims, layer_compute_weights, layer_names
 
 TIED_KEY = "embed"
 EMBED = "model.embed_tokens.weight"
@@ -104,6 +104,39 @@ class HeadPipe(_HFLayer):
 
     def hf_names(self) -> dict[str, str]:
         return {"lm_head.weight": "lm_head.weight"}
+
+
+def pipeline_module(config: dict, stages: int, partition_method: str, loss_fn, **kwargs):
+    """DeepSpeed's ``PipelineModule`` of the model; ``partition_method`` is DeepSpeed's (``uniform``,
+    ``parameters``, ``type:<regex>``) or ``compute``: balanced by each layer's multiply-adds per token
+    (``layout.layer_compute_weights``)."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime import utils as ds_utils
+
+    class ComputeBalanced(PipelineModule):
+        def _partition_layers(self, method: str = "uniform") -> None:
+            if method != "compute":
+                return super()._partition_layers(method)
+            weights = layer_compute_weights(LlamaDims.from_config(config))
+            self.parts = ds_utils.partition_balanced(weights=weights, num_parts=self.num_stages)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return ComputeBalanced(layers=layer_specs(config), num_stages=stages, partition_method=partition_method,
+                           loss_fn=loss_fn, **kwargs)
+
+
+def chunk_bounds(config: dict, start: int, stop: int, chunks: int) -> list[tuple[int, int]]:
+    """Split a stage's layers [start, stop) into ``chunks`` runs of about equal compute, as local [a, b)."""
+    from deepspeed.runtime import utils as ds_utils
+
+    weights = layer_compute_weights(LlamaDims.from_config(config))[start:stop]
+    if chunks < 1 or chunks > sum(1 for w in weights if w > 0):
+        raise ValueError(f"a stage of {stop - start} layers cannot run as {chunks} chunks")
+    if chunks == 1:
+        return [(0, stop - start)]
+    parts = ds_utils.partition_balanced(weights=weights, num_parts=chunks)
+    return list(zip(parts, parts[1:]))
 
 
 def layer_specs(config: dict) -> list:

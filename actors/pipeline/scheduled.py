@@ -90,23 +90,25 @@ class ScheduledPipeline:
 
         ray.get(self.pg.ready(), timeout=PLACE_TIMEOUT_S)
         n = self.devices
-        lanes = shared_lanes(n) if self.order.layout == "shared" else split_lanes(n)
+        chunks = self.settings.chunks
+        lanes = shared_lanes(n, chunks) if self.order.layout == "shared" else split_lanes(n, chunks)
         res = dict(self.settings.stage_resources)
         cpus, gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
         cls = ray.remote(PipelineStage)
-        rank = {d: lane.devices.index(d) for lane in lanes for d in lane.devices}
+        rank = {d: lane.stage_devices.index(d) for lane in lanes for d in lane.stage_devices}
         self.actors = [cls.options(num_cpus=cpus, num_gpus=gpus, resources=res or None, max_restarts=0,
                                    scheduling_strategy=PlacementGroupSchedulingStrategy(
                                        self.pg, placement_group_bundle_index=d)).remote(rank[d]) for d in range(n)]
         s = self.settings
         setups = []
         for lane in lanes:
-            host, port = ray.get(self.actors[lane.devices[0]].address.remote(), timeout=PLACE_TIMEOUT_S)
+            host, port = ray.get(self.actors[lane.stage_devices[0]].address.remote(), timeout=PLACE_TIMEOUT_S)
             setup = StageSetup(host=host, port=port, stages=lane.stages, model_dir=s.model_dir,
                                partition_method=s.partition_method, micro_batch=s.micro_batch,
                                accumulation=s.accumulation, learning_rate=s.learning_rate, beta=s.beta,
-                               max_grad_norm=s.max_grad_norm, seed=s.seed, threads=s.threads, schedule="planner")
-            setups += [(d, setup) for d in lane.devices]
+                               max_grad_norm=s.max_grad_norm, seed=s.seed, threads=s.threads, chunks=chunks,
+                               schedule="planner")
+            setups += [(d, setup) for d in lane.stage_devices]
         refs = {d: self.actors[d].setup.remote(setup) for d, setup in setups}
         self.info = [ray.get(refs[d], timeout=PLACE_TIMEOUT_S) for d in range(n)]
         self.scheduler = StageScheduler(n, lanes, self.order, self.cost, accumulation=s.accumulation,
@@ -218,11 +220,11 @@ class ScheduledPipeline:
                 x = torch.tensor([r.prompt + r.tokens])
             else:
                 x = self._ids.pop(op.task_id)
-            lane_last = op.position == self._lane_stages(op.device) - 1
+            lane_last = op.position == self._positions(op.device) - 1
             labels = self._batches.get(op.task_id) if op.kind == "training" and lane_last else None
             out, done = actor.forward_op.options(num_returns=2).remote(op, x, labels)
         elif op.phase == "backward":
-            grad = None if op.position == self._lane_stages(op.device) - 1 else \
+            grad = None if op.position == self._positions(op.device) - 1 else \
                 self._outputs.pop((op.task_id, "backward", op.position + 1))
             out, done = actor.backward_op.options(num_returns=2).remote(op, grad)
         elif op.phase == "step":
@@ -235,9 +237,9 @@ class ScheduledPipeline:
             self._outputs[(op.task_id, "sync", op.device)] = out
         self._inflight[done] = (op, out)
 
-    def _lane_stages(self, device: int) -> int:
+    def _positions(self, device: int) -> int:
         assert self.scheduler is not None
-        return self.scheduler.lanes[self.scheduler.lane_of[device]].stages
+        return self.scheduler.lanes[self.scheduler.lane_of[device]].positions
 
     def _finish(self, ref: Any) -> None:
         sched = self.scheduler
@@ -245,7 +247,7 @@ class ScheduledPipeline:
         op, out = self._inflight.pop(ref)
         done: OpDone = ray.get(ref)
         self.timeline.append(done)
-        last = op.position == self._lane_stages(op.device) - 1
+        last = op.position == self._positions(op.device) - 1
         if op.phase in ("forward", "backward") and not (op.kind == "inference" and last):
             if op.phase == "forward" and op.kind == "training" and last:
                 self.losses.append(float(ray.get(out)))

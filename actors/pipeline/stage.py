@@ -35,7 +35,8 @@ class PipelineStage:
         self.loss: Any = None
         self.setup_msg: StageSetup | None = None
         self.first = self.last = False
-        self._saved: dict[str, tuple[Any, Any, float]] = {}  # task id -> (input, output or loss, bytes)
+        self.chunks: list[tuple[int, int]] = []  # [start, stop) into the stage's forward functions, per chunk
+        self._saved: dict[tuple[str, int], tuple[Any, Any, float]] = {}  # (task, position) -> (input, output, bytes)
 
     def address(self) -> tuple[str, int]:
         """Rank 0: where the other stages meet it (this node's IP, a free port)."""
@@ -52,10 +53,9 @@ class PipelineStage:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator at import
         import deepspeed
         import torch.distributed as dist
-        from deepspeed.pipe import PipelineModule
 
         from actors.pipeline.losses import PipelineLoss
-        from actors.pipeline.model import layer_specs, load_slice, read_config
+        from actors.pipeline.model import chunk_bounds, load_slice, pipeline_module, read_config
 
         torch.set_num_threads(s.threads)
         torch.manual_seed(s.seed)
@@ -72,13 +72,14 @@ class PipelineStage:
         # No grad while building: the module's constructor broadcasts the tied weights in place, which
         # must not enter the autograd graph (torch warns of an op without an autograd kernel at backward).
         with torch.no_grad():
-            pipe = PipelineModule(layers=layer_specs(read_config(s.model_dir)), num_stages=s.stages,
-                                  partition_method=s.partition_method, loss_fn=self.loss, dynamic_shape=True)
+            pipe = pipeline_module(read_config(s.model_dir), s.stages, s.partition_method, self.loss,
+                                   dynamic_shape=True)
         load_slice(pipe, s.model_dir)
         optimizer = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], lr=s.learning_rate,
                                       weight_decay=0.0)
         self.pipe, self.optimizer, self.setup_msg = pipe, optimizer, s
         self.first, self.last = pipe._local_start == 0, pipe._local_stop == len(pipe._layer_specs)
+        self.chunks = chunk_bounds(read_config(s.model_dir), pipe._local_start, pipe._local_stop, s.chunks)
         if s.schedule == "deepspeed":
             ds_config = {"train_micro_batch_size_per_gpu": s.micro_batch,
                          "gradient_accumulation_steps": s.accumulation, "gradient_clipping": s.max_grad_norm,
@@ -142,20 +143,22 @@ class PipelineStage:
     # stage's output gradient. Times are this process's wall clock (one host: comparable across stages).
 
     def forward_op(self, op: StageOp, x: Any, labels: TokenBatch | None = None) -> tuple[Any, OpDone]:
-        """One forward of ``op`` over this stage's layers.
+        """One forward of ``op`` over this stage's chunk ``op.position`` (of ``chunks``).
 
-        Inference: no graph; the last stage applies the head to the last position only and returns the
-        greedy next token of each row. Training: the graph is kept for ``backward_op`` (its saved
-        activation bytes counted); the last stage returns the micro-batch's loss, scaled by 1/accumulation.
+        Inference: no graph; the model's last chunk applies the head to the last position only and
+        returns the greedy next token of each row. Training: the graph is kept for ``backward_op`` (its
+        saved activation bytes counted); the model's last chunk returns the micro-batch's loss (the
+        gradient is of loss / accumulation).
         """
         import torch
 
         start = time.time()
+        funcs, first, last = self._chunk(op.position)
         if op.kind == "inference":
             with torch.no_grad():
-                out = self._infer(x)
+                out = self._run(funcs, x, last)
             return out, OpDone(op, start, time.time(), self._held())
-        inp = x if self.first else x.detach().requires_grad_(True)
+        inp = x if first else x.detach().requires_grad_(True)
         counted = [0.0]
 
         def pack(t: Any) -> Any:
@@ -164,27 +167,45 @@ class PipelineStage:
 
         self.loss.mode = "sft" if labels is None or labels.ref is None else "dpo"
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.pipe(inp)
-            if self.last:
-                assert labels is not None, "the last stage needs the micro-batch's labels"
+            out = inp
+            for f in funcs:
+                out = f(out)
+            if last:
+                assert labels is not None, "the model's last chunk needs the micro-batch's labels"
                 parts = (labels.targets, labels.mask) if labels.ref is None else (labels.targets, labels.mask,
                                                                                   labels.ref)
                 out = self.loss(out, parts) / self.setup_msg.accumulation
-        self._saved[op.task_id] = (inp, out, counted[0])
-        result = float(out.detach()) * self.setup_msg.accumulation if self.last else out.detach()
+        self._saved[(op.task_id, op.position)] = (inp, out, counted[0])
+        result = float(out.detach()) * self.setup_msg.accumulation if last else out.detach()
         return result, OpDone(op, start, time.time(), self._held())
 
     def backward_op(self, op: StageOp, grad: Any = None) -> tuple[Any, OpDone]:
-        """The backward of ``op``'s micro-batch on this stage; returns the gradient of its input (None on
-        the first stage), which the stage before needs."""
+        """The backward of ``op``'s micro-batch through chunk ``op.position``; returns the gradient of its
+        input (None for the model's first chunk), which the chunk before needs."""
         start = time.time()
-        inp, out, _ = self._saved.pop(op.task_id)
-        if self.last:
+        _, first, last = self._chunk(op.position)
+        inp, out, _ = self._saved.pop((op.task_id, op.position))
+        if last:
             out.backward()
         else:
             out.backward(grad)
-        g = None if self.first else inp.grad
+        g = None if first else inp.grad
         return g, OpDone(op, start, time.time(), self._held())
+
+    def _chunk(self, position: int) -> tuple[list[Any], bool, bool]:
+        """This position's forward functions, and whether they start and end the whole model."""
+        k = position % len(self.chunks)  # a stage's chunks are consecutive positions of its lane
+        a, b = self.chunks[k]
+        return (list(self.pipe.forward_funcs[a:b]), self.first and k == 0,
+                self.last and k == len(self.chunks) - 1)
+
+    @staticmethod
+    def _run(funcs: list[Any], x: Any, last: bool) -> Any:
+        """Inference through ``funcs``; the model's head (``last``) only on the last position, greedy."""
+        head = funcs[-1] if last else None
+        for f in funcs[:-1] if last else funcs:
+            x = f(x)
+        return x if head is None else head(x[:, -1:, :])[:, -1].argmax(-1)
 
     def step_op(self, op: StageOp) -> OpDone:
         """The optimizer step closing a mini-batch; a collective, so every stage of the pipeline runs it
@@ -212,19 +233,28 @@ class PipelineStage:
         return OpDone(op, start, time.time(), self._held())
 
     def export_op(self, op: StageOp) -> tuple[dict[str, Any], OpDone]:
-        """Weight sync, the training side: this stage's HF-named weights."""
+        """Weight sync, the training side: this stage's HF-named weights, as numpy arrays: Ray keeps those
+        in its shared-memory object store without pickling, and a reader on the same host maps them
+        (a torch tensor would be pickled on the way in and out, seconds for a 135M model)."""
         start = time.time()
-        return self.state_slice(), OpDone(op, start, time.time(), self._held())
+        arrays = {k: v.numpy() for k, v in self.state_slice().items()}
+        return arrays, OpDone(op, start, time.time(), self._held())
 
     def import_op(self, op: StageOp, *parts: dict[str, Any]) -> OpDone:
         """Weight sync, the serving side: copy the trained weights (every training stage's slice) in."""
         from actors.pipeline.model import load_tensors
 
         start = time.time()
+        import warnings
+
+        import torch
+
         merged: dict[str, Any] = {}
         for part in parts:
             merged.update(part)
-        load_tensors(self.pipe, merged)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only shared-memory arrays: copy_ only reads them
+            load_tensors(self.pipe, {k: torch.from_numpy(v) for k, v in merged.items()})
         return OpDone(op, start, time.time(), self._held())
 
     def profile_op(self, kind: str, batch: int, tokens: int) -> dict[str, float]:
@@ -238,7 +268,7 @@ class PipelineStage:
         start = time.time()
         if kind == "inference":
             with torch.no_grad():
-                self._infer(x)
+                self._run(list(h.forward_funcs), x, self.last)
             return {"forward": time.time() - start}
         out = h(x)
         mid = time.time()
@@ -246,15 +276,6 @@ class PipelineStage:
         end = time.time()
         self.optimizer.zero_grad(set_to_none=True)
         return {"forward": mid - start, "backward": end - mid}
-
-    def _infer(self, x: Any) -> Any:
-        funcs = list(self.pipe.forward_funcs)
-        head = funcs.pop() if self.last else None
-        for f in funcs:
-            x = f(x)
-        if head is None:
-            return x
-        return head(x[:, -1:, :])[:, -1].argmax(-1)
 
     def _hidden_size(self) -> int:
         from actors.pipeline.model import read_config

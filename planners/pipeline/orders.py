@@ -70,13 +70,13 @@ class LemixStageOrder:
         arrival = node.stream.next_arrival(now)
         if arrival is None:
             return False
-        lane_stages = len(op.lane_devices) or node.lanes[node.lane_of[op.device]].stages
-        per_stage = node.inference_seconds(node.stream.tokens or 1.0) / lane_stages
-        reaches = arrival + op.position * per_stage
+        positions = node.lanes[node.lane_of[op.device]].positions
+        per_position = node.inference_seconds(node.stream.tokens or 1.0) / positions
+        reaches = arrival + op.position * per_position
         end = now + node.seconds(op)
         if end <= reaches:
             return False
-        response = end + (lane_stages - op.position) * per_stage - arrival
+        response = end + (positions - op.position) * per_position - arrival
         return response > self.slo(node)
 
     def memory_short(self, op: StageOp, node: StageScheduler, now: float) -> bool:

@@ -92,16 +92,20 @@ class StageScheduler:
                  accumulation: int = 2, memory: MemoryGuard | None = None) -> None:
         if accumulation < 1:
             raise ValueError("accumulation must be >= 1")
-        covered = sorted(d for lane in lanes for d in lane.devices)
-        if covered != list(range(devices)):
-            raise ValueError(f"lanes must cover devices 0..{devices - 1} once each, got {covered}")
+        covered = sorted(d for lane in lanes for d in lane.stage_devices)
+        if covered != list(range(devices)) or any(
+                lane.devices != tuple(d for d in lane.stage_devices for _ in range(lane.devices.count(d)))
+                for lane in lanes):
+            raise ValueError(f"lanes must cover devices 0..{devices - 1} once each (a device's chunks in a row), "
+                             f"got {[lane.devices for lane in lanes]}")
         self.devices = devices
         self.lanes = tuple(lanes)
         self.order = order
         self.accumulation = accumulation
         self.memory = memory
         self.lane_of = {d: i for i, lane in enumerate(self.lanes) for d in lane.devices}
-        self.lane_cost = [cost.with_stages(lane.stages) for lane in self.lanes]
+        # Per position: a stage's chunks split its layers evenly.
+        self.lane_cost = [cost.with_stages(lane.positions) for lane in self.lanes]
         self.training = next((LaneState(lane) for lane in self.lanes if "training" in lane.kinds), None)
         self.inference_queue: deque[PipelineTask] = deque()
         self.training_queue: deque[PipelineTask] = deque()
@@ -148,7 +152,7 @@ class StageScheduler:
     def inference_seconds(self, tokens: float) -> float:
         """Planned seconds of one inference pass of ``tokens`` through every stage of the serving lane."""
         lane = next(i for i, lane in enumerate(self.lanes) if "inference" in lane.kinds)
-        return self.lanes[lane].stages * self.speed[("inference", "forward")] * self.lane_cost[lane].forward(1, tokens)
+        return self.lanes[lane].positions * self.speed[("inference", "forward")] * self.lane_cost[lane].forward(1, tokens)
 
     def free(self, device: int) -> bool:
         return self.busy[device] is None
@@ -203,7 +207,7 @@ class StageScheduler:
         lane = self.lanes[self.lane_of[d]]
         if op.phase in ("step", "sync"):
             return self._complete_collective(op)
-        if op.phase == "forward" and op.position + 1 < lane.stages:
+        if op.phase == "forward" and op.position + 1 < lane.positions:
             self._release(replace(op, device=lane.devices[op.position + 1], position=op.position + 1))
             return []
         if op.kind == "inference":
@@ -277,7 +281,7 @@ class StageScheduler:
             return
         if state.admitted == self.accumulation and state.finished == self.accumulation and not state.stepping:
             state.stepping = True
-            devs = state.lane.devices
+            devs = state.lane.stage_devices
             self.collective = StageOp(f"step-{state.steps + 1}", "training", "step", devs[0], 0, 0, 0, 0.0,
                                       lane_devices=devs)
 

@@ -38,32 +38,54 @@ class PipelineTask:
 
 @dataclass(frozen=True)
 class Lane:
-    """A pipeline: ``devices`` are its stages in order; it runs tasks of ``kinds``."""
+    """A pipeline: ``devices`` lists the device of each position in order; it runs tasks of ``kinds``.
+
+    A device may hold several consecutive positions: its stage then runs as that many ops (chunks of
+    its layers, as interleaved pipelines' virtual stages do), so no single op holds the device long
+    and an inference pass can run between two chunks of a training pass.
+    """
 
     devices: tuple[int, ...]
     kinds: frozenset[str]
 
     @property
-    def stages(self) -> int:
+    def positions(self) -> int:
+        """Ops a pass takes through the lane (stages × chunks)."""
         return len(self.devices)
 
+    @property
+    def stage_devices(self) -> tuple[int, ...]:
+        """The lane's devices, each once, in pipeline order."""
+        return tuple(dict.fromkeys(self.devices))
 
-def shared_lanes(devices: int) -> tuple[Lane, ...]:
+    @property
+    def stages(self) -> int:
+        return len(self.stage_devices)
+
+
+def _chunked(devices: range | tuple[int, ...], chunks: int) -> tuple[int, ...]:
+    if chunks < 1:
+        raise ValueError("chunks must be >= 1")
+    return tuple(d for d in devices for _ in range(chunks))
+
+
+def shared_lanes(devices: int, chunks: int = 1) -> tuple[Lane, ...]:
     """Every device is one stage of one pipeline that both serves and trains (LEMIX, MIX-RR, MIX-LUF)."""
-    return (Lane(tuple(range(devices)), frozenset({"inference", "training"})),)
+    return (Lane(_chunked(range(devices), chunks), frozenset({"inference", "training"})),)
 
 
-def split_lanes(devices: int) -> tuple[Lane, ...]:
+def split_lanes(devices: int, chunks: int = 1) -> tuple[Lane, ...]:
     """SEPARATE on one node (LEMIX §II, Fig. 1's static partition at device grain): device 0 holds the
     whole model and serves; the others hold a pipeline of it and train."""
     if devices < 2:
         raise ValueError("the split layout needs at least 2 devices: one to serve, one to train")
-    return (Lane((0,), frozenset({"inference"})), Lane(tuple(range(1, devices)), frozenset({"training"})))
+    return (Lane(_chunked((0,), chunks), frozenset({"inference"})),
+            Lane(_chunked(range(1, devices), chunks), frozenset({"training"})))
 
 
 @dataclass(frozen=True)
 class StageOp:
-    """One op on one device: ``position`` is the stage's index in its lane; ``pass_index`` the inference
+    """One op on one device: ``position`` is its index in its lane (``Lane.devices``); ``pass_index`` the inference
     pass (0: the prompt). ``step`` and ``sync`` ops run on every device of ``lane_devices`` at once."""
 
     task_id: str

@@ -12,13 +12,13 @@ from actors.pipeline.messages import PipelineSettings, TokenBatch
 PROMPTS = [[5, 17, 33, 8, 91], [12, 4, 4, 60]]
 
 
-def _settings(data_dir, tmp_path_factory) -> PipelineSettings:
+def _settings(data_dir, tmp_path_factory, chunks: int = 1) -> PipelineSettings:
     from actors import default_model
 
     return PipelineSettings(model_dir=str(default_model.ensure(data_dir)),
                             versions_root=str(tmp_path_factory.mktemp("scheduled-versions")),
                             stage_resources={"CPU": 0.5}, micro_batch=2, accumulation=2, learning_rate=5e-3,
-                            max_length=64)
+                            max_length=64, chunks=chunks)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,8 @@ def test_lemix_node_serves_and_trains_at_once_with_each_stage_in_its_bundle(grou
 
     from actors.pipeline.scheduled import ScheduledPipeline
 
-    node = ScheduledPipeline(_settings(data_dir, tmp_path_factory), group, order="lemix")
+    # Each stage runs as two ops (chunks of its layers): four positions over the two devices.
+    node = ScheduledPipeline(_settings(data_dir, tmp_path_factory, chunks=2), group, order="lemix")
     try:
         info = node.start()
         pg_id = group.id.hex()
@@ -100,6 +101,11 @@ def test_lemix_node_serves_and_trains_at_once_with_each_stage_in_its_bundle(grou
             spans = sorted((d.start, d.end, d.op.kind) for d in node.timeline if d.op.device == device)
             assert {k for _, _, k in spans} == {"inference", "training"}
             assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:]))
+        # Each micro-batch went through all four positions, each chunk on its stage's device.
+        mb0 = [(d.op.phase, d.op.position, d.op.device) for d in sorted(node.timeline, key=lambda d: d.start)
+               if d.op.task_id == "mb0"]
+        assert mb0 == [("forward", 0, 0), ("forward", 1, 0), ("forward", 2, 1), ("forward", 3, 1),
+                       ("backward", 3, 1), ("backward", 2, 1), ("backward", 1, 0), ("backward", 0, 0)]
         # The step ran on both stages at once, after every backward of its mini-batch.
         steps = [d for d in node.timeline if d.op.phase == "step"]
         assert sorted(d.op.device for d in steps) == [0, 0, 1, 1]

@@ -152,3 +152,18 @@ def test_policies_are_registered_and_layouts_checked():
     with pytest.raises(ValueError, match="no lane of this node serves"):
         StageScheduler(2, (split_lanes(2)[1], replace(split_lanes(2)[0], kinds=frozenset({"training"}))),
                        registry.create("stage_order", "separate"), COST).add(PipelineTask("r", "inference", 3))
+
+
+def test_a_chunked_stage_lets_a_request_in_between_two_chunks_of_a_training_pass():
+    policy = registry.create("stage_order", "lemix")
+    lanes = shared_lanes(2, chunks=2)
+    assert lanes[0].devices == (0, 0, 1, 1) and lanes[0].stages == 2 and lanes[0].positions == 4
+    sched = StageScheduler(2, lanes, policy, COST, accumulation=1)
+    # A 20-token micro-batch: each chunk forward takes 0.1 s (half a stage); the request comes at 0.05 s.
+    done = simulate(sched, training(1, tokens=20) + [PipelineTask("req", "inference", 10, 1, 0.05)])
+    stage0 = [(d.op.task_id, d.op.position) for d in sorted(done, key=lambda d: d.start)
+              if d.op.device == 0 and d.op.phase == "forward"]
+    assert stage0 == [("mb0", 0), ("req", 0), ("req", 1), ("mb0", 1)]
+    last = [d for d in done if d.op.task_id == "req" and d.op.position == 3]
+    # Waited 0.05 s for mb0's first chunk, then four chunks of 0.05 s each.
+    assert last[0].end - 0.05 == pytest.approx(0.05 + 4 * 0.05, abs=1e-6)
