@@ -95,6 +95,19 @@ class PlannerConfig(_ConfigSection):
     memory_params: dict[str, Any] = Field(
         default_factory=dict, description="Keyword args of the memory guard (planners/memory.py), e.g. peak_bytes.")
     grant_recheck_s: float = Field(0.02, gt=0, description="How long a trainer refused a window waits to ask again.")
+    stage_order: str = Field(
+        "lemix", description="Stage-level order policy from the registry (planners/pipeline/): which op each "
+                             "pipeline stage of a full unit runs next (lemix | round_robin | least_utilized | separate).")
+    stage_order_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of that policy.")
+
+    @field_validator("stage_order")
+    @classmethod
+    def _known_stage_order(cls, v: str) -> str:
+        from planners.registry import names
+
+        if v not in names("stage_order"):
+            raise ValueError(f"unknown stage order {v!r}; choose one of {names('stage_order')}")
+        return v
 
     @field_validator("iteration")
     @classmethod

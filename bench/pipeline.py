@@ -109,7 +109,8 @@ def run_order(order: str, args: argparse.Namespace, pg: Any, settings: Any, requ
         params = {"response_slo_s": slo_s, "max_defer_s": args.max_defer}
     elif order == "separate":
         params = {"sync_every": args.sync_every}
-    node = ScheduledPipeline(settings, pg, order=order, order_params=params)
+    node = ScheduledPipeline(settings, pg, order=order, order_params=params,
+                             stage_memory_bytes=args.stage_memory_mb * 2**20)
     rng = random.Random(args.seed)
     try:
         node.start()
@@ -223,6 +224,10 @@ def main() -> None:
     ap.add_argument("--slo-factor", type=float, default=5.0)
     ap.add_argument("--max-defer", type=float, default=5.0)
     ap.add_argument("--sync-every", type=int, default=1)
+    ap.add_argument("--max-in-flight", type=int, default=4, help="micro-batches in flight (shared pipelines)")
+    ap.add_argument("--stage-memory-mb", type=float, default=1024.0,
+                    help="LEMIX's memory guard (Alg. 2): activation memory a stage may hold")
+    ap.add_argument("--chunks", type=int, default=4, help="ops per stage (a stage's layers in this many chunks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gantt", type=Path, default=None)
     ap.add_argument("--gantt-window", type=float, default=20.0)
@@ -258,7 +263,8 @@ def main() -> None:
     settings = PipelineSettings(model_dir=model_dir, versions_root="/tmp/pipeline-bench-versions",
                                 stage_resources={"CPU": 0.9}, partition_method="compute",
                                 micro_batch=args.micro_batch, accumulation=args.accumulation, learning_rate=1e-5,
-                                max_length=args.max_train, threads=1)
+                                max_length=args.max_train, threads=1, chunks=args.chunks,
+                                max_in_flight=args.max_in_flight)
     results, slo_s = [], None
     for order in args.orders.split(","):
         res = run_order(order, args, pg, settings, requests, batches, slo_s)

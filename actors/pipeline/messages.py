@@ -44,6 +44,14 @@ class PipelineSettings:
     max_grad_norm: float = 1.0
     seed: int = 0
     threads: int = 1  # torch intra-op threads per stage actor
+    schedule: Literal["planner", "deepspeed"] = "planner"
+    """``planner``: the stage scheduler picks every op on every stage (``stage_order``, a registry
+    name of planners/pipeline); ``deepspeed``: DeepSpeed's engine runs each batch (``train_batch``)."""
+    stage_order: str = "lemix"
+    stage_order_params: dict[str, Any] = field(default_factory=dict)
+    max_in_flight: int | None = None
+    """Under the stage scheduler: micro-batches admitted and not yet through their backward (None: the
+    stage count, as 1F1B)."""
     chunks: int = 1
     """Under the stage scheduler (``ScheduledPipeline``): ops a stage's layers run as, so an inference
     pass can run between two parts of a training pass on the same stage (1: one op per stage)."""
@@ -57,7 +65,8 @@ class PipelineSettings:
         values: dict[str, Any] = dict(
             model_dir=model_dir(cfg), versions_root=versions_root or str(cfg.data_path / "full_versions"),
             stage_resources=dict(t.resources_per_worker), micro_batch=t.micro_batch, accumulation=t.accumulation,
-            max_length=t.max_length)
+            max_length=t.max_length, stage_order=cfg.planner.stage_order,
+            stage_order_params=dict(cfg.planner.stage_order_params))
         values.update(overrides)
         return cls(**values)
 

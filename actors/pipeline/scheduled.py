@@ -53,13 +53,14 @@ class InferenceResult:
 class ScheduledPipeline:
     """One node's stage actors, driven op by op by the configured stage order policy."""
 
-    def __init__(self, settings: PipelineSettings, placement_group: Any, order: str = "lemix",
+    def __init__(self, settings: PipelineSettings, placement_group: Any, order: str | None = None,
                  order_params: dict[str, Any] | None = None, cost: CostModel | None = None,
                  stage_memory_bytes: float | None = None) -> None:
         self.settings = settings
         self.pg = placement_group
-        self.order_name = order
-        self.order = create("stage_order", order, **(order_params or {}))
+        self.order_name = order or settings.stage_order
+        params = settings.stage_order_params if order is None else (order_params or {})
+        self.order = create("stage_order", self.order_name, **params)
         self.cost = cost or default_cost_model()
         self.stage_memory_bytes = stage_memory_bytes
         self.actors: list[Any] = []
@@ -69,6 +70,8 @@ class ScheduledPipeline:
         self.results: dict[str, InferenceResult] = {}
         self.losses: list[float] = []
         self.trained: list[str] = []  # micro-batch ids whose backward finished
+        self.scores: dict[str, list[float]] = {}  # scoring task id -> each row's completion log-prob
+        self._score_labels: dict[str, Any] = {}   # scoring task id -> ObjectRef of its TokenBatch
         self._batches: dict[str, Any] = {}        # micro-batch id -> ObjectRef of its TokenBatch
         self._ids: dict[str, Any] = {}            # micro-batch id -> ObjectRef of its token ids
         self._outputs: dict[tuple[str, str, int], Any] = {}  # (task, phase, position) -> ObjectRef
@@ -112,18 +115,19 @@ class ScheduledPipeline:
         refs = {d: self.actors[d].setup.remote(setup) for d, setup in setups}
         self.info = [ray.get(refs[d], timeout=PLACE_TIMEOUT_S) for d in range(n)]
         self.scheduler = StageScheduler(n, lanes, self.order, self.cost, accumulation=s.accumulation,
-                                        memory=self._memory_guard())
+                                        memory=self._memory_guard(), max_in_flight=s.max_in_flight)
         return self.info
 
     def _memory_guard(self) -> MemoryGuard | None:
-        """Alg. 2's per-stage guard: M_threshold is ``stage_memory_bytes``; a stage holds 1/S of the
-        activations the cost model predicts for the node (calibrated from what the stages report)."""
+        """Alg. 2's per-stage guard: M_threshold is ``stage_memory_bytes``; one op (a chunk of a stage) holds
+        1/(S·chunks) of the activations the cost model predicts for the node, calibrated from what the
+        stages report after each forward."""
         if self.stage_memory_bytes is None:
             return None
         m = self.cost.memory
-        per_stage = replace(self.cost, memory=replace(m, activation_bytes_per_token=m.activation_bytes_per_token
-                                                      / self.devices))
-        return MemoryGuard(per_stage, peak_bytes=self.stage_memory_bytes, threshold_fraction=1.0)
+        share = m.activation_bytes_per_token / (self.devices * self.settings.chunks)
+        per_op = replace(self.cost, memory=replace(m, activation_bytes_per_token=share))
+        return MemoryGuard(per_op, peak_bytes=self.stage_memory_bytes, threshold_fraction=1.0)
 
     def shutdown(self) -> None:
         for a in self.actors:
@@ -151,7 +155,8 @@ class ScheduledPipeline:
         self.cost = replace(default_cost_model(), forward=fit_stage_latency(fwd), backward=fit_stage_latency(bwd),
                             stages=self.devices, metadata={"source": "ScheduledPipeline.profile"})
         self.scheduler = StageScheduler(self.devices, lanes, self.order, self.cost,
-                                        accumulation=self.settings.accumulation, memory=self._memory_guard())
+                                        accumulation=self.settings.accumulation, memory=self._memory_guard(),
+                                        max_in_flight=self.settings.max_in_flight)
         return self.cost
 
     # -------------------------------------------------------------------- work in
@@ -165,6 +170,16 @@ class ScheduledPipeline:
         t = time.time() if arrival is None else arrival
         self.results[task_id] = InferenceResult(arrival=t, prompt=list(prompt))
         self.scheduler.add(PipelineTask(task_id, "inference", len(prompt), 1, t, new_tokens))
+
+    def submit_scoring(self, task_id: str, batch: TokenBatch, arrival: float | None = None) -> None:
+        """Queue a no-grad pass over ``batch`` that scores it: each row's summed log-prob of its masked
+        target tokens (DPO's reference log-probs), in ``scores[task_id]``. An inference task to the scheduler."""
+        assert self.scheduler is not None, "start() first"
+        rows, length = batch.ids.shape
+        t = time.time() if arrival is None else arrival
+        self._score_labels[task_id] = ray.put(batch)
+        self._ids[task_id] = ray.put(batch.ids)
+        self.scheduler.add(PipelineTask(task_id, "inference", int(length), int(rows), t, 1))
 
     def submit_training(self, task_id: str, batch: TokenBatch, arrival: float | None = None) -> None:
         """Queue one training micro-batch (its loss is the SFT loss, or DPO's when ``batch.ref`` is set)."""
@@ -213,15 +228,16 @@ class ScheduledPipeline:
         if op.phase == "forward":
             if op.position > 0:
                 x = self._outputs.pop((op.task_id, "forward", op.position - 1))
-            elif op.kind == "inference":
+            elif op.task_id in self.results:
                 import torch
 
                 r = self.results[op.task_id]
                 x = torch.tensor([r.prompt + r.tokens])
             else:
                 x = self._ids.pop(op.task_id)
-            lane_last = op.position == self._positions(op.device) - 1
-            labels = self._batches.get(op.task_id) if op.kind == "training" and lane_last else None
+            labels = None
+            if op.position == self._positions(op.device) - 1:
+                labels = (self._batches if op.kind == "training" else self._score_labels).get(op.task_id)
             out, done = actor.forward_op.options(num_returns=2).remote(op, x, labels)
         elif op.phase == "backward":
             grad = None if op.position == self._positions(op.device) - 1 else \
@@ -253,7 +269,10 @@ class ScheduledPipeline:
                 self.losses.append(float(ray.get(out)))
             elif not (op.phase == "backward" and op.position == 0):
                 self._outputs[(op.task_id, op.phase, op.position)] = out
-        if op.kind == "inference" and last:
+        if op.kind == "inference" and last and op.task_id in self._score_labels:
+            self.scores[op.task_id] = [float(x) for x in ray.get(out)]
+            del self._score_labels[op.task_id]
+        elif op.kind == "inference" and last:
             r = self.results[op.task_id]
             r.tokens += [int(t) for t in ray.get(out).tolist()]
             if r.first_token_at is None:

@@ -37,6 +37,7 @@ class PipelineStage:
         self.first = self.last = False
         self.chunks: list[tuple[int, int]] = []  # [start, stop) into the stage's forward functions, per chunk
         self._saved: dict[tuple[str, int], tuple[Any, Any, float]] = {}  # (task, position) -> (input, output, bytes)
+        self.weight_pointers: set[int] = set()  # storage of every weight, to tell saved weights from activations
 
     def address(self) -> tuple[str, int]:
         """Rank 0: where the other stages meet it (this node's IP, a free port)."""
@@ -75,11 +76,15 @@ class PipelineStage:
             pipe = pipeline_module(read_config(s.model_dir), s.stages, s.partition_method, self.loss,
                                    dynamic_shape=True)
         load_slice(pipe, s.model_dir)
-        optimizer = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], lr=s.learning_rate,
-                                      weight_decay=0.0)
+        params = [p for p in pipe.parameters() if p.requires_grad]
+        # The fused kernel (CPU too, torch >= 2.4) is 3x the default's speed on a 100M-parameter stage; the
+        # DeepSpeed engine wraps the plain one.
+        fused = s.schedule == "planner"
+        optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=0.0, fused=fused or None)
         self.pipe, self.optimizer, self.setup_msg = pipe, optimizer, s
         self.first, self.last = pipe._local_start == 0, pipe._local_stop == len(pipe._layer_specs)
         self.chunks = chunk_bounds(read_config(s.model_dir), pipe._local_start, pipe._local_stop, s.chunks)
+        self.weight_pointers = {p.data_ptr() for p in pipe.parameters()}
         if s.schedule == "deepspeed":
             ds_config = {"train_micro_batch_size_per_gpu": s.micro_batch,
                          "gradient_accumulation_steps": s.accumulation, "gradient_clipping": s.max_grad_norm,
@@ -146,7 +151,8 @@ class PipelineStage:
         """One forward of ``op`` over this stage's chunk ``op.position`` (of ``chunks``).
 
         Inference: no graph; the model's last chunk applies the head to the last position only and
-        returns the greedy next token of each row. Training: the graph is kept for ``backward_op`` (its
+        returns the greedy next token of each row (with ``labels``: each row's summed log-prob of its
+        masked targets, a scoring pass). Training: the graph is kept for ``backward_op`` (its
         saved activation bytes counted); the model's last chunk returns the micro-batch's loss (the
         gradient is of loss / accumulation).
         """
@@ -156,13 +162,22 @@ class PipelineStage:
         funcs, first, last = self._chunk(op.position)
         if op.kind == "inference":
             with torch.no_grad():
-                out = self._run(funcs, x, last)
+                if labels is not None and last:  # a scoring pass: each row's completion log-prob
+                    from actors.pipeline.losses import sequence_logps
+
+                    for f in funcs:
+                        x = f(x)
+                    out = sequence_logps(x, labels.targets, labels.mask.float()).tolist()
+                else:
+                    out = self._run(funcs, x, last)
             return out, OpDone(op, start, time.time(), self._held())
         inp = x if first else x.detach().requires_grad_(True)
         counted = [0.0]
+        weights = self.weight_pointers
 
         def pack(t: Any) -> Any:
-            counted[0] += t.numel() * t.element_size()
+            if t.data_ptr() not in weights:  # autograd saves the weights too: they are not activations
+                counted[0] += t.numel() * t.element_size()
             return t
 
         self.loss.mode = "sft" if labels is None or labels.ref is None else "dpo"

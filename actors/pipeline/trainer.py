@@ -62,7 +62,9 @@ class PipelineTrainer:
         self.stages: list[Any] = []
         self.info: list[StageInfo] = []
         self.weights_from = settings.model_dir  # the version (or base model) the stages hold now
+        self.node: Any = None  # the ScheduledPipeline driving the stages (schedule "planner")
         self._tokenizer: Any = None
+        self._tasks = 0
 
     # -------------------------------------------------------------------- stage actors
 
@@ -74,6 +76,14 @@ class PipelineTrainer:
 
         from actors.pipeline.stage import PipelineStage
 
+        if self.settings.schedule == "planner":
+            from actors.pipeline.scheduled import ScheduledPipeline
+
+            self.node = ScheduledPipeline(self.settings, self.pg)
+            self.info = self.node.start()
+            self.stages = self.node.actors
+            self._check_partition()
+            return self.info
         ray.get(self.pg.ready(), timeout=PLACE_TIMEOUT_S)
         n = len(self.pg.bundle_specs)
         res = dict(self.settings.stage_resources)
@@ -89,16 +99,21 @@ class PipelineTrainer:
                            accumulation=s.accumulation, learning_rate=s.learning_rate, beta=s.beta,
                            max_grad_norm=s.max_grad_norm, seed=s.seed, threads=s.threads)
         self.info = ray.get([st.setup.remote(setup) for st in self.stages])
-        config = json.loads((Path(self.weights_from) / "config.json").read_text())
-        check_bounds(self.info[0].bounds, len(layer_names(LlamaDims.from_config(config))), n)
-        if any(i.bounds != self.info[0].bounds for i in self.info):
-            raise RuntimeError(f"stages disagree on the partition: {[i.bounds for i in self.info]}")
+        self._check_partition()
         return self.info
 
+    def _check_partition(self) -> None:
+        config = json.loads((Path(self.weights_from) / "config.json").read_text())
+        check_bounds(self.info[0].bounds, len(layer_names(LlamaDims.from_config(config))), len(self.info))
+        if any(i.bounds != self.info[0].bounds for i in self.info):
+            raise RuntimeError(f"stages disagree on the partition: {[i.bounds for i in self.info]}")
+
     def shutdown(self) -> None:
+        if self.node is not None:
+            self.node.shutdown()
         for st in self.stages:
             ray.kill(st)
-        self.stages, self.info = [], []
+        self.stages, self.info, self.node = [], [], None
 
     # -------------------------------------------------------------------- training
 
@@ -129,7 +144,10 @@ class PipelineTrainer:
             idx = [(k * per_step + j) % len(samples) for j in range(per_step)]
             batches = [self._micro_batch(samples, idx[m:m + s.micro_batch], method, ref)
                        for m in range(0, per_step, s.micro_batch)]
-            losses.append(self._run_all("train_batch", batches, MODES[method])[0])
+            if self.node is None:
+                losses.append(self._run_all("train_batch", batches, MODES[method])[0])
+            else:
+                losses.append(self._scheduled_step(batches))
         margin = self.reward_margin(samples, ref) if ref is not None else None
         meta = {"version": int(version), "parent": parent, "method": method, "steps": steps, "loss": losses[-1],
                 "losses": losses, "reward_margin": margin, "created_at": time.time(),
@@ -144,7 +162,14 @@ class PipelineTrainer:
         mb = self.settings.micro_batch
         batches = [self._micro_batch(samples, list(range(i, min(i + mb, len(samples)))), "full_dpo", None)
                    for i in range(0, len(samples), mb)]
-        rows = next(r for r in self._run_all("logps", batches, len(batches)) if r is not None)
+        if self.node is None:
+            rows = next(r for r in self._run_all("logps", batches, len(batches)) if r is not None)
+        else:
+            ids = [self._task_id("score") for _ in batches]
+            for task_id, b in zip(ids, batches):
+                self.node.submit_scoring(task_id, b)
+            self.node.run()
+            rows = [x for task_id in ids for x in self.node.scores.pop(task_id)]
         chosen, rejected, at = [], [], 0
         for b in batches:
             n = b.ids.shape[0] // 2
@@ -171,6 +196,27 @@ class PipelineTrainer:
         src = Path(self.settings.model_dir)
         files = {name: (src / name).read_bytes() for name in MODEL_FILES if (src / name).is_file()}
         return write_full_version(self.settings.versions_root, unit, version, tensors, meta, files)
+
+    def _scheduled_step(self, batches: list[TokenBatch]) -> float:
+        """One optimizer step through the stage scheduler: its micro-batches, op by op; their mean loss."""
+        node = self.node
+        before = len(node.losses)
+        steps = node.scheduler.steps
+        for b in batches:
+            node.submit_training(self._task_id("mb"), b)
+        node.run()
+        if node.scheduler.steps != steps + 1:
+            raise RuntimeError(f"the stages ran {node.scheduler.steps - steps} optimizer steps for one mini-batch")
+        mine = node.losses[before:]
+        # The trainer keeps no history: a long-lived unit would otherwise grow these without bound.
+        node.losses.clear()
+        node.trained.clear()
+        node.timeline.clear()
+        return sum(mine) / len(mine)
+
+    def _task_id(self, kind: str) -> str:
+        self._tasks += 1
+        return f"{kind}-{self._tasks}"
 
     # -------------------------------------------------------------------- helpers
 

@@ -84,14 +84,16 @@ class StageScheduler:
     """Queues, per-device ready ops and the pick loop of one node's stages.
 
     ``cost`` is the node's fitted cost model (per-stage forward/backward of LEMIX §IV-A, scaled to
-    each lane's stage count); ``memory`` the per-stage guard of Alg. 2 (None: no guard), asked by
-    order policies that use it; ``accumulation`` micro-batches per optimizer step.
+    each lane's positions); ``memory`` the per-stage guard of Alg. 2 (None: no guard), asked by
+    order policies that use it; ``accumulation`` micro-batches per optimizer step;
+    ``max_in_flight`` micro-batches admitted and not yet through their backward (None: the lane's
+    stage count, as 1F1B; more fills pipeline bubbles with training at the cost of activation memory).
     """
 
     def __init__(self, devices: int, lanes: Sequence[Lane], order: StageOrder, cost: CostModel,
-                 accumulation: int = 2, memory: MemoryGuard | None = None) -> None:
-        if accumulation < 1:
-            raise ValueError("accumulation must be >= 1")
+                 accumulation: int = 2, memory: MemoryGuard | None = None, max_in_flight: int | None = None) -> None:
+        if accumulation < 1 or (max_in_flight is not None and max_in_flight < 1):
+            raise ValueError("accumulation and max_in_flight must be >= 1")
         covered = sorted(d for lane in lanes for d in lane.stage_devices)
         if covered != list(range(devices)) or any(
                 lane.devices != tuple(d for d in lane.stage_devices for _ in range(lane.devices.count(d)))
@@ -103,6 +105,7 @@ class StageScheduler:
         self.order = order
         self.accumulation = accumulation
         self.memory = memory
+        self.max_in_flight = max_in_flight
         self.lane_of = {d: i for i, lane in enumerate(self.lanes) for d in lane.devices}
         # Per position: a stage's chunks split its layers evenly.
         self.lane_cost = [cost.with_stages(lane.positions) for lane in self.lanes]
@@ -252,7 +255,7 @@ class StageScheduler:
             out.append(StageOp(t.task_id, "inference", "forward", d, 0, t.tokens, t.batch, t.arrival))
         state = self.training
         if ("training" in lane.kinds and state is not None and self.training_queue
-                and state.admitted < self.accumulation and state.in_flight < lane.stages):
+                and state.admitted < self.accumulation and state.in_flight < (self.max_in_flight or lane.stages)):
             t = self.training_queue[0]
             out.append(StageOp(t.task_id, "training", "forward", d, 0, t.tokens, t.batch, t.arrival))
         return out

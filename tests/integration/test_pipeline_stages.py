@@ -123,3 +123,27 @@ def test_full_dpo_raises_the_reward_margin(pipeline):
              for y in (s.chosen, s.rejected)]
         margins.append(pipeline.settings.beta * (d[0] - d[1]))
     assert sum(margins) / len(margins) == pytest.approx(v.reward_margin, rel=1e-3, abs=1e-4)
+
+
+def test_deepspeeds_own_schedule_computes_the_same_losses_as_the_stage_scheduler(pipeline, tmp_path_factory):
+    """``schedule: deepspeed`` (DeepSpeed's train_batch) and ``planner`` (the stage scheduler, op by op) are
+    two orders of the same computation: from the same weights, the same steps give the same losses."""
+    from dataclasses import replace
+
+    from actors.pipeline.trainer import PipelineTrainer
+
+    assert pipeline.settings.schedule == "planner" and pipeline.node is not None
+    start = pipeline.weights_from
+    ours = pipeline.train(SFT, "full_sft", unit="same", version=1, steps=3, resume_from=start)
+    theirs_trainer = PipelineTrainer(replace(pipeline.settings, schedule="deepspeed",
+                                             versions_root=str(tmp_path_factory.mktemp("ds-versions"))),
+                                     pipeline.pg)
+    theirs_trainer.weights_from = start
+    try:
+        theirs = theirs_trainer.train(SFT, "full_sft", unit="same", version=1, steps=3)
+    finally:
+        theirs_trainer.shutdown()
+    assert theirs_trainer.node is None
+    # The first loss is the same forward; later ones differ by the optimizers' float order (fused AdamW here).
+    assert ours.losses[0] == pytest.approx(theirs.losses[0], rel=1e-5), (ours.losses, theirs.losses)
+    assert ours.losses == pytest.approx(theirs.losses, rel=1e-2), (ours.losses, theirs.losses)
