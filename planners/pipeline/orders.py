@@ -100,33 +100,37 @@ class LemixStageOrder:
         return None
 
 
-@register("stage_order", "round_robin")
-class RoundRobinStageOrder:
-    """MIX-RR (NaiveMix, LEMIX §III-A) on one node: each stage alternates inference and training ops."""
+class MixedStageOrder:
+    """A plain mix: when a stage has both kinds of op ready, ``serves_first`` decides; otherwise what is there."""
 
     layout = "shared"
     sync_every = 0
+
+    def serves_first(self, device: int, node: StageScheduler) -> bool:
+        raise NotImplementedError
 
     def pick(self, device: int, candidates: Sequence[StageOp], node: StageScheduler, now: float) -> StageOp | None:
         inference, training = first_inference(candidates), training_order(candidates)
         if inference is None or not training:
             return inference or (training[0] if training else None)
-        return training[0] if node.last_kind[device] == "inference" else inference
+        return inference if self.serves_first(device, node) else training[0]
+
+
+@register("stage_order", "round_robin")
+class RoundRobinStageOrder(MixedStageOrder):
+    """MIX-RR (NaiveMix, LEMIX §III-A) on one node: each stage alternates inference and training ops."""
+
+    def serves_first(self, device: int, node: StageScheduler) -> bool:
+        return node.last_kind[device] != "inference"
 
 
 @register("stage_order", "least_utilized")
-class LeastUtilizedStageOrder:
+class LeastUtilizedStageOrder(MixedStageOrder):
     """MIX-LUF (LEMIX §VI-A) on one node: each stage runs the kind of work that has used it least so far."""
 
-    layout = "shared"
-    sync_every = 0
-
-    def pick(self, device: int, candidates: Sequence[StageOp], node: StageScheduler, now: float) -> StageOp | None:
-        inference, training = first_inference(candidates), training_order(candidates)
-        if inference is None or not training:
-            return inference or (training[0] if training else None)
+    def serves_first(self, device: int, node: StageScheduler) -> bool:
         used = node.busy_seconds[device]
-        return inference if used["inference"] <= used["training"] else training[0]
+        return used["inference"] <= used["training"]
 
 
 @register("stage_order", "separate")
