@@ -226,7 +226,9 @@ class ScheduledPipeline:
         actor = self.actors[op.device]
         out: Any = None
         if op.phase == "forward":
-            if op.position > 0:
+            if op.position > 0 and op.kind == "inference":
+                x = self._outputs.pop((op.task_id, "forward", -1))  # one op per device: the device before's
+            elif op.position > 0:
                 x = self._outputs.pop((op.task_id, "forward", op.position - 1))
             elif op.task_id in self.results:
                 import torch
@@ -236,7 +238,7 @@ class ScheduledPipeline:
             else:
                 x = self._ids.pop(op.task_id)
             labels = None
-            if op.position == self._positions(op.device) - 1:
+            if self._ends_model(op):
                 labels = (self._batches if op.kind == "training" else self._score_labels).get(op.task_id)
             out, done = actor.forward_op.options(num_returns=2).remote(op, x, labels)
         elif op.phase == "backward":
@@ -257,16 +259,23 @@ class ScheduledPipeline:
         assert self.scheduler is not None
         return self.scheduler.lanes[self.scheduler.lane_of[device]].positions
 
+    def _ends_model(self, op: StageOp) -> bool:
+        """Whether ``op`` runs the model's last layers (an inference op runs to the end of its device)."""
+        assert self.scheduler is not None
+        return op.position + self.scheduler.span(op) == self._positions(op.device)
+
     def _finish(self, ref: Any) -> None:
         sched = self.scheduler
         assert sched is not None
         op, out = self._inflight.pop(ref)
         done: OpDone = ray.get(ref)
         self.timeline.append(done)
-        last = op.position == self._positions(op.device) - 1
+        last = self._ends_model(op)
         if op.phase in ("forward", "backward") and not (op.kind == "inference" and last):
             if op.phase == "forward" and op.kind == "training" and last:
                 self.losses.append(float(ray.get(out)))
+            elif op.kind == "inference":
+                self._outputs[(op.task_id, "forward", -1)] = out
             elif not (op.phase == "backward" and op.position == 0):
                 self._outputs[(op.task_id, op.phase, op.position)] = out
         if op.kind == "inference" and last and op.task_id in self._score_labels:

@@ -148,7 +148,8 @@ class PipelineStage:
     # stage's output gradient. Times are this process's wall clock (one host: comparable across stages).
 
     def forward_op(self, op: StageOp, x: Any, labels: TokenBatch | None = None) -> tuple[Any, OpDone]:
-        """One forward of ``op`` over this stage's chunk ``op.position`` (of ``chunks``).
+        """One forward of ``op`` over this stage's chunk ``op.position`` (of ``chunks``; an inference pass
+        runs from that chunk to the end of the stage).
 
         Inference: no graph; the model's last chunk applies the head to the last position only and
         returns the greedy next token of each row (with ``labels``: each row's summed log-prob of its
@@ -159,7 +160,7 @@ class PipelineStage:
         import torch
 
         start = time.time()
-        funcs, first, last = self._chunk(op.position)
+        funcs, first, last = self._chunk(op.position, to_stage_end=op.kind == "inference")
         if op.kind == "inference":
             with torch.no_grad():
                 if labels is not None and last:  # a scoring pass: each row's completion log-prob
@@ -207,12 +208,16 @@ class PipelineStage:
         g = None if first else inp.grad
         return g, OpDone(op, start, time.time(), self._held())
 
-    def _chunk(self, position: int) -> tuple[list[Any], bool, bool]:
-        """This position's forward functions, and whether they start and end the whole model."""
+    def _chunk(self, position: int, to_stage_end: bool = False) -> tuple[list[Any], bool, bool]:
+        """This position's forward functions (``to_stage_end``: the rest of the stage's, as an inference
+        pass runs them), and whether they start and end the whole model."""
         k = position % len(self.chunks)  # a stage's chunks are consecutive positions of its lane
         a, b = self.chunks[k]
-        return (list(self.pipe.forward_funcs[a:b]), self.first and k == 0,
-                self.last and k == len(self.chunks) - 1)
+        if to_stage_end:
+            b, end = self.chunks[-1][1], True
+        else:
+            end = k == len(self.chunks) - 1
+        return list(self.pipe.forward_funcs[a:b]), self.first and k == 0, self.last and end
 
     @staticmethod
     def _run(funcs: list[Any], x: Any, last: bool) -> Any:

@@ -150,7 +150,16 @@ class StageScheduler:
         cost = self.lane_cost[self.lane_of[op.device]]
         tokens = op.tokens + op.pass_index  # a later pass re-reads the prompt and the tokens so far
         latency = cost.backward if op.phase == "backward" else cost.forward
-        return self.speed[(op.kind, op.phase)] * latency(op.batch, tokens)
+        return self.speed[(op.kind, op.phase)] * self.span(op) * latency(op.batch, tokens)
+
+    def span(self, op: StageOp) -> int:
+        """Positions ``op`` covers: an inference pass runs the rest of its device's chunks in one op (the
+        chunks exist to bound how long a training op holds the device; an inference pass is short, and
+        each op is a round trip), a training op one chunk."""
+        if op.kind != "inference":
+            return 1
+        devices = self.lanes[self.lane_of[op.device]].devices
+        return devices.index(op.device) + devices.count(op.device) - op.position
 
     def inference_seconds(self, tokens: float) -> float:
         """Planned seconds of one inference pass of ``tokens`` through every stage of the serving lane."""
@@ -210,8 +219,9 @@ class StageScheduler:
         lane = self.lanes[self.lane_of[d]]
         if op.phase in ("step", "sync"):
             return self._complete_collective(op)
-        if op.phase == "forward" and op.position + 1 < lane.positions:
-            self._release(replace(op, device=lane.devices[op.position + 1], position=op.position + 1))
+        after = op.position + self.span(op)
+        if op.phase == "forward" and after < lane.positions:
+            self._release(replace(op, device=lane.devices[after], position=after))
             return []
         if op.kind == "inference":
             left = self._passes[op.task_id] - op.pass_index - 1
