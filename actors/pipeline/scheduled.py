@@ -242,8 +242,7 @@ class ScheduledPipeline:
                 labels = (self._batches if op.kind == "training" else self._score_labels).get(op.task_id)
             out, done = actor.forward_op.options(num_returns=2).remote(op, x, labels)
         elif op.phase == "backward":
-            grad = None if op.position == self._positions(op.device) - 1 else \
-                self._outputs.pop((op.task_id, "backward", op.position + 1))
+            grad = None if self._ends_model(op) else self._outputs.pop((op.task_id, "backward", op.position + 1))
             out, done = actor.backward_op.options(num_returns=2).remote(op, grad)
         elif op.phase == "step":
             done = actor.step_op.remote(op)

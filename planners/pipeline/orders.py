@@ -17,6 +17,7 @@ run micro-batches one-forward-one-backward (backward before a new forward).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Sequence
 
 from planners.pipeline.scheduler import StageScheduler
@@ -100,14 +101,15 @@ class LemixStageOrder:
         return None
 
 
-class MixedStageOrder:
+class MixedStageOrder(ABC):
     """A plain mix: when a stage has both kinds of op ready, ``serves_first`` decides; otherwise what is there."""
 
     layout = "shared"
     sync_every = 0
 
+    @abstractmethod
     def serves_first(self, device: int, node: StageScheduler) -> bool:
-        raise NotImplementedError
+        """Whether the stage runs the waiting inference op before the training one."""
 
     def pick(self, device: int, candidates: Sequence[StageOp], node: StageScheduler, now: float) -> StageOp | None:
         inference, training = first_inference(candidates), training_order(candidates)
