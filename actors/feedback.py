@@ -99,6 +99,9 @@ class FeedbackQueue:
     async def update_adapter(self, name: str, changes: dict[str, Any]):
         return await self._run_and_notify("update_adapter", name, changes)
 
+    async def pause_adapter(self, name: str, reason: str):
+        return await self._run_and_notify("pause_adapter", name, reason)
+
     async def get_adapter(self, name: str):
         return await self._run("get_adapter", name)
 

@@ -357,6 +357,14 @@ class FeedbackStore:
                            ("paused through PATCH /v1/adapters (send {\"paused\": false} to resume)", name))
             return self._adapter_info(db, name)
 
+    def pause_adapter(self, name: str, reason: str) -> AdapterInfo:
+        """Pause one adapter's training with ``reason`` (its fault, e.g. a version that does not load);
+        the others train on. A PATCH with ``{"paused": false}`` resumes it. :class:`UnknownAdapter` (404)."""
+        with self._tx() as db:
+            self._adapter_info(db, name)
+            db.execute("UPDATE adapters SET paused_reason = ? WHERE name = ?", (reason[:2000], name))
+            return self._adapter_info(db, name)
+
     def get_adapter(self, name: str) -> AdapterInfo:
         """The adapter with its published versions and queue state; :class:`UnknownAdapter` (404)."""
         with self._tx(write=False) as db:
