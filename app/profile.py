@@ -278,7 +278,12 @@ def main(argv: list[str] | None = None) -> Path:
                         help="κ of LEMIX §IV-A: the memory guard lets a node use this share of its peak")
     parser.add_argument("--only-interference", action="store_true",
                         help="measure ρ only and write it into the existing profile (--out or the shipped one)")
+    parser.add_argument("--refit", metavar="PROFILE", default=None,
+                        help="measure nothing: fit PROFILE's stored rows again (e.g. after the fit changed) and write "
+                             "it back (or to --out)")
     args = parser.parse_args(argv)
+    if args.refit:
+        return refit(Path(args.refit), Path(args.out) if args.out else None)
 
     from tqdm import tqdm
 
@@ -334,6 +339,24 @@ def main(argv: list[str] | None = None) -> Path:
     _write(model, out)
     print_fit_table(model)
     return out
+
+
+def refit(profile: Path, out: Path | None = None) -> Path:
+    """Fit a profile's latency terms again from the rows it stores (``metadata.rows``); nothing is measured."""
+    from planners.costs import fit_iteration_latency, fit_stage_latency
+
+    old = CostModel.from_dict(json.loads(profile.read_text()))
+    rows = old.metadata.get("rows") or {}
+    if not all(rows.get(k) for k in ("forward", "backward", "iteration")):
+        raise SystemExit(f"{profile} stores no forward/backward/iteration rows to fit again")
+    model = dataclasses.replace(
+        old, forward=fit_stage_latency(rows["forward"]), backward=fit_stage_latency(rows["backward"]),
+        iteration=fit_iteration_latency(rows["iteration"]),
+        metadata={**old.metadata, "refitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+    target = out or profile
+    _write(model, target)
+    print_fit_table(model)
+    return target
 
 
 def _write(model: CostModel, out: Path) -> None:

@@ -378,21 +378,21 @@ def _quality(y: np.ndarray, pred: np.ndarray, terms: Sequence[str]) -> FitQualit
     return FitQuality(r2=r2, median_rel_err=float(np.median(rel)), n=int(y.size), terms=tuple(terms))
 
 
-def fit_linear(features: Mapping[str, np.ndarray], y: np.ndarray,
-               required: Sequence[str] = ()) -> tuple[dict[str, float], FitQuality]:
-    """Least squares over every subset of ``features``; keep the subset with the best BIC among
-    those with non-negative coefficients ("fit both terms and keep what fits").
+OUTLIER_REL = 1.0
+"""A row measured more than (1 + this) times, or less than 1/(1 + this) of, what the fit predicts is an outlier."""
 
-    Latencies cannot fall as work grows, so a negative coefficient marks a term the data do not
-    support; BIC stops a noise term from being kept for a negligible gain in residual.
+
+def _best_subset(X_all: Mapping[str, np.ndarray], y: np.ndarray, required: Sequence[str], relative: bool
+                 ) -> tuple[dict[str, float], np.ndarray, tuple[str, ...]]:
+    """Least squares over every subset of the features; the best BIC among non-negative fits.
+
+    ``relative``: of the relative error, so a row's residual counts as a fraction of its own time,
+    rows of a few milliseconds weigh as much as rows of seconds, and one slowed row cannot own the fit.
     """
-    y = np.asarray(y, dtype=float)
-    names = list(features)
-    X_all = {k: np.asarray(v, dtype=float) for k, v in features.items()}
+    names = list(X_all)
     n = y.size
-    if n == 0:
-        raise ValueError("no measurement rows to fit")
-    best: tuple[float, dict[str, float], np.ndarray, tuple[str, ...]] | None = None
+    weight = 1.0 / np.maximum(np.abs(y), 1e-12) if relative else np.ones_like(y)
+    best: tuple[float, dict[str, float], tuple[str, ...]] | None = None
     for r in range(1, len(names) + 1):
         for subset in itertools.combinations(names, r):
             if any(q not in subset for q in required):
@@ -400,19 +400,58 @@ def fit_linear(features: Mapping[str, np.ndarray], y: np.ndarray,
             X = np.column_stack([X_all[k] for k in subset])
             if np.linalg.matrix_rank(X) < len(subset):
                 continue
-            coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+            coef, *_ = np.linalg.lstsq(X * weight[:, None], y * weight, rcond=None)
             if np.any(coef < -1e-15 * max(1.0, float(np.abs(coef).max()))):
                 continue
-            pred = X @ coef
-            rss = float(np.sum((y - pred) ** 2))
+            rss = float(np.sum(((y - X @ coef) * weight) ** 2))
             bic = n * math.log(max(rss / n, 1e-300)) + len(subset) * math.log(n)
             if best is None or bic < best[0] - 1e-9:
-                best = (bic, {k: max(float(c), 0.0) for k, c in zip(subset, coef)}, pred, subset)
+                best = (bic, {k: max(float(c), 0.0) for k, c in zip(subset, coef)}, subset)
     if best is None:
         raise ValueError("no non-negative least-squares fit exists for these rows")
-    _, coefs, pred, subset = best
+    _, coefs, subset = best
     full = {k: coefs.get(k, 0.0) for k in names}
-    return full, _quality(y, pred, subset)
+    return full, sum(full[k] * X_all[k] for k in names), subset
+
+
+def _inliers(y: np.ndarray, pred: np.ndarray) -> np.ndarray:
+    """Rows within a factor (1 + OUTLIER_REL) of the prediction, on a log scale (time cannot be negative)."""
+    ratio = np.maximum(y, 1e-12) / np.maximum(pred, 1e-12)
+    return np.abs(np.log(ratio)) <= math.log1p(OUTLIER_REL)
+
+
+def fit_linear(features: Mapping[str, np.ndarray], y: np.ndarray,
+               required: Sequence[str] = (), robust: bool = False) -> tuple[dict[str, float], FitQuality]:
+    """Least squares over every subset of ``features``; keep the subset with the best BIC among
+    those with non-negative coefficients ("fit both terms and keep what fits"), then refit
+    without outlier rows.
+
+    Latencies cannot fall as work grows, so a negative coefficient marks a term the data do not
+    support; BIC stops a noise term from being kept for a negligible gain in residual.
+
+    ``robust``: a profile measured on a shared machine has rows that another process slowed by
+    10x or more (seen here: a LoRA backward of 4 x 64 tokens at 11 s beside 0.17 s for 1 x 64),
+    and plain least squares lets a few of them set every coefficient (that fit priced a one-token
+    backward at 2 s). A robust fit weighs each row's relative error, then drops rows off the fit
+    by more than a factor (1 + OUTLIER_REL) and fits again (a trimmed fit) while at least half
+    the rows, and one more row than terms, remain. ``FitQuality`` is over the rows kept; ``n``
+    says how many. (The engine's iteration rows mix decode rows of ~20 ms with prefill rows of
+    seconds whose terms differ, so they keep the plain fit.)
+    """
+    y = np.asarray(y, dtype=float)
+    X_all = {k: np.asarray(v, dtype=float) for k, v in features.items()}
+    if y.size == 0:
+        raise ValueError("no measurement rows to fit")
+    keep = np.ones(y.size, dtype=bool)
+    full, pred, subset = _best_subset(X_all, y, required, robust)
+    for _ in range(5 if robust else 0):
+        inside = _inliers(y, pred)
+        if inside.sum() < max(len(X_all) + 1, (y.size + 1) // 2) or np.array_equal(inside, keep):
+            break
+        keep = inside
+        full, _, subset = _best_subset({k: v[keep] for k, v in X_all.items()}, y[keep], required, robust)
+        pred = sum(full[k] * X_all[k] for k in X_all)
+    return full, _quality(y[keep], pred[keep], subset)
 
 
 def _rows(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, np.ndarray]:
@@ -425,10 +464,11 @@ def _rows(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, n
 
 
 def fit_stage_latency(rows: Sequence[Mapping[str, Any]]) -> StageLatency:
-    """Fit Δ = C·(η·ℓ² + β·ℓ) + γ from rows ``{"batch_size", "tokens", "seconds"}`` (LEMIX §IV-A)."""
+    """Fit Δ = C·(η·ℓ² + β·ℓ) + γ from rows ``{"batch_size", "tokens", "seconds"}`` (LEMIX §IV-A), robustly
+    (training steps measured beside a running engine have slowed outliers: ``fit_linear``)."""
     r = _rows(rows, ("batch_size", "tokens", "seconds"))
     c, l = r["batch_size"], r["tokens"]
-    coefs, q = fit_linear({"C*l^2": c * l * l, "C*l": c * l, "1": np.ones_like(l)}, r["seconds"])
+    coefs, q = fit_linear({"C*l^2": c * l * l, "C*l": c * l, "1": np.ones_like(l)}, r["seconds"], robust=True)
     return StageLatency(coefs["C*l^2"], coefs["C*l"], coefs["1"], q)
 
 

@@ -47,6 +47,20 @@ def test_stage_fit_keeps_only_the_terms_the_data_support():
     assert st.fit.r2 == pytest.approx(1.0)
 
 
+def test_stage_fit_ignores_rows_slowed_by_another_process():
+    """A profile taken on a shared machine: a third of the rows ran 10-60x slow. The fit must still
+    price a one-window backward in milliseconds, not seconds (the shipped SmolLM2 profile once priced
+    it at 2 s, so no fine-tuning window ever fit a TBT SLO and nothing trained)."""
+    rows = _stage_rows(3e-7, 1e-4, 2e-3)
+    for i in range(0, len(rows), 3):
+        rows[i] = {**rows[i], "seconds": rows[i]["seconds"] * (10 + 2 * i)}
+    st = fit_stage_latency(rows)
+    assert st.const == pytest.approx(2e-3, rel=0.05) and st.lin == pytest.approx(1e-4, rel=0.05)
+    assert st.fit.n == 16  # the 8 slowed rows are left out
+    plain = fit_stage_latency(_stage_rows(3e-7, 1e-4, 2e-3))
+    assert plain.fit.n == 24
+
+
 def test_iteration_fit_recovers_eq5_constants():
     rng = np.random.default_rng(1)
     rows = []
