@@ -9,6 +9,14 @@ data directory there, so a restart reopens the same database. With ``storage.ada
 it also keeps the published adapter versions, in ``data_dir/adapters`` on that node: trainer ranks
 on other nodes send a version's files here (``write_version``) and replicas on other nodes fetch
 them (``read_version``), through Ray's object store (actors/adapter_files.py).
+
+Retries: the planner creates this actor with ``max_task_retries``, so Ray sends a call that was in
+flight when the actor died again to the restarted actor. That is safe for reads and for writes
+that give the same result twice (PATCH, rollback, promote, pause). Feedback goes through
+:meth:`FeedbackQueue.submit_feedback`, whose idempotency key makes a resent batch store once; the
+keyless :meth:`FeedbackQueue.add_feedback` and :meth:`FeedbackQueue.create_adapter` (a resent
+create would answer 409 for the caller's own adapter) opt out of Ray's retries, so their callers
+see the actor's death and decide.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import ray
 
 from actors.adapter_versions import read_version_files, write_version_files
 from actors.config import AppConfig
-from actors.feedback_store import FeedbackStore
+from actors.feedback_models import FeedbackReceipt
+from actors.feedback_store import IDEMPOTENCY_TTL_S, FeedbackStore
 
 
 def settings_key(config: AppConfig) -> str:
@@ -93,6 +102,7 @@ class FeedbackQueue:
                 pass
         return self._changes
 
+    @ray.method(max_task_retries=0)  # not idempotent: see the module docstring
     async def create_adapter(self, spec: dict[str, Any]):
         return await self._run_and_notify("create_adapter", spec)
 
@@ -111,8 +121,16 @@ class FeedbackQueue:
     async def list_adapters(self):
         return await self._run("list_adapters")
 
+    @ray.method(max_task_retries=0)  # no idempotency key: a resent call could store the batch twice
     async def add_feedback(self, items: Any, nodes: list[int | None] | None = None) -> list[int]:
         return await self._run_and_notify("add_feedback", items, nodes)
+
+    async def submit_feedback(self, items: Any, nodes: list[int | None] | None = None, *,
+                              idempotency_key: str | None = None, tenant: str | None = None,
+                              key_ttl_s: float = IDEMPOTENCY_TTL_S) -> FeedbackReceipt:
+        """``FeedbackStore.submit_feedback``: with a key, a call Ray (or the caller) sends again stores once."""
+        return await self._run_and_notify("submit_feedback", items, nodes, idempotency_key=idempotency_key,
+                                          tenant=tenant, key_ttl_s=key_ttl_s)
 
     async def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = (), node: int | None = None):
         return await self._run("take", adapter, limit, list(exclude_ids), node)

@@ -20,6 +20,7 @@ TENANT_NAME_RE = ADAPTER_NAME_RE  # actors/keys.py's TENANT_RE: the same shape
 MAX_COUNT = 1_000_000_000  # the largest count a setting takes: well inside SQLite's 64-bit integers
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
 DEFAULT_MAX_BATCH_ITEMS = 1024
+MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe's: room for a UUID or a client's own request id, not for a payload
 
 Method = Literal["sft", "dpo", "full_sft", "full_dpo"]
 Mode = Literal["hybrid", "sync", "periodic", "off"]
@@ -43,12 +44,16 @@ KIND_NAMES = {"sft": "an SFT sample", "preference": "a preference pair"}
 class StoreError(Exception):
     """A refusal of the store's: the HTTP layer (deployments/learning.py) answers each kind with its status."""
 
+    param: str | None = None  # the request field at fault, the OpenAI error's ``param``
+
 
 class InvalidRequest(StoreError):
     """Malformed input. ``errors`` lists every problem found, e.g. ``items[3].chosen: Field required``."""
 
-    def __init__(self, errors: str | list[str]):
+    def __init__(self, errors: str | list[str], param: str | None = None):
         self.errors = [errors] if isinstance(errors, str) else list(errors)
+        if param is not None:
+            self.param = param
         shown = self.errors[:10]
         more = f"; ... and {len(self.errors) - len(shown)} more" if len(self.errors) > len(shown) else ""
         super().__init__("; ".join(shown) + more)
@@ -80,6 +85,12 @@ class VersionConflict(Conflict):
 
 class UnknownItem(StoreError):
     """No feedback item of that id."""
+
+
+class IdempotencyKeyReused(StoreError):
+    """An ``Idempotency-Key`` sent again within its lifetime with other feedback items (HTTP 422)."""
+
+    param = "Idempotency-Key"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,6 +311,15 @@ class AdapterInfo(AdapterSpec):
 
 
 @dataclass(frozen=True, slots=True)
+class FeedbackReceipt:
+    """What storing a feedback batch gave: the ids in item order, and whether they are the stored answer
+    of an earlier request with the same idempotency key (then nothing new was stored)."""
+
+    ids: list[int]
+    replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class FeedbackItem:
     """A stored feedback row as the trainer sees it."""
 
@@ -324,6 +344,17 @@ class FeedbackItem:
 
 # ----------------------------------------------------------------------------------------------
 # Validation of feedback batches (pure: no database).
+
+
+def idempotency_key_problem(key: str) -> str | None:
+    """Why ``key`` cannot be an ``Idempotency-Key`` (None: it can): 1 to 255 printable ASCII characters."""
+    if not isinstance(key, str) or not key:
+        return "Idempotency-Key: must not be empty"
+    if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        return f"Idempotency-Key: {len(key)} characters, at most {MAX_IDEMPOTENCY_KEY_CHARS}"
+    if not all(" " <= c <= "~" for c in key):
+        return "Idempotency-Key: only printable ASCII characters"
+    return None
 
 
 def validate_feedback(

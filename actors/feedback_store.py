@@ -13,6 +13,9 @@ Tables (schema version 1, see ``docs/learning.md``):
   published version trained on the item (at-least-once training, never lost); with an adapter's
   ``epochs`` > 1, until that many published versions did (``passes`` counts them). ``held_out`` marks
   the adapter's held-out slice (chosen when the item is stored, :func:`is_held_out`): never trained on.
+- ``idempotency_keys`` (schema 7): each ``Idempotency-Key`` of ``POST /v1/feedback`` per tenant, with the
+  ids its batch got, written in the batch's own transaction (:meth:`FeedbackStore.submit_feedback`):
+  a retried request stores nothing twice and gets the first answer; pruned after 24 h.
 
 The quality gate (schema 3): with an adapter's gate on, a published version is a ``candidate`` that
 is not served; :meth:`FeedbackStore.decide_version` makes it ``served`` (current) or ``rejected``
@@ -41,6 +44,7 @@ would split those invariants across files. What it accepts and returns is in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sqlite3
@@ -61,9 +65,11 @@ from actors.feedback_models import (
     DEFAULT_MAX_ITEM_BYTES,
     FULL_METHODS,
     FeedbackItem,
+    FeedbackReceipt,
     FullUnitExists,
     GateOverrides,
     GateSettings,
+    IdempotencyKeyReused,
     InvalidRequest,
     KIND_FOR_METHOD,
     KIND_NAMES,
@@ -78,14 +84,16 @@ from actors.feedback_models import (
     UnknownVersion,
     VersionConflict,
     VersionInfo,
+    idempotency_key_problem,
     is_held_out,
     pydantic_error,
     validate_feedback,
 )
 
-SCHEMA_VERSION = 6  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
-# 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo)
+SCHEMA_VERSION = 7  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
+# 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo); 7: idempotency keys
 DB_FILENAME = "feedback.sqlite3"
+IDEMPOTENCY_TTL_S = 24 * 3600.0  # how long a client's Idempotency-Key answers with its first result (as Stripe's)
 
 # ----------------------------------------------------------------------------------------------
 # The store.
@@ -159,6 +167,18 @@ CREATE TABLE IF NOT EXISTS feedback (
     CHECK ((kind = 'sft' AND completion IS NOT NULL AND chosen IS NULL AND rejected IS NULL)
         OR (kind = 'preference' AND completion IS NULL AND chosen IS NOT NULL AND rejected IS NOT NULL))
 );
+-- Idempotency-Key of POST /v1/feedback: the first answer of each key, written in the transaction that stores
+-- the items, so items never exist without their key nor a key without its items.
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    tenant            TEXT NOT NULL,             -- the key's scope: the caller's tenant, '' without API keys
+    key               TEXT NOT NULL,
+    fingerprint       TEXT NOT NULL,             -- SHA-256 of the validated items: a reuse with other items is refused
+    ids               TEXT NOT NULL,             -- JSON list of the feedback ids the first request got
+    created_at        REAL NOT NULL,
+    expires_at        REAL NOT NULL,             -- pruned (and no longer answered) after this
+    PRIMARY KEY (tenant, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency_keys (expires_at);
 CREATE INDEX IF NOT EXISTS feedback_queue ON feedback (adapter, consumed_by_version, id);
 -- The queue and the held-out slice without scanning the other: held-out items are never consumed.
 CREATE INDEX IF NOT EXISTS feedback_open ON feedback (adapter, held_out, consumed_by_version, id);
@@ -455,34 +475,71 @@ class FeedbackStore:
         too large, empty batch) or :class:`UnknownAdapter` (404). Nothing is stored on any error.
         When this returns, the batch is durable (WAL, synchronous=FULL).
         """
+        return self.submit_feedback(items, nodes).ids
+
+    def submit_feedback(self, items: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+                        nodes: Sequence[int | None] | None = None, *, idempotency_key: str | None = None,
+                        tenant: str | None = None, key_ttl_s: float = IDEMPOTENCY_TTL_S) -> FeedbackReceipt:
+        """:meth:`add_feedback` that stores each ``idempotency_key`` once per ``tenant`` (None: local mode).
+
+        The key and the ids it got are written in the same transaction as the items. The same key
+        again within ``key_ttl_s`` (24 h) stores nothing and gives the first ids (``replayed``); with
+        other items (compared after validation, so ``[item]`` and ``{"items": [item]}`` are the same)
+        it raises :class:`IdempotencyKeyReused` (422). A request that failed stored no key, so its
+        retry runs afresh. Expired keys are deleted here, with each keyed batch. ``nodes`` are not
+        part of the comparison: a retry may be placed elsewhere, and the first placement stands.
+        """
         parsed = validate_feedback(items, self.max_item_bytes, self.max_batch_items)
         if nodes is None:
             nodes = [None] * len(parsed)
         if len(nodes) != len(parsed):
             raise InvalidRequest(f"nodes: {len(nodes)} given for {len(parsed)} items")
+        if idempotency_key is not None and (problem := idempotency_key_problem(idempotency_key)):
+            raise InvalidRequest(problem)
+        scope = tenant or ""  # '' is no tenant name (TENANT_NAME_RE), so local mode has a scope of its own
+        fingerprint = _fingerprint(parsed)
         now = time.time()
         with self._tx() as db:
-            self._check_adapters(db, parsed)
-            # The held-out slice is assigned here, once, by each item's number within its adapter.
-            names = {it.adapter for it in parsed}
-            seen = {a: db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ?", (a,)).fetchone()[0] for a in names}
-            # A full unit has no quality gate to score a held-out slice with: every item trains.
-            share = {a: 0.0 if self._adapter_row(db, a)[1] in FULL_METHODS
-                     else self._gate_overrides(db, a).over(self.gate_defaults).held_out_share for a in names}
-            ids = []
-            for item, node in zip(parsed, nodes):
-                cur = db.execute(
-                    "INSERT INTO feedback (adapter, kind, prompt, completion, chosen, rejected, created_at, node, "
-                    "messages) VALUES (?,?,?,?,?,?,?,?,?)",
-                    (item.adapter, item.kind, item.prompt or "", getattr(item, "completion", None),
-                     getattr(item, "chosen", None), getattr(item, "rejected", None), now, node,
-                     item.messages_json()),
-                )
-                ids.append(cur.lastrowid)
-                seen[item.adapter] += 1
-                if is_held_out(seen[item.adapter], share[item.adapter]):
-                    db.execute("UPDATE feedback SET held_out = 1 WHERE id = ?", (cur.lastrowid,))
-            return ids
+            if idempotency_key is not None:
+                db.execute("DELETE FROM idempotency_keys WHERE expires_at < ?", (now,))
+                row = db.execute("SELECT fingerprint, ids FROM idempotency_keys WHERE tenant = ? AND key = ?",
+                                 (scope, idempotency_key)).fetchone()
+                if row is not None:
+                    if row[0] != fingerprint:
+                        raise IdempotencyKeyReused(
+                            f"Idempotency-Key {idempotency_key!r} was used in the last {key_ttl_s / 3600:g} h for "
+                            "other feedback items; a retry must send the same items, a new request a new key")
+                    return FeedbackReceipt(json.loads(row[1]), replayed=True)
+            ids = self._insert_feedback(db, parsed, nodes, now)
+            if idempotency_key is not None:
+                db.execute("INSERT INTO idempotency_keys (tenant, key, fingerprint, ids, created_at, expires_at) "
+                           "VALUES (?,?,?,?,?,?)", (scope, idempotency_key, fingerprint, json.dumps(ids), now,
+                                                    now + key_ttl_s))
+            return FeedbackReceipt(ids)
+
+    def _insert_feedback(self, db: sqlite3.Connection, parsed: Sequence[SFTItem | PreferenceItem],
+                         nodes: Sequence[int | None], now: float) -> list[int]:
+        self._check_adapters(db, parsed)
+        # The held-out slice is assigned here, once, by each item's number within its adapter.
+        names = {it.adapter for it in parsed}
+        seen = {a: db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ?", (a,)).fetchone()[0] for a in names}
+        # A full unit has no quality gate to score a held-out slice with: every item trains.
+        share = {a: 0.0 if self._adapter_row(db, a)[1] in FULL_METHODS
+                 else self._gate_overrides(db, a).over(self.gate_defaults).held_out_share for a in names}
+        ids = []
+        for item, node in zip(parsed, nodes):
+            cur = db.execute(
+                "INSERT INTO feedback (adapter, kind, prompt, completion, chosen, rejected, created_at, node, "
+                "messages) VALUES (?,?,?,?,?,?,?,?,?)",
+                (item.adapter, item.kind, item.prompt or "", getattr(item, "completion", None),
+                 getattr(item, "chosen", None), getattr(item, "rejected", None), now, node,
+                 item.messages_json()),
+            )
+            ids.append(cur.lastrowid)
+            seen[item.adapter] += 1
+            if is_held_out(seen[item.adapter], share[item.adapter]):
+                db.execute("UPDATE feedback SET held_out = 1 WHERE id = ?", (cur.lastrowid,))
+        return ids
 
     def _check_adapters(self, db: sqlite3.Connection, parsed: Sequence[SFTItem | PreferenceItem]) -> None:
         methods: dict[str, str | None] = {}
@@ -801,6 +858,13 @@ def _version(row: tuple) -> VersionInfo:
                        loss=loss, win_rate=win, clpd=clpd, node=node, state=state, reason=reason, score=score,
                        baseline_version=baseline_version, baseline_score=baseline_score, token_logprob=token_logprob,
                        eval_items=eval_items, decided_at=decided_at)
+
+
+def _fingerprint(parsed: Sequence[SFTItem | PreferenceItem]) -> str:
+    """What an idempotency key is compared on: the validated items, in order, as canonical JSON."""
+    canon = json.dumps([{"kind": it.kind, **it.model_dump(mode="json")} for it in parsed], sort_keys=True,
+                       separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
 
 def _name(version: int | None) -> str:

@@ -17,6 +17,7 @@ from actors.feedback_models import (
     AdapterExists,
     Conflict,
     FullUnitExists,
+    IdempotencyKeyReused,
     InvalidRequest,
     UnknownAdapter,
     UnknownVersion,
@@ -149,6 +150,61 @@ def test_failure_inside_the_transaction_rolls_back_the_whole_batch(store):
     store._conn = real
     assert store.queued("acme") == 0
     assert store.add_feedback([pair()])  # the connection is usable afterwards
+
+
+def _rows(store: FeedbackStore, table: str = "feedback") -> int:
+    return store._conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+
+
+def test_an_idempotency_key_stores_its_batch_once_per_tenant(store):
+    first = store.submit_feedback([pair(i=0), pair(i=1)], idempotency_key="k-1")
+    assert not first.replayed and len(first.ids) == 2
+    again = store.submit_feedback([pair(i=0), pair(i=1)], idempotency_key="k-1")
+    assert (again.ids, again.replayed) == (first.ids, True)
+    assert _rows(store) == 2 and _rows(store, "idempotency_keys") == 1
+    # One item sent bare or as a list of one is the same request.
+    one = store.submit_feedback(pair(i=5), idempotency_key="k-one")
+    assert store.submit_feedback([pair(i=5)], idempotency_key="k-one").ids == one.ids and _rows(store) == 3
+    # Other items under the same key: refused (422), nothing stored.
+    with pytest.raises(IdempotencyKeyReused) as e:
+        store.submit_feedback([pair(i=2)], idempotency_key="k-1")
+    assert e.value.param == "Idempotency-Key" and "k-1" in str(e.value)
+    assert _rows(store) == 3
+    # Keys are per tenant: another tenant's identical key is another request.
+    other = store.submit_feedback([pair(i=0), pair(i=1)], idempotency_key="k-1", tenant="beta")
+    assert not other.replayed and set(other.ids).isdisjoint(first.ids) and _rows(store) == 5
+    # Without a key every call stores.
+    assert store.submit_feedback([pair(i=0)]).ids != store.submit_feedback([pair(i=0)]).ids
+
+
+def test_an_expired_key_is_pruned_and_stores_again(store):
+    old = store.submit_feedback([pair()], idempotency_key="old", key_ttl_s=0.0)
+    assert _rows(store, "idempotency_keys") == 1
+    fresh = store.submit_feedback([pair()], idempotency_key="old")  # the first one expired: a new request
+    assert not fresh.replayed and fresh.ids != old.ids
+    assert _rows(store, "idempotency_keys") == 1  # the expired row was deleted on this insert
+
+
+def test_a_failed_batch_stores_no_key_and_a_bad_key_is_refused(store):
+    with pytest.raises(UnknownAdapter):
+        store.submit_feedback([pair(adapter="ghost")], idempotency_key="k")
+    assert _rows(store, "idempotency_keys") == 0
+    assert not store.submit_feedback([pair()], idempotency_key="k").replayed  # the retry runs afresh
+    for bad in ("", "x" * 256, "caf\u00e9", "tab\there"):
+        with pytest.raises(InvalidRequest):
+            store.submit_feedback([pair()], idempotency_key=bad)
+    assert store.submit_feedback([pair()], idempotency_key="x" * 255).ids
+
+
+def test_the_key_and_its_items_commit_together_or_not_at_all(store):
+    # The key's insert fails after the items went in: the transaction leaves neither.
+    store._conn.execute("CREATE TEMP TRIGGER no_keys BEFORE INSERT ON idempotency_keys "
+                        "BEGIN SELECT RAISE(ABORT, 'disk I/O error (simulated)'); END")
+    with pytest.raises(sqlite3.DatabaseError):
+        store.submit_feedback([pair(i=i) for i in range(3)], idempotency_key="k")
+    assert _rows(store) == 0 and _rows(store, "idempotency_keys") == 0
+    store._conn.execute("DROP TRIGGER temp.no_keys")
+    assert len(store.submit_feedback([pair(i=i) for i in range(3)], idempotency_key="k").ids) == 3
 
 
 def test_take_does_not_consume_and_publish_consumes_in_one_step(store):
