@@ -13,6 +13,9 @@ model server keeps the owners it has looked up.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+import uuid
 from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI, Request
@@ -20,21 +23,37 @@ from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.config import AppConfig
+from actors.default_model import model_path
+from actors.engine_args import served_model_name
 from actors.feedback_models import (
     ADAPTER_NAME_RE,
     FULL_METHODS,
+    AdapterExists,
+    AdapterSpec,
     Conflict,
+    IdempotencyKeyReused,
     InvalidRequest,
     StoreError,
     UnknownAdapter,
     UnknownItem,
     UnknownVersion,
+    idempotency_key_problem,
 )
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
 from planners.types import FullVersion, NewFeedback
 
+logger = logging.getLogger("ray.serve")
+
 UNKNOWN = object()  # the owner of an adapter that does not exist
+# How long a route waits for the planner to act on a change the store has already committed (load a
+# rolled-back version, note a PATCH). Past it, or with the planner away, the route answers the
+# committed state anyway: a restarted planner reloads every adapter's current version from the store.
+PLANNER_AFTER_COMMIT_TIMEOUT_S = 60.0
+# A feedback request without an Idempotency-Key gets a key of its own, so the resends within that one
+# request (Ray's task retries of the store call, the re-lookup after a store restart) store it once.
+# Those happen within seconds; only a client's own key must outlive a client's retries (24 h).
+REQUEST_KEY_TTL_S = 600.0
 
 # The store's refusals as HTTP answers: (status, OpenAI error type).
 STORE_ERRORS: dict[type[StoreError], tuple[int, str]] = {
@@ -43,6 +62,7 @@ STORE_ERRORS: dict[type[StoreError], tuple[int, str]] = {
     UnknownVersion: (404, "not_found_error"),
     UnknownItem: (404, "not_found_error"),
     Conflict: (409, "conflict_error"),
+    IdempotencyKeyReused: (422, "idempotency_error"),
 }
 
 
@@ -61,7 +81,7 @@ async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
     if not isinstance(cause, StoreError):
         cause = exc
     status, err_type = store_error_status(cause)
-    return error(status, str(cause), err_type=err_type)
+    return error(status, str(cause), getattr(cause, "param", None), err_type=err_type)
 
 
 async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
@@ -77,6 +97,9 @@ class LearningRoutes:
     def __init__(self, cfg: AppConfig, ask_planner: Callable[..., Awaitable[Any]]) -> None:
         self.cfg = cfg
         self.ask_planner = ask_planner
+        # The base model's id, as the planner and the replicas derive it, without asking the planner.
+        self.base = served_model_name(cfg, model_path(cfg))
+        self.planner_timeout_s = PLANNER_AFTER_COMMIT_TIMEOUT_S
         self._feedback = None
         self._owners: dict[str, str | None] = {}  # adapter -> tenant (None: made without keys)
         self._counter: Any = None  # the model's tokenizer, loaded with the first per_node feedback
@@ -109,7 +132,7 @@ class LearningRoutes:
         """``call(store)`` on the feedback store's actor, looked up again once if it was restarted."""
         for attempt in range(2):
             if self._feedback is None:
-                self._feedback = await self.ask_planner(lambda p: p.feedback_queue.remote())
+                self._feedback = await self._find_store()
             try:
                 return await call(self._feedback)
             except RayActorError:
@@ -118,6 +141,18 @@ class LearningRoutes:
                 if attempt == 1:
                     raise ServiceUnavailable("The feedback store is restarting; retry in a few seconds.") from None
         raise AssertionError("unreachable")
+
+    async def _find_store(self) -> Any:
+        """The feedback store's actor, by its name, so that storing needs no planner (it may be restarting);
+        the planner, which starts the store, only while there is none of that name yet."""
+        import ray
+
+        from actors.planner import NAMESPACE
+
+        try:
+            return await asyncio.to_thread(ray.get_actor, self.cfg.feedback_actor_name, namespace=NAMESPACE)
+        except ValueError:
+            return await self.ask_planner(lambda p: p.feedback_queue.remote())
 
     async def owner(self, adapter: str) -> str | None | object:
         """The tenant that owns ``adapter`` (None: made without keys), or :data:`UNKNOWN`."""
@@ -143,8 +178,17 @@ class LearningRoutes:
         if owner is UNKNOWN or not principal.may_use(owner):
             raise UnknownAdapter(f"no adapter named {name!r}")
 
-    async def _served_name(self) -> str:
-        return (await self.ask_planner(lambda p: p.models.remote())).base
+    async def _tell_planner(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> bool:
+        """``ask_planner(call)`` after the store committed a change: best effort. A planner that is away
+        (restarting, dead, or not answering within ``planner_timeout_s``) must not turn a stored change
+        into an error; the replicas catch up when it is back. Whether the planner confirmed."""
+        try:
+            await asyncio.wait_for(self.ask_planner(call), self.planner_timeout_s)
+            return True
+        except (ServiceUnavailable, RayActorError, asyncio.TimeoutError) as exc:
+            logger.warning("%s is stored, but the planner did not take it (%s: %s); the replicas catch up when it "
+                           "is back", what, type(exc).__name__, exc)
+            return False
 
     def _adapter_json(self, info: Any, base: str) -> dict[str, Any]:
         out = info.model_dump()
@@ -174,11 +218,38 @@ class LearningRoutes:
                 raise BadRequest("`tenant`: only an admin key may create adapters for another tenant.", "tenant")
         elif principal.tenant is not None:
             body = {**body, "tenant": principal.tenant}
-        info = await self._store(lambda q: q.create_adapter.remote(body))
-        return JSONResponse(self._adapter_json(info, await self._served_name()), status_code=201)
+        info = await self._create(body)
+        return JSONResponse(self._adapter_json(info, self.base), status_code=201)
+
+    async def _create(self, body: dict[str, Any]) -> Any:
+        """Create in the store. The store's actor takes no task retries for a create (a resent one would
+        answer 409 for the caller's own adapter), so a store that died meanwhile reaches ``_store``, which
+        sends it once more; if that answers "exists" with this very spec, made a moment ago, it is this
+        request's adapter, committed before the store died, and the answer is 201."""
+        calls = 0
+
+        def create(q: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return q.create_adapter.remote(body)
+
+        try:
+            return await self._store(create)
+        except (AdapterExists, RayTaskError) as exc:
+            if calls < 2 or not isinstance(getattr(exc, "cause", exc), AdapterExists):
+                raise
+            info = await self._store(lambda q: q.get_adapter.remote(body.get("name")))
+            fields = set(AdapterSpec.model_fields) - {"gate"}  # the stored gate is the effective one
+            try:
+                wanted = AdapterSpec.model_validate(body).model_dump(include=fields)
+            except ValueError:
+                raise exc from None
+            if info.model_dump(include=fields) != wanted or time.time() - info.created_at > 60:
+                raise
+            return info
 
     async def list_adapters(self) -> JSONResponse:
-        base = await self._served_name()
+        base = self.base
         principal = PRINCIPAL.get()
         adapters = [a for a in await self._store(lambda q: q.list_adapters.remote()) if principal.may_use(a.tenant)]
         return JSONResponse({"object": "list", "data": [self._adapter_json(i, base) for i in adapters]})
@@ -186,7 +257,7 @@ class LearningRoutes:
     async def show_adapter(self, name: str) -> Response:
         await self._visible(name)
         info = await self._store(lambda q: q.get_adapter.remote(name))
-        return JSONResponse(self._adapter_json(info, await self._served_name()))
+        return JSONResponse(self._adapter_json(info, self.base))
 
     async def update_adapter(self, name: str, request: Request) -> Response:
         """Change how the adapter trains from now on (mode, learning_rate, beta, periodic, gate, paused); 400 else."""
@@ -195,8 +266,8 @@ class LearningRoutes:
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
         info = await self._store(lambda q: q.update_adapter.remote(name, body))
-        await self.ask_planner(lambda p: p.adapter_changed.remote(name))
-        return JSONResponse(self._adapter_json(info, await self._served_name()))
+        await self._tell_planner(f"PATCH of adapter {name!r}", lambda p: p.adapter_changed.remote(name))
+        return JSONResponse(self._adapter_json(info, self.base))
 
     async def rollback_adapter(self, name: str, request: Request) -> Response:
         """Serve an earlier version that was served before; 409 for a rejected or candidate one (promote it).
@@ -217,16 +288,18 @@ class LearningRoutes:
         if isinstance(body, dict) and set(body) != {"version"}:
             raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
         info = await self._store(lambda q: (q.rollback if how == "rollback" else q.promote).remote(name, version))
+        # From here on the change is committed: the answer is the stored state, whatever the planner does.
+        # The target's path and node come with the answer (versions are immutable once published).
+        target = next((v for v in info.versions if v.version == version), None)
+        what = f"{how} of {name!r} to v{version}"
         if info.method in FULL_METHODS:
-            # Every node's engine computes with that version (0: the starting model) once this returns.
-            path = None if version == 0 else (await self._store(lambda q: q.get_version.remote(name, version))).path
-            full = None if path is None else FullVersion(name, version, path)
-            await self.ask_planner(lambda p: p.load_full.remote(full))
-            return JSONResponse(self._adapter_json(info, await self._served_name()))
-        target = await self._store(lambda q: q.get_version.remote(name, version))
-        nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
-        await self.ask_planner(lambda p: p.load_adapter.remote(name, version, target.path, nodes, True))
-        return JSONResponse(self._adapter_json(info, await self._served_name()))
+            # Every node's engine computes with that version (0: the starting model) once the planner returns.
+            full = None if target is None else FullVersion(name, version, target.path)
+            await self._tell_planner(what, lambda p: p.load_full.remote(full))
+        elif target is not None:
+            nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
+            await self._tell_planner(what, lambda p: p.load_adapter.remote(name, version, target.path, nodes, True))
+        return JSONResponse(self._adapter_json(info, self.base))
 
     async def metrics(self) -> Response:
         from deployments.metrics import CONTENT_TYPE_LATEST, render
@@ -236,6 +309,17 @@ class LearningRoutes:
         return Response(render(status, adapters), media_type=CONTENT_TYPE_LATEST)
 
     async def feedback(self, request: Request) -> Response:
+        """Store a batch of feedback items; 202 ``{"ids", "accepted"}`` once every item is durable.
+
+        ``Idempotency-Key`` (header, optional, 1-255 printable ASCII characters, else 400): the same key
+        from the same tenant within 24 h stores nothing and answers the first request's 202 and ids
+        again (with ``Idempotent-Replayed: true``); the same key with other items answers 422. A client
+        or a proxy that resends a request whose answer it lost (HAProxy resends a POST to another
+        replica when the first died before answering) therefore stores it once.
+        """
+        key = request.headers.get("idempotency-key")
+        if key is not None and (problem := idempotency_key_problem(key)):
+            raise BadRequest(problem, "Idempotency-Key")
         body = await json_body(request)
         # One item, a list of items, or {"items": [...]}.
         if isinstance(body, dict) and "items" in body:
@@ -256,5 +340,13 @@ class LearningRoutes:
         if self.cfg.training.scope == "per_node":  # each node's copy trains on the items placed on it
             sizes = await asyncio.to_thread(self._sizes, listed)  # tokenizing is CPU work: off the event loop
             nodes = await self.ask_planner(lambda p: p.feedback_nodes.remote(sizes))
-        ids = await self._store(lambda q: q.add_feedback.remote(items, nodes))
-        return JSONResponse({"ids": ids, "accepted": len(ids)}, status_code=202)
+        tenant, ttl = PRINCIPAL.get().tenant, None
+        if key is None:
+            key, ttl = f"request-{uuid.uuid4().hex}", REQUEST_KEY_TTL_S
+        options: dict[str, Any] = {"idempotency_key": key, "tenant": tenant}
+        if ttl is not None:
+            options["key_ttl_s"] = ttl
+        receipt = await self._store(lambda q: q.submit_feedback.remote(items, nodes, **options))
+        # Only a client's own key is a replay the client asked for; a request key replays Ray's resend.
+        replayed = {"Idempotent-Replayed": "true"} if receipt.replayed and ttl is None else None
+        return JSONResponse({"ids": receipt.ids, "accepted": len(receipt.ids)}, status_code=202, headers=replayed)

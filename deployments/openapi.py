@@ -15,7 +15,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.feedback_models import AdapterSpec, GateOverrides, Mode, PeriodicSettings, PreferenceItem, SFTItem
+from actors.feedback_models import (
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    AdapterSpec,
+    GateOverrides,
+    Mode,
+    PeriodicSettings,
+    PreferenceItem,
+    SFTItem,
+)
 from deployments.guard import PUBLIC_PATHS
 
 REF = "#/components/schemas/{model}"
@@ -73,12 +81,21 @@ APP_OPERATIONS: dict[tuple[str, str], tuple[dict[str, Any] | None, tuple[int, ..
     ("/v1/adapters/{name}", "patch"): ({"$ref": REF.format(model="AdapterChange")}, (400, 404)),
     ("/v1/adapters/{name}/rollback", "post"): ({"$ref": REF.format(model="VersionChoice")}, (400, 404, 409)),
     ("/v1/adapters/{name}/promote", "post"): ({"$ref": REF.format(model="VersionChoice")}, (400, 404, 409)),
-    ("/v1/feedback", "post"): (FEEDBACK_BODY, (400, 404)),
+    ("/v1/feedback", "post"): (FEEDBACK_BODY, (400, 404, 422)),
+}
+# (path, method) -> header parameters the route reads itself
+APP_HEADERS: dict[tuple[str, str], list[dict[str, Any]]] = {
+    ("/v1/feedback", "post"): [{
+        "name": "Idempotency-Key", "in": "header", "required": False,
+        "description": "Stores the batch once: the same key from the same tenant within 24 h answers the first "
+                       "request's 202 and ids again and stores nothing; with other items, 422.",
+        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS, "pattern": "^[ -~]+$"}}],
 }
 _DOC_MODELS: tuple[type[BaseModel], ...] = (AppError, AdapterSpec, AdapterChange, VersionChoice, FeedbackBatch,
                                             SFTItem, PreferenceItem)
 _STATUS_TEXT = {400: "Bad request", 401: "Missing or unknown API key", 403: "Needs an admin key",
                 404: "Not found (or another tenant's)", 409: "Conflict", 413: "Body larger than limits.max_body_bytes",
+                422: "Idempotency-Key sent again with other feedback items",
                 429: "Over the key's rate or concurrency limit", 500: "Internal error (the log has the detail)",
                 503: "A part of the service is restarting"}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
@@ -118,6 +135,8 @@ def install_openapi(app: FastAPI, guarded: bool) -> None:
                 body, answers = APP_OPERATIONS.get((path, method), (None, ()))
                 if body is not None:
                     op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+                if (path, method) in APP_HEADERS:
+                    op["parameters"] = [*op.get("parameters", []), *APP_HEADERS[(path, method)]]
                 responses = op.setdefault("responses", {})
                 statuses = {500, *answers}
                 if path not in PUBLIC_PATHS:

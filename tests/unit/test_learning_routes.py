@@ -1,0 +1,149 @@
+"""The learning routes over a real feedback store and a planner that is away: a committed change answers 2xx."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from ray.exceptions import RayActorError
+
+from actors.config import AppConfig, load
+from actors.feedback_store import FeedbackStore
+from deployments.http import ServiceUnavailable, install_error_handlers
+from deployments.learning import LearningRoutes
+
+
+class _Method:
+    def __init__(self, actor: "FakeStoreActor", name: str) -> None:
+        self.actor, self.name = actor, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.actor.call(self.name, *args, **kwargs)
+
+
+class FakeStoreActor:
+    """Stands in for the FeedbackQueue actor handle: ``q.<method>.remote(...)`` runs the real store's method
+    in a thread; a name in ``die_after`` makes its next call commit and then fail as if the actor died before
+    replying, one in ``die_before`` makes it fail before it runs."""
+
+    def __init__(self, store: FeedbackStore) -> None:
+        self.store = store
+        self.die_after: set[str] = set()
+        self.die_before: set[str] = set()
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self, name)
+
+    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name in self.die_before:
+            self.die_before.discard(name)
+            raise RayActorError()
+        result = await asyncio.to_thread(getattr(self.store, name), *args, **kwargs)
+        if name in self.die_after:
+            self.die_after.discard(name)
+            raise RayActorError()
+        return result
+
+
+class Planner:
+    """How the planner answers: ``mode`` away (ServiceUnavailable, as ModelServer._ask_planner raises it), dead
+    (RayActorError), hangs (never answers), or ok."""
+
+    def __init__(self) -> None:
+        self.mode, self.calls = "away", 0
+
+    async def __call__(self, call: Callable[[Any], Any]) -> Any:
+        self.calls += 1
+        if self.mode == "away":
+            raise ServiceUnavailable("The planner is restarting; retry in a few seconds.")
+        if self.mode == "dead":
+            raise RayActorError()
+        if self.mode == "hangs":
+            await asyncio.sleep(3600)
+        return None
+
+
+@pytest.fixture
+def harness(tmp_path):
+    cfg: AppConfig = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
+    store = FeedbackStore(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
+    actor, planner = FakeStoreActor(store), Planner()
+    routes = LearningRoutes(cfg, planner)
+    routes.planner_timeout_s = 0.2
+
+    async def find_store() -> Any:
+        return actor
+
+    routes._find_store = find_store  # type: ignore[method-assign]
+    app = FastAPI()
+    install_error_handlers(app)
+    routes.install(app)
+    with TestClient(app) as client:
+        yield client, store, actor, planner
+    store.close()
+
+
+def _publish(store: FeedbackStore, name: str) -> int:
+    v = store.reserve_version(name)
+    return store.publish_version(name, v.version, f"/adapters/{name}/v{v.version}", [], 1, 0.5).version
+
+
+@pytest.mark.parametrize("mode", ["away", "dead", "hangs"])
+def test_committed_changes_answer_2xx_while_the_planner_is_away(harness, mode):
+    client, store, _, planner = harness
+    planner.mode = mode
+    r = client.post("/v1/adapters", json={"name": "tutor", "method": "sft", "mode": "off"})
+    assert r.status_code == 201, r.text
+    assert r.json()["model"] == "tiny-llama:tutor"  # the served name comes from the config, not the planner
+    r = client.patch("/v1/adapters/tutor", json={"learning_rate": 0.002})
+    assert r.status_code == 200 and r.json()["learning_rate"] == 0.002, r.text
+    assert store.get_adapter("tutor").learning_rate == 0.002
+    v1, v2 = _publish(store, "tutor"), _publish(store, "tutor")
+    r = client.post("/v1/adapters/tutor/rollback", json={"version": v1})
+    assert r.status_code == 200 and r.json()["current_version"] == v1, r.text
+    r = client.post("/v1/adapters/tutor/promote", json={"version": v2})
+    assert r.status_code == 200 and r.json()["current_version"] == v2, r.text
+    assert store.current_version("tutor").version == v2
+    assert planner.calls == 3  # PATCH, rollback and promote each told it (best effort); create needs it not
+    assert client.get("/v1/adapters").status_code == 200 and client.get("/v1/adapters/tutor").status_code == 200
+
+
+def test_a_create_whose_reply_was_lost_answers_201_once_and_409_after(harness):
+    client, store, actor, _ = harness
+    actor.die_after.add("create_adapter")  # committed, then the store "died" before replying
+    body = {"name": "acme", "method": "dpo", "mode": "off"}
+    r = client.post("/v1/adapters", json=body)
+    assert r.status_code == 201, r.text
+    assert [a.name for a in store.list_adapters()] == ["acme"]
+    assert client.post("/v1/adapters", json=body).status_code == 409  # a plain second create is a conflict
+    actor.die_after.add("create_adapter")
+    r = client.post("/v1/adapters", json={**body, "name": "other"})
+    assert r.status_code == 201, r.text
+    # A create that died before it ran, whose resend meets another adapter of that name, is still 409.
+    store.create_adapter({"name": "taken", "method": "sft"})
+    actor.die_before.add("create_adapter")
+    assert client.post("/v1/adapters", json={"name": "taken", "method": "dpo"}).status_code == 409
+
+
+def test_feedback_replays_its_idempotency_key_and_refuses_bad_ones(harness):
+    client, store, actor, _ = harness
+    store.create_adapter({"name": "tutor", "method": "sft", "mode": "off"})
+    item = {"adapter": "tutor", "prompt": "2+2?", "completion": "4"}
+    actor.die_after.add("submit_feedback")  # stored, reply lost: _store sends it again with the request's key
+    r = client.post("/v1/feedback", json=[item, item])
+    assert r.status_code == 202 and len(r.json()["ids"]) == 2, r.text
+    assert "idempotent-replayed" not in r.headers and store.queued("tutor") == 2
+    key = {"Idempotency-Key": "client-1"}
+    first = client.post("/v1/feedback", json=item, headers=key)
+    again = client.post("/v1/feedback", json={"items": [item]}, headers=key)
+    assert again.json() == first.json() and again.headers["idempotent-replayed"] == "true"
+    assert store.queued("tutor") == 3
+    r = client.post("/v1/feedback", json=[item, item], headers=key)
+    assert r.status_code == 422 and r.json()["error"]["type"] == "idempotency_error", r.text
+    assert r.json()["error"]["param"] == "Idempotency-Key"
+    r = client.post("/v1/feedback", json=item, headers={"Idempotency-Key": "k" * 256})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "Idempotency-Key", r.text
+    assert store.queued("tutor") == 3
