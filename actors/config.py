@@ -94,7 +94,9 @@ class PlannerConfig(_ConfigSection):
     iteration_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of that policy.")
     memory_params: dict[str, Any] = Field(
         default_factory=dict, description="Keyword args of the memory guard (planners/memory.py), e.g. peak_bytes.")
-    grant_recheck_s: float = Field(0.02, gt=0, description="How long a trainer refused a window waits to ask again.")
+    grant_recheck_s: float = Field(
+        0.25, gt=0, description="A refused training grant is decided again at each engine report of its node and at "
+                                "least this often, while the trainer's request waits in the planner (up to 1 s).")
     stage_order: str = Field(
         "lemix", description="Stage-level order policy from the registry (planners/pipeline/): which op each "
                              "pipeline stage of a full unit runs next (lemix | round_robin | least_utilized | separate).")
@@ -143,9 +145,12 @@ class TrainingConfig(_ConfigSection):
     accumulation: int = Field(1, gt=0, description="Micro-steps per optimizer step.")
     max_length: int = Field(512, gt=0, description="Tokens per training sequence (prompt + completion).")
     slo_ttft_s: float = Field(1.0, gt=0, description="Inference TTFT SLO that LEMIX Eq. 4 grants protect.")
-    slo_tbt_s: float = Field(
-        0.1, gt=0, description="Time-between-tokens SLO: the latency bound of one iteration window that the "
-                               "co-serving policy keeps inference plus fine-tuning within (FlexLLM §6.2).")
+    slo_tbt_s: float | None = Field(
+        None, gt=0, description="Time-between-tokens SLO: the latency bound of one iteration window that the "
+                                "co-serving policy keeps inference plus fine-tuning within (FlexLLM §6.2). null: "
+                                "derived from the cost profile, 4 decode iterations and at least 0.1 s "
+                                "(planners/coserving/slo.py); a value the profile shows cannot hold is named in "
+                                "/v1/status (slo.problems) at start-up.")
     eval_file: str | None = Field(
         None, description="Preference JSONL that scores the versions of adapters without held-out feedback of their "
                           "own (win rate / CLPD; sft adapters: log-likelihood of the chosen answers).")
@@ -205,6 +210,9 @@ class LimitsConfig(_ConfigSection):
     max_concurrent: int | None = Field(
         64, gt=0, description="Requests one API key may have in flight on a model server (null: no cap); "
                               "over it: 429. Applies when keys are configured.")
+    adapters_per_tenant: int | None = Field(
+        64, gt=0, description="Adapters one tenant may own (null: no cap); creating one more answers 403 "
+                              "(permission_error). Without API keys every adapter counts toward one allowance.")
 
 
 class AppConfig(_ConfigSection):

@@ -29,9 +29,10 @@ def _rounded(x: float | None, digits: int = 4) -> float | None:
 class NodeCoServing:
     """What one node's fine-tuning may run beside its inference, window by window (FlexLLM §6.2, MACE §4)."""
 
-    def __init__(self, cfg: AppConfig, cost_model: CostModel) -> None:
+    def __init__(self, cfg: AppConfig, cost_model: CostModel, slo_tbt_s: float) -> None:
         self.cfg = cfg  # the planner's config object: set_policies swaps its planner section in place
         self.cost_model = cost_model.with_stages(cfg.cluster.stages)
+        self.slo_tbt_s = slo_tbt_s  # training.slo_tbt_s, or the one derived from the profile (planners/coserving/slo.py)
         self.window_cost = WindowCostCalibration()  # the live refit of t_ft
         self.scheduler: Any = None  # built on first use from planner.iteration
         self.guard: MemoryGuard | None = None
@@ -55,7 +56,7 @@ class NodeCoServing:
         if self.scheduler is None:
             planner, e = self.cfg.planner, self.cfg.engine
             # vLLM starts every request as it arrives: the plans count every one its limits let in.
-            params = {"slo_s": self.cfg.training.slo_tbt_s, "max_num_seqs": e.max_num_seqs,
+            params = {"slo_s": self.slo_tbt_s, "max_num_seqs": e.max_num_seqs,
                       "max_batched_tokens": e.max_num_batched_tokens or 2048, **planner.iteration_params}
             if registry.accepts("iteration", planner.iteration, "ttft_slo_s"):
                 params.setdefault("ttft_slo_s", self.cfg.training.slo_ttft_s)

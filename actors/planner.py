@@ -48,6 +48,8 @@ from actors.feedback_models import FULL_METHODS
 from planners import registry
 from actors.node_coserving import NodeCoServing
 from planners.coserving import EngineFacts, FineTuneSample, whole_windows
+from planners.coserving.priorities import as_priority_weights
+from planners.coserving.slo import SloCheck, check_slos
 from planners.memory import MemoryGuard
 from planners.placement import Separate, TrainingPlacer
 from planners.types import (
@@ -77,6 +79,7 @@ NAMESPACE = "coserve"  # the feedback store's and the trainer's named actors
 HEALTH_PERIOD_S = 2.0
 HEALTH_TIMEOUT_S = 30.0
 CONFIRM_TIMEOUT_S = 120.0  # how long load_adapter waits for the nodes to serve a version
+GRANT_HOLD_S = 1.0  # a refused grant waits here for the node's next reports this long before the trainer asks again
 TRACES_KEPT = 4096  # traces held for routers that poll late
 
 
@@ -133,8 +136,10 @@ class Planner:
         logger.info(self.cost_model_note)
         self.placement = config.planner.placement
         self.placement_params = dict(config.planner.placement_params)
-        self.nodes = [_Node(node_id=i, coserving=NodeCoServing(config, self.cost_model))
+        self.slo = self._check_slos(config.planner)
+        self.nodes = [_Node(node_id=i, coserving=NodeCoServing(config, self.cost_model, self.slo.tbt_s))
                       for i in range(config.cluster.nodes)]
+        self._reported: asyncio.Condition | None = None  # a node reported: refused grants look again
         self.training = self._training_placer(self.placement, self.placement_params)
         self.traces_seen = 0
         self._traces: deque[tuple[int, ExecutionTrace]] = deque(maxlen=TRACES_KEPT)
@@ -147,6 +152,17 @@ class Planner:
         self.trainer = None
         self._retraining: dict[tuple[str, str], Any] = {}  # (adapter, mode) -> policy from the registry
         self._last_run: dict[str, float] = {}
+
+    def _check_slos(self, planner: PlannerConfig) -> SloCheck:
+        """The SLOs the nodes' co-serving runs under, checked against the profile; problems are logged
+        here, at start-up, and shown in ``/v1/status`` (``slo``)."""
+        t, params = self.cfg.training, planner.iteration_params
+        check = check_slos(self.cost_model.with_stages(self.cfg.cluster.stages), t.slo_tbt_s, t.slo_ttft_s,
+                           int(params.get("min_window_tokens", 16)), t.max_length,
+                           as_priority_weights(params.get("weights")))
+        for problem in check.problems:
+            logger.warning("SLO: %s", problem)
+        return check
 
     def _placement_kwargs(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         params = dict(params)
@@ -180,7 +196,9 @@ class Planner:
         self.cfg.planner = planner
         self.placement, self.placement_params, self.training = planner.placement, dict(planner.placement_params), placer
         if coserving_changed:
+            self.slo = self._check_slos(planner)
             for node in self.nodes:
+                node.coserving.slo_tbt_s = self.slo.tbt_s
                 node.coserving.reset()
         if placer.training_nodes() != before and self.trainer is not None:
             await self.trainer.regroup.remote()
@@ -220,6 +238,7 @@ class Planner:
             return
         self._started = True
         self._changed = asyncio.Condition()
+        self._reported = asyncio.Condition()
         await self._start_feedback()
         asyncio.get_running_loop().create_task(self._watch_replicas())
         if self.cfg.training.enabled:
@@ -335,6 +354,9 @@ class Planner:
         node.prefix_cache = (report.prefix_cache_queries, report.prefix_cache_hits)
         if report.engine is not None:
             node.facts = report.engine
+            if self._reported is not None:
+                async with self._reported:
+                    self._reported.notify_all()
         for t in report.traces:
             self.traces_seen += 1
             self._traces.append((self.traces_seen, t))
@@ -412,10 +434,45 @@ class Planner:
                 for n in self.nodes
             ],
             "iteration": self.cfg.planner.iteration,
+            # The SLOs in force (derived from the profile unless configured) and what the profile says of them.
+            "slo": self.slo.as_json(),
+            # Per adapter with queued feedback: how long its oldest item has waited, and why.
+            "training_waits": await self._training_waits(now),
             "ready_nodes": sum(n.state == "ready" for n in self.nodes),
             "traces_seen": self.traces_seen,
             "training": await self._trainer_status(),
         }
+
+    async def _training_waits(self, now: float) -> dict[str, dict[str, Any]]:
+        """Adapter -> its queued items, the age of the oldest, and why it waits (the last grant answer, or its state)."""
+        if self.feedback is None:
+            return {}
+        try:
+            summary = await asyncio.wait_for(self.feedback.queue_summary.remote(), timeout=5)
+            adapters = {a.name: a for a in await asyncio.wait_for(self.feedback.list_adapters.remote(), timeout=5)}
+        except Exception as exc:  # the store restarting: the rest of the status still answers
+            logger.warning("training waits: %s", exc)
+            return {}
+        last: dict[str, dict[str, Any]] = {}
+        for n in self.nodes:
+            for answer in n.coserving.grant_log:
+                if answer["adapter"] in summary and answer["at"] >= last.get(answer["adapter"], {}).get("at", 0.0):
+                    last[answer["adapter"]] = answer
+        waits = {}
+        for name, (queued, oldest) in summary.items():
+            info, answer = adapters.get(name), last.get(name)
+            if info is not None and info.paused_reason is not None:
+                why = f"paused: {info.paused_reason}"
+            elif info is not None and info.mode == "off":
+                why = "mode off"
+            elif answer is not None and now - answer["at"] < 5.0:
+                why = (f"training ({answer['reason']})" if answer["tokens"]
+                       else f"grant refused: {answer['reason']} (budget {answer['budget']} tokens)")
+            else:
+                why = "waiting for its turn: the trainer is on another adapter, publishing, or the gate judges this one"
+            waits[name] = {"queued": queued, "oldest_wait_s": None if oldest is None else round(now - oldest, 3),
+                           "why": why}
+        return waits
 
     async def _trainer_status(self) -> dict[str, Any]:
         if self.trainer is None:
@@ -465,8 +522,34 @@ class Planner:
         scheduler (``planner.iteration``, FlexLLM §6.2 budget and MACE §4.1–4.2 by default) within the
         memory guard's check (LEMIX Alg. 2, ``NodeCoServing.check_memory``); the other modes, and ``hybrid`` with
         ``planner.iteration: null``, by the adapter's retraining policy (``planners/retraining.py``),
-        whose whole samples become whole windows. No windows means wait ``wait_s``.
+        whose whole samples become whole windows.
+
+        A refused request waits here, not in the trainer: the answer can change only when the node
+        reports new engine facts (every ``planner.trace_flush_seconds`` while it serves) or time moves
+        the samples' aging on, so the request is decided again at each of the node's reports, and at
+        least every ``planner.grant_recheck_s``, for up to GRANT_HOLD_S. Then an empty grant (wait 0)
+        goes back, and the trainer checks for a stop or a changed adapter before it asks again.
         """
+        await self.start()
+        deadline = time.time() + GRANT_HOLD_S
+        grant = await self._grant_now(request)
+        again = GrantRequest(request.node_id, request.adapter, request.mode, request.samples, 0.0, None,
+                             request.optimizer_bytes)  # what ran is counted once
+        while not grant.windows:
+            left = deadline - time.time()
+            if left <= 0:
+                return Grant((), 0.0, grant.reason)
+            async with self._reported:
+                try:
+                    await asyncio.wait_for(self._reported.wait(),
+                                           timeout=min(left, max(grant.wait_s, self.cfg.planner.grant_recheck_s)))
+                except asyncio.TimeoutError:
+                    pass
+            grant = await self._grant_now(again)
+        return grant
+
+    async def _grant_now(self, request: GrantRequest) -> Grant:
+        """One decision on ``request`` with the node's facts as they are now (see :meth:`grant`)."""
         node_id, adapter, mode = request.node_id, request.adapter, request.mode
         node = self.nodes[node_id]
         now = time.time()

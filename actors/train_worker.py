@@ -429,8 +429,11 @@ class RankLoop:
         item_loss: dict[int, float] = {}  # each item's own loss in this pass, for CheckEnd and its next priority
         while True:
             todo = [it for it in mine if passes[it.id].done < passes[it.id].length]
+            asked = time.time()
             granted, wait = self._ask_windows(plan, passes, todo)
             t0 = time.time()
+            if todo and not granted:
+                waited_s += t0 - asked  # a refused request waits in the planner for the node's next reports
             mark = memory_mark(self.bank.device) if granted else 0.0
             for w in granted:
                 sid, start, end = w.sample_id, w.start, w.end

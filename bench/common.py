@@ -22,6 +22,12 @@ serve_env.apply()  # before anything imports Ray Serve: its processes read these
 BASE = "tiny-llama"
 
 
+def served_base(url: str) -> str:
+    """The base model's name as the app at ``url`` serves it (``tiny-llama`` for the test config,
+    ``smollm2-135m-instruct`` for ``make serve``'s): requests against ``--url`` must name it."""
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def pct(xs: list[float], q: float) -> float:
     """The q-th percentile (nearest rank) of ``xs``; NaN when empty."""
     if not xs:

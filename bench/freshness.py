@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import BASE, Load, bench_config, free_port, pct, start_app, stop_app, wait_ready  # noqa: E402
+from bench.common import Load, bench_config, free_port, pct, served_base, start_app, stop_app, wait_ready  # noqa: E402
 
 POLL_S = 0.05
 
@@ -59,9 +59,9 @@ def serving_version(c: httpx.Client, url: str, model: str) -> int | None:
     return None if not versions or None in versions else min(versions)
 
 
-def measure_mode(url: str, mode: str, samples: int, lr: float, tag: str) -> dict[str, Any]:
+def measure_mode(url: str, base: str, mode: str, samples: int, lr: float, tag: str) -> dict[str, Any]:
     name = f"fresh-{mode}-{tag}"
-    model = f"{BASE}:{name}"
+    model = f"{base}:{name}"
     spec: dict[str, Any] = {"name": name, "method": "sft", "mode": mode, "learning_rate": lr,
                             "lora": {"r": 8, "alpha": 16}}
     if mode == "periodic":
@@ -122,13 +122,14 @@ def main() -> None:
         started = True
     try:
         wait_ready(url)
-        load = Load(url, args.clients, args.load_tokens)
+        base = served_base(url)
+        load = Load(url, args.clients, args.load_tokens, model=base)
         load.start()
         time.sleep(5)  # the load reaches steady state
         tag = time.strftime("%H%M%S")
         results = []
         for mode in args.modes.split(","):
-            res = measure_mode(url, mode.strip(), args.samples, args.lr, tag)
+            res = measure_mode(url, base, mode.strip(), args.samples, args.lr, tag)
             res["load"] = load.window(*res["window"])
             results.append(res)
             print(f"{mode}: p50 {statistics.median(res['freshness_s']):.2f}s", file=sys.stderr, flush=True)

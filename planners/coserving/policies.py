@@ -30,9 +30,11 @@ class HybridScheduler(IterationScheduler):
        holds none back: among prefills P's order is their arrival order anyway, and vLLM never
        sees P (docs/coserving.md, "Admission by priority: measured, then removed").
     3. Aging against inference (MACE Fig. 7, iteration 9): if the top fine-tune sample outranks
-       some inference item (a running decode or a waiting prefill) it is *promoted*: it reserves
-       ``min_window_tokens``, even when inference alone breaks the SLO: that is the starvation
-       bound under overload. Without promotion the plan never exceeds the SLO under the cost model.
+       some inference item (a running decode or a waiting prefill), or there is no inference at
+       all, it is *promoted*: it reserves ``min_window_tokens``, even when inference alone breaks
+       the SLO: that is the starvation bound under overload (``planners/coserving/slo.py`` states
+       it: promoted after (π_decode − π_ft)/(δ_ft − δ_decode) s, then one window a grant). Without
+       promotion the plan never exceeds the SLO under the cost model.
     4. Budget: s = max{ s : f(c, s) ≤ SLO } (``token_budget``), at least the reserve. Fine-tune
        samples in priority order each get one window of
        min(remaining pass, tokens left, ``max_window_tokens``, memory) tokens.
@@ -83,8 +85,10 @@ class HybridScheduler(IterationScheduler):
         """The most a grant may delay the inference beside it: SLO − t_iter(c), or, on an idle engine
         with ``ttft_slo_s``, the TTFT SLO less the prefill of the mean prompt (if that is larger)."""
         bound = self.slo_s - work.latency(self.cost)
-        if self.ttft_slo_s is not None and not self.running and not self.waiting and self.prompts_seen:
-            prefill = InferenceWork().plus_prefill(round(self.prompt_tokens_seen / self.prompts_seen))
+        if self.ttft_slo_s is not None and not self.running and not self.waiting:
+            # No prompt seen yet: the TTFT SLO itself (a request's own prefill is not the grant's doing).
+            mean = round(self.prompt_tokens_seen / self.prompts_seen) if self.prompts_seen else 0
+            prefill = InferenceWork().plus_prefill(mean) if mean else InferenceWork()
             bound = max(bound, self.ttft_slo_s - prefill.latency(self.cost))
         return bound
 
@@ -111,7 +115,9 @@ class HybridScheduler(IterationScheduler):
         for i, (_, kind, obj) in enumerate(ranked):
             if kind == "ft":
                 ft_order.append(obj)
-                if promoted is None and i < last_inference:
+                # An idle engine (no inference at all) has nothing the top sample must outrank: it runs,
+                # even when the bound leaves less than one window (a slow backward on a CPU).
+                if promoted is None and (i < last_inference or last_inference < 0):
                     promoted, reserve = obj, min(self.min_window_tokens, obj.remaining)
         work = self._inference_work()
         # The grant's fine-tuning delays the inference beside it by ρ·t_ft ≤ SLO − t_iter(c): with

@@ -78,10 +78,10 @@ def trained(samples, plan):
 
 
 def test_priority_formula_by_hand():
-    w = PriorityWeights()  # π = (2, 1, 0), δ = (0.001, 0.01, 0.1), γ = 1
+    w = PriorityWeights()  # π = (2, 1, 0), δ = (0.001, 0.01, 0.5), γ = 1
     assert priority("decode", 0.0, 10.0, w) == pytest.approx(2.01)
     assert priority("prefill", 5.0, 10.0, w) == pytest.approx(1.05)
-    assert priority("ft", 0.0, 10.0, w, dpo_loss=0.5) == pytest.approx(1.5)
+    assert priority("ft", 0.0, 10.0, w, dpo_loss=0.5) == pytest.approx(5.5)
     # the loss term only counts for fine-tune samples, and a future arrival does not age negatively
     assert priority("prefill", 0.0, 10.0, w, dpo_loss=5.0) == pytest.approx(1.1)
     assert priority("ft", 20.0, 10.0, w) == 0.0
@@ -95,12 +95,12 @@ def test_fresh_work_orders_decode_prefill_ft_and_ft_overtakes_with_age():
 
     d, p, f = at(0.0)
     assert d > p > f
-    # ft overtakes prefill at t = (1 - 0)/(0.1 - 0.01) = 11.1 s and decode at t = 2/(0.1 - 0.001) = 20.2 s
-    d, p, f = at(11.0)
+    # ft overtakes prefill at t = (1 - 0)/(0.5 - 0.01) = 2.04 s and decode at t = 2/(0.5 - 0.001) = 4.008 s
+    d, p, f = at(2.0)
     assert p > f
-    d, p, f = at(11.2)
+    d, p, f = at(2.1)
     assert f > p and d > f
-    d, p, f = at(20.3)
+    d, p, f = at(4.1)
     assert f > d > p
 
 
@@ -429,25 +429,25 @@ def test_hybrid_promotes_aged_fine_tuning_past_an_overloaded_engine():
         s.set_samples([FineTuneSample("x", 500, 0.0)])
         return s.schedule(t)
 
-    early = node(5.0)  # P_ft = 0.5 < P_prefill = 1.05: inference first, no fine-tuning
+    early = node(2.0)  # P_ft = 1.0 < P_prefill = 1.02: inference first, no fine-tuning
     assert early.ft_tokens == 0 and early.work == InferenceWork(100, 50, 100)
-    # at 12 s P_ft = 1.2 > P_prefill = 1.12: x reserves 16 tokens (the starvation bound); vLLM runs the
+    # at 2.1 s P_ft = 1.05 > P_prefill = 1.021: x reserves 16 tokens (the starvation bound); vLLM runs the
     # prefill anyway, so it stays in c and the reserve is all that is granted
-    late = node(12.0)
+    late = node(2.1)
     assert late.ft_tokens == 16 and late.reason == "promoted x" and late.work == early.work
     assert late.predicted_latency_s == pytest.approx(0.055 + 0.01 + 0.003 + 0.3e-3 * 16)
 
 
 def test_hybrid_promotion_against_decodes_only():
-    # no prefill waiting: x must outrank the lowest decode, at t > 2/(0.1 - 0.001) = 20.2 s
+    # no prefill waiting: x must outrank the lowest decode, at t > 2/(0.5 - 0.001) = 4.008 s
     def grant(t):
         s = sched(max_num_seqs=64)
         s.observe(facts(decodes=50))
         s.set_samples([FineTuneSample("x", 500, 0.0)])
         return s.schedule(t).ft_tokens
 
-    assert grant(20.0) == 0
-    assert grant(20.5) == 16
+    assert grant(4.0) == 0
+    assert grant(4.1) == 16
 
 
 def test_hybrid_dpo_loss_orders_fine_tune_samples():
