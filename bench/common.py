@@ -134,33 +134,39 @@ class Load:
 
     def __init__(self, url: str, clients: int, max_tokens: int, *, stream: bool = False, model: str = BASE) -> None:
         self.url, self.clients, self.max_tokens, self.stream, self.model = url, clients, max_tokens, stream, model
-        self.samples: list[tuple[float, float, float | None, bool]] = []  # (finish, latency, ttft, ok)
+        # (finish, latency, ttft, ok, largest gap between two streamed pieces: the worst time between tokens)
+        self.samples: list[tuple[float, float, float | None, bool, float | None]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
 
-    def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None]:
+    def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None, float | None]:
         body = {"model": self.model, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
                 "max_tokens": self.max_tokens, "temperature": 0.8}
         if not self.stream:
-            return c.post(f"{self.url}/v1/completions", json=body).status_code == 200, None
-        ttft = None
+            return c.post(f"{self.url}/v1/completions", json=body).status_code == 200, None, None
+        ttft = last = gap = None
         with c.stream("POST", f"{self.url}/v1/completions", json={**body, "stream": True}) as r:
             if r.status_code != 200:
-                return False, None
+                return False, None, None
             for line in r.iter_lines():
-                if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
-                    ttft = time.time() - t0
-        return ttft is not None, ttft
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    now = time.time()
+                    if ttft is None:
+                        ttft = now - t0
+                    else:
+                        gap = max(gap or 0.0, now - last)
+                    last = now
+        return ttft is not None, ttft, gap
 
     def _run(self, i: int) -> None:
         with httpx.Client(timeout=120) as c:
             while not self._stop.is_set():
                 t0 = time.time()
                 try:
-                    ok, ttft = self._request(c, i, t0)
+                    ok, ttft, gap = self._request(c, i, t0)
                 except httpx.HTTPError:
-                    ok, ttft = False, None
-                self.samples.append((time.time(), time.time() - t0, ttft, ok))
+                    ok, ttft, gap = False, None, None
+                self.samples.append((time.time(), time.time() - t0, ttft, ok, gap))
 
     def start(self) -> None:
         for t in self._threads:
@@ -176,7 +182,9 @@ class Load:
         done = [s for s in self.samples if t0 <= s[0] <= t1]
         lat = [s[1] for s in done if s[3]]
         ttft = [s[2] for s in done if s[3] and s[2] is not None]
+        gaps = [s[4] for s in done if s[3] and s[4] is not None]
         return {"requests": len(lat), "errors": sum(1 for s in done if not s[3]),
                 "rate": len(lat) / max(1e-9, t1 - t0),
                 "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
-                "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99)}
+                "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+                "max_tbt_p50_s": pct(gaps, 50), "max_tbt_p99_s": pct(gaps, 99)}
