@@ -102,15 +102,36 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
+
+
 class LoraSettings(_Strict):
-    r: int = Field(8, ge=1, le=256, description="LoRA rank (must not exceed the engine's max_lora_rank).")
+    # strict: a JSON string "8" or a float 8.0 is a client error, not a rank (pydantic would coerce them).
+    r: int = Field(8, ge=1, le=256, strict=True,
+                   description="LoRA rank, an integer (must not exceed the engine's max_lora_rank).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"],
+        description="Module names of the served model, matched as peft does (a module whose name is this or ends "
+                    "with '.' and this), or \"all-linear\" (peft's: every linear layer but the output head).")
     dropout: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _list_or_all_linear(cls, v: Any) -> Any:
+        if not isinstance(v, list) and v != ALL_LINEAR:
+            raise ValueError(f"expected a list of module names, or \"{ALL_LINEAR}\"")
+        return v
 
     @field_validator("target_modules")
     @classmethod
-    def _module_names(cls, v: list[str]) -> list[str]:
+    def _module_names(cls, v: list[str] | str) -> list[str] | str:
+        if v == [ALL_LINEAR]:
+            return ALL_LINEAR  # peft takes the shorthand only as a string; a list would name a module "all-linear"
+        if isinstance(v, str):
+            return v
+        if not v:
+            raise ValueError("name at least one module, or \"all-linear\"")
         bad = [m for m in v if not re.fullmatch(r"[A-Za-z0-9_.]{1,128}", m)]
         if bad:
             raise ValueError(f"not module names: {bad}")
@@ -425,6 +446,14 @@ def _split_final_answer(raw: Mapping[str, Any]) -> Mapping[str, Any]:
             or not isinstance(msgs[-1], Mapping) or msgs[-1].get("role") != "assistant"):
         return raw
     return {**raw, "messages": msgs[:-1], "completion": msgs[-1].get("content")}
+
+
+def pydantic_param(err: Mapping[str, Any]) -> str | None:
+    """The dotted field an error is about (``lora.r``), the OpenAI error's ``param``; None for the whole body."""
+    parts = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
+    # A union's branch names (e.g. 'list[str]', "literal['all-linear']") are not fields.
+    parts = [p for p in parts if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", p)]
+    return ".".join(parts) or None
 
 
 def pydantic_error(where: str, err: Mapping[str, Any]) -> str:

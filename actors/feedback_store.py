@@ -87,6 +87,7 @@ from actors.feedback_models import (
     idempotency_key_problem,
     is_held_out,
     pydantic_error,
+    pydantic_param,
     validate_feedback,
 )
 
@@ -106,7 +107,7 @@ CREATE TABLE IF NOT EXISTS adapters (
     learning_rate     REAL NOT NULL,
     lora_r            INTEGER NOT NULL,
     lora_alpha        REAL NOT NULL,
-    lora_target_modules TEXT NOT NULL,           -- JSON list of module names
+    lora_target_modules TEXT NOT NULL,           -- JSON list of module names, or the JSON string "all-linear"
     lora_dropout      REAL NOT NULL,
     mode              TEXT NOT NULL CHECK (mode IN ('hybrid', 'sync', 'periodic', 'off')),
     periodic_every_seconds REAL,
@@ -885,4 +886,5 @@ def _validate(model: type[BaseModel], data: Any, where: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise InvalidRequest([pydantic_error(where, err) for err in e.errors()]) from None
+        errors = e.errors()
+        raise InvalidRequest([pydantic_error(where, err) for err in errors], param=pydantic_param(errors[0])) from None

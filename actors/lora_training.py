@@ -115,7 +115,9 @@ def lora_config(lora_settings: Any) -> Any:
     from peft import LoraConfig
 
     s = _settings(lora_settings)
-    return LoraConfig(r=int(s["r"]), lora_alpha=float(s["alpha"]), target_modules=list(s["target_modules"]),
+    targets = s["target_modules"]  # a list of names, or peft's "all-linear" shorthand (a string)
+    return LoraConfig(r=int(s["r"]), lora_alpha=float(s["alpha"]),
+                      target_modules=targets if isinstance(targets, str) else list(targets),
                       lora_dropout=float(s.get("dropout", 0.0)), bias="none", task_type="CAUSAL_LM")
 
 

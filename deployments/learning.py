@@ -20,13 +20,16 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.config import AppConfig
 from actors.default_model import model_path
 from actors.engine_args import served_model_name
+from actors.lora_targets import lora_targetable_modules, short_names, unknown_targets
 from actors.feedback_models import (
     ADAPTER_NAME_RE,
+    ALL_LINEAR,
     FULL_METHODS,
     AdapterExists,
     AdapterSpec,
@@ -38,6 +41,8 @@ from actors.feedback_models import (
     UnknownItem,
     UnknownVersion,
     idempotency_key_problem,
+    pydantic_error,
+    pydantic_param,
 )
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
@@ -200,10 +205,6 @@ class LearningRoutes:
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
-        rank = (body.get("lora") or {}).get("r") if isinstance(body.get("lora"), dict) else None
-        if isinstance(rank, int) and rank > self.cfg.engine.max_lora_rank:
-            limit = self.cfg.engine.max_lora_rank
-            raise BadRequest(f"lora.r={rank} exceeds the engine's max_lora_rank={limit}", "lora.r")
         principal = PRINCIPAL.get()
         if body.get("method") in FULL_METHODS:
             # A full unit retrains the model every tenant is served: the operator's decision, not a tenant's.
@@ -218,8 +219,42 @@ class LearningRoutes:
                 raise BadRequest("`tenant`: only an admin key may create adapters for another tenant.", "tenant")
         elif principal.tenant is not None:
             body = {**body, "tenant": principal.tenant}
+        try:
+            spec = AdapterSpec.model_validate(body)
+        except ValidationError as exc:
+            errors = exc.errors()
+            raise InvalidRequest([pydantic_error("adapter", e) for e in errors], param=pydantic_param(errors[0])) from None
+        if spec.method not in FULL_METHODS:  # a full unit trains every weight: its lora settings are unused
+            await self._check_lora(spec)
         info = await self._create(body)
         return JSONResponse(self._adapter_json(info, self.base), status_code=201)
+
+    async def _check_lora(self, spec: AdapterSpec) -> None:
+        """400 for LoRA settings the engine cannot serve: a rank over ``engine.max_lora_rank``, or a target
+        module the served model does not have (checked as peft matches names: actors/lora_targets.py)."""
+        limit, lora = self.cfg.engine.max_lora_rank, spec.lora
+        if lora.r > limit:
+            raise BadRequest(f"lora.r={lora.r} exceeds the engine's max_lora_rank={limit}", "lora.r")
+        if lora.target_modules == ALL_LINEAR:
+            return
+        modules = await self._lora_modules()
+        unknown = [] if modules is None else unknown_targets(lora.target_modules, modules)
+        if unknown:
+            raise BadRequest(f"lora.target_modules: {unknown} name no module of {self.base}; LoRA can target "
+                             f"{', '.join(short_names(modules))} (a module's name or its last parts, as peft "
+                             f"matches them), or \"{ALL_LINEAR}\"", "lora.target_modules")
+
+    async def _lora_modules(self) -> frozenset[str] | None:
+        """The served model's LoRA-targetable module names (built once per process, off the event loop);
+        None if its module tree cannot be built here (then the trainer is the one to refuse a bad name)."""
+        from actors.default_model import model_dir
+
+        try:
+            return await asyncio.to_thread(lambda: lora_targetable_modules(model_dir(self.cfg)))
+        except Exception as exc:  # an architecture transformers cannot build from its config alone
+            logger.warning("cannot list the modules of %s, so lora.target_modules is not checked: %s: %s",
+                           self.base, type(exc).__name__, exc)
+            return None
 
     async def _create(self, body: dict[str, Any]) -> Any:
         """Create in the store. The store's actor takes no task retries for a create (a resent one would

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 
@@ -48,6 +50,29 @@ def test_adapter_creation_errors(app_url, adapter):
     _error(httpx.get(f"{app_url}/v1/adapters/nobody"), 404, "nobody")
 
 
+@pytest.mark.parametrize("lora, param, words", [
+    ({"r": "256"}, "lora.r", ["integer"]),                      # a string is not a rank (pydantic would coerce it)
+    ({"r": 16}, "lora.r", ["max_lora_rank"]),                   # the engine serves ranks up to 8
+    ({"r": 0}, "lora.r", []),
+    ({"target_modules": ["no_such_module"]}, "lora.target_modules", ["no_such_module", "q_proj"]),
+])
+def test_lora_settings_are_checked_against_the_engine_and_the_model(app_url, lora, param, words):
+    r = httpx.post(f"{app_url}/v1/adapters", json={"name": "api-lora-bad", "lora": lora})
+    _error(r, 400, *words)
+    assert r.json()["error"]["param"] == param
+    assert httpx.get(f"{app_url}/v1/adapters/api-lora-bad").status_code == 404  # nothing stored
+
+
+def test_lora_targets_the_model_has_are_accepted(app_url):
+    r = httpx.post(f"{app_url}/v1/adapters", json={
+        "name": "api-lora-ok", "mode": "off",
+        "lora": {"r": 8, "target_modules": ["q_proj", "self_attn.k_proj", "down_proj"]}})
+    assert r.status_code == 201, r.text
+    r = httpx.post(f"{app_url}/v1/adapters", json={"name": "api-lora-all", "mode": "off",
+                                                   "lora": {"target_modules": "all-linear"}})
+    assert r.status_code == 201 and r.json()["lora"]["target_modules"] == "all-linear", r.text
+
+
 def test_feedback_is_accepted_in_every_shape_and_stored(app_url, adapter):
     pair = {"adapter": adapter, "prompt": "Q?", "chosen": "good", "rejected": "bad"}
     before = _queued(app_url, adapter)
@@ -58,6 +83,32 @@ def test_feedback_is_accepted_in_every_shape_and_stored(app_url, adapter):
     ids = one.json()["ids"] + many.json()["ids"] + wrapped.json()["ids"]
     assert len(ids) == len(set(ids)) == 4
     assert _queued(app_url, adapter) == before + 4
+
+
+def _stored(app_url: str, name: str) -> int:
+    """Items stored: queued for training, or kept out of it as the adapter's held-out slice."""
+    info = httpx.get(f"{app_url}/v1/adapters/{name}").json()
+    return info["queued"] + info["held_out"]
+
+
+def test_feedback_with_an_idempotency_key_is_stored_once(app_url, adapter):
+    pair = {"adapter": adapter, "prompt": "Q again?", "chosen": "good", "rejected": "bad"}
+    key = {"Idempotency-Key": f"api-test-{uuid.uuid4().hex}"}
+    before = _stored(app_url, adapter)
+    first = httpx.post(f"{app_url}/v1/feedback", json=[pair, pair], headers=key)
+    again = httpx.post(f"{app_url}/v1/feedback", json={"items": [pair, pair]}, headers=key)  # a resend
+    assert (first.status_code, again.status_code) == (202, 202), (first.text, again.text)
+    assert again.json() == first.json() and len(first.json()["ids"]) == 2
+    assert again.headers.get("idempotent-replayed") == "true" and "idempotent-replayed" not in first.headers
+    assert _stored(app_url, adapter) == before + 2
+    # The key with other items: 422; a key that is too long: 400; neither stores anything.
+    reused = httpx.post(f"{app_url}/v1/feedback", json=[pair], headers=key)
+    _error(reused, 422, "idempotency-key")
+    assert reused.json()["error"]["param"] == "Idempotency-Key"
+    long = httpx.post(f"{app_url}/v1/feedback", json=[pair], headers={"Idempotency-Key": "k" * 256})
+    _error(long, 400, "idempotency-key")
+    assert long.json()["error"]["param"] == "Idempotency-Key"
+    assert _stored(app_url, adapter) == before + 2
 
 
 @pytest.mark.parametrize(

@@ -229,3 +229,29 @@ def test_held_out_scores_of_parts_combine_to_the_score_of_the_whole(model_dir):
     again = ae.preference_eval(ae.evaluate_preferences(model, tok, items[:2]).diffs
                                + ae.evaluate_preferences(model, tok, items[2:]).diffs)
     assert (again.win_rate, again.pairs) == (pref.win_rate, 5) and again.clpd == pytest.approx(pref.clpd, rel=1e-5)
+
+
+def test_lora_targets_are_what_peft_wraps_in_the_model(model_dir):
+    """The names POST /v1/adapters accepts (actors/lora_targets.py) are the ones peft can wrap: each short
+    name makes a LoRA model, an unknown one is refused by both, and "all-linear" goes to peft as its shorthand."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from actors.lora_targets import lora_targetable_modules, short_names, unknown_targets
+
+    modules = lora_targetable_modules(str(model_dir))
+    names = short_names(modules)
+    assert names == ["down_proj", "embed_tokens", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj",
+                     "v_proj"]
+    assert unknown_targets(["q_proj", "layers.3.mlp.down_proj", "model.embed_tokens"], modules) == []
+    assert unknown_targets(["self_attn", "no_such_module", "proj"], modules) == ["self_attn", "no_such_module", "proj"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    wrapped = get_peft_model(base, lt.lora_config({"r": 2, "alpha": 4, "target_modules": names}))
+    touched = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if ".lora_" in n}
+    assert touched == set(names)
+    linear = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                            lt.lora_config({"r": 2, "alpha": 4, "target_modules": "all-linear"}))
+    assert set(linear.peft_config["default"].target_modules) == set(names) - {"embed_tokens", "lm_head"}
+    with pytest.raises(ValueError):
+        get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                       lt.lora_config({"r": 2, "alpha": 4, "target_modules": ["no_such_module"]}))

@@ -77,7 +77,11 @@ def harness(tmp_path):
     async def find_store() -> Any:
         return actor
 
+    async def lora_modules() -> frozenset[str]:  # the tiny Llama's, without building it (tests/integration does)
+        return frozenset(f"model.layers.0.{part}" for part in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"))
+
     routes._find_store = find_store  # type: ignore[method-assign]
+    routes._lora_modules = lora_modules  # type: ignore[method-assign]
     app = FastAPI()
     install_error_handlers(app)
     routes.install(app)
@@ -126,6 +130,29 @@ def test_a_create_whose_reply_was_lost_answers_201_once_and_409_after(harness):
     store.create_adapter({"name": "taken", "method": "sft"})
     actor.die_before.add("create_adapter")
     assert client.post("/v1/adapters", json={"name": "taken", "method": "dpo"}).status_code == 409
+
+
+@pytest.mark.parametrize("lora, param", [
+    ({"r": "4"}, "lora.r"), ({"r": 4.0}, "lora.r"), ({"r": 0}, "lora.r"), ({"r": 16}, "lora.r"),  # max_lora_rank 8
+    ({"target_modules": ["q_proj", "no_such_module"]}, "lora.target_modules"),
+    ({"target_modules": ["self_attn"]}, "lora.target_modules"),  # not a layer LoRA wraps
+    ({"target_modules": "q_proj"}, "lora.target_modules"),
+])
+def test_lora_settings_the_engine_cannot_serve_are_400_naming_the_field(harness, lora, param):
+    client, store, _, _ = harness
+    r = client.post("/v1/adapters", json={"name": "bad", "lora": lora})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == 400
+    assert store.list_adapters() == []
+
+
+def test_targets_match_as_peft_matches_them(harness):
+    client, store, _, _ = harness
+    for i, targets in enumerate((["q_proj", "v_proj"], ["self_attn.q_proj"], ["model.layers.0.mlp.up_proj"],
+                                 "all-linear", ["all-linear"])):
+        r = client.post("/v1/adapters", json={"name": f"ok-{i}", "lora": {"r": 8, "target_modules": targets}})
+        assert r.status_code == 201, r.text
+    assert store.get_adapter("ok-4").lora.target_modules == "all-linear"
 
 
 def test_feedback_replays_its_idempotency_key_and_refuses_bad_ones(harness):
