@@ -98,9 +98,15 @@ class AdapterBank:
 
         peft_name = f"{adapter}@{next(self._names)}"
         seed_everything(self.seed)  # a fresh LoRA's A matrices are the same on every rank
-        self._add(peft_name, lora, path, trainable=True)
-        self._activate(peft_name, trainable=True)
-        optimizer = make_optimizer(self.model, learning_rate, state_dir=path)
+        try:
+            self._add(peft_name, lora, path, trainable=True)
+            self._activate(peft_name, trainable=True)
+            optimizer = make_optimizer(self.model, learning_rate, state_dir=path)
+        except Exception:
+            # A version that does not fit this base (trained for another model), bad target modules:
+            # the adapter's fault. Leave the model as it was, so the other adapters train on.
+            self._discard(peft_name)
+            raise
         old = self._slots.get(adapter)
         slot = self._slots[adapter] = _Slot(peft_name, version, optimizer)
         if old is not None:
@@ -146,17 +152,28 @@ class AdapterBank:
     def _add(self, peft_name: str, lora: Any, path: str | None, *, trainable: bool) -> None:
         from peft import PeftModel, get_peft_model
 
+        if self.model is None and path is not None:
+            # Wrap the base with a fresh slot first: loading stored files straight into the base
+            # (PeftModel.from_pretrained) would leave it half-wrapped if the files do not fit it.
+            self.model = get_peft_model(self.base, lora_config(lora), adapter_name=f"{peft_name}~fresh")
         if self.model is None:
-            if path is not None:
-                self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=peft_name,
-                                                       is_trainable=trainable)
-            else:
-                self.model = get_peft_model(self.base, lora_config(lora), adapter_name=peft_name)
+            self.model = get_peft_model(self.base, lora_config(lora), adapter_name=peft_name)
         elif path is not None:
             self.model.load_adapter(str(path), adapter_name=peft_name, is_trainable=trainable)
         else:
             self.model.add_adapter(peft_name, lora_config(lora))
         self.model.to(self.device)
+
+    def _discard(self, peft_name: str) -> None:
+        """Remove a slot that failed to load, whatever it got to (another adapter computes next anyway)."""
+        if self.model is None or peft_name not in self.model.peft_config:
+            return
+        others = [n for n in self.model.peft_config if n != peft_name]
+        if others:
+            self.model.set_adapter(others[0])
+            self.model.delete_adapter(peft_name)
+        if self.active is not None and self.active not in self._slots:
+            self.active = None
 
     def _activate(self, peft_name: str, *, trainable: bool) -> None:
         self.model.set_adapter(peft_name, inference_mode=not trainable)

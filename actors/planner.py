@@ -55,6 +55,7 @@ from planners.placement import Separate, TrainingPlacer
 from planners.types import (
     AdapterAssignment,
     AdapterLoaded,
+    AdapterLoadFailed,
     AdapterVersion,
     ExecutionTrace,
     FullSynced,
@@ -152,6 +153,7 @@ class Planner:
         self.trainer = None
         self._retraining: dict[tuple[str, str], Any] = {}  # (adapter, mode) -> policy from the registry
         self._last_run: dict[str, float] = {}
+        self._pause_reported: dict[str, int] = {}  # adapter -> the version a node failed to load, already paused
 
     def _check_slos(self, planner: PlannerConfig) -> SloCheck:
         """The SLOs the nodes' co-serving runs under, checked against the profile; problems are logged
@@ -638,9 +640,23 @@ class Planner:
         return AdapterAssignment(self._epoch, dict(self._published[node_id]), self._full)
 
     async def adapters_loaded(self, node_id: int, epoch: int, loaded: dict[str, int],
-                              full: FullSynced | None = None) -> None:
-        """A replica serves ``loaded`` (adapter -> version) and computes with ``full`` as of assignment ``epoch``."""
+                              full: FullSynced | None = None,
+                              failed: dict[str, AdapterLoadFailed] | None = None) -> None:
+        """A replica serves ``loaded`` (adapter -> version) and computes with ``full`` as of assignment ``epoch``;
+        ``failed``: versions it could not load. Their adapters pause (in the store, with the error), once per
+        version; the other adapters are served and trained as before."""
         node = self.nodes[node_id]
+        for name, why in (failed or {}).items():
+            if self._pause_reported.get(name) == why.version:
+                continue
+            self._pause_reported[name] = why.version
+            reason = f"node {node_id} could not serve version {why.version}: {why.message}"[:1000]
+            logger.warning("adapter %s paused: %s", name, reason)
+            try:
+                await self.feedback.pause_adapter.remote(name, reason)
+            except Exception as exc:  # the store away: the node reports it again with its next confirmation
+                self._pause_reported.pop(name, None)
+                logger.warning("could not pause %s: %s", name, exc)
         node.adapters = {f"{self.served_name}:{name}": v for name, v in loaded.items()}
         if full is not None:
             node.full = full

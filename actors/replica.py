@@ -35,8 +35,10 @@ from actors.engine_weights import (
     read_meta,
     version_of,
 )
+from actors.adapter_fit import misfit
 from planners.coserving import EngineFacts, LiveRequest
-from planners.types import AdapterAssignment, ExecutionTrace, FullSynced, FullVersion, NodeRegistration, NodeReport
+from planners.types import (AdapterAssignment, AdapterLoadFailed, ExecutionTrace, FullSynced, FullVersion,
+                            NodeRegistration, NodeReport)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class ModelReplica:
         self._busy_total = 0.0
         self._adapters: dict[str, dict[str, Any]] = {}  # "base:adapter" -> {version, lora_id, path}
         self._next_lora_id = 1
+        self._load_failed: dict[str, tuple[tuple[int, str], str]] = {}  # model id -> ((version, path), error)
         self._assignment_epoch = -1
         self._full: dict[str, Any] | None = None  # the full version loaded last: {version, path}; None: the start weights
         self._weights_lock = asyncio.Lock()  # one full-weight sync at a time
@@ -148,8 +151,9 @@ class ModelReplica:
         """
         assignment = await _retry(lambda: planner().register_node.remote(registration), "register with the planner")
         loaded = await self.apply_adapters(assignment)
-        if assignment.full is not None:  # a replacement replica took the full version up: say so at once
-            await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded, self.full_synced())
+        if assignment.full is not None or self._load_failed:  # a full version taken up, or a version that failed: say so
+            await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded, self.full_synced(),
+                                                      self.load_failures())
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._report_forever(planner, registration, flush_s)),
                        loop.create_task(self._follow_assignments(planner))]
@@ -181,7 +185,8 @@ class ModelReplica:
                     self.node_id, self._assignment_epoch, ASSIGNMENT_POLL_S)
                 if assignment.epoch != self._assignment_epoch:
                     loaded = await self.apply_adapters(assignment)
-                    await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded, self.full_synced())
+                    await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded, self.full_synced(),
+                                                      self.load_failures())
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -244,14 +249,23 @@ class ModelReplica:
         for model_id, (name, v) in wanted.items():
             current = self._adapters.get(model_id)
             if current is None or current["version"] != v.version or current["path"] != v.path:
+                if self._load_failed.get(model_id, (None, None))[0] == (v.version, v.path):
+                    continue  # this version failed here before: its adapter is paused, not retried each epoch
                 try:
                     await self.load_adapter(name, v.version, v.path)
-                except Exception:
+                    self._load_failed.pop(model_id, None)
+                except Exception as exc:
                     logger.exception("node %d could not load %s v%d from %s", self.node_id, model_id, v.version, v.path)
+                    self._load_failed[model_id] = ((v.version, v.path), f"{type(exc).__name__}: {str(exc)[:500]}")
         for model_id in [m for m in self._adapters if m not in wanted]:
             await self.unload_adapter(model_id.split(":", 1)[1])
         self._assignment_epoch = assignment.epoch
         return {m.split(":", 1)[1]: a["version"] for m, a in self._adapters.items()}
+
+    def load_failures(self) -> dict[str, AdapterLoadFailed]:
+        """Adapter -> the assigned version this node could not load, and why (the planner pauses the adapter)."""
+        return {m.split(":", 1)[1]: AdapterLoadFailed(version, message)
+                for m, ((version, _), message) in self._load_failed.items()}
 
     async def load_adapter(self, adapter: str, version: int, path: str) -> dict[str, Any]:
         """Serve ``path`` as version ``version`` of ``base:adapter``; later requests use it.
@@ -264,6 +278,11 @@ class ModelReplica:
         model_id = f"{self.served_name}:{adapter}"
         # The published location may be on another node or behind a URI: vLLM loads a local copy.
         local = path if self.files is None else await asyncio.to_thread(self.files.local_path, adapter, version, path)
+        # vLLM loads a LoRA of the wrong shapes silently and serves it: check the version fits the base first.
+        base = getattr(self.args, "model", None)  # the served model's directory, from the engine's flags
+        why = None if base is None else await asyncio.to_thread(misfit, local, base)
+        if why is not None:
+            raise ValueError(why)
         lora = LoRARequest(lora_name=model_id, lora_int_id=self._next_lora_id, lora_path=local)
         self._next_lora_id += 1
         await self.engine.add_lora(lora)  # loads now, so the first request pays nothing

@@ -114,6 +114,17 @@ class TrainRank:
         RankLoop(self.rank, self.world, self.node_id, self.cfg, self.namespace, self.planner, self.eval_file).run()
 
 
+def _transient(exc: BaseException) -> bool:
+    """An error of the store, planner or supervisor being away, not of the adapter being trained."""
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    if isinstance(exc, RayTaskError):
+        from actors.feedback_models import StoreError
+
+        return not isinstance(getattr(exc, "cause", None), StoreError)
+    return isinstance(exc, (RayActorError, GetTimeoutError, ConnectionError))
+
+
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, nearly equal [start, end) shares of n items; the first shares get the extras."""
     base, extra = divmod(n, parts)
@@ -249,10 +260,58 @@ class RankLoop:
                 if plan.sleep:
                     time.sleep(plan.sleep)
             elif op == "step":
-                self._ensure_model(plan)
-                self._step(plan)
+                if self._agreed_ok(plan.adapter, "load", lambda: self._ensure_model(plan)):
+                    self._guarded(plan.adapter, "step", lambda: self._step(plan))
             elif op == "flush":
-                self._finish_version(plan, flush=True)
+                self._guarded(plan.adapter, "publish", lambda: self._finish_version(plan, flush=True))
+
+    # ---- faults stay with their adapter ----------------------------------------------------------
+
+    def _guarded(self, adapter: str, where: str, work: Any) -> bool:
+        """Run ``work``; an adapter's own fault (not the store or planner being away) pauses that adapter
+        with the error as its reason, and the loop goes on with the others. Returns True if it ran."""
+        try:
+            work()
+            return True
+        except Exception as exc:
+            if _transient(exc):
+                raise  # the store or planner restarting: the Trainer restarts the ranks, nothing is the adapter's
+            self._adapter_fault(adapter, where, exc)
+            return False
+
+    def _agreed_ok(self, adapter: str, where: str, work: Any) -> bool:
+        """:meth:`_guarded`, then every synced rank learns whether any rank failed (they step together or not at all)."""
+        ok = self._guarded(adapter, where, work)
+        failed = self.allreduce([0.0 if ok else 1.0], op="max")[0]
+        if failed and ok:
+            self._drop_adapter(adapter)  # another rank could not load it: this rank's copy is dropped too
+        return not failed
+
+    def _adapter_fault(self, adapter: str, where: str, exc: BaseException | str) -> None:
+        """Pause ``adapter`` (its ``paused_reason`` names the error) and forget this rank's work on it."""
+        message = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        reason = f"trainer {where} failed on rank {self.rank}: {message}"[:1000]
+        logger.warning("adapter %s paused: %s", adapter, reason)
+        self._warn(f"{where} {adapter}", message)
+        self._drop_adapter(adapter)
+        try:
+            ray.get(self.store.pause_adapter.remote(adapter, reason), timeout=30)
+        except Exception as again:  # the store away: the next fault pauses it; the loop goes on meanwhile
+            self._warn("pause_adapter", again)
+        self.not_before[adapter] = time.time() + SPEC_TTL_S  # not picked again before the pause is read back
+
+    def _drop_adapter(self, adapter: str) -> None:
+        """Forget the adapter's slot, gradients and unpublished work on this rank; its items stay queued."""
+        self.specs.pop(adapter, None)
+        try:
+            self.bank.forget(adapter)
+        except Exception as exc:  # a half-loaded slot: the bank drops what it can
+            self._warn("forget", exc)
+        if self.loaded is not None and self.loaded[0] == adapter:
+            if self.opt is not None:
+                self.opt.zero_grad(set_to_none=True)
+            self.loaded, self.model, self.opt = None, None, None
+            self._reset_version()
 
     def _stop_requested(self) -> bool:
         if time.time() - self._stop_checked >= STOP_CHECK_S:
@@ -419,34 +478,47 @@ class RankLoop:
         mine = items[lo:hi]
         # Scales that make the accumulated gradient the mean over the whole micro-step (all ranks'
         # items), over `accumulation` micro-steps; the sum over ranks is then the batch mean.
-        scales = batch_scales(self.tok, items, spec.method, scale=1.0 / self.t.accumulation,
-                              max_length=self.t.max_length)[lo:hi]
-        passes = {it.id: WindowedPass(self.model, self.tok, it, spec.method, beta=spec.beta,
-                                         max_length=self.t.max_length, scale=sc) for it, sc in zip(mine, scales)}
-        weight = {it.id: (passes[it.id].loss_tokens if spec.method == "sft" else 1) for it in mine}
+        # A fault of this adapter's compute (a bad item, a broken slot) is agreed on with the other ranks
+        # at the next round's collective, so every rank drops the step together, and the adapter pauses.
+        fault: BaseException | None = None
+        try:
+            scales = batch_scales(self.tok, items, spec.method, scale=1.0 / self.t.accumulation,
+                                  max_length=self.t.max_length)[lo:hi]
+            passes = {it.id: WindowedPass(self.model, self.tok, it, spec.method, beta=spec.beta,
+                                          max_length=self.t.max_length, scale=sc) for it, sc in zip(mine, scales)}
+            weight = {it.id: (passes[it.id].loss_tokens if spec.method == "sft" else 1) for it in mine}
+        except Exception as exc:
+            if _transient(exc):
+                raise
+            fault, passes, weight = exc, {}, {}
         t_start = time.time()
         run_s, waited_s, windows, loss_sum, weight_sum = 0.0, 0.0, 0, 0.0, 0.0
         item_loss: dict[int, float] = {}  # each item's own loss in this pass, for CheckEnd and its next priority
         while True:
-            todo = [it for it in mine if passes[it.id].done < passes[it.id].length]
+            todo = [it for it in mine if it.id in passes and passes[it.id].done < passes[it.id].length]
             asked = time.time()
             granted, wait = self._ask_windows(plan, passes, todo)
             t0 = time.time()
             if todo and not granted:
                 waited_s += t0 - asked  # a refused request waits in the planner for the node's next reports
             mark = memory_mark(self.bank.device) if granted else 0.0
-            for w in granted:
-                sid, start, end = w.sample_id, w.start, w.end
-                p = passes.get(sid)
-                if p is None or start != p.done or end > p.length:
-                    continue  # a stale grant (the planner saw an older state): ask again
-                p.forward(end)
-                windows += 1
-                if p.done == p.length:
-                    st = p.finish()
-                    item_loss[sid] = st.loss  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
-                    loss_sum += st.loss * weight[sid]
-                    weight_sum += weight[sid]
+            try:
+                for w in granted:
+                    sid, start, end = w.sample_id, w.start, w.end
+                    p = passes.get(sid)
+                    if p is None or start != p.done or end > p.length:
+                        continue  # a stale grant (the planner saw an older state): ask again
+                    p.forward(end)
+                    windows += 1
+                    if p.done == p.length:
+                        st = p.finish()
+                        item_loss[sid] = st.loss  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
+                        loss_sum += st.loss * weight[sid]
+                        weight_sum += weight[sid]
+            except Exception as exc:
+                if _transient(exc):
+                    raise
+                fault = exc
             ran = len(granted)
             elapsed = time.time() - t0
             run_s += elapsed
@@ -455,12 +527,17 @@ class RankLoop:
                 self.last_memory = MemoryUse(ran, max(w.end - w.start for w in granted),
                                              memory_added(self.bank.device, mark))
             left = sum(p.done < p.length for p in passes.values())
-            abandon = float(self.leader and self._abandon_requested(adapter))
-            left_all, ran_all, abandon, wait = self.allreduce([float(left), float(ran), abandon, wait], op="max")
-            if abandon:
+            abandon = float(fault is None and self.leader and self._abandon_requested(adapter))
+            left_all, ran_all, abandon, wait, failed = self.allreduce(
+                [float(left), float(ran), abandon, wait, float(fault is not None)], op="max")
+            if abandon or failed:
                 for p in passes.values():
                     p.abandon()
                 self._drop_micro_steps(adapter)
+                if fault is not None:
+                    self._adapter_fault(adapter, "step", fault)
+                elif failed:
+                    self._drop_adapter(adapter)  # another rank's fault: its rank pauses the adapter
                 return
             if left_all == 0:
                 break
@@ -597,6 +674,8 @@ class RankLoop:
             return PublishOutcome(None)
         except Exception as exc:
             self._warn("publish", exc)
+            if not _transient(exc):  # e.g. the version's files could not be written: this adapter's fault
+                self._adapter_fault(adapter, "save", exc)
             return PublishOutcome(None)
         created = list(self.held_created)
         if published.state == "candidate":

@@ -165,6 +165,14 @@ class FullSynced:
 
 
 @dataclass(frozen=True)
+class AdapterLoadFailed:
+    """A node could not serve ``version`` of an adapter (its files do not fit the served base, say): why."""
+
+    version: int
+    message: str
+
+
+@dataclass(frozen=True)
 class AdapterAssignment:
     """The adapter versions one node must serve, as of ``epoch`` (raised by every change)."""
 
