@@ -12,13 +12,14 @@ assumption fails on a multi-node cluster made on one machine too.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from actors.adapter_versions import (
+    CACHE_DIRNAME,
+    cache_root_for,
     download_version,
     is_complete_version,
     is_uri,
@@ -39,7 +40,7 @@ class AdapterFiles:
         self.uri = cfg.storage.adapters_uri
         self._store = store  # the FeedbackQueue actor handle (looked up by name when first needed)
         self._store_name, self._namespace = cfg.feedback_actor_name, namespace
-        self.cache_root = cfg.data_path / "adapter-cache"
+        self.cache_root = cfg.data_path / CACHE_DIRNAME
         self.node_id = ray.get_runtime_context().get_node_id()
         self._store_at: tuple[str, str] | None = None  # (store's Ray node id, its adapters root)
 
@@ -93,5 +94,4 @@ class AdapterFiles:
         return str(target)
 
     def _cache_root_for(self, location: str) -> Path:
-        # One cache root per location: two clusters (or a URI and a path) never share a cached copy.
-        return self.cache_root / hashlib.sha256(location.encode()).hexdigest()[:16]
+        return cache_root_for(self.cache_root, location)

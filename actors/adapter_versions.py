@@ -29,6 +29,8 @@ VERSION_DIR_RE = re.compile(r"^v(\d+)$")
 TEMP_PREFIX = ".tmp-"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 META_FILE = "meta.json"
+OPTIMIZER_FILE = "optimizer.pt"  # AdamW's state, to resume training from the version (actors/lora_training.py)
+CACHE_DIRNAME = "adapter-cache"  # under a node's data_dir: its copies of versions kept elsewhere (adapter_files.py)
 MAX_FILES = 16  # a version holds four files; anything else is not a version
 
 
@@ -146,6 +148,62 @@ def download_version(location: str) -> dict[str, bytes]:
     if not all(n in files for n in (*ADAPTER_FILES, META_FILE)):
         raise FileNotFoundError(f"{location}: no complete version there ({sorted(files)})")
     return files
+
+
+def cache_root_for(cache_root: str | Path, location: str) -> Path:
+    """A node's cache root for versions at ``location``: one per location, so two clusters (or a URI and a
+    path) never share a cached copy; the version is ``version_dir(<this>, adapter, N)`` under it."""
+    import hashlib
+
+    return Path(cache_root) / hashlib.sha256(location.encode()).hexdigest()[:16]
+
+
+def remove_version(root: str | Path, location: str) -> bool:
+    """Delete the version at ``location`` (a ``v<N>`` directory under ``root``, or a storage URI); whether it
+    existed. Only a version directory under ``root`` is removed from a local disk, whatever the path says."""
+    if is_uri(location):
+        from pyarrow import fs as pafs
+
+        filesystem, base = pafs.FileSystem.from_uri(location)
+        if filesystem.get_file_info(base).type == pafs.FileType.NotFound:
+            return False
+        filesystem.delete_dir(base)
+        return True
+    path = _under(root, location)
+    if not path.exists():
+        return False
+    # Renamed aside first, so a reader never sees a half-deleted v<N> that still looks like a version.
+    doomed = path.with_name(f"{TEMP_PREFIX}deleted-{path.name}-{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+    fsync_dir(path.parent)
+    return True
+
+
+def remove_version_file(root: str | Path, location: str, name: str) -> bool:
+    """Delete one file (e.g. ``optimizer.pt``) of the version at ``location``; whether it existed."""
+    if Path(name).name != name or name in (*ADAPTER_FILES, META_FILE):
+        raise ValueError(f"{name!r} is not a file a version can do without")
+    if is_uri(location):
+        from pyarrow import fs as pafs
+
+        filesystem, base = pafs.FileSystem.from_uri(location)
+        if filesystem.get_file_info(f"{base}/{name}").type == pafs.FileType.NotFound:
+            return False
+        filesystem.delete_file(f"{base}/{name}")
+        return True
+    target = _under(root, location) / name
+    if not target.is_file():
+        return False
+    target.unlink()
+    return True
+
+
+def _under(root: str | Path, location: str) -> Path:
+    root, path = Path(root).resolve(), Path(location).resolve()
+    if root not in path.parents or not VERSION_DIR_RE.match(path.name):
+        raise ValueError(f"{path} is not a version under {root}")
+    return path
 
 
 def cache_dir_for(cache_root: str | Path, location: str, adapter: str, version: int) -> Path:

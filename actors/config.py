@@ -159,6 +159,12 @@ class TrainingConfig(_ConfigSection):
         default_factory=GateSettings, description="The quality gate's defaults; an adapter's own gate settings "
                                                   "override any of them.")
     retraining_params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of the retraining policies.")
+    keep_versions: int | None = Field(
+        8, gt=0, description="Published versions kept per adapter: the newest this many, plus any still served "
+                             "(the current one, each node's), a candidate, or one a training in progress started "
+                             "from; older ones are deleted (files and all; rollback to them answers 404) after each "
+                             "publish and gate verdict. Only the versions training may resume from keep their "
+                             "optimizer state. null: keep every version.")
 
 
 class StorageConfig(_ConfigSection):

@@ -17,20 +17,38 @@ that give the same result twice (PATCH, rollback, promote, pause). Feedback goes
 keyless :meth:`FeedbackQueue.add_feedback` and :meth:`FeedbackQueue.create_adapter` (a resent
 create would answer 409 for the caller's own adapter) opt out of Ray's retries, so their callers
 see the actor's death and decide.
+
+Retention (``training.keep_versions``): after each publish and each gate verdict the actor deletes
+the adapter's versions nothing needs any more (:meth:`FeedbackQueue.prune_versions`), their rows
+first (then they answer 404) and their files after, and keeps the optimizer state only where
+training may resume from. A crash between the two leaves files that the next prune removes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, Iterable
 
 import ray
 
-from actors.adapter_versions import read_version_files, write_version_files
+from actors.adapter_versions import (
+    CACHE_DIRNAME,
+    OPTIMIZER_FILE,
+    cache_root_for,
+    is_uri,
+    read_version_files,
+    remove_version,
+    remove_version_file,
+    version_dir,
+    write_version_files,
+)
 from actors.config import AppConfig
 from actors.feedback_models import FeedbackReceipt
 from actors.feedback_store import IDEMPOTENCY_TTL_S, FeedbackStore
+
+logger = logging.getLogger(__name__)
 
 
 def settings_key(config: AppConfig) -> str:
@@ -42,7 +60,9 @@ def settings_key(config: AppConfig) -> str:
     """
     return json.dumps({"data_dir": config.data_dir, "storage": config.storage.model_dump(),
                        "gate": config.training.gate.model_dump(),
-                       "limits": [config.limits.feedback_max_items, config.limits.feedback_max_item_bytes]},
+                       "limits": [config.limits.feedback_max_items, config.limits.feedback_max_item_bytes,
+                                  config.limits.adapters_per_tenant],
+                       "keep_versions": config.training.keep_versions},
                       sort_keys=True)
 
 
@@ -55,7 +75,10 @@ class FeedbackQueue:
         self.adapters_root = config.adapters_path
         self.store = FeedbackStore(self.data_dir, gate_defaults=config.training.gate.model_dump(),
                                    max_item_bytes=config.limits.feedback_max_item_bytes,
-                                   max_batch_items=config.limits.feedback_max_items)
+                                   max_batch_items=config.limits.feedback_max_items,
+                                   max_adapters_per_tenant=config.limits.adapters_per_tenant,
+                                   keep_versions=config.training.keep_versions)
+        self.cache_root = self.data_dir / CACHE_DIRNAME  # this node's copies of versions kept at a URI
         self._settings = settings_key(config)
         self._changes = 0  # raised by every write that can give the trainer work (see wait_for_change)
         self._changed: asyncio.Condition | None = None
@@ -152,7 +175,10 @@ class FeedbackQueue:
 
     async def publish_version(self, adapter: str, version: int, path: str, item_ids: Iterable[int],
                               samples_trained: int, loss: float | None, **kwargs: Any):
-        return await self._run("publish_version", adapter, version, path, list(item_ids), samples_trained, loss, **kwargs)
+        published = await self._run("publish_version", adapter, version, path, list(item_ids), samples_trained,
+                                    loss, **kwargs)
+        await self._prune_quietly(adapter)
+        return published
 
     async def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float):
         return await self._run("record_eval", adapter, version, win_rate, clpd)
@@ -165,7 +191,63 @@ class FeedbackQueue:
 
     async def decide_version(self, adapter: str, version: int, **verdict: Any):
         # Notifies: a decision lets the trainer go on with that adapter (or stop it, when it pauses).
-        return await self._run_and_notify("decide_version", adapter, version, **verdict)
+        decided = await self._run_and_notify("decide_version", adapter, version, **verdict)
+        await self._prune_quietly(adapter)
+        return decided
+
+    async def prune_versions(self, adapter: str) -> list[int]:
+        """Apply ``training.keep_versions`` to ``adapter``: the versions deleted now (``FeedbackStore.prune_versions``).
+
+        Their files go after the rows are marked (so a crash leaves files, never a listed version without
+        them), with any left by an earlier crash, and this node's cached copies of URI-kept versions. The
+        optimizer state stays only in the versions training may resume from: the newest, the current ones
+        and the candidates; the other kept versions are served or rolled back to, which needs no optimizer.
+        """
+        deleted = await self._run("prune_versions", adapter)
+        leftovers = await self._run("deleted_version_paths", adapter)
+        if leftovers:
+            gone = await asyncio.to_thread(self._remove_files, adapter, leftovers)
+            await self._run("forget_version_paths", adapter, gone)
+        info = await self._run("get_adapter", adapter)
+        resume = {info.current_version, *info.node_versions.values(),
+                  *(v.version for v in info.versions if v.state == "candidate")}
+        if info.versions:
+            resume.add(info.versions[-1].version)
+        stale = [v.path for v in info.versions if v.version not in resume and v.path]
+        await asyncio.to_thread(self._drop_optimizer_state, stale)
+        return deleted
+
+    async def _prune_quietly(self, adapter: str) -> None:
+        """Retention after a publish or a verdict: it never fails the write that triggered it."""
+        try:
+            deleted = await self.prune_versions(adapter)
+            if deleted:
+                logger.info("adapter %s: deleted versions %s (training.keep_versions)", adapter, deleted)
+        except Exception:
+            logger.exception("adapter %s: pruning old versions failed; the next publish tries again", adapter)
+
+    def _remove_files(self, adapter: str, locations: dict[int, str]) -> list[int]:
+        """Remove deleted versions' files (and this node's cached copy of URI-kept ones); the versions done."""
+        done = []
+        for version, location in locations.items():
+            try:
+                remove_version(self.adapters_root, location)
+                if is_uri(location):
+                    cached = version_dir(cache_root_for(self.cache_root, location), adapter, version)
+                    if cached.exists():
+                        remove_version(cached.parents[1], str(cached))
+                done.append(version)
+            except Exception:
+                logger.exception("adapter %s v%d: removing %s failed; tried again at the next prune",
+                                 adapter, version, location)
+        return done
+
+    def _drop_optimizer_state(self, locations: list[str]) -> None:
+        for location in locations:
+            try:
+                remove_version_file(self.adapters_root, location, OPTIMIZER_FILE)
+            except Exception:
+                logger.exception("removing the optimizer state of %s failed", location)
 
     async def record_scores(self, adapter: str, version: int, **scores: Any):
         return await self._run("record_scores", adapter, version, **scores)

@@ -87,6 +87,10 @@ class UnknownItem(StoreError):
     """No feedback item of that id."""
 
 
+class AdapterQuotaExceeded(StoreError):
+    """The owning tenant has ``limits.adapters_per_tenant`` adapters already (HTTP 403: waiting does not help)."""
+
+
 class IdempotencyKeyReused(StoreError):
     """An ``Idempotency-Key`` sent again within its lifetime with other feedback items (HTTP 422)."""
 

@@ -8,7 +8,8 @@ Tables (schema version 1, see ``docs/learning.md``):
 - ``versions``: every version number ever handed out. :meth:`FeedbackStore.reserve_version` inserts
   an unpublished row (so a crashed trainer never reuses a number or a directory name);
   :meth:`FeedbackStore.publish_version` flips it to published and, in the same transaction,
-  marks the feedback it trained on as consumed. Rows are never deleted.
+  marks the feedback it trained on as consumed. Rows are never removed: :meth:`FeedbackStore.prune_versions`
+  marks the versions ``training.keep_versions`` no longer keeps as deleted (schema 8), so a number is never reused.
 - ``feedback``: SFT samples and preference pairs; ``consumed_by_version`` stays NULL until a
   published version trained on the item (at-least-once training, never lost); with an adapter's
   ``epochs`` > 1, until that many published versions did (``passes`` counts them). ``held_out`` marks
@@ -59,6 +60,7 @@ from pydantic import BaseModel, ValidationError
 
 from actors.feedback_models import (
     AdapterExists,
+    AdapterQuotaExceeded,
     AdapterInfo,
     AdapterSpec,
     DEFAULT_MAX_BATCH_ITEMS,
@@ -91,9 +93,11 @@ from actors.feedback_models import (
     validate_feedback,
 )
 
-SCHEMA_VERSION = 7  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
-# 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo); 7: idempotency keys
+SCHEMA_VERSION = 8  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
+# 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo); 7: idempotency keys;
+# 8: versions deleted by the retention rule (training.keep_versions)
 DB_FILENAME = "feedback.sqlite3"
+RESERVATION_PINS_S = 24 * 3600.0  # how long an unpublished reservation keeps its parent from prune_versions
 IDEMPOTENCY_TTL_S = 24 * 3600.0  # how long a client's Idempotency-Key answers with its first result (as Stripe's)
 
 # ----------------------------------------------------------------------------------------------
@@ -143,6 +147,7 @@ CREATE TABLE IF NOT EXISTS versions (
     token_logprob     REAL,                      -- sft: mean log-likelihood per held-out completion token
     eval_items        INTEGER,                   -- how many held-out items the scores are over
     decided_at        REAL,
+    deleted_at        REAL,                      -- set by prune_versions: its files are gone, it answers 404
     PRIMARY KEY (adapter, version)
 );
 CREATE TABLE IF NOT EXISTS node_heads (          -- per_node scope: the version each node's copy is at
@@ -210,7 +215,9 @@ _ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER
                   # schema 4: epochs
                   ("adapters", "epochs", "INTEGER NOT NULL DEFAULT 1"), ("feedback", "passes", "INTEGER NOT NULL DEFAULT 0"),
                   # schema 5: tenants
-                  ("adapters", "tenant", "TEXT"))
+                  ("adapters", "tenant", "TEXT"),
+                  # schema 8: retention
+                  ("versions", "deleted_at", "REAL"))
 _ITEM_COLS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages"
 
 
@@ -219,8 +226,13 @@ class FeedbackStore:
 
     def __init__(self, data_dir: str | Path, *, filename: str = DB_FILENAME,
                  max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES, max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,
-                 busy_timeout_s: float = 10.0, gate_defaults: GateSettings | Mapping[str, Any] | None = None):
-        """``gate_defaults``: the app's ``training.gate``, which an adapter's own ``gate`` settings override."""
+                 busy_timeout_s: float = 10.0, gate_defaults: GateSettings | Mapping[str, Any] | None = None,
+                 max_adapters_per_tenant: int | None = None, keep_versions: int | None = None):
+        """``gate_defaults``: the app's ``training.gate``, which an adapter's own ``gate`` settings override.
+        ``max_adapters_per_tenant``: ``limits.adapters_per_tenant`` (None: no cap).
+        ``keep_versions``: ``training.keep_versions``, what :meth:`prune_versions` keeps (None: every version)."""
+        self.max_adapters_per_tenant = max_adapters_per_tenant
+        self.keep_versions = keep_versions
         self.path = Path(data_dir).expanduser() / filename
         self.gate_defaults = _validate(GateSettings, gate_defaults or {}, "training.gate")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -316,11 +328,19 @@ class FeedbackStore:
     # -- adapters ------------------------------------------------------------------------------
 
     def create_adapter(self, spec: AdapterSpec | Mapping[str, Any]) -> AdapterInfo:
-        """Register a new adapter; :class:`AdapterExists` (409) if the name is taken."""
+        """Register a new adapter; :class:`AdapterExists` (409) if the name is taken,
+        :class:`AdapterQuotaExceeded` (403) if its tenant owns ``max_adapters_per_tenant`` already."""
         spec = _validate(AdapterSpec, spec, "adapter")
         with self._tx() as db:
             if db.execute("SELECT 1 FROM adapters WHERE name = ?", (spec.name,)).fetchone():
                 raise AdapterExists(f"adapter {spec.name!r} already exists")
+            cap = self.max_adapters_per_tenant
+            # Counted in the insert's transaction: concurrent creates cannot both take the last place.
+            if cap is not None and db.execute("SELECT COUNT(*) FROM adapters WHERE tenant IS ?",
+                                              (spec.tenant,)).fetchone()[0] >= cap:
+                owner = f"tenant {spec.tenant!r}" if spec.tenant is not None else "this deployment (no API keys)"
+                raise AdapterQuotaExceeded(f"{owner} has {cap} adapters, the most limits.adapters_per_tenant allows; "
+                                           "the operator can raise the limit")
             if spec.method in FULL_METHODS:
                 # A full unit changes the base model every request is served with: one per deployment.
                 other = db.execute("SELECT name FROM adapters WHERE method IN ('full_sft', 'full_dpo')").fetchone()
@@ -430,7 +450,8 @@ class FeedbackStore:
         (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
          created, epochs, tenant) = self._adapter_row(db, name)
         versions = [_version(row) for row in db.execute(
-            f"SELECT {_VERSION_COLS} FROM versions WHERE adapter = ? AND published = 1 ORDER BY version", (name,))]
+            f"SELECT {_VERSION_COLS} FROM versions WHERE adapter = ? AND published = 1 AND deleted_at IS NULL "
+            "ORDER BY version", (name,))]
         queued, oldest = db.execute(
             "SELECT COUNT(*), MIN(created_at) FROM feedback WHERE adapter = ? AND held_out = 0 "
             "AND consumed_by_version IS NULL", (name,)).fetchone()
@@ -844,11 +865,59 @@ class FeedbackStore:
             return self._version(db, adapter, version)
 
     def _version(self, db: sqlite3.Connection, adapter: str, version: int) -> VersionInfo:
-        row = db.execute(f"SELECT {_VERSION_COLS} FROM versions WHERE adapter = ? AND version = ?",
+        row = db.execute(f"SELECT {_VERSION_COLS}, deleted_at FROM versions WHERE adapter = ? AND version = ?",
                          (adapter, version)).fetchone()
         if row is None:
             raise UnknownVersion(f"adapter {adapter!r} has no version {version}")
-        return _version(row)
+        if row[-1] is not None:
+            raise UnknownVersion(f"adapter {adapter!r} has no version {version} any more: it was deleted as older "
+                                 "than the newest training.keep_versions, and not served")
+        return _version(row[:-1])
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def prune_versions(self, adapter: str, keep: int | None = None) -> list[int]:
+        """Delete the versions of ``adapter`` that nothing needs any more; the deleted numbers, in one transaction.
+
+        ``keep`` (default ``keep_versions``; None: keep all) newest published versions stay, and so does any
+        version still needed whatever its age: the adapter's current one, each node's current one (per_node),
+        a candidate, and the parent of a reservation whose training has not published yet (it may still
+        publish, or the trainer reload from it; a reservation older than a day is taken for a crashed one). A deleted row stays, marked ``deleted_at``, so its number
+        is never handed out again and the items it consumed still name it; it is no longer listed, and
+        rollback, promote and get_version answer 404 for it. Its files are the caller's to remove
+        (:meth:`deleted_version_paths`, then :meth:`forget_version_paths`): the FeedbackQueue actor does both.
+        """
+        keep = self.keep_versions if keep is None else keep
+        if keep is None:
+            return []
+        with self._tx() as db:
+            current = self._current(db, adapter)
+            live = [r[0] for r in db.execute("SELECT version FROM versions WHERE adapter = ? AND published = 1 "
+                                             "AND deleted_at IS NULL ORDER BY version DESC", (adapter,))]
+            needed = set(live[:keep]) | {current}
+            needed |= {r[0] for r in db.execute("SELECT version FROM node_heads WHERE adapter = ?", (adapter,))}
+            needed |= {r[0] for r in db.execute("SELECT version FROM versions WHERE adapter = ? AND "
+                                                "state = 'candidate'", (adapter,))}
+            # A reservation older than a day is a crashed trainer's, not a training in progress: it pins nothing.
+            needed |= {r[0] for r in db.execute("SELECT parent FROM versions WHERE adapter = ? AND published = 0 "
+                                                "AND parent IS NOT NULL AND created_at > ?",
+                                                (adapter, time.time() - RESERVATION_PINS_S))}
+            doomed = sorted(v for v in live if v not in needed)
+            db.executemany("UPDATE versions SET deleted_at = ? WHERE adapter = ? AND version = ?",
+                           [(time.time(), adapter, v) for v in doomed])
+            return doomed
+
+    def deleted_version_paths(self, adapter: str) -> dict[int, str]:
+        """version -> location of the deleted versions of ``adapter`` whose files are not known to be gone."""
+        with self._tx(write=False) as db:
+            return dict(db.execute("SELECT version, path FROM versions WHERE adapter = ? AND deleted_at IS NOT NULL "
+                                   "AND path IS NOT NULL ORDER BY version", (adapter,)).fetchall())
+
+    def forget_version_paths(self, adapter: str, versions: Iterable[int]) -> None:
+        """The files of these deleted versions are gone: their rows stop naming a location."""
+        with self._tx() as db:
+            db.executemany("UPDATE versions SET path = NULL WHERE adapter = ? AND version = ? AND "
+                           "deleted_at IS NOT NULL", [(adapter, int(v)) for v in versions])
 
 
 def _version(row: tuple) -> VersionInfo:

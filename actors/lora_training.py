@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from actors.adapter_versions import (  # noqa: F401 (part of this module's API)
     ADAPTER_FILES,
     META_FILE,
+    OPTIMIZER_FILE,
     TEMP_PREFIX,
     VERSION_DIR_RE,
     fsync_dir,
@@ -55,7 +56,6 @@ from actors.adapter_versions import (  # noqa: F401 (part of this module's API)
     version_dir,
 )
 
-OPTIMIZER_FILE = "optimizer.pt"
 DEFAULT_MAX_LENGTH = 512
 
 

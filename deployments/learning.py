@@ -32,6 +32,7 @@ from actors.feedback_models import (
     ALL_LINEAR,
     FULL_METHODS,
     AdapterExists,
+    AdapterQuotaExceeded,
     AdapterSpec,
     Conflict,
     IdempotencyKeyReused,
@@ -68,6 +69,9 @@ STORE_ERRORS: dict[type[StoreError], tuple[int, str]] = {
     UnknownItem: (404, "not_found_error"),
     Conflict: (409, "conflict_error"),
     IdempotencyKeyReused: (422, "idempotency_error"),
+    # A count limit: 403, not 429, whose Retry-After would say that waiting helps; not 409 either, which
+    # says the request clashes with one resource (its name) rather than with the tenant's allowance.
+    AdapterQuotaExceeded: (403, "permission_error"),
 }
 
 

@@ -75,7 +75,7 @@ FEEDBACK_BODY: dict[str, Any] = {"anyOf": [
 
 # (path, method) -> (request body schema, the route's own answers besides 2xx)
 APP_OPERATIONS: dict[tuple[str, str], tuple[dict[str, Any] | None, tuple[int, ...]]] = {
-    ("/v1/adapters", "post"): ({"$ref": REF.format(model="AdapterSpec")}, (400, 409)),
+    ("/v1/adapters", "post"): ({"$ref": REF.format(model="AdapterSpec")}, (400, 403, 409)),
     ("/v1/adapters", "get"): (None, ()),
     ("/v1/adapters/{name}", "get"): (None, (404,)),
     ("/v1/adapters/{name}", "patch"): ({"$ref": REF.format(model="AdapterChange")}, (400, 404)),
@@ -93,7 +93,8 @@ APP_HEADERS: dict[tuple[str, str], list[dict[str, Any]]] = {
 }
 _DOC_MODELS: tuple[type[BaseModel], ...] = (AppError, AdapterSpec, AdapterChange, VersionChoice, FeedbackBatch,
                                             SFTItem, PreferenceItem)
-_STATUS_TEXT = {400: "Bad request", 401: "Missing or unknown API key", 403: "Needs an admin key",
+_STATUS_TEXT = {400: "Bad request", 401: "Missing or unknown API key",
+                403: "Not allowed: needs an admin key, or over a count limit (limits.adapters_per_tenant)",
                 404: "Not found (or another tenant's)", 409: "Conflict", 413: "Body larger than limits.max_body_bytes",
                 422: "Idempotency-Key sent again with other feedback items",
                 429: "Over the key's rate or concurrency limit", 500: "Internal error (the log has the detail)",

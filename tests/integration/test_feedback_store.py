@@ -15,6 +15,7 @@ import pytest
 
 from actors.feedback_models import (
     AdapterExists,
+    AdapterQuotaExceeded,
     Conflict,
     FullUnitExists,
     IdempotencyKeyReused,
@@ -72,6 +73,25 @@ def test_adapters_create_get_list_and_duplicates(store):
         with pytest.raises(InvalidRequest):
             store.create_adapter(bad)
     assert [a.name for a in store.list_adapters()] == ["acme", "tutor"]
+
+
+def test_a_tenant_owns_at_most_its_allowance_of_adapters(tmp_path):
+    s = FeedbackStore(tmp_path, gate_defaults=NO_GATE, max_adapters_per_tenant=2)
+    for name in ("a1", "a2"):
+        s.create_adapter({"name": name, "tenant": "acme"})
+    with pytest.raises(AdapterQuotaExceeded) as e:
+        s.create_adapter({"name": "a3", "tenant": "acme"})
+    assert "acme" in str(e.value) and "limits.adapters_per_tenant" in str(e.value)
+    s.create_adapter({"name": "b1", "tenant": "beta"})  # per tenant: another tenant has its own allowance
+    s.create_adapter({"name": "n1"})  # local mode (no tenant) counts as one owner too
+    s.create_adapter({"name": "n2"})
+    with pytest.raises(AdapterQuotaExceeded):
+        s.create_adapter({"name": "n3"})
+    with pytest.raises(AdapterExists):  # a taken name is still a 409 first
+        s.create_adapter({"name": "a1", "tenant": "acme"})
+    assert sorted(a.name for a in s.list_adapters()) == ["a1", "a2", "b1", "n1", "n2"]
+    s.close()
+    assert FeedbackStore(tmp_path, max_adapters_per_tenant=None).create_adapter({"name": "a3", "tenant": "acme"})
 
 
 def test_update_changes_training_settings_only(store):

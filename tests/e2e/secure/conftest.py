@@ -22,7 +22,7 @@ def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
     from app.main import build_app
 
     data = tmp_path_factory.mktemp("coserve-sec")
-    keys = {t: add_key(data / "keys.yaml", t) for t in ("admin", "acme", "beta", "flood", "conc")}
+    keys = {t: add_key(data / "keys.yaml", t) for t in ("admin", "acme", "beta", "flood", "conc", "quota")}
     cfg = {
         "name": "coserve-sec",
         "data_dir": str(data),
@@ -32,7 +32,7 @@ def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
         "planner": {"placement": "round_robin"},
         "auth": {"keys_file": "keys.yaml", "keys_env": None},
         "limits": {"requests_per_second": 20, "burst": 40, "max_concurrent": 4, "max_tokens": 32,
-                   "feedback_max_items": 16, "feedback_max_item_bytes": 1024},
+                   "feedback_max_items": 16, "feedback_max_item_bytes": 1024, "adapters_per_tenant": 3},
     }
     serve.run(build_app(cfg), name="coserve-sec", route_prefix=SECURE_PREFIX)
     url = app_url + SECURE_PREFIX

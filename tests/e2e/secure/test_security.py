@@ -102,6 +102,23 @@ def test_a_tenant_creates_and_lists_only_its_own_adapters(secure_app):
     _error(httpx.get(f"{url}/v1/adapters/acme-own", headers=_h(secure_app, "beta")), 404)
 
 
+def test_a_tenant_beyond_its_adapter_allowance_gets_403(secure_app):
+    """limits.adapters_per_tenant is 3 here: the fourth adapter of a tenant is a 403 permission_error (waiting
+    would not help, so not a 429), whoever creates it; other tenants keep their own allowance."""
+    url, quota, admin = secure_app["url"], _h(secure_app, "quota"), _h(secure_app, "admin")
+    for i in range(3):
+        r = httpx.post(f"{url}/v1/adapters", headers=quota, json={"name": f"quota-{i}", "mode": "off"})
+        assert r.status_code == 201, r.text
+    r = httpx.post(f"{url}/v1/adapters", headers=quota, json={"name": "quota-3", "mode": "off"})
+    _error(r, 403, "limits.adapters_per_tenant", "quota")
+    assert r.json()["error"]["type"] == "permission_error"
+    _error(httpx.post(f"{url}/v1/adapters", headers=admin, json={"name": "quota-4", "tenant": "quota", "mode": "off"}),
+           403, "limits.adapters_per_tenant")
+    assert len(httpx.get(f"{url}/v1/adapters", headers=quota).json()["data"]) == 3
+    r = httpx.post(f"{url}/v1/adapters", headers=admin, json={"name": "conc-own", "tenant": "conc", "mode": "off"})
+    assert r.status_code == 201, r.text
+
+
 def test_only_an_admin_key_may_create_a_full_unit(secure_app):
     """A full unit retrains the model every tenant is served: a tenant's key gets 403; the admin's passes that
     check and meets the next one (this app's nodes have one bundle, a pipeline needs two)."""
