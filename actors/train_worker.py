@@ -48,6 +48,7 @@ from actors.evaluator import VersionEvaluator
 from actors.config import AppConfig
 from actors.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
 from actors.feedback_models import FULL_METHODS, FeedbackItem
+from planners.turns import TrainingTurns
 from planners.types import (
     Grant,
     GrantedWindow,
@@ -206,7 +207,7 @@ class RankLoop:
         self.requeued: dict[int, PassVerdict] = {}
         self.specs: dict[str, tuple[float, dict[str, Any]]] = {}
         self.store_changes = -1  # the store's change number as of the last idle wait (-1: look at once)
-        self.last_adapter: str | None = None
+        self.turns = TrainingTurns()  # whose turn it is to train (leader)
         self.not_before: dict[str, float] = {}  # adapter -> when to ask for a grant again
         self._stop_checked, self._stop = 0.0, False
         if self.evaluator is not None:
@@ -343,7 +344,7 @@ class RankLoop:
         if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter))
             spec = TrainingSpec(info.name, info.method, info.beta, info.mode, info.learning_rate,
-                                info.lora.model_dump(), info.paused_reason is not None)
+                                info.lora.model_dump(), info.paused_reason is not None, info.tenant)
             self.specs[adapter] = cached = (time.time(), spec)
         return cached[1]
 
@@ -402,8 +403,9 @@ class RankLoop:
                 waiting = [self.not_before[n] for n in summary
                            if available(n) > 0 and self.not_before.get(n, 0) > now and self._spec(n).mode != "off"]
                 return self._idle(min(waiting) if waiting else None)
-            later = [n for n in names if self.last_adapter is None or n > self.last_adapter]
-            adapter = (later or names)[0]  # round robin in name order
+            # Fair turns: across tenants first, then across the tenant's adapters (planners/turns.py).
+            adapter = self.turns.next(names, {n: self._spec(n).tenant for n in names})
+            self.turns.trained(adapter, self._spec(adapter).tenant)
         spec = self._spec(adapter)
         cur = ray.get(self.store.current_version.remote(adapter, self.line))
         target = (cur.version, cur.path) if cur is not None else (None, None)
@@ -640,7 +642,6 @@ class RankLoop:
             return
         self.bank.advance(adapter, outcome.version)
         self.loaded = (adapter, outcome.version)
-        self.last_adapter = adapter
         self._reset_version()
         if self.leader:
             self._evaluate(adapter, outcome)

@@ -453,6 +453,8 @@ class TrainingSpec:
     lora: dict[str, Any]
     """The LoRA settings (r, alpha, dropout, target_modules)."""
     paused: bool
+    tenant: str | None = None
+    """The tenant that owns the adapter (None: made without keys): training turns rotate across tenants."""
 
 
 @dataclass(frozen=True)
