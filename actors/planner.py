@@ -241,6 +241,7 @@ class Planner:
         self._started = True
         self._changed = asyncio.Condition()
         self._reported = asyncio.Condition()
+        self._store_sync = asyncio.Lock()  # one read of the store's served versions and its apply at a time
         await self._start_feedback()
         asyncio.get_running_loop().create_task(self._watch_replicas())
         if self.cfg.training.enabled:
@@ -668,6 +669,10 @@ class Planner:
         """Apply ``change`` (node -> adapter -> version, None = remove) and wait until the ready nodes
         serve it; returns the nodes that confirmed."""
         await self.start()
+        return await self._confirm(self._apply(change), change)
+
+    def _apply(self, change: dict[int, dict[str, AdapterVersion | None]]) -> int:
+        """Record ``change`` in the nodes' assignments; the new epoch."""
         for nid, adapters in change.items():
             for name, v in adapters.items():
                 if v is None:
@@ -675,7 +680,10 @@ class Planner:
                 else:
                     self._published[nid][name] = v
         self._epoch += 1
-        epoch = self._epoch
+        return self._epoch
+
+    async def _confirm(self, epoch: int, change: dict[int, Any]) -> list[int]:
+        """Wake the nodes' long polls and wait until the ready ones in ``change`` confirm ``epoch``."""
         targets = [n for n in self.nodes if n.node_id in change and n.state == "ready"]
         async with self._changed:
             self._changed.notify_all()
@@ -690,19 +698,33 @@ class Planner:
 
     async def load_adapter(self, adapter: str, version: int, path: str, node_ids: list[int] | None = None,
                            force: bool = False) -> AdapterLoaded:
-        """Serve ``path`` as ``version`` of ``base:adapter`` on the given nodes (default: all);
-        returns when the ready ones serve it.
+        """The adapter's served version changed in the store (a publish, a gate verdict, a rollback or a
+        promote): serve what the store says now on the given nodes (default: all); returns when the
+        ready ones serve it.
 
-        An older version replaces a newer one only with ``force`` (a rollback).
+        The feedback store is the one record of what is served. The version in the call is only what
+        the caller saw: the planner reads the store's current version (per node in scope ``per_node``)
+        and serves that, under one lock, so calls that land in any order leave the nodes serving the
+        store's latest state: a trainer's late publish cannot undo a rollback that committed after it.
+        ``force`` is kept for callers' compatibility; an older version is served exactly when the store
+        says so.
         """
-        scope = set(node_ids) if node_ids is not None else {n.node_id for n in self.nodes}
-        change: dict[int, dict[str, AdapterVersion | None]] = {}
-        for nid in scope:
-            current = self._published[nid].get(adapter)
-            if force or current is None or current.version < version:
-                change[nid] = {adapter: AdapterVersion(version, path)}
-        nodes = await self._publish(change) if change else []
-        return AdapterLoaded(f"{self.served_name}:{adapter}", version, tuple(nodes))
+        await self.start()
+        scope = sorted(set(node_ids) if node_ids is not None else {n.node_id for n in self.nodes})
+        async with self._store_sync:
+            change: dict[int, dict[str, AdapterVersion | None]] = {}
+            per_node = self.cfg.training.scope == "per_node"
+            shared = None if per_node else await self.feedback.current_version.remote(adapter, None)
+            for nid in scope:
+                info = await self.feedback.current_version.remote(adapter, nid) if per_node else shared
+                want = None if info is None or not info.path else AdapterVersion(info.version, info.path)
+                if self._published[nid].get(adapter) != want:
+                    change[nid] = {adapter: want}
+            epoch = self._apply(change) if change else None
+        nodes = await self._confirm(epoch, change) if epoch is not None else []
+        served = {self._published[nid].get(adapter) for nid in scope}
+        return AdapterLoaded(f"{self.served_name}:{adapter}", max((v.version for v in served if v), default=None),
+                             tuple(nodes))
 
     async def load_full(self, full: FullVersion | None) -> list[int]:
         """Every node computes with ``full`` from now on (None: the model the engines started with, a rollback
