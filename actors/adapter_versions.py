@@ -174,7 +174,10 @@ def remove_version(root: str | Path, location: str) -> bool:
         return False
     # Renamed aside first, so a reader never sees a half-deleted v<N> that still looks like a version.
     doomed = path.with_name(f"{TEMP_PREFIX}deleted-{path.name}-{os.getpid()}")
-    os.rename(path, doomed)
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:  # a concurrent prune took it first
+        return False
     shutil.rmtree(doomed)
     fsync_dir(path.parent)
     return True
@@ -195,7 +198,7 @@ def remove_version_file(root: str | Path, location: str, name: str) -> bool:
     target = _under(root, location) / name
     if not target.is_file():
         return False
-    target.unlink()
+    target.unlink(missing_ok=True)  # a concurrent prune may have taken it first
     return True
 
 

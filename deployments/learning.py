@@ -331,11 +331,11 @@ class LearningRoutes:
         # The target's path and node come with the answer (versions are immutable once published).
         target = next((v for v in info.versions if v.version == version), None)
         what = f"{how} of {name!r} to v{version}"
-        if info.method in FULL_METHODS:
+        if info.method in FULL_METHODS and (version == 0 or target is not None):
             # Every node's engine computes with that version (0: the starting model) once the planner returns.
-            full = None if target is None else FullVersion(name, version, target.path)
+            full = None if version == 0 else FullVersion(name, version, target.path)
             await self._tell_planner(what, lambda p: p.load_full.remote(full))
-        elif target is not None:
+        elif info.method not in FULL_METHODS and target is not None:
             nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
             await self._tell_planner(what, lambda p: p.load_adapter.remote(name, version, target.path, nodes, True))
         return JSONResponse(self._adapter_json(info, self.base))
