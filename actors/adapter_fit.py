@@ -8,30 +8,13 @@ linear layers before ``add_lora``; a misfit is that adapter's fault, and the pla
 
 from __future__ import annotations
 
-import functools
+import json
 from pathlib import Path
+
+from actors.lora_targets import module_shapes
 
 PEFT_PREFIX = "base_model.model."
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-@functools.lru_cache(maxsize=4)
-def base_linear_shapes(model_dir: str) -> dict[str, tuple[int, int]]:
-    """Module path -> (in_features, out_features) of every linear layer (and embedding) of the model at
-    ``model_dir``, read from a skeleton on the meta device (no weights are loaded)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    shapes: dict[str, tuple[int, int]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            shapes[name] = (module.in_features, module.out_features)
-        elif isinstance(module, torch.nn.Embedding):
-            shapes[name] = (module.num_embeddings, module.embedding_dim)
-    return shapes
 
 
 def misfit(adapter_dir: str | Path, model_dir: str) -> str | None:
@@ -41,7 +24,7 @@ def misfit(adapter_dir: str | Path, model_dir: str) -> str | None:
     path = Path(adapter_dir) / WEIGHTS_FILE
     if not path.is_file():
         return None  # not our layout (a .bin adapter): the engine's own loading decides
-    shapes = base_linear_shapes(str(Path(model_dir).resolve()))
+    shapes = module_shapes(model_dir)
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
             for part, axis in ((".lora_A.", 1), (".lora_B.", 0), (".lora_embedding_A", 1),
@@ -58,3 +41,21 @@ def misfit(adapter_dir: str | Path, model_dir: str) -> str | None:
                             f"trained for another model")
     return None
 
+
+
+def write_zero_lora(target: str | Path, shapes: dict[str, tuple[int, int]]) -> Path:
+    """A rank-1 LoRA on the first attention query projection with zero weights, in peft's file layout:
+    it changes nothing, and lets an engine load and run its LoRA path once before traffic. Written
+    by hand because peft would need the base weights in memory to make one."""
+    import torch
+    from safetensors.torch import save_file
+
+    module = next(name for name in shapes if name.endswith("q_proj"))
+    fan_in, fan_out = shapes[module]
+    target = Path(target)
+    save_file({f"{PEFT_PREFIX}{module}.lora_A.weight": torch.zeros(1, fan_in),
+               f"{PEFT_PREFIX}{module}.lora_B.weight": torch.zeros(fan_out, 1)}, str(target / WEIGHTS_FILE))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "lora_dropout": 0.0,
+              "target_modules": ["q_proj"], "bias": "none", "fan_in_fan_out": False, "modules_to_save": None}
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    return target

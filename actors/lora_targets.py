@@ -15,9 +15,22 @@ import functools
 from collections.abc import Iterable, Sequence
 
 
-@functools.lru_cache(maxsize=8)
 def lora_targetable_modules(model_dir: str) -> frozenset[str]:
     """Full names of the modules of the model in ``model_dir`` that LoRA can wrap (linear, embedding, conv)."""
+    return frozenset(module_shapes(model_dir))
+
+
+def module_shapes(model_dir: str) -> dict[str, tuple[int, int]]:
+    """Module name -> (features in, features out) of every module LoRA can wrap in the model at ``model_dir``
+    (an embedding: (vocabulary, width)). Built once per process (a replica warms it before traffic: the
+    first build imports the model's code and holds the GIL for seconds, which stalled streams by 2 s)."""
+    from pathlib import Path
+
+    return _module_shapes(str(Path(model_dir).resolve()))
+
+
+@functools.lru_cache(maxsize=8)
+def _module_shapes(model_dir: str) -> dict[str, tuple[int, int]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
@@ -26,8 +39,19 @@ def lora_targetable_modules(model_dir: str) -> frozenset[str]:
     with torch.device("meta"):  # the module tree only: every parameter is a shape without storage
         model = AutoModelForCausalLM.from_config(config)
     # The layer types peft's LoRA dispatches to (peft/tuners/lora/layer.py: Linear, Embedding, Conv*, Conv1D).
-    wrappable = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
-    return frozenset(name for name, module in model.named_modules() if name and isinstance(module, wrappable))
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            shapes[name] = (module.in_features, module.out_features)
+        elif isinstance(module, torch.nn.Embedding):
+            shapes[name] = (module.num_embeddings, module.embedding_dim)
+        elif isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+            shapes[name] = (module.in_channels, module.out_channels)
+        elif isinstance(module, Conv1D):
+            shapes[name] = (int(module.weight.shape[0]), int(module.weight.shape[1]))
+    return shapes
 
 
 def unknown_targets(targets: Sequence[str], modules: Iterable[str]) -> list[str]:

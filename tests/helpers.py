@@ -75,3 +75,49 @@ def serve_test_app(app_url: str, name: str, cfg: dict[str, Any], ready: Callable
             pass
         time.sleep(1)
     pytest.fail(f"{name} app not ready within {timeout_s}s: {st}")
+
+
+def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: int = 16, baseline_s: float = 8.0
+                         ) -> dict[str, Any]:
+    """bench/freshness.py's shape against the app at ``url``: ``clients`` closed-loop streaming clients on the
+    base model, the load alone for ``baseline_s``, then a fresh hybrid SFT adapter taught one item at a time.
+
+    Returns the seconds from each item's 2xx to the first response of a version trained on it
+    (``freshness_s``), the load's windows alone and during training (rate, TTFT and worst token gap
+    percentiles, errors), and the app's SLO block (the stated bounds).
+    """
+    from bench.common import Load, served_base
+    from bench.freshness import measure_mode
+
+    base = served_base(url)
+    load = Load(url, clients, load_tokens, model=base, stream=True)
+    load.start()
+    try:
+        time.sleep(2)
+        t0 = time.time()
+        time.sleep(baseline_s)
+        alone = load.window(t0, time.time())
+        res = measure_mode(url, base, "hybrid", items, 5e-3, time.strftime("%H%M%S"))
+        during = load.window(*res["window"])
+    finally:
+        load.stop()
+    slo = httpx.get(f"{url}/v1/status", timeout=30).json()["slo"]
+    return {"freshness_s": res["freshness_s"], "alone": alone, "during": during, "slo": slo,
+            "trainer": res.get("trainer")}
+
+
+def assert_fresh_within_stated_bounds(res: dict[str, Any], freshness_bound_s: float, slack_s: float = 1.0) -> None:
+    """Every item served within ``freshness_bound_s``; the load's TTFT and worst token gap p99 during training
+    within their values alone plus the stated cost of a promoted window (``slo.promoted_delay_s``) and
+    ``slack_s`` of timing noise on a shared 2-core machine; no load request failed."""
+    import pytest
+
+    fresh, alone, during, slo = res["freshness_s"], res["alone"], res["during"], res["slo"]
+    cost = slo["promoted_delay_s"] + slack_s
+    report = (f"freshness {fresh}; load alone {alone}; during training {during}; slo {slo}; "
+              f"trainer {res['trainer']}")
+    if not fresh or max(fresh) > freshness_bound_s:
+        pytest.fail(f"an item was not served within {freshness_bound_s} s: {report}")
+    assert during["errors"] == 0 and alone["errors"] == 0, report
+    assert during["ttft_p99_s"] <= alone["ttft_p99_s"] + cost, report
+    assert during["max_tbt_p99_s"] <= alone["max_tbt_p99_s"] + cost, report

@@ -330,3 +330,13 @@ def _wait_first_version(app_url: str, name: str, timeout: float = 180) -> dict:
             return st
         time.sleep(0.2)
     pytest.fail(f"{name}: no version within {timeout}s: {_training(app_url)}")
+
+
+def test_items_are_served_within_the_stated_bound_beside_two_closed_loop_clients(app_url, trainer):
+    """bench/freshness.py's shape on the tiny model (issue 27 item 0): two streaming clients, items one at a
+    time in mode hybrid; each version trained on a new item is served within the promotion bound plus
+    10 s, and the load's TTFT and worst token gap p99 stay within the stated cost."""
+    from tests.helpers import assert_fresh_within_stated_bounds, freshness_under_load
+
+    res = freshness_under_load(app_url, items=4)
+    assert_fresh_within_stated_bounds(res, freshness_bound_s=res["slo"]["promotion_after_s"] + 10.0)

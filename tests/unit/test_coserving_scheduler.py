@@ -743,3 +743,25 @@ def test_other_policies_ignore_measured_run_time():
     s.set_samples([FineTuneSample("a", 400, 0.0)])
     s.observe_ft_run(5.0, 0.0)
     assert [(w.sample_id, w.end) for w in s.schedule(0.0).windows] == [(w.sample_id, w.end) for w in before.windows]
+
+
+def test_the_shipped_default_model_profile_lets_fine_tuning_make_progress():
+    """SmolLM2 on a 2-core CPU with the default settings (issue 27): an idle engine grants the waiting
+    sample at once, and beside two running decodes a sample is granted within the stated promotion bound.
+    (With the profile's old 2 s one-token backward and a 0.1 s SLO, every budget was 0 and nothing trained.)"""
+    import json
+    from pathlib import Path
+
+    from planners.coserving.slo import check_slos
+    from planners.costs import CostModel
+
+    profile = Path(__file__).resolve().parents[2] / "profiles" / "smollm2-135m-instruct-cpu.json"
+    cost = CostModel.from_dict(json.loads(profile.read_text()))
+    slo = check_slos(cost, None, 1.0)
+    assert slo.problems == () and slo.tbt_s > slo.smallest_window_s
+    s = HybridScheduler(cost_model=cost, slo_s=slo.tbt_s, ttft_slo_s=1.0)
+    s.set_samples([FineTuneSample("x", 120, 0.0)])
+    assert s.schedule(0.0).ft_tokens > 0  # idle: nothing to protect but a future request's TTFT
+    s.observe(facts(decodes=2))
+    granted = [s.schedule(t).ft_tokens for t in (0.0, slo.promotion_after_s + 0.1)]
+    assert granted[-1] >= 16, (granted, slo)
