@@ -276,9 +276,14 @@ def test_a_schema_2_database_gets_version_states_and_the_gate_columns(tmp_path):
 
 
 def test_judge_passes_within_the_margin_and_says_why():
-    ok = judge("dpo", 0.875, 0.875, 0.02, items=8, baseline_name="v3")
-    assert ok.passed and ok.reason == "win rate 0.875 vs 0.875 of v3 on 8 held-out items: not worse"
+    ok = judge("dpo", 0.88, 0.88, 0.02, items=100, baseline_name="v3")
+    assert ok.passed and ok.reason == "win rate 0.88 vs 0.88 of v3 on 100 held-out items: not worse"
     assert judge("dpo", 0.99, 1.0, 0.02, items=100, baseline_name="v3").passed
+    # 8 pairs move a win rate in steps of 0.125: a drop of 0.02 cannot show, and the reason says so
+    few = judge("dpo", 0.875, 0.875, 0.02, items=8, baseline_name="v3")
+    assert few.passed and "not worse" not in few.reason
+    assert "not enough held-out evidence to see a drop of 0.02 (one item moves the win rate by 0.125; 50 items" \
+        in few.reason
     bad = judge("dpo", 0.75, 0.875, 0.02, items=8, baseline_name="the base model")
     assert not bad.passed and "0.125 worse, more than the margin 0.02" in bad.reason
     sft = judge("sft", -2.5, -2.0, 0.1, items=4, baseline_name="v1")
