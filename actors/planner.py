@@ -259,7 +259,10 @@ class Planner:
         def find_or_start() -> Any:
             return ray.remote(FeedbackQueue).options(
                 name=self.cfg.feedback_actor_name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-                num_cpus=0, max_restarts=-1, max_task_retries=3, max_concurrency=1000,
+                num_cpus=0, max_restarts=-1, max_concurrency=1000,
+                # Reads and idempotent writes are resent to a restarted store; create_adapter and the keyless
+                # add_feedback opt out per method, and feedback is keyed (actors/feedback.py's docstring).
+                max_task_retries=3,
                 # Pinned: a restart reopens the same SQLite file on the same disk, never an empty one elsewhere.
                 scheduling_strategy=NodeAffinitySchedulingStrategy(store_node(self.cfg.storage.store_node),
                                                                    soft=False),
