@@ -765,3 +765,18 @@ def test_the_shipped_default_model_profile_lets_fine_tuning_make_progress():
     s.observe(facts(decodes=2))
     granted = [s.schedule(t).ft_tokens for t in (0.0, slo.promotion_after_s + 0.1)]
     assert granted[-1] >= 16, (granted, slo)
+
+
+def test_an_slo_the_profile_cannot_hold_is_named():
+    """A TBT SLO below one decode iteration, or leaving no window beside one, is a named problem, not a silent 0."""
+    from planners.coserving.slo import check_slos, derived_tbt_slo
+
+    cost = default_cost_model()
+    decode = check_slos(cost, None, 1.0).decode_iteration_s
+    assert check_slos(cost, None, 1.0).tbt_s == derived_tbt_slo(cost) >= 0.1
+    below = check_slos(cost, decode / 2, 1.0)
+    assert below.problems and "below one decode iteration" in below.problems[0]
+    smallest = check_slos(cost, 1.0, 1.0).smallest_window_s  # a decode iteration and one 16-token window
+    tight = check_slos(cost, (decode + smallest) / 2, 1.0)
+    assert tight.problems and "no room for a 16-token fine-tuning window" in tight.problems[0]
+    assert check_slos(cost, 1.0, 1.0).problems == ()
