@@ -40,7 +40,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import ray
 
@@ -115,10 +116,24 @@ class TrainRank:
         RankLoop(self.rank, self.world, self.node_id, self.cfg, self.namespace, self.planner, self.eval_file).run()
 
 
+class GroupFailed(RuntimeError):
+    """A collective of the ranks' process group failed (another rank died): the group's fault, not an adapter's."""
+
+
+@contextmanager
+def _group_call() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        raise GroupFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
 def _transient(exc: BaseException) -> bool:
-    """An error of the store, planner or supervisor being away, not of the adapter being trained."""
+    """An error of the store, planner, supervisor or process group being away, not of the adapter being trained."""
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+    if isinstance(exc, GroupFailed):
+        return True
     if isinstance(exc, RayTaskError):
         from actors.feedback_models import StoreError
 
@@ -223,14 +238,16 @@ class RankLoop:
         if not self.distributed:
             return obj
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
+        with _group_call():
+            self.dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def allreduce(self, values: list[float], op: str = "sum") -> list[float]:
         if not self.distributed:
             return values
         t = self.torch.tensor(values, dtype=self.torch.float64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM)
+        with _group_call():
+            self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM)
         return t.tolist()
 
     def allreduce_grads(self) -> None:
@@ -239,7 +256,8 @@ class RankLoop:
             return
         flat = self.torch.cat([(p.grad if p.grad is not None else self.torch.zeros_like(p)).reshape(-1)
                                for p in params])
-        self.dist.all_reduce(flat, op=self.dist.ReduceOp.SUM)  # shares were pre-scaled: sum = batch mean
+        with _group_call():
+            self.dist.all_reduce(flat, op=self.dist.ReduceOp.SUM)  # shares were pre-scaled: sum = batch mean
         offset = 0
         for p in params:
             n = p.numel()

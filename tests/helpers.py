@@ -77,7 +77,7 @@ def serve_test_app(app_url: str, name: str, cfg: dict[str, Any], ready: Callable
     pytest.fail(f"{name} app not ready within {timeout_s}s: {st}")
 
 
-def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: int = 16, baseline_s: float = 8.0
+def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: int = 16, baseline_s: float = 5.0
                          ) -> dict[str, Any]:
     """bench/freshness.py's shape against the app at ``url``: ``clients`` closed-loop streaming clients on the
     base model, the load alone for ``baseline_s``, then a fresh hybrid SFT adapter taught one item at a time.

@@ -54,12 +54,15 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
     assert cfg.planner.iteration == "hybrid"
     cm, _ = load_profile(cfg, BASE)
     cm = cm.with_stages(cfg.cluster.stages)
+    # The TBT SLO in force: training.slo_tbt_s, or the one derived from the profile when unset.
+    slo_tbt_s = httpx.get(f"{app_url}/v1/status", timeout=30).json()["slo"]["tbt_s"]
+    assert slo_tbt_s == pytest.approx(cfg.training.slo_tbt_s or max(0.1, 4 * cm.iteration_latency(0, 1, 256)), rel=1e-3)
 
     def idle_budget(grant: dict) -> int:
         """An empty window: s = max{s : ρ·t_ft(s) ≤ SLO}, at most ``max_grant_s`` (1 s) of fine-tuning,
         under the live refit of t_ft that was in force for ``grant``."""
         refit = cm.with_training_time(grant["window_cost_factor"])
-        return token_budget(refit, InferenceWork(), cfg.training.slo_tbt_s, cap=ft_tokens_within(refit, 1.0))
+        return token_budget(refit, InferenceWork(), slo_tbt_s, cap=ft_tokens_within(refit, 1.0))
 
     def grant_cap(grant: dict) -> int:
         """``max_grant_s`` (1 s) of fine-tuning under the refit in force for ``grant``."""
