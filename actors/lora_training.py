@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from actors.adapter_versions import (  # noqa: F401 (part of this module's API)
     ADAPTER_FILES,
@@ -55,6 +54,7 @@ from actors.adapter_versions import (  # noqa: F401 (part of this module's API)
     is_complete_version,
     version_dir,
 )
+from actors.dpo_loss import pair_losses, reward_margin
 
 DEFAULT_MAX_LENGTH = 512
 
@@ -330,7 +330,7 @@ def _dpo_logits(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, m
     with torch.set_grad_enabled(grad), model_mode(model, grad):
         policy = completion_logprobs(model, enc)
     (pc, pr), (rc, rr) = policy.chunk(2), ref.chunk(2)
-    return beta * ((pc - rc) - (pr - rr)), enc
+    return reward_margin(pc, pr, rc, rr, beta), enc
 
 
 def dpo_step(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *, scale: float = 1.0,
@@ -341,7 +341,7 @@ def dpo_step(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *, s
     negative, as in the DPO paper and TRL. ``batch``: items with ``prompt``, ``chosen``, ``rejected``.
     """
     logits, enc = _dpo_logits(model, tokenizer, batch, beta, max_length, grad=True)
-    losses = -F.logsigmoid(logits)
+    losses = pair_losses(logits)
     loss = losses.mean()
     (loss * scale).backward()
     loss = loss.detach()
@@ -353,7 +353,7 @@ def dpo_sample_losses(model: Any, tokenizer: Any, batch: Sequence[Any], beta: fl
                       max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
     """Per-pair DPO loss without gradients: the alignment reward γ·L_DPO that MACE §4.1 adds to a sample's priority."""
     logits, _ = _dpo_logits(model, tokenizer, batch, beta, max_length, grad=False)
-    return (-F.logsigmoid(logits)).tolist()
+    return pair_losses(logits).tolist()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from actors.dpo_loss import pair_losses, reward_margin
 from actors.lora_training import DEFAULT_MAX_LENGTH, encode, model_mode, prompted_text
 
 WINDOW_METHODS = ("sft", "dpo")
@@ -258,8 +258,8 @@ class WindowedPass:
                 margin = None
             else:
                 chosen, rejected = self._segments
-                margin = self.beta * ((sums[0] - chosen.ref_logp) - (sums[1] - rejected.ref_logp))
-                loss = -F.logsigmoid(margin)
+                margin = reward_margin(sums[0], sums[1], chosen.ref_logp, rejected.ref_logp, self.beta)
+                loss = pair_losses(margin)
             seeds = torch.autograd.grad(loss * self.scale, sums)
             for piece in reversed(self._pieces):
                 tensors, grads = [], []

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
+
+from actors.dpo_loss import pair_losses, reward_margin
 
 LossMode = Literal["sft", "dpo", "logp"]
 
@@ -34,12 +35,12 @@ def sft_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) ->
 def dpo_logits(policy: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
     """β·((log π(y⁺) − log π_ref(y⁺)) − (log π(y⁻) − log π_ref(y⁻))) per pair: the reward margin."""
     (pc, pr), (rc, rr) = policy.chunk(2), ref.chunk(2)
-    return beta * ((pc - rc) - (pr - rr))
+    return reward_margin(pc, pr, rc, rr, beta)
 
 
 def dpo_loss(policy: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
     """The DPO sigmoid loss −log σ(margin), mean over pairs."""
-    return -F.logsigmoid(dpo_logits(policy, ref, beta)).mean()
+    return pair_losses(dpo_logits(policy, ref, beta)).mean()
 
 
 class PipelineLoss:

@@ -98,9 +98,15 @@ def test_a_full_unit_trains_in_the_nodes_bundles_while_serving_and_rolls_back(ur
     assert answered >= 2
     assert info["queued"] == 0 and info["versions"][0]["samples_trained"] == 4, info
 
-    st = httpx.get(f"{url}/v1/status", timeout=30).json()
-    full = st["nodes"][0]["full_version"]
-    assert full["unit"] == "whole" and full["version"] == 1 and full["sync_s"] > 0, full
+    # The store records v1 first, then the planner syncs the nodes to it: wait for the node to follow.
+    deadline = time.time() + 60
+    while True:
+        st = httpx.get(f"{url}/v1/status", timeout=30).json()
+        full = st["nodes"][0]["full_version"]
+        if (full and full["version"] == 1) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert full and full["unit"] == "whole" and full["version"] == 1 and full["sync_s"] > 0, full
     progress = st["training"]["full"]
     assert progress["version"] == 1 and progress["placement_group_id"] == group
     assert {s["actor_id"] for s in progress["stages"]} == set(seen)
