@@ -1,13 +1,16 @@
-"""Trainer: the supervisor actor of the LoRA SFT/DPO trainer ranks, which run inside the nodes' placement groups.
+"""Trainer: the supervisor actor of the LoRA SFT/DPO trainer, whose ranks run inside the nodes' placement groups.
 
 In the manner of verl's single controller and its worker group: :class:`Trainer` (a named Ray
 actor, 0 CPU) holds no model. ``run()`` starts a background thread that places one
-:class:`~actors.train_worker.TrainRank` per logical node that trains (every node, except under
+:class:`~actors.learning.lora.rank.TrainRank` per logical node that trains (every node, except under
 ``placement: separate``, whose inference nodes take none; or ``training.workers``) in **bundle 0 of
 that node's placement group**, the bundle its model server replica runs in, each with
 ``training.resources_per_worker`` as its share (``{CPU: 0.5}`` on a CPU host, ``{GPU: 0.5, CPU: 2}``
-beside a replica taking the other half of a GPU); joins them into one torch process group; and
-runs their loop (actors/train_worker.py). It collects what the ranks report, for ``status()``.
+beside a replica taking the other half of a GPU); joins them into one torch process group; and runs
+the loop here, in a :class:`~actors.learning.lora.driver.LoraDriver` thread per queue partition
+(one when synced, one per node under ``per_node``): the driver decides every step, sends the
+ranks typed messages and gathers their answers, and alone talks to the store and the planner.
+What the drivers report is collected here, for ``status()``.
 
 Why not Ray Train's ``TorchTrainer``: Ray Train 2.60 always reserves a placement group of its
 own for its workers (``WorkerGroup._create_placement_group``, one group for all workers) and has
@@ -39,10 +42,9 @@ from typing import Any
 import ray
 
 from actors.config import AppConfig
-from planners.types import (
+from actors.learning.lora.messages import (
     GateDecided,
     GrantWaited,
-    NodeLocation,
     RankStarted,
     StepAbandoned,
     StepDone,
@@ -51,6 +53,7 @@ from planners.types import (
     VersionScored,
     WorkDropped,
 )
+from planners.types import NodeLocation
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +181,7 @@ class Trainer:
             ray.kill(a)
 
     def stop(self) -> dict[str, Any]:
-        """Ask the workers to finish (the leader sees it within about a second); status at once."""
+        """Ask the drivers to finish (they see it within about a second); status at once."""
         self._stop.set()
         if self.state in ("starting", "running", "restarting"):
             self.state = "stopping"
@@ -198,17 +201,19 @@ class Trainer:
                 if regroup:
                     logger.info("trainer: starting the ranks again on the nodes that train now")
                     continue
-                logger.exception("Ray Train fit failed")
+                logger.exception("the trainer group failed")
                 self._error("fit", f"{type(exc).__name__}: {exc}")
             self.state = "restarting"
             self._stop.wait(RESTART_BACKOFF_S)
         self.state = "stopped"
 
     def _fit(self) -> None:
-        """Place the ranks in their nodes' groups, form the process group, run them until they stop or one fails."""
+        """Place the ranks in their nodes' groups, form the process group, and run the drivers over them until
+        asked to stop or one fails (a rank died, a collective failed, the store or planner away)."""
         from ray.exceptions import GetTimeoutError
 
-        from actors.train_worker import TrainRank
+        from actors.learning.lora.driver import LoraDriver
+        from actors.learning.lora.rank import TrainRank
 
         t = self.cfg.training
         locations = self._node_locations()
@@ -221,11 +226,14 @@ class Trainer:
         groups = {loc.node_id: loc.placement_group_id for loc in locations}
         self.state = "starting"
         ranks = [ray.remote(TrainRank).options(**rank_actor_options(t.resources_per_worker, groups.get(node)))
-                 .remote(r, workers, node, self.cfg, self.namespace, self.planner, self.eval_file)
+                 .remote(r, workers, node, self.cfg, self.namespace)
                  for r, node in enumerate(node_of_rank)]
         with self._lock:
             self._ranks = ranks
             self.workers = {}  # a new group: its ranks report where they run afresh
+        ended = threading.Event()  # a driver returned: stop the others (their ranks are killed below)
+        failures: list[BaseException] = []
+        threads: list[threading.Thread] = []
         try:
             try:
                 ray.get([a.__ray_ready__.remote() for a in ranks], timeout=PLACE_TIMEOUT_S)
@@ -237,15 +245,39 @@ class Trainer:
             if t.scope == "synced" and workers > 1:
                 host, port = ray.get(ranks[0].address.remote(), timeout=60)
                 ray.get([a.join.remote(host, port) for a in ranks], timeout=JOIN_TIMEOUT_S)
-            pending = [a.run.remote() for a in ranks]
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done[0])  # a failed rank raises here; the others are killed below
+            for started in ray.get([a.start.remote() for a in ranks], timeout=PLACE_TIMEOUT_S):
+                self._rank_started(started)
+            store = ray.get_actor(self.cfg.feedback_actor_name, namespace=self.namespace)
+            lanes = ([(ranks, node_of_rank, None)] if t.scope == "synced"
+                     else [([a], [node], node) for a, node in zip(ranks, node_of_rank)])
+            drivers = [LoraDriver(self.cfg, lane_ranks, lane_nodes, line, store=store, planner=self.planner,
+                                  eval_file=self.eval_file, should_stop=lambda: self._stop.is_set() or ended.is_set(),
+                                  report=self.record, warn=self._error)
+                       for lane_ranks, lane_nodes, line in lanes]
+
+            def drive(driver: Any) -> None:
+                try:
+                    driver.run()
+                except BaseException as exc:  # noqa: BLE001 - handed to the supervisor, which restarts
+                    failures.append(exc)
+                finally:
+                    ended.set()
+
+            threads = [threading.Thread(target=drive, args=(d,), name=f"lora-driver-{d.line}", daemon=True)
+                       for d in drivers]
+            for th in threads:
+                th.start()
+            ended.wait()
         finally:
+            ended.set()
             for a in ranks:
                 ray.kill(a)
+            for th in threads:
+                th.join(timeout=60)
             with self._lock:
                 self._ranks = []
+        if failures and not self._stop.is_set():
+            raise failures[0]
 
     def _node_locations(self) -> list[NodeLocation]:
         """Where each logical node's replica lives; waits (up to a minute) for the planner to place them."""
@@ -265,31 +297,23 @@ class Trainer:
             self._stop.wait(1.0)
         return locations
 
-    # ---- reports from the workers ----------------------------------------------------------
+    # ---- what the drivers report ------------------------------------------------------------
 
     def _error(self, where: str, message: str) -> None:
         logger.warning("trainer %s: %s", where, message)
         self.errors.append({"at": time.time(), "where": where, "message": message[:2000]})
 
-    def worker_started(self, started: RankStarted) -> bool:
+    def _rank_started(self, started: RankStarted) -> None:
         with self._lock:
             self.worker_starts += 1
             self.workers[started.rank] = {**asdict(started), "started_at": time.time()}
             if self.state in ("starting", "restarting"):
                 self.state = "running"
-        return self._stop.is_set()
 
-    def worker_error(self, where: str, message: str) -> None:
-        self._error(where, message)
-
-    def should_stop(self) -> bool:
-        return self._stop.is_set()
-
-    def record(self, adapter: str, event: TrainerEvent) -> bool:
-        """The leader's account of a step, a wait, a published version or a verdict; returns the stop flag."""
+    def record(self, adapter: str, event: TrainerEvent) -> None:
+        """A driver's account of a step, a wait, a published version or a verdict."""
         with self._lock:
             self._record(self.adapters.setdefault(adapter, AdapterProgress()), event)
-        return self._stop.is_set()
 
     @staticmethod
     def _record(a: AdapterProgress, event: TrainerEvent) -> None:

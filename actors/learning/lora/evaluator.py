@@ -1,4 +1,4 @@
-"""VersionEvaluator: the trainer leader's quality gate and held-out scores, on the rank's own model (docs/learning.md §7)."""
+"""VersionEvaluator: the LoRA driver's quality gate and held-out scores, scored on rank 0's model (docs/learning.md §7)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from typing import Any
 
 import ray
 
-from planners.types import GateDecided, VersionScored
-
-LOAD_TIMEOUT_S = 120.0
+from actors.learning.lora.messages import GateDecided, ScoreRequest, VersionScored
 
 
 @dataclass
@@ -29,28 +27,29 @@ class EvalJob:
 
 
 class VersionEvaluator:
-    """The leader's quality gate and held-out scores of every version, on the rank's own model.
+    """The driver's quality gate and held-out scores of every version, scored on rank 0's model.
 
     A candidate (its adapter's gate on) is scored on the adapter's held-out slice, the oldest
     ``max_eval_items`` held-out feedback items (or ``training.eval_file`` when it has none), and so
     is the version served now (the base model before the first; scores are cached per version and
     slice, so usually only the candidate is scored). ``planners.gate.judge`` compares them; the
     store records the verdict in one transaction and a passed candidate is loaded on the replicas.
-    The leader does not train an adapter while its candidate is judged, so the next version starts
+    The driver does not train an adapter while its candidate is judged, so the next version starts
     from whatever is served after the verdict, never from rejected weights.
 
     Versions served without the gate are scored the same way, so the served version's held-out win
     rate is known with the gate off too; when they come faster than that, only the newest waiting
-    one per adapter is scored. A version is scored with the rank's ``AdapterBank``: loaded as a
-    temporary adapter beside the ones in training (no second copy of the base weights), on the
-    rank's loop between its steps, since one model computes as one adapter at a time.
+    one per adapter is scored. A version is scored with rank 0's ``AdapterBank``: loaded as a
+    temporary adapter beside the ones in training (no second copy of the base weights), between
+    the driver's steps, since one model computes as one adapter at a time. The scores are kept
+    here, in the driver, so a rank that restarts costs no rescoring of versions judged before.
     """
 
     MAX_ATTEMPTS = 3  # a candidate whose scoring fails this often is rejected with the error as its reason
     MAX_CACHED = 256
 
     def __init__(self, worker: Any, eval_file: str | None) -> None:
-        self.worker, self.t = worker, worker.t  # the RankLoop whose model, store and planner it uses
+        self.worker, self.t = worker, worker.t  # the LoraDriver: its store, planner, and rank 0 to score on
         self.eval_file = eval_file
         self._file_pairs: list[dict[str, str]] | None = None
         self._candidates: deque[EvalJob] = deque()
@@ -60,7 +59,7 @@ class VersionEvaluator:
         self._scores: dict[tuple[str, int | None, str], dict[int, Any]] = {}
 
     def judging(self, adapter: str) -> bool:
-        """Whether a candidate of ``adapter`` waits for its verdict (the leader does not train it meanwhile)."""
+        """Whether a candidate of ``adapter`` waits for its verdict (the driver does not train it meanwhile)."""
         return self._judging.get(adapter, 0) > 0
 
     def submit(self, adapter: str, version: int, path: str, *, candidate: bool, created: list[float]) -> None:
@@ -134,7 +133,7 @@ class VersionEvaluator:
         ``max_eval_items`` only its new items are scored, and the served version, scored before,
         costs nothing more.
         """
-        from actors.adapter_eval import completion_eval, evaluate_completions, evaluate_preferences, preference_eval
+        from actors.adapter_eval import completion_eval, preference_eval
 
         held_out = key.startswith("held-out")
         ids = [it.id for it in items] if held_out else list(range(len(items)))
@@ -144,17 +143,10 @@ class VersionEvaluator:
         cached = self._scores.setdefault(cache_key, {})
         missing = [(i, it) for i, it in zip(ids, items) if i not in cached]
         if missing:
-            w = self.worker
-            local = w.files.local_path(adapter, version, path) if path else None  # None: the base model
-            tok = w.bank.tokenizer
-            todo = [it for _, it in missing]
-            with w.bank.scoring(info.lora.model_dump(), local) as model:
-                if info.method == "dpo":
-                    found = evaluate_preferences(model, tok, todo, max_length=self.t.max_length).diffs
-                else:
-                    # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
-                    found = evaluate_completions(model, tok, todo, field="completion" if held_out else "chosen",
-                                                 max_length=self.t.max_length).per_item
+            # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
+            found = self.worker.score(ScoreRequest(adapter, version, path, info.lora.model_dump(), info.method,
+                                                   tuple(it for _, it in missing),
+                                                   "completion" if held_out else "chosen"))
             cached.update(zip((i for i, _ in missing), found))
         if info.method == "dpo":
             ev = preference_eval([cached[i] for i in ids])
@@ -198,11 +190,7 @@ class VersionEvaluator:
         w.specs.pop(adapter, None)  # a pause the verdict caused takes effect at the next plan
         freshness: list[float] = []
         if decided.state == "served":
-            try:
-                nodes = [w.node_id] if w.per_node else None
-                ray.get(w.planner.load_adapter.remote(adapter, version, path, nodes), timeout=LOAD_TIMEOUT_S)
-            except Exception as exc:  # served in the store; the planner restores it on restart
-                w._warn("load_adapter", exc)
+            w.load_on_replicas(adapter, version, path)
             now = time.time()
             freshness = [round(now - c, 3) for c in job.created]
         w._report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,

@@ -1,0 +1,1 @@
+"""Learning while serving: the LoRA trainer (``lora/``) and its messages; it may import ``actors`` and ``planners``."""

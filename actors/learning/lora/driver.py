@@ -1,0 +1,540 @@
+"""LoraDriver: the single controller of the LoRA trainer (as verl's), run in the Trainer supervisor; it owns the loop.
+
+One driver per queue partition: scope ``synced`` has one, over every rank (the ranks average
+gradients, so every version is one model); scope ``per_node`` has one per node, over that node's
+rank, its queue and its versions (LEMIX §V-B). The driver alone reads the feedback store and asks
+the planner. Per micro-step it:
+
+1. picks the adapter (fair turns across tenants, then adapters: ``planners/turns.py``) and takes up
+   to ``micro_batch`` of its queued items from the store;
+2. sends every rank one :class:`StepPlan`; each opens a windowed pass over its share of the items
+   and answers the tokens of each (:class:`StepBegun`);
+3. asks ``Planner.grant`` for each rank's node which token windows fit beside the inference work
+   there now (FlexLLM §6.1–6.2, ``planners/coserving/``; a refused request waits in the planner
+   for the node's next report), sends each rank its windows (:class:`RoundPlan`), gathers
+   :class:`RoundDone`, and asks again until every item's pass is finished;
+4. reports each item's loss to the planner, whose CheckEnd (MACE Alg. 1 lines 17–21) retires it
+   or requeues it (a requeued item stays unconsumed and is taken again with its loss in its
+   priority, MACE §4.1), and ends the micro-step on every rank: every ``accumulation``
+   micro-steps the ranks all-reduce their gradients and step their optimizers;
+5. every ``steps_per_version`` optimizer steps, or when the adapter's queue is empty, publishes:
+   ``reserve_version`` → rank 0 saves (atomic) and makes the files readable from every node →
+   ``publish_version`` (one store transaction that marks the items consumed) →
+   ``Planner.load_adapter``; with the gate on, the version is a candidate that the gate
+   (``evaluator.py``) scores on rank 0 between steps and the store decides in one transaction.
+
+Faults stay with their adapter: a rank that cannot load an adapter's version, encode its items,
+run its windows, save or score it answers with the fault (or its call raises it), and the driver
+pauses that adapter with the error as its reason, drops its unpublished work on every rank and
+goes on with the others. The store or planner being away, a rank dying or a failed collective are
+not the adapter's: the driver returns with the error and the Trainer starts the ranks again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+
+from actors.config import AppConfig
+from actors.feedback_models import FULL_METHODS, FeedbackItem
+from actors.learning.lora.evaluator import VersionEvaluator
+from actors.learning.lora.messages import (
+    GrantWaited,
+    ItemLoss,
+    RoundDone,
+    RoundPlan,
+    SaveVersion,
+    ScoreRequest,
+    StepAbandoned,
+    StepBegun,
+    StepDone,
+    StepPlan,
+    TrainerEvent,
+    TrainingSpec,
+    VersionMeta,
+    VersionPublished,
+    WorkDropped,
+)
+from actors.learning.lora.rank import GroupFailed
+from planners.turns import TrainingTurns
+from planners.types import Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 1.0  # an idle driver waits on the store at most this long (new feedback wakes it at once)
+SPEC_TTL_S = 2.0  # a PATCHed adapter (mode, learning rate) takes effect within this
+MAX_GRANT_SLEEP_S = 1.0  # a refused step asks again at least this often
+CALL_TIMEOUT_S = 30.0
+LOAD_TIMEOUT_S = 120.0
+RANK_TIMEOUT_S = 1800.0  # a rank's compute (a window, a save, a scoring) that takes longer fails the group
+
+
+class RankFault(RuntimeError):
+    """A rank's call raised for the adapter it worked on (not a dead rank or a failed collective)."""
+
+
+@dataclass(frozen=True)
+class Flush:
+    """Publish what is trained of ``adapter`` (its next step is refused, or another adapter's turn came)."""
+
+    adapter: str
+
+
+def transient(exc: BaseException) -> bool:
+    """An error of the store, planner, a rank or the process group being away, not of the adapter being trained."""
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    from actors.feedback_models import StoreError
+
+    if isinstance(exc, GroupFailed):
+        return True
+    if isinstance(exc, RankFault):
+        return False
+    if isinstance(exc, RayTaskError):
+        return not isinstance(getattr(exc, "cause", None), StoreError)
+    return isinstance(exc, (RayActorError, GetTimeoutError, ConnectionError))
+
+
+def _arrival(plan: StepPlan, item: FeedbackItem) -> float:
+    """t_arr of the item's pass in this micro-step (MACE §4.1): when CheckEnd requeued it, else its acceptance."""
+    again = plan.requeued.get(item.id)
+    return item.created_at if again is None else again.arrival
+
+
+def _last_loss(plan: StepPlan, item: FeedbackItem) -> float:
+    """L_DPO of MACE §4.1's γ·L_DPO priority term: the item's loss in its previous pass (0 before its first)."""
+    again = plan.requeued.get(item.id)
+    return 0.0 if again is None else again.loss
+
+
+def _passes_before(plan: StepPlan, item: FeedbackItem) -> int:
+    again = plan.requeued.get(item.id)
+    return 0 if again is None else again.passes
+
+
+class LoraDriver:
+    """The loop of one queue partition (``line``: a node under ``per_node``, None when synced) over its ranks."""
+
+    def __init__(self, cfg: AppConfig, ranks: list[Any], nodes: list[int], line: int | None, *, store: Any,
+                 planner: Any, eval_file: str | None, should_stop: Callable[[], bool],
+                 report: Callable[[str, TrainerEvent], None], warn: Callable[[str, str], None]) -> None:
+        self.cfg, self.t = cfg, cfg.training
+        self.ranks, self.nodes, self.line = ranks, nodes, line
+        self.node_id = nodes[0]  # the node whose planner state judges CheckEnd (rank 0's)
+        self.per_node = line is not None
+        self.store, self.planner = store, planner
+        self.should_stop, self._report, self._warn_to = should_stop, report, warn
+        self.loaded: tuple[str, int | None] | None = None  # (adapter, version) the ranks' weights started from
+        self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
+        self.opt_steps = 0  # optimizer steps since the last published version
+        self.held: list[int] = []  # item ids trained into the unpublished weights
+        self.held_created: list[float] = []
+        self.pending_items: list[FeedbackItem] = []  # items of accumulated micro-steps not yet applied
+        self.version_samples = 0
+        self.version_losses: list[tuple[float, int]] = []
+        # CheckEnd's last verdict for items it sent back (MACE Alg. 1 line 21): trained again, never held, until retired.
+        self.requeued: dict[int, PassVerdict] = {}
+        self.specs: dict[str, tuple[float, TrainingSpec]] = {}
+        self.store_changes = -1  # the store's change number as of the last idle wait (-1: look at once)
+        self.turns = TrainingTurns()
+        self.not_before: dict[str, float] = {}  # adapter -> when to pick it again (after a fault)
+        self.evaluator = VersionEvaluator(self, eval_file)
+        self._resume_gate()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Train until asked to stop; raises when the group or the store/planner failed (the Trainer restarts)."""
+        while not self.should_stop():
+            if self.evaluator.pending():
+                # Scoring shares rank 0's model, so it runs here, between steps.
+                self.evaluator.work_one()
+            decision = self._next()
+            if isinstance(decision, StepPlan):
+                self._guarded(decision.adapter, "step", lambda: self._step(decision))
+            elif isinstance(decision, Flush):
+                self._guarded(decision.adapter, "publish", lambda: self._finish_version(decision.adapter, flush=True))
+
+    def _guarded(self, adapter: str, where: str, work: Callable[[], None]) -> None:
+        """Run ``work``; an adapter's own fault pauses that adapter with the error as its reason, and the loop goes
+        on with the others. The store or planner away, a rank dead: raised, the Trainer restarts the ranks."""
+        try:
+            work()
+        except Exception as exc:
+            if transient(exc):
+                raise
+            self._adapter_fault(adapter, where, exc)
+
+    # ---- calls to the ranks ---------------------------------------------------------------------------
+
+    def _gather(self, refs: list[Any]) -> list[Any]:
+        """Every rank's answer; a rank's own exception (not death or a failed collective) becomes a RankFault."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(refs, timeout=RANK_TIMEOUT_S)
+        except RayTaskError as exc:
+            if isinstance(exc, (GroupFailed, RayActorError)):
+                raise
+            raise RankFault(str(getattr(exc, "cause", None) or exc)) from exc
+
+    def _all(self, call: Callable[[Any], Any]) -> list[Any]:
+        return self._gather([call(r) for r in self.ranks])
+
+    def score(self, request: ScoreRequest) -> list[Any]:
+        """The gate's scoring, on rank 0's model."""
+        return self._gather([self.ranks[0].score.remote(request)])[0]
+
+    # ---- what to do next ----------------------------------------------------------------------------
+
+    def _spec(self, adapter: str) -> TrainingSpec:
+        cached = self.specs.get(adapter)
+        if cached is None or time.time() - cached[0] > SPEC_TTL_S:
+            info = ray.get(self.store.get_adapter.remote(adapter), timeout=CALL_TIMEOUT_S)
+            spec = TrainingSpec(info.name, info.method, info.beta, info.mode, info.learning_rate,
+                                info.lora.model_dump(), info.paused_reason is not None, info.tenant)
+            self.specs[adapter] = cached = (time.time(), spec)
+        return cached[1]
+
+    def _next(self) -> StepPlan | Flush | None:
+        """The next step, or a flush; None: nothing to do (after waiting for the store to change)."""
+        try:
+            return self._decide()
+        except Exception as exc:
+            if not transient(exc):  # e.g. a deleted adapter's spec: look again in a moment
+                self._warn("plan", exc)
+                time.sleep(IDLE_WAIT_S)
+                return None
+            raise
+
+    def _idle(self, wake_at: float | None = None) -> None:
+        """Nothing to train now: wait until the store changes (new feedback, a changed adapter), at most until
+        ``wake_at`` or IDLE_WAIT_S. A long poll, so an idle trainer costs nothing while the app serves."""
+        timeout = IDLE_WAIT_S if wake_at is None else max(0.0, min(IDLE_WAIT_S, wake_at - time.time()))
+        if self.evaluator.pending():
+            timeout = 0.0  # scoring waits: come back to the loop at once
+        self.store_changes = ray.get(self.store.wait_for_change.remote(self.store_changes, timeout),
+                                     timeout=timeout + CALL_TIMEOUT_S)
+
+    def _decide(self) -> StepPlan | Flush | None:
+        # adapter -> (unconsumed, oldest created_at), of this node's partition under per_node
+        summary = ray.get(self.store.queue_summary.remote(self.line), timeout=CALL_TIMEOUT_S)
+        current = self.loaded[0] if self.loaded else None
+        pending = self.micro_done > 0 or self.opt_steps > 0
+        now = time.time()
+        taken = [it.id for it in self.pending_items] + self.held  # trained into unpublished weights
+
+        def available(name: str) -> int:
+            return summary.get(name, (0, None))[0] - (len(taken) if name == current else 0)
+
+        def trainable(name: str) -> bool:
+            # Not while the gate judges the adapter's candidate: the next version must start from
+            # whatever is served after the verdict, never from weights the gate may reject.
+            # A full unit (full_sft/full_dpo) is not a LoRA adapter: actors/full_training.py trains it.
+            return (available(name) > 0 and self._spec(name).method not in FULL_METHODS
+                    and self._spec(name).mode != "off" and not self._spec(name).paused
+                    and not self.evaluator.judging(name) and self.not_before.get(name, 0) <= now)
+
+        if pending:
+            # One model per rank: finish (publish) the adapter in training before switching.
+            if not trainable(current):
+                return Flush(current)
+            adapter = current
+        else:
+            names = sorted(n for n in summary if trainable(n))
+            if not names:
+                waiting = [self.not_before[n] for n in summary
+                           if available(n) > 0 and self.not_before.get(n, 0) > now and self._spec(n).mode != "off"]
+                self._idle(min(waiting) if waiting else None)
+                return None
+            # Fair turns: across tenants first, then across the tenant's adapters (planners/turns.py).
+            adapter = self.turns.next(names, {n: self._spec(n).tenant for n in names})
+            self.turns.trained(adapter, self._spec(adapter).tenant)
+        spec = self._spec(adapter)
+        cur = ray.get(self.store.current_version.remote(adapter, self.line), timeout=CALL_TIMEOUT_S)
+        target = (cur.version, cur.path) if cur is not None else (None, None)
+        held = taken if adapter == current else []
+        items = ray.get(self.store.take.remote(adapter, self.t.micro_batch, held, self.line), timeout=CALL_TIMEOUT_S)
+        if not items:
+            self._idle()
+            return None
+        more = available(adapter) - len(items) > 0
+        return StepPlan(adapter, spec, target, tuple(items), last_of_queue=not more,
+                        requeued={i.id: self.requeued[i.id] for i in items if i.id in self.requeued})
+
+    # ---- one micro-step ---------------------------------------------------------------------------------
+
+    def _step(self, plan: StepPlan) -> None:
+        adapter = plan.adapter
+        if self.loaded is not None and self.loaded[0] == adapter and self.loaded[1] != plan.target[0] and (
+                self.micro_done or self.opt_steps):
+            # The current version moved under unpublished work (a rollback): drop it, train the items again.
+            self._report(adapter, WorkDropped())
+        begun: list[StepBegun] = self._all(lambda r: r.begin_step.remote(plan))
+        fault = next((b.fault for b in begun if b.fault), None)
+        if fault is not None:
+            raise RankFault(fault)
+        if self.loaded != (adapter, plan.target[0]):
+            self.loaded = (adapter, plan.target[0])
+            self._reset_version()
+        outcome = self._run_rounds(plan, begun)
+        if outcome is None:
+            return
+        finished, run_s, waited_s, windows, t_start = outcome
+        lengths = {sid: n for b in begun for sid, n in b.lengths.items()}
+        loss_sum = sum(f.loss * f.weight for f in finished.values())
+        weight_sum = sum(f.weight for f in finished.values())
+        # CheckEnd before the items become held: a requeued item must not be marked consumed at publish.
+        requeued = self._check_end(plan, finished, lengths)
+        stepped = self.micro_done + 1 >= self.t.accumulation or plan.last_of_queue
+        self._all(lambda r: r.end_step.remote(stepped))
+        self.micro_done += 1
+        self.pending_items += plan.items
+        loss = loss_sum / max(weight_sum, 1e-12)
+        self.version_samples += len(plan.items)
+        self.version_losses.append((loss, len(plan.items)))
+        if stepped:
+            self._applied()
+        self._report(adapter, StepDone(samples=len(plan.items), loss=loss, tokens=sum(lengths.values()),
+                                       seconds=run_s, grant_s=time.time() - t_start - run_s, windows=windows,
+                                       shrunk=windows > len(plan.items), optimizer_step=stepped, requeued=requeued))
+        if waited_s:
+            self._report(adapter, GrantWaited(waited_s))
+        if self.opt_steps >= self.t.steps_per_version or (plan.last_of_queue and self.opt_steps > 0):
+            self._finish_version(adapter, flush=False)
+
+    def _run_rounds(self, plan: StepPlan, begun: list[StepBegun]
+                    ) -> tuple[dict[int, ItemLoss], float, float, int, float] | None:
+        """Grant and run windows round by round until every rank's items are done; None: the step was dropped."""
+        adapter = plan.adapter
+        by_id = {it.id: it for it in plan.items}
+        lengths = [dict(b.lengths) for b in begun]
+        done = [dict.fromkeys(b.lengths, 0) for b in begun]
+        ran_s = [0.0] * len(self.ranks)  # each rank's last windows' time, told to the planner at the next ask
+        memory: list[MemoryUse | None] = [None] * len(self.ranks)
+        optimizer_bytes = [b.optimizer_bytes for b in begun]
+        finished: dict[int, ItemLoss] = {}
+        t_start = time.time()
+        run_s = waited_s = 0.0
+        windows = 0
+        while True:
+            todo = [i for i in range(len(self.ranks)) if any(done[i][s] < n for s, n in lengths[i].items())]
+            if not todo:
+                return finished, run_s, waited_s, windows, t_start
+            if self._abandon_requested(adapter):
+                self._abandon(adapter)
+                return None
+            asked = time.time()
+            requests = {i: GrantRequest(self.nodes[i], adapter, plan.spec.mode, tuple(
+                SampleProgress(sid, n, done[i][sid], _arrival(plan, by_id[sid]), _last_loss(plan, by_id[sid]))
+                for sid, n in lengths[i].items() if done[i][sid] < n), ran_s[i], memory[i], optimizer_bytes[i])
+                for i in todo}
+            grants = self._grants(requests)
+            for i in todo:
+                ran_s[i], memory[i] = 0.0, None  # told once
+            runs = {i: g for i, g in grants.items() if g.windows}
+            if not runs:
+                wait = min((g.wait_s for g in grants.values()), default=MAX_GRANT_SLEEP_S)
+                time.sleep(min(max(wait, 0.001), MAX_GRANT_SLEEP_S))
+                waited_s += time.time() - asked  # a refused request waits in the planner for the node's next reports
+                continue
+            t0 = time.time()
+            results: list[RoundDone] = self._gather([
+                self.ranks[i].run_windows.remote(RoundPlan(g.windows, g.offload_optimizer)) for i, g in runs.items()])
+            run_s += time.time() - t0
+            fault = None
+            for i, res in zip(runs, results):
+                done[i].update(res.done)
+                finished.update(res.finished)
+                ran_s[i], memory[i], optimizer_bytes[i] = res.ran_s, res.memory, res.optimizer_bytes
+                windows += res.windows
+                fault = fault or res.fault
+            if fault is not None:
+                self._abandon(adapter)
+                raise RankFault(fault)
+
+    def _grants(self, requests: dict[int, GrantRequest]) -> dict[int, Grant]:
+        """The planner's grant for each rank's node, asked together; the planner away means "wait", never train unasked."""
+        try:
+            answers = ray.get([self.planner.grant.remote(r) for r in requests.values()], timeout=CALL_TIMEOUT_S)
+        except Exception as exc:
+            self._warn("grant", exc)
+            return {i: Grant((), MAX_GRANT_SLEEP_S, "planner away") for i in requests}
+        return dict(zip(requests, answers))
+
+    def _abandon_requested(self, adapter: str) -> bool:
+        """Stop, or the adapter's mode became ``off`` mid-step: its unfinished step is dropped."""
+        if self.should_stop():
+            return True
+        try:
+            return self._spec(adapter).mode == "off"
+        except Exception:
+            return False
+
+    def _abandon(self, adapter: str) -> None:
+        """Drop the micro-step and the gradients not yet applied on every rank; their items stay queued."""
+        self._all(lambda r: r.abandon_step.remote())
+        self.micro_done, self.pending_items = 0, []
+        self._report(adapter, StepAbandoned())
+
+    def _check_end(self, plan: StepPlan, finished: dict[int, ItemLoss], lengths: dict[int, int]) -> int:
+        """Report each item's loss in this pass to the planner; its CheckEnd (MACE Alg. 1 lines 17–21) says
+        which items to train again. Returns how many were requeued.
+
+        A requeued item is never held, so no version marks it consumed: it stays in the store's queue
+        (counted as queued, at-least-once across a crash) and ``take`` hands it out again once the
+        optimizer step has applied this pass, with CheckEnd's t_arr and loss for the grants'
+        priorities. Its last pass, retired, is held like any item and consumed by that version.
+        """
+        reports = [PassReport(it.id, lengths[it.id], finished[it.id].loss, _arrival(plan, it), _passes_before(plan, it))
+                   for it in plan.items]
+        try:
+            verdicts = ray.get(self.planner.report_passes.remote(self.node_id, plan.adapter, plan.spec.mode,
+                                                                 reports), timeout=CALL_TIMEOUT_S)
+        except Exception as exc:  # planner restarting: one pass per item, as without CheckEnd
+            self._warn("report_passes", exc)
+            verdicts = [PassVerdict(r.sample_id, "retired", r.passes_before + 1, r.loss, r.arrival) for r in reports]
+        for v in verdicts:
+            if v.outcome == "requeued":
+                self.requeued[v.sample_id] = v
+            else:
+                self.requeued.pop(v.sample_id, None)
+        return sum(v.outcome == "requeued" for v in verdicts)
+
+    def _applied(self) -> None:
+        """The ranks stepped their optimizers: the micro-steps' items are trained into the unpublished version."""
+        self.micro_done = 0
+        self.opt_steps += 1
+        # Items CheckEnd requeued stay unheld (still queued in the store) until their last pass.
+        done = [it for it in self.pending_items if it.id not in self.requeued]
+        self.held += [it.id for it in done]
+        self.held_created += [it.created_at for it in done]
+        self.pending_items = []
+
+    def _reset_version(self) -> None:
+        self.micro_done = self.opt_steps = 0
+        self.held, self.held_created, self.pending_items = [], [], []
+        self.version_samples, self.version_losses = 0, []
+
+    # ---- versions ----------------------------------------------------------------------------------------
+
+    def _finish_version(self, adapter: str, flush: bool) -> None:
+        """Apply pending gradients if flushing, then publish and tell the ranks how it went."""
+        if self.loaded is None or self.loaded[0] != adapter:
+            return
+        if flush and self.micro_done > 0:
+            self._all(lambda r: r.apply_gradients.remote())
+            self._applied()
+        if self.opt_steps == 0:
+            return
+        created = list(self.held_created)
+        version, path, candidate = self._publish(adapter)
+        if version is None:
+            self._all(lambda r: r.forget.remote(adapter))  # reload the store's current version before the next step
+            self.loaded = None
+            self._reset_version()
+            return
+        if len(self.ranks) > 1:
+            self._gather([r.advance.remote(adapter, version) for r in self.ranks[1:]])  # rank 0 did on saving
+        self.loaded = (adapter, version)
+        self._reset_version()
+        self.evaluator.submit(adapter, version, path, candidate=candidate, created=created)
+
+    def _publish(self, adapter: str) -> tuple[int | None, str | None, bool]:
+        """Reserve a version, have rank 0 save it, record it in one store transaction, load it on the replicas."""
+        from actors.feedback_models import VersionConflict
+
+        t0 = time.time()
+        samples = self.version_samples
+        loss = sum(l * n for l, n in self.version_losses) / max(1, sum(n for _, n in self.version_losses))
+        parent = self.loaded[1] if self.loaded else None
+        marks = [t0]
+        try:
+            v = ray.get(self.store.reserve_version.remote(adapter, self.line), timeout=CALL_TIMEOUT_S)
+            marks.append(time.time())
+            meta = VersionMeta(parent, samples, loss, len(self.held), self.t.scope, len(self.ranks), self.line)
+            path = self._gather([self.ranks[0].save.remote(SaveVersion(adapter, v.version, meta))])[0]
+            marks.append(time.time())
+            published = ray.get(self.store.publish_version.remote(adapter, v.version, path, self.held, samples, loss),
+                                timeout=CALL_TIMEOUT_S)
+            marks.append(time.time())
+        except VersionConflict as exc:
+            # A rollback moved the current version: drop this work; the items are still queued.
+            self._report(adapter, WorkDropped())
+            self._warn("publish", exc)
+            return None, None, False
+        except Exception as exc:
+            self._warn("publish", exc)
+            if not transient(exc):  # e.g. the version's files could not be written: this adapter's fault
+                self._adapter_fault(adapter, "save", exc)
+            return None, None, False
+        created = list(self.held_created)
+        names = ("reserve_s", "save_s", "publish_s", "load_s")
+        if published.state == "candidate":
+            # The gate is on: not served until the evaluator passes it (it loads it on the replicas then).
+            now = time.time()
+            breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
+            self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown, candidate=True))
+            return v.version, path, True
+        self.load_on_replicas(adapter, v.version, path)
+        now = time.time()
+        marks.append(now)
+        breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
+        self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown,
+                                               tuple(round(now - c, 3) for c in created)))
+        return v.version, path, False
+
+    def load_on_replicas(self, adapter: str, version: int, path: str) -> None:
+        """Tell the planner the store serves ``version`` now; it loads what the store says on the replicas."""
+        try:
+            nodes = [self.node_id] if self.per_node else None  # per_node: only this node serves its copy
+            ray.get(self.planner.load_adapter.remote(adapter, version, path, nodes), timeout=LOAD_TIMEOUT_S)
+        except Exception as exc:  # published in the store; the planner restores it on restart
+            self._warn("load_adapter", exc)
+
+    def _resume_gate(self) -> None:
+        """Candidates that a previous driver left undecided (the group failed while the gate judged them)."""
+        try:
+            left = ray.get(self.store.candidates.remote(self.line), timeout=60)
+        except Exception as exc:
+            self._warn("candidates", exc)
+            return
+        for v in left:
+            self.evaluator.submit(v.adapter, v.version, v.path, candidate=True, created=[])
+
+    # ---- faults and reports -----------------------------------------------------------------------
+
+    def _adapter_fault(self, adapter: str, where: str, exc: BaseException | str) -> None:
+        """Pause ``adapter`` (its ``paused_reason`` names the error) and forget its work on every rank."""
+        message = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, RankFault):
+            message = str(exc)
+        reason = f"trainer {where} failed: {message}"[:1000]
+        logger.warning("adapter %s paused: %s", adapter, reason)
+        self._warn(f"{where} {adapter}", message)
+        self._drop_adapter(adapter)
+        try:
+            ray.get(self.store.pause_adapter.remote(adapter, reason), timeout=CALL_TIMEOUT_S)
+        except Exception as again:  # the store away: the next fault pauses it; the loop goes on meanwhile
+            self._warn("pause_adapter", again)
+        self.not_before[adapter] = time.time() + SPEC_TTL_S  # not picked again before the pause is read back
+
+    def _drop_adapter(self, adapter: str) -> None:
+        """Forget the adapter's slot, gradients and unpublished work on every rank; its items stay queued."""
+        self.specs.pop(adapter, None)
+        self._all(lambda r: r.forget.remote(adapter))
+        if self.loaded is not None and self.loaded[0] == adapter:
+            self.loaded = None
+            self._reset_version()
+
+    def report(self, adapter: str, event: TrainerEvent) -> None:
+        self._report(adapter, event)
+
+    def _warn(self, where: str, exc: BaseException | str) -> None:
+        message = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        logger.warning("trainer driver (line %s), %s: %s", self.line, where, message)
+        self._warn_to(f"driver {where}" if self.line is None else f"driver node {self.line} {where}", message)
