@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.feedback_models import GateSettings
+from actors.learning.store.models import GateSettings
 
 DEFAULT_DATA_DIR = "~/.cache/coserve"
 

@@ -13,11 +13,11 @@ module only reads it. Transport:
 - one host: the worker reads the directory itself; safetensors maps the file, so the bytes come
   from the page cache the writer just filled, with no copy through Ray or the engine's sockets;
 - several hosts: the replica first turns the published location into a local directory through
-  the same path adapter versions take (``actors.adapter_files.AdapterFiles.local_path``: the
+  the same path adapter versions take (``actors.learning.versions.files.AdapterFiles.local_path``: the
   feedback store actor's ``read_version`` through Ray's object store, or the
   ``storage.adapters_uri`` URI through ``pyarrow.fs``, kept in the node's ``data_dir`` cache),
   and the worker reads that copy. See ``ModelReplica.load_full_version``. Not working yet:
-  ``actors/adapter_versions.py`` checks a version for the adapter files only, so that route refuses
+  ``actors/learning/versions/layout.py`` checks a version for the adapter files only, so that route refuses
   a full version (``model.safetensors`` + ``meta.json``) until it learns the second layout.
 
 Kept import-light (the standard library at import; torch, safetensors and vLLM inside the

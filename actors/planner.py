@@ -44,7 +44,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.config import AppConfig, PlannerConfig
 from actors.engine_args import served_model_name
-from actors.feedback_models import FULL_METHODS
+from actors.learning.store.models import FULL_METHODS
 from planners import registry
 from actors.node_coserving import NodeCoServing
 from planners.coserving import EngineFacts, FineTuneSample, whole_windows
@@ -254,14 +254,14 @@ class Planner:
         recreates a planner that died. A store started with other settings (another data_dir or
         limits) is replaced; one left behind by a deleted app stays until the next deploy or Ray stops.
         """
-        from actors.feedback import FeedbackQueue, settings_key
+        from actors.learning.store.actor import FeedbackQueue, settings_key
 
         def find_or_start() -> Any:
             return ray.remote(FeedbackQueue).options(
                 name=self.cfg.feedback_actor_name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                 num_cpus=0, max_restarts=-1, max_concurrency=1000,
                 # Reads and idempotent writes are resent to a restarted store; create_adapter and the keyless
-                # add_feedback opt out per method, and feedback is keyed (actors/feedback.py's docstring).
+                # add_feedback opt out per method, and feedback is keyed (actors/learning/store/actor.py's docstring).
                 max_task_retries=3,
                 # Pinned: a restart reopens the same SQLite file on the same disk, never an empty one elsewhere.
                 scheduling_strategy=NodeAffinitySchedulingStrategy(store_node(self.cfg.storage.store_node),
@@ -297,7 +297,7 @@ class Planner:
         self._epoch += 1
 
     def _start_trainer(self) -> None:
-        from actors.trainer import Trainer
+        from actors.learning.trainer import Trainer
 
         self.trainer = ray.remote(Trainer).options(
             name=self.cfg.trainer_actor_name, namespace=NAMESPACE, get_if_exists=True,

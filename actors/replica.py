@@ -36,8 +36,8 @@ from actors.engine_weights import (
     read_meta,
     version_of,
 )
-from actors.adapter_fit import misfit, write_zero_lora
-from actors.lora_targets import module_shapes
+from actors.learning.versions.fit import misfit, write_zero_lora
+from actors.learning.lora.targets import module_shapes
 from planners.coserving import EngineFacts, LiveRequest
 from planners.types import (AdapterAssignment, AdapterLoadFailed, ExecutionTrace, FullSynced, FullVersion,
                             NodeRegistration, NodeReport)
@@ -122,7 +122,7 @@ class ModelReplica:
         use stalled every stream of the replica for about 2 s, once per engine:
         - the first request asking for ``logprobs``: vLLM compiles the sampler's logprob gather (torch
           dynamo; py-spy on the worker process: ``Sampler.gather_logprobs`` -> ``_compile``);
-        - the base's module shapes (actors/lora_targets.py), which created adapters and served versions are
+        - the base's module shapes (actors/learning/lora/targets.py), which created adapters and served versions are
           checked against: the first build imports the model's code and holds the GIL;
         - the engine's first LoRA, with one zero rank-1 adapter."""
         import tempfile

@@ -117,8 +117,8 @@ def run_mode(url: str, mode: str, args: argparse.Namespace, pairs: list[dict[str
 
 def evaluate_runs(runs: list[dict[str, Any]], args: argparse.Namespace, model_dir: str) -> None:
     """Add ``curve``: [(seconds into the window, version, win rate, CLPD)] to every run, in place."""
-    from actors.lora_training import load_lora_model
-    from actors.adapter_eval import evaluate_preferences, read_preference_jsonl
+    from actors.learning.lora.steps import load_lora_model
+    from actors.learning.lora.alignment import evaluate_preferences, read_preference_jsonl
 
     if args.model != BASE:
         test = [hh_as_chat(p, 3 * args.max_text_bytes, args.max_text_bytes)
@@ -218,7 +218,7 @@ def main() -> None:
     args = p.parse_args()
 
     from actors.default_model import ensure
-    from actors.adapter_eval import read_preference_jsonl
+    from actors.learning.lora.alignment import read_preference_jsonl
 
     for f in (args.train_file, args.test_file):
         if not Path(f).is_file():

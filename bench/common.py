@@ -96,13 +96,14 @@ def hh_as_chat(pair: dict[str, str], context_bytes: int | None = None, answer_by
             "rejected": head(pair["rejected"], answer_bytes)}
 
 
-def start_app(config: dict[str, Any], port: int) -> None:
-    """Start Ray and the Serve app of ``config`` in this process, listening on 127.0.0.1:``port``."""
+def start_app(config: dict[str, Any], port: int, dashboard_port: int | None = None) -> None:
+    """Start Ray and the Serve app of ``config`` in this process, listening on 127.0.0.1:``port``
+    (with Ray's dashboard and state API on ``dashboard_port`` when given)."""
     from ray import serve
 
     from app.main import build_app
 
-    serve_env.init_ray()
+    serve_env.init_ray(dashboard_port=dashboard_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="coserve", route_prefix="/")
 

@@ -421,7 +421,7 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="serve with this cost-model profile (JSON from app.profile)")
     args = p.parse_args()
 
-    from actors.adapter_eval import read_preference_jsonl
+    from actors.learning.lora.alignment import read_preference_jsonl
 
     for f in (args.trace, args.pairs):
         if not Path(f).is_file():

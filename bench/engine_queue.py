@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
 
-    from actors.adapter_eval import read_preference_jsonl
+    from actors.learning.lora.alignment import read_preference_jsonl
 
     pairs = read_preference_jsonl(args.pairs, limit=3000, max_text_bytes=400) * 4 if args.alpha > 0 else []
     os.environ.setdefault("RAY_worker_niceness", "0")  # as bench/coserve.py: the app is the service under test

@@ -195,7 +195,7 @@ def lost_ids(store_name: str, ids: list[int], timeout_s: float = 60) -> int:
 
 def half_written(adapters_root: Path) -> int:
     """Version directories under ``adapters_root`` that lack their adapter files."""
-    from actors.adapter_versions import ADAPTER_FILES, VERSION_DIR_RE
+    from actors.learning.versions.layout import ADAPTER_FILES, VERSION_DIR_RE
 
     bad = 0
     if adapters_root.is_dir():

@@ -1,6 +1,6 @@
 """LoRA training step timings per (method, dtype, batch, length) on this machine's device, for a GPU cost profile.
 
-Runs the trainer's own micro-steps (``actors.lora_training.sft_step`` / ``dpo_step``, then
+Runs the trainer's own micro-steps (``actors.learning.lora.steps.sft_step`` / ``dpo_step``, then
 ``optimizer_step``) on the embedded tiny model (built locally, no network) or on ``--model-dir``,
 on CUDA when there is a GPU and on the CPU otherwise, with the base weights in bfloat16 and in
 float32 (LoRA weights and optimizer moments stay float32 either way: peft's
@@ -38,8 +38,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from actors import lora_training as lt  # noqa: E402  (torch only at import; peft/transformers when loading)
-from actors import windowed_pass as wp  # noqa: E402  (torch only at import; peft/transformers when loading)
+from actors.learning.lora import steps as lt  # noqa: E402  (torch only at import; peft/transformers when loading)
+from actors.learning.lora import windowed_pass as wp  # noqa: E402  (torch only at import; peft/transformers when loading)
 from actors.default_model import ensure  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -1,7 +1,7 @@
 """LEMIX's experiment in small: one node, two pipeline stages, serving and full-model training at once.
 
 One placement group of two bundles (a node with ``cluster.stages: 2``) holds the embedded SmolLM2-135M
-as two stage actors (``actors/pipeline/scheduled.py``); for each order policy (``planners/pipeline``:
+as two stage actors (``actors/learning/full/scheduled.py``); for each order policy (``planners/pipeline``:
 ``lemix``, ``separate``, ``round_robin`` = MIX-RR, ``least_utilized`` = MIX-LUF) a fresh node runs the
 same workload for ``--duration`` seconds:
 
@@ -71,7 +71,7 @@ def hh_batches(path: Path, tokenizer: Any, micro_batch: int, cap: int, count: in
     """Micro-batches of HH-RLHF prompt + chosen answer, loss on the answer, right-padded to the longest row."""
     import torch
 
-    from actors.pipeline.messages import TokenBatch
+    from actors.learning.full.messages import TokenBatch
 
     pairs = [json.loads(line) for line in path.open()]
     random.Random(seed).shuffle(pairs)
@@ -102,7 +102,7 @@ def hh_batches(path: Path, tokenizer: Any, micro_batch: int, cap: int, count: in
 def run_order(order: str, args: argparse.Namespace, pg: Any, settings: Any, requests: list[tuple[float, int]],
               batches: list[Any], slo_s: float | None) -> dict[str, Any]:
     """One policy on a fresh node: profile, (measure τ_R if not given), then the timed window."""
-    from actors.pipeline.scheduled import ScheduledPipeline
+    from actors.learning.full.scheduled import ScheduledPipeline
 
     params: dict[str, Any] = {}
     if order == "lemix":
@@ -243,7 +243,7 @@ def main() -> None:
 
     from actors import smollm2
     from actors.config import DEFAULT_DATA_DIR
-    from actors.pipeline.messages import PipelineSettings
+    from actors.learning.full.messages import PipelineSettings
 
     model_dir = args.model_dir or str(smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

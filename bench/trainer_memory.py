@@ -42,8 +42,8 @@ def rss_mib() -> float:
 def run_variant(variant: str, model_dir: str) -> dict:
     import torch
 
-    from actors import lora_training as lt
-    from actors import adapter_eval as ae
+    from actors.learning.lora import steps as lt
+    from actors.learning.lora import alignment as ae
 
     torch.set_num_threads(1)
     start = rss_mib()
@@ -66,7 +66,7 @@ def run_variant(variant: str, model_dir: str) -> dict:
             ae.evaluate_completions(scored, tok, ITEMS)
             del scored
     else:
-        from actors.adapter_bank import AdapterBank
+        from actors.learning.lora.bank import AdapterBank
 
         bank = AdapterBank(model_dir, dtype="float32" if variant == "bank-fp32" else "auto")
         model, opt = bank.train("a", LORA, None, None, 1e-3)

@@ -23,7 +23,7 @@ is checked against the configured budget with the memory in use now (weights plu
 the engine holds): ``wait`` answers the trainer "ask
 again in ``wait_s``" and the planner keeps the time the work has waited; ``shrink`` grants fewer or
 shorter windows; ``offload`` grants them and tells the trainer to move its optimizer state to host
-memory first (actors/device_memory.py; a CPU rank has none on a device, so it reports 0 bytes and the
+memory first (actors/learning/lora/device_memory.py; a CPU rank has none on a device, so it reports 0 bytes and the
 guard never offloads there); ``defer`` gives the work back for T_max. Each grant request carries
 what the previous grant's windows really added (GPU: allocator peak; CPU: resident set), which
 ``observe`` turns into the calibration ratio.

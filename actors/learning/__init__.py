@@ -1,1 +1,3 @@
-"""Learning while serving: the LoRA trainer (``lora/``) and its messages; it may import ``actors`` and ``planners``."""
+"""Learning while serving: the trainer supervisor (``trainer``), the LoRA trainer (``lora/``), full-model training
+(``full/``), the feedback store (``store/``) and version files (``versions/``). It may import ``actors`` and ``planners``.
+"""

@@ -5,7 +5,7 @@
 - ``orders``: the order policies (``lemix``, ``round_robin``, ``least_utilized``, ``separate``),
   registered as kind ``stage_order``.
 
-Live caller: ``actors/pipeline/scheduled.py`` (``ScheduledPipeline``), which runs the ops on a
+Live caller: ``actors/learning/full/scheduled.py`` (``ScheduledPipeline``), which runs the ops on a
 node's stage actors.
 """
 

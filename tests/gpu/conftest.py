@@ -1,9 +1,9 @@
-"""GPU tests: the trainer's LoRA path (actors/lora_training.py) on a CUDA device in bfloat16.
+"""GPU tests: the trainer's LoRA path (actors/learning/lora/steps.py) on a CUDA device in bfloat16.
 
 Every test under tests/gpu is marked ``gpu`` and, where ``torch.cuda.is_available()`` is False,
 skipped with that reason: on a CPU-only host (this repository's CI) they are collected and
 skipped, never errors; on a GPU host ``make test`` (or ``pytest tests/gpu``) runs them. They
-import only torch, peft, transformers and the project's ``actors.lora_training`` /
+import only torch, peft, transformers and the project's ``actors.learning.lora.steps`` /
 ``actors.default_model``: no Ray, no vLLM (docs/gpu.md).
 
 Environment:

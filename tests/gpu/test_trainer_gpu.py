@@ -4,7 +4,7 @@ The CUDA counterparts of tests/integration/test_lora_training.py and test_token_
 trainer runs on a GPU host: base weights in bfloat16 on the device, LoRA weights and optimizer
 moments in float32 (peft's ``autocast_adapter_dtype``), log-probs summed in float32. Skipped where
 ``torch.cuda.is_available()`` is False (tests/gpu/conftest.py). Imports only torch, peft,
-transformers and the project's actors.lora_training / actors.default_model.
+transformers and the project's actors.learning.lora.steps / actors.default_model.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ for _name in ("peft", "transformers"):
     if importlib.util.find_spec(_name) is None:
         pytest.skip(f"needs {_name}", allow_module_level=True)
 
-from actors import lora_training as lt  # noqa: E402
-from actors import adapter_eval as ae  # noqa: E402
-from actors import windowed_pass as wp  # noqa: E402
+from actors.learning.lora import steps as lt  # noqa: E402
+from actors.learning.lora import alignment as ae  # noqa: E402
+from actors.learning.lora import windowed_pass as wp  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -117,7 +117,7 @@ def test_sft_steps_reduce_the_loss_in_bf16(tiny_model_dir, device):
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = lt.make_optimizer(model, 1e-2)
     item = ITEMS[0]
-    before = lt.sequence_logprob(model, tok, item["prompt"], item["completion"])
+    before = lt.sequence_logprobs(model, tok, [item["prompt"]], [item["completion"]])[0]
     first = lt.sft_step(model, tok, ITEMS[:1])
     # The loss is the token mean of −log p over the completion (+EOS): bf16 logits, summed in fp32.
     # The eval-mode (no grad) and train-mode forwards may pick different attention kernels, so the two
@@ -129,7 +129,7 @@ def test_sft_steps_reduce_the_loss_in_bf16(tiny_model_dir, device):
     for _ in range(4):
         losses.append(lt.sft_step(model, tok, ITEMS[:1]).loss)
         lt.optimizer_step(model, opt)
-    after = lt.sequence_logprob(model, tok, item["prompt"], item["completion"])
+    after = lt.sequence_logprobs(model, tok, [item["prompt"]], [item["completion"]])[0]
     assert all(math.isfinite(x) for x in losses), losses
     assert losses == sorted(losses, reverse=True), losses
     assert after > before + 5.0, (before, after)
@@ -138,9 +138,9 @@ def test_sft_steps_reduce_the_loss_in_bf16(tiny_model_dir, device):
 
 
 def test_optimizer_state_offloads_to_host_and_the_step_after_it_matches(tiny_model_dir, device):
-    """LEMIX Alg. 2's offload (actors/device_memory.py): Adam's moments leave the device and come back
+    """LEMIX Alg. 2's offload (actors/learning/lora/device_memory.py): Adam's moments leave the device and come back
     for the optimizer step, which then updates exactly as if they had stayed."""
-    from actors.device_memory import move_optimizer_state, offloadable_bytes
+    from actors.learning.lora.device_memory import move_optimizer_state, offloadable_bytes
 
     runs = []
     for offload in (False, True):

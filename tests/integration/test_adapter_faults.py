@@ -29,8 +29,8 @@ NO_GATE = {"enabled": False, "held_out_share": 0}
 def _version_for_another_model(tmp, adapters_root, adapter: str, version: int):
     """A real peft version of ``adapter`` trained for a 128-wide tiny Llama (the served one is 256 wide)."""
     from actors import default_model
-    from actors.adapter_bank import AdapterBank
-    from actors.lora_training import save_adapter_version
+    from actors.learning.lora.bank import AdapterBank
+    from actors.learning.lora.steps import save_adapter_version
 
     other = default_model.build(tmp / "other-model", dataclasses.replace(
         default_model.DEFAULT_SPEC, hidden_size=128, num_heads=2, intermediate_size=256))
@@ -45,7 +45,7 @@ def _version_for_another_model(tmp, adapters_root, adapter: str, version: int):
 def url(ray_cluster, app_url, tmp_path_factory) -> str:
     from ray import serve
 
-    from actors.feedback_store import FeedbackStore
+    from actors.learning.store.sqlite import FeedbackStore
 
     data = tmp_path_factory.mktemp("faults-data")
     with FeedbackStore(data) as store:

@@ -25,7 +25,7 @@ KILL_AFTER_S = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05)
 @pytest.fixture
 def store_actor(ray_cluster, tmp_path):
     from actors.config import load
-    from actors.feedback import FeedbackQueue
+    from actors.learning.store.actor import FeedbackQueue
 
     ray = ray_cluster
     cfg = load({"name": f"drill-{uuid.uuid4().hex[:8]}", "data_dir": str(tmp_path),

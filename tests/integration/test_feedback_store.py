@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.feedback_models import (
+from actors.learning.store.models import (
     AdapterExists,
     AdapterQuotaExceeded,
     Conflict,
@@ -24,7 +24,7 @@ from actors.feedback_models import (
     UnknownVersion,
     VersionConflict,
 )
-from actors.feedback_store import FeedbackStore
+from actors.learning.store.sqlite import FeedbackStore
 
 ROOT = Path(__file__).resolve().parents[2]
 # These tests are about the queue and the version mechanics: no held-out slice, every publish
@@ -342,7 +342,7 @@ def test_concurrent_writers_threads_and_processes_share_the_file(store, tmp_path
 
 _CRASHING_WRITER = r"""
 import json, sys, time
-from actors.feedback_store import FeedbackStore
+from actors.learning.store.sqlite import FeedbackStore
 
 store = FeedbackStore(sys.argv[1], gate_defaults={"held_out_share": 0.0})
 acked = store.add_feedback([{"adapter": "acme", "prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(3)])

@@ -97,7 +97,7 @@ def _greedy(app_url: str, model: str, prompt: str, tokens: int = 12) -> str:
 def _version_model(cfg, path: str | None):
     """The model as a published version directory holds it (None: a fresh LoRA, i.e. the base model)."""
     from actors.default_model import model_dir as resolve_model_dir
-    from actors.lora_training import load_lora_model
+    from actors.learning.lora.steps import load_lora_model
 
     model_dir = resolve_model_dir(cfg)
     lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
@@ -131,7 +131,7 @@ def store(ray_cluster, cfg):
 
 
 def test_sft_feedback_is_served_within_seconds_and_raises_the_completion_logprob(app_url, trainer, cfg):
-    from actors.lora_training import sequence_logprob
+    from actors.learning.lora.steps import sequence_logprobs
 
     name, model = "learn-sft", f"{BASE}:learn-sft"
     prompt, completion = "Q: What is the capital of France?\nA:", " Paris is the capital."
@@ -161,7 +161,7 @@ def test_sft_feedback_is_served_within_seconds_and_raises_the_completion_logprob
     logps = []
     for path in (None, info["versions"][0]["path"], info["versions"][-1]["path"]):
         m, tok = _version_model(cfg, path)
-        logps.append(sequence_logprob(m, tok, prompt, completion))
+        logps.append(sequence_logprobs(m, tok, [prompt], [completion])[0])
     assert logps[0] < logps[1] < logps[2], logps
     # ... and the served greedy text for base:adapter differs from the base model's.
     assert _greedy(app_url, model, prompt) != _greedy(app_url, BASE, prompt)
@@ -173,7 +173,7 @@ def test_sft_feedback_is_served_within_seconds_and_raises_the_completion_logprob
 
 
 def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data, cfg):
-    from actors.adapter_eval import evaluate_preferences, read_preference_jsonl
+    from actors.learning.lora.alignment import evaluate_preferences, read_preference_jsonl
 
     name = "learn-dpo"
     pairs = read_preference_jsonl(shared_data / "preferences" / "hh_rlhf_train_sample.jsonl", limit=12,
@@ -250,7 +250,7 @@ def test_epochs_train_every_item_that_many_times_in_successive_versions(app_url,
 
 def test_killing_the_trainer_loses_no_acknowledged_sample_and_breaks_no_version(app_url, trainer, store, cfg,
                                                                               ray_cluster):
-    from actors.lora_training import VERSION_DIR_RE, is_complete_version
+    from actors.learning.versions.layout import VERSION_DIR_RE, is_complete_version
 
     ray = ray_cluster
     name = "learn-crash"

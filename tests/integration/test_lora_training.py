@@ -11,8 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from actors import lora_training as lt  # noqa: E402
-from actors import adapter_eval as ae  # noqa: E402
+from actors.learning.lora import steps as lt
+from actors.learning.versions.layout import is_complete_version  # noqa: E402
+from actors.learning.lora import alignment as ae  # noqa: E402
 from actors.default_model import build_tokenizer, ensure  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
@@ -60,7 +61,7 @@ def test_encode_masks_prompt_appends_eos_and_truncates():
 def test_sft_steps_raise_the_completion_logprob_and_mask_the_prompt(model_dir):
     model, tok = lt.load_lora_model(model_dir, LORA, seed=0)
     opt = lt.make_optimizer(model, 1e-2)
-    before = lt.sequence_logprob(model, tok, ITEM["prompt"], ITEM["completion"])
+    before = lt.sequence_logprobs(model, tok, [ITEM["prompt"]], [ITEM["completion"]])[0]
     first = lt.sft_step(model, tok, [ITEM])
     # Loss is the token mean over the completion (+EOS) only: -log p(completion | prompt) / its tokens.
     n_completion = len(ITEM["completion"].encode()) + 1
@@ -70,7 +71,7 @@ def test_sft_steps_raise_the_completion_logprob_and_mask_the_prompt(model_dir):
     for _ in range(3):
         losses.append(lt.sft_step(model, tok, [ITEM]).loss)
         lt.optimizer_step(model, opt)
-    after = lt.sequence_logprob(model, tok, ITEM["prompt"], ITEM["completion"])
+    after = lt.sequence_logprobs(model, tok, [ITEM["prompt"]], [ITEM["completion"]])[0]
     assert losses == sorted(losses, reverse=True), losses
     assert after > before + 5.0, (before, after)
 
@@ -87,7 +88,6 @@ def test_dpo_starts_at_log2_and_raises_the_preference_margin(model_dir, hh_pairs
     assert before.win_rate == sum(m > 0 for m in margins0) / 4
     assert before.clpd == pytest.approx(sum(margins0) / 4, rel=1e-6)
 
-    assert lt.dpo_sample_losses(model, tok, hh_pairs, beta=0.1) == pytest.approx([math.log(2)] * 4, abs=1e-6)
     first = lt.dpo_step(model, tok, hh_pairs, beta=0.1)
     assert first.loss == pytest.approx(math.log(2), abs=1e-6) and first.reward_margin == pytest.approx(0, abs=1e-6)
     lt.optimizer_step(model, opt)
@@ -144,13 +144,12 @@ def test_saved_version_loads_back_identically_and_the_optimizer_resumes(model_di
     assert config["r"] == 8 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
     meta = lt.read_meta(path)
     assert (meta["adapter"], meta["version"], meta["samples_trained"]) == ("acme", 1, 2)
-    assert lt.latest_version(tmp_path, "acme") == (1, path)
 
     resumed, _ = lt.load_lora_model(model_dir, {"r": 2, "alpha": 1, "target_modules": ["o_proj"]}, adapter_dir=path)
     want, got = lora_weights(model), lora_weights(resumed)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    assert lt.sequence_logprob(resumed, tok, ITEM["prompt"], ITEM["completion"]) == pytest.approx(
-        lt.sequence_logprob(model, tok, ITEM["prompt"], ITEM["completion"]), abs=1e-5)
+    assert lt.sequence_logprobs(resumed, tok, [ITEM["prompt"]], [ITEM["completion"]])[0] == pytest.approx(
+        lt.sequence_logprobs(model, tok, [ITEM["prompt"]], [ITEM["completion"]])[0], abs=1e-5)
 
     resumed_opt = lt.make_optimizer(resumed, 1e-2, state_dir=path)
     a, b = opt.state_dict()["state"], resumed_opt.state_dict()["state"]
@@ -185,10 +184,7 @@ def test_interrupted_save_leaves_no_version_dir(model_dir, tmp_path, monkeypatch
     leftover.mkdir()
     (leftover / "adapter_config.json").write_text("{")
     (tmp_path / "acme" / "v3").mkdir()
-    assert lt.latest_version(tmp_path, "acme") == (1, v1) and leftover.exists()  # too young to clean
-    assert lt.latest_version(tmp_path, "acme", clean_temp_older_than_s=0) == (1, v1)
-    assert not leftover.exists()
-    assert lt.latest_version(tmp_path, "nobody") is None
+    assert is_complete_version(v1) and not is_complete_version(tmp_path / "acme" / "v3")
     with pytest.raises(ValueError):
         lt.version_dir(tmp_path, "../etc", 1)
 
@@ -232,12 +228,12 @@ def test_held_out_scores_of_parts_combine_to_the_score_of_the_whole(model_dir):
 
 
 def test_lora_targets_are_what_peft_wraps_in_the_model(model_dir):
-    """The names POST /v1/adapters accepts (actors/lora_targets.py) are the ones peft can wrap: each short
+    """The names POST /v1/adapters accepts (actors/learning/lora/targets.py) are the ones peft can wrap: each short
     name makes a LoRA model, an unknown one is refused by both, and "all-linear" goes to peft as its shorthand."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from actors.lora_targets import lora_targetable_modules, short_names, unknown_targets
+    from actors.learning.lora.targets import lora_targetable_modules, short_names, unknown_targets
 
     modules = lora_targetable_modules(str(model_dir))
     names = short_names(modules)

@@ -41,7 +41,7 @@ TEXTS = [
 
 def _first_pass_losses(config, items: list[dict]) -> list[float]:
     """Each item's mean token NLL as the trainer's first pass computes it (WindowedPass on a fresh LoRA)."""
-    from actors.windowed_pass import WindowedPass
+    from actors.learning.lora.windowed_pass import WindowedPass
 
     model, tok = _version_model(config, None)
     out = []

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.pipeline.layout import LlamaDims, layer_names, layer_param_counts
-from actors.pipeline.messages import PipelineSettings, TrainingSample
+from actors.learning.full.layout import LlamaDims, layer_names, layer_param_counts
+from actors.learning.full.messages import PipelineSettings, TrainingSample
 
 SFT = [TrainingSample(prompt="Q: sky color?\nA:", completion=" blue"),
        TrainingSample(prompt="Q: pet?\nA:", completion=" cat")]
@@ -23,7 +23,7 @@ def pipeline(ray_cluster, data_dir, tmp_path_factory):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from actors.pipeline.trainer import PipelineTrainer
+    from actors.learning.full.trainer import PipelineTrainer
     from actors import default_model
 
     pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
@@ -52,7 +52,7 @@ def _sft_stats(model, tok, samples) -> tuple[float, int]:
     """(completion-token mean NLL, completion tokens the model's greedy choice gets right under teacher forcing)."""
     import torch
 
-    from actors.lora_training import encode
+    from actors.learning.lora.steps import encode
 
     enc = encode(tok, [s.prompt for s in samples], [s.completion for s in samples], max_length=64)
     with torch.no_grad():
@@ -109,7 +109,7 @@ def test_full_sft_publishes_a_version_hf_loads_and_rollback_resumes_from_it(pipe
 
 
 def test_full_dpo_raises_the_reward_margin(pipeline):
-    from actors.lora_training import sequence_logprob
+    from actors.learning.lora.steps import sequence_logprobs
 
     start = pipeline.weights_from
     v = pipeline.train(DPO, "full_dpo", unit="dpo", version=1, steps=2)
@@ -119,7 +119,7 @@ def test_full_dpo_raises_the_reward_margin(pipeline):
     (ref, tok), (pol, _) = _hf(start), _hf(v.path)
     margins = []
     for s in DPO:
-        d = [sequence_logprob(pol, tok, s.prompt, y) - sequence_logprob(ref, tok, s.prompt, y)
+        d = [sequence_logprobs(pol, tok, [s.prompt], [y])[0] - sequence_logprobs(ref, tok, [s.prompt], [y])[0]
              for y in (s.chosen, s.rejected)]
         margins.append(pipeline.settings.beta * (d[0] - d[1]))
     assert sum(margins) / len(margins) == pytest.approx(v.reward_margin, rel=1e-3, abs=1e-4)
@@ -130,7 +130,7 @@ def test_deepspeeds_own_schedule_computes_the_same_losses_as_the_stage_scheduler
     two orders of the same computation: from the same weights, the same steps give the same losses."""
     from dataclasses import replace
 
-    from actors.pipeline.trainer import PipelineTrainer
+    from actors.learning.full.trainer import PipelineTrainer
 
     assert pipeline.settings.schedule == "planner" and pipeline.node is not None
     start = pipeline.weights_from

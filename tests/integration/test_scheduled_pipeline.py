@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.pipeline.messages import PipelineSettings, TokenBatch
+from actors.learning.full.messages import PipelineSettings, TokenBatch
 
 PROMPTS = [[5, 17, 33, 8, 91], [12, 4, 4, 60]]
 
@@ -61,7 +61,7 @@ def test_lemix_node_serves_and_trains_at_once_with_each_stage_in_its_bundle(grou
     import ray
     from ray.util.state import list_actors
 
-    from actors.pipeline.scheduled import ScheduledPipeline
+    from actors.learning.full.scheduled import ScheduledPipeline
 
     # Each stage runs as two ops (chunks of its layers): four positions over the two devices.
     node = ScheduledPipeline(_settings(data_dir, tmp_path_factory, chunks=2), group, order="lemix")
@@ -117,7 +117,7 @@ def test_separate_node_serves_on_device_0_and_syncs_the_trained_weights_into_it(
     import ray
     import torch
 
-    from actors.pipeline.scheduled import ScheduledPipeline
+    from actors.learning.full.scheduled import ScheduledPipeline
 
     node = ScheduledPipeline(_settings(data_dir, tmp_path_factory), group, order="separate",
                              order_params={"sync_every": 1})

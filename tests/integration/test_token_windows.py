@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from actors import lora_training as lt  # noqa: E402
-from actors import windowed_pass as wp  # noqa: E402
+from actors.learning.lora import steps as lt  # noqa: E402
+from actors.learning.lora import windowed_pass as wp  # noqa: E402
 from actors.default_model import ensure  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.adapter_versions import ADAPTER_FILES, META_FILE, OPTIMIZER_FILE, upload_version, write_version_files
+from actors.learning.versions.layout import ADAPTER_FILES, META_FILE, OPTIMIZER_FILE, upload_version, write_version_files
 from actors.config import load
-from actors.feedback import FeedbackQueue
-from actors.feedback_models import UnknownVersion
-from actors.feedback_store import FeedbackStore
+from actors.learning.store.actor import FeedbackQueue
+from actors.learning.store.models import UnknownVersion
+from actors.learning.store.sqlite import FeedbackStore
 
 NO_GATE = {"enabled": False, "held_out_share": 0.0}
 

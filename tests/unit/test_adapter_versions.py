@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.adapter_versions import (
+from actors.learning.versions.layout import (
     download_version,
     is_complete_version,
     read_version_files,

@@ -6,8 +6,8 @@ import sqlite3
 
 import pytest
 
-from actors.feedback_models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict, is_held_out
-from actors.feedback_store import SCHEMA_VERSION, FeedbackStore
+from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict, is_held_out
+from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackStore
 from deployments.metrics import render
 from planners.gate import judge
 
@@ -273,6 +273,18 @@ def test_a_schema_2_database_gets_version_states_and_the_gate_columns(tmp_path):
 
 
 # ---- the verdict rule and the metrics ----------------------------------------------------------
+
+
+def test_an_sft_verdict_on_noisy_items_says_it_could_not_see_the_margin():
+    # Four items whose own log-likelihoods moved ±0.5 while the mean stayed: a drop of 0.1 cannot show.
+    noisy = judge("sft", -2.0, -2.0, 0.1, items=4, baseline_name="v1", item_changes=[0.5, -0.5, 0.4, -0.4])
+    assert noisy.passed and "not worse" not in noisy.reason
+    assert "not enough held-out evidence to see a drop of 0.1" in noisy.reason and "110 items would" in noisy.reason
+    # The same mean with items that barely moved: the comparison can see the margin, and says "not worse".
+    steady = judge("sft", -2.0, -2.0, 0.1, items=4, baseline_name="v1", item_changes=[0.01, -0.01, 0.02, -0.02])
+    assert steady.passed and steady.reason.endswith(": not worse")
+    # A drop larger than the margin fails whatever the noise.
+    assert not judge("sft", -2.5, -2.0, 0.1, items=4, baseline_name="v1", item_changes=[0.5, -0.5, 0.4, -0.4]).passed
 
 
 def test_judge_passes_within_the_margin_and_says_why():

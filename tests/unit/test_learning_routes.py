@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from ray.exceptions import RayActorError
 
 from actors.config import AppConfig, load
-from actors.feedback_store import FeedbackStore
+from actors.learning.store.sqlite import FeedbackStore
 from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import LearningRoutes
 

@@ -1,10 +1,10 @@
-"""The pure pipeline layout (actors/pipeline/layout.py): layer order, parameter counts, partition checks."""
+"""The pure pipeline layout (actors/learning/full/layout.py): layer order, parameter counts, partition checks."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.pipeline.layout import LlamaDims, check_bounds, layer_names, layer_param_counts, total_params
+from actors.learning.full.layout import LlamaDims, check_bounds, layer_names, layer_param_counts
 
 # SmolLM2-135M's config.json fields that shape the model (tied embeddings, grouped-query attention).
 SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -14,6 +14,12 @@ SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "
 def test_layers_are_embedding_decoders_norm_head():
     dims = LlamaDims.from_config({**SMOLLM2, "num_hidden_layers": 2})
     assert layer_names(dims) == ["embed", "decoder.0", "decoder.1", "norm", "head"]
+
+
+def total_params(dims: LlamaDims) -> int:
+    """The HF model's parameter count from the stages' counts (a tied head shares the embedding's)."""
+    counts = layer_param_counts(dims)
+    return sum(counts) - (counts[-1] if dims.tie_word_embeddings else 0)
 
 
 def test_parameter_counts_match_smollm2_135m():

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import ray
 
 from actors.config import AppConfig
-from actors.feedback_models import FULL_METHODS, FeedbackItem
+from actors.learning.store.models import FULL_METHODS, FeedbackItem
 from actors.learning.lora.evaluator import VersionEvaluator
 from actors.learning.lora.messages import (
     GrantWaited,
@@ -65,7 +65,7 @@ from planners.types import Grant, GrantRequest, MemoryUse, PassReport, PassVerdi
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 1.0  # an idle driver waits on the store at most this long (new feedback wakes it at once)
+IDLE_WAIT_S = 5.0  # an idle driver waits on the store at most this long (new feedback wakes it at once; so does a stop)
 SPEC_TTL_S = 2.0  # a PATCHed adapter (mode, learning rate) takes effect within this
 MAX_GRANT_SLEEP_S = 1.0  # a refused step asks again at least this often
 CALL_TIMEOUT_S = 30.0
@@ -88,7 +88,7 @@ def transient(exc: BaseException) -> bool:
     """An error of the store, planner, a rank or the process group being away, not of the adapter being trained."""
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-    from actors.feedback_models import StoreError
+    from actors.learning.store.models import StoreError
 
     if isinstance(exc, GroupFailed):
         return True
@@ -234,7 +234,7 @@ class LoraDriver:
         def trainable(name: str) -> bool:
             # Not while the gate judges the adapter's candidate: the next version must start from
             # whatever is served after the verdict, never from weights the gate may reject.
-            # A full unit (full_sft/full_dpo) is not a LoRA adapter: actors/full_training.py trains it.
+            # A full unit (full_sft/full_dpo) is not a LoRA adapter: actors/learning/full/loop.py trains it.
             return (available(name) > 0 and self._spec(name).method not in FULL_METHODS
                     and self._spec(name).mode != "off" and not self._spec(name).paused
                     and not self.evaluator.judging(name) and self.not_before.get(name, 0) <= now)
@@ -446,7 +446,7 @@ class LoraDriver:
 
     def _publish(self, adapter: str) -> tuple[int | None, str | None, bool]:
         """Reserve a version, have rank 0 save it, record it in one store transaction, load it on the replicas."""
-        from actors.feedback_models import VersionConflict
+        from actors.learning.store.models import VersionConflict
 
         t0 = time.time()
         samples = self.version_samples

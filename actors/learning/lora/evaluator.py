@@ -19,7 +19,7 @@ class EvalJob:
 
     adapter: str
     version: int
-    path: str  # its published location (actors/adapter_files.py makes a local copy)
+    path: str  # its published location (actors/learning/versions/files.py makes a local copy)
     candidate: bool
     created: list[float]  # acceptance times of the items it trained on (freshness once served)
     attempts: int = 0
@@ -103,7 +103,7 @@ class VersionEvaluator:
     # ---- what is scored, and how --------------------------------------------------------------------
 
     def _eval_file_pairs(self) -> list[dict[str, str]]:
-        from actors.adapter_eval import read_preference_jsonl
+        from actors.learning.lora.alignment import read_preference_jsonl
 
         if self.eval_file and self._file_pairs is None:
             try:
@@ -125,15 +125,15 @@ class VersionEvaluator:
         return [], "", ""
 
     def _score(self, adapter: str, version: int | None, path: str | None, info: Any, items: list[Any],
-               key: str) -> dict[str, float]:
-        """Held-out scores of one version (``path`` None: the base model) on ``items``.
+               key: str) -> tuple[dict[str, float], list[Any]]:
+        """Held-out scores of one version (``path`` None: the base model) on ``items``, and each item's own score.
 
         Each item's own score (a pair's log-probability difference, a completion's log-likelihood
         and token count) is cached per version, so while the held-out slice grows toward
         ``max_eval_items`` only its new items are scored, and the served version, scored before,
         costs nothing more.
         """
-        from actors.adapter_eval import completion_eval, preference_eval
+        from actors.learning.lora.alignment import completion_eval, preference_eval
 
         held_out = key.startswith("held-out")
         ids = [it.id for it in items] if held_out else list(range(len(items)))
@@ -148,16 +148,17 @@ class VersionEvaluator:
                                                    tuple(it for _, it in missing),
                                                    "completion" if held_out else "chosen"))
             cached.update(zip((i for i, _ in missing), found))
+        per_item = [cached[i] for i in ids]
         if info.method == "dpo":
-            ev = preference_eval([cached[i] for i in ids])
-            return {"score": ev.win_rate, "win_rate": ev.win_rate, "clpd": ev.clpd}
-        tokens = completion_eval([cached[i] for i in ids])
-        return {"score": tokens.token_logprob, "token_logprob": tokens.token_logprob}
+            ev = preference_eval(per_item)
+            return {"score": ev.win_rate, "win_rate": ev.win_rate, "clpd": ev.clpd}, per_item
+        tokens = completion_eval(per_item)
+        return {"score": tokens.token_logprob, "token_logprob": tokens.token_logprob}, per_item
 
     # ---- the gate --------------------------------------------------------------------------------
 
     def _gate(self, job: EvalJob) -> None:
-        from actors.feedback_models import VersionConflict
+        from actors.learning.store.models import VersionConflict
         from planners.gate import Verdict, judge
 
         w = self.worker
@@ -174,10 +175,13 @@ class VersionEvaluator:
             verdict = Verdict(True, "nothing to compare on: no held-out feedback yet (or held_out_share 0) and no "
                                     "training.eval_file")
         else:
-            cand = self._score(adapter, version, path, info, items, key)
-            base = self._score(adapter, base_version, base_path, info, items, key)
+            cand, cand_items = self._score(adapter, version, path, info, items, key)
+            base, base_items = self._score(adapter, base_version, base_path, info, items, key)
+            # SFT: each item's change of its mean token log-likelihood, whose spread is the verdict's noise.
+            changes = ([c[0] / max(c[1], 1) - b[0] / max(b[1], 1) for c, b in zip(cand_items, base_items)]
+                       if info.method == "sft" else [])
             verdict = judge(info.method, cand["score"], base["score"], info.gate.margin, items=len(items),
-                            baseline_name=base_name, slice_name=slice_name)
+                            baseline_name=base_name, slice_name=slice_name, item_changes=changes)
         try:
             decided = ray.get(w.store.decide_version.remote(
                 adapter, version, passed=verdict.passed, reason=verdict.reason, score=cand.get("score"),
@@ -215,7 +219,7 @@ class VersionEvaluator:
         items, key, _ = self._slice(adapter, info.gate.max_eval_items)
         if not items:
             return
-        scores = self._score(adapter, version, job.path, info, items, key)
+        scores, _ = self._score(adapter, version, job.path, info, items, key)
         ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items), **scores), timeout=60)
         w._report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
                                          scores.get("token_logprob")))

@@ -1,6 +1,6 @@
 """TrainRank: one LoRA trainer rank, a Ray actor in bundle 0 of its node's placement group, that computes what the driver says.
 
-The Trainer (actors/trainer.py) starts one rank per logical node that trains (or
+The Trainer (actors/learning/trainer.py) starts one rank per logical node that trains (or
 ``training.workers``), each with ``training.resources_per_worker`` out of the bundle that also
 holds the node's replica, and joins the synced ranks into a torch process group (gloo on CPU,
 NCCL on GPU). The rank holds the node's model (an ``AdapterBank``: the base weights once, every
@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import ray
 
 from actors.config import AppConfig
-from actors.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
+from actors.learning.lora.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
 from actors.learning.lora.messages import (
     ItemLoss,
     RankStarted,
@@ -119,8 +119,8 @@ class TrainRank:
         """Load the node's base model (built or fetched on this host); say where this rank runs."""
         import torch
 
-        from actors.adapter_bank import AdapterBank
-        from actors.adapter_files import AdapterFiles
+        from actors.learning.lora.bank import AdapterBank
+        from actors.learning.versions.files import AdapterFiles
         from actors.default_model import model_dir
 
         # Share the node's cores with its inference engine: as many threads as CPUs granted (at least 1).
@@ -136,7 +136,7 @@ class TrainRank:
 
     def begin_step(self, plan: StepPlan) -> StepBegun:
         """Make the adapter's slot compute from ``plan.target`` and open one windowed pass per item of this share."""
-        from actors.windowed_pass import WindowedPass, batch_scales
+        from actors.learning.lora.windowed_pass import WindowedPass, batch_scales
 
         try:
             self._ensure_model(plan)
@@ -202,7 +202,7 @@ class TrainRank:
 
     def apply_gradients(self) -> None:
         """Average the accumulated gradients over the synced ranks and step the optimizer (a no-op with none)."""
-        from actors.lora_training import optimizer_step
+        from actors.learning.lora.steps import optimizer_step
 
         if self.micro_done == 0 or self.model is None:
             return
@@ -252,7 +252,7 @@ class TrainRank:
         version; returns where the files are."""
         from dataclasses import asdict
 
-        from actors.lora_training import save_adapter_version
+        from actors.learning.lora.steps import save_adapter_version
 
         adapter, version = request.adapter, request.version
         if self.loaded is None or self.loaded[0] != adapter:
@@ -282,8 +282,8 @@ class TrainRank:
 
     def score(self, request: ScoreRequest) -> list[Any]:
         """Each item's own score under the version: a pair's log π(y⁺|x) − log π(y⁻|x) (DPO), else a completion's
-        (log-likelihood sum, tokens). Scored on this rank's model, the base weights shared (actors/adapter_bank.py)."""
-        from actors.adapter_eval import evaluate_completions, evaluate_preferences
+        (log-likelihood sum, tokens). Scored on this rank's model, the base weights shared (actors/learning/lora/bank.py)."""
+        from actors.learning.lora.alignment import evaluate_completions, evaluate_preferences
 
         local = (self.files.local_path(request.adapter, request.version, request.path)
                  if request.path else None)  # None: the base model

@@ -1,4 +1,4 @@
-"""FeedbackQueue: the one actor that owns the durable feedback store (SQLite, actors/feedback_store.py).
+"""FeedbackQueue: the one actor that owns the durable feedback store (SQLite, actors/learning/store/sqlite.py).
 
 SQLite's WAL does not work over network file systems, so exactly one process per app owns the
 file; the ingress and the trainer reach it through this actor. Methods mirror ``FeedbackStore``
@@ -8,7 +8,7 @@ The actor is pinned to one node (``storage.store_node``, the head by default) an
 data directory there, so a restart reopens the same database. With ``storage.adapters_uri`` unset
 it also keeps the published adapter versions, in ``data_dir/adapters`` on that node: trainer ranks
 on other nodes send a version's files here (``write_version``) and replicas on other nodes fetch
-them (``read_version``), through Ray's object store (actors/adapter_files.py).
+them (``read_version``), through Ray's object store (actors/learning/versions/files.py).
 
 Retries: the planner creates this actor with ``max_task_retries``, so Ray sends a call that was in
 flight when the actor died again to the restarted actor. That is safe for reads and for writes
@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 import ray
 
-from actors.adapter_versions import (
+from actors.learning.versions.layout import (
     CACHE_DIRNAME,
     OPTIMIZER_FILE,
     cache_root_for,
@@ -45,8 +45,8 @@ from actors.adapter_versions import (
     write_version_files,
 )
 from actors.config import AppConfig
-from actors.feedback_models import FeedbackReceipt
-from actors.feedback_store import IDEMPOTENCY_TTL_S, FeedbackStore
+from actors.learning.store.models import FeedbackReceipt
+from actors.learning.store.sqlite import IDEMPOTENCY_TTL_S, FeedbackStore
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from actors.dpo_loss import pair_losses, reward_margin
+from actors.learning.dpo_loss import pair_losses, reward_margin
 
 LossMode = Literal["sft", "dpo", "logp"]
 

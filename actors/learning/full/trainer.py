@@ -8,7 +8,7 @@ Usage (the caller holds the node's placement group, e.g. the replica's; stage i 
     trainer.train(samples, "full_sft", unit="base", version=3, steps=4, resume_from=v.path)  # rollback to v1
     trainer.shutdown()
 
-Like actors/trainer.py this places its workers itself (``PlacementGroupSchedulingStrategy``) rather
+Like actors/learning/trainer.py this places its workers itself (``PlacementGroupSchedulingStrategy``) rather
 than through Ray Train, whose ``TorchTrainer`` always reserves a placement group of its own.
 The trainer is a plain object in the caller's process: it tokenizes, builds fixed micro-batches,
 calls every stage at once (each call is a collective over the pipeline), and publishes.
@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 import ray
 
-from actors.pipeline.layout import LlamaDims, check_bounds, layer_names
-from actors.pipeline.messages import (
+from actors.learning.full.layout import LlamaDims, check_bounds, layer_names
+from actors.learning.full.messages import (
     TokenBatch,
     Method,
     PipelineSettings,
@@ -44,7 +44,7 @@ from actors.pipeline.messages import (
     StageSetup,
     TrainingSample,
 )
-from actors.adapter_versions import is_complete_full_version, write_full_version
+from actors.learning.versions.layout import is_complete_full_version, write_full_version
 
 PLACE_TIMEOUT_S = 300.0
 # Files copied from the starting model next to the weights, so a version is a complete HF model directory.
@@ -74,10 +74,10 @@ class PipelineTrainer:
             return self.info
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from actors.pipeline.stage import PipelineStage
+        from actors.learning.full.stage import PipelineStage
 
         if self.settings.schedule == "planner":
-            from actors.pipeline.scheduled import ScheduledPipeline
+            from actors.learning.full.scheduled import ScheduledPipeline
 
             self.node = ScheduledPipeline(self.settings, self.pg)
             self.info = self.node.start()
@@ -237,10 +237,10 @@ class PipelineTrainer:
 
     def _micro_batch(self, samples: Sequence[TrainingSample], idx: list[int], method: Method,
                      ref: tuple[list[float], list[float]] | None) -> TokenBatch:
-        """Tokenize (as the LoRA trainer does: actors.lora_training.encode) and shift into next-token targets."""
+        """Tokenize (as the LoRA trainer does: actors.learning.lora.steps.encode) and shift into next-token targets."""
         import torch
 
-        from actors.lora_training import encode, prompted_text
+        from actors.learning.lora.steps import encode, prompted_text
 
         fields = ["completion"] if method == "full_sft" else ["chosen", "rejected"]
         texts = [prompted_text(self.tokenizer, samples[i], f) for f in fields for i in idx]

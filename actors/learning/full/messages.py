@@ -12,7 +12,7 @@ Method = Literal["full_sft", "full_dpo"]
 class TrainingSample:
     """One training example: ``completion`` for full_sft, ``chosen`` and ``rejected`` for full_dpo.
 
-    ``messages`` (chat turns) is rendered with the model's chat template, as actors.lora_training does
+    ``messages`` (chat turns) is rendered with the model's chat template, as actors.learning.lora.steps does
     for adapters; otherwise ``prompt`` is used as raw text.
     """
 

@@ -1,8 +1,8 @@
 """PipelineStage: a Ray actor in bundle i of a node's placement group holding pipeline stage i of the full model.
 
-The trainer (actors/pipeline/trainer.py) creates one per bundle with
+The trainer (actors/learning/full/trainer.py) creates one per bundle with
 ``PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)``; they form one torch
-process group as the LoRA trainer ranks do (actors/train_worker.py: rank 0 names a TCP address,
+process group as the LoRA trainer ranks do (actors/learning/lora/rank.py: rank 0 names a TCP address,
 ``dist.init_process_group``; gloo on CPU, NCCL on GPUs), which DeepSpeed then adopts. Rank i is
 pipeline stage i (one pipeline, no data parallelism). Every call that runs the pipeline must be
 made on all stages at once: each blocks in the schedule's send/receive until its neighbours run.
@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from actors.pipeline.messages import StageInfo, StageSetup, TokenBatch
+from actors.learning.full.messages import StageInfo, StageSetup, TokenBatch
 from planners.pipeline import OpDone, StageOp
 
 GROUP_TIMEOUT_S = 1800.0
@@ -55,8 +55,8 @@ class PipelineStage:
         import deepspeed
         import torch.distributed as dist
 
-        from actors.pipeline.losses import PipelineLoss
-        from actors.pipeline.model import chunk_bounds, load_slice, pipeline_module, read_config
+        from actors.learning.full.losses import PipelineLoss
+        from actors.learning.full.model import chunk_bounds, load_slice, pipeline_module, read_config
 
         torch.set_num_threads(s.threads)
         torch.manual_seed(s.seed)
@@ -113,7 +113,7 @@ class PipelineStage:
         """Restart from the weights in ``model_dir`` (rollback): new weights, fresh optimizer moments."""
         from collections import defaultdict
 
-        from actors.pipeline.model import load_slice
+        from actors.learning.full.model import load_slice
 
         load_slice(self.pipe, model_dir)
         self._resync_tied()
@@ -138,7 +138,7 @@ class PipelineStage:
 
     def state_slice(self) -> dict[str, Any]:
         """This stage's weights as HF-named CPU tensors (a tied embedding only from the stage that owns it)."""
-        from actors.pipeline.model import state_slice
+        from actors.learning.full.model import state_slice
 
         return state_slice(self.pipe)
 
@@ -164,7 +164,7 @@ class PipelineStage:
         if op.kind == "inference":
             with torch.no_grad():
                 if labels is not None and last:  # a scoring pass: each row's completion log-prob
-                    from actors.pipeline.losses import sequence_logps
+                    from actors.learning.full.losses import sequence_logps
 
                     for f in funcs:
                         x = f(x)
@@ -262,7 +262,7 @@ class PipelineStage:
 
     def import_op(self, op: StageOp, *parts: dict[str, Any]) -> OpDone:
         """Weight sync, the serving side: copy the trained weights (every training stage's slice) in."""
-        from actors.pipeline.model import load_tensors
+        from actors.learning.full.model import load_tensors
 
         start = time.time()
         import warnings
@@ -298,7 +298,7 @@ class PipelineStage:
         return {"forward": mid - start, "backward": end - mid}
 
     def _hidden_size(self) -> int:
-        from actors.pipeline.model import read_config
+        from actors.learning.full.model import read_config
 
         return int(read_config(self.setup_msg.model_dir)["hidden_size"])
 

@@ -10,8 +10,8 @@ micro-step at a time between planner grants (docs/learning.md):
     path = save_adapter_version(model, opt, root, spec.name, version, meta)
 
 When the node scheduler grants token windows instead of whole samples (FlexLLM §6.1),
-``actors/windowed_pass.py`` runs one item across several grants and leaves the same gradient;
-``actors/adapter_eval.py`` scores versions (win rate, CLPD, completion log-likelihood).
+``actors/learning/lora/windowed_pass.py`` runs one item across several grants and leaves the same gradient;
+``actors/learning/lora/alignment.py`` scores versions (win rate, CLPD, completion log-likelihood).
 
 Conventions (the same as TRL's trainers, so numbers are comparable): prompt and completion are
 tokenized separately and concatenated, the completion ends with EOS, only completion tokens
@@ -43,18 +43,16 @@ from typing import Any, Iterator
 
 import torch
 
-from actors.adapter_versions import (  # noqa: F401 (part of this module's API)
+from actors.learning.versions.layout import (  # noqa: F401 (part of this module's API)
     ADAPTER_FILES,
     META_FILE,
     OPTIMIZER_FILE,
     TEMP_PREFIX,
-    VERSION_DIR_RE,
     fsync_dir,
     fsync_tree,
-    is_complete_version,
     version_dir,
 )
-from actors.dpo_loss import pair_losses, reward_margin
+from actors.learning.dpo_loss import pair_losses, reward_margin
 
 DEFAULT_MAX_LENGTH = 512
 
@@ -92,7 +90,7 @@ def load_lora_model(model_dir: str | Path, lora_settings: Any, adapter_dir: str 
                     dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Return ``(peft_model, tokenizer)``: the base model with a fresh LoRA adapter, or resumed from ``adapter_dir``.
 
-    ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``actors.feedback_models.LoraSettings``
+    ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``actors.learning.store.models.LoraSettings``
     or a mapping). When resuming, the saved ``adapter_config.json`` wins over ``lora_settings``.
     """
     from peft import PeftModel, get_peft_model
@@ -286,10 +284,6 @@ def sequence_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], comple
     return out
 
 
-def sequence_logprob(model: Any, tokenizer: Any, prompt: str, completion: str, *,
-                     max_length: int = DEFAULT_MAX_LENGTH) -> float:
-    """log π(completion | prompt): the sum of the completion tokens' log-probabilities given the prompt."""
-    return sequence_logprobs(model, tokenizer, [prompt], [completion], max_length=max_length)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,11 +343,6 @@ def dpo_step(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *, s
                      per_sample_loss=losses.detach().tolist(), reward_margin=float(logits.detach().mean()))
 
 
-def dpo_sample_losses(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *,
-                      max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
-    """Per-pair DPO loss without gradients: the alignment reward γ·L_DPO that MACE §4.1 adds to a sample's priority."""
-    logits, _ = _dpo_logits(model, tokenizer, batch, beta, max_length, grad=False)
-    return pair_losses(logits).tolist()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,28 +399,6 @@ def write_peft_adapter(model: Any, peft_name: str, out: str | Path) -> None:
     model.peft_config[peft_name].save_pretrained(str(out))
 
 
-def latest_version(root: str | Path, adapter_name: str, *,
-                   clean_temp_older_than_s: float | None = 60.0) -> tuple[int, Path] | None:
-    """The newest complete ``v<N>`` of an adapter on disk, or None; removes leftover temp dirs of crashed saves.
-
-    Only temp dirs older than ``clean_temp_older_than_s`` are removed (None: keep all), so a save in
-    progress in another process is not pulled from under it. Which version is *published* is the
-    FeedbackStore's business: resume from ``store.current_version(...)``, not from this.
-    """
-    base = Path(root) / adapter_name
-    if not base.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    now = time.time()
-    for entry in base.iterdir():
-        if entry.name.startswith(TEMP_PREFIX):
-            if clean_temp_older_than_s is not None and now - entry.stat().st_mtime >= clean_temp_older_than_s:
-                shutil.rmtree(entry, ignore_errors=True)
-            continue
-        m = VERSION_DIR_RE.match(entry.name)
-        if m and entry.is_dir() and is_complete_version(entry) and (best is None or int(m[1]) > best[0]):
-            best = (int(m[1]), entry)
-    return best
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """FullUnitLoop: trains the deployment's full unit (full_sft / full_dpo) from its feedback on node 0's pipeline stages and publishes each version.
 
-It runs as a thread of the Trainer actor (actors/trainer.py), beside the LoRA ranks. Each round:
-the store's full unit (at most one, actors/feedback_store.py) and its queue go to the unit's
+It runs as a thread of the Trainer actor (actors/learning/trainer.py), beside the LoRA ranks. Each round:
+the store's full unit (at most one, actors/learning/store/sqlite.py) and its queue go to the unit's
 retraining policy (planners/retraining.py, as for adapters: ``sync`` trains as soon as feedback is
 queued, ``periodic`` in windows, ``off`` never); a ``run`` takes up to ``micro_batch × accumulation``
-items, the :class:`~actors.pipeline.trainer.PipelineTrainer` trains ``steps_per_version`` steps on
+items, the :class:`~actors.learning.full.trainer.PipelineTrainer` trains ``steps_per_version`` steps on
 them with stage i in bundle i of node 0's replica placement group and writes ``<unit>/v<N>``
 atomically; then the store publishes the version and consumes exactly those items in one
 transaction (never before the files are complete), and the planner makes every node's engine
@@ -29,8 +29,8 @@ from typing import Any, Callable
 import ray
 
 from actors.config import AppConfig
-from actors.feedback_models import FULL_METHODS, FeedbackItem, VersionConflict
-from actors.pipeline.messages import PipelineSettings, TrainingSample
+from actors.learning.store.models import FULL_METHODS, FeedbackItem, VersionConflict
+from actors.learning.full.messages import PipelineSettings, TrainingSample
 from planners.retraining import RetrainingPolicy, RetrainingView, make_policy
 from planners.types import FullVersion
 
@@ -144,7 +144,7 @@ class FullUnitLoop:
         from ray._raylet import PlacementGroupID
         from ray.util.placement_group import PlacementGroup
 
-        from actors.pipeline.trainer import PipelineTrainer
+        from actors.learning.full.trainer import PipelineTrainer
 
         locations = ray.get(self.planner.node_locations.remote(), timeout=30)
         group = locations[0].placement_group_id if locations and locations[0].state == "ready" else None

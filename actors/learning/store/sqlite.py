@@ -40,7 +40,7 @@ invariants span the three tables (an item is consumed exactly when a published v
 on it; a version number is never reused; the current version moves only by publish, decide,
 promote or rollback), and each method is one transaction that keeps them. Splitting the class
 would split those invariants across files. What it accepts and returns is in
-``actors/feedback_models.py``.
+``actors/learning/store/models.py``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from actors.feedback_models import (
+from actors.learning.store.models import (
     AdapterExists,
     AdapterQuotaExceeded,
     AdapterInfo,

@@ -24,13 +24,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # same rule as actors.feedback_store
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # same rule as actors.learning.store.sqlite
 VERSION_DIR_RE = re.compile(r"^v(\d+)$")
 TEMP_PREFIX = ".tmp-"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 META_FILE = "meta.json"
-OPTIMIZER_FILE = "optimizer.pt"  # AdamW's state, to resume training from the version (actors/lora_training.py)
-CACHE_DIRNAME = "adapter-cache"  # under a node's data_dir: its copies of versions kept elsewhere (adapter_files.py)
+OPTIMIZER_FILE = "optimizer.pt"  # AdamW's state, to resume training from the version (actors/learning/lora/steps.py)
+CACHE_DIRNAME = "adapter-cache"  # under a node's data_dir: its copies of versions kept elsewhere (files.py)
 MAX_FILES = 16  # a version holds four files; anything else is not a version
 
 
@@ -209,16 +209,10 @@ def _under(root: str | Path, location: str) -> Path:
     return path
 
 
-def cache_dir_for(cache_root: str | Path, location: str, adapter: str, version: int) -> Path:
-    """Where a node keeps its copy of a version fetched from elsewhere (one per location, never reused)."""
-    import hashlib
-
-    tag = hashlib.sha256(location.encode()).hexdigest()[:12]
-    return Path(cache_root) / adapter / f"v{int(version)}-{tag}"
 
 
 # ----------------------------------------------------------------------------------------------
-# Full-model versions (actors/pipeline/): the same ``<root>/<unit>/v<N>`` layout and commit rule.
+# Full-model versions (actors/learning/full/): the same ``<root>/<unit>/v<N>`` layout and commit rule.
 
 FULL_WEIGHTS = "model.safetensors"
 FULL_FILES = (FULL_WEIGHTS, "config.json")

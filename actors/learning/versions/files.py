@@ -1,6 +1,6 @@
 """AdapterFiles: where a process on any node saves a new adapter version and finds a published one's files.
 
-No shared file system is assumed (actors/adapter_versions.py explains the two layouts). A version's
+No shared file system is assumed (actors/learning/versions/layout.py explains the two layouts). A version's
 location, as the store records it, is either a path under the feedback store's node's
 ``data_dir/adapters`` or a storage URI. A process on the store's node reads and writes that
 directory itself, as on a single host; one on another node sends a new version's files to the
@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from actors.adapter_versions import (
+from actors.learning.versions.layout import (
     CACHE_DIRNAME,
     cache_root_for,
     download_version,

@@ -63,10 +63,6 @@ def layer_compute_weights(dims: LlamaDims) -> list[int]:
     return [0, *([decoder_params(dims)] * dims.num_hidden_layers), 0, dims.vocab_size * dims.hidden_size]
 
 
-def total_params(dims: LlamaDims) -> int:
-    """The HF model's parameter count (a tied head shares the embedding's)."""
-    counts = layer_param_counts(dims)
-    return sum(counts) - (counts[-1] if dims.tie_word_embeddings else 0)
 
 
 def check_bounds(bounds: list[int], n_layers: int, stages: int) -> None:

@@ -118,7 +118,7 @@ class Trainer:
         self._lock = threading.RLock()  # methods run on the actor's thread pool (max_concurrency)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.full: Any = None  # FullUnitLoop (actors/full_training.py): the full unit, with cluster.stages > 1
+        self.full: Any = None  # FullUnitLoop (actors/learning/full/loop.py): the full unit, with cluster.stages > 1
         self._full_thread: threading.Thread | None = None
         self._regroup = False  # the ranks were stopped to start again where the nodes that train are now
         self.state = "idle"
@@ -157,7 +157,7 @@ class Trainer:
                 self._thread.start()
             if self.problem is None and self.cfg.cluster.stages > 1 and (
                     self._full_thread is None or not self._full_thread.is_alive()):
-                from actors.full_training import FullUnitLoop
+                from actors.learning.full.loop import FullUnitLoop
 
                 store = ray.get_actor(self.cfg.feedback_actor_name, namespace=self.namespace)
                 self.full = FullUnitLoop(self.cfg, self.planner, store, self._stop, self._error)
@@ -181,7 +181,7 @@ class Trainer:
             ray.kill(a)
 
     def stop(self) -> dict[str, Any]:
-        """Ask the drivers to finish (they see it within about a second); status at once."""
+        """Ask the drivers to finish (they see it within a few seconds); status at once."""
         self._stop.set()
         if self.state in ("starting", "running", "restarting"):
             self.state = "stopping"

@@ -2,7 +2,7 @@
 
 Plain pydantic models and functions, no SQLite: the HTTP layer (``deployments/learning.py``,
 ``deployments/openapi.py``) validates and documents requests with them, and
-``actors/feedback_store.py`` stores and returns them.
+``actors/learning/store/sqlite.py`` stores and returns them.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from actors.devices import torch_device, training_dtype
-from actors.lora_training import lora_config, seed_everything
+from actors.learning.lora.steps import lora_config, seed_everything
 
 
 @dataclass
@@ -94,7 +94,7 @@ class AdapterBank:
         return {name: s.version for name, s in self._slots.items()}
 
     def _load(self, adapter: str, lora: Any, version: int | None, path: str | None, learning_rate: float) -> _Slot:
-        from actors.lora_training import make_optimizer
+        from actors.learning.lora.steps import make_optimizer
 
         peft_name = f"{adapter}@{next(self._names)}"
         seed_everything(self.seed)  # a fresh LoRA's A matrices are the same on every rank

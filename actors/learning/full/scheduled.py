@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from actors.pipeline.messages import PipelineSettings, StageInfo, StageSetup, TokenBatch
+from actors.learning.full.messages import PipelineSettings, StageInfo, StageSetup, TokenBatch
 from planners.costs import CostModel, default_cost_model, fit_stage_latency
 from planners.memory import MemoryGuard
 from planners.pipeline import OpDone, PipelineTask, StageOp, StageScheduler, shared_lanes, split_lanes
@@ -89,7 +89,7 @@ class ScheduledPipeline:
             return self.info
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from actors.pipeline.stage import PipelineStage
+        from actors.learning.full.stage import PipelineStage
 
         ray.get(self.pg.ready(), timeout=PLACE_TIMEOUT_S)
         n = self.devices

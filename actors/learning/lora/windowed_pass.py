@@ -1,8 +1,8 @@
 """Token-level fine-tuning (FlexLLM §6.1): one LoRA training pass over a feedback item, run as token windows across grants.
 
-The trainer (``actors/train_worker.py``) runs :class:`WindowedPass` when the node scheduler grants
+A trainer rank (``actors/learning/lora/rank.py``) runs :class:`WindowedPass` when the node scheduler grants
 token windows instead of whole samples; it leaves the same gradient as ``sft_step`` / ``dpo_step``
-of ``actors/lora_training.py`` on the item:
+of ``actors/learning/lora/steps.py`` on the item:
 
     p = WindowedPass(model, tok, item, "dpo", beta=spec.beta, scale=1 / batch)  # length = item_length(...)
     p.forward(window.end)   # once per granted window, in order
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from actors.dpo_loss import pair_losses, reward_margin
-from actors.lora_training import DEFAULT_MAX_LENGTH, encode, model_mode, prompted_text
+from actors.learning.dpo_loss import pair_losses, reward_margin
+from actors.learning.lora.steps import DEFAULT_MAX_LENGTH, encode, model_mode, prompted_text
 
 WINDOW_METHODS = ("sft", "dpo")
 

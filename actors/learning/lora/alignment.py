@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from actors.lora_training import (DEFAULT_MAX_LENGTH, completion_logprobs, encode, model_mode, prompted_text,
+from actors.learning.lora.steps import (DEFAULT_MAX_LENGTH, completion_logprobs, encode, model_mode, prompted_text,
                                    sequence_logprobs)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.pipeline.layout import LlamaDims, layer_compute_weights, layer_names
+from actors.learning.full.layout import LlamaDims, layer_compute_weights, layer_names
 
 TIED_KEY = "embed"
 EMBED = "model.embed_tokens.weight"
