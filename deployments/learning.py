@@ -1,6 +1,6 @@
 """HTTP routes for learning: adapters (create, list, show, change, roll back, promote), feedback and ``/metrics``.
 
-Bodies go to the feedback store's own validation (actors/feedback_store.py) through the one actor
+Bodies go to the feedback store's own validation (actors/learning/store/sqlite.py) through the one actor
 that owns it; each kind of its errors maps to one HTTP status here, and a 2xx on feedback means the whole batch
 is durably stored.
 
@@ -26,8 +26,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from actors.config import AppConfig
 from actors.default_model import model_path
 from actors.engine_args import served_model_name
-from actors.lora_targets import lora_targetable_modules, short_names, unknown_targets
-from actors.feedback_models import (
+from actors.learning.lora.targets import lora_targetable_modules, short_names, unknown_targets
+from actors.learning.store.models import (
     ADAPTER_NAME_RE,
     ALL_LINEAR,
     FULL_METHODS,
@@ -235,7 +235,7 @@ class LearningRoutes:
 
     async def _check_lora(self, spec: AdapterSpec) -> None:
         """400 for LoRA settings the engine cannot serve: a rank over ``engine.max_lora_rank``, or a target
-        module the served model does not have (checked as peft matches names: actors/lora_targets.py)."""
+        module the served model does not have (checked as peft matches names: actors/learning/lora/targets.py)."""
         limit, lora = self.cfg.engine.max_lora_rank, spec.lora
         if lora.r > limit:
             raise BadRequest(f"lora.r={lora.r} exceeds the engine's max_lora_rank={limit}", "lora.r")

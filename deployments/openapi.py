@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.feedback_models import (
+from actors.learning.store.models import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     AdapterSpec,
     GateOverrides,

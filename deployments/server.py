@@ -30,7 +30,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
-from actors.adapter_files import AdapterFiles
+from actors.learning.versions.files import AdapterFiles
 from actors.planner import NAMESPACE
 from actors.replica import TASK_ID, ModelReplica
 from actors.config import AppConfig
