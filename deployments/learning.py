@@ -337,7 +337,7 @@ class LearningRoutes:
             await self._tell_planner(what, lambda p: p.load_full.remote(full))
         elif info.method not in FULL_METHODS and target is not None:
             nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
-            await self._tell_planner(what, lambda p: p.load_adapter.remote(name, version, target.path, nodes, True))
+            await self._tell_planner(what, lambda p: p.load_adapter.remote(name, nodes))
         return JSONResponse(self._adapter_json(info, self.base))
 
     async def metrics(self) -> Response:

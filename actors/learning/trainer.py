@@ -267,7 +267,18 @@ class Trainer:
                        for d in drivers]
             for th in threads:
                 th.start()
-            ended.wait()
+            # A rank that dies (killed, its replica's group removed, a regroup) ends the group at once, even while
+            # the drivers are idle and call no rank: each rank holds one call open until it dies.
+            watches = [a.watch.remote() for a in ranks]
+            while not ended.is_set():
+                done, _ = ray.wait(watches, num_returns=1, timeout=1.0)
+                if done:
+                    try:
+                        ray.get(done[0])
+                        failures.append(RuntimeError("a trainer rank's watch returned"))
+                    except Exception as exc:  # noqa: BLE001 - the rank died: the supervisor restarts the group
+                        failures.append(exc)
+                    break
         finally:
             ended.set()
             for a in ranks:

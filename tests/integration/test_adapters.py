@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -47,7 +48,7 @@ def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_
         return v, path
 
     v1, p1 = publish(1)
-    res = ray.get(planner.load_adapter.remote(name, v1, p1))
+    res = ray.get(planner.load_adapter.remote(name))
     assert (res.model, res.version, res.nodes) == (f"{MODEL}:{name}", v1, (0, 1))
 
     ids = [m["id"] for m in httpx.get(f"{app_url}/v1/models").json()["data"]]
@@ -60,7 +61,7 @@ def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_
     assert greedy(app_url, MODEL).json()["choices"][0]["text"] == base_text  # base unaffected
 
     v2, p2 = publish(2)
-    ray.get(planner.load_adapter.remote(name, v2, p2))
+    ray.get(planner.load_adapter.remote(name))
     r = greedy(app_url, f"{MODEL}:{name}")
     assert r.json()["model"] == f"{MODEL}:{name}"
     assert r.json()["choices"][0]["text"] != text_v1
@@ -68,15 +69,20 @@ def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_
     assert [n["adapters"].get(f"{MODEL}:{name}") for n in nodes] == [v2] * 2
 
     # A late push of an older version changes nothing: the store says v2.
-    ray.get(planner.load_adapter.remote(name, v1, p1))
+    ray.get(planner.load_adapter.remote(name))
     assert greedy(app_url, f"{MODEL}:{name}").json()["choices"][0]["text"] != text_v1
     # A rollback in the store, then any push: the nodes serve what the store says, v1.
     ray.get(store.rollback.remote(name, v1))
-    ray.get(planner.load_adapter.remote(name, v2, p2))
+    ray.get(planner.load_adapter.remote(name))
     assert greedy(app_url, f"{MODEL}:{name}").json()["choices"][0]["text"] == text_v1
 
-    ray.get(planner.unload_adapter.remote(name))
-    assert greedy(app_url, f"{MODEL}:{name}").status_code == 404
+    # Nobody tells the planner: it follows the store's served versions by itself (a long poll on the store).
+    v3, _ = publish(3)
+    deadline = time.time() + 15
+    while [n["adapters"].get(f"{MODEL}:{name}") for n in httpx.get(f"{app_url}/v1/status").json()["nodes"]] != [v3] * 2:
+        assert time.time() < deadline, "the nodes did not follow the store's publish"
+        time.sleep(0.2)
+
     ray.get(store.update_adapter.remote(name, {"mode": "off"}))
 
 
@@ -97,7 +103,7 @@ def test_what_nodes_serve_always_agrees_with_the_store(app_url, planner, data_di
     for _ in range(3):
         v = ray.get(store.reserve_version.remote(name)).version
         ray.get(store.publish_version.remote(name, v, path, [], 1, 0.0))
-    ray.get(planner.load_adapter.remote(name, 3, path))
+    ray.get(planner.load_adapter.remote(name))
 
     def promote(version: int) -> int:
         return httpx.post(f"{app_url}/v1/adapters/{name}/promote", json={"version": version}, timeout=120).status_code
@@ -125,12 +131,11 @@ def test_what_nodes_serve_always_agrees_with_the_store(app_url, planner, data_di
         except Exception:  # the rollback committed first: the trainer's publish is refused (VersionConflict)
             pass
         assert rolled.result() == 200
-        ray.get(planner.load_adapter.remote(name, v4, path))  # the trainer's push, after the rollback
+        ray.get(planner.load_adapter.remote(name))  # the trainer's push, after the rollback
         current, served = agree()
         assert served == [current] * len(served) and current in (1, v4), (current, served)
         if current == v4:  # the publish committed after the rollback: roll back again, then the late push
             assert httpx.post(f"{app_url}/v1/adapters/{name}/rollback", json={"version": 1}).status_code == 200
-            ray.get(planner.load_adapter.remote(name, v4, path))
+            ray.get(planner.load_adapter.remote(name))
             current, served = agree()
             assert current == 1 and served == [1] * len(served), (current, served)
-    ray.get(planner.unload_adapter.remote(name))

@@ -59,6 +59,21 @@ def test_the_app_serves_the_real_model_and_it_answers_correctly(sft_url):
     assert len(hello.split()) >= 2, hello  # real words, not token 0 repeated (empty text)
 
 
+def test_the_readmes_first_curl_answers_paris_every_time(sft_url):
+    """The README's first request, unchanged (no temperature): the model card's sampling defaults apply."""
+    import json
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    body = json.loads(re.search(r"curl -s localhost:8000/v1/chat/completions .*?-d '(\{.*?\})'", readme,
+                                re.S).group(1))
+    assert "temperature" not in body and body["model"] == MODEL
+    answers = [httpx.post(f"{sft_url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+               ["content"] for _ in range(5)]
+    assert all("Paris" in a for a in answers), answers
+
+
 def test_chat_feedback_teaches_a_visible_behaviour_and_keeps_facts(sft_url, shared_data):
     prompts = load_prompts(shared_data / "prompts" / "sharegpt_sample.jsonl", 24 + 12)
     res = run(sft_url, prompts, 24, learning_rate=3e-3, epochs=2, timeout_s=600, log=lambda *_: None)

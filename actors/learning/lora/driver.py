@@ -28,6 +28,10 @@ run its windows, save or score it answers with the fault (or its call raises it)
 pauses that adapter with the error as its reason, drops its unpublished work on every rank and
 goes on with the others. The store or planner being away, a rank dying or a failed collective are
 not the adapter's: the driver returns with the error and the Trainer starts the ranks again.
+
+Why one module of about 550 lines: the phases above share one state (what the ranks hold, the
+unpublished version's items and counters, CheckEnd's verdicts), as the old rank loop did; the
+gate is apart (``evaluator.py``), and so are the messages and the rank.
 """
 
 from __future__ import annotations
@@ -480,7 +484,7 @@ class LoraDriver:
             breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
             self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown, candidate=True))
             return v.version, path, True
-        self.load_on_replicas(adapter, v.version, path)
+        self.load_on_replicas(adapter)
         now = time.time()
         marks.append(now)
         breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
@@ -488,11 +492,12 @@ class LoraDriver:
                                                tuple(round(now - c, 3) for c in created)))
         return v.version, path, False
 
-    def load_on_replicas(self, adapter: str, version: int, path: str) -> None:
-        """Tell the planner the store serves ``version`` now; it loads what the store says on the replicas."""
+    def load_on_replicas(self, adapter: str) -> None:
+        """The store serves a new version of ``adapter``: wait until the replicas serve what the store says (the
+        planner follows the store anyway; waiting here makes the freshness figures mean "served")."""
         try:
             nodes = [self.node_id] if self.per_node else None  # per_node: only this node serves its copy
-            ray.get(self.planner.load_adapter.remote(adapter, version, path, nodes), timeout=LOAD_TIMEOUT_S)
+            ray.get(self.planner.load_adapter.remote(adapter, nodes), timeout=LOAD_TIMEOUT_S)
         except Exception as exc:  # published in the store; the planner restores it on restart
             self._warn("load_adapter", exc)
 

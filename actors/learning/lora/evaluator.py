@@ -194,7 +194,7 @@ class VersionEvaluator:
         w.specs.pop(adapter, None)  # a pause the verdict caused takes effect at the next plan
         freshness: list[float] = []
         if decided.state == "served":
-            w.load_on_replicas(adapter, version, path)
+            w.load_on_replicas(adapter)
             now = time.time()
             freshness = [round(now - c, 3) for c in job.created]
         w._report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,

@@ -115,6 +115,12 @@ class TrainRank:
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=self.world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
 
+    def watch(self) -> None:
+        """Never returns: the Trainer holds this call open and learns at once when the rank dies."""
+        import threading
+
+        threading.Event().wait()
+
     def start(self) -> RankStarted:
         """Load the node's base model (built or fetched on this host); say where this rank runs."""
         import torch

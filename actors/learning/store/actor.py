@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any, Iterable
 
 import ray
@@ -45,7 +46,7 @@ from actors.learning.versions.layout import (
     write_version_files,
 )
 from actors.config import AppConfig
-from actors.learning.store.models import FeedbackReceipt
+from actors.learning.store.models import FeedbackReceipt, ServedState
 from actors.learning.store.sqlite import IDEMPOTENCY_TTL_S, FeedbackStore
 
 logger = logging.getLogger(__name__)
@@ -81,16 +82,23 @@ class FeedbackQueue:
         self.cache_root = self.data_dir / CACHE_DIRNAME  # this node's copies of versions kept at a URI
         self._settings = settings_key(config)
         self._changes = 0  # raised by every write that can give the trainer work (see wait_for_change)
+        # Raised by every write that can change what is served (see served_versions). It starts at the clock
+        # (µs), so it never goes back across a restart of this actor and a follower's old number is stale.
+        self._served_change = time.time_ns() // 1000
         self._changed: asyncio.Condition | None = None
 
     async def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(getattr(self.store, method), *args, **kwargs)
 
-    async def _run_and_notify(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _run_and_notify(self, method: str, *args: Any, serves: bool = False, work: bool = True,
+                              **kwargs: Any) -> Any:
+        """Run a write and wake the long polls: ``work``, it can give the trainer work (new feedback, a changed
+        adapter); ``serves``, it can change what is served (a publish, a verdict, a rollback, a promotion)."""
         try:
             return await self._run(method, *args, **kwargs)
         finally:
-            self._changes += 1
+            self._changes += int(work)
+            self._served_change += int(serves)
             async with self._condition():
                 self._condition().notify_all()
 
@@ -124,6 +132,19 @@ class FeedbackQueue:
             except asyncio.TimeoutError:
                 pass
         return self._changes
+
+    async def served_versions(self, seen: int, timeout_s: float) -> ServedState:
+        """Every adapter's served versions once the served-change number differs from ``seen`` (or after
+        ``timeout_s``): the long poll the planner follows, so what the replicas serve is read from here,
+        never pushed as a copy."""
+        cond = self._condition()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self._served_change != seen), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            change = self._served_change
+        return ServedState(change, await self._run("served"))
 
     @ray.method(max_task_retries=0)  # not idempotent: see the module docstring
     async def create_adapter(self, spec: dict[str, Any]):
@@ -175,8 +196,8 @@ class FeedbackQueue:
 
     async def publish_version(self, adapter: str, version: int, path: str, item_ids: Iterable[int],
                               samples_trained: int, loss: float | None, **kwargs: Any):
-        published = await self._run("publish_version", adapter, version, path, list(item_ids), samples_trained,
-                                    loss, **kwargs)
+        published = await self._run_and_notify("publish_version", adapter, version, path, list(item_ids),
+                                               samples_trained, loss, serves=True, work=False, **kwargs)
         await self._prune_quietly(adapter)
         return published
 
@@ -184,14 +205,14 @@ class FeedbackQueue:
         return await self._run("record_eval", adapter, version, win_rate, clpd)
 
     async def rollback(self, adapter: str, version: int):
-        return await self._run_and_notify("rollback", adapter, version)
+        return await self._run_and_notify("rollback", adapter, version, serves=True)
 
     async def promote(self, adapter: str, version: int):
-        return await self._run_and_notify("promote", adapter, version)
+        return await self._run_and_notify("promote", adapter, version, serves=True)
 
     async def decide_version(self, adapter: str, version: int, **verdict: Any):
         # Notifies: a decision lets the trainer go on with that adapter (or stop it, when it pauses).
-        decided = await self._run_and_notify("decide_version", adapter, version, **verdict)
+        decided = await self._run_and_notify("decide_version", adapter, version, serves=True, **verdict)
         await self._prune_quietly(adapter)
         return decided
 

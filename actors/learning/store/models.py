@@ -336,6 +336,31 @@ class AdapterInfo(AdapterSpec):
 
 
 @dataclass(frozen=True, slots=True)
+class ServedVersion:
+    """A version a node must serve, and where its files are."""
+
+    version: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServedAdapter:
+    """What the store says an adapter serves: its current version (synced) and each node's (per_node)."""
+
+    method: str
+    current: ServedVersion | None
+    nodes: dict[int, ServedVersion]
+
+
+@dataclass(frozen=True, slots=True)
+class ServedState:
+    """Every adapter's served versions as of the store's served-change number ``change`` (the planner follows it)."""
+
+    change: int
+    adapters: dict[str, ServedAdapter]
+
+
+@dataclass(frozen=True, slots=True)
 class FeedbackReceipt:
     """What storing a feedback batch gave: the ids in item order, and whether they are the stored answer
     of an earlier request with the same idempotency key (then nothing new was stored)."""

@@ -80,6 +80,8 @@ from actors.learning.store.models import (
     PeriodicSettings,
     PreferenceItem,
     SFTItem,
+    ServedAdapter,
+    ServedVersion,
     StoreError,
     UnknownAdapter,
     UnknownItem,
@@ -857,6 +859,22 @@ class FeedbackStore:
         with self._tx(write=False) as db:
             current = self._current(db, adapter, node)
             return None if current is None else self._version(db, adapter, current)
+
+    def served(self) -> dict[str, ServedAdapter]:
+        """Every adapter's served version and, in scope ``per_node``, each node's: one read, for the planner to follow."""
+        with self._tx(write=False) as db:
+            current = db.execute(
+                "SELECT a.name, a.method, a.current_version, v.path FROM adapters a LEFT JOIN versions v "
+                "ON v.adapter = a.name AND v.version = a.current_version").fetchall()
+            heads = db.execute(
+                "SELECT h.adapter, h.node, h.version, v.path FROM node_heads h JOIN versions v "
+                "ON v.adapter = h.adapter AND v.version = h.version WHERE v.path IS NOT NULL").fetchall()
+        nodes: dict[str, dict[int, ServedVersion]] = {}
+        for adapter, node, version, path in heads:
+            nodes.setdefault(adapter, {})[node] = ServedVersion(version, path)
+        return {name: ServedAdapter(method, ServedVersion(version, path) if version is not None and path else None,
+                                    nodes.get(name, {}))
+                for name, method, version, path in current}
 
     def get_version(self, adapter: str, version: int) -> VersionInfo:
         """One version (published or only reserved); :class:`UnknownVersion` (404)."""
