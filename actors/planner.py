@@ -105,6 +105,7 @@ class _Node:
     busy_seconds: float = 0.0
     reported_at: float = 0.0
     prefix_cache: tuple[int, int] = (0, 0)  # (queried, hit) prompt tokens of this replica's engine
+    engine_metrics: str = ""  # vLLM's Prometheus series of the replica's engine, as it last sent them
     adapters: dict[str, int] = field(default_factory=dict)  # "base:adapter" -> version, as the node confirmed
     full: FullSynced | None = None  # the full-model version the node's engine computes with, as it confirmed
     confirmed_epoch: int = -1
@@ -357,6 +358,8 @@ class Planner:
         node.received, node.finished, node.in_flight = report.received, report.finished, report.in_flight
         node.busy_seconds, node.reported_at = report.busy_seconds, report.at
         node.prefix_cache = (report.prefix_cache_queries, report.prefix_cache_hits)
+        if report.engine_metrics is not None:
+            node.engine_metrics = report.engine_metrics
         if report.engine is not None:
             node.facts = report.engine
             if self._reported is not None:
@@ -394,6 +397,10 @@ class Planner:
     async def models(self) -> ServedModels:
         return ServedModels(self.served_name, str(self.model_dir), self.max_model_len,
                             tuple(sorted(m for m in self.known_models() if m != self.served_name)))
+
+    async def engine_metrics(self) -> dict[int, str]:
+        """Each ready node's vLLM Prometheus series as its replica last sent them (for ``/metrics``)."""
+        return {n.node_id: n.engine_metrics for n in self.nodes if n.state == "ready" and n.engine_metrics}
 
     async def node_replicas(self) -> dict[int, str | None]:
         """Each node's replica as its Serve actor name (namespace ``serve``), None while it starts."""

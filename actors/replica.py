@@ -50,6 +50,7 @@ router plans the request under the same id, so its trace calibrates that plan (L
 
 ASSIGNMENT_POLL_S = 30.0  # the planner answers an adapter long poll at least this often
 HEARTBEAT_S = 5.0  # an idle replica still reports this often, so a restarted planner finds it
+ENGINE_METRICS_S = 5.0  # vLLM's own Prometheus series go to the planner at most this often (for /metrics)
 RETRY_S = 1.0
 
 
@@ -74,6 +75,7 @@ class ModelReplica:
         self._received = self._finished = 0
         self._reported_finished = 0
         self._facts_reported = True
+        self._metrics_sent = float("-inf")  # when vLLM's series last went to the planner
         self._busy_since: float | None = None
         self._busy_total = 0.0
         self._adapters: dict[str, dict[str, Any]] = {}  # "base:adapter" -> {version, lora_id, path}
@@ -233,11 +235,15 @@ class ModelReplica:
         traces, self._traces = self._traces, []
         self._reported_finished = self._finished
         self._facts_reported = not self._live
+        metrics = None
+        if time.monotonic() - self._metrics_sent >= ENGINE_METRICS_S or not self._live:
+            self._metrics_sent = time.monotonic()
+            metrics = engine_metrics_text()
         return NodeReport(node_id=self.node_id, traces=tuple(traces), received=self._received,
                           finished=self._finished, in_flight=len(self._live), busy_seconds=self._busy_seconds(),
                           engine=self.facts(), at=time.time(),
                           prefix_cache_queries=getattr(self._stats, "prefix_cache_queries", 0),
-                          prefix_cache_hits=getattr(self._stats, "prefix_cache_hits", 0))
+                          prefix_cache_hits=getattr(self._stats, "prefix_cache_hits", 0), engine_metrics=metrics)
 
     # ---- profiling -------------------------------------------------------------------------
 
@@ -513,6 +519,20 @@ async def _retry(call: Callable[[], Any], what: str, attempts: int = 120) -> Any
                 logger.warning("%s failed (%s: %s); retrying", what, type(exc).__name__, exc)
             await asyncio.sleep(RETRY_S)
     raise AssertionError("unreachable")
+
+
+def engine_metrics_text() -> str:
+    """The ``vllm:`` series of this process's Prometheus registry: what vLLM's ``PrometheusStatLogger`` (which
+    ``AsyncLLM`` adds by default) keeps of this node's engine (TTFT, inter-token and end-to-end latency, queue
+    time, running and waiting requests, KV-cache usage, prefix-cache hits), as exposition text."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    keep = []
+    for line in generate_latest(REGISTRY).decode().splitlines():
+        name = line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line
+        if name.startswith("vllm:"):
+            keep.append(line)
+    return "\n".join(keep) + "\n" if keep else ""
 
 
 def _engine_stats_logger(replica: ModelReplica) -> Any:

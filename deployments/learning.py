@@ -344,8 +344,9 @@ class LearningRoutes:
         from deployments.metrics import CONTENT_TYPE_LATEST, render
 
         status = await self.ask_planner(lambda p: p.status.remote())
+        engines = await self.ask_planner(lambda p: p.engine_metrics.remote())
         adapters = [a.model_dump() for a in await self._store(lambda q: q.list_adapters.remote())]
-        return Response(render(status, adapters), media_type=CONTENT_TYPE_LATEST)
+        return Response(render(status, adapters, engines), media_type=CONTENT_TYPE_LATEST)
 
     async def feedback(self, request: Request) -> Response:
         """Store a batch of feedback items; 202 ``{"ids", "accepted"}`` once every item is durable.

@@ -15,9 +15,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 __all__ = ["render", "CONTENT_TYPE_LATEST"]
 
 
-def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]]) -> bytes:
-    """The Prometheus text exposition of ``status`` (Planner.status) and ``adapters`` (store infos)."""
+def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: dict[int, str] | None = None) -> bytes:
+    """The Prometheus text exposition of ``status`` (Planner.status), ``adapters`` (store infos) and ``engines``
+    (each node's vLLM series, as its ``PrometheusStatLogger`` exposes them), the latter with a ``node`` label."""
     reg = CollectorRegistry()
+    if engines:
+        reg.register(_Families(engine_families(engines)))
     node = ("node",)
     ready = Gauge("coserve_node_ready", "1 if the node's replica serves requests", node, registry=reg)
     in_flight = Gauge("coserve_node_in_flight", "requests placed on the node and not finished", node, registry=reg)
@@ -83,6 +86,21 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]]) -> bytes:
             if current.get(key) is not None:
                 gauge.labels(name).set(current[key])
     return generate_latest(reg)
+
+
+def engine_families(engines: dict[int, str]) -> list[Any]:
+    """Every node's vLLM families merged by name, each sample labelled with its ``node`` (values as vLLM has them)."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    merged: dict[str, Any] = {}
+    for node, text in sorted(engines.items()):
+        for family in text_string_to_metric_families(text):
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                         family.unit))
+            for sample in family.samples:
+                into.add_sample(sample.name, {**sample.labels, "node": str(node)}, sample.value, sample.timestamp)
+    return list(merged.values())
 
 
 class _Families:

@@ -98,6 +98,9 @@ class NodeReport:
     """Prompt tokens the engine looked up in its prefix cache since the replica started (vLLM's PrefixCacheStats)."""
     prefix_cache_hits: int = 0
     """Of those, the tokens it found cached: with per-tenant cache salts, only the same tenant's prefixes."""
+    engine_metrics: str | None = None
+    """vLLM's own Prometheus series of the node's engine (its ``PrometheusStatLogger``), as exposition text,
+    every few seconds; None: unchanged since the last one sent."""
 
 
 @dataclass(frozen=True)

@@ -157,3 +157,9 @@ def test_prometheus_metrics_endpoint(app_url, adapter):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert 'coserve_node_ready{node="0"} 1.0' in r.text
     assert f'coserve_adapter_queued{{adapter="{adapter}"}}' in r.text
+    # vLLM's own engine series, one set per node (its PrometheusStatLogger's, labelled by node here).
+    for node in ("0", "1"):
+        for series in ("vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                       "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            assert any(line.startswith(series + "{") and f'node="{node}"' in line for line in r.text.splitlines()), \
+                (series, node)

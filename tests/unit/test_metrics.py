@@ -23,3 +23,24 @@ def test_metrics_render_nodes_and_the_current_adapter_version():
     assert 'coserve_adapter_clpd{adapter="acme"} 3.5' in text
     assert 'coserve_adapter_queued{adapter="fresh"} 5.0' in text
     assert 'coserve_adapter_win_rate{adapter="fresh"}' not in text
+
+
+def test_each_nodes_vllm_series_are_exposed_with_its_node_label():
+    """vLLM's own series (as its PrometheusStatLogger writes them) come out per node, values unchanged."""
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+    def node_text(waiting: int, ttft: float) -> str:
+        reg = CollectorRegistry()
+        Gauge("vllm:num_requests_waiting", "waiting", ["model_name"], registry=reg).labels("m").set(waiting)
+        Histogram("vllm:time_to_first_token_seconds", "ttft", ["model_name"], buckets=(0.1, 1.0),
+                  registry=reg).labels("m").observe(ttft)
+        return generate_latest(reg).decode()
+
+    text = render({"nodes": []}, [], {0: node_text(3, 0.05), 1: node_text(0, 0.5)}).decode()
+    lines = text.splitlines()
+    assert 'vllm:num_requests_waiting{model_name="m",node="0"} 3.0' in lines
+    assert 'vllm:num_requests_waiting{model_name="m",node="1"} 0.0' in lines
+    assert 'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m",node="0"} 1.0' in lines
+    assert 'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m",node="1"} 0.0' in lines
+    assert 'vllm:time_to_first_token_seconds_count{model_name="m",node="1"} 1.0' in lines
+    assert sum(line.startswith("# TYPE vllm:time_to_first_token_seconds ") for line in lines) == 1  # merged
