@@ -185,18 +185,12 @@ class ModelServer:
             return JSONResponse({"object": "list", "data": cards})
 
         async def health() -> JSONResponse:
-            try:
-                status = await call(lambda p: p.status.remote())
-            except ServiceUnavailable:
-                # The planner is restarting, but this node serves (its engine answered Serve's health
-                # check): requests do not wait on the planner, so neither does the health answer.
-                await self.replica.check_health()
-                return JSONResponse({"status": "ok", "ready_nodes": None, "planner": "restarting"})
-            # A new planner counts this node ready only once it re-registered; the node serving this
-            # answer is ready either way.
-            ok = status["ready_nodes"] > 0 or await self._engine_healthy()
-            return JSONResponse({"status": "ok" if ok else "unavailable", "ready_nodes": status["ready_nodes"]},
-                                status_code=200 if ok else 503)
+            # From what this replica holds, never a call to the planner or the trainer per request: a load
+            # balancer's probes must cost the engine nothing, and must not fail while the planner restarts.
+            # The node answering is the one HAProxy sent the probe to; it serves iff its engine is healthy.
+            if await self._engine_healthy():
+                return JSONResponse({"status": "ok", "node": self.node_id})
+            return JSONResponse({"status": "unavailable", "node": self.node_id}, status_code=503)
 
         async def status() -> JSONResponse:
             return JSONResponse(await call(lambda p: p.status.remote()))
