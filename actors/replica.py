@@ -38,6 +38,7 @@ from actors.engine_weights import (
 )
 from actors.learning.versions.fit import misfit, write_zero_lora
 from actors.learning.lora.targets import module_shapes
+from actors import request_stages
 from planners.coserving import EngineFacts, LiveRequest
 from planners.types import (AdapterAssignment, AdapterLoadFailed, ExecutionTrace, FullSynced, FullVersion,
                             NodeRegistration, NodeReport)
@@ -452,11 +453,13 @@ class ModelReplica:
                 prompt_tokens = len(prompt.get("prompt_token_ids") or ())
             max_tokens = getattr(params, "max_tokens", None) or max(1, replica.max_model_len - prompt_tokens)
             live = replica._begin(engine_id, prompt_tokens, arrival, max_tokens)
+            request_stages.mark("engine")
             try:
                 async for out in generate(*args, **kwargs):
                     n = sum(len(c.token_ids) for c in out.outputs)
                     if n and first is None:
                         first = time.time()
+                        request_stages.mark("first_token")
                     out_tokens = n if cumulative else out_tokens + n
                     prompt_tokens = len(out.prompt_token_ids or ())
                     live[0], live[1] = prompt_tokens, out_tokens
@@ -524,13 +527,14 @@ async def _retry(call: Callable[[], Any], what: str, attempts: int = 120) -> Any
 def engine_metrics_text() -> str:
     """The ``vllm:`` series of this process's Prometheus registry: what vLLM's ``PrometheusStatLogger`` (which
     ``AsyncLLM`` adds by default) keeps of this node's engine (TTFT, inter-token and end-to-end latency, queue
-    time, running and waiting requests, KV-cache usage, prefix-cache hits), as exposition text."""
+    time, running and waiting requests, KV-cache usage, prefix-cache hits), and the app's per-stage request
+    histograms (actors/request_stages.py), as exposition text."""
     from prometheus_client import REGISTRY, generate_latest
 
     keep = []
     for line in generate_latest(REGISTRY).decode().splitlines():
         name = line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line
-        if name.startswith("vllm:"):
+        if name.startswith(("vllm:", "coserve_request_stage_seconds")):
             keep.append(line)
     return "\n".join(keep) + "\n" if keep else ""
 

@@ -18,6 +18,7 @@ import json
 import time
 from typing import Any
 
+from actors import request_stages
 from actors.config import LimitsConfig
 from actors.keys import LOCAL, KeyRing, Principal
 
@@ -102,6 +103,7 @@ class RequestGuard:
                     return
                 receive = _replay(body, receive)
             PRINCIPAL.set(principal)
+            request_stages.mark("guard")
             await self.app(scope, receive, send)
         finally:
             if self.keys.enabled and self.limits.max_concurrent is not None:

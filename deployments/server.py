@@ -30,6 +30,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
+from actors import request_stages
 from actors.learning.versions.files import AdapterFiles
 from actors.planner import NAMESPACE
 from actors.replica import TASK_ID, ModelReplica
@@ -51,6 +52,30 @@ PLANNER = "planner"  # the deployment-scoped actor's name
 # /metrics are the app's own (they span every node and show the planner's and adapters' facts).
 VLLM_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/ping", "/version",
                          "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class StageStamps:
+    """Pure ASGI, outermost: an inference request's arrival at the replica, and its first body bytes sent
+    (actors/request_stages.py); the layers between stamp their own stages."""
+
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if scope["type"] != "http" or (path[len(root):] if root and path.startswith(root) else path) not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        stamps = request_stages.begin()
+
+        async def stamped_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                stamps.mark("first_byte")
+            await send(message)
+
+        await self.app(scope, receive, stamped_send)
 
 
 class TaskIdMiddleware:
@@ -163,8 +188,9 @@ class ModelServer:
         app.add_middleware(TaskIdMiddleware)
         if self.cfg.ingress.stream_batching_ms > 0:
             app.add_middleware(CoalesceEventStreams, interval_s=self.cfg.ingress.stream_batching_ms / 1000)
-        # Outermost: nothing runs for a request without a key, over its limits, or with a body over the cap.
+        # Nothing runs for a request without a key, over its limits, or with a body over the cap.
         app.add_middleware(RequestGuard, keys=self.keys, limits=self.cfg.limits)
+        app.add_middleware(StageStamps)  # outermost: the request's arrival at the replica
         return app
 
     def _install_routes(self, app: FastAPI) -> None:
@@ -259,6 +285,7 @@ class ModelServer:
                         "LoRA is enabled (vLLM #16668).", param="prompt_logprobs")
                 # Never the client's: a chosen salt could probe another tenant's cached prefixes.
                 request.cache_salt = PRINCIPAL.get().cache_salt
+                request_stages.mark("checked")
                 return await create(request, raw_request)
             return create_checked
 

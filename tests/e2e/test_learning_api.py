@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -157,9 +158,27 @@ def test_prometheus_metrics_endpoint(app_url, adapter):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert 'coserve_node_ready{node="0"} 1.0' in r.text
     assert f'coserve_adapter_queued{{adapter="{adapter}"}}' in r.text
-    # vLLM's own engine series, one set per node (its PrometheusStatLogger's, labelled by node here).
-    for node in ("0", "1"):
-        for series in ("vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
-                       "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-            assert any(line.startswith(series + "{") and f'node="{node}"' in line for line in r.text.splitlines()), \
-                (series, node)
+    # vLLM's own engine series and the app's stamps through the serving path, one set per node. Requests on
+    # both nodes (round robin), then the nodes' next reports bring the series (every 5 s at most).
+    for i in range(4):
+        assert httpx.post(f"{app_url}/v1/completions", json={"model": "tiny-llama", "prompt": f"metrics {i}",
+                                                             "max_tokens": 2}, timeout=60).status_code == 200
+
+    def missing(text: str) -> list[tuple[str, str]]:
+        lines = text.splitlines()
+        present = ["vllm:time_to_first_token_seconds_bucket{", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{"]
+        counted = ["vllm:e2e_request_latency_seconds_count{", "vllm:request_queue_time_seconds_count{"]
+        counted += [f'coserve_request_stage_seconds_count{{|stage="{s}"'
+                    for s in ("guard", "checked", "engine", "first_token", "first_byte")]
+
+        def seen(series: str, node: str, nonzero: bool) -> bool:
+            name, _, label = series.partition("|")  # labels come sorted: match the stage anywhere in them
+            return any(line.startswith(name) and label in line and f'node="{node}"' in line
+                       and (not nonzero or float(line.rsplit(" ", 1)[1]) > 0) for line in lines)
+
+        return [(s, node) for node in ("0", "1") for s in present + counted if not seen(s, node, s in counted)]
+
+    deadline = time.time() + 30
+    while (gone := missing(httpx.get(f"{app_url}/metrics").text)) and time.time() < deadline:
+        time.sleep(1)
+    assert not gone, gone

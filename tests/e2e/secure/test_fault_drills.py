@@ -40,7 +40,7 @@ def drilled(secure_app, served_adapter) -> dict:
 
 def _drill(d: dict, target: str, kill) -> dict:
     r = drill(target, kill, d["prober"], url=d["url"], headers=d["headers"], model=BASE, adapter=ADAPTER,
-              store_name=d["store"], adapters_root=d["adapters_root"], settle_s=3.0)
+              store_name=d["store"], adapters_root=d["adapters_root"], settle_s=2.0)
     print(r)
     assert r.acked > 0 and r.lost == 0, r
     assert r.half_written == 0, r
