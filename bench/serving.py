@@ -10,7 +10,8 @@ The three systems (each started in its own session, always stopped, even on fail
   ``--config`` (default ``configs/default.yaml``) gets (``actors.engine_args.engine_flags``).
 - **ours**: this app, started the way ``make serve`` starts it: ``python -m app.serve_env
   <venv>/bin/serve run --address local <copy of --config>`` (the copy gets port ``--port-ours``,
-  host 127.0.0.1, ``--data-dir``, ``--dtype`` if given and ``cluster.nodes = --nodes``).
+  host 127.0.0.1, a fresh ``data_dir`` under the work dir with the models linked from ``--data-dir``
+  (``--reuse-data-dir``: that directory itself), ``--dtype`` if given and ``cluster.nodes = --nodes``).
 - **rayllm**: Ray Serve LLM (``ray.serve.llm.build_openai_app``, ``bench/rayllm_app.py``) in its
   fastest documented configuration for Ray 2.60: ``RAY_SERVE_ENABLE_HA_PROXY=1``,
   ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1`` (HAProxy
@@ -750,7 +751,16 @@ def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, 
     serve_cfg.setdefault("http_options", {})["port"] = port
     serve_cfg["http_options"]["host"] = "127.0.0.1"
     app_args = serve_cfg["applications"][0].setdefault("args", {})
-    app_args["data_dir"] = str(args.data_dir)
+    data_dir = args.data_dir
+    if not args.reuse_data_dir:
+        # A fresh data_dir (no feedback store, no adapters, no versions), so nothing an earlier run left trains
+        # during the measurement; the models, built once, are shared through a link.
+        data_dir = work / "ours-data"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (args.data_dir / "models").mkdir(parents=True, exist_ok=True)
+        if not (data_dir / "models").exists():
+            (data_dir / "models").symlink_to(args.data_dir / "models", target_is_directory=True)
+    app_args["data_dir"] = str(data_dir)
     if args.dtype:
         app_args.setdefault("engine", {})["dtype"] = args.dtype
     if args.model:
@@ -759,7 +769,7 @@ def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, 
         app_args.setdefault("cluster", {})["nodes"] = args.nodes
     cfg_path = work / "ours-serve-config.yaml"
     cfg_path.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
-    env = {**ray_env("ours", args), "COSERVE_DATA_DIR": str(args.data_dir)}
+    env = {**ray_env("ours", args), "COSERVE_DATA_DIR": str(data_dir)}
     serve_bin = Path(sys.executable).parent / "serve"
     # As `make serve`: app.serve_env sets the app's Serve settings and execs the rest.
     # --address local: always a fresh Ray instance of our own, never someone else's cluster.
@@ -1130,6 +1140,9 @@ def main() -> int:
                    help="cluster.nodes of ours (model replicas; > 1 on 2 cores: mind the CPU count).")
     p.add_argument("--data-dir", default=None,
                    help="Where the embedded model is built/kept (default: the config's data_dir).")
+    p.add_argument("--reuse-data-dir", action="store_true",
+                   help="Run our app on --data-dir itself, with whatever feedback and adapters it holds (default: a "
+                        "fresh data_dir under the work dir, the models linked from --data-dir).")
     p.add_argument("--json", dest="json_path", default=None, help="Also write the results here.")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
