@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import re
@@ -191,6 +192,8 @@ _ports_taken: set[int] = set()
 def port_free(port: int) -> bool:
     """Whether nothing listens on ``port`` (any address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the servers bind (SO_REUSEADDR): connections of an earlier run in TIME_WAIT do not take the port.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
             return True
@@ -681,16 +684,19 @@ def run_replay(args: argparse.Namespace, server: Server, work: Path) -> dict[str
     # The window is the trace's arrivals in --replay-seconds: the schedule is cut to exactly those
     # (--max-requests), and Locust ends once the last of them is answered, so every system gets the
     # same requests and none is cut off in flight; --run-time only bounds the drain.
-    limit = args.replay_seconds + args.replay_drain_s
+    # Wall seconds of the window, and the drain (Locust takes whole seconds).
+    limit = math.ceil(args.replay_seconds / args.trace_speedup + args.replay_drain_s)
     cmd = [sys.executable, "-m", "locust",
            "-f", f"{ROOT / 'load_tests' / 'locustfile.py'},{ROOT / 'bench' / 'replay_recorder.py'}",
            "--headless", "--host", server.url, "-u", str(args.replay_users), "-r", str(args.replay_users),
            "--run-time", f"{limit}s", "--csv", str(prefix), "--only-summary",
            "--trace-file", str(args.trace), "--trace-offset-s", str(args.replay_offset_s),
+           "--trace-speedup", str(args.trace_speedup),
            "--max-output-tokens", str(args.replay_max_output_tokens), "--replay-log", str(replay_log),
            "--max-requests", str(args.replay_requests)]
     env = {**os.environ, "REPLAY_RECORD": str(record), "PYTHONPATH": str(ROOT)}
-    log(f"{name}: trace replay, {args.replay_requests} requests ({args.replay_seconds} s of the trace), "
+    log(f"{name}: trace replay, {args.replay_requests} requests ({args.replay_seconds} s of the trace at "
+        f"speed-up {args.trace_speedup:g}), "
         f"-u {args.replay_users}, outputs <= {args.replay_max_output_tokens} tokens, load average {load_average()}")
     load_before = load_average()
     cpu_before = cpu_snapshot(server)
@@ -1140,6 +1146,10 @@ def main() -> int:
                    help="cluster.nodes of ours (model replicas; > 1 on 2 cores: mind the CPU count).")
     p.add_argument("--data-dir", default=None,
                    help="Where the embedded model is built/kept (default: the config's data_dir).")
+    p.add_argument("--trace-speedup", type=float, default=1.0,
+                   help="Replay the trace this many times faster than real time (0.05: 20 times slower, what plain "
+                        "vLLM sustains on 2 cores with the default model); the window is --replay-seconds of trace "
+                        "time either way.")
     p.add_argument("--reuse-data-dir", action="store_true",
                    help="Run our app on --data-dir itself, with whatever feedback and adapters it holds (default: a "
                         "fresh data_dir under the work dir, the models linked from --data-dir).")
@@ -1237,7 +1247,7 @@ def main() -> int:
         "nodes_ours": args.nodes, "ray_worker_niceness": args.ray_worker_niceness,
         "rayllm_lora_config": args.rayllm_lora_config,
         "replay": {"enabled": args.replay, "skipped": replay_skipped, "trace": str(args.trace),
-                   "seconds": args.replay_seconds, "users": args.replay_users,
+                   "seconds": args.replay_seconds, "speedup": args.trace_speedup, "users": args.replay_users,
                    "max_output_tokens": args.replay_max_output_tokens, "offset_s": args.replay_offset_s,
                    "max_requests": args.replay_max_requests, "drain_s": args.replay_drain_s,
                    "requests": getattr(args, "replay_requests", None)},
@@ -1296,7 +1306,8 @@ def main() -> int:
     if replay_md:
         print()
         print(f"### Trace replay: {args.trace.name}, the {args.replay_requests} requests of its first "
-              f"{args.replay_seconds} s (offset {args.replay_offset_s:g} s) in real time, all awaited; "
+              f"{args.replay_seconds} s (offset {args.replay_offset_s:g} s) at speed-up {args.trace_speedup:g} "
+              f"(1: real time), all awaited; "
               f"outputs <= {args.replay_max_output_tokens} tokens, -u {args.replay_users}")
         print()
         print(replay_md)
