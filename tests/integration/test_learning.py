@@ -184,7 +184,7 @@ def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data
     fresh, tok = _version_model(cfg, None)
     before = evaluate_preferences(fresh, tok, pairs)  # B = 0: exactly the base model
 
-    for _ in range(3):  # a few passes over the pairs, as a stream of feedback
+    for _ in range(2):  # two passes over the pairs, as a stream of feedback
         _feedback(app_url, [{"adapter": name, **p} for p in pairs])
     info = _wait_consumed(app_url, name, min_version=2, timeout=300)
     # The served version (the quality gate may have rejected a later one, or still be judging it).

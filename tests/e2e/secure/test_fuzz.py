@@ -15,7 +15,7 @@ def test_schemathesis_finds_no_server_error_and_no_conformance_failure(secure_ap
     url, key = secure_app["url"], secure_app["keys"]["admin"]
     # Generated cases only (the coverage phase's thousands of boundary cases are bench/fuzz.py's run).
     result = run_schemathesis(url, key, max_examples=8, phases="examples,fuzzing", rate_limit="15/s",
-                              max_time_s=50, full_log=tmp_path / "schemathesis.log")
+                              max_time_s=30, full_log=tmp_path / "schemathesis.log")
     assert result.returncode == 0, result.tail
     assert result.cases >= 100, result.tail  # every operation, several generated bodies each: not a token run
     assert result.failures == 0, result.tail
