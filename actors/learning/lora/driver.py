@@ -177,12 +177,12 @@ class LoraDriver:
 
     def _gather(self, refs: list[Any]) -> list[Any]:
         """Every rank's answer; a rank's own exception (not death or a failed collective) becomes a RankFault."""
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayTaskError
 
         try:
             return ray.get(refs, timeout=RANK_TIMEOUT_S)
         except RayTaskError as exc:
-            if isinstance(exc, (GroupFailed, RayActorError)):
+            if isinstance(exc, GroupFailed):
                 raise
             raise RankFault(str(getattr(exc, "cause", None) or exc)) from exc
 
@@ -200,7 +200,7 @@ class LoraDriver:
         if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter), timeout=CALL_TIMEOUT_S)
             spec = TrainingSpec(info.name, info.method, info.beta, info.mode, info.learning_rate,
-                                info.lora.model_dump(), info.paused_reason is not None, info.tenant)
+                                info.lora, info.paused_reason is not None, info.tenant)
             self.specs[adapter] = cached = (time.time(), spec)
         return cached[1]
 
@@ -535,9 +535,6 @@ class LoraDriver:
         if self.loaded is not None and self.loaded[0] == adapter:
             self.loaded = None
             self._reset_version()
-
-    def report(self, adapter: str, event: TrainerEvent) -> None:
-        self._report(adapter, event)
 
     def _warn(self, where: str, exc: BaseException | str) -> None:
         message = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"

@@ -144,7 +144,7 @@ class VersionEvaluator:
         missing = [(i, it) for i, it in zip(ids, items) if i not in cached]
         if missing:
             # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
-            found = self.worker.score(ScoreRequest(adapter, version, path, info.lora.model_dump(), info.method,
+            found = self.worker.score(ScoreRequest(adapter, version, path, info.lora, info.method,
                                                    tuple(it for _, it in missing),
                                                    "completion" if held_out else "chosen"))
             cached.update(zip((i for i, _ in missing), found))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.learning.store.models import LoraSettings
 from planners.types import GrantedWindow, MemoryUse, PassVerdict
 
 
@@ -18,7 +19,7 @@ class TrainingSpec:
     beta: float
     mode: str
     learning_rate: float
-    lora: dict[str, Any]
+    lora: LoraSettings
     """The LoRA settings (r, alpha, dropout, target_modules)."""
     paused: bool
     tenant: str | None = None
@@ -115,7 +116,7 @@ class ScoreRequest:
     adapter: str
     version: int | None
     path: str | None
-    lora: dict[str, Any]
+    lora: LoraSettings
     method: str
     items: tuple[Any, ...]
     answer_field: str
