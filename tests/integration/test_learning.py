@@ -281,18 +281,18 @@ def test_killing_the_trainer_loses_no_acknowledged_sample_and_breaks_no_version(
                                                 "completion": " something fairly long " * 4} for i in range(8)]))
 
         # 1. SIGKILL one Ray Train worker while it trains: Ray Train restarts the worker group.
-        send(3)
+        send(6)
         st = _wait_first_version(app_url, name)
         starts = st["worker_starts"]
         victim = st["workers"][-1]["pid"]
         os.kill(victim, signal.SIGKILL)
-        send(2)
+        send(4)
         _wait_trainer_running(app_url, min_worker_starts=starts + 1)
 
         # 2. Kill the Trainer actor itself (Ray restarts it; it starts a new worker group by itself).
-        send(2)
+        send(4)
         ray.kill(ray.get_actor(cfg.trainer_actor_name, namespace="coserve"), no_restart=False)
-        send(2)
+        send(4)
         _wait_trainer_running(app_url, min_worker_starts=1)
         info = _wait_consumed(app_url, name, min_version=2, timeout=300)
     finally:
