@@ -38,7 +38,7 @@ from actors.engine_weights import (
 )
 from actors.learning.versions.fit import misfit, write_zero_lora
 from actors.learning.lora.targets import module_shapes
-from actors import request_stages
+from actors import engine_iterations, request_stages
 from planners.coserving import EngineFacts, LiveRequest
 from planners.types import (AdapterAssignment, AdapterLoadFailed, ExecutionTrace, FullSynced, FullVersion,
                             NodeRegistration, NodeReport)
@@ -108,6 +108,9 @@ class ModelReplica:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self._flags)
+        # Per-iteration figures for /metrics (actors/engine_iterations.py), not one log line per step.
+        args.enable_logging_iteration_details = True
+        engine_iterations.install_log_filter()
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args),
                                            stat_loggers=[_engine_stats_logger(self)])
         await self._warm_up(engine, str(Path(args.model).resolve()), bool(getattr(args, "enable_lora", False)))
@@ -447,7 +450,10 @@ class ModelReplica:
             task_id = TASK_ID.get() or engine_id
             params = kwargs.get("sampling_params") or (args[1] if len(args) > 1 else None)
             # DELTA outputs carry new tokens only; CUMULATIVE and FINAL_ONLY carry all so far.
-            cumulative = getattr(getattr(params, "output_kind", None), "name", "") != "DELTA"
+            kind = getattr(getattr(params, "output_kind", None), "name", "")
+            cumulative = kind != "DELTA"
+            if kind == "FINAL_ONLY":
+                request_stages.not_streamed()
             prompt = kwargs.get("prompt") or (args[0] if args else None)
             if isinstance(prompt, dict):
                 prompt_tokens = len(prompt.get("prompt_token_ids") or ())
@@ -527,14 +533,15 @@ async def _retry(call: Callable[[], Any], what: str, attempts: int = 120) -> Any
 def engine_metrics_text() -> str:
     """The ``vllm:`` series of this process's Prometheus registry: what vLLM's ``PrometheusStatLogger`` (which
     ``AsyncLLM`` adds by default) keeps of this node's engine (TTFT, inter-token and end-to-end latency, queue
-    time, running and waiting requests, KV-cache usage, prefix-cache hits), and the app's per-stage request
-    histograms (actors/request_stages.py), as exposition text."""
+    time, running and waiting requests, KV-cache usage, prefix-cache hits), the app's per-stage request
+    histograms (actors/request_stages.py) and per-iteration ones (actors/engine_iterations.py), as exposition
+    text."""
     from prometheus_client import REGISTRY, generate_latest
 
     keep = []
     for line in generate_latest(REGISTRY).decode().splitlines():
         name = line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line
-        if name.startswith(("vllm:", "coserve_request_stage_seconds")):
+        if name.startswith(("vllm:", "coserve_request_stage_seconds", "coserve_engine_iteration_")):
             keep.append(line)
     return "\n".join(keep) + "\n" if keep else ""
 
@@ -563,6 +570,7 @@ def _engine_stats_logger(replica: ModelReplica) -> Any:
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
+                engine_iterations.observe(scheduler_stats.iteration_details)
                 self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
                 waiting = int(scheduler_stats.num_waiting_reqs) + int(
                     getattr(scheduler_stats, "num_skipped_waiting_reqs", 0))

@@ -13,6 +13,10 @@ vLLM's own (``engine_metrics_text``), so ``/metrics`` shows them per node beside
 - ``engine``: handed to the engine (``AsyncLLM.generate`` called);
 - ``first_token``: the engine's first output with tokens came back;
 - ``first_byte``: the first body bytes were written toward the client.
+
+The last two are stamped for streamed requests only: a request that is not streamed gets one
+output from the engine, when it finishes (vLLM's ``FINAL_ONLY``), so its "first token" would be
+its whole generation.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from prometheus_client import Histogram
 
 STAGES = ("guard", "checked", "engine", "first_token", "first_byte")
+STREAM_STAGES = ("first_token", "first_byte")  # stamped for streamed requests only
 STAGE_SECONDS = Histogram(
     "coserve_request_stage_seconds",
     "Seconds from an inference request's arrival at the replica (ASGI entry) to each stage of its path",
@@ -50,6 +55,13 @@ def begin() -> RequestStamps:
     stamps = RequestStamps()
     CURRENT.set(stamps)
     return stamps
+
+
+def not_streamed() -> None:
+    """The request this context serves is answered in one piece: its first token and first byte are its end."""
+    stamps = CURRENT.get()
+    if stamps is not None:
+        stamps.reached.update(STREAM_STAGES)
 
 
 def mark(stage: str) -> None:

@@ -42,7 +42,13 @@ What it measures:
    actor, the vLLM engine processes, Ray's daemons: all counted, by readable label).
 2. ``--interleave`` starts all systems first and alternates their runs (plain, ours, rayllm,
    then rayllm, ours, plain, ...), so background load hits all alike; ``--repeats N`` runs every
-   (system, rate) N times and the tables show medians. Without it, one system runs at a time.
+   (system, rate) N times and the tables show medians. Without it, one system runs at a time;
+   ``--rounds N`` (not with ``--interleave``) then does that N times, in the order of ``--systems``
+   in even rounds and reversed in odd ones (plain, ours, rayllm, then rayllm, ours, plain, ...),
+   every system started fresh in each round (ours on a fresh ``data_dir`` per round), each round
+   doing its rates (x ``--repeats``) and its replay; rate and replay tables show the medians over
+   all rounds, the JSON every round's figures (``repeats``). With ``--rounds`` > 1 the logs, raw
+   results and ours' data_dir of round r carry ``-round<r>`` in their names.
 3. Trace replay (``--replay``, on by default; ``--no-replay`` skips it): ``load_tests/locustfile.py``
    replays the Azure conversation trace (``../shared/data/traces/azure_conv_sample.csv``) in real
    time against each system in turn: the requests that arrive in its first ``--replay-seconds``
@@ -52,10 +58,20 @@ What it measures:
    Per system: requests, failures, TTFT p50/p99 (streamed requests), latency p50/p99, and the replay
    lag (actual minus scheduled send time) mean/p50/p99/max. Without the trace file the replay is
    skipped (and says so). Samples come from ``bench/replay_recorder.py`` loaded beside the locustfile.
-4. Goals: saturated throughput ours >= 0.90x plain; median TTFT at the sustained rate ours <= 1.15x
-   plain; ours ahead of rayllm on both. Printed as met / MISSED.
+   Where the time goes (``engine_timeline``): each system's vLLM Prometheus histograms are scraped
+   before and after its replay, and the replay's share (count and mean per observation) of queue,
+   prefill, TTFT, decode, inference, inter-token and end-to-end time is compared side by side; for
+   ours also the app's per-stage histograms (``coserve_request_stage_seconds``: arrival at the
+   replica to guard, checked, engine, first token, first byte) and its engine iterations (seconds,
+   tokens per phase). Sources: plain's and ours' ``/metrics`` (ours: the series its replicas send to
+   the planner, at most every 5 s), rayllm's Ray metrics agent (its node's metrics export port;
+   vLLM's ``vllm:x`` is exported there as ``ray_vllm_x``, every 10 s). Before each scrape the
+   script waits until those pushes have landed (``ENGINE_METRICS_SETTLE_S``).
+4. Goals (issue 28): trace replay TTFT p50 and p99 ours <= rayllm's and <= 1.5x plain's; saturated
+   req/s ours >= rayllm's; ITL p50 at the sustained rate > 0 for ours (tokens stream one by one,
+   not in one piece). Printed as met / MISSED.
 
-Prints one markdown table per rate, one CPU table per rate, the replay table and the goals;
+Prints one markdown table per rate, one CPU table per rate, the replay tables and the goals;
 ``--json PATH`` writes all of it (and every raw figure). Logs and raw results stay in ``--work-dir``.
 A system that fails (to start, or in a run) is reported under "Errors" (exit status 1) and the
 others go on; one whose server exits during startup is started again (``--startup-attempts``: on
@@ -124,9 +140,10 @@ METRICS = [  # (label, result key, format)
     ("E2EL p99 (ms)", "p99_e2el_ms", "{:.0f}"),
 ]
 REPLAY_METRICS = [  # (label, key, format)
-    ("requests sent", "sent", "{:d}"),
-    ("requests done", "requests", "{:d}"),
-    ("failures", "failures", "{:d}"),
+    # {:.0f}, not {:d}: over an even number of rounds a median count is a float (190.5).
+    ("requests sent", "sent", "{:.0f}"),
+    ("requests done", "requests", "{:.0f}"),
+    ("failures", "failures", "{:.0f}"),
     ("TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"),
     ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
     ("latency p50 (ms)", "latency_p50_ms", "{:.0f}"),
@@ -136,8 +153,43 @@ REPLAY_METRICS = [  # (label, key, format)
     ("replay lag p99 (s)", "lag_p99_s", "{:.3f}"),
     ("replay lag max (s)", "lag_max_s", "{:.3f}"),
 ]
-GOAL_THROUGHPUT = 0.90   # ours / plain, saturated request throughput, at least
-GOAL_TTFT = 1.15         # ours / plain, median TTFT at the sustained rate, at most
+# The goals of issue 28 (ratios are ours / the other system).
+GOAL_REPLAY_TTFT_VS_RAYLLM = 1.00     # trace replay TTFT p50 and p99, ours / rayllm, at most
+GOAL_REPLAY_TTFT_VS_PLAIN = 1.50      # trace replay TTFT p50 and p99, ours / plain, at most
+GOAL_SATURATED_REQS_VS_RAYLLM = 1.00  # saturated req/s, ours / rayllm, at least
+GOAL_SUSTAINED_ITL_P50_MS = 0.0       # ours' ITL p50 at the sustained rate, more than (tokens stream one by one)
+
+# Where a replay's time goes, from the engines' own Prometheus histograms (vllm/v1/metrics/loggers.py):
+# (row label, histogram). Every system has these.
+VLLM_TIMELINE = [
+    ("queue: waiting to be scheduled (ms)", "vllm:request_queue_time_seconds"),
+    ("prefill: scheduled to first token (ms)", "vllm:request_prefill_time_seconds"),
+    ("TTFT in the engine: arrival to first token (ms)", "vllm:time_to_first_token_seconds"),
+    ("decode: first to last token (ms)", "vllm:request_decode_time_seconds"),
+    ("inference: prefill + decode (ms)", "vllm:request_inference_time_seconds"),
+    ("inter-token latency, per token (ms)", "vllm:inter_token_latency_seconds"),
+    ("end to end in the engine (ms)", "vllm:e2e_request_latency_seconds"),
+]
+# Ours only (actors/request_stages.py, actors/engine_iterations.py); a histogram named in
+# TIMELINE_SPLIT gets one entry per value of that label.
+STAGES = ("guard", "checked", "engine", "first_token", "first_byte")  # as actors/request_stages.py STAGES
+STREAM_STAGES = ("first_token", "first_byte")  # stamped for streamed requests only
+OURS_TIMELINE = [
+    *((f"ours: arrival at the replica to {stage} (ms{', streamed requests' if stage in STREAM_STAGES else ''})",
+       f"coserve_request_stage_seconds{{stage={stage}}}") for stage in STAGES),
+    ("ours: engine iteration (ms)", "coserve_engine_iteration_seconds"),
+    ("ours: prefill tokens per iteration", "coserve_engine_iteration_tokens{phase=prefill}"),
+    ("ours: decode tokens per iteration", "coserve_engine_iteration_tokens{phase=decode}"),
+    ("ours: requests in prefill per iteration", "coserve_engine_iteration_requests{phase=prefill}"),
+]
+TIMELINE_SPLIT = {"coserve_request_stage_seconds": "stage", "coserve_engine_iteration_tokens": "phase",
+                  "coserve_engine_iteration_requests": "phase"}
+TIMELINE_NAMES = [m for _, m in VLLM_TIMELINE] + list(TIMELINE_SPLIT) + ["coserve_engine_iteration_seconds"]
+# Seconds to wait before each scrape of a system's engine metrics, so that the series of what ran just
+# before have reached the endpoint: ours' replicas send vLLM's series to the planner at most every 5 s
+# (actors/replica.py ENGINE_METRICS_S), Ray's workers send theirs to the node's metrics agent every
+# metrics_report_interval_ms (10 s by default). Plain vLLM's /metrics is live.
+ENGINE_METRICS_SETTLE_S = {"plain": 0.0, "ours": 6.0, "rayllm": 12.0}
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_conv_sample.csv"
 
 # Per Ray system: preferred HAProxy / fallback-proxy ports (the next free port is taken when
@@ -625,6 +677,206 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
     return summary
 
 
+# ---- engine metrics: where a replay's time goes -------------------------------------------------
+
+def normalise_metric_name(name: str) -> str:
+    """vLLM's own name for a sample Ray exported.
+
+    Ray Serve LLM's engine records vLLM's metrics through ``ray.util.metrics``
+    (``vllm/v1/metrics/ray_wrappers.py``: ``:`` becomes ``_``) and Ray's metrics agent prefixes its
+    namespace (``ray_``), so ``vllm:time_to_first_token_seconds_count`` is scraped there as
+    ``ray_vllm_time_to_first_token_seconds_count``. Other names are returned as they are.
+    """
+    for prefix in ("ray_vllm_", "ray_vllm:"):
+        if name.startswith(prefix):
+            return "vllm:" + name[len(prefix):]
+    return name
+
+
+def histogram_totals(text: str, names: list[str], split: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """``{"count", "sum", "buckets": {upper bound: cumulative count}}`` of each histogram in ``names``
+    in a Prometheus text exposition, summed over all its label sets (engines, nodes, replicas, Ray
+    workers). A histogram named in ``split`` (default ``TIMELINE_SPLIT``) gets one entry per value of
+    that label, keyed ``name{label=value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    split = TIMELINE_SPLIT if split is None else split
+    wanted = set(names)
+    out: dict[str, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(text):
+        # By sample, not by family: an exposition without TYPE lines has one family per sample name.
+        for sample in family.samples:
+            name = normalise_metric_name(sample.name)
+            for suffix in ("_count", "_sum", "_bucket"):
+                base = name[:-len(suffix)]
+                if not (name.endswith(suffix) and base in wanted):
+                    continue
+                label = split.get(base)
+                key = f"{base}{{{label}={sample.labels.get(label, '')}}}" if label else base
+                entry = out.setdefault(key, {"count": 0.0, "sum": 0.0, "buckets": {}})
+                if suffix == "_bucket":
+                    try:
+                        le = float(sample.labels.get("le", ""))
+                    except ValueError:
+                        continue
+                    entry["buckets"][le] = entry["buckets"].get(le, 0.0) + sample.value
+                else:
+                    entry[suffix[1:]] += sample.value
+    return out
+
+
+def midpoint_mean(buckets: dict[float, float]) -> float | None:
+    """The mean of a histogram whose observations are taken at their buckets' midpoints, as Ray's
+    metrics agent re-records the histograms Ray workers report (``record_histogram_aggregated_batch``
+    in ray/_private/telemetry/open_telemetry_metric_recorder.py: below the first bound from 0, above the
+    last at twice it). ``buckets``: upper bound -> cumulative count (Prometheus ``le``)."""
+    bounds = sorted(b for b in buckets if not math.isinf(b))
+    if not bounds:
+        return None
+    total, n, cum_prev, lower = 0.0, 0.0, 0.0, (0.0 if bounds[0] > 0 else bounds[0] * 2.0)
+    for b in bounds + [math.inf]:
+        cum = buckets.get(b, cum_prev)
+        mid = (1.0 if bounds[-1] <= 0 else bounds[-1] * 2.0) if math.isinf(b) else (lower + b) / 2.0
+        total, n, cum_prev, lower = total + (cum - cum_prev) * mid, n + (cum - cum_prev), cum, b
+    return total / n if n > 0 else None
+
+
+def histogram_deltas(before_text: str, after_text: str, names: list[str],
+                     split: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """What the histograms ``names`` observed between two scrapes, summed over all label sets:
+    ``{name: {"count": n, "mean_ms": x, "mean_ms_midpoints": y}}`` (``mean_ms`` for ``*_seconds``;
+    otherwise the mean in the histogram's unit, ``mean_tokens`` for ``*_tokens``). ``*_midpoints``: the
+    mean with every observation at its bucket's midpoint, which is what Ray's export reports as the
+    mean (see :func:`midpoint_mean`), for a like-for-like comparison with it. Histograms in ``split``
+    get one entry per label value (``coserve_request_stage_seconds{stage=engine}``). A series missing
+    before counts from zero (it appears with its first observation); one missing after is left out;
+    means are None when nothing was observed."""
+    before = histogram_totals(before_text, names, split)
+    after = histogram_totals(after_text, names, split)
+    out: dict[str, dict[str, Any]] = {}
+    for key, a in after.items():
+        b = before.get(key) or {"count": 0.0, "sum": 0.0, "buckets": {}}
+        n = a["count"] - b["count"]
+        unit = key.split("{", 1)[0].rsplit("_", 1)[-1]
+        mean_key, scale = ("mean_ms", 1000.0) if unit == "seconds" else (f"mean_{unit}", 1.0)
+        mid = midpoint_mean({le: c - b["buckets"].get(le, 0.0) for le, c in a["buckets"].items()}) if n > 0 else None
+        entry: dict[str, Any] = {"count": round(n),
+                                 mean_key: round((a["sum"] - b["sum"]) / n * scale, 3) if n > 0 else None,
+                                 f"{mean_key}_midpoints": round(mid * scale, 3) if mid is not None else None}
+        if n < 0:
+            entry["note"] = "the count went down between the scrapes (a process restarted?)"
+        out[key] = entry
+    return out
+
+
+def ray_metrics_url(server: Server) -> str:
+    """The Prometheus endpoint of the Ray metrics agent of ``server``'s (one) Ray node; raises with
+    the reason when there is none.
+
+    The raylet is started with ``--metrics_export_port=N`` (``ray/_private/services.py``; the dashboard
+    agent, which serves it, with ``--metrics-export-port=N``). With Ray's default N = 0 the agent
+    binds a free port and writes it to ``<session_dir>/metrics_export_port_<node id>``
+    (``ray._raylet.persist_port``; -1: metrics collection off).
+    """
+    raylets = [pid for pid in system_pids(server) if process_label(pid) == "ray raylet"]
+    if not raylets:
+        raise RuntimeError("no raylet among the system's processes")
+    try:
+        argv = Path(f"/proc/{raylets[0]}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError as exc:
+        raise RuntimeError(f"raylet {raylets[0]}: command line unreadable: {exc}") from exc
+    opts: dict[str, str] = {}
+    for arg in argv:
+        if arg.startswith("--") and "=" in arg:
+            key, _, value = arg[2:].partition("=")
+            opts.setdefault(key.replace("-", "_"), value)
+    try:
+        port = int(opts.get("metrics_export_port") or 0)
+    except ValueError:
+        port = 0
+    if port == 0:
+        session_dir, node_id = opts.get("session_dir"), opts.get("node_id")
+        if not session_dir or not node_id:
+            raise RuntimeError(f"raylet {raylets[0]}: --metrics_export_port=0 and no --session_dir/--node_id "
+                               "to find the port the agent picked")
+        try:
+            from ray._raylet import METRICS_EXPORT_PORT_NAME, get_port_filename
+
+            port_file = Path(session_dir) / get_port_filename(node_id, METRICS_EXPORT_PORT_NAME)
+        except Exception:  # noqa: BLE001 - the file name Ray 2.60 uses
+            port_file = Path(session_dir) / f"metrics_export_port_{node_id}"
+        try:
+            port = int(port_file.read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"metrics export port not readable from {port_file}: {exc}") from exc
+    if port <= 0:
+        raise RuntimeError(f"Ray's metrics export is off on this node (port {port})")
+    return f"http://127.0.0.1:{port}/metrics"
+
+
+def engine_metrics_url(server: Server) -> str:
+    """Where ``server``'s vLLM Prometheus series are: plain vLLM's and our app's ``/metrics`` (ours: no
+    API keys in the bench, so no auth; its vLLM series carry a ``node`` label), Ray Serve LLM's on
+    its node's Ray metrics agent (its engine has no Prometheus registry of its own)."""
+    if server.name == "rayllm":
+        return ray_metrics_url(server)
+    return f"{server.url}/metrics"
+
+
+def http_text(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode(errors="replace")
+
+
+def engine_scrape_before(server: Server) -> dict[str, Any]:
+    """The engine metrics before a replay: ``{"url", "text"}``, or ``{"error"}`` (the replay goes on)."""
+    try:
+        url = engine_metrics_url(server)
+    except Exception as exc:  # noqa: BLE001 - a missing timeline is reported, not fatal
+        return {"error": f"no engine metrics endpoint: {exc}"}
+    # What ran just before (the rate runs) must be in this scrape, not counted as the replay's.
+    time.sleep(ENGINE_METRICS_SETTLE_S.get(server.name, 0.0))
+    try:
+        return {"url": url, "text": http_text(url)}
+    except Exception as exc:  # noqa: BLE001
+        return {"url": url, "error": f"scrape of {url} before the replay failed: {exc}"}
+
+
+def engine_timeline(server: Server, before: dict[str, Any], finished: int) -> dict[str, Any]:
+    """``engine_timeline`` (the histogram deltas of the replay) and where they come from, for the
+    replay summary; ``finished``: the requests the client saw answered, which the engine's
+    end-to-end histogram should have counted too (one more wait for a late push if not)."""
+    if "text" not in before:
+        log(f"{server.name}: engine timeline: {before['error']}")
+        return {"engine_timeline": None, "engine_timeline_error": before["error"],
+                **({"engine_timeline_source": before["url"]} if before.get("url") else {})}
+    url, settle = before["url"], ENGINE_METRICS_SETTLE_S.get(server.name, 0.0)
+    e2e = "vllm:e2e_request_latency_seconds"
+    deltas: dict[str, dict[str, Any]] = {}
+    for _ in range(2 if settle else 1):
+        time.sleep(settle)
+        try:
+            deltas = histogram_deltas(before["text"], http_text(url), TIMELINE_NAMES)
+        except Exception as exc:  # noqa: BLE001
+            error = f"scrape of {url} after the replay failed: {exc}"
+            log(f"{server.name}: engine timeline: {error}")
+            return {"engine_timeline": None, "engine_timeline_source": url, "engine_timeline_error": error}
+        if (deltas.get(e2e) or {}).get("count", 0) >= finished:
+            break
+    out: dict[str, Any] = {"engine_timeline": deltas, "engine_timeline_source": url}
+    if not any(k.startswith("vllm:") for k in deltas):
+        out["engine_timeline_error"] = f"no vLLM histograms in {url}"
+    elif (deltas.get(e2e) or {}).get("count", 0) < finished:
+        out["engine_timeline_note"] = (f"the engine counted {(deltas.get(e2e) or {}).get('count', 0)} finished "
+                                       f"requests, the client {finished}")
+    ttft = (deltas.get("vllm:time_to_first_token_seconds") or {}).get("mean_ms")
+    queue = (deltas.get("vllm:request_queue_time_seconds") or {}).get("mean_ms")
+    problem = out.get("engine_timeline_error") or out.get("engine_timeline_note")
+    log(f"{server.name}: engine timeline from {url}: {(deltas.get(e2e) or {}).get('count', 0)} requests, "
+        f"queue mean {fmt('{:.1f}', queue)} ms, TTFT mean {fmt('{:.1f}', ttft)} ms" + (f"; {problem}" if problem else ""))
+    return out
+
+
 # ---- trace replay (Locust) ----------------------------------------------------------------------
 
 def replay_summary(record: Path, replay_log: Path, stats_csv: Path, locust_log: Path) -> dict[str, Any]:
@@ -686,9 +938,10 @@ def trace_arrivals(path: Path, offset_s: float, seconds: float) -> int:
     return sum(1 for t in ts if 0 <= t - ts[0] - offset_s < seconds) if ts else 0
 
 
-def run_replay(args: argparse.Namespace, server: Server, work: Path) -> dict[str, Any]:
+def run_replay(args: argparse.Namespace, server: Server, work: Path, suffix: str = "") -> dict[str, Any]:
+    """One trace replay against ``server``; ``suffix`` (``-round<r>``) keeps each round's files apart."""
     name = server.name
-    prefix = work / f"replay-{name}"
+    prefix = work / f"replay-{name}{suffix}"
     record, replay_log, locust_log = (Path(f"{prefix}-samples.jsonl"), Path(f"{prefix}-schedule.jsonl"),
                                       Path(f"{prefix}.log"))
     for p in (record, replay_log):
@@ -707,7 +960,8 @@ def run_replay(args: argparse.Namespace, server: Server, work: Path) -> dict[str
            "--max-output-tokens", str(args.replay_max_output_tokens), "--replay-log", str(replay_log),
            "--max-requests", str(args.replay_requests)]
     env = {**os.environ, "REPLAY_RECORD": str(record), "PYTHONPATH": str(ROOT)}
-    log(f"{name}: trace replay, {args.replay_requests} requests ({args.replay_seconds} s of the trace at "
+    before = engine_scrape_before(server)
+    log(f"{name}{suffix}: trace replay, {args.replay_requests} requests ({args.replay_seconds} s of the trace at "
         f"speed-up {args.trace_speedup:g}), "
         f"-u {args.replay_users}, outputs <= {args.replay_max_output_tokens} tokens, load average {load_average()}")
     load_before = load_average()
@@ -732,8 +986,9 @@ def run_replay(args: argparse.Namespace, server: Server, work: Path) -> dict[str
     summary.update(scheduled=args.replay_requests, window_s=round(time.time() - t0, 1), locust_exit=proc.returncode,
                    load_1min_before=float(load_before.split()[0]) if load_before != "n/a" else None,
                    load_1min_after=os.getloadavg()[0], cpu_seconds=cpu, log=str(locust_log))
-    log(f"{name}: replay: {summary['requests']} requests, {summary['failures']} failed, TTFT p50 "
+    log(f"{name}{suffix}: replay: {summary['requests']} requests, {summary['failures']} failed, TTFT p50 "
         f"{fmt('{:.1f}', summary['ttft_p50_ms'])} ms, lag p99 {fmt('{:.3f}', summary['lag_p99_s'])} s")
+    summary.update(engine_timeline(server, before, summary["requests"] - summary["failures"]))
     return summary
 
 
@@ -750,18 +1005,20 @@ def ray_env(system: str, args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def start_plain(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[Server, dict[str, Any]]:
+def start_plain(args, cfg, model_dir: Path, served: str, work: Path, suffix: str = "") -> tuple[Server, dict[str, Any]]:
     from actors.engine_args import engine_flags
 
     port = args.port_plain
     flags = engine_flags(cfg, str(model_dir), served)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
            "--port", str(port), *flags]
-    server = start("plain", cmd, {"PYTHONPATH": str(ROOT)}, work / "plain-server.log", f"http://127.0.0.1:{port}")
+    server = start("plain", cmd, {"PYTHONPATH": str(ROOT)}, work / f"plain{suffix}-server.log",
+                   f"http://127.0.0.1:{port}")
     return server, {"port": port, "flags": cmd[3:]}
 
 
-def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, dict[str, Any]]:
+def start_ours(args, model_dir: Path, served: str, work: Path, suffix: str = "") -> tuple[Server, dict[str, Any]]:
+    """Our app; ``suffix`` (``-round<r>``) names its files and its fresh data_dir, one per round."""
     import yaml
 
     port = args.port_ours
@@ -771,9 +1028,9 @@ def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, 
     app_args = serve_cfg["applications"][0].setdefault("args", {})
     data_dir = args.data_dir
     if not args.reuse_data_dir:
-        # A fresh data_dir (no feedback store, no adapters, no versions), so nothing an earlier run left trains
-        # during the measurement; the models, built once, are shared through a link.
-        data_dir = work / "ours-data"
+        # A fresh data_dir (no feedback store, no adapters, no versions), so nothing an earlier run (or round)
+        # left trains during the measurement; the models, built once, are shared through a link.
+        data_dir = work / f"ours-data{suffix}"
         data_dir.mkdir(parents=True, exist_ok=True)
         (args.data_dir / "models").mkdir(parents=True, exist_ok=True)
         if not (data_dir / "models").exists():
@@ -785,14 +1042,14 @@ def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, 
         app_args.setdefault("model", {})["embedded"] = args.model
     if args.nodes is not None:
         app_args.setdefault("cluster", {})["nodes"] = args.nodes
-    cfg_path = work / "ours-serve-config.yaml"
+    cfg_path = work / f"ours{suffix}-serve-config.yaml"
     cfg_path.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
     env = {**ray_env("ours", args), "COSERVE_DATA_DIR": str(data_dir)}
     serve_bin = Path(sys.executable).parent / "serve"
     # As `make serve`: app.serve_env sets the app's Serve settings and execs the rest.
     # --address local: always a fresh Ray instance of our own, never someone else's cluster.
     cmd = [sys.executable, "-m", "app.serve_env", str(serve_bin), "run", "--address", "local", str(cfg_path)]
-    server = start("ours", cmd, env, work / "ours-server.log", f"http://127.0.0.1:{port}")
+    server = start("ours", cmd, env, work / f"ours{suffix}-server.log", f"http://127.0.0.1:{port}")
     info: dict[str, Any] = {"port": port, "command": cmd, "config": serve_cfg, "env_set": env}
     try:
         from app.serve_env import SERVE_ENV
@@ -803,7 +1060,7 @@ def start_ours(args, model_dir: Path, served: str, work: Path) -> tuple[Server, 
     return server, info
 
 
-def start_rayllm(args, flags: list[str], work: Path) -> tuple[Server, dict[str, Any]]:
+def start_rayllm(args, flags: list[str], work: Path, suffix: str = "") -> tuple[Server, dict[str, Any]]:
     import yaml
 
     from bench.rayllm_app import llm_config, rayllm_env
@@ -818,7 +1075,7 @@ def start_rayllm(args, flags: list[str], work: Path) -> tuple[Server, dict[str, 
         "applications": [{"name": "rayllm", "route_prefix": "/", "import_path": "bench.rayllm_app:build_app",
                           "args": app_args}],
     }
-    cfg_path = work / "rayllm-serve-config.yaml"
+    cfg_path = work / f"rayllm{suffix}-serve-config.yaml"
     cfg_path.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
     env = {**rayllm_env(args.rayllm_lora_config), **ray_env("rayllm", args),
            # Harness only: a stopping replica keeps its port this long for load balancers (default
@@ -826,26 +1083,50 @@ def start_rayllm(args, flags: list[str], work: Path) -> tuple[Server, dict[str, 
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
     serve_bin = Path(sys.executable).parent / "serve"
     cmd = [str(serve_bin), "run", "--address", "local", str(cfg_path)]
-    server = start("rayllm", cmd, env, work / "rayllm-server.log", f"http://127.0.0.1:{port}")
+    server = start("rayllm", cmd, env, work / f"rayllm{suffix}-server.log", f"http://127.0.0.1:{port}")
     return server, {"port": port, "command": cmd, "config": serve_cfg, "env_set": env,
                     "llm_config": llm_config(app_args)}
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _median_nested(values: list[Any]) -> Any:
+    """The median of figures, key by key through nested dicts (the engine timeline); for anything
+    else (text), the first value. Missing and None values are left out: not measured is not 0."""
+    given = [v for v in values if v is not None]
+    if not given:
+        return None
+    if all(isinstance(v, dict) for v in given):
+        keys = list(dict.fromkeys(k for v in given for k in v))
+        return {k: _median_nested([v.get(k) for v in given]) for k in keys}
+    if all(_is_number(v) for v in given):
+        return statistics.median(given)
+    return given[0]
+
+
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One summary from repeated runs: the median of every figure (CPU seconds per process too)."""
+    """One summary from repeated runs (repeats, rounds): the median of every figure (CPU seconds per
+    process and the replay's engine timeline too); request and failure counts are summed."""
     if len(runs) == 1:
         return runs[0]
     out: dict[str, Any] = {}
-    for key, v in runs[0].items():
-        if key in ("completed", "failed"):
+    for key in dict.fromkeys(k for r in runs for k in r):  # a note or error only one round has is kept
+        # The first run's value may be None where a later run measured something.
+        v = next((r[key] for r in runs if r.get(key) is not None), None)
+        if key in ("completed", "failed", "failures"):
             out[key] = sum(r.get(key) or 0 for r in runs)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        elif _is_number(v):
             vals = [r[key] for r in runs if r.get(key) is not None]
             out[key] = statistics.median(vals) if vals else None
-        elif isinstance(v, dict):
-            labels = {k for r in runs for k in r[key]}
-            med = {k: round(statistics.median(r[key].get(k, 0.0) for r in runs), 3) for k in labels}
+        elif isinstance(v, dict) and all(_is_number(x) for r in runs for x in (r.get(key) or {}).values()):
+            # CPU seconds per process: a process missing from a run used no CPU in it.
+            labels = {k for r in runs for k in (r.get(key) or {})}
+            med = {k: round(statistics.median((r.get(key) or {}).get(k, 0.0) for r in runs), 3) for k in labels}
             out[key] = dict(sorted(med.items(), key=lambda kv: -kv[1]))
+        elif isinstance(v, dict):
+            out[key] = _median_nested([r.get(key) for r in runs])
         else:
             out[key] = v
     out["repeats"] = runs
@@ -868,8 +1149,15 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
     systems = list(args.systems)
     results: dict[str, Any] = {s: {} for s in systems}
     runs: dict[str, dict[str, list]] = {s: {} for s in systems}
+    replays: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}  # one per round
+    server_logs: dict[str, list[Path]] = {s: [] for s in systems}  # one per start that got a server
+    haproxy_cfgs: set[str] = set()
     servers: dict[str, Server] = {}
     facts: dict[str, Any] = {"rates": [], "sustained_rate": None, "errors": []}
+
+    def suffix_of(rnd: int) -> str:
+        # One round: today's file names; more: every round's logs and results apart.
+        return "" if args.rounds == 1 else f"-round{rnd}"
 
     def error(system: str, what: str, exc: BaseException) -> None:
         msg = f"{system}: {what} failed: {exc}"
@@ -877,17 +1165,18 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
         facts["errors"].append(msg)
         results[system].setdefault("errors", []).append(f"{what}: {exc}")
 
-    def up(system: str) -> bool:
+    def up(system: str, rnd: int = 0) -> bool:
+        suffix = suffix_of(rnd)
         for attempt in range(1, args.startup_attempts + 1):
             try:
                 if system == "plain":
-                    server, info = start_plain(args, cfg, model_dir, served, work)
+                    server, info = start_plain(args, cfg, model_dir, served, work, suffix)
                 elif system == "ours":
-                    server, info = start_ours(args, model_dir, served, work)
+                    server, info = start_ours(args, model_dir, served, work, suffix)
                 else:
-                    server, info = start_rayllm(args, flags, work)
+                    server, info = start_rayllm(args, flags, work, suffix)
             except Exception as exc:  # noqa: BLE001
-                error(system, "start", exc)
+                error(system, "start" + (f" (round {rnd})" if suffix else ""), exc)
                 return False
             servers[system] = server
             results[system].update(info)
@@ -900,18 +1189,23 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
                 if exited and attempt < args.startup_attempts:
                     # e.g. on an overloaded host Serve kills a proxy actor that missed its readiness
                     # checks and `serve run` exits: start again, keep the failed attempt's log.
-                    kept = server.log_path.with_name(f"{system}-server.attempt{attempt}.log")
+                    kept = server.log_path.with_name(f"{server.log_path.stem}.attempt{attempt}.log")
                     server.log_path.rename(kept)
                     first = next((ln for ln in reversed(str(exc).splitlines()) if ln.strip()), str(exc))
                     log(f"{system}: attempt {attempt} exited during startup ({first.strip()[:200]}; log: {kept}); "
                         "starting again")
+                    failure = {"attempt": attempt, "log": str(kept), "error": str(exc)[-2000:]}
                     results[system].setdefault("startup_failures", []).append(
-                        {"attempt": attempt, "log": str(kept), "error": str(exc)[-2000:]})
+                        {**failure, "round": rnd} if suffix else failure)
                     continue
+                server_logs[system].append(server.log_path)
                 error(system, f"startup (log: {server.log_path})", exc)
                 return False
-        log(f"{system}: ready after {ready:.0f} s")
+        server_logs[system].append(server.log_path)
+        log(f"{system}{suffix}: ready after {ready:.0f} s")
         results[system]["ready_s"] = round(ready, 1)
+        if suffix:
+            results[system].setdefault("ready_s_by_round", []).append(round(ready, 1))
         if system == "ours" and not args.measure_while_settling:
             # After "ready" our trainer ranks still load the base model (measured: 4.1 CPU-s, 37% of a core,
             # inside a saturation run on the tiny model): measure the steady state, and report what it took.
@@ -925,7 +1219,9 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
             except Exception as exc:  # noqa: BLE001 - a report, not a reason to stop
                 error(system, "process inspection", exc)
                 return True
-            results[system]["verification"] = info
+            results[system]["verification"] = info  # the last round's, with --rounds
+            if info.get("haproxy_config"):
+                haproxy_cfgs.add(info["haproxy_config"])
             if "checks" in info:
                 log(f"{system}: " + ("VERIFIED" if info["verified"] else "NOT VERIFIED") + ": "
                     + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in info["checks"].items()))
@@ -947,24 +1243,28 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
             log(f"sustained rate: {facts['sustained_rate']} req/s ({facts['sustained_rate_source']})")
         return facts["sustained_rate"]
 
-    def bench(system: str, rate: str, rep: int) -> None:
+    def bench(system: str, rate: str, rep: int, rnd: int = 0) -> None:
         if system not in servers:
             return
-        tag = system if args.repeats == 1 else f"{system}-r{rep}"
+        tag = f"{system}{suffix_of(rnd)}" + ("" if args.repeats == 1 else f"-r{rep}")
         try:
             summary = run_client(args, servers[system], served, model_dir, rate, work, tag)
         except Exception as exc:  # noqa: BLE001
-            error(system, f"benchmark at rate {rate} (repeat {rep})", exc)
+            error(system, f"benchmark at rate {rate} (repeat {rep}" + (f", round {rnd})" if args.rounds > 1 else ")"),
+                  exc)
             return
         runs[system].setdefault(rate, []).append(summary)
 
-    def replay(system: str) -> None:
+    def replay(system: str, rnd: int = 0) -> None:
         if system not in servers:
             return
         try:
-            results[system]["replay"] = run_replay(args, servers[system], work)
+            summary = run_replay(args, servers[system], work, suffix_of(rnd))
+            if args.rounds > 1:
+                summary["round"] = rnd  # a round whose replay failed is missing from the list
+            replays[system].append(summary)
         except Exception as exc:  # noqa: BLE001
-            error(system, "trace replay", exc)
+            error(system, "trace replay" + (f" (round {rnd})" if args.rounds > 1 else ""), exc)
 
     def rate_of(spec: str) -> str | None:
         rate = resolve(spec)  # "auto" only once plain's inf run is in (plain runs first)
@@ -986,31 +1286,43 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
                 for system in systems:
                     replay(system)
         else:
-            for system in systems:
-                if up(system):
-                    for rep in range(args.repeats):
-                        for spec in args.rates:
-                            rate = rate_of(spec)
-                            if rate is not None:
-                                bench(system, rate, rep)
-                    if args.replay:
-                        replay(system)
-                    server = servers.pop(system)
-                    server.stop()
+            for rnd in range(args.rounds):
+                # Alternate the order, as --interleave does, so a drift in the machine's load over the
+                # run does not always favour the same system. "auto" resolves in round 0, where plain
+                # (first in --systems) runs first.
+                order = systems if rnd % 2 == 0 else systems[::-1]
+                if args.rounds > 1:
+                    log(f"round {rnd + 1} of {args.rounds}: {', '.join(order)}")
+                for system in order:
+                    if up(system, rnd):
+                        for rep in range(args.repeats):
+                            for spec in args.rates:
+                                rate = rate_of(spec)
+                                if rate is not None:
+                                    bench(system, rate, rep, rnd)
+                        if args.replay:
+                            replay(system, rnd)
+                        server = servers.pop(system)
+                        server.stop()
     finally:
         stop_all(list(servers.values()))
         servers.clear()
         facts["leftovers_killed"] = sweep_leftovers()
     for system in systems:
         results[system]["rates"] = {rate: combine(rs) for rate, rs in runs[system].items()}
-        log_path = work / f"{system}-server.log"
-        if log_path.exists():
-            binding = re.findall(r"(local_rank=\d+, core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\])",
-                                 log_path.read_text(errors="replace"))
-            if binding:
-                results[system]["engine_omp_binding"] = sorted(set(binding))
-        cfg_file = (results[system].get("verification") or {}).get("haproxy_config")
-        if cfg_file and Path(cfg_file).parent.parent == Path("/tmp/haproxy-serve"):
+        if replays[system]:
+            results[system]["replay"] = combine(replays[system])  # medians over the rounds
+            if len(replays[system]) > 1:
+                results[system]["replay"].pop("round", None)  # a median round number means nothing
+        binding: set[str] = set()
+        for log_path in server_logs[system]:
+            if log_path.exists():
+                binding.update(re.findall(r"(local_rank=\d+, core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\])",
+                                          log_path.read_text(errors="replace")))
+        if binding:
+            results[system]["engine_omp_binding"] = sorted(binding)
+    for cfg_file in haproxy_cfgs:
+        if Path(cfg_file).parent.parent == Path("/tmp/haproxy-serve"):
             shutil.rmtree(Path(cfg_file).parent, ignore_errors=True)  # Ray leaves its node's HAProxy dir
     return results, facts
 
@@ -1120,8 +1432,65 @@ def replay_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _timeline_value(results: dict[str, Any], system: str, key: str, part: str | None = None,
+                    midpoints: bool = False) -> Any:
+    """One figure of a system's replay engine timeline: ``part``, or the entry's mean (whatever its
+    unit; ``midpoints``: the bucket-midpoint mean)."""
+    entry = (((results.get(system) or {}).get("replay") or {}).get("engine_timeline") or {}).get(key) or {}
+    if part:
+        return entry.get(part)
+    return next((v for k, v in entry.items() if k.startswith("mean") and k.endswith("_midpoints") == midpoints),
+                None)
+
+
+def timeline_table(results: dict[str, Any]) -> str:
+    """Where a replay's time goes, side by side: the mean per observation of each engine histogram
+    (per request; inter-token latency per token, iterations per engine step), a column per system,
+    and ours/rayllm, ours/plain. Rows that only ours has (its stages, its iterations) read n/a for
+    the others. Ray's export only has bucket-midpoint means (:func:`midpoint_mean`), so ours/rayllm
+    divides ours' bucket-midpoint mean by rayllm's. Below the table: where each system's figures
+    come from, or why there are none."""
+    systems = [s for s in present(results) if (results[s].get("replay") or {})]
+    if not any("engine_timeline" in results[s]["replay"] for s in systems):
+        return ""
+    ratios = [(a, b) for a, b in (("ours", "rayllm"), ("ours", "plain")) if a in systems and b in systems]
+    head = ["metric", *systems, *(f"{a}/{b}" for a, b in ratios)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    e2e = "vllm:e2e_request_latency_seconds"
+    counts = {s: _timeline_value(results, s, e2e, "count") for s in systems}
+    lines.append("| " + " | ".join(["requests the engine finished", *(fmt("{:.0f}", counts[s]) for s in systems),
+                                    *([""] * len(ratios))]) + " |")
+    for label, key in VLLM_TIMELINE + OURS_TIMELINE:
+        vals = {s: _timeline_value(results, s, key) for s in systems}
+        mids = {s: _timeline_value(results, s, key, midpoints=True) for s in systems}
+        if key.startswith("coserve_") and all(v is None for v in vals.values()):
+            continue  # an app without these series: no empty rows
+        lines.append("| " + " | ".join([label, *(fmt("{:.2f}", vals[s]) for s in systems),
+                                        *(_ratio(mids[a], mids[b]) if b == "rayllm" else _ratio(vals[a], vals[b])
+                                          for a, b in ratios)]) + " |")
+    notes = []
+    if "rayllm" in systems:
+        notes.append("- rayllm's means come from Ray's metrics export, which re-records every observation at its "
+                     "bucket's midpoint (an approximation); ours/rayllm compares ours' means taken the same way "
+                     "(`mean_ms_midpoints` in the JSON).")
+    for s in systems:
+        rp = results[s]["replay"]
+        rounds = rp.get("repeats") or [rp]  # combined over rounds: say which round lacked what
+        for i, r in enumerate(rounds):
+            at = f" (round {r.get('round', i)})" if len(rounds) > 1 else ""
+            for key, what in (("engine_timeline_error", "n/a"), ("engine_timeline_note", "note")):
+                if r.get(key):
+                    notes.append(f"- {s}{at}: {what}: {r[key]}")
+        sources = list(dict.fromkeys(r["engine_timeline_source"] for r in rounds if r.get("engine_timeline_source")))
+        if sources:
+            notes.append(f"- {s}: from {', '.join(sources)}")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
 def goals(results: dict[str, Any], rates: list[str], sustained: str | None) -> list[str]:
-    """The goal lines: ours vs plain (0.90x throughput, 1.15x median TTFT) and ours ahead of rayllm."""
+    """The goal lines of issue 28: trace replay TTFT p50 and p99 ours <= rayllm and <= 1.5x plain,
+    saturated req/s ours >= rayllm, and ours' ITL p50 at the sustained rate > 0 (tokens stream one by
+    one: an ITL of 0 means the client got the stream in one piece)."""
 
     def line(what: str, a: Any, b: Any, op: str, goal: float) -> str:
         if a is None or not b:
@@ -1131,16 +1500,27 @@ def goals(results: dict[str, Any], rates: list[str], sustained: str | None) -> l
         miss = f"MISSED by {abs(r - goal) * 100:.0f} points" if op in (">=", "<=") else "MISSED"
         return f"- {what} = {r:.2f} (goal {op} {goal:.2f}): " + ("met" if ok else miss)
 
+    def value_line(what: str, v: Any, op: str, goal: float, unit: str) -> str:
+        if v is None:
+            return f"- {what}: n/a (missing result)"
+        ok = {">=": v >= goal, "<=": v <= goal, ">": v > goal, "<": v < goal}[op]
+        return f"- {what} = {v:.2f} {unit} (goal {op} {goal:g} {unit}): " + ("met" if ok else "MISSED")
+
     out = []
+    replay = {s: (results.get(s) or {}).get("replay") or {} for s in SYSTEMS}
+    if any(replay.values()):
+        for key, what in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99")):
+            tt = {s: replay[s].get(key) for s in SYSTEMS}
+            out.append(line(f"Trace replay {what}, ours/rayllm", tt["ours"], tt["rayllm"], "<=",
+                            GOAL_REPLAY_TTFT_VS_RAYLLM))
+            out.append(line(f"Trace replay {what}, ours/plain", tt["ours"], tt["plain"], "<=",
+                            GOAL_REPLAY_TTFT_VS_PLAIN))
     if "inf" in rates:
         tp = {s: _get(results, s, "inf", "request_throughput") for s in SYSTEMS}
-        out.append(line("Saturated throughput, ours/plain", tp["ours"], tp["plain"], ">=", GOAL_THROUGHPUT))
-        out.append(line("Saturated throughput, ours/rayllm (ours ahead)", tp["ours"], tp["rayllm"], ">", 1.0))
+        out.append(line("Saturated req/s, ours/rayllm", tp["ours"], tp["rayllm"], ">=", GOAL_SATURATED_REQS_VS_RAYLLM))
     if sustained is not None:
-        tt = {s: _get(results, s, sustained, "median_ttft_ms") for s in SYSTEMS}
-        at = f"at the sustained {sustained} req/s"
-        out.append(line(f"Median TTFT {at}, ours/plain", tt["ours"], tt["plain"], "<=", GOAL_TTFT))
-        out.append(line(f"Median TTFT {at}, ours/rayllm (ours ahead)", tt["ours"], tt["rayllm"], "<", 1.0))
+        out.append(value_line(f"ITL p50 at the sustained {sustained} req/s, ours",
+                              _get(results, "ours", sustained, "median_itl_ms"), ">", GOAL_SUSTAINED_ITL_P50_MS, "ms"))
     return out
 
 
@@ -1197,6 +1577,10 @@ def main() -> int:
                    help="Keep all servers up and alternate their benchmark runs (fairer on a noisy machine; "
                         "each idle server costs the others a little CPU).")
     p.add_argument("--repeats", type=int, default=1, help="Runs per system and rate; the tables show medians.")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="Without --interleave: run every system alone this many times, in the order of --systems "
+                        "in even rounds and reversed in odd ones, each started fresh (ours on a fresh data_dir), "
+                        "each round its rates (x --repeats) and its replay; the tables show medians over the rounds.")
     p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
                    help="Trace replay with load_tests/locustfile.py against each system (default: on).")
     p.add_argument("--replay-seconds", type=int, default=90,
@@ -1215,6 +1599,10 @@ def main() -> int:
     p.add_argument("--bench-timeout", type=float, default=900.0, help="Limit for one benchmark client run.")
     p.add_argument("--work-dir", default=None, help="Logs and raw results (default: a new temp dir).")
     args = p.parse_args()
+    if args.rounds < 1 or args.repeats < 1:
+        p.error("--rounds and --repeats must be at least 1")
+    if args.interleave and args.rounds > 1:
+        p.error("--rounds > 1 runs one system at a time; with --interleave use --repeats")
     args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     wanted = [args.only] if args.only else [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = sorted(set(wanted) - set(SYSTEMS))
@@ -1264,7 +1652,8 @@ def main() -> int:
         "vllm": vllm.__version__, "ray": ray.__version__, "config": str(args.config), "model_dir": str(model_dir),
         "systems": args.systems, "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "rates_requested": args.rates, "sustained_fraction": args.sustained_fraction,
-        "warmups": args.warmups, "interleave": args.interleave, "repeats": args.repeats, "dtype_override": args.dtype,
+        "warmups": args.warmups, "interleave": args.interleave, "repeats": args.repeats, "rounds": args.rounds,
+        "dtype_override": args.dtype,
         "nodes_ours": args.nodes, "ray_worker_niceness": args.ray_worker_niceness,
         "rayllm_lora_config": args.rayllm_lora_config,
         "replay": {"enabled": args.replay, "skipped": replay_skipped, "trace": str(args.trace),
@@ -1293,7 +1682,9 @@ def main() -> int:
     print()
     print(f"vLLM serving benchmark: random dataset, {args.input_len} in / {args.output_len} out, --ignore-eos, "
           f"{args.num_prompts} prompts; systems {', '.join(args.systems)}; "
-          f"{'interleaved' if args.interleave else 'sequential'}, {args.repeats} run(s) each (medians); "
+          f"{'interleaved' if args.interleave else 'sequential'}, "
+          + (f"{args.rounds} rounds (order alternating) x " if args.rounds > 1 else "")
+          + f"{args.repeats} run(s) each (medians); "
           f"{setup['cpus']} CPUs, load average {setup['load_average_start']} (start) / "
           f"{setup['load_average_end']} (end)")
     if facts.get("sustained_rate_source"):
@@ -1329,12 +1720,20 @@ def main() -> int:
         print(f"### Trace replay: {args.trace.name}, the {args.replay_requests} requests of its first "
               f"{args.replay_seconds} s (offset {args.replay_offset_s:g} s) at speed-up {args.trace_speedup:g} "
               f"(1: real time), all awaited; "
-              f"outputs <= {args.replay_max_output_tokens} tokens, -u {args.replay_users}")
+              f"outputs <= {args.replay_max_output_tokens} tokens, -u {args.replay_users}"
+              + (f"; medians of {args.rounds} rounds (failures: their sum)" if args.rounds > 1 else ""))
         print()
         print(replay_md)
     elif replay_skipped:
         print()
         print(f"Trace replay: {replay_skipped}.")
+    timeline_md = timeline_table(results)
+    if timeline_md:
+        print()
+        print("### Trace replay: where the time goes (means per request from the engines' own histograms)"
+              + (f"; medians of {args.rounds} rounds" if args.rounds > 1 else ""))
+        print()
+        print(timeline_md)
     goal_lines = goals(results, rates, sustained)
     if goal_lines:
         print()
@@ -1350,7 +1749,8 @@ def main() -> int:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(
             {"setup": setup, "results": results, "tables_markdown": rate_md, "cpu_tables_markdown": cpu_md,
-             "replay_table_markdown": replay_md, "goals": goal_lines}, indent=2, default=str))
+             "replay_table_markdown": replay_md, "replay_timeline_table_markdown": timeline_md,
+             "goals": goal_lines}, indent=2, default=str))
         log(f"results written to {args.json_path}")
     log(f"raw results and server logs in {work}")
     return 1 if facts["errors"] else 0

@@ -158,11 +158,14 @@ def test_prometheus_metrics_endpoint(app_url, adapter):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert 'coserve_node_ready{node="0"} 1.0' in r.text
     assert f'coserve_adapter_queued{{adapter="{adapter}"}}' in r.text
-    # vLLM's own engine series and the app's stamps through the serving path, one set per node. Requests on
-    # both nodes (round robin), then the nodes' next reports bring the series (every 5 s at most).
+    # vLLM's own engine series, the app's stamps through the serving path and its per-iteration series, one
+    # set per node. Requests on both nodes (round robin), then the nodes' next reports bring the series (every
+    # 5 s at most).
+    # Streamed: the first-token and first-byte stages are stamped for streamed requests only.
     for i in range(4):
-        assert httpx.post(f"{app_url}/v1/completions", json={"model": "tiny-llama", "prompt": f"metrics {i}",
-                                                             "max_tokens": 2}, timeout=60).status_code == 200
+        r = httpx.post(f"{app_url}/v1/completions", json={"model": "tiny-llama", "prompt": f"metrics {i}",
+                                                          "max_tokens": 2, "stream": True}, timeout=60)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
 
     def missing(text: str) -> list[tuple[str, str]]:
         lines = text.splitlines()
@@ -170,6 +173,11 @@ def test_prometheus_metrics_endpoint(app_url, adapter):
         counted = ["vllm:e2e_request_latency_seconds_count{", "vllm:request_queue_time_seconds_count{"]
         counted += [f'coserve_request_stage_seconds_count{{|stage="{s}"'
                     for s in ("guard", "checked", "engine", "first_token", "first_byte")]
+        # Each engine iteration's time, and its tokens and requests by phase (actors/engine_iterations.py).
+        counted += ["coserve_engine_iteration_seconds_count{"]
+        counted += [f'{name}_count{{|phase="{phase}"' for name in ("coserve_engine_iteration_tokens",
+                                                                  "coserve_engine_iteration_requests")
+                    for phase in ("prefill", "decode")]
 
         def seen(series: str, node: str, nonzero: bool) -> bool:
             name, _, label = series.partition("|")  # labels come sorted: match the stage anywhere in them

@@ -1,0 +1,69 @@
+"""Each engine iteration of a replica, in Prometheus histograms: how long it took and what it computed.
+
+vLLM measures one iteration in its engine core when ``enable_logging_iteration_details`` is on
+(``EngineCore.capture_iteration_details``): the requests and tokens it scheduled as prefill
+("context") and as decode ("generation"), and the step's elapsed time. It hands that
+``SchedulerIterationDetails`` to every stat logger with the step's scheduler stats. Its own
+logging stat logger writes one log line per iteration from it; the replica drops those lines
+(:class:`DropIterationLines`) and keeps the figures here, where ``/metrics`` shows them per node:
+
+- ``coserve_engine_iteration_seconds``: the step's time in the engine core (schedule, model, sample);
+- ``coserve_engine_iteration_tokens{phase=prefill|decode}``: tokens the step computed;
+- ``coserve_engine_iteration_requests{phase=prefill|decode}``: requests in the step.
+
+Read side by side with ``vllm:request_queue_time_seconds`` and the app's stage histograms
+(``actors/request_stages.py``): a request that waits long with short iterations waits on the
+engine's queue; long iterations with many prefill tokens are the chunked-prefill budget at work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import Histogram
+
+PHASES = ("prefill", "decode")
+ITERATION_SECONDS = Histogram(
+    "coserve_engine_iteration_seconds",
+    "Seconds one engine iteration took in the engine core (scheduling, forward pass, sampling)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
+)
+ITERATION_TOKENS = Histogram(
+    "coserve_engine_iteration_tokens",
+    "Tokens one engine iteration computed, by phase (prefill: prompt chunks; decode: generated tokens)",
+    ["phase"],
+    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+)
+ITERATION_REQUESTS = Histogram(
+    "coserve_engine_iteration_requests",
+    "Requests in one engine iteration, by phase (prefill: requests with prompt tokens in the step)",
+    ["phase"],
+    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+
+
+def observe(details: Any) -> None:
+    """Record one iteration from vLLM's ``SchedulerIterationDetails`` (a data-parallel dummy step is skipped)."""
+    if details is None or details.is_dummy:
+        return
+    ITERATION_SECONDS.observe(details.elapsed_ms / 1000.0)
+    ITERATION_TOKENS.labels("prefill").observe(details.num_ctx_tokens)
+    ITERATION_TOKENS.labels("decode").observe(details.num_generation_tokens)
+    ITERATION_REQUESTS.labels("prefill").observe(details.num_ctx_requests)
+    ITERATION_REQUESTS.labels("decode").observe(details.num_generation_requests)
+
+
+class DropIterationLines(logging.Filter):
+    """Drops vLLM's one-log-line-per-iteration (``LoggingStatLogger._log_iteration_details``); keeps its
+    periodic throughput lines. The figures go to the histograms above instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and "Iteration(%d)" in record.msg)
+
+
+def install_log_filter() -> None:
+    """Attach :class:`DropIterationLines` to vLLM's stat-logger logger, once per process."""
+    log = logging.getLogger("vllm.v1.metrics.loggers")
+    if not any(isinstance(f, DropIterationLines) for f in log.filters):
+        log.addFilter(DropIterationLines())
