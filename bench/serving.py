@@ -68,8 +68,8 @@ What it measures:
    vLLM's ``vllm:x`` is exported there as ``ray_vllm_x``, every 10 s). Before each scrape the
    script waits until those pushes have landed (``ENGINE_METRICS_SETTLE_S``).
 4. Goals (issue 28): trace replay TTFT p50 and p99 ours <= rayllm's and <= 1.5x plain's; saturated
-   req/s ours >= rayllm's; ITL p50 at the sustained rate > 0 for ours (tokens stream one by one,
-   not in one piece). Printed as met / MISSED.
+   req/s ours >= rayllm's; ITL p50 at the sustained rate over 0.5 ms for ours (tokens stream one
+   by one; a p50 of a few microseconds means most pieces came in one read). Printed as met / MISSED.
 
 Prints one markdown table per rate, one CPU table per rate, the replay tables and the goals;
 ``--json PATH`` writes all of it (and every raw figure). Logs and raw results stay in ``--work-dir``.
@@ -157,7 +157,7 @@ REPLAY_METRICS = [  # (label, key, format)
 GOAL_REPLAY_TTFT_VS_RAYLLM = 1.00     # trace replay TTFT p50 and p99, ours / rayllm, at most
 GOAL_REPLAY_TTFT_VS_PLAIN = 1.50      # trace replay TTFT p50 and p99, ours / plain, at most
 GOAL_SATURATED_REQS_VS_RAYLLM = 1.00  # saturated req/s, ours / rayllm, at least
-GOAL_SUSTAINED_ITL_P50_MS = 0.0       # ours' ITL p50 at the sustained rate, more than (tokens stream one by one)
+GOAL_SUSTAINED_ITL_P50_MS = 0.5       # ours' ITL p50 at the sustained rate, more than: pieces read under 0.5 ms apart arrived in one read, not token by token
 
 # Where a replay's time goes, from the engines' own Prometheus histograms (vllm/v1/metrics/loggers.py):
 # (row label, histogram). Every system has these.
