@@ -282,7 +282,7 @@ class LearningRoutes:
                 raise BadRequest(f"`name` {body['name']!r} names tenant {tenant!r}, `tenant` names "
                                  f"{body['tenant']!r}.", "tenant")
             body = {**body, "name": name, "tenant": tenant}
-        if body.get("method") in FULL_METHODS:
+        if isinstance(body.get("method"), str) and body["method"] in FULL_METHODS:  # [] or {}: the spec's 400
             # A full unit retrains the model every tenant is served: the operator's decision, not a tenant's.
             if not principal.admin:
                 return error(403, "a full_sft/full_dpo unit changes the model every tenant is served; only an "

@@ -184,7 +184,7 @@ class ModelServer:
         install_error_handlers(app)
         self._install_routes(app)
         self.learning.install(app)
-        install_openapi(app, guarded=self.keys.enabled)
+        install_openapi(app, guarded=self.keys.enabled, max_lora_rank=self.cfg.engine.max_lora_rank)
         app.add_middleware(TaskIdMiddleware)
         if self.cfg.ingress.stream_batching_ms > 0:
             app.add_middleware(CoalesceEventStreams, interval_s=self.cfg.ingress.stream_batching_ms / 1000)

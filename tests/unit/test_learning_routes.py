@@ -278,3 +278,49 @@ def test_a_tenant_reads_no_server_path_and_not_its_key(tenants):
     r = call("admin", "POST", "/v1/adapters/acme/support/rollback", json={"version": 7})
     assert r.status_code == 404 and "acme/support" in r.json()["error"]["message"], r.text
 
+
+# ---- strict types (issue 29 item 3): no string (or float, or number for a flag) is coerced ----
+
+@pytest.mark.parametrize("body, param", [
+    ({"lora": {"r": "256"}}, "lora.r"), ({"lora": {"r": 256}}, "lora.r"), ({"lora": {"alpha": "16"}}, "lora.alpha"),
+    ({"lora": {"dropout": "0.1"}}, "lora.dropout"), ({"learning_rate": "0.001"}, "learning_rate"),
+    ({"beta": "0.5"}, "beta"), ({"epochs": "2"}, "epochs"), ({"epochs": 2.0}, "epochs"),
+    ({"periodic": {"every_samples": "5"}}, "periodic.every_samples"),
+    ({"periodic": {"every_seconds": "30"}}, "periodic.every_seconds"),
+    ({"gate": {"enabled": "false"}}, "gate.enabled"), ({"gate": {"enabled": 0}}, "gate.enabled"),
+    ({"gate": {"max_eval_items": "8"}}, "gate.max_eval_items"), ({"gate": {"margin": "0.1"}}, "gate.margin"),
+])
+def test_a_create_with_a_string_where_a_number_is_meant_is_400_naming_the_field(harness, body, param):
+    client, store, _, _ = harness
+    r = client.post("/v1/adapters", json={"name": "strict", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == 400
+    assert store.list_adapters() == []
+    assert client.post("/v1/adapters", json={"name": "strict", "learning_rate": 1, "lora": {"alpha": 16}}
+                       ).status_code == 201  # an integer where a float is meant is a number
+
+
+@pytest.mark.parametrize("change", [{"learning_rate": "0.01"}, {"epochs": "3"}, {"beta": "1"},
+                                    {"gate": {"margin": "0.5"}}, {"periodic": {"every_samples": "4"}}])
+def test_a_patch_with_a_string_where_a_number_is_meant_is_400(harness, change):
+    client, store, _, _ = harness
+    store.create_adapter({"name": "tutor", "mode": "periodic"})
+    before = store.get_adapter("tutor")
+    r = client.patch("/v1/adapters/tutor", json=change)
+    assert r.status_code == 400, r.text
+    assert store.get_adapter("tutor") == before
+
+
+def test_the_openapi_schema_says_what_create_takes():
+    """The schema the fuzzer generates from: lora.r at most the engine's max_lora_rank, numbers typed."""
+    from deployments.openapi import install_openapi
+
+    app = FastAPI()
+    LearningRoutes(load({"data_dir": "/tmp/unused", "model": {"embedded": "tiny-llama"},
+                         "engine": {"max_lora_rank": 8}}), Planner()).install(app)
+    install_openapi(app, guarded=True, max_lora_rank=8)
+    schemas = app.openapi()["components"]["schemas"]
+    assert schemas["LoraSettings"]["properties"]["r"] | {"type": "integer", "minimum": 1, "maximum": 8} == \
+        schemas["LoraSettings"]["properties"]["r"]
+    assert schemas["AdapterSpec"]["properties"]["epochs"]["type"] == "integer"
+    assert {"/v1/adapters/{name}", "/v1/adapters/{name}/rollback"} <= set(app.openapi()["paths"])

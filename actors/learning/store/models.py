@@ -119,16 +119,17 @@ class IdempotencyKeyReused(StoreError):
 
 
 class _Strict(BaseModel):
-    # No inf/NaN: they would be stored, then fail to encode as JSON in every later answer.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # No inf/NaN: they would be stored, then fail to encode as JSON in every later answer. strict: no coercion,
+    # so a JSON string "8" or "0.1" (or a float 8.0 for an integer, 1 or "true" for a boolean) is a client error
+    # naming its field, never a number or a flag (an integer is still taken where a float is meant).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
 
 
 class LoraSettings(_Strict):
-    # strict: a JSON string "8" or a float 8.0 is a client error, not a rank (pydantic would coerce them).
-    r: int = Field(8, ge=1, le=256, strict=True,
+    r: int = Field(8, ge=1, le=256,
                    description="LoRA rank, an integer (must not exceed the engine's max_lora_rank).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
     target_modules: list[str] | Literal["all-linear"] = Field(

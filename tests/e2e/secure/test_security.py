@@ -308,3 +308,27 @@ def test_no_server_path_reaches_a_tenant(secure_app, beta_served):
     # The operator still reads where a version lives.
     info = httpx.get(f"{url}/v1/adapters/beta/{beta_served}", headers=_h(secure_app, "admin")).json()
     assert info["versions"] and all(v["path"] for v in info["versions"]), info
+
+
+# ---- issue 29 item 3: strict types and caps -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"lora": {"r": "256"}}, "lora.r"), ({"lora": {"r": 256}}, "lora.r"),  # this app's engine.max_lora_rank: 8
+    ({"lora": {"r": 8.0}}, "lora.r"), ({"learning_rate": "0.01"}, "learning_rate"), ({"epochs": "2"}, "epochs"),
+    ({"periodic": {"every_samples": "5"}}, "periodic.every_samples"), ({"gate": {"enabled": "false"}}, "gate.enabled"),
+])
+def test_a_string_or_float_where_an_integer_is_meant_is_400_naming_the_field(secure_app, body, param):
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    err = _error(httpx.post(f"{url}/v1/adapters", headers=acme, json={"name": "strict", "mode": "off", **body}), 400)
+    assert err["param"] == param, err
+    _error(httpx.get(f"{url}/v1/adapters/strict", headers=acme), 404)  # nothing was stored
+
+
+def test_a_patch_with_a_string_where_a_number_is_meant_is_400(secure_app):
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    before = httpx.get(f"{url}/v1/adapters/acme-own", headers=acme).json()
+    for change in ({"learning_rate": "0.01"}, {"epochs": "2"}):
+        _error(httpx.patch(f"{url}/v1/adapters/acme-own", headers=acme, json=change), 400)
+    after = httpx.get(f"{url}/v1/adapters/acme-own", headers=acme).json()
+    assert (after["learning_rate"], after["epochs"]) == (before["learning_rate"], before["epochs"])
