@@ -231,8 +231,8 @@ class ModelServer:
 
     def _guard_requests(self) -> None:
         """Checks vLLM's serving classes do not make, wrapped around their entry points once: the tenant's
-        rights on the model (completions, chat, tokenize and detokenize alike), the request caps (``limits``),
-        and the tenant's prefix-cache salt.
+        rights on the model (completions, chat, tokenize and detokenize alike), the request caps (``limits``,
+        and ``limits.max_tokens`` as the default output length), and the tenant's prefix-cache salt.
 
         Adapter names are scoped by tenant (deployments/learning.py): the engine serves tenant acme's
         ``support`` as the LoRA ``base:acme/support``, which acme calls ``base:support``. The request's
@@ -285,7 +285,14 @@ class ModelServer:
                 return await create(request, raw_request)
             return create_owned
 
-        def guarded(create: Any) -> Any:
+        def guarded(create: Any, serving: Any) -> Any:
+            # The output length of a request that names none: limits.max_tokens, or less where the model's
+            # generation config says less (vLLM's default then), never past the context; vLLM then takes the
+            # least of that and the room the prompt leaves (get_max_tokens).
+            default_cap = min(limits.max_tokens, self.replica.max_model_len,
+                              (getattr(serving, "default_sampling_params", None) or {}).get("max_tokens")
+                              or limits.max_tokens)
+
             async def create_checked(request: Any, raw_request: Any = None) -> Any:
                 if not request.model:
                     return create_error_response("`model` is required and must be a string.", param="model")
@@ -293,6 +300,7 @@ class ModelServer:
                 if model is None:
                     return not_found(request)
                 request.model = model
+                default_max_tokens(request, default_cap)
                 why = refusal(request)
                 if why is not None:
                     return create_error_response(why)
@@ -311,10 +319,10 @@ class ModelServer:
         state = self.replica.state
         if getattr(state, "openai_serving_completion", None) is not None:
             serving = state.openai_serving_completion
-            serving.create_completion = guarded(serving.create_completion)
+            serving.create_completion = guarded(serving.create_completion, serving)
         if getattr(state, "openai_serving_chat", None) is not None:
             serving = state.openai_serving_chat
-            serving.create_chat_completion = guarded(serving.create_chat_completion)
+            serving.create_chat_completion = guarded(serving.create_chat_completion, serving)
         if getattr(state, "serving_tokenization", None) is not None:
             serving = state.serving_tokenization
             serving.create_tokenize = owned(serving.create_tokenize)
@@ -350,6 +358,24 @@ def public_model(principal: Any, base: str, model: str) -> str:
     if not model.startswith(base + ":"):
         return model
     return f"{base}:{shown_name(principal, model[len(base) + 1:])}"
+
+
+def default_max_tokens(request: Any, cap: int) -> None:
+    """Give a chat or completion request that names no output length ``cap`` as its length.
+
+    vLLM's own default for chat is the room the prompt leaves in the context: a client that sends no
+    ``max_tokens`` (or a null one) must not hold the engine for a whole context. A completion's is 16 (vLLM
+    fills an absent or null one with it before this runs), capped here too where ``cap`` is less. A length the
+    client names is left as it is (over limits.max_tokens it is a 400). Set before vLLM sees the request: its
+    ``get_max_tokens`` then takes the least of this and the room the prompt leaves."""
+    fields = type(request).model_fields
+    if "max_completion_tokens" in fields:  # chat; its max_tokens is deprecated, the older name of the same
+        if request.max_completion_tokens is None and request.max_tokens is None:
+            request.max_completion_tokens = cap
+    elif "max_tokens" in fields:
+        default = fields["max_tokens"].default
+        if request.max_tokens is None or (request.max_tokens == default and default > cap):
+            request.max_tokens = cap
 
 
 def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:

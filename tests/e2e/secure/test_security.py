@@ -332,3 +332,33 @@ def test_a_patch_with_a_string_where_a_number_is_meant_is_400(secure_app):
         _error(httpx.patch(f"{url}/v1/adapters/acme-own", headers=acme, json=change), 400)
     after = httpx.get(f"{url}/v1/adapters/acme-own", headers=acme).json()
     assert (after["learning_rate"], after["epochs"]) == (before["learning_rate"], before["epochs"])
+
+
+def test_a_chat_without_max_tokens_stops_at_the_limit_or_the_context(secure_app):
+    """Without max_tokens a chat ran to the context's end (2,021 tokens on a 2,048 context) whatever
+    limits.max_tokens said; now it stops at limits.max_tokens (32 here), or earlier where the prompt leaves less
+    room. A max_tokens over the limit stays a 400 (test_chat_caps_answer_400)."""
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    limit, context = secure_app["config"]["limits"]["max_tokens"], secure_app["config"]["model"]["max_model_len"]
+
+    def chat(content: str) -> dict:
+        r = httpx.post(f"{url}/v1/chat/completions", headers=acme, timeout=120, json={
+            "model": BASE, "messages": [{"role": "user", "content": content}], "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    short = chat("hi")
+    assert short["usage"]["completion_tokens"] == limit and short["choices"][0]["finish_reason"] == "length", short
+    # A prompt that leaves 10 tokens of context (sized with /tokenize: the tiny model's tokenizer is byte-level).
+    def prompt_tokens(content: str) -> int:
+        r = httpx.post(f"{url}/tokenize", headers=acme,
+                       json={"model": BASE, "messages": [{"role": "user", "content": content}],
+                             "add_generation_prompt": True})
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    content = "x" * (context - 10 - (prompt_tokens("x") - 1))
+    assert prompt_tokens(content) == context - 10
+    near_end = chat(content)
+    assert near_end["usage"]["completion_tokens"] == 10, near_end["usage"]
+    assert near_end["usage"]["prompt_tokens"] + near_end["usage"]["completion_tokens"] == context
