@@ -11,7 +11,7 @@ tenant's adapter ``tenant/name`` (``adapter_key``), so two tenants may each own 
 name another tenant took is no conflict (a 409 would tell that it exists). A tenant names its own
 adapters by their bare names, in routes, bodies and ``model`` (``base:support``); the admin key (and
 local mode) names keys (``acme/support``; the bare name of an adapter without a tenant or the
-admin's own). The owner of a key never changes, so each model server keeps the owners it has looked up.
+admin's own); a create names the tenant in ``tenant``, as before. The owner of a key never changes, so each model server keeps the owners it has looked up.
 No server path reaches a tenant: versions are shown to it without their ``path``, and the data and
 model directories are cut out of the reasons it reads.
 """
@@ -274,14 +274,6 @@ class LearningRoutes:
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
         principal = PRINCIPAL.get()
-        name = body.get("name")
-        if principal.admin and isinstance(name, str) and "/" in name:
-            # The admin names a tenant's adapter by its key, here as everywhere: "acme/support".
-            tenant, _, name = name.partition("/")
-            if body.get("tenant", tenant) != tenant:
-                raise BadRequest(f"`name` {body['name']!r} names tenant {tenant!r}, `tenant` names "
-                                 f"{body['tenant']!r}.", "tenant")
-            body = {**body, "name": name, "tenant": tenant}
         if isinstance(body.get("method"), str) and body["method"] in FULL_METHODS:  # [] or {}: the spec's 400
             # A full unit retrains the model every tenant is served: the operator's decision, not a tenant's.
             if not principal.admin:
