@@ -194,13 +194,17 @@ def lost_ids(store_name: str, ids: list[int], timeout_s: float = 60) -> int:
 
 
 def half_written(adapters_root: Path) -> int:
-    """Version directories under ``adapters_root`` that lack their adapter files."""
-    from actors.learning.versions.layout import ADAPTER_FILES, VERSION_DIR_RE
+    """Version directories under ``adapters_root`` that lack their adapter files (a tenant's adapters are one
+    level deeper, under ``@tenant/``)."""
+    from actors.learning.versions.layout import ADAPTER_FILES, TENANT_DIR_PREFIX, VERSION_DIR_RE
 
     bad = 0
     if adapters_root.is_dir():
-        for adapter in adapters_root.iterdir():
-            for d in adapter.iterdir() if adapter.is_dir() else ():
+        adapters = [a for a in adapters_root.iterdir() if a.is_dir() and not a.name.startswith(TENANT_DIR_PREFIX)]
+        adapters += [a for t in adapters_root.glob(f"{TENANT_DIR_PREFIX}*") if t.is_dir() for a in t.iterdir()
+                     if a.is_dir()]
+        for adapter in adapters:
+            for d in adapter.iterdir():
                 if VERSION_DIR_RE.match(d.name) and not all((d / f).is_file() for f in ADAPTER_FILES):
                     bad += 1
     return bad

@@ -3,8 +3,17 @@
     python bench/fuzz.py --url http://127.0.0.1:8000 --key "$ADMIN_KEY" --max-examples 50
 
 Checks: no 5xx, and conformance of every answer to the schema (documented status codes, content
-types, headers and response bodies). ``tests/e2e/test_fuzz.py`` runs a small version of this in
+types, headers and response bodies). ``tests/e2e/secure/test_fuzz.py`` runs a small version of this in
 the suite; this is the larger run whose figures go in docs/benchmarks.md.
+
+What the schema holds (issue 29): the learning routes' bodies are pydantic-strict, so the negative
+cases schemathesis generates for them (a string or a float where an integer is meant, a boolean given
+as 0 or "false") are 400s, never coerced and stored; ``lora.r`` is bounded by the engine's
+``max_lora_rank`` (it said 256). The admin key this runs with names a tenant's adapter ``tenant/name``
+in ``/v1/adapters/{name}`` (names are scoped by tenant). The negative-data check
+(``negative_data_rejection``) is not among CHECKS: vLLM's own routes take lax bodies by design; it runs on
+the learning routes alone, in process, in ``tests/unit/test_learning_fuzz.py`` (which found a 500 for
+``{"method": {}}`` on ``POST /v1/adapters``).
 """
 
 from __future__ import annotations

@@ -6,14 +6,21 @@ is durably stored.
 
 Tenancy: every adapter belongs to the tenant whose key created it (or the one an admin named).
 A tenant's key sees, changes, trains and calls only its own adapters; another tenant's adapter
-answers 404, exactly as one that does not exist. The owner of a name never changes, so each
-model server keeps the owners it has looked up.
+answers 404, exactly as one that does not exist. Names are scoped by tenant: the store keys a
+tenant's adapter ``tenant/name`` (``adapter_key``), so two tenants may each own ``support`` and a
+name another tenant took is no conflict (a 409 would tell that it exists). A tenant names its own
+adapters by their bare names, in routes, bodies and ``model`` (``base:support``); the admin key (and
+local mode) names keys (``acme/support``; the bare name of an adapter without a tenant or the
+admin's own); a create names the tenant in ``tenant``, as before. The owner of a key never changes, so each model server keeps the owners it has looked up.
+No server path reaches a tenant: versions are shown to it without their ``path``, and the data and
+model directories are cut out of the reasons it reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from typing import Any, Awaitable, Callable
@@ -26,8 +33,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from actors.config import AppConfig
 from actors.default_model import model_path
 from actors.engine_args import served_model_name
+from actors.keys import Principal
 from actors.learning.lora.targets import lora_targetable_modules, short_names, unknown_targets
 from actors.learning.store.models import (
+    ADAPTER_KEY_RE,
     ADAPTER_NAME_RE,
     ALL_LINEAR,
     FULL_METHODS,
@@ -41,9 +50,11 @@ from actors.learning.store.models import (
     UnknownAdapter,
     UnknownItem,
     UnknownVersion,
+    adapter_key,
     idempotency_key_problem,
     pydantic_error,
     pydantic_param,
+    split_adapter_key,
 )
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
@@ -75,6 +86,34 @@ STORE_ERRORS: dict[type[StoreError], tuple[int, str]] = {
 }
 
 
+def adapter_key_for(principal: Principal, name: str) -> str | None:
+    """The store's key of the adapter a request of ``principal`` names ``name``. An admin (and local mode) names
+    keys: ``acme/support``, or the bare name of an adapter without a tenant or of the admin's own. A tenant names
+    its own adapters by their bare names: acme's ``support`` is the key ``acme/support``. None: a name that
+    cannot be one of the tenant's (one with a '/', say): as absent as any other tenant's."""
+    if principal.admin:
+        return name
+    if principal.tenant is None or not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+        return None
+    return adapter_key(principal.tenant, name)
+
+
+def shown_name(principal: Principal, key: str) -> str:
+    """The name ``principal`` knows the adapter keyed ``key`` by: a tenant its own by their bare names, an admin
+    (and local mode) by the key (the inverse of :func:`adapter_key_for`)."""
+    if principal.admin:
+        return key
+    tenant, name = split_adapter_key(key)
+    return name if tenant is not None and tenant == principal.tenant else key
+
+
+def as_seen_by(principal: Principal, text: str) -> str:
+    """``text`` (a store error's message) as ``principal`` reads it: a tenant's own keys without the tenant."""
+    if principal.admin or not principal.tenant:
+        return text
+    return re.sub(rf"(?<![a-z0-9_-]){re.escape(principal.tenant)}/", "", text)
+
+
 def store_error_status(exc: StoreError) -> tuple[int, str]:
     """The HTTP status and error type of a store error (its nearest mapped class; 500 if none)."""
     for kind in type(exc).__mro__:
@@ -90,7 +129,7 @@ async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
     if not isinstance(cause, StoreError):
         cause = exc
     status, err_type = store_error_status(cause)
-    return error(status, str(cause), getattr(cause, "param", None), err_type=err_type)
+    return error(status, as_seen_by(PRINCIPAL.get(), str(cause)), getattr(cause, "param", None), err_type=err_type)
 
 
 async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
@@ -110,7 +149,10 @@ class LearningRoutes:
         self.base = served_model_name(cfg, model_path(cfg))
         self.planner_timeout_s = PLANNER_AFTER_COMMIT_TIMEOUT_S
         self._feedback = None
-        self._owners: dict[str, str | None] = {}  # adapter -> tenant (None: made without keys)
+        self._owners: dict[str, str | None] = {}  # adapter key -> tenant (None: made without keys)
+        # Server paths a tenant must not read in a reason (a version that failed to load names its files).
+        roots = {str(cfg.data_path), str(model_path(cfg)), cfg.storage.adapters_uri or ""}
+        self._server_paths = sorted((r.rstrip("/") for r in roots if len(r.rstrip("/")) > 1), key=len, reverse=True)
         self._counter: Any = None  # the model's tokenizer, loaded with the first per_node feedback
 
     def _sizes(self, items: list[Any]) -> list[NewFeedback]:
@@ -129,10 +171,11 @@ class LearningRoutes:
         r = APIRouter()
         r.add_api_route("/v1/adapters", self.create_adapter, methods=["POST"], status_code=201)
         r.add_api_route("/v1/adapters", self.list_adapters, methods=["GET"])
-        r.add_api_route("/v1/adapters/{name}", self.show_adapter, methods=["GET"])
-        r.add_api_route("/v1/adapters/{name}", self.update_adapter, methods=["PATCH"])
-        r.add_api_route("/v1/adapters/{name}/rollback", self.rollback_adapter, methods=["POST"])
-        r.add_api_route("/v1/adapters/{name}/promote", self.promote_adapter, methods=["POST"])
+        # {name:path}: the admin names a tenant's adapter by its key, "acme/support" (OpenAPI shows {name}).
+        r.add_api_route("/v1/adapters/{name:path}/rollback", self.rollback_adapter, methods=["POST"])
+        r.add_api_route("/v1/adapters/{name:path}/promote", self.promote_adapter, methods=["POST"])
+        r.add_api_route("/v1/adapters/{name:path}", self.show_adapter, methods=["GET"])
+        r.add_api_route("/v1/adapters/{name:path}", self.update_adapter, methods=["PATCH"])
         r.add_api_route("/v1/feedback", self.feedback, methods=["POST"], status_code=202)
         r.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.include_router(r)
@@ -164,10 +207,10 @@ class LearningRoutes:
             return await self.ask_planner(lambda p: p.feedback_queue.remote())
 
     async def owner(self, adapter: str) -> str | None | object:
-        """The tenant that owns ``adapter`` (None: made without keys), or :data:`UNKNOWN`."""
+        """The tenant that owns the adapter keyed ``adapter`` (None: made without keys), or :data:`UNKNOWN`."""
         if adapter in self._owners:
             return self._owners[adapter]
-        if not ADAPTER_NAME_RE.match(adapter):
+        if not ADAPTER_KEY_RE.match(adapter):
             return UNKNOWN
         try:
             owner = await self._store(lambda q: q.adapter_tenant.remote(adapter))
@@ -179,13 +222,17 @@ class LearningRoutes:
         self._owners[adapter] = owner
         return owner
 
-    async def _visible(self, name: str) -> None:
-        """404 (as if absent) unless the request's principal may use adapter ``name``."""
-        owner, principal = await self.owner(name), PRINCIPAL.get()
+    async def resolve(self, name: str) -> str:
+        """The store's key of the adapter the request names ``name`` (:func:`adapter_key_for`); 404 (as if
+        absent) unless the request's principal may use it."""
+        principal = PRINCIPAL.get()
+        key = adapter_key_for(principal, name)
+        owner = UNKNOWN if key is None else await self.owner(key)
         if owner is UNKNOWN and principal.admin:
-            return  # the store's own answer (404, or 400 for a malformed name)
+            return key  # the store's own answer (404, or 400 for a malformed name)
         if owner is UNKNOWN or not principal.may_use(owner):
             raise UnknownAdapter(f"no adapter named {name!r}")
+        return key
 
     async def _tell_planner(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> bool:
         """``ask_planner(call)`` after the store committed a change: best effort. A planner that is away
@@ -199,18 +246,35 @@ class LearningRoutes:
                            "is back", what, type(exc).__name__, exc)
             return False
 
-    def _adapter_json(self, info: Any, base: str) -> dict[str, Any]:
+    def _adapter_json(self, info: Any) -> dict[str, Any]:
+        """An adapter as the request's principal sees it: a tenant by its bare name, with no server path."""
+        principal = PRINCIPAL.get()
         out = info.model_dump()
+        name = out["name"] = shown_name(principal, info.name)
         # A full unit's versions are the base model itself: requests name the base.
-        out["model"] = base if info.method in FULL_METHODS else f"{base}:{info.name}"
+        out["model"] = self.base if info.method in FULL_METHODS else f"{self.base}:{name}"
+        for v in out["versions"]:
+            v["adapter"] = name
+        if not principal.admin:
+            for v in out["versions"]:
+                v.pop("path", None)
+                v["reason"] = self._without_paths(v["reason"])
+            out["paused_reason"] = self._without_paths(out["paused_reason"])
         return out
+
+    def _without_paths(self, text: str | None) -> str | None:
+        """``text`` with the server's data, model and adapter locations cut to ``<server path>``."""
+        if text:
+            for root in self._server_paths:
+                text = text.replace(root, "<server path>")
+        return text
 
     async def create_adapter(self, request: Request) -> Response:
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
         principal = PRINCIPAL.get()
-        if body.get("method") in FULL_METHODS:
+        if isinstance(body.get("method"), str) and body["method"] in FULL_METHODS:  # [] or {}: the spec's 400
             # A full unit retrains the model every tenant is served: the operator's decision, not a tenant's.
             if not principal.admin:
                 return error(403, "a full_sft/full_dpo unit changes the model every tenant is served; only an "
@@ -230,8 +294,8 @@ class LearningRoutes:
             raise InvalidRequest([pydantic_error("adapter", e) for e in errors], param=pydantic_param(errors[0])) from None
         if spec.method not in FULL_METHODS:  # a full unit trains every weight: its lora settings are unused
             await self._check_lora(spec)
-        info = await self._create(body)
-        return JSONResponse(self._adapter_json(info, self.base), status_code=201)
+        info = await self._create(body, adapter_key(spec.tenant, spec.name))
+        return JSONResponse(self._adapter_json(info), status_code=201)
 
     async def _check_lora(self, spec: AdapterSpec) -> None:
         """400 for LoRA settings the engine cannot serve: a rank over ``engine.max_lora_rank``, or a target
@@ -260,7 +324,7 @@ class LearningRoutes:
                            self.base, type(exc).__name__, exc)
             return None
 
-    async def _create(self, body: dict[str, Any]) -> Any:
+    async def _create(self, body: dict[str, Any], key: str) -> Any:
         """Create in the store. The store's actor takes no task retries for a create (a resent one would
         answer 409 for the caller's own adapter), so a store that died meanwhile reaches ``_store``, which
         sends it once more; if that answers "exists" with this very spec, made a moment ago, it is this
@@ -277,8 +341,9 @@ class LearningRoutes:
         except (AdapterExists, RayTaskError) as exc:
             if calls < 2 or not isinstance(getattr(exc, "cause", exc), AdapterExists):
                 raise
-            info = await self._store(lambda q: q.get_adapter.remote(body.get("name")))
-            fields = set(AdapterSpec.model_fields) - {"gate"}  # the stored gate is the effective one
+            info = await self._store(lambda q: q.get_adapter.remote(key))
+            # The stored gate is the effective one; the stored name is the key (its tenant's and name's).
+            fields = set(AdapterSpec.model_fields) - {"gate", "name"}
             try:
                 wanted = AdapterSpec.model_validate(body).model_dump(include=fields)
             except ValueError:
@@ -288,25 +353,24 @@ class LearningRoutes:
             return info
 
     async def list_adapters(self) -> JSONResponse:
-        base = self.base
         principal = PRINCIPAL.get()
         adapters = [a for a in await self._store(lambda q: q.list_adapters.remote()) if principal.may_use(a.tenant)]
-        return JSONResponse({"object": "list", "data": [self._adapter_json(i, base) for i in adapters]})
+        return JSONResponse({"object": "list", "data": [self._adapter_json(i) for i in adapters]})
 
     async def show_adapter(self, name: str) -> Response:
-        await self._visible(name)
-        info = await self._store(lambda q: q.get_adapter.remote(name))
-        return JSONResponse(self._adapter_json(info, self.base))
+        key = await self.resolve(name)
+        info = await self._store(lambda q: q.get_adapter.remote(key))
+        return JSONResponse(self._adapter_json(info))
 
     async def update_adapter(self, name: str, request: Request) -> Response:
         """Change how the adapter trains from now on (mode, learning_rate, beta, periodic, gate, paused); 400 else."""
-        await self._visible(name)
+        key = await self.resolve(name)
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
-        info = await self._store(lambda q: q.update_adapter.remote(name, body))
-        await self._tell_planner(f"PATCH of adapter {name!r}", lambda p: p.adapter_changed.remote(name))
-        return JSONResponse(self._adapter_json(info, self.base))
+        info = await self._store(lambda q: q.update_adapter.remote(key, body))
+        await self._tell_planner(f"PATCH of adapter {key!r}", lambda p: p.adapter_changed.remote(key))
+        return JSONResponse(self._adapter_json(info))
 
     async def rollback_adapter(self, name: str, request: Request) -> Response:
         """Serve an earlier version that was served before; 409 for a rejected or candidate one (promote it).
@@ -318,7 +382,7 @@ class LearningRoutes:
         return await self._serve_version(name, request, "promote")
 
     async def _serve_version(self, name: str, request: Request, how: str) -> Response:
-        await self._visible(name)
+        name = await self.resolve(name)  # the store's key from here on
         body = await json_body(request)
         version = body.get("version") if isinstance(body, dict) else None
         lowest = 0 if how == "rollback" else 1  # the store answers 400 for version 0 of an adapter
@@ -338,7 +402,7 @@ class LearningRoutes:
         elif info.method not in FULL_METHODS and target is not None:
             nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
             await self._tell_planner(what, lambda p: p.load_adapter.remote(name, nodes))
-        return JSONResponse(self._adapter_json(info, self.base))
+        return JSONResponse(self._adapter_json(info))
 
     async def metrics(self) -> Response:
         from deployments.metrics import CONTENT_TYPE_LATEST, render
@@ -374,8 +438,13 @@ class LearningRoutes:
         if len(listed) > self.cfg.limits.feedback_max_items:
             raise BadRequest(f"{len(listed)} items, at most limits.feedback_max_items="
                              f"{self.cfg.limits.feedback_max_items} per request.", "items")
+        keys = {}  # feedback only to the tenant's own adapters (others do not exist), under the store's keys
         for name in {it.get("adapter") for it in listed if isinstance(it, dict) and isinstance(it.get("adapter"), str)}:
-            await self._visible(name)  # feedback only to the tenant's own adapters; others do not exist
+            keys[name] = await self.resolve(name)
+        if any(key != name for name, key in keys.items()):
+            listed = [{**it, "adapter": keys[it["adapter"]]}
+                      if isinstance(it, dict) and isinstance(it.get("adapter"), str) else it for it in listed]
+            items = listed if isinstance(items, list) else listed[0]
         nodes = None
         if self.cfg.training.scope == "per_node":  # each node's copy trains on the items placed on it
             sizes = await asyncio.to_thread(self._sizes, listed)  # tokenizing is CPU work: off the event loop

@@ -2,7 +2,8 @@
 
 FastAPI derives a schema from route signatures; the app's routes read their bodies themselves
 (the feedback store validates them), so their bodies are declared here from the store's own
-pydantic models, and the answers that come from outside a route (the guard's 401/403/413/429,
+pydantic models (strict: a string or a float where an integer is meant is a 400, as the schema's types say;
+``lora.r`` at most the engine's ``max_lora_rank``), and the answers that come from outside a route (the guard's 401/403/413/429,
 a restarting planner's 503, the 500 with a request id) are added to every operation. A fuzzer
 (schemathesis, ``tests/e2e/test_fuzz.py``) holds the app to this document.
 """
@@ -45,7 +46,7 @@ class AppError(BaseModel):
 class AdapterChange(BaseModel):
     """What ``PATCH /v1/adapters/{name}`` takes (at least one field)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     mode: Mode | None = None
     learning_rate: float | None = Field(None, gt=0, le=1)
     beta: float | None = Field(None, gt=0)
@@ -58,7 +59,7 @@ class AdapterChange(BaseModel):
 class VersionChoice(BaseModel):
     """What rollback and promote take."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     version: int = Field(ge=1, lt=2**63)
 
 
@@ -110,25 +111,29 @@ def _error_response(status: int) -> dict[str, Any]:
     return out
 
 
-def _components() -> dict[str, Any]:
+def _components(max_lora_rank: int | None = None) -> dict[str, Any]:
     schemas: dict[str, Any] = {}
     for model in _DOC_MODELS:
         schema = model.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
+    if max_lora_rank is not None:  # the engine's limit, which create_adapter enforces, not the model's 256
+        rank = schemas["LoraSettings"]["properties"]["r"]
+        rank["maximum"] = min(rank["maximum"], max_lora_rank)
     return schemas
 
 
-def install_openapi(app: FastAPI, guarded: bool) -> None:
+def install_openapi(app: FastAPI, guarded: bool, max_lora_rank: int | None = None) -> None:
     """Make ``app.openapi()`` describe what the app accepts and answers (built once, on first request).
-    ``guarded``: API keys are configured, so every non-public operation may answer 401 and 403."""
+    ``guarded``: API keys are configured, so every non-public operation may answer 401 and 403.
+    ``max_lora_rank``: the engine's (``engine.max_lora_rank``), the largest ``lora.r`` a create takes."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = get_openapi(title="coserve", version="1", description="OpenAI-compatible serving that learns "
                           "from feedback (README).", routes=app.routes)
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(_components())
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(_components(max_lora_rank))
         if guarded:
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, ops in doc.get("paths", {}).items():

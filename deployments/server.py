@@ -38,7 +38,7 @@ from actors.config import AppConfig
 from actors.engine_args import engine_flags, served_model_name
 from deployments.guard import PRINCIPAL, RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
-from deployments.learning import UNKNOWN, LearningRoutes
+from deployments.learning import UNKNOWN, LearningRoutes, adapter_key_for, shown_name
 from deployments.openapi import install_openapi
 from deployments.streams import CoalesceEventStreams
 from planners.types import NodeRegistration
@@ -184,7 +184,7 @@ class ModelServer:
         install_error_handlers(app)
         self._install_routes(app)
         self.learning.install(app)
-        install_openapi(app, guarded=self.keys.enabled)
+        install_openapi(app, guarded=self.keys.enabled, max_lora_rank=self.cfg.engine.max_lora_rank)
         app.add_middleware(TaskIdMiddleware)
         if self.cfg.ingress.stream_batching_ms > 0:
             app.add_middleware(CoalesceEventStreams, interval_s=self.cfg.ingress.stream_batching_ms / 1000)
@@ -200,14 +200,18 @@ class ModelServer:
             info = await call(lambda p: p.models.remote())
             created = int(time.time())
             principal = PRINCIPAL.get()
+            # The base model's directory is a server path: the admin's card only (a tenant's names the model).
             cards = [{"id": info.base, "object": "model", "created": created, "owned_by": "coserve",
-                      "root": info.root, "parent": None, "max_model_len": info.max_model_len}]
+                      "root": info.root if principal.admin else info.base, "parent": None,
+                      "max_model_len": info.max_model_len}]
             for model in info.adapters:
-                owner = await self.learning.owner(model.split(":", 1)[1])
+                key = model.split(":", 1)[1]
+                owner = await self.learning.owner(key)
                 # An adapter the store does not know was loaded by an operator: admins (and local mode) see it.
                 if principal.admin if owner is UNKNOWN else principal.may_use(owner):
-                    cards.append({"id": model, "object": "model", "created": created, "owned_by": owner if isinstance(owner, str) else "coserve",
-                                  "root": model, "parent": info.base, "max_model_len": info.max_model_len})
+                    shown = f"{info.base}:{shown_name(principal, key)}"  # a tenant's own by their bare names
+                    cards.append({"id": shown, "object": "model", "created": created, "owned_by": owner if isinstance(owner, str) else "coserve",
+                                  "root": shown, "parent": info.base, "max_model_len": info.max_model_len})
             return JSONResponse({"object": "list", "data": cards})
 
         async def health() -> JSONResponse:
@@ -227,13 +231,20 @@ class ModelServer:
 
     def _guard_requests(self) -> None:
         """Checks vLLM's serving classes do not make, wrapped around their entry points once: the tenant's
-        rights on the model, the request caps (``limits``), and the tenant's prefix-cache salt."""
+        rights on the model (completions, chat, tokenize and detokenize alike), the request caps (``limits``,
+        and ``limits.max_tokens`` as the default output length), and the tenant's prefix-cache salt.
+
+        Adapter names are scoped by tenant (deployments/learning.py): the engine serves tenant acme's
+        ``support`` as the LoRA ``base:acme/support``, which acme calls ``base:support``. The request's
+        ``model`` becomes the engine's name here, and the names vLLM writes into answers go back to the
+        tenant's (``OpenAIServingModels.model_name``)."""
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         lora = self.cfg.engine.enable_lora
         limits = self.cfg.limits
         base = self.served_name
-        aliases = ", ".join(m.name for m in self.replica.state.openai_serving_models.base_model_paths)
+        models = self.replica.state.openai_serving_models
+        aliases = ", ".join(m.name for m in models.base_model_paths)
 
         def refusal(request: Any) -> str | None:
             """Why ``request`` is over a cap (the message of a 400), or None."""
@@ -255,25 +266,41 @@ class ModelServer:
                     return f"{field}={value} is outside 0..limits.max_logprobs={limits.max_logprobs}."
             return None
 
-        async def unknown_to(request: Any) -> bool:
-            """Whether ``request.model`` names an adapter this request's tenant may not use (it then
-            gets vLLM's own 404, as if the adapter did not exist)."""
-            model = request.model or ""
-            if not model.startswith(base + ":"):
-                return False
-            owner = await self.learning.owner(model[len(base) + 1:])
-            return owner is not UNKNOWN and not PRINCIPAL.get().may_use(owner)
+        async def engine_model(model: str) -> str | None:
+            return await engine_model_for(PRINCIPAL.get(), model, base, self.learning.owner, models.lora_requests)
 
-        def guarded(create: Any) -> Any:
+        def not_found(request: Any) -> Any:
+            # Word for word what vLLM answers for a model it does not have, with the name the client sent.
+            return create_error_response(f"The model `{request.model}` does not exist. Valid aliases: {aliases}.",
+                                         err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="model")
+
+        def owned(create: Any) -> Any:
+            """Tokenize and detokenize: the ownership rule alone (no output, so no caps)."""
+            async def create_owned(request: Any, raw_request: Any = None) -> Any:
+                if request.model:
+                    model = await engine_model(request.model)
+                    if model is None:
+                        return not_found(request)
+                    request.model = model
+                return await create(request, raw_request)
+            return create_owned
+
+        def guarded(create: Any, serving: Any) -> Any:
+            # The output length of a request that names none: limits.max_tokens, or less where the model's
+            # generation config says less (vLLM's default then), never past the context; vLLM then takes the
+            # least of that and the room the prompt leaves (get_max_tokens).
+            default_cap = min(limits.max_tokens, self.replica.max_model_len,
+                              (getattr(serving, "default_sampling_params", None) or {}).get("max_tokens")
+                              or limits.max_tokens)
+
             async def create_checked(request: Any, raw_request: Any = None) -> Any:
                 if not request.model:
                     return create_error_response("`model` is required and must be a string.", param="model")
-                if await unknown_to(request):
-                    # Word for word what vLLM answers for a model it does not have.
-                    return create_error_response(f"The model `{request.model}` does not exist. "
-                                                 f"Valid aliases: {aliases}.",
-                                                 err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND,
-                                                 param="model")
+                model = await engine_model(request.model)
+                if model is None:
+                    return not_found(request)
+                request.model = model
+                default_max_tokens(request, default_cap)
                 why = refusal(request)
                 if why is not None:
                     return create_error_response(why)
@@ -292,10 +319,63 @@ class ModelServer:
         state = self.replica.state
         if getattr(state, "openai_serving_completion", None) is not None:
             serving = state.openai_serving_completion
-            serving.create_completion = guarded(serving.create_completion)
+            serving.create_completion = guarded(serving.create_completion, serving)
         if getattr(state, "openai_serving_chat", None) is not None:
             serving = state.openai_serving_chat
-            serving.create_chat_completion = guarded(serving.create_chat_completion)
+            serving.create_chat_completion = guarded(serving.create_chat_completion, serving)
+        if getattr(state, "serving_tokenization", None) is not None:
+            serving = state.serving_tokenization
+            serving.create_tokenize = owned(serving.create_tokenize)
+            serving.create_detokenize = owned(serving.create_detokenize)
+        # The model an answer names (vLLM writes its LoRA's name): the tenant's own name for its adapter.
+        engine_name = models.model_name
+        models.model_name = lambda lora_request=None: public_model(PRINCIPAL.get(), base, engine_name(lora_request))
+
+
+async def engine_model_for(principal: Any, model: str, base: str, owner: Callable[[str], Awaitable[Any]],
+                           served: Any) -> str | None:
+    """The engine's name for the model ``principal`` names ``model`` in a request, or None where that is an
+    adapter the principal may not use or this node does not serve: the request then gets the 404 vLLM gives a
+    model it does not have, whether the adapter is another tenant's or none at all. A tenant names its own
+    adapters by their bare names (acme's ``base:support`` is the engine's ``base:acme/support``); an admin
+    names keys. ``owner(key)``: the owning tenant or UNKNOWN (LearningRoutes.owner); ``served``: the
+    engine's LoRA names (vLLM's ``lora_requests``)."""
+    if not model.startswith(base + ":"):
+        return model
+    key = adapter_key_for(principal, model[len(base) + 1:])
+    found = UNKNOWN if key is None else await owner(key)
+    if found is UNKNOWN:
+        # Not in the store: an operator's adapter (the admin may call it; vLLM answers), or none at all.
+        return model if principal.admin else None
+    if not principal.may_use(found):
+        return None
+    return f"{base}:{key}" if f"{base}:{key}" in served else None
+
+
+def public_model(principal: Any, base: str, model: str) -> str:
+    """The model id ``principal`` knows the engine's ``model`` by: ``base:support`` for tenant acme's
+    ``base:acme/support``; the admin (and local mode) the engine's own name."""
+    if not model.startswith(base + ":"):
+        return model
+    return f"{base}:{shown_name(principal, model[len(base) + 1:])}"
+
+
+def default_max_tokens(request: Any, cap: int) -> None:
+    """Give a chat or completion request that names no output length ``cap`` as its length.
+
+    vLLM's own default for chat is the room the prompt leaves in the context: a client that sends no
+    ``max_tokens`` (or a null one) must not hold the engine for a whole context. A completion's is 16 (vLLM
+    fills an absent or null one with it before this runs), capped here too where ``cap`` is less. A length the
+    client names is left as it is (over limits.max_tokens it is a 400). Set before vLLM sees the request: its
+    ``get_max_tokens`` then takes the least of this and the room the prompt leaves."""
+    fields = type(request).model_fields
+    if "max_completion_tokens" in fields:  # chat; its max_tokens is deprecated, the older name of the same
+        if request.max_completion_tokens is None and request.max_tokens is None:
+            request.max_completion_tokens = cap
+    elif "max_tokens" in fields:
+        default = fields["max_tokens"].default
+        if request.max_tokens is None or (request.max_tokens == default and default > cap):
+            request.max_tokens = cap
 
 
 def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:

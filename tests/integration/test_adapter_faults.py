@@ -5,10 +5,11 @@ A Serve app of its own (tiny model, one node) starts on a data dir that already 
 upgraded in place would find it:
 - ``oldmodel``: a served version trained for another base (a 128-wide model: its LoRA shapes do
   not fit) and queued feedback, so both the replica and the trainer meet it;
-- ``broken`` (tenant acme): ``target_modules: ["no_such_module"]``, written by an older release
-  that did not check it (create now answers 400), with queued feedback. Its name sorts first, so
-  the trainer meets it before any other adapter.
-Then tenant beta's adapter gets feedback through HTTP.
+- ``broken`` (tenant acme, so keyed ``acme/broken``): ``target_modules: ["no_such_module"]``, written by an
+  older release that did not check it (create now answers 400), with queued feedback. Its key sorts
+  first, so the trainer meets it before any other adapter.
+Then tenant beta's adapter (``beta/good``; the app runs without keys, so requests name keys) gets feedback
+through HTTP.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
         store.add_feedback([{"adapter": "oldmodel", "prompt": f"Old {i}:", "completion": " x."} for i in range(2)])
         store.create_adapter({"name": "broken", "tenant": "acme", "method": "sft", "mode": "sync",
                               "lora": {"r": 4, "alpha": 8, "target_modules": ["no_such_module"]}, "gate": NO_GATE})
-        store.add_feedback([{"adapter": "broken", "prompt": "Break:", "completion": " now."}])
+        store.add_feedback([{"adapter": "acme/broken", "prompt": "Break:", "completion": " now."}])
         store.create_adapter({"name": "good", "tenant": "beta", "method": "sft", "mode": "hybrid",
                               "learning_rate": 5e-3, "lora": {"r": 4, "alpha": 8}, "gate": NO_GATE})
     cfg = {
@@ -85,20 +86,20 @@ def _adapter(url: str, name: str) -> dict:
 
 
 def test_one_adapters_fault_pauses_only_that_adapter(url):
-    items = [{"adapter": "good", "prompt": f"Beta fact {i}:", "completion": f" value {i}."} for i in range(4)]
+    items = [{"adapter": "beta/good", "prompt": f"Beta fact {i}:", "completion": f" value {i}."} for i in range(4)]
     r = httpx.post(f"{url}/v1/feedback", json={"items": items}, timeout=60)
     assert r.status_code == 202, r.text
     deadline, info, st = time.time() + 180, {}, {}
     while time.time() < deadline:
-        info = _adapter(url, "good")
+        info = _adapter(url, "beta/good")
         st = httpx.get(f"{url}/v1/status", timeout=30).json()
-        if info["current_version"] and st["nodes"][0]["adapters"].get(f"{BASE}:good") == info["current_version"]:
+        if info["current_version"] and st["nodes"][0]["adapters"].get(f"{BASE}:beta/good") == info["current_version"]:
             break
         time.sleep(0.5)
     else:
         pytest.fail(f"beta's adapter was not trained and served beside the broken ones: {info} {st.get('training')}")
 
-    broken = _adapter(url, "broken")
+    broken = _adapter(url, "acme/broken")
     assert broken["paused_reason"] and "no_such_module" in broken["paused_reason"], broken
     assert broken["queued"] == 1 and broken["current_version"] is None  # nothing lost, nothing published
     old = _adapter(url, "oldmodel")
@@ -112,8 +113,8 @@ def test_one_adapters_fault_pauses_only_that_adapter(url):
     # The node serves the base model and beta's version; the version that does not fit is not served.
     assert f"{BASE}:oldmodel" not in st["nodes"][0]["adapters"]
     waits = st["training_waits"]
-    assert waits["broken"]["why"].startswith("paused: ") and waits["broken"]["queued"] == 1
-    for model in (BASE, f"{BASE}:good"):
+    assert waits["acme/broken"]["why"].startswith("paused: ") and waits["acme/broken"]["queued"] == 1
+    for model in (BASE, f"{BASE}:beta/good"):
         r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Beta fact 1:", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200, r.text

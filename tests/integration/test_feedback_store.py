@@ -89,7 +89,7 @@ def test_a_tenant_owns_at_most_its_allowance_of_adapters(tmp_path):
         s.create_adapter({"name": "n3"})
     with pytest.raises(AdapterExists):  # a taken name is still a 409 first
         s.create_adapter({"name": "a1", "tenant": "acme"})
-    assert sorted(a.name for a in s.list_adapters()) == ["a1", "a2", "b1", "n1", "n2"]
+    assert sorted(a.name for a in s.list_adapters()) == ["acme/a1", "acme/a2", "beta/b1", "n1", "n2"]  # keys
     s.close()
     assert FeedbackStore(tmp_path, max_adapters_per_tenant=None).create_adapter({"name": "a3", "tenant": "acme"})
 

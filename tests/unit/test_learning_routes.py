@@ -174,3 +174,154 @@ def test_feedback_replays_its_idempotency_key_and_refuses_bad_ones(harness):
     r = client.post("/v1/feedback", json=item, headers={"Idempotency-Key": "k" * 256})
     assert r.status_code == 400 and r.json()["error"]["param"] == "Idempotency-Key", r.text
     assert store.queued("tutor") == 3
+
+
+# ---- tenants (issue 29 item 1): the routes behind the request guard, with keys for acme, beta and the admin ----
+
+KEYS = {tenant: f"sk-coserve-test-{tenant}-0123456789" for tenant in ("acme", "beta", "admin")}
+
+
+@pytest.fixture
+def tenants(tmp_path):
+    """The learning routes behind the real RequestGuard with keys, over a real store; ``call(tenant, method, path,
+    **kw)`` sends a request with that tenant's key."""
+    from actors.config import LimitsConfig
+    from actors.keys import KeyRing, digest
+    from deployments.guard import RequestGuard
+
+    cfg: AppConfig = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
+    store = FeedbackStore(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
+    actor = FakeStoreActor(store)
+    routes = LearningRoutes(cfg, Planner())
+    routes.planner_timeout_s = 0.2
+
+    async def find_store() -> Any:
+        return actor
+
+    async def lora_modules() -> frozenset[str]:
+        return frozenset(f"model.layers.0.{part}" for part in ("self_attn.q_proj", "self_attn.v_proj"))
+
+    routes._find_store = find_store  # type: ignore[method-assign]
+    routes._lora_modules = lora_modules  # type: ignore[method-assign]
+    app = FastAPI()
+    install_error_handlers(app)
+    routes.install(app)
+    app.add_middleware(RequestGuard, keys=KeyRing({digest(k): t for t, k in KEYS.items()}),
+                       limits=LimitsConfig(requests_per_second=None, max_concurrent=None))
+    with TestClient(app) as client:
+        def call(tenant: str, method: str, path: str, **kw: Any) -> Any:
+            return client.request(method, path, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, **kw)
+        yield call, store, cfg
+    store.close()
+
+
+def test_two_tenants_each_create_and_call_their_own_support(tenants):
+    call, store, _ = tenants
+    for tenant in ("beta", "acme"):  # beta first: acme's create must not meet beta's name (a 409 would leak it)
+        r = call(tenant, "POST", "/v1/adapters", json={"name": "support", "mode": "off"})
+        assert r.status_code == 201, r.text
+        assert (r.json()["name"], r.json()["model"], r.json()["tenant"]) == ("support", "tiny-llama:support", tenant)
+    assert sorted(a.name for a in store.list_adapters()) == ["acme/support", "beta/support"]
+    assert call("acme", "POST", "/v1/adapters", json={"name": "support"}).status_code == 409  # its own, twice
+    assert call("acme", "POST", "/v1/feedback", json={"adapter": "support", "prompt": "p", "completion": "c"}
+                ).status_code == 202
+    assert (store.queued("acme/support"), store.queued("beta/support")) == (1, 0)
+    r = call("acme", "PATCH", "/v1/adapters/support", json={"learning_rate": 0.01})
+    assert r.status_code == 200 and store.get_adapter("acme/support").learning_rate == 0.01, r.text
+    assert store.get_adapter("beta/support").learning_rate != 0.01
+    assert [a["name"] for a in call("beta", "GET", "/v1/adapters").json()["data"]] == ["support"]
+    # The admin names keys, in routes and in bodies; a bare name is the admin's own (or local mode's).
+    listed = call("admin", "GET", "/v1/adapters").json()["data"]
+    assert [(a["name"], a["model"]) for a in listed] == [("acme/support", "tiny-llama:acme/support"),
+                                                         ("beta/support", "tiny-llama:beta/support")]
+    assert call("admin", "GET", "/v1/adapters/acme/support").json()["tenant"] == "acme"
+    assert call("admin", "GET", "/v1/adapters/support").status_code == 404
+    r = call("admin", "POST", "/v1/adapters", json={"name": "ops", "tenant": "acme", "mode": "off"})
+    assert (r.status_code, r.json()["name"], r.json()["tenant"]) == (201, "acme/ops", "acme"), r.text
+    assert call("acme", "GET", "/v1/adapters/ops").json()["name"] == "ops"
+    # A create's name is a bare name (the schema's pattern), the admin's too: the tenant goes in `tenant`.
+    assert call("admin", "POST", "/v1/adapters", json={"name": "acme/x"}).status_code == 400
+    r = call("admin", "POST", "/v1/feedback", json={"adapter": "beta/support", "prompt": "p", "completion": "c"})
+    assert r.status_code == 202 and store.queued("beta/support") == 1, r.text
+
+
+def test_another_tenants_adapter_is_as_absent_as_a_missing_one(tenants):
+    call, store, _ = tenants
+    assert call("beta", "POST", "/v1/adapters", json={"name": "beta-secret", "mode": "off"}).status_code == 201
+    for method, suffix, body in (("GET", "", None), ("PATCH", "", {"mode": "sync"}),
+                                 ("POST", "/rollback", {"version": 1}), ("POST", "/promote", {"version": 1})):
+        other = call("acme", method, f"/v1/adapters/beta-secret{suffix}", json=body)
+        missing = call("acme", method, f"/v1/adapters/no-such{suffix}", json=body)
+        keyed = call("acme", method, f"/v1/adapters/beta/beta-secret{suffix}", json=body)
+        assert other.status_code == missing.status_code == keyed.status_code == 404, (other.text, missing.text)
+        assert other.json()["error"]["message"] == missing.json()["error"]["message"].replace("no-such", "beta-secret")
+    r = call("acme", "POST", "/v1/feedback", json={"adapter": "beta-secret", "prompt": "p", "completion": "poison"})
+    assert r.status_code == 404 and store.queued("beta/beta-secret") == 0
+
+
+def test_a_tenant_reads_no_server_path_and_not_its_key(tenants):
+    call, store, cfg = tenants
+    assert call("acme", "POST", "/v1/adapters", json={"name": "support", "mode": "off"}).status_code == 201
+    path = f"{cfg.data_path}/adapters/@acme/support/v1"
+    v = store.reserve_version("acme/support")
+    store.publish_version("acme/support", v.version, path, [], 1, 0.5)
+    store.pause_adapter("acme/support", f"node 0 could not serve version 1: cannot read {path}/adapter_config.json")
+    mine = call("acme", "GET", "/v1/adapters/support").json()
+    assert [set(ver) & {"path"} for ver in mine["versions"]] == [set()]
+    assert mine["versions"][0]["adapter"] == "support"
+    assert str(cfg.data_path) not in mine["paused_reason"] and "<server path>" in mine["paused_reason"]
+    assert str(cfg.data_path) not in str(call("acme", "GET", "/v1/adapters").json())
+    assert call("admin", "GET", "/v1/adapters/acme/support").json()["versions"][0]["path"] == path  # the operator's
+    # A store refusal names the adapter as the tenant does (no "acme/"), as the admin's names the key.
+    r = call("acme", "POST", "/v1/adapters/support/rollback", json={"version": 7})
+    assert r.status_code == 404 and "acme/" not in r.json()["error"]["message"], r.text
+    assert "'support'" in r.json()["error"]["message"]
+    r = call("admin", "POST", "/v1/adapters/acme/support/rollback", json={"version": 7})
+    assert r.status_code == 404 and "acme/support" in r.json()["error"]["message"], r.text
+
+
+# ---- strict types (issue 29 item 3): no string (or float, or number for a flag) is coerced ----
+
+@pytest.mark.parametrize("body, param", [
+    ({"lora": {"r": "256"}}, "lora.r"), ({"lora": {"r": 256}}, "lora.r"), ({"lora": {"alpha": "16"}}, "lora.alpha"),
+    ({"lora": {"dropout": "0.1"}}, "lora.dropout"), ({"learning_rate": "0.001"}, "learning_rate"),
+    ({"beta": "0.5"}, "beta"), ({"epochs": "2"}, "epochs"), ({"epochs": 2.0}, "epochs"),
+    ({"periodic": {"every_samples": "5"}}, "periodic.every_samples"),
+    ({"periodic": {"every_seconds": "30"}}, "periodic.every_seconds"),
+    ({"gate": {"enabled": "false"}}, "gate.enabled"), ({"gate": {"enabled": 0}}, "gate.enabled"),
+    ({"gate": {"max_eval_items": "8"}}, "gate.max_eval_items"), ({"gate": {"margin": "0.1"}}, "gate.margin"),
+])
+def test_a_create_with_a_string_where_a_number_is_meant_is_400_naming_the_field(harness, body, param):
+    client, store, _, _ = harness
+    r = client.post("/v1/adapters", json={"name": "strict", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == 400
+    assert store.list_adapters() == []
+    assert client.post("/v1/adapters", json={"name": "strict", "learning_rate": 1, "lora": {"alpha": 16}}
+                       ).status_code == 201  # an integer where a float is meant is a number
+
+
+@pytest.mark.parametrize("change", [{"learning_rate": "0.01"}, {"epochs": "3"}, {"beta": "1"},
+                                    {"gate": {"margin": "0.5"}}, {"periodic": {"every_samples": "4"}}])
+def test_a_patch_with_a_string_where_a_number_is_meant_is_400(harness, change):
+    client, store, _, _ = harness
+    store.create_adapter({"name": "tutor", "mode": "periodic"})
+    before = store.get_adapter("tutor")
+    r = client.patch("/v1/adapters/tutor", json=change)
+    assert r.status_code == 400, r.text
+    assert store.get_adapter("tutor") == before
+
+
+def test_the_openapi_schema_says_what_create_takes():
+    """The schema the fuzzer generates from: lora.r at most the engine's max_lora_rank, numbers typed."""
+    from deployments.openapi import install_openapi
+
+    app = FastAPI()
+    LearningRoutes(load({"data_dir": "/tmp/unused", "model": {"embedded": "tiny-llama"},
+                         "engine": {"max_lora_rank": 8}}), Planner()).install(app)
+    install_openapi(app, guarded=True, max_lora_rank=8)
+    schemas = app.openapi()["components"]["schemas"]
+    assert schemas["LoraSettings"]["properties"]["r"] | {"type": "integer", "minimum": 1, "maximum": 8} == \
+        schemas["LoraSettings"]["properties"]["r"]
+    assert schemas["AdapterSpec"]["properties"]["epochs"]["type"] == "integer"
+    assert {"/v1/adapters/{name}", "/v1/adapters/{name}/rollback"} <= set(app.openapi()["paths"])

@@ -96,7 +96,8 @@ class AdapterBank:
     def _load(self, adapter: str, lora: Any, version: int | None, path: str | None, learning_rate: float) -> _Slot:
         from actors.learning.lora.steps import make_optimizer
 
-        peft_name = f"{adapter}@{next(self._names)}"
+        # A tenant's adapter is keyed tenant/name; peft keeps the name in module keys and file names: no '/'.
+        peft_name = f"{adapter.replace('/', '~')}@{next(self._names)}"
         seed_everything(self.seed)  # a fresh LoRA's A matrices are the same on every rank
         try:
             self._add(peft_name, lora, path, trainable=True)

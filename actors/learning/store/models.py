@@ -15,8 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from actors.keys import ADMIN_TENANT
+
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 TENANT_NAME_RE = ADAPTER_NAME_RE  # actors/keys.py's TENANT_RE: the same shape
+# The store's key of an adapter: ``tenant/name`` for a tenant's adapter, the bare name for one without a
+# tenant (local mode) or the admin's (adapter_key). Neither part may hold a '/', so a key splits one way.
+ADAPTER_KEY_RE = re.compile(r"^(?:[a-z0-9][a-z0-9_-]{0,63}/)?[a-z0-9][a-z0-9_-]{0,63}$")
 MAX_COUNT = 1_000_000_000  # the largest count a setting takes: well inside SQLite's 64-bit integers
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
 DEFAULT_MAX_BATCH_ITEMS = 1024
@@ -35,6 +40,18 @@ FULL_METHODS = frozenset({"full_sft", "full_dpo"})
 METHOD_TAKES = {"dpo": "preference pairs (prompt, chosen, rejected)", "sft": "SFT samples (prompt, completion)",
           "full_dpo": "preference pairs (prompt, chosen, rejected)", "full_sft": "SFT samples (prompt, completion)"}
 KIND_NAMES = {"sft": "an SFT sample", "preference": "a preference pair"}
+
+
+def adapter_key(tenant: str | None, name: str) -> str:
+    """The store's key of adapter ``name`` owned by ``tenant``: ``tenant/name``, so that two tenants may each own
+    ``support``; the bare name for an adapter without a tenant (made without API keys) or the admin's own."""
+    return name if tenant is None or tenant == ADMIN_TENANT else f"{tenant}/{name}"
+
+
+def split_adapter_key(key: str) -> tuple[str | None, str]:
+    """(the tenant the key scopes the name to, or None; the name): the inverse of :func:`adapter_key`."""
+    tenant, sep, name = key.partition("/")
+    return (tenant, name) if sep else (None, key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,16 +119,17 @@ class IdempotencyKeyReused(StoreError):
 
 
 class _Strict(BaseModel):
-    # No inf/NaN: they would be stored, then fail to encode as JSON in every later answer.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # No inf/NaN: they would be stored, then fail to encode as JSON in every later answer. strict: no coercion,
+    # so a JSON string "8" or "0.1" (or a float 8.0 for an integer, 1 or "true" for a boolean) is a client error
+    # naming its field, never a number or a flag (an integer is still taken where a float is meant).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
 
 
 class LoraSettings(_Strict):
-    # strict: a JSON string "8" or a float 8.0 is a client error, not a rank (pydantic would coerce them).
-    r: int = Field(8, ge=1, le=256, strict=True,
+    r: int = Field(8, ge=1, le=256,
                    description="LoRA rank, an integer (must not exceed the engine's max_lora_rank).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
     target_modules: list[str] | Literal["all-linear"] = Field(
@@ -316,6 +334,10 @@ class AdapterInfo(AdapterSpec):
     """An adapter with its state, the shape of ``GET /v1/adapters/{name}``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=ADAPTER_KEY_RE.pattern,
+                      description="The store's key (adapter_key): tenant/name for a tenant's adapter. The HTTP layer "
+                                  "shows a tenant its own adapters by their bare names.")
 
     created_at: float
     current_version: int | None

@@ -2,7 +2,8 @@
 
 Tables (schema version 1, see ``docs/learning.md``):
 
-- ``adapters``: one row per tenant adapter: method (sft | dpo), β, learning rate, LoRA settings,
+- ``adapters``: one row per tenant adapter, keyed by ``name``, the adapter's key (schema 9): ``tenant/name``
+  for a tenant's adapter, so two tenants may each own ``support`` (models.adapter_key); method (sft | dpo), β, learning rate, LoRA settings,
   retraining mode and its periodic settings, and ``current_version``, the version served now
   (moved forward by :meth:`FeedbackStore.publish_version`, backward by :meth:`FeedbackStore.rollback`).
 - ``versions``: every version number ever handed out. :meth:`FeedbackStore.reserve_version` inserts
@@ -92,12 +93,14 @@ from actors.learning.store.models import (
     is_held_out,
     pydantic_error,
     pydantic_param,
+    adapter_key,
+    split_adapter_key,
     validate_feedback,
 )
 
-SCHEMA_VERSION = 8  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
+SCHEMA_VERSION = 9  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
 # 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo); 7: idempotency keys;
-# 8: versions deleted by the retention rule (training.keep_versions)
+# 8: versions deleted by the retention rule (training.keep_versions); 9: a tenant's adapters keyed tenant/name
 DB_FILENAME = "feedback.sqlite3"
 RESERVATION_PINS_S = 24 * 3600.0  # how long an unpublished reservation keeps its parent from prune_versions
 IDEMPOTENCY_TTL_S = 24 * 3600.0  # how long a client's Idempotency-Key answers with its first result (as Stripe's)
@@ -278,7 +281,25 @@ class FeedbackStore:
                            "AND h.node = versions.node)")
             if found < 4:
                 db.execute("UPDATE feedback SET passes = 1 WHERE consumed_by_version IS NOT NULL AND passes = 0")
+            if found < 9:
+                self._scope_names(db)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    @staticmethod
+    def _scope_names(db: sqlite3.Connection) -> None:
+        """Schema 9: adapter names are scoped by tenant. A tenant's adapter (a ``tenant`` other than NULL and the
+        admin's) made before is renamed to its key ``tenant/name`` in every table that names it, in the
+        migration's transaction; its version rows keep their paths (the files stay where they are). The
+        references are checked at the commit (deferred), as the rows change one table at a time."""
+        rows = db.execute("SELECT name, tenant FROM adapters WHERE tenant IS NOT NULL AND instr(name, '/') = 0"
+                          ).fetchall()
+        renames = [(name, adapter_key(tenant, name)) for name, tenant in rows if adapter_key(tenant, name) != name]
+        if not renames:
+            return
+        db.execute("PRAGMA defer_foreign_keys = ON")
+        for table, column in (("adapters", "name"), ("versions", "adapter"), ("node_heads", "adapter"),
+                              ("feedback", "adapter")):
+            db.executemany(f"UPDATE {table} SET {column} = ? WHERE {column} = ?", [(new, old) for old, new in renames])
 
     def _widen_methods(self) -> None:
         """Schema 6: an adapters table made before full units has ``CHECK (method IN ('sft', 'dpo'))``, which
@@ -330,11 +351,14 @@ class FeedbackStore:
     # -- adapters ------------------------------------------------------------------------------
 
     def create_adapter(self, spec: AdapterSpec | Mapping[str, Any]) -> AdapterInfo:
-        """Register a new adapter; :class:`AdapterExists` (409) if the name is taken,
-        :class:`AdapterQuotaExceeded` (403) if its tenant owns ``max_adapters_per_tenant`` already."""
+        """Register a new adapter under its key ``adapter_key(spec.tenant, spec.name)`` (what every other method
+        takes as its name); :class:`AdapterExists` (409) if its tenant has one of that name already (another
+        tenant's of the same name is another adapter), :class:`AdapterQuotaExceeded` (403) if its tenant owns
+        ``max_adapters_per_tenant`` already."""
         spec = _validate(AdapterSpec, spec, "adapter")
+        key = adapter_key(spec.tenant, spec.name)
         with self._tx() as db:
-            if db.execute("SELECT 1 FROM adapters WHERE name = ?", (spec.name,)).fetchone():
+            if db.execute("SELECT 1 FROM adapters WHERE name = ?", (key,)).fetchone():
                 raise AdapterExists(f"adapter {spec.name!r} already exists")
             cap = self.max_adapters_per_tenant
             # Counted in the insert's transaction: concurrent creates cannot both take the last place.
@@ -351,12 +375,12 @@ class FeedbackStore:
                                          "at most one full_sft/full_dpo unit per deployment")
             db.execute(
                 f"INSERT INTO adapters ({_ADAPTER_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (spec.name, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
+                (key, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
                  json.dumps(spec.lora.target_modules), spec.lora.dropout, spec.mode, spec.periodic.every_seconds,
                  spec.periodic.every_samples, None, time.time(), spec.epochs, spec.tenant),
             )
-            db.execute("UPDATE adapters SET gate = ? WHERE name = ?", (_overrides_json(spec.gate), spec.name))
-            return self._adapter_info(db, spec.name)
+            db.execute("UPDATE adapters SET gate = ? WHERE name = ?", (_overrides_json(spec.gate), key))
+            return self._adapter_info(db, key)
 
     def update_adapter(self, name: str, changes: Mapping[str, Any]) -> AdapterInfo:
         """Change how an adapter trains from now on: ``mode``, ``learning_rate``, ``beta``, ``periodic``,
@@ -374,8 +398,8 @@ class FeedbackStore:
                                   for k in fixed])
         with self._tx() as db:
             info = self._adapter_info(db, name)
-            current = info.model_dump(include={"name", "method", "beta", "learning_rate", "lora", "mode", "periodic",
-                                                "epochs"})
+            current = info.model_dump(include={"method", "beta", "learning_rate", "lora", "mode", "periodic", "epochs"})
+            current["name"] = split_adapter_key(name)[1]  # a spec names the adapter without its tenant
             if "periodic" in changes and isinstance(changes["periodic"], Mapping):
                 changes = {**changes, "periodic": {**current["periodic"], **changes["periodic"]}}
             gate_changes, paused = changes.get("gate"), changes.get("paused")

@@ -19,6 +19,7 @@ import ray
 
 from actors.learning.versions.layout import (
     CACHE_DIRNAME,
+    adapter_dir,
     cache_root_for,
     download_version,
     is_complete_version,
@@ -62,7 +63,7 @@ class AdapterFiles:
     def location_of(self, adapter: str, version: int) -> str:
         """Where version ``version`` of ``adapter`` will be published."""
         if self.uri:
-            return f"{self.uri.rstrip('/')}/{adapter}/v{int(version)}"
+            return f"{self.uri.rstrip('/')}/{adapter_dir(adapter)}/v{int(version)}"
         return str(version_dir(self._store_location()[1], adapter, version))
 
     def save_root(self, adapter: str, version: int) -> Path:

@@ -1,6 +1,7 @@
 """Published adapter versions as files: the atomic directory layout, and moving a version between nodes.
 
-A version is the directory ``<root>/<adapter>/v<N>`` with the peft adapter files vLLM loads,
+A version is the directory ``<root>/<adapter>/v<N>`` (a tenant's adapter, keyed ``tenant/name``:
+``<root>/@tenant/name/v<N>``, see :func:`adapter_dir`) with the peft adapter files vLLM loads,
 ``optimizer.pt`` (to resume training) and ``meta.json``, written into a temporary sibling and
 renamed into place, so a reader sees all of it or none. Plain files and no torch: the feedback
 store actor uses this module to keep the versions other nodes send it.
@@ -24,7 +25,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")  # same rule as actors.learning.store.sqlite
+# An adapter's key, as actors.learning.store.models.ADAPTER_KEY_RE: ``name`` or ``tenant/name``.
+ADAPTER_KEY_RE = re.compile(r"^(?:[a-z0-9][a-z0-9_-]{0,63}/)?[a-z0-9][a-z0-9_-]{0,63}$")
+TENANT_DIR_PREFIX = "@"  # no adapter name starts with it, so a tenant's directory never meets an adapter's
 VERSION_DIR_RE = re.compile(r"^v(\d+)$")
 TEMP_PREFIX = ".tmp-"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -34,13 +37,21 @@ CACHE_DIRNAME = "adapter-cache"  # under a node's data_dir: its copies of versio
 MAX_FILES = 16  # a version holds four files; anything else is not a version
 
 
-def version_dir(root: str | Path, adapter_name: str, version: int) -> Path:
-    """``<root>/<adapter>/v<version>``; validates the name (it becomes a path) and the number."""
-    if not ADAPTER_NAME_RE.match(adapter_name):
+def adapter_dir(adapter_name: str) -> str:
+    """The relative directory of an adapter's versions: its name, or ``@tenant/name`` for a tenant's adapter
+    (key ``tenant/name``): under ``@tenant``, so tenant acme's adapter ``v1`` is never inside the versions of an
+    adapter named ``acme``. Validates the key (it becomes a path)."""
+    if not ADAPTER_KEY_RE.match(adapter_name):
         raise ValueError(f"invalid adapter name {adapter_name!r}")
+    return TENANT_DIR_PREFIX + adapter_name if "/" in adapter_name else adapter_name
+
+
+def version_dir(root: str | Path, adapter_name: str, version: int) -> Path:
+    """``<root>/<adapter_dir>/v<version>``; validates the name (it becomes a path) and the number."""
+    relative = adapter_dir(adapter_name)
     if int(version) < 1:
         raise ValueError("versions start at 1")
-    return Path(root) / adapter_name / f"v{int(version)}"
+    return Path(root) / relative / f"v{int(version)}"
 
 
 def fsync_tree(path: Path) -> None:
@@ -123,7 +134,7 @@ def upload_version(uri: str, adapter: str, version: int, local_dir: str | Path) 
     from pyarrow import fs as pafs
 
     version_dir("/", adapter, version)  # validates the name and the number
-    location = f"{uri.rstrip('/')}/{adapter}/v{int(version)}"
+    location = f"{uri.rstrip('/')}/{adapter_dir(adapter)}/v{int(version)}"
     filesystem, base = pafs.FileSystem.from_uri(location)
     filesystem.create_dir(base, recursive=True)
     files = read_dir_files(local_dir)

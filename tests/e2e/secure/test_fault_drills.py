@@ -18,7 +18,7 @@ from bench.faults import Prober, drill, kill_named, kill_planner, kill_rank, kil
 from tests.e2e.secure.conftest import SERVED_ADAPTER
 
 BASE = "tiny-llama"
-ADAPTER = SERVED_ADAPTER  # beta's, trained once for the package; the admin key may use it
+ADAPTER = f"beta/{SERVED_ADAPTER}"  # beta's, trained once for the package; the admin key names it by its key
 
 
 @pytest.fixture(scope="module")

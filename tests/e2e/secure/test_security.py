@@ -86,8 +86,9 @@ def test_a_tenant_cannot_see_change_train_or_call_another_tenants_adapter(secure
     assert (after["learning_rate"], after["queued"]) == (before["learning_rate"], before["queued"])
     assert name not in {a["name"] for a in httpx.get(f"{url}/v1/adapters", headers=acme).json()["data"]}
     assert model not in {m["id"] for m in httpx.get(f"{url}/v1/models", headers=acme).json()["data"]}
-    # The admin sees and may use everything; a tenant may not create for another tenant.
-    assert httpx.get(f"{url}/v1/adapters/{name}", headers=_h(secure_app, "admin")).status_code == 200
+    # The admin sees and may use everything, naming a tenant's adapter by its key; a tenant may not create for
+    # another tenant.
+    assert httpx.get(f"{url}/v1/adapters/beta/{name}", headers=_h(secure_app, "admin")).status_code == 200
     _error(httpx.post(f"{url}/v1/adapters", headers=acme, json={"name": "sneaky", "tenant": "beta"}), 400, "tenant")
 
 
@@ -177,9 +178,9 @@ def test_chat_caps_answer_400(secure_app):
                       json={"model": BASE, "messages": msg, "logprobs": True, "top_logprobs": -1}), 400, "logprobs")
 
 
-WRITE_ROUTES = [("post", "/v1/adapters"), ("patch", "/v1/adapters/acme-own"), ("post", "/v1/adapters/acme-own/rollback"),
-                ("post", "/v1/adapters/acme-own/promote"), ("post", "/v1/feedback"), ("post", "/v1/completions"),
-                ("post", "/v1/chat/completions")]
+WRITE_ROUTES = [("post", "/v1/adapters"), ("patch", "/v1/adapters/acme/acme-own"),
+                ("post", "/v1/adapters/acme/acme-own/rollback"), ("post", "/v1/adapters/acme/acme-own/promote"),
+                ("post", "/v1/feedback"), ("post", "/v1/completions"), ("post", "/v1/chat/completions")]
 
 
 @pytest.mark.parametrize("method, path", WRITE_ROUTES)
@@ -191,7 +192,7 @@ def test_hostile_bodies_get_4xx_on_every_write_route(secure_app, method, path):
     big = 1180591620717411303424
     r = httpx.request(method, url + path, headers=admin,
                       json={"version": big, "name": "big", "periodic": {"every_samples": big}, "model": BASE,
-                            "prompt": "x", "max_tokens": big, "adapter": "acme-own", "completion": "c"})
+                            "prompt": "x", "max_tokens": big, "adapter": "acme/acme-own", "completion": "c"})
     assert 400 <= r.status_code < 500, r.text
     assert httpx.get(f"{url}/health").status_code == 200
 
@@ -242,3 +243,122 @@ def test_concurrency_limit_answers_429_beyond_four_in_flight(secure_app):
     for t in threads:
         t.join()
     assert sorted(set(codes)) == [200, 429] and codes.count(200) >= 4, codes
+
+
+# ---- issue 29 item 1: tenants see only themselves ----------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize_treat_another_tenants_adapter_as_missing(secure_app, beta_served):
+    """acme's /tokenize and /detokenize with beta's adapter answer exactly what they answer for a missing one
+    (they answered 200 before, telling acme the name exists); beta, and the admin by its key, tokenize with it."""
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [72, 105]})):
+        other = httpx.post(url + path, headers=acme, json={"model": f"{BASE}:{beta_served}", **body})
+        missing = httpx.post(url + path, headers=acme, json={"model": f"{BASE}:no-such", **body})
+        keyed = httpx.post(url + path, headers=acme, json={"model": f"{BASE}:beta/{beta_served}", **body})
+        assert (other.status_code, missing.status_code, keyed.status_code) == (404, 404, 404), other.text
+        assert other.json()["error"]["message"] == missing.json()["error"]["message"].replace("no-such", beta_served)
+        assert set(other.json()["error"]) >= {"message", "type", "param", "code"}
+        own = httpx.post(url + path, headers=_h(secure_app, "beta"), json={"model": f"{BASE}:{beta_served}", **body})
+        assert own.status_code == 200, own.text
+        admin = httpx.post(url + path, headers=_h(secure_app, "admin"),
+                           json={"model": f"{BASE}:beta/{beta_served}", **body})
+        assert admin.status_code == 200, admin.text
+
+
+def test_two_tenants_each_own_support_and_the_admin_names_them_by_key(secure_app, beta_served):
+    """A name another tenant took is no conflict (a 409 told acme the name exists); each calls its own by the
+    bare name, answers name it as the tenant does, and the admin names tenant/name."""
+    url, acme, beta, admin = (secure_app["url"], _h(secure_app, "acme"), _h(secure_app, "beta"),
+                              _h(secure_app, "admin"))
+    for tenant in (beta, acme):
+        r = httpx.post(f"{url}/v1/adapters", headers=tenant, json={"name": "support", "mode": "off"})
+        assert r.status_code == 201, r.text
+        assert (r.json()["name"], r.json()["model"]) == ("support", f"{BASE}:support")
+    assert httpx.get(f"{url}/v1/adapters/support", headers=acme).json()["tenant"] == "acme"
+    assert httpx.get(f"{url}/v1/adapters/support", headers=beta).json()["tenant"] == "beta"
+    for tenant in ("acme", "beta"):
+        r = httpx.get(f"{url}/v1/adapters/{tenant}/support", headers=admin)
+        assert r.status_code == 200 and r.json()["tenant"] == tenant, r.text
+        assert r.json()["model"] == f"{BASE}:{tenant}/support"
+    _error(httpx.get(f"{url}/v1/adapters/support", headers=admin), 404)  # the admin has none of its own
+    # The served adapter: its tenant calls it by the bare name and the answer names it so; the admin by its key.
+    r = httpx.post(f"{url}/v1/completions", headers=beta,
+                   json={"model": f"{BASE}:{beta_served}", "prompt": "q1", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == f"{BASE}:{beta_served}", r.text
+    r = httpx.post(f"{url}/v1/chat/completions", headers=beta, json={
+        "model": f"{BASE}:{beta_served}", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == f"{BASE}:{beta_served}", r.text
+    r = httpx.post(f"{url}/v1/completions", headers=admin,
+                   json={"model": f"{BASE}:beta/{beta_served}", "prompt": "q1", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == f"{BASE}:beta/{beta_served}", r.text
+    ids = {m["id"] for m in httpx.get(f"{url}/v1/models", headers=admin).json()["data"]}
+    assert f"{BASE}:beta/{beta_served}" in ids
+
+
+def test_no_server_path_reaches_a_tenant(secure_app, beta_served):
+    """/v1/models showed the base model's directory as its root, and adapter versions showed their path."""
+    url, beta = secure_app["url"], _h(secure_app, "beta")
+    data_dir = str(secure_app["data_dir"])
+    models = httpx.get(f"{url}/v1/models", headers=beta)
+    assert models.status_code == 200 and data_dir not in models.text, models.text
+    assert {m["root"] for m in models.json()["data"]} <= {m["id"] for m in models.json()["data"]}
+    for r in (httpx.get(f"{url}/v1/adapters/{beta_served}", headers=beta), httpx.get(f"{url}/v1/adapters", headers=beta)):
+        assert r.status_code == 200 and data_dir not in r.text and '"path"' not in r.text, r.text
+    # The operator still reads where a version lives.
+    info = httpx.get(f"{url}/v1/adapters/beta/{beta_served}", headers=_h(secure_app, "admin")).json()
+    assert info["versions"] and all(v["path"] for v in info["versions"]), info
+
+
+# ---- issue 29 item 3: strict types and caps -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"lora": {"r": "256"}}, "lora.r"), ({"lora": {"r": 256}}, "lora.r"),  # this app's engine.max_lora_rank: 8
+    ({"lora": {"r": 8.0}}, "lora.r"), ({"learning_rate": "0.01"}, "learning_rate"), ({"epochs": "2"}, "epochs"),
+    ({"periodic": {"every_samples": "5"}}, "periodic.every_samples"), ({"gate": {"enabled": "false"}}, "gate.enabled"),
+])
+def test_a_string_or_float_where_an_integer_is_meant_is_400_naming_the_field(secure_app, body, param):
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    err = _error(httpx.post(f"{url}/v1/adapters", headers=acme, json={"name": "strict", "mode": "off", **body}), 400)
+    assert err["param"] == param, err
+    _error(httpx.get(f"{url}/v1/adapters/strict", headers=acme), 404)  # nothing was stored
+
+
+def test_a_patch_with_a_string_where_a_number_is_meant_is_400(secure_app):
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    before = httpx.get(f"{url}/v1/adapters/acme-own", headers=acme).json()
+    for change in ({"learning_rate": "0.01"}, {"epochs": "2"}):
+        _error(httpx.patch(f"{url}/v1/adapters/acme-own", headers=acme, json=change), 400)
+    after = httpx.get(f"{url}/v1/adapters/acme-own", headers=acme).json()
+    assert (after["learning_rate"], after["epochs"]) == (before["learning_rate"], before["epochs"])
+
+
+def test_a_chat_without_max_tokens_stops_at_the_limit_or_the_context(secure_app):
+    """Without max_tokens a chat ran to the context's end (2,021 tokens on a 2,048 context) whatever
+    limits.max_tokens said; now it stops at limits.max_tokens (32 here), or earlier where the prompt leaves less
+    room. A max_tokens over the limit stays a 400 (test_chat_caps_answer_400)."""
+    url, acme = secure_app["url"], _h(secure_app, "acme")
+    limit, context = secure_app["config"]["limits"]["max_tokens"], secure_app["config"]["model"]["max_model_len"]
+
+    def chat(content: str) -> dict:
+        r = httpx.post(f"{url}/v1/chat/completions", headers=acme, timeout=120, json={
+            "model": BASE, "messages": [{"role": "user", "content": content}], "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    short = chat("hi")
+    assert short["usage"]["completion_tokens"] == limit and short["choices"][0]["finish_reason"] == "length", short
+    # A prompt that leaves 10 tokens of context (sized with /tokenize: the tiny model's tokenizer is byte-level).
+    def prompt_tokens(content: str) -> int:
+        r = httpx.post(f"{url}/tokenize", headers=acme,
+                       json={"model": BASE, "messages": [{"role": "user", "content": content}],
+                             "add_generation_prompt": True})
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    content = "x" * (context - 10 - (prompt_tokens("x") - 1))
+    assert prompt_tokens(content) == context - 10
+    near_end = chat(content)
+    assert near_end["usage"]["completion_tokens"] == 10, near_end["usage"]
+    assert near_end["usage"]["prompt_tokens"] + near_end["usage"]["completion_tokens"] == context
