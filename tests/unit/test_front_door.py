@@ -1,19 +1,23 @@
 """The front door holds: HAProxy's config, rendered by Ray's own code from the app's settings exactly as
-``make serve`` runs it, is valid for the real haproxy binary, bounded, and on loopback."""
+``make serve`` runs it, is valid for the real haproxy binary, bounded, and on loopback; the placement router
+reads no body of a request without a known key."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from actors.config import AppConfig, load
+from actors.keys import KeyRing, digest
 from app import serve_env
 from deployments.front_door import ROUTER_MARKER_HEADER, FrontDoor, FrontDoorError
 
@@ -204,3 +208,30 @@ def test_install_has_the_controller_create_the_patched_manager(monkeypatch):
     monkeypatch.setenv("COSERVE_HAPROXY_MAX_BODY_BYTES", "oops")
     with pytest.raises(haproxy_patch.PatchError, match="COSERVE_HAPROXY_MAX_BODY_BYTES"):
         haproxy_patch.install()
+
+
+# ---- cheap before authenticated: the placement router ------------------------------------------------------
+
+KEY = "sk-coserve-test-key-of-acme-0123456789"
+
+
+def _router(keys: KeyRing) -> SimpleNamespace:
+    return SimpleNamespace(keys=keys, _warned_unmarked=False)
+
+
+def test_the_router_reads_a_body_only_for_a_known_key_or_in_local_mode(caplog):
+    from deployments.routing import PlacementRouter
+
+    may_read = PlacementRouter._may_read_body
+    keys = KeyRing({digest(KEY): "acme"})
+    marked = {ROUTER_MARKER_HEADER: "1"}
+    assert may_read(_router(keys), {**marked, "authorization": f"Bearer {KEY}"})
+    assert not may_read(_router(keys), marked)
+    assert not may_read(_router(keys), {**marked, "authorization": "Bearer sk-coserve-forged-00000000000000"})
+    assert may_read(_router(KeyRing({})), marked)  # local mode: no keys to check
+    # HAProxy not started through app/serve_env.py: the key never reaches the router; it reads as before, and
+    # says so once.
+    router = _router(keys)
+    with caplog.at_level(logging.WARNING):
+        assert may_read(router, {}) and may_read(router, {})
+    assert sum("does not forward the client's key" in r.message for r in caplog.records) == 1
