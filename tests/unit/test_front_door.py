@@ -210,6 +210,40 @@ def test_install_has_the_controller_create_the_patched_manager(monkeypatch):
         haproxy_patch.install()
 
 
+# Ray ships an actor class to the actor's process pickled (ray.cloudpickle): the manager's __init__ must
+# reach this module's apply() there, and that must patch Ray's module of that process.
+SHIP = r"""
+import sys
+from ray import cloudpickle
+if sys.argv[1] == "dump":
+    from deployments import haproxy_patch
+    sys.stdout.buffer.write(cloudpickle.dumps(haproxy_patch.HAProxyManager.__ray_metadata__.modified_class))
+else:
+    manager = cloudpickle.loads(sys.stdin.buffer.read())
+    from ray.serve._private import haproxy
+    assert "mode 666" in haproxy.HAPROXY_CONFIG_TEMPLATE
+    init = manager.__ray_actor_class__.__init__
+    init.__globals__["apply"](init.__globals__["FrontDoor"].from_environment())  # what __init__ does first
+    assert "mode 600" in haproxy.HAPROXY_CONFIG_TEMPLATE and "mode 666" not in haproxy.HAPROXY_CONFIG_TEMPLATE
+    assert "authorization" in haproxy._load_lua_template().template
+    # Ray's manager comes along by value, but the HAProxyApi it renders with is this process's module's,
+    # whose template apply() replaced.
+    ray_s = next(c for c in manager.__mro__ if c.__module__ == haproxy.__name__ and c.__name__ == "HAProxyManager")
+    assert ray_s.__init__.__globals__["HAProxyApi"] is haproxy.HAProxyApi
+    print("ok")
+"""
+
+
+def test_the_manager_ray_ships_to_its_process_applies_the_front_door_there():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_SERVE_", "COSERVE_HAPROXY_"))}
+    env.update(serve_env.SERVE_ENV, PYTHONPATH=str(ROOT))
+    dumped = subprocess.run([sys.executable, "-c", SHIP, "dump"], env=env, capture_output=True, timeout=300, cwd=ROOT)
+    assert dumped.returncode == 0, dumped.stderr[-4000:]
+    loaded = subprocess.run([sys.executable, "-c", SHIP, "load"], input=dumped.stdout, env=env, capture_output=True,
+                            timeout=300, cwd=ROOT)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == b"ok", loaded.stderr[-4000:]
+
+
 # ---- cheap before authenticated: the placement router ------------------------------------------------------
 
 KEY = "sk-coserve-test-key-of-acme-0123456789"
