@@ -177,7 +177,35 @@ class StorageConfig(_ConfigSection):
                           "gs://..., file:///shared/dir) is read and written by every node directly (pyarrow.fs).")
 
 
+class HAProxySettings(_ConfigSection):
+    """The front door's bounds (README "Security", ``deployments/front_door.py``). HAProxy is one per Ray node
+    and shared by every app of the Serve instance; it takes these when Serve starts (``app/serve_env.py``), so
+    an app deployed later onto a running Serve does not change them."""
+
+    request_timeout_s: int = Field(
+        10, gt=0, description="A request's headers and body must arrive within this many seconds of its first byte "
+                              "(HAProxy's `timeout http-request`, with the body buffered); else 408 and the "
+                              "connection is closed, so a half-sent request holds a connection no longer.")
+    client_idle_timeout_s: int = Field(
+        60, gt=0, description="A client that neither sends nor reads for this long while HAProxy waits on it is "
+                              "disconnected (HAProxy's `timeout client`); waiting for the model's first token does "
+                              "not count.")
+    maxconn: int = Field(
+        2048, gt=0, description="Client connections HAProxy holds at once; more wait in the kernel's accept queue. "
+                                "Each holds at most two buffers of limits.max_body_bytes + 64 KiB.")
+    maxconn_per_source: int | None = Field(
+        512, gt=0, description="Connections one client address may hold at once; more are closed as they are "
+                               "accepted. null: no cap (behind a proxy where every client has one address).")
+
+    @model_validator(mode="after")
+    def _per_source_within_total(self) -> "HAProxySettings":
+        if self.maxconn_per_source is not None and self.maxconn_per_source > self.maxconn:
+            raise ValueError(f"maxconn_per_source ({self.maxconn_per_source}) exceeds maxconn ({self.maxconn})")
+        return self
+
+
 class IngressConfig(_ConfigSection):
+    haproxy: HAProxySettings = Field(default_factory=HAProxySettings)
     max_ongoing_requests: int = Field(256, gt=0, description="Requests one model server replica takes at once.")
     access_log: bool = Field(False, description="Log a line per request (Serve's access log) at INFO.")
     stream_batching_ms: float = Field(

@@ -8,18 +8,41 @@ so HAProxy forwards requests straight to the model servers.
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from ray import serve
 
 from actors.config import AppConfig
-from deployments.server import build
+from deployments.front_door import FrontDoor
+from deployments.server import build, haproxy_enabled
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> serve.Application:
     """Validate ``args`` against the config schema and build the application."""
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    check_front_door(cfg)
     return build(cfg)
+
+
+def check_front_door(cfg: AppConfig, environ: Mapping[str, str] | None = None) -> dict[str, tuple[str | None, str]]:
+    """HAProxy took its bounds from the environment Serve started with (``app/serve_env.py``), not from
+    this config: where the two differ (this process's environment is the app's), say so. Returns
+    ``{variable: (set, wanted)}`` of the differences (none without HAProxy)."""
+    if not haproxy_enabled():
+        return {}
+    env = os.environ if environ is None else environ
+    differ = {k: (env.get(k), v) for k, v in FrontDoor.from_config(cfg).environment().items() if env.get(k) != v}
+    if differ:
+        logger.warning("HAProxy (the front door) was not started with this config's ingress.haproxy and "
+                       "limits.max_body_bytes: %s. It takes them when Serve starts: start Serve with `python -m "
+                       "app.serve_env serve run FILE` (make serve) or the env vars of configs/default.yaml",
+                       ", ".join(f"{k}={got!r} (wants {want!r})" for k, (got, want) in differ.items()))
+    return differ
 
 
 def planner_of(app_name: str) -> Any:

@@ -35,6 +35,16 @@ What each does (Ray 2.60, ``ray/serve/_private/constants.py``):
 - ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``: how long a stopping replica keeps its port
   for load balancers to notice; HAProxy here is local and reloads in milliseconds, and the 30 s
   default made every shutdown (Ctrl-C of ``make serve``) wait half a minute.
+
+The front door's bounds (``deployments/front_door.py``), from the app config's ``ingress.haproxy``
+and ``limits.max_body_bytes``: Ray's own knobs ``RAY_SERVE_HAPROXY_MAXCONN``,
+``RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S`` and the two buffer sizes, the ``COSERVE_HAPROXY_*`` values
+Ray has no knob for, and ``RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH``, Ray's hook that runs
+``deployments/haproxy_patch.py`` in the Serve controller to put them into HAProxy's config. ``SERVE_ENV``
+carries the defaults; :func:`environment` those of a given config. HAProxy is shared by every app
+of a Serve instance and configured when Serve starts: ``python -m app.serve_env serve run FILE``
+takes them from FILE's applications (all must agree) and refuses a FILE whose ``env_vars`` say
+otherwise.
 """
 
 from __future__ import annotations
@@ -43,10 +53,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from actors.config import AppConfig
+from deployments.front_door import FrontDoor
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SERVE_ENV: dict[str, str] = {
+_SERVE: dict[str, str] = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
@@ -56,19 +70,53 @@ SERVE_ENV: dict[str, str] = {
 }
 
 
-def apply(env: dict[str, str] | None = None) -> dict[str, str]:
-    """Set every ``SERVE_ENV`` variable that is not set yet in ``env`` (default: ``os.environ``)."""
+def environment(cfg: AppConfig | None = None) -> dict[str, str]:
+    """The Serve settings with the front door of ``cfg`` (default: every setting at its default)."""
+    return {**_SERVE, **FrontDoor.from_config(cfg or AppConfig()).environment()}
+
+
+SERVE_ENV: dict[str, str] = environment()
+
+
+def apply(env: dict[str, str] | None = None, cfg: AppConfig | None = None) -> dict[str, str]:
+    """Set every variable of :func:`environment` (``cfg``'s front door) that is not set yet in ``env``
+    (default: ``os.environ``). One set by hand wins, for the front door too."""
     target = os.environ if env is None else env
-    for key, value in SERVE_ENV.items():
+    for key, value in environment(cfg).items():
         target.setdefault(key, value)
     return target
 
 
-def init_ray(address: str | None = None, dashboard_port: int | None = None) -> None:
+def serve_config_environment(raw: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """For a Serve config file (parsed YAML): :func:`environment` of its applications' args, and what is
+    wrong with it: applications that want different front doors (there is one HAProxy), or ``env_vars``
+    (the controller's or an application's) that set a variable of the front door to another value."""
+    problems: list[str] = []
+    apps = raw.get("applications") or []
+    envs = [environment(AppConfig.model_validate((a or {}).get("args") or {})) for a in apps] or [environment()]
+    env = envs[0]
+    for i, other in enumerate(envs[1:], start=1):
+        if other != env:
+            differ = sorted(k for k in env if other.get(k) != env[k])
+            problems.append(f"applications[{i}] asks for another front door than applications[0] ({differ}); "
+                            "HAProxy is one for all applications")
+    blocks = [("controller_options.runtime_env.env_vars",
+               ((raw.get("controller_options") or {}).get("runtime_env") or {}).get("env_vars"))]
+    blocks += [(f"applications[{i}].runtime_env.env_vars", ((a or {}).get("runtime_env") or {}).get("env_vars"))
+               for i, a in enumerate(apps)]
+    front_door = FrontDoor.from_config(AppConfig()).environment().keys()
+    for where, block in blocks:
+        for key in front_door:
+            if block and key in block and str(block[key]) != env[key]:
+                problems.append(f"{where}.{key} is {block[key]!r}, but the applications' args make it {env[key]!r}")
+    return env, problems
+
+
+def init_ray(address: str | None = None, dashboard_port: int | None = None, cfg: AppConfig | None = None) -> None:
     """``ray.init`` for a driver that runs the app in-process (tests, benchmarks): 8 logical CPUs,
     the repo on every worker's PYTHONPATH, ``SERVE_ENV`` in every worker's environment, and the
     dashboard only when ``dashboard_port`` is given. ``address="local"``: a Ray of its own, even
-    beside another one on this machine.
+    beside another one on this machine. ``cfg``: whose front door (default: the defaults).
 
     Here, not in actors/ or bench/: only drivers start Ray (actors and deployments run inside one,
     planners may not import Ray), and what it starts Ray with is this module's ``SERVE_ENV``.
@@ -80,7 +128,7 @@ def init_ray(address: str | None = None, dashboard_port: int | None = None) -> N
         try:
             ray.init(address=address, num_cpus=8, include_dashboard=dashboard_port is not None,
                      dashboard_port=dashboard_port, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **SERVE_ENV}})
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **environment(cfg)}})
             return
         except Exception:
             ray.shutdown()
@@ -90,12 +138,27 @@ def init_ray(address: str | None = None, dashboard_port: int | None = None) -> N
 
 
 def main(argv: list[str]) -> int:
-    """``python -m app.serve_env CMD ...``: run CMD with the settings; no CMD prints them."""
+    """``python -m app.serve_env CMD ...``: run CMD with the settings; no CMD prints them. A Serve config
+    file among CMD's arguments gives the front door (its applications' args); one that contradicts
+    itself is refused before anything starts."""
     if not argv:
         for key, value in SERVE_ENV.items():
             print(f"{key}={value}")
         return 0
-    apply()
+    env = dict(SERVE_ENV)
+    for arg in argv[1:]:
+        if arg.endswith((".yaml", ".yml")) and Path(arg).is_file():
+            import yaml
+
+            raw = yaml.safe_load(Path(arg).read_text())
+            if isinstance(raw, dict) and "applications" in raw:
+                env, problems = serve_config_environment(raw)
+                if problems:
+                    print(f"{arg}: " + "; ".join(problems), file=sys.stderr)
+                    return 2
+                break
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
     os.execvp(argv[0], argv)
     return 127  # not reached
 

@@ -7,6 +7,12 @@ down to the handlers in :data:`PRINCIPAL`, where the inference wrappers (``deplo
 and the learning routes check adapter ownership, cap ``n``/``max_tokens`` and set the tenant's
 prefix-cache salt.
 
+It fails closed: :data:`PRINCIPAL` has no default. The guard sets it for every request it lets
+through, to :data:`~actors.keys.LOCAL` only when the app really has no keys (local mode is a state
+the guard sets, never what a missing principal means); code that reads it where the guard did not
+run (a route outside the guarded app, a task that lost the request's context) raises
+:class:`Unauthenticated`, which the app answers 401 in the OpenAI shape (``deployments/http.py``).
+
 Limits are per model server replica: with ``cluster.nodes`` N and requests spread over the nodes,
 a key gets up to N times ``limits.requests_per_second`` in all.
 """
@@ -22,7 +28,32 @@ from actors import request_stages
 from actors.config import LimitsConfig
 from actors.keys import LOCAL, KeyRing, Principal
 
-PRINCIPAL: contextvars.ContextVar[Principal] = contextvars.ContextVar("coserve_principal", default=LOCAL)
+
+
+class Unauthenticated(Exception):
+    """A principal was read where none was set for the request: refused (401), never taken as local mode."""
+
+
+class PrincipalVar:
+    """The request's principal, set by :class:`RequestGuard`; reading it unset raises :class:`Unauthenticated`."""
+
+    def __init__(self) -> None:
+        self._var: contextvars.ContextVar[Principal] = contextvars.ContextVar("coserve_principal")
+
+    def get(self) -> Principal:
+        try:
+            return self._var.get()
+        except LookupError:
+            raise Unauthenticated("No principal was established for this request; it is refused.") from None
+
+    def set(self, principal: Principal) -> contextvars.Token[Principal]:
+        return self._var.set(principal)
+
+    def reset(self, token: contextvars.Token[Principal]) -> None:
+        self._var.reset(token)
+
+
+PRINCIPAL = PrincipalVar()
 
 # Answered without a key: liveness for load balancers, and the API's own description.
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
@@ -48,8 +79,9 @@ class TokenBucket:
         return (1.0 - self.tokens) / self.rate
 
 
-def _error_body(status: int, message: str, err_type: str, code: str | int | None = None,
-                param: str | None = None) -> bytes:
+def error_body(status: int, message: str, err_type: str, code: str | int | None = None,
+               param: str | None = None) -> bytes:
+    """An OpenAI-shaped error body (also the front door's own answers, ``deployments/front_door.py``)."""
     return json.dumps({"error": {"message": message, "type": err_type, "param": param,
                                  "code": status if code is None else code}}).encode()
 
@@ -57,7 +89,7 @@ def _error_body(status: int, message: str, err_type: str, code: str | int | None
 async def send_error(send: Any, status: int, message: str, err_type: str, code: str | int | None = None,
                      headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     """A complete OpenAI-shaped JSON error response on a raw ASGI ``send``."""
-    body = _error_body(status, message, err_type, code)
+    body = error_body(status, message, err_type, code)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -83,7 +115,6 @@ class RequestGuard:
             PRINCIPAL.set(LOCAL if not self.keys.enabled else Principal(None, False, "anonymous"))
             await self.app(scope, receive, send)
             return
-        principal = LOCAL
         if self.keys.enabled:
             principal = self.keys.identify(_bearer(scope))
             if principal is None:
@@ -91,6 +122,8 @@ class RequestGuard:
                                  "invalid_request_error", "invalid_api_key",
                                  headers=((b"www-authenticate", b'Bearer realm="coserve"'),))
                 return
+        else:
+            principal = LOCAL  # local mode: the app was started with no keys at all
         if path in ADMIN_PATHS and not principal.admin:
             await send_error(send, 403, f"{path} needs an admin key.", "permission_error", "forbidden")
             return
@@ -166,9 +199,21 @@ class RequestGuard:
 def _bearer(scope: dict[str, Any]) -> str | None:
     for name, value in scope["headers"]:
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
+            return bearer_token(value.decode("latin-1"))
     return None
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header value, else None."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def known_key(keys: KeyRing, authorization: str | None) -> bool:
+    """Whether an ``Authorization`` header value carries one of ``keys`` (one digest and a lookup)."""
+    return keys.identify(bearer_token(authorization)) is not None
 
 
 def _replay(body: bytes, receive: Any) -> Any:

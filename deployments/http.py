@@ -10,6 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.guard import Unauthenticated
+
 # Serve writes its own logger to the replica log file; a 500's detail must land there.
 logger = logging.getLogger("ray.serve")
 
@@ -61,6 +63,11 @@ async def _unavailable(_: Request, exc: ServiceUnavailable) -> JSONResponse:
     return error(503, str(exc), headers={"Retry-After": "2"})
 
 
+async def _unauthenticated(_: Request, exc: Unauthenticated) -> JSONResponse:
+    # A handler read the principal where the guard set none: refused, never served as local mode.
+    return error(401, str(exc), headers={"WWW-Authenticate": 'Bearer realm="coserve"'})
+
+
 async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
     # FastAPI's own body parsing (vLLM's routes) meets a deeply nested JSON body here.
     return error(400, "Request body is nested too deeply.")
@@ -101,9 +108,11 @@ async def _internal(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route-level 4xx of the app's own routes in the OpenAI shape; vLLM's handlers cover its routes.
-    An unexpected exception anywhere becomes a 500 with a request id, its detail only in the log."""
+    A principal read where the guard set none (:class:`~deployments.guard.Unauthenticated`) is a 401
+    on any route. An unexpected exception anywhere becomes a 500 with a request id, its detail only in the log."""
     app.add_exception_handler(BadRequest, _bad_request)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ServiceUnavailable, _unavailable)
+    app.add_exception_handler(Unauthenticated, _unauthenticated)
     app.add_exception_handler(RecursionError, _too_deep)
     app.add_exception_handler(Exception, _internal)

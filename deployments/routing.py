@@ -17,6 +17,12 @@ HAProxy's Lua calls ``POST /internal/route`` with the request body):
   The policy chooses a node; the router answers with that node's replica. No request waits on
   the planner actor.
 
+The router reads a body only for a request whose key it knows (or in local mode, with no keys):
+HAProxy's Lua forwards the client's ``Authorization`` header with the body
+(``deployments/haproxy_patch.py``), and a request with no key or an unknown one is placed without
+reading its body (on any replica, which answers it 401), so a client without a key cannot make the
+router parse or tokenize anything.
+
 With one node there is nothing to choose, and the app attaches no router: HAProxy forwards every
 request to the one replica. A request the policy cannot place (an unknown model, no node serving
 an adapter) goes to any live replica, which answers it (404, or the base model's 503) itself, so a
@@ -38,6 +44,8 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from actors.config import AppConfig
+from deployments.front_door import ROUTER_MARKER_HEADER
+from deployments.guard import known_key
 from planners import registry
 from planners.routing import RoutingTable
 from planners.types import Task
@@ -179,15 +187,20 @@ class PlacementRouter:
 
     def __init__(self, server: Any, config: AppConfig) -> None:
         from actors.default_model import model_dir
+        from actors.keys import KeyRing
 
         self.server = server
         self.cfg = config
+        self.keys = KeyRing.load(config.auth.keys_file, config.auth.keys_env, config.data_path)
+        self._warned_unmarked = False
         self.counter = PromptCounter(model_dir(config))
         self.server._init()
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
-        task = self._task(await request.body(), request.headers.get("x-request-id"))
+        task = None
+        if self._may_read_body(request.headers):
+            task = self._task(await request.body(), request.headers.get("x-request-id"))
         try:
             async with self.server.choose_replica(*(() if task is None else (task,)), _reserve=False) as chosen:
                 replica = chosen._replica  # Serve's own LLM router reads the endpoint the same way
@@ -203,6 +216,20 @@ class PlacementRouter:
     @router_app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
+
+    def _may_read_body(self, headers: Mapping[str, str]) -> bool:
+        """Whether placement may read this request's body: in local mode, or when the client's key is known."""
+        if not self.keys.enabled:
+            return True
+        if ROUTER_MARKER_HEADER not in headers:
+            # HAProxy was not started through app/serve_env.py: no key reaches the router, so it cannot tell
+            # a client with a key from one without; it places by the body as before, and says so once.
+            if not self._warned_unmarked:
+                self._warned_unmarked = True
+                logger.warning("placement router: HAProxy does not forward the client's key (start Serve with "
+                               "app/serve_env.py's settings); bodies are read before the key is checked")
+            return True
+        return known_key(self.keys, headers.get("authorization"))
 
     def _task(self, raw: bytes, request_id: str | None) -> Task | None:
         try:

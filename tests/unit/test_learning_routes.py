@@ -11,7 +11,9 @@ from fastapi.testclient import TestClient
 from ray.exceptions import RayActorError
 
 from actors.config import AppConfig, load
+from actors.keys import KeyRing
 from actors.learning.store.sqlite import FeedbackStore
+from deployments.guard import RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import LearningRoutes
 
@@ -85,6 +87,9 @@ def harness(tmp_path):
     app = FastAPI()
     install_error_handlers(app)
     routes.install(app)
+    # As the model server runs the routes: behind the guard, here in local mode (no keys), which the guard
+    # sets explicitly; without it the routes refuse every request (no principal).
+    app.add_middleware(RequestGuard, keys=KeyRing({}), limits=cfg.limits)
     with TestClient(app) as client:
         yield client, store, actor, planner
     store.close()
