@@ -25,7 +25,9 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 
 from actors.config import load  # noqa: E402
+from actors.keys import KeyRing  # noqa: E402
 from actors.learning.store.sqlite import FeedbackStore  # noqa: E402
+from deployments.guard import RequestGuard  # noqa: E402
 from deployments.http import install_error_handlers  # noqa: E402
 from deployments.learning import LearningRoutes  # noqa: E402
 from deployments.openapi import install_openapi  # noqa: E402
@@ -58,6 +60,8 @@ def _app() -> FastAPI:
     install_error_handlers(app)
     routes.install(app)
     install_openapi(app, guarded=False, max_lora_rank=cfg.engine.max_lora_rank)
+    # As the app runs without keys: the guard establishes local mode (a route reached without it refuses).
+    app.add_middleware(RequestGuard, keys=KeyRing({}), limits=cfg.limits)
     return app
 
 
