@@ -211,11 +211,6 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def known_key(keys: KeyRing, authorization: str | None) -> bool:
-    """Whether an ``Authorization`` header value carries one of ``keys`` (one digest and a lookup)."""
-    return keys.identify(bearer_token(authorization)) is not None
-
-
 def _replay(body: bytes, receive: Any) -> Any:
     """A ``receive`` that hands the buffered body over once, then the client's own messages
     (so handlers still see a disconnect while they stream)."""

@@ -21,7 +21,9 @@ The router reads a body only for a request whose key it knows (or in local mode,
 HAProxy's Lua forwards the client's ``Authorization`` header with the body
 (``deployments/haproxy_patch.py``), and a request with no key or an unknown one is placed without
 reading its body (on any replica, which answers it 401), so a client without a key cannot make the
-router parse or tokenize anything.
+router parse or tokenize anything. It places a tenant's adapter under the engine's name for it
+(acme's ``base:support`` is ``base:acme/support``, as the replica maps it), and a request that names
+no ``max_tokens`` at the length the replica will give it (``limits.max_tokens`` for chat).
 
 With one node there is nothing to choose, and the app attaches no router: HAProxy forwards every
 request to the one replica. A request the policy cannot place (an unknown model, no node serving
@@ -44,12 +46,16 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from actors.config import AppConfig
+from actors.keys import LOCAL, Principal
 from deployments.front_door import ROUTER_MARKER_HEADER
-from deployments.guard import known_key
+from deployments.guard import bearer_token
+from deployments.learning import adapter_key_for
 from planners import registry
 from planners.routing import RoutingTable
 from planners.types import Task
 
+# Whoever sends a request the router cannot identify (HAProxy not forwarding keys): names go as sent.
+ANONYMOUS = Principal(None, False, "anonymous")
 logger = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 4096  # Serve may ask choose_replicas more than once per request: one decision each
@@ -199,8 +205,9 @@ class PlacementRouter:
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
         task = None
-        if self._may_read_body(request.headers):
-            task = self._task(await request.body(), request.headers.get("x-request-id"))
+        principal = self._principal(request.headers)
+        if principal is not None:
+            task = self._task(await request.body(), request.headers.get("x-request-id"), principal)
         try:
             async with self.server.choose_replica(*(() if task is None else (task,)), _reserve=False) as chosen:
                 replica = chosen._replica  # Serve's own LLM router reads the endpoint the same way
@@ -217,10 +224,11 @@ class PlacementRouter:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    def _may_read_body(self, headers: Mapping[str, str]) -> bool:
-        """Whether placement may read this request's body: in local mode, or when the client's key is known."""
+    def _principal(self, headers: Mapping[str, str]) -> Principal | None:
+        """Who sends this request, when placement may read its body: local mode, or the holder of a known key.
+        None: the body is not read (no key, an unknown one); any replica then answers 401."""
         if not self.keys.enabled:
-            return True
+            return LOCAL
         if ROUTER_MARKER_HEADER not in headers:
             # HAProxy was not started through app/serve_env.py: no key reaches the router, so it cannot tell
             # a client with a key from one without; it places by the body as before, and says so once.
@@ -228,10 +236,10 @@ class PlacementRouter:
                 self._warned_unmarked = True
                 logger.warning("placement router: HAProxy does not forward the client's key (start Serve with "
                                "app/serve_env.py's settings); bodies are read before the key is checked")
-            return True
-        return known_key(self.keys, headers.get("authorization"))
+            return ANONYMOUS
+        return self.keys.identify(bearer_token(headers.get("authorization")))
 
-    def _task(self, raw: bytes, request_id: str | None) -> Task | None:
+    def _task(self, raw: bytes, request_id: str | None, principal: Principal) -> Task | None:
         try:
             body = json.loads(raw) if raw else None
         except (ValueError, RecursionError):  # the replica answers 400; routing does not need the body
@@ -241,7 +249,19 @@ class PlacementRouter:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         prompt_tokens = self.counter.count(body)
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            # vLLM's defaults: 16 for completions, the rest of the context for chat.
-            max_tokens = max(1, self.cfg.model.max_model_len - prompt_tokens) if "messages" in body else 16
-        return Task(task_id=request_id or "", kind="inference", model=body["model"],
+            # As the replica sets it (deployments/server.py default_max_tokens): 16 for completions, for chat
+            # limits.max_tokens; neither past the room the prompt leaves.
+            room = max(1, self.cfg.model.max_model_len - prompt_tokens)
+            max_tokens = min(room, self.cfg.limits.max_tokens, *(() if "messages" in body else (16,)))
+        return Task(task_id=request_id or "", kind="inference", model=self._engine_model(body["model"], principal),
                     prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=time.time())
+
+    def _engine_model(self, model: str, principal: Principal) -> str:
+        """The engine's name of the model a request names: a tenant's ``base:support`` is ``base:acme/support``,
+        the adapter the planner's placement knows. A name the principal may not use stays as sent: placement
+        treats it as unknown, and the replica answers 404."""
+        base, sep, name = model.partition(":")
+        if not sep or principal.tenant is None and not principal.admin:
+            return model
+        key = adapter_key_for(principal, name)
+        return model if key is None else f"{base}:{key}"

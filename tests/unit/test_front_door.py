@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from typing import Any
 
 from actors.config import AppConfig, load
 from actors.keys import KeyRing, digest
@@ -254,18 +255,43 @@ def _router(keys: KeyRing) -> SimpleNamespace:
 
 
 def test_the_router_reads_a_body_only_for_a_known_key_or_in_local_mode(caplog):
+    from actors.keys import LOCAL
     from deployments.routing import PlacementRouter
 
-    may_read = PlacementRouter._may_read_body
+    principal = PlacementRouter._principal
     keys = KeyRing({digest(KEY): "acme"})
     marked = {ROUTER_MARKER_HEADER: "1"}
-    assert may_read(_router(keys), {**marked, "authorization": f"Bearer {KEY}"})
-    assert not may_read(_router(keys), marked)
-    assert not may_read(_router(keys), {**marked, "authorization": "Bearer sk-coserve-forged-00000000000000"})
-    assert may_read(_router(KeyRing({})), marked)  # local mode: no keys to check
+    assert principal(_router(keys), {**marked, "authorization": f"Bearer {KEY}"}).tenant == "acme"
+    assert principal(_router(keys), marked) is None
+    assert principal(_router(keys), {**marked, "authorization": "Bearer sk-coserve-forged-00000000000000"}) is None
+    assert principal(_router(KeyRing({})), marked) == LOCAL  # local mode: no keys to check
     # HAProxy not started through app/serve_env.py: the key never reaches the router; it reads as before, and
     # says so once.
     router = _router(keys)
     with caplog.at_level(logging.WARNING):
-        assert may_read(router, {}) and may_read(router, {})
+        assert principal(router, {}) is not None and principal(router, {}) is not None
     assert sum("does not forward the client's key" in r.message for r in caplog.records) == 1
+
+
+def test_the_router_places_a_tenants_adapter_under_its_engine_name_and_caps_the_default_length():
+    from actors.config import load
+    from actors.keys import LOCAL, Principal
+    from deployments.routing import PlacementRouter
+
+    cfg = load({"model": {"embedded": "tiny-llama", "max_model_len": 2048}, "limits": {"max_tokens": 256}})
+    router = SimpleNamespace(cfg=cfg, counter=SimpleNamespace(count=lambda body: 100))
+    router._engine_model = lambda model, who: PlacementRouter._engine_model(router, model, who)
+    acme = Principal("acme", False, "k")
+
+    def task(body: dict, who: Any = acme) -> Any:
+        return PlacementRouter._task(router, json.dumps(body).encode(), "r1", who)
+
+    # acme's base:support is the engine's base:acme/support; the admin (and local mode) names keys.
+    assert task({"model": "tiny-llama:support", "prompt": "x"}).model == "tiny-llama:acme/support"
+    assert task({"model": "tiny-llama:acme/support", "prompt": "x"}, LOCAL).model == "tiny-llama:acme/support"
+    assert task({"model": "tiny-llama:beta/x", "prompt": "x"}).model == "tiny-llama:beta/x"  # not acme's: unknown
+    assert task({"model": "tiny-llama", "prompt": "x"}).model == "tiny-llama"
+    # Without max_tokens: chat runs to limits.max_tokens (not the context's end), a completion to vLLM's 16.
+    assert task({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}]}).max_tokens == 256
+    assert task({"model": "tiny-llama", "prompt": "x"}).max_tokens == 16
+    assert task({"model": "tiny-llama", "prompt": "x", "max_tokens": 40}).max_tokens == 40

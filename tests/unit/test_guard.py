@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from actors.config import LimitsConfig
 from actors.keys import LOCAL, KeyRing, digest
-from deployments.guard import PRINCIPAL, RequestGuard, Unauthenticated, bearer_token, known_key
+from deployments.guard import PRINCIPAL, RequestGuard, Unauthenticated, bearer_token
 from deployments.http import install_error_handlers
 
 KEY = "sk-coserve-test-key-of-acme-0123456789"
@@ -92,10 +92,11 @@ def test_a_request_without_a_known_key_is_answered_before_its_body_is_read():
     assert sent[0]["status"] == 401 and not received and not reached
 
 
-def test_bearer_token_and_known_key():
+def test_bearer_token_and_the_key_it_names():
     keys = KeyRing({digest(KEY): "acme"})
     assert bearer_token(f"Bearer {KEY}") == KEY and bearer_token(f"bearer  {KEY} ") == KEY
     assert bearer_token(None) is None and bearer_token(KEY) is None and bearer_token(f"Basic {KEY}") is None
-    assert known_key(keys, f"Bearer {KEY}")
-    assert not known_key(keys, None) and not known_key(keys, "Bearer sk-coserve-nope-000000000000")
-    assert not known_key(KeyRing({}), f"Bearer {KEY}")
+    assert keys.identify(bearer_token(f"Bearer {KEY}")).tenant == "acme"
+    assert keys.identify(bearer_token(None)) is None
+    assert keys.identify(bearer_token("Bearer sk-coserve-nope-000000000000")) is None
+    assert KeyRing({}).identify(bearer_token(f"Bearer {KEY}")) is None
