@@ -372,6 +372,23 @@ def cpu_snapshot(server: "Server") -> dict[int, tuple[str, float]]:
     return snap
 
 
+QUIET_WINDOW_S = 3.0  # the window wait_quiet reads a system's CPU over
+
+
+def wait_quiet(server: "Server", share: float, timeout_s: float) -> tuple[float, float]:
+    """Wait until ``server``'s processes together use under ``share`` of one core over QUIET_WINDOW_S (its
+    start-up work done: a Ray system keeps its daemons and agents busy for up to a minute after "ready",
+    which a saturation run measured on top of, twice, as streams read in one piece); (seconds waited, last
+    share). Gives up after ``timeout_s`` and measures anyway, saying so through the returned share."""
+    t0 = time.time()
+    while True:
+        before = cpu_snapshot(server)
+        time.sleep(QUIET_WINDOW_S)
+        used = sum(cpu_by_process(before, cpu_snapshot(server)).values()) / QUIET_WINDOW_S
+        if used < share or time.time() - t0 > timeout_s:
+            return time.time() - t0, used
+
+
 def cpu_by_process(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds spent between two snapshots, summed per label (``label (xN)`` for N processes).
 
@@ -1227,6 +1244,11 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
                     + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in info["checks"].items()))
             log(f"{system}: port {info['service_port']} served by {info['service_port_owner']}; backends "
                 + ", ".join(f"{b['address']} -> {b['owner']}" for b in info["haproxy_backends"]))
+        if args.quiet_share > 0:
+            waited, share = wait_quiet(servers[system], args.quiet_share, args.startup_timeout)
+            log(f"{system}{suffix}: quiet ({share:.0%} of a core over {QUIET_WINDOW_S:g} s) {waited:.0f} s after that")
+            results[system].setdefault("quiet_wait_s", []).append({"waited_s": round(waited, 1),
+                                                                    "core_share": round(share, 3)})
         return True
 
     def resolve(rate: str) -> str | None:
@@ -1548,6 +1570,9 @@ def main() -> int:
                    help="Replay the trace this many times faster than real time (0.05: 20 times slower, what plain "
                         "vLLM sustains on 2 cores with the default model); the window is --replay-seconds of trace "
                         "time either way.")
+    p.add_argument("--quiet-share", type=float, default=0.25,
+                   help="Before measuring a system, wait until its processes use under this share of one core over "
+                        f"{QUIET_WINDOW_S:g} s (0: do not wait); every system alike, each round.")
     p.add_argument("--measure-while-settling", action="store_true",
                    help="Measure ours as soon as it answers, while its trainer ranks still load the model (default: "
                         "wait until they run, and report how long that took).")
