@@ -58,6 +58,9 @@ class EngineConfig(_ConfigSection):
     omp_threads: int | None = Field(
         None, gt=0, description="CPU only: OpenMP threads of one engine; null lets vLLM choose (as plain vLLM does)."
     )
+    keep_others_off_engine_cores: bool = Field(
+        True, description="CPU only: the host's other Ray processes (daemons, Serve's and the app's actors, HAProxy; "
+                          "not the trainer ranks) are kept off the cores vLLM binds its engine worker to.")
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI flags, passed through verbatim.")
 
 

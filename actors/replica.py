@@ -38,7 +38,7 @@ from actors.engine_weights import (
 )
 from actors.learning.versions.fit import misfit, write_zero_lora
 from actors.learning.lora.targets import module_shapes
-from actors import engine_iterations, request_stages
+from actors import cpu_affinity, engine_iterations, request_stages
 from planners.coserving import EngineFacts, LiveRequest
 from planners.types import (AdapterAssignment, AdapterLoadFailed, ExecutionTrace, FullSynced, FullVersion,
                             NodeRegistration, NodeReport)
@@ -53,14 +53,16 @@ ASSIGNMENT_POLL_S = 30.0  # the planner answers an adapter long poll at least th
 HEARTBEAT_S = 5.0  # an idle replica still reports this often, so a restarted planner finds it
 ENGINE_METRICS_S = 5.0  # vLLM's own Prometheus series go to the planner at most this often (for /metrics)
 RETRY_S = 1.0
+AFFINITY_EVERY_S = 60.0  # actors started after the replica are moved off the engine's cores within this
 
 
 class ModelReplica:
     """One engine on one node. In-process: ``ModelReplica(...)``; as an actor: ``ray.remote(ModelReplica)``."""
 
     def __init__(self, node_id: int, vllm_flags: list[str], served_name: str, omp_threads: int | None = None,
-                 adapter_files: Any = None) -> None:
+                 adapter_files: Any = None, keep_off_engine_cores: bool = False) -> None:
         self.node_id = node_id
+        self._keep_off_engine_cores = keep_off_engine_cores
         self.files = adapter_files  # AdapterFiles: published versions as local directories (None: paths as given)
         self.served_name = served_name
         self._flags = vllm_flags
@@ -198,6 +200,22 @@ class ModelReplica:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._report_forever(planner, registration, flush_s)),
                        loop.create_task(self._follow_assignments(planner))]
+        if self._keep_off_engine_cores:
+            self._tasks.append(loop.create_task(self._keep_others_off_engine_cores()))
+
+    async def _keep_others_off_engine_cores(self) -> None:
+        """Now and every AFFINITY_EVERY_S (actors start later too): this host's other Ray processes stay off the
+        cores the engine's worker is bound to (actors/cpu_affinity.py)."""
+        first = True
+        while True:
+            try:
+                done = await asyncio.to_thread(cpu_affinity.keep_off_engine_cores)
+                if first:
+                    logger.info("node %d: other processes kept off the engine's cores: %s", self.node_id, done)
+                    first = False
+            except Exception:  # a convenience for speed; never a reason to stop serving
+                logger.warning("could not set CPU affinity", exc_info=True)
+            await asyncio.sleep(AFFINITY_EVERY_S)
 
     async def _report_forever(self, planner: Callable[[], Any], registration: NodeRegistration,
                               flush_s: float) -> None:

@@ -114,7 +114,9 @@ class ModelServer:
         self._planner_handle: Any = None
         self.replica = ModelReplica(self.node_id, engine_flags(config, model_dir, self.served_name),
                                     self.served_name, config.engine.omp_threads,
-                                    adapter_files=AdapterFiles(config, NAMESPACE))
+                                    adapter_files=AdapterFiles(config, NAMESPACE),
+                                    keep_off_engine_cores=(config.engine.device == "cpu"
+                                                           and config.engine.keep_others_off_engine_cores))
         self.learning = LearningRoutes(config, self._ask_planner)
         await self.replica.start()
         self._guard_requests()

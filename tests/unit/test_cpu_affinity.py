@@ -1,0 +1,45 @@
+"""Other Ray processes are moved off the cores a vLLM CPU worker is bound to; the trainer ranks and the engine are not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from actors import cpu_affinity
+
+pytest.importorskip("setproctitle", reason="setproctitle (Ray's dependency) titles the stand-in processes")
+
+
+def _titled(title: str, cores: set[int]) -> subprocess.Popen:
+    code = ("import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); "
+            "open(sys.argv[2], 'w').close(); time.sleep(60)")
+    flag = f"/tmp/coserve-affinity-{os.getpid()}-{abs(hash(title))}"
+    proc = subprocess.Popen([sys.executable, "-c", code, title, flag])
+    deadline = time.time() + 20
+    while not os.path.exists(flag) and time.time() < deadline:
+        time.sleep(0.05)
+    os.unlink(flag)
+    os.sched_setaffinity(proc.pid, cores)
+    return proc
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores: one for the engine, one for the rest")
+def test_ray_processes_leave_the_engines_core_and_trainer_ranks_stay():
+    every = set(range(os.cpu_count()))
+    engine_core = {0}
+    procs = {name: _titled(name, every) for name in ("ray::Planner", "ray::TrainRank.watch")}
+    procs["VLLM::Worker"] = _titled("VLLM::Worker", engine_core)
+    try:
+        done = cpu_affinity.keep_off_engine_cores()
+        assert done["engine_cores"] == [0] and done["other_cores"] == sorted(every - engine_core), done
+        assert os.sched_getaffinity(procs["ray::Planner"].pid) == every - engine_core
+        assert os.sched_getaffinity(procs["ray::TrainRank.watch"].pid) == every  # trains in granted windows
+        assert os.sched_getaffinity(procs["VLLM::Worker"].pid) == engine_core
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
