@@ -70,10 +70,10 @@ def _pids() -> list[int]:
     return out
 
 
-def engine_cores() -> set[int]:
-    """The cores this host's vLLM CPU workers are bound to (empty when there is none)."""
+def engine_cores(pids: list[int] | None = None) -> set[int]:
+    """The cores this host's vLLM CPU workers (among ``pids``; default: this user's processes) are bound to."""
     cores: set[int] = set()
-    for pid in _pids():
+    for pid in _pids() if pids is None else pids:
         if _comm(pid) == "VLLM::Worker" or (_argv(pid) or [""])[0].startswith("VLLM::Worker"):
             try:
                 cores |= os.sched_getaffinity(pid)
@@ -82,17 +82,18 @@ def engine_cores() -> set[int]:
     return cores
 
 
-def keep_off_engine_cores() -> dict[str, object]:
+def keep_off_engine_cores(pids: list[int] | None = None) -> dict[str, object]:
     """Set every other Ray process of this host (all its threads) to the cores the engine workers leave;
-    returns what was done, for the replica's log."""
+    returns what was done, for the replica's log. ``pids``: the processes to look at (default: this user's)."""
+    pids = _pids() if pids is None else pids
     every = set(range(os.cpu_count() or 1))
-    engine = engine_cores()
+    engine = engine_cores(pids)
     others = every - engine
     if not engine or not others:
         return {"engine_cores": sorted(engine), "moved": 0, "reason": "the engine workers hold every core"
                 if engine else "no vLLM CPU worker on this host"}
     moved = 0
-    for pid in _pids():
+    for pid in pids:
         if not _is_ray_process(_argv(pid)):
             continue
         try:
