@@ -15,7 +15,7 @@ from typing import Any
 
 from ray import serve
 
-from actors.config import AppConfig
+from settings import AppConfig
 from deployments.front_door import FrontDoor
 from deployments.server import build, haproxy_enabled
 
@@ -47,7 +47,7 @@ def check_front_door(cfg: AppConfig, environ: Mapping[str, str] | None = None) -
 
 def planner_of(app_name: str) -> Any:
     """The planner actor of a running app (for tools, tests and benchmarks; raises LookupError)."""
-    from actors.planner import find_planner
+    from actors.control.planner import find_planner
 
     return find_planner(app_name)
 

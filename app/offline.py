@@ -3,9 +3,9 @@
     python -m app.offline plan configs/jobs/ensemble.yaml [--planner greedy|max|min] [--no-preemption] [--json PATH]
     python -m app.offline run configs/jobs/ensemble.yaml [--planner ...] [--no-preemption] [--data-dir DIR]
 
-Planning is ``actors/offline_plan.py`` (the job spec: ``actors/offline_job.py``); running executes
-the plan with one :class:`actors.offline.OfflineEngine` Ray actor per model replica
-(``actors/offline_runner.py``). This module is the driver: it starts or joins Ray, prints, and
+Planning is ``actors/offline/plan.py`` (the job spec: ``actors/offline/job.py``); running executes
+the plan with one :class:`actors.offline.engine.OfflineEngine` Ray actor per model replica
+(``actors/offline/runner.py``). This module is the driver: it starts or joins Ray, prints, and
 writes the run's plan.json, summary.json and gantt.png.
 """
 
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from actors.offline_job import JobSpec, load_job
-from actors.offline_plan import DEFAULT_DATA_DIR, plan_job, prepare_job
-from actors.offline_runner import JobRunner, OutputFile
+from actors.offline.job import JobSpec, load_job
+from actors.offline.plan import DEFAULT_DATA_DIR, plan_job, prepare_job
+from actors.offline.runner import JobRunner, OutputFile
 from planners.offline import Plan
 from planners.registry import names
 

@@ -17,7 +17,7 @@ of the training steps that ran meanwhile). On a GPU the two take turns and ρ �
 they run on different cores and only contend. ``--only-interference`` measures ρ alone and writes
 it into the existing profile.
 
-Profiles are read back by ``actors/cost_profile.py`` (``load_profile``), which the planner calls.
+Profiles are read back by ``actors/control/cost_profile.py`` (``load_profile``), which the planner calls.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.config import AppConfig, load
-from actors.cost_profile import SHIPPED_PROFILES, profile_name
+from settings import AppConfig, load
+from actors.control.cost_profile import SHIPPED_PROFILES, profile_name
 from planners.costs import CostModel, MemoryModel, fit_cost_model
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,8 @@ def measure_engine(cfg: AppConfig, model_dir: str, served_name: str, batches: li
                    decode_tokens: int, repeats: int, progress) -> list[dict[str, float]]:
     import ray
 
-    from actors.replica import ModelReplica
-    from actors.engine_args import engine_flags
+    from actors.serving.replica import ModelReplica
+    from actors.serving.engine_args import engine_flags
 
     replica = ray.remote(ModelReplica).options(num_cpus=0, max_concurrency=1000).remote(
         0, engine_flags(cfg, model_dir, served_name), served_name)
@@ -139,8 +139,8 @@ def measure_interference(cfg: AppConfig, model_dir: str, served_name: str, repea
     """ρ of f(c, s) = t_iter(c) + ρ·t_ft(s), measured on the real engine beside a real training loop."""
     import ray
 
-    from actors.replica import ModelReplica
-    from actors.engine_args import engine_flags
+    from actors.serving.replica import ModelReplica
+    from actors.serving.engine_args import engine_flags
 
     replica = ray.remote(ModelReplica).options(num_cpus=0, max_concurrency=1000).remote(
         0, engine_flags(cfg, model_dir, served_name), served_name)
@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None) -> Path:
 
     from tqdm import tqdm
 
-    from actors.default_model import model_dir as resolve_model_dir
-    from actors.engine_args import served_model_name
+    from actors.models.default_model import model_dir as resolve_model_dir
+    from actors.serving.engine_args import served_model_name
 
     cfg = load(args.config)
     model_dir = resolve_model_dir(cfg)

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.config import AppConfig
+from settings import AppConfig
 from deployments.front_door import FrontDoor
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -217,7 +217,7 @@ def main() -> None:
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args()
 
-    from actors.default_model import ensure
+    from actors.models.default_model import ensure
     from actors.learning.lora.alignment import read_preference_jsonl
 
     for f in (args.train_file, args.test_file):

@@ -55,8 +55,8 @@ def real_model_config(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` serving the real default model from the usual cache (converted there once)."""
     import os
 
-    from actors import smollm2
-    from actors.config import DEFAULT_DATA_DIR
+    from actors.models import smollm2
+    from settings import DEFAULT_DATA_DIR
 
     model_dir = smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser())
     return {**config, "model": {"path": str(model_dir), "served_name": smollm2.NAME, "max_model_len": 2048}}

@@ -294,7 +294,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from actors.keys import add_key
+    from deployments.keys import add_key
     from app.main import build_app
 
     data = Path(a.data_dir)

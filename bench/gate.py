@@ -145,7 +145,7 @@ def main() -> None:
     url, started = args.url, False
     if url is None:
         if args.config:
-            from actors.config import load
+            from settings import load
 
             config = load(args.config).model_dump()
         else:

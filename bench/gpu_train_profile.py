@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from actors.learning.lora import steps as lt  # noqa: E402  (torch only at import; peft/transformers when loading)
 from actors.learning.lora import windowed_pass as wp  # noqa: E402  (torch only at import; peft/transformers when loading)
-from actors.default_model import ensure  # noqa: E402
+from actors.models.default_model import ensure  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 GRIDS = {  # (lengths, batches, repeats)

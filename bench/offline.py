@@ -11,7 +11,7 @@ planner never saw, re-adjusting at every model finish as the runtime does (§4.3
 "Metric"; CPU, not wall, time because other sessions share this machine). The node is SamuLLM's: 8 devices of 80 GB, all linked. Costs: the embedded model's
 fitted profile (``profiles/tiny-llama-cpu.json``) stands for a 7B model in fp16 on one device; a
 bigger model's per-token terms scale by its weight bytes over the 7B's, the rule
-``actors.offline_plan.cost_models`` applies, anchored at 7B instead of at the 14 MB embedded model (at that
+``actors.offline.plan.cost_models`` applies, anchored at 7B instead of at the 14 MB embedded model (at that
 anchor a 13B model would cost 0.2 s per prompt token). Load times: 10 s + weights / (tp × 2 GB/s),
 11 to 45 s as in SamuLLM §5.1.
 
@@ -39,7 +39,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from actors.offline_job import chunk_text  # noqa: E402
+from actors.offline.job import chunk_text  # noqa: E402
 from app.serve_env import init_ray  # noqa: E402
 from planners.costs import CostModel  # noqa: E402
 from planners.registry import create  # noqa: E402
@@ -437,7 +437,7 @@ def measure_load_table(folder: Path, data_dir: Path) -> dict[str, float]:
     import yaml
 
     from app.offline import run_job
-    from actors.offline_job import load_job
+    from actors.offline.job import load_job
 
     path = real_job(RealCase("load-table", "ensemble", prompts=2), folder, {"default": 30.0})
     size = {m["name"]: size_key(m) for m in yaml.safe_load(path.read_text())["models"]}
@@ -455,7 +455,7 @@ def measure_load_table(folder: Path, data_dir: Path) -> dict[str, float]:
 def run_real_case(case: RealCase, planner: str, folder: Path, data_dir: Path, loads: dict[str, float]
                   ) -> dict[str, Any]:
     from app.offline import run_job
-    from actors.offline_job import load_job
+    from actors.offline.job import load_job
 
     job, base = load_job(real_job(case, folder, loads))
     load_before = os.getloadavg()[0]

@@ -241,8 +241,8 @@ def main() -> None:
     from ray.util.placement_group import placement_group
     from transformers import AutoTokenizer
 
-    from actors import smollm2
-    from actors.config import DEFAULT_DATA_DIR
+    from actors.models import smollm2
+    from settings import DEFAULT_DATA_DIR
     from actors.learning.full.messages import PipelineSettings
 
     model_dir = args.model_dir or str(smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()))

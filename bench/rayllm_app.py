@@ -2,7 +2,7 @@
 
 ``build_app(args)`` builds ``ray.serve.llm.build_openai_app`` for ONE model replica on CPU, with
 the vLLM engine configured from exactly the flags a replica of this app gets
-(``actors.engine_args.engine_flags``), translated into Ray Serve LLM's ``model_loading_config`` and
+(``actors.serving.engine_args.engine_flags``), translated into Ray Serve LLM's ``model_loading_config`` and
 ``engine_kwargs`` by vLLM's own argument parser (:func:`llm_config_from_flags`).
 
 Run it the way ``bench/serving.py`` does (a Serve config file written to its work dir)::
@@ -130,12 +130,12 @@ def _check_engine_kwargs(engine: dict[str, Any]) -> None:
 
 
 def flags_for(config_path: str, data_dir: str | None = None, dtype: str | None = None) -> list[str]:
-    """``actors.engine_args.engine_flags`` for one replica of the app config ``config_path``."""
+    """``actors.serving.engine_args.engine_flags`` for one replica of the app config ``config_path``."""
     import os
 
     from actors import config as app_config
-    from actors.default_model import model_dir as resolve_model_dir
-    from actors.engine_args import engine_flags, served_model_name
+    from actors.models.default_model import model_dir as resolve_model_dir
+    from actors.serving.engine_args import engine_flags, served_model_name
 
     cfg = app_config.load(config_path)
     if dtype:
@@ -179,7 +179,7 @@ def build_app(args: dict[str, Any] | None = None):
     - ``flags``: vLLM CLI flags (a list, or a JSON list) to translate; ``bench/serving.py`` passes
       exactly the flags it gives plain vLLM. Without it:
     - ``config`` (default ``configs/default.yaml``), ``data_dir``, ``dtype``: build the flags with
-      ``actors.engine_args.engine_flags`` from that app config, as a replica would.
+      ``actors.serving.engine_args.engine_flags`` from that app config, as a replica would.
     - ``bundle``: the one placement-group bundle (default ``{"CPU": 1}``).
     - ``lora_config``: ``true`` adds a ``lora_config`` (Serve-multiplexed adapters; needs
       ``RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1`` with direct streaming).

@@ -7,7 +7,7 @@
 The three systems (each started in its own session, always stopped, even on failure):
 
 - **plain**: ``python -m vllm.entrypoints.openai.api_server`` with exactly the flags a replica of
-  ``--config`` (default ``configs/default.yaml``) gets (``actors.engine_args.engine_flags``).
+  ``--config`` (default ``configs/default.yaml``) gets (``actors.serving.engine_args.engine_flags``).
 - **ours**: this app, started the way ``make serve`` starts it: ``python -m app.serve_env
   <venv>/bin/serve run --address local <copy of --config>`` (the copy gets port ``--port-ours``,
   host 127.0.0.1, a fresh ``data_dir`` under the work dir with the models linked from ``--data-dir``
@@ -170,9 +170,9 @@ VLLM_TIMELINE = [
     ("inter-token latency, per token (ms)", "vllm:inter_token_latency_seconds"),
     ("end to end in the engine (ms)", "vllm:e2e_request_latency_seconds"),
 ]
-# Ours only (actors/request_stages.py, actors/engine_iterations.py); a histogram named in
+# Ours only (actors/serving/request_stages.py, actors/serving/engine_iterations.py); a histogram named in
 # TIMELINE_SPLIT gets one entry per value of that label.
-STAGES = ("guard", "checked", "engine", "first_token", "first_byte")  # as actors/request_stages.py STAGES
+STAGES = ("guard", "checked", "engine", "first_token", "first_byte")  # as actors/serving/request_stages.py STAGES
 STREAM_STAGES = ("first_token", "first_byte")  # stamped for streamed requests only
 OURS_TIMELINE = [
     *((f"ours: arrival at the replica to {stage} (ms{', streamed requests' if stage in STREAM_STAGES else ''})",
@@ -187,7 +187,7 @@ TIMELINE_SPLIT = {"coserve_request_stage_seconds": "stage", "coserve_engine_iter
 TIMELINE_NAMES = [m for _, m in VLLM_TIMELINE] + list(TIMELINE_SPLIT) + ["coserve_engine_iteration_seconds"]
 # Seconds to wait before each scrape of a system's engine metrics, so that the series of what ran just
 # before have reached the endpoint: ours' replicas send vLLM's series to the planner at most every 5 s
-# (actors/replica.py ENGINE_METRICS_S), Ray's workers send theirs to the node's metrics agent every
+# (actors/serving/replica.py ENGINE_METRICS_S), Ray's workers send theirs to the node's metrics agent every
 # metrics_report_interval_ms (10 s by default). Plain vLLM's /metrics is live.
 ENGINE_METRICS_SETTLE_S = {"plain": 0.0, "ours": 6.0, "rayllm": 12.0}
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_conv_sample.csv"
@@ -1023,7 +1023,7 @@ def ray_env(system: str, args: argparse.Namespace) -> dict[str, str]:
 
 
 def start_plain(args, cfg, model_dir: Path, served: str, work: Path, suffix: str = "") -> tuple[Server, dict[str, Any]]:
-    from actors.engine_args import engine_flags
+    from actors.serving.engine_args import engine_flags
 
     port = args.port_plain
     flags = engine_flags(cfg, str(model_dir), served)
@@ -1160,7 +1160,7 @@ def sustained_from(plain_inf: list[dict[str, Any]], fraction: float) -> str:
 
 def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run the benchmarks and the replay; returns (results per system, run facts)."""
-    from actors.engine_args import engine_flags
+    from actors.serving.engine_args import engine_flags
 
     flags = engine_flags(cfg, str(model_dir), served)
     systems = list(args.systems)
@@ -1661,8 +1661,8 @@ def main() -> int:
         if args.replay_requests < 1:
             p.error(f"no trace arrivals in {args.replay_seconds} s after offset {args.replay_offset_s:g} s")
 
-    from actors.default_model import model_dir as resolve_model_dir
-    from actors.engine_args import served_model_name
+    from actors.models.default_model import model_dir as resolve_model_dir
+    from actors.serving.engine_args import served_model_name
 
     if args.model:
         cfg.model.embedded = args.model

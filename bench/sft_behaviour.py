@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         from bench.common import bench_config, free_port, start_app, stop_app, wait_ready
 
-        from actors import smollm2
-        from actors.config import DEFAULT_DATA_DIR
+        from actors.models import smollm2
+        from settings import DEFAULT_DATA_DIR
 
         # The model from the usual cache (converted once); adapters and feedback in a fresh directory.
         model_dir = smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser())

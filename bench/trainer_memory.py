@@ -101,14 +101,14 @@ def main() -> None:
         return
     data = Path(args.data_dir).expanduser()
     if args.model == "tiny-llama":
-        from actors.default_model import ensure
+        from actors.models.default_model import ensure
 
         model_dir = ensure(data)
     else:
-        from actors import smollm2
+        from actors.models import smollm2
 
         model_dir = smollm2.ensure(data)
-    from actors.devices import training_dtype
+    from actors.models.devices import training_dtype
 
     rows = []
     for variant in ("copies-fp32", "bank-fp32", "bank-auto"):

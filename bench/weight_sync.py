@@ -53,7 +53,7 @@ class ReplicaServer:
     """
 
     def __init__(self, flags: list[str], served_name: str, omp_threads: int | None = None) -> None:
-        from actors.replica import ModelReplica
+        from actors.serving.replica import ModelReplica
 
         self.replica = ModelReplica(0, flags, served_name, omp_threads)
         self.port = free_port()
@@ -118,9 +118,9 @@ class ReplicaServer:
 
 def engine_flags_for(model: str, data_dir: Path) -> tuple[list[str], str, Path]:
     """(vLLM flags, served name, model dir) a replica of the app would use for ``model`` (tiny or smollm2)."""
-    from actors.config import load
-    from actors.default_model import model_dir
-    from actors.engine_args import engine_flags, served_model_name
+    from settings import load
+    from actors.models.default_model import model_dir
+    from actors.serving.engine_args import engine_flags, served_model_name
 
     if model == "tiny":
         cfg = load({"data_dir": str(data_dir), "model": {"embedded": "tiny-llama", "max_model_len": 1024},

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from deployments.guard import error_body
 
 if TYPE_CHECKING:
-    from actors.config import AppConfig
+    from settings import AppConfig
 
 # HAProxy's buffer beyond the largest body: the request line, the headers and HAProxy's rewrite reserve.
 BODY_HEADROOM = 64 * 1024

@@ -8,7 +8,7 @@ and the learning routes check adapter ownership, cap ``n``/``max_tokens`` and se
 prefix-cache salt.
 
 It fails closed: :data:`PRINCIPAL` has no default. The guard sets it for every request it lets
-through, to :data:`~actors.keys.LOCAL` only when the app really has no keys (local mode is a state
+through, to :data:`~deployments.keys.LOCAL` only when the app really has no keys (local mode is a state
 the guard sets, never what a missing principal means); code that reads it where the guard did not
 run (a route outside the guarded app, a task that lost the request's context) raises
 :class:`Unauthenticated`, which the app answers 401 in the OpenAI shape (``deployments/http.py``).
@@ -24,9 +24,9 @@ import json
 import time
 from typing import Any
 
-from actors import request_stages
-from actors.config import LimitsConfig
-from actors.keys import LOCAL, KeyRing, Principal
+from actors.serving import request_stages
+from settings import LimitsConfig
+from deployments.keys import LOCAL, KeyRing, Principal
 
 
 

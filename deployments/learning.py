@@ -30,10 +30,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 
-from actors.config import AppConfig
-from actors.default_model import model_path
-from actors.engine_args import served_model_name
-from actors.keys import Principal
+from settings import AppConfig
+from actors.models.default_model import model_path
+from actors.serving.engine_args import served_model_name
+from deployments.keys import Principal
 from actors.learning.lora.targets import lora_targetable_modules, short_names, unknown_targets
 from actors.learning.store.models import (
     ADAPTER_KEY_RE,
@@ -158,7 +158,7 @@ class LearningRoutes:
     def _sizes(self, items: list[Any]) -> list[NewFeedback]:
         """Each item's adapter and tokens, for the planner to place it as a training task (LEMIX Eq. 1–3)."""
         if self._counter is None:
-            from actors.default_model import model_dir
+            from actors.models.default_model import model_dir
             from deployments.routing import PromptCounter
 
             self._counter = PromptCounter(model_dir(self.cfg))
@@ -199,7 +199,7 @@ class LearningRoutes:
         the planner, which starts the store, only while there is none of that name yet."""
         import ray
 
-        from actors.planner import NAMESPACE
+        from actors.control.planner import NAMESPACE
 
         try:
             return await asyncio.to_thread(ray.get_actor, self.cfg.feedback_actor_name, namespace=NAMESPACE)
@@ -315,7 +315,7 @@ class LearningRoutes:
     async def _lora_modules(self) -> frozenset[str] | None:
         """The served model's LoRA-targetable module names (built once per process, off the event loop);
         None if its module tree cannot be built here (then the trainer is the one to refuse a bad name)."""
-        from actors.default_model import model_dir
+        from actors.models.default_model import model_dir
 
         try:
             return await asyncio.to_thread(lambda: lora_targetable_modules(model_dir(self.cfg)))

@@ -45,8 +45,8 @@ from fastapi import FastAPI, HTTPException, Request
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from actors.config import AppConfig
-from actors.keys import LOCAL, Principal
+from settings import AppConfig
+from deployments.keys import LOCAL, Principal
 from deployments.front_door import ROUTER_MARKER_HEADER
 from deployments.guard import bearer_token
 from deployments.learning import adapter_key_for
@@ -81,7 +81,7 @@ class NodeRequestRouter(RequestRouter):
         while True:
             try:
                 if self._planner is None:
-                    from actors.planner import find_planner
+                    from actors.control.planner import find_planner
 
                     self._planner = await asyncio.to_thread(
                         find_planner, self._deployment_id.app_name, self._deployment_id.name)
@@ -192,8 +192,8 @@ class PlacementRouter:
     """HAProxy's ingress request router: ``POST /internal/route`` answers which replica takes the request."""
 
     def __init__(self, server: Any, config: AppConfig) -> None:
-        from actors.default_model import model_dir
-        from actors.keys import KeyRing
+        from actors.models.default_model import model_dir
+        from deployments.keys import KeyRing
 
         self.server = server
         self.cfg = config

@@ -30,12 +30,12 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
-from actors import request_stages
+from actors.serving import request_stages
 from actors.learning.versions.files import AdapterFiles
-from actors.planner import NAMESPACE
-from actors.replica import TASK_ID, ModelReplica
-from actors.config import AppConfig
-from actors.engine_args import engine_flags, served_model_name
+from actors.control.planner import NAMESPACE
+from actors.serving.replica import TASK_ID, ModelReplica
+from settings import AppConfig
+from actors.serving.engine_args import engine_flags, served_model_name
 from deployments.guard import PRINCIPAL, RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import UNKNOWN, LearningRoutes, adapter_key_for, shown_name
@@ -56,7 +56,7 @@ VLLM_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize",
 
 class StageStamps:
     """Pure ASGI, outermost: an inference request's arrival at the replica, and its first body bytes sent
-    (actors/request_stages.py); the layers between stamp their own stages."""
+    (actors/serving/request_stages.py); the layers between stamp their own stages."""
 
     PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -101,9 +101,9 @@ class ModelServer:
     """One node's engine and the app's HTTP API (built by :func:`build`)."""
 
     async def __init__(self, config: AppConfig) -> None:
-        from actors.default_model import model_dir as resolve_model_dir
+        from actors.models.default_model import model_dir as resolve_model_dir
 
-        from actors.keys import KeyRing
+        from deployments.keys import KeyRing
 
         self.cfg = config
         self.node_id = serve.get_replica_context().rank.rank
@@ -381,10 +381,10 @@ def default_max_tokens(request: Any, cap: int) -> None:
 
 
 def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:
-    """Refuse to start (the deploy fails with the reason) where :func:`actors.keys.bind_refusal` says so."""
+    """Refuse to start (the deploy fails with the reason) where :func:`deployments.keys.bind_refusal` says so."""
     from ray.serve.context import _get_global_client
 
-    from actors.keys import bind_refusal
+    from deployments.keys import bind_refusal
 
     host = _get_global_client().http_config.host or "127.0.0.1"
     refusal = bind_refusal(host, keys_enabled, cfg.auth.allow_unauthenticated_bind)
@@ -416,7 +416,7 @@ def haproxy_enabled() -> bool:
 
 def build(cfg: AppConfig) -> serve.Application:
     """The Serve application for ``cfg``: the model servers, their planner, and (several nodes) the router."""
-    from actors.planner import Planner
+    from actors.control.planner import Planner
     from deployments.routing import NodeRequestRouter, PlacementRouter
 
     haproxy = haproxy_enabled()

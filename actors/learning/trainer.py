@@ -41,7 +41,7 @@ from typing import Any
 
 import ray
 
-from actors.config import AppConfig
+from settings import AppConfig
 from actors.learning.lora.messages import (
     GateDecided,
     GrantWaited,

@@ -6,7 +6,7 @@ inference requests and fine-tune samples, and ``schedule(now)`` returns a :class
 the next iteration window: the inference work c it assumes the engine runs, and the fine-tune
 micro-batches the trainer may run beside it, each a list of token windows.
 
-Protocol (the planner actor, ``actors/planner.py``, owns one scheduler per node). vLLM starts
+Protocol (the planner actor, ``actors/control/planner.py``, owns one scheduler per node). vLLM starts
 every inference request as it arrives, and the trainer owns its samples' progress, so each grant
 replaces the queues with what was observed: ``observe(EngineFacts)`` from the replica's latest
 report (requests in flight, engine iterations) and ``set_samples(...)`` from the trainer's request;

@@ -64,7 +64,7 @@ def within_room(bins: Sequence[MicroBatch], room_s: float) -> tuple[list[MicroBa
 class IterationScheduler:
     """The queues of one node, as last observed, and what every iteration policy shares; ``schedule`` is per policy.
 
-    The live protocol (``actors/planner.py``): each grant replaces the queues with what was observed,
+    The live protocol (``actors/control/planner.py``): each grant replaces the queues with what was observed,
     ``observe(EngineFacts)`` for the engine's requests (vLLM starts every request as it arrives;
     the planner never holds one back) and ``set_samples(...)`` for the trainer's samples (it owns
     their progress), then ``schedule(now)``; after a micro-step, ``report_pass`` for each finished

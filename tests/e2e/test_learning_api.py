@@ -173,7 +173,7 @@ def test_prometheus_metrics_endpoint(app_url, adapter):
         counted = ["vllm:e2e_request_latency_seconds_count{", "vllm:request_queue_time_seconds_count{"]
         counted += [f'coserve_request_stage_seconds_count{{|stage="{s}"'
                     for s in ("guard", "checked", "engine", "first_token", "first_byte")]
-        # Each engine iteration's time, and its tokens and requests by phase (actors/engine_iterations.py).
+        # Each engine iteration's time, and its tokens and requests by phase (actors/serving/engine_iterations.py).
         counted += ["coserve_engine_iteration_seconds_count{"]
         counted += [f'{name}_count{{|phase="{phase}"' for name in ("coserve_engine_iteration_tokens",
                                                                   "coserve_engine_iteration_requests")

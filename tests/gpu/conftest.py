@@ -4,14 +4,14 @@ Every test under tests/gpu is marked ``gpu`` and, where ``torch.cuda.is_availabl
 skipped with that reason: on a CPU-only host (this repository's CI) they are collected and
 skipped, never errors; on a GPU host ``make test`` (or ``pytest tests/gpu``) runs them. They
 import only torch, peft, transformers and the project's ``actors.learning.lora.steps`` /
-``actors.default_model``: no Ray, no vLLM (docs/gpu.md).
+``actors.models.default_model``: no Ray, no vLLM (docs/gpu.md).
 
 Environment:
 
 - ``COSERVE_GPU_TESTS_DEVICE=cpu`` runs them on the CPU anyway, to check the tests themselves on
   a machine without a GPU (the numbers are then CPU numbers; the bf16 tolerances still hold).
 - ``COSERVE_GPU_MODEL_DIR``: a local HF checkpoint for the step-timing test instead of the
-  embedded tiny model (e.g. the SmolLM2 directory ``actors.smollm2.ensure`` converts).
+  embedded tiny model (e.g. the SmolLM2 directory ``actors.models.smollm2.ensure`` converts).
 - ``COSERVE_GPU_PROFILE_OUT``: where the step-timing test writes its JSON (default: a tmp path).
 """
 
@@ -75,7 +75,7 @@ def device():
 @pytest.fixture(scope="session")
 def tiny_model_dir(data_dir) -> Path:
     """The embedded tiny random Llama, built locally (no network) once per session."""
-    from actors.default_model import ensure
+    from actors.models.default_model import ensure
 
     return ensure(data_dir)
 

@@ -4,7 +4,7 @@ The CUDA counterparts of tests/integration/test_lora_training.py and test_token_
 trainer runs on a GPU host: base weights in bfloat16 on the device, LoRA weights and optimizer
 moments in float32 (peft's ``autocast_adapter_dtype``), log-probs summed in float32. Skipped where
 ``torch.cuda.is_available()`` is False (tests/gpu/conftest.py). Imports only torch, peft,
-transformers and the project's actors.learning.lora.steps / actors.default_model.
+transformers and the project's actors.learning.lora.steps / actors.models.default_model.
 """
 
 from __future__ import annotations

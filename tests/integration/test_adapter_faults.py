@@ -29,7 +29,7 @@ NO_GATE = {"enabled": False, "held_out_share": 0}
 
 def _version_for_another_model(tmp, adapters_root, adapter: str, version: int):
     """A real peft version of ``adapter`` trained for a 128-wide tiny Llama (the served one is 256 wide)."""
-    from actors import default_model
+    from actors.models import default_model
     from actors.learning.lora.bank import AdapterBank
     from actors.learning.lora.steps import save_adapter_version
 

@@ -32,7 +32,7 @@ def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_
     """Versions are published in the store (the one record of what is served); the planner serves what it says."""
     import ray
 
-    from actors.default_model import ensure
+    from actors.models.default_model import ensure
 
     model_dir = ensure(data_dir)
     store = ray.get(planner.feedback_queue.remote())
@@ -94,7 +94,7 @@ def test_what_nodes_serve_always_agrees_with_the_store(app_url, planner, data_di
 
     import ray
 
-    from actors.default_model import ensure
+    from actors.models.default_model import ensure
 
     store = ray.get(planner.feedback_queue.remote())
     name = "races"

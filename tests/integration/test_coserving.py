@@ -46,8 +46,8 @@ def _collect_until_consumed(app_url: str, name: str, version: int, seen: dict, t
 
 
 def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(app_url, trainer, app_config):
-    from actors.config import AppConfig
-    from actors.cost_profile import load_profile
+    from settings import AppConfig
+    from actors.control.cost_profile import load_profile
     from planners.coserving import InferenceWork, ft_tokens_within, token_budget
 
     cfg = AppConfig.model_validate(app_config)

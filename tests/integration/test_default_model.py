@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from actors.default_model import DEFAULT_SPEC, TinyLlamaSpec, build_tokenizer, ensure
+from actors.models.default_model import DEFAULT_SPEC, TinyLlamaSpec, build_tokenizer, ensure
 
 
 def _digest(path: Path) -> str:

@@ -24,13 +24,13 @@ KILL_AFTER_S = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05)
 
 @pytest.fixture
 def store_actor(ray_cluster, tmp_path):
-    from actors.config import load
+    from settings import load
     from actors.learning.store.actor import FeedbackQueue
 
     ray = ray_cluster
     cfg = load({"name": f"drill-{uuid.uuid4().hex[:8]}", "data_dir": str(tmp_path),
                 "training": {"gate": {"enabled": False, "held_out_share": 0.0}}})
-    # As actors/planner.py's _start_feedback makes it (not detached: it goes with the test).
+    # As actors/control/planner.py's _start_feedback makes it (not detached: it goes with the test).
     actor = ray.remote(FeedbackQueue).options(
         name=cfg.feedback_actor_name, namespace="coserve", num_cpus=0, max_restarts=-1, max_task_retries=3,
         max_concurrency=1000).remote(cfg)

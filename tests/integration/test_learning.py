@@ -96,7 +96,7 @@ def _greedy(app_url: str, model: str, prompt: str, tokens: int = 12) -> str:
 
 def _version_model(cfg, path: str | None):
     """The model as a published version directory holds it (None: a fresh LoRA, i.e. the base model)."""
-    from actors.default_model import model_dir as resolve_model_dir
+    from actors.models.default_model import model_dir as resolve_model_dir
     from actors.learning.lora.steps import load_lora_model
 
     model_dir = resolve_model_dir(cfg)
@@ -117,7 +117,7 @@ def trainer(app_url) -> dict:
 
 @pytest.fixture(scope="module")
 def cfg(app_config):
-    from actors.config import AppConfig
+    from settings import AppConfig
 
     return AppConfig.model_validate(app_config)
 

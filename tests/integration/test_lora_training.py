@@ -14,7 +14,7 @@ pytest.importorskip("peft")
 from actors.learning.lora import steps as lt
 from actors.learning.versions.layout import is_complete_version  # noqa: E402
 from actors.learning.lora import alignment as ae  # noqa: E402
-from actors.default_model import build_tokenizer, ensure  # noqa: E402
+from actors.models.default_model import build_tokenizer, ensure  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
 ITEM = {"prompt": "Human: what is the capital of France?\nAssistant:", "completion": " Paris, of course."}

@@ -38,7 +38,7 @@ def _reasons(app_url: str, adapter: str) -> list[str]:
 
 def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishes_after(app_url, trainer, cfg,
                                                                                        planner):
-    from actors.cost_profile import load_profile
+    from actors.control.cost_profile import load_profile
     from planners.memory import MemoryGuard
 
     cm, _ = load_profile(cfg, BASE)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from actors.offline_plan import prepare_job
-from actors.offline_job import JobSpec
+from actors.offline.plan import prepare_job
+from actors.offline.job import JobSpec
 
 JOBS = Path(__file__).resolve().parents[2] / "configs" / "jobs"
 

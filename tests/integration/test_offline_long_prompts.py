@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from app.offline import run_job
-from actors.offline_job import load_job
+from actors.offline.job import load_job
 
 
 @pytest.mark.timeout(400)

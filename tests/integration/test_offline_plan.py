@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.offline_job import JobSpec, build_workload, chunk_text, load_job, render_prompt
+from actors.offline.job import JobSpec, build_workload, chunk_text, load_job, render_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "configs" / "jobs"

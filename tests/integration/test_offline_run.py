@@ -13,9 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from actors.offline_runner import OutputFile
+from actors.offline.runner import OutputFile
 from app.offline import run_job
-from actors.offline_job import load_job
+from actors.offline.job import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "configs" / "jobs"
@@ -41,7 +41,7 @@ def lines(path: Path) -> list[dict]:
 
 def check_outputs(job_path: Path) -> dict[str, list[dict]]:
     """One line per request of every model node, each with a non-empty output; summary and chart written."""
-    from actors.offline_job import build_workload
+    from actors.offline.job import build_workload
 
     job, base = load_job(job_path)
     work = build_workload(job, base)

@@ -108,7 +108,7 @@ def test_lemix_places_feedback_on_the_node_its_score_prefers(url):
 
     import ray
 
-    from actors.planner import find_planner
+    from actors.control.planner import find_planner
 
     planner = find_planner("pernode")
     before = switch_policies(planner, placement="lemix", placement_params={})  # its kwargs hold the profile's model

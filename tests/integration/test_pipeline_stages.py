@@ -24,7 +24,7 @@ def pipeline(ray_cluster, data_dir, tmp_path_factory):
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from actors.learning.full.trainer import PipelineTrainer
-    from actors import default_model
+    from actors.models import default_model
 
     pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=120)

@@ -13,7 +13,7 @@ PROMPTS = [[5, 17, 33, 8, 91], [12, 4, 4, 60]]
 
 
 def _settings(data_dir, tmp_path_factory, chunks: int = 1) -> PipelineSettings:
-    from actors import default_model
+    from actors.models import default_model
 
     return PipelineSettings(model_dir=str(default_model.ensure(data_dir)),
                             versions_root=str(tmp_path_factory.mktemp("scheduled-versions")),

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from actors import smollm2
-from actors.config import load
-from actors.default_model import model_dir
-from actors.engine_args import served_model_name
+from actors.models import smollm2
+from settings import load
+from actors.models.default_model import model_dir
+from actors.serving.engine_args import served_model_name
 
 @pytest.fixture(scope="module")
 def converted(smollm2_dir) -> Path:

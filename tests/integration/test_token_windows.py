@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 
 from actors.learning.lora import steps as lt  # noqa: E402
 from actors.learning.lora import windowed_pass as wp  # noqa: E402
-from actors.default_model import ensure  # noqa: E402
+from actors.models.default_model import ensure  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 ALL_PROJ = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "dropout": 0.0}

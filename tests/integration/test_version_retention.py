@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from actors.learning.versions.layout import ADAPTER_FILES, META_FILE, OPTIMIZER_FILE, upload_version, write_version_files
-from actors.config import load
+from settings import load
 from actors.learning.store.actor import FeedbackQueue
 from actors.learning.store.models import UnknownVersion
 from actors.learning.store.sqlite import FeedbackStore

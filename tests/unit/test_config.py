@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from actors import config
+import settings as config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_data_dir_env_override(monkeypatch, tmp_path):
 
 
 def test_engine_flags_carry_the_engine_settings():
-    from actors.engine_args import engine_flags
+    from actors.serving.engine_args import engine_flags
 
     cfg = config.load({"engine": {"max_num_seqs": 7, "kv_cache_memory_bytes": None, "enable_lora": False}})
     flags = engine_flags(cfg, "/m", "name")

@@ -1,6 +1,6 @@
 """Node-level co-serving scheduling (planners/coserving/): hand-computed formulas, properties, policies.
 
-The schedulers are driven as the planner drives them (actors/planner.py): each grant observes the
+The schedulers are driven as the planner drives them (actors/control/planner.py): each grant observes the
 engine's requests (``observe(EngineFacts)``), replaces the fine-tune queue with the trainer's
 samples and their progress (``set_samples``), and plans (``schedule``); finished passes go through
 CheckEnd (``report_pass``).

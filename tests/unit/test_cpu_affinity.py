@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from actors import cpu_affinity
+from actors.serving import cpu_affinity
 
 pytest.importorskip("setproctitle", reason="setproctitle (Ray's dependency) titles the stand-in processes")
 

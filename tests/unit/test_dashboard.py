@@ -58,7 +58,7 @@ def exposed(families: list[tuple[str, str]]) -> set[str]:
 
 def app_series() -> set[str]:
     """The series the app itself exports: the replica's stage and iteration histograms, the ingress' gauges."""
-    from actors import engine_iterations, request_stages
+    from actors.serving import engine_iterations, request_stages
     from deployments.metrics import render
 
     families = [(m.name, m.type) for metric in (request_stages.STAGE_SECONDS, engine_iterations.ITERATION_SECONDS,

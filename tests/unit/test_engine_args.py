@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from actors.devices import cpu_has_bf16
-from actors.engine_args import resolve_dtype
+from actors.models.devices import cpu_has_bf16
+from actors.serving.engine_args import resolve_dtype
 
 
 def _model(tmp_path, dtype: str):

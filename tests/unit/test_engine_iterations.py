@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from actors import engine_iterations
+from actors.serving import engine_iterations
 
 stats = pytest.importorskip("vllm.v1.metrics.stats", reason="vLLM is not installed")
 

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from typing import Any
 
-from actors.config import AppConfig, load
-from actors.keys import KeyRing, digest
+from settings import AppConfig, load
+from deployments.keys import KeyRing, digest
 from app import serve_env
 from deployments.front_door import ROUTER_MARKER_HEADER, FrontDoor, FrontDoorError
 
@@ -255,7 +255,7 @@ def _router(keys: KeyRing) -> SimpleNamespace:
 
 
 def test_the_router_reads_a_body_only_for_a_known_key_or_in_local_mode(caplog):
-    from actors.keys import LOCAL
+    from deployments.keys import LOCAL
     from deployments.routing import PlacementRouter
 
     principal = PlacementRouter._principal
@@ -274,8 +274,8 @@ def test_the_router_reads_a_body_only_for_a_known_key_or_in_local_mode(caplog):
 
 
 def test_the_router_places_a_tenants_adapter_under_its_engine_name_and_caps_the_default_length():
-    from actors.config import load
-    from actors.keys import LOCAL, Principal
+    from settings import load
+    from deployments.keys import LOCAL, Principal
     from deployments.routing import PlacementRouter
 
     cfg = load({"model": {"embedded": "tiny-llama", "max_model_len": 2048}, "limits": {"max_tokens": 256}})

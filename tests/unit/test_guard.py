@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from actors.config import LimitsConfig
-from actors.keys import LOCAL, KeyRing, digest
+from settings import LimitsConfig
+from deployments.keys import LOCAL, KeyRing, digest
 from deployments.guard import PRINCIPAL, RequestGuard, Unauthenticated, bearer_token
 from deployments.http import install_error_handlers
 

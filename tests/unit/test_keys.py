@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from actors.keys import KeyRing, KeysConfigError, add_key, bind_refusal, digest
+from deployments.keys import KeyRing, KeysConfigError, add_key, bind_refusal, digest
 from deployments.guard import TokenBucket
 
 

@@ -24,8 +24,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from actors.config import load  # noqa: E402
-from actors.keys import KeyRing  # noqa: E402
+from settings import load  # noqa: E402
+from deployments.keys import KeyRing  # noqa: E402
 from actors.learning.store.sqlite import FeedbackStore  # noqa: E402
 from deployments.guard import RequestGuard  # noqa: E402
 from deployments.http import install_error_handlers  # noqa: E402

@@ -10,8 +10,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from ray.exceptions import RayActorError
 
-from actors.config import AppConfig, load
-from actors.keys import KeyRing
+from settings import AppConfig, load
+from deployments.keys import KeyRing
 from actors.learning.store.sqlite import FeedbackStore
 from deployments.guard import RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
@@ -190,8 +190,8 @@ KEYS = {tenant: f"sk-coserve-test-{tenant}-0123456789" for tenant in ("acme", "b
 def tenants(tmp_path):
     """The learning routes behind the real RequestGuard with keys, over a real store; ``call(tenant, method, path,
     **kw)`` sends a request with that tenant's key."""
-    from actors.config import LimitsConfig
-    from actors.keys import KeyRing, digest
+    from settings import LimitsConfig
+    from deployments.keys import KeyRing, digest
     from deployments.guard import RequestGuard
 
     cfg: AppConfig = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.offline_job import JobSpec, ModelFacts, build_workload, job_graph, load_job
+from actors.offline.job import JobSpec, ModelFacts, build_workload, job_graph, load_job
 from planners import registry
 from planners.costs import CostModel, IterationLatency, OutputLengthCDF, default_cost_model
 from planners.offline import DeviceSet

@@ -2,8 +2,8 @@
 
 import json
 
-from actors import config
-from actors.cost_profile import load_profile, profile_name
+import settings as config
+from actors.control.cost_profile import load_profile, profile_name
 from planners.costs import default_cost_model
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from actors.config import load
+from settings import load
 from app import serve_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.keys import LOCAL, Principal
+from deployments.keys import LOCAL, Principal
 from deployments.learning import UNKNOWN, adapter_key_for, as_seen_by, shown_name
 from deployments.server import engine_model_for, public_model
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import ray
 
-from actors.config import AppConfig
+from settings import AppConfig
 from actors.learning.store.models import FULL_METHODS, FeedbackItem, VersionConflict
 from actors.learning.full.messages import PipelineSettings, TrainingSample
 from planners.retraining import RetrainingPolicy, RetrainingView, make_policy

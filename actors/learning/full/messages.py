@@ -59,7 +59,7 @@ class PipelineSettings:
     @classmethod
     def from_config(cls, cfg: Any, *, versions_root: str | None = None, **overrides: Any) -> "PipelineSettings":
         """From an AppConfig: its model, ``training.resources_per_worker``, micro_batch, accumulation, max_length."""
-        from actors.default_model import model_dir
+        from actors.models.default_model import model_dir
 
         t = cfg.training
         values: dict[str, Any] = dict(

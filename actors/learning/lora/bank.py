@@ -3,7 +3,7 @@
 Before this, a rank loaded the base model again for every switch between adapters, and the
 quality gate loaded a further copy for every version it scored. Here the base weights are loaded
 once, in the rank's training dtype (bf16 where the device computes it natively,
-``actors.devices.training_dtype``), and adapters come and go on top of them as ``peft`` adapters of
+``actors.models.devices.training_dtype``), and adapters come and go on top of them as ``peft`` adapters of
 one ``PeftModel``:
 
 - each adapter in training has a slot (``peft`` adapter name ``<adapter>@<n>``) and its own
@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from actors.devices import torch_device, training_dtype
+from actors.models.devices import torch_device, training_dtype
 from actors.learning.lora.steps import lora_config, seed_everything
 
 

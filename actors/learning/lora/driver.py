@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import ray
 
-from actors.config import AppConfig
+from settings import AppConfig
 from actors.learning.store.models import FULL_METHODS, FeedbackItem
 from actors.learning.lora.evaluator import VersionEvaluator
 from actors.learning.lora.messages import (

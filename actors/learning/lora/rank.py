@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import ray
 
-from actors.config import AppConfig
+from settings import AppConfig
 from actors.learning.lora.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
 from actors.learning.lora.messages import (
     ItemLoss,
@@ -127,7 +127,7 @@ class TrainRank:
 
         from actors.learning.lora.bank import AdapterBank
         from actors.learning.versions.files import AdapterFiles
-        from actors.default_model import model_dir
+        from actors.models.default_model import model_dir
 
         # Share the node's cores with its inference engine: as many threads as CPUs granted (at least 1).
         torch.set_num_threads(max(1, int(self.t.resources_per_worker.get("CPU", 1))))

@@ -45,7 +45,7 @@ from actors.learning.versions.layout import (
     version_dir,
     write_version_files,
 )
-from actors.config import AppConfig
+from settings import AppConfig
 from actors.learning.store.models import FeedbackReceipt, ServedState
 from actors.learning.store.sqlite import IDEMPOTENCY_TTL_S, FeedbackStore
 

@@ -15,14 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from actors.keys import ADMIN_TENANT
+from settings import ADMIN_TENANT, MAX_COUNT, GateSettings
 
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-TENANT_NAME_RE = ADAPTER_NAME_RE  # actors/keys.py's TENANT_RE: the same shape
+TENANT_NAME_RE = ADAPTER_NAME_RE  # deployments/keys.py's TENANT_RE: the same shape
 # The store's key of an adapter: ``tenant/name`` for a tenant's adapter, the bare name for one without a
 # tenant (local mode) or the admin's (adapter_key). Neither part may hold a '/', so a key splits one way.
 ADAPTER_KEY_RE = re.compile(r"^(?:[a-z0-9][a-z0-9_-]{0,63}/)?[a-z0-9][a-z0-9_-]{0,63}$")
-MAX_COUNT = 1_000_000_000  # the largest count a setting takes: well inside SQLite's 64-bit integers
 DEFAULT_MAX_ITEM_BYTES = 32 * 1024
 DEFAULT_MAX_BATCH_ITEMS = 1024
 MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe's: room for a UUID or a client's own request id, not for a payload
@@ -163,25 +162,6 @@ class LoraSettings(_Strict):
 class PeriodicSettings(_Strict):
     every_seconds: float | None = Field(60.0, gt=0, description="Train every T seconds (Ekya-like).")
     every_samples: int | None = Field(None, gt=0, le=MAX_COUNT, description="... or as soon as K samples are queued.")
-
-
-class GateSettings(_Strict):
-    """The quality gate: a trained version is served only if it scores on the adapter's held-out slice
-    no worse than the version served now (the base model before the first) by more than ``margin``.
-
-    The app's default is ``training.gate``; an adapter's ``gate`` overrides any of these fields.
-    """
-
-    enabled: bool = Field(True, description="Gate new versions; false: serve every version at once (still scored).")
-    margin: float = Field(
-        0.02, ge=0, description="How much worse than the served version a candidate may score and still be served: "
-                                "win-rate points (0-1) for dpo adapters, nats per token for sft adapters.")
-    held_out_share: float = Field(
-        0.1, ge=0, le=0.5, description="Share of the adapter's new feedback kept out of training as its held-out "
-                                       "slice (assigned when the item is stored; 0: none).")
-    pause_after_rejections: int = Field(
-        3, ge=0, le=MAX_COUNT, description="Consecutive rejected versions after which the adapter stops training (0: never).")
-    max_eval_items: int = Field(64, gt=0, le=MAX_COUNT, description="Held-out items a version is scored on (the oldest ones).")
 
 
 class GateOverrides(_Strict):

@@ -29,7 +29,7 @@ from actors.learning.versions.layout import (
     version_dir,
     write_version_files,
 )
-from actors.config import AppConfig
+from settings import AppConfig
 
 FETCH_TIMEOUT_S = 120.0
 

@@ -18,7 +18,7 @@ def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
     import httpx
     from ray import serve
 
-    from actors.keys import add_key
+    from deployments.keys import add_key
     from app.main import build_app
 
     data = tmp_path_factory.mktemp("coserve-sec")

@@ -13,15 +13,38 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.learning.store.models import GateSettings
 
 DEFAULT_DATA_DIR = "~/.cache/coserve"
+ADMIN_TENANT = "admin"  # the operator's tenant name: its key may act on every adapter (deployments/keys.py)
+MAX_COUNT = 1_000_000_000  # the largest count a setting takes: well inside SQLite's 64-bit integers
 
 
 class _ConfigSection(BaseModel):
     """A section of the app config: an unknown key is an error, not silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class GateSettings(BaseModel):
+    """The quality gate: a trained version is served only if it scores on the adapter's held-out slice
+    no worse than the version served now (the base model before the first) by more than ``margin``.
+
+    The app's default is ``training.gate``; an adapter's ``gate`` overrides any of these fields.
+    """
+
+    # As the feedback store's own models: frozen, no inf/NaN, no coercion of a string into a number.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    enabled: bool = Field(True, description="Gate new versions; false: serve every version at once (still scored).")
+    margin: float = Field(
+        0.02, ge=0, description="How much worse than the served version a candidate may score and still be served: "
+                                "win-rate points (0-1) for dpo adapters, nats per token for sft adapters.")
+    held_out_share: float = Field(
+        0.1, ge=0, le=0.5, description="Share of the adapter's new feedback kept out of training as its held-out "
+                                       "slice (assigned when the item is stored; 0: none).")
+    pause_after_rejections: int = Field(
+        3, ge=0, le=MAX_COUNT, description="Consecutive rejected versions after which the adapter stops training (0: never).")
+    max_eval_items: int = Field(64, gt=0, le=MAX_COUNT, description="Held-out items a version is scored on (the oldest ones).")
 
 
 class ModelConfig(_ConfigSection):
@@ -219,7 +242,7 @@ class IngressConfig(_ConfigSection):
 
 class AuthConfig(_ConfigSection):
     keys_file: str | None = Field(
-        None, description="YAML file of API keys, stored hashed (``python -m actors.keys add``); relative paths are "
+        None, description="YAML file of API keys, stored hashed (``python -m deployments.keys add``); relative paths are "
                           "resolved against data_dir. Keys are sent as ``Authorization: Bearer <key>``.")
     keys_env: str | None = Field(
         "COSERVE_API_KEYS", description="Environment variable of the model servers holding more keys, as "

@@ -1,6 +1,6 @@
 """OfflineEngine: a Ray actor holding one vLLM engine for one model replica of an offline job's stage (SamuLLM §3).
 
-The actor only generates: the runner (``actors/offline_runner.py``) decides which requests it gets and when
+The actor only generates: the runner (``actors/offline/runner.py``) decides which requests it gets and when
 (stage plans, §4.2–4.3), and fills their prompts from upstream outputs. Requests are submitted in
 batches and join vLLM's continuous batching as they arrive; finished ones are collected with
 :meth:`OfflineEngine.poll`, so the driver can persist each output and release downstream requests
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.offline_job import JobModel
+from actors.offline.job import JobModel
 
 
 class OfflineEngine:
@@ -54,7 +54,7 @@ class OfflineEngine:
         t0 = time.time()
         from vllm import LLM
 
-        from actors.engine_args import resolve_dtype
+        from actors.serving.engine_args import resolve_dtype
 
         a = dict(self._args)
         a["dtype"] = resolve_dtype(a["dtype"], "cpu" if _on_cpu() else "gpu", self.model_dir)

@@ -1,7 +1,7 @@
 """Resolves the model a config serves, and builds the embedded test model (a tiny random Llama).
 
 :func:`model_dir` is the one place that turns ``model.path`` / ``model.embedded`` into a directory:
-a user's own checkpoint, the real instruct model (:mod:`actors.smollm2`, the default), or the
+a user's own checkpoint, the real instruct model (:mod:`actors.models.smollm2`, the default), or the
 tiny test model built here. The tiny model exists because no model hub is reachable from the
 machines this runs on and the test suite needs a model that loads in seconds: a Llama-architecture config with head_dim 64 (vLLM's CPU attention kernels
 reject 16), weights from a fixed seed, and a tokenizer whose vocabulary is the 256 bytes plus
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from actors.config import AppConfig
+    from settings import AppConfig
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
@@ -141,7 +141,7 @@ def model_path(cfg: AppConfig) -> str:
         return cfg.model.path
     if cfg.model.embedded == "tiny-llama":
         return str(Path(cfg.data_path) / "models" / DEFAULT_SPEC.name)
-    from actors import smollm2
+    from actors.models import smollm2
 
     return str(Path(cfg.data_path) / "models" / smollm2.NAME)
 
@@ -152,7 +152,7 @@ def model_dir(cfg: AppConfig) -> str:
         return cfg.model.path
     if cfg.model.embedded == "tiny-llama":
         return str(ensure(cfg.data_path))
-    from actors import smollm2
+    from actors.models import smollm2
 
     return str(smollm2.ensure(cfg.data_path))
 

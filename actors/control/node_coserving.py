@@ -1,6 +1,6 @@
 """NodeCoServing: the planner's per-node co-serving state and the grant decisions made from it.
 
-One per logical node, held by the planner actor (``actors/planner.py``). It keeps the node's
+One per logical node, held by the planner actor (``actors/control/planner.py``). It keeps the node's
 iteration scheduler (``planner.iteration``, ``planners/coserving/``), its memory guard (LEMIX
 Alg. 2, ``planners/memory.py``), the live refit of the fine-tuning window cost, and the grant and
 CheckEnd counters and logs ``/v1/status`` shows. Plain Python, no Ray: the planner calls it on its
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from actors.config import AppConfig
+from settings import AppConfig
 from planners import registry
 from planners.coserving import EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, grant_run_time
 from planners.costs import CostModel

@@ -12,7 +12,7 @@ logging stat logger writes one log line per iteration from it; the replica drops
 - ``coserve_engine_iteration_requests{phase=prefill|decode}``: requests in the step.
 
 Read side by side with ``vllm:request_queue_time_seconds`` and the app's stage histograms
-(``actors/request_stages.py``): a request that waits long with short iterations waits on the
+(``actors/serving/request_stages.py``): a request that waits long with short iterations waits on the
 engine's queue; long iterations with many prefill tokens are the chunked-prefill budget at work.
 """
 

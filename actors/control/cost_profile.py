@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from actors.config import AppConfig
+from settings import AppConfig
 from planners.costs import CostModel, default_cost_model
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "profiles"

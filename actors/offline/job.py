@@ -68,7 +68,7 @@ class JobModel(_JobSpecPart):
         """
         if self.path:
             return Path(self.path).expanduser()
-        from actors.default_model import TinyLlamaSpec, ensure
+        from actors.models.default_model import TinyLlamaSpec, ensure
 
         e = self.embedded
         return ensure(data_dir, TinyLlamaSpec(hidden_size=e.hidden_size, num_layers=e.layers,

@@ -2,7 +2,7 @@
 edges, the dynamic adjustment at every model finish, and resumable JSONL outputs.
 
 The driver that calls it is ``app/offline.py`` (``python -m app.offline run``); the engine actor is
-``actors/offline.py``; what the plan is, ``offline_plan.py``.
+``actors/offline/engine.py``; what the plan is, ``offline_plan.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from actors.offline_job import render_prompt
-from actors.offline_plan import PreparedJob
+from actors.offline.job import render_prompt
+from actors.offline.plan import PreparedJob
 from planners.offline import Edge, ExecutionPlan, adjust_stage, assign_devices, replica_of
 
 KV_CACHE_CAP = 128 * 2**20  # per replica: plenty for tiny models; on CPU the KV cache is host memory
@@ -181,7 +181,7 @@ class JobRunner:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from actors.offline import OfflineEngine
+        from actors.offline.engine import OfflineEngine
 
         jm, facts = self.models[m], self.p.facts[m]
         max_len = min(self.job.max_model_len, facts.max_position_embeddings)

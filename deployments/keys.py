@@ -1,7 +1,7 @@
 """API keys and tenants: keys are kept only as SHA-256 digests, and a request's bearer key names its tenant.
 
 A key belongs to one tenant; the tenant named ``admin`` is the operator. Keys are random 256-bit
-strings made by ``python -m actors.keys add``, so one SHA-256 digest is as good as a slow password
+strings made by ``python -m deployments.keys add``, so one SHA-256 digest is as good as a slow password
 hash here and lets every request be checked with one dictionary lookup. Keys come from a YAML
 file (``auth.keys_file``)::
 
@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-ADMIN_TENANT = "admin"
+from settings import ADMIN_TENANT
+
 TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 KEY_PREFIX = "sk-coserve-"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -156,7 +157,7 @@ def bind_refusal(host: str, keys_enabled: bool, allow_unauthenticated: bool) -> 
     if keys_enabled or host in LOOPBACK_HOSTS or allow_unauthenticated:
         return None
     return (f"Refusing to serve on {host} without API keys: anyone who reaches it could train, roll back and call "
-            "every adapter. Configure auth.keys_file or the auth.keys_env variable (python -m actors.keys add), bind "
+            "every adapter. Configure auth.keys_file or the auth.keys_env variable (python -m deployments.keys add), bind "
             "http_options.host to 127.0.0.1, or set auth.allow_unauthenticated_bind behind an authenticating proxy.")
 
 
@@ -185,7 +186,7 @@ def add_key(path: Path, tenant: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m actors.keys", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m deployments.keys", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("add", help="make a key for a tenant, store its digest in the file, print the key once")
     a.add_argument("--file", required=True, type=Path, help="the keys file (auth.keys_file)")

@@ -27,7 +27,7 @@ and asks ``planners/`` for every decision:
 
 Why one module of about 650 lines: every public method here is the planner's Ray interface, and
 they share one state (the nodes, the published versions and their epoch, the training placement);
-the per-node co-serving grant state and decisions are in ``actors/node_coserving.py``.
+the per-node co-serving grant state and decisions are in ``actors/control/node_coserving.py``.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.config import AppConfig, PlannerConfig
-from actors.engine_args import served_model_name
+from settings import AppConfig, PlannerConfig
+from actors.serving.engine_args import served_model_name
 from actors.learning.store.models import FULL_METHODS, ServedState
 from planners import registry
-from actors.node_coserving import NodeCoServing
+from actors.control.node_coserving import NodeCoServing
 from planners.coserving import EngineFacts, FineTuneSample, whole_windows
 from planners.coserving.priorities import as_priority_weights
 from planners.coserving.slo import SloCheck, check_slos
@@ -129,8 +129,8 @@ class Planner:
     """Create with ``ray.remote(Planner)``: the app makes it a deployment actor of the model server."""
 
     def __init__(self, config: AppConfig) -> None:
-        from actors.default_model import model_path
-        from actors.cost_profile import load_profile
+        from actors.models.default_model import model_path
+        from actors.control.cost_profile import load_profile
 
         self.cfg = config
         self.model_dir = model_path(config)  # named, not built: the planner needs no weights

@@ -1,7 +1,7 @@
 """Full-weight sync into a running vLLM engine: a worker extension that loads a published version, and a fingerprint.
 
 vLLM runs :class:`FullWeightsExtension` inside its worker process (``--worker-extension-cls``,
-set for every replica by ``actors.engine_args.engine_flags``; vLLM adds it to the worker class's
+set for every replica by ``actors.serving.engine_args.engine_flags``; vLLM adds it to the worker class's
 bases at start-up, so it costs nothing until a method is called). ``ModelReplica`` reaches the
 methods through ``AsyncLLM.collective_rpc``, which runs them on every worker of the engine
 between two engine steps, never during one.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-EXTENSION = "actors.engine_weights.FullWeightsExtension"  # the value of vLLM's --worker-extension-cls
+EXTENSION = "actors.serving.engine_weights.FullWeightsExtension"  # the value of vLLM's --worker-extension-cls
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "meta.json"
 LOAD_METHOD = "coserve_load_full_weights"

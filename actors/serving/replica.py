@@ -13,7 +13,7 @@ Besides the engine it keeps, for the planner:
 - the adapter versions this node must serve, which it loads and unloads as the planner's
   :class:`AdapterAssignment` changes (a long poll, so a published version is served at once);
 - which full model version the engine computes with, swapped in place without a restart by
-  :meth:`ModelReplica.load_full_version` (``actors/engine_weights.py``).
+  :meth:`ModelReplica.load_full_version` (``actors/serving/engine_weights.py``).
 
 Traces and facts go to the planner in one :class:`NodeReport` per ``trace_flush_seconds``.
 """
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from actors.engine_weights import (
+from actors.serving.engine_weights import (
     FINGERPRINT_METHOD,
     LOAD_METHOD,
     FullVersionLoad,
@@ -38,7 +38,7 @@ from actors.engine_weights import (
 )
 from actors.learning.versions.fit import misfit, write_zero_lora
 from actors.learning.lora.targets import module_shapes
-from actors import cpu_affinity, engine_iterations, request_stages
+from actors.serving import cpu_affinity, engine_iterations, request_stages
 from planners.coserving import EngineFacts, LiveRequest
 from planners.types import (AdapterAssignment, AdapterLoadFailed, ExecutionTrace, FullSynced, FullVersion,
                             NodeRegistration, NodeReport)
@@ -110,7 +110,7 @@ class ModelReplica:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self._flags)
-        # Per-iteration figures for /metrics (actors/engine_iterations.py), not one log line per step.
+        # Per-iteration figures for /metrics (actors/serving/engine_iterations.py), not one log line per step.
         args.enable_logging_iteration_details = True
         engine_iterations.install_log_filter()
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args),
@@ -205,7 +205,7 @@ class ModelReplica:
 
     async def _keep_others_off_engine_cores(self) -> None:
         """Now and every AFFINITY_EVERY_S (actors start later too): this host's other Ray processes stay off the
-        cores the engine's worker is bound to (actors/cpu_affinity.py)."""
+        cores the engine's worker is bound to (actors/serving/cpu_affinity.py)."""
         first = True
         while True:
             try:
@@ -552,7 +552,7 @@ def engine_metrics_text() -> str:
     """The ``vllm:`` series of this process's Prometheus registry: what vLLM's ``PrometheusStatLogger`` (which
     ``AsyncLLM`` adds by default) keeps of this node's engine (TTFT, inter-token and end-to-end latency, queue
     time, running and waiting requests, KV-cache usage, prefix-cache hits), the app's per-stage request
-    histograms (actors/request_stages.py) and per-iteration ones (actors/engine_iterations.py), as exposition
+    histograms (actors/serving/request_stages.py) and per-iteration ones (actors/serving/engine_iterations.py), as exposition
     text."""
     from prometheus_client import REGISTRY, generate_latest
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from actors.offline_job import (JobModel, JobSpec, ModelFacts, Workload, build_workload, job_graph, model_facts,
+from actors.offline.job import (JobModel, JobSpec, ModelFacts, Workload, build_workload, job_graph, model_facts,
                                 read_jsonl, remaining_workload, weight_scale)
 from planners.costs import CostModel
 from planners.registry import create
@@ -41,7 +41,7 @@ def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts
                 counters: dict[str, Any], data_dir: Path) -> tuple[dict[str, CostModel], list[str]]:
     """Per model: its own fitted profile if one is shipped, else the embedded model's profile scaled by
     weight bytes (a first guess: `python -m app.profile` fits a model's own); with the job's eCDF."""
-    from actors.default_model import ensure
+    from actors.models.default_model import ensure
 
     reference = CostModel.from_dict(json.loads(REFERENCE_PROFILE.read_text()))
     ref_facts = model_facts(ensure(data_dir))  # the model that profile was fitted on

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from actors.config import AppConfig
-from actors.devices import cpu_has_bf16
-from actors.engine_weights import EXTENSION as WEIGHTS_EXTENSION
+from settings import AppConfig
+from actors.models.devices import cpu_has_bf16
+from actors.serving.engine_weights import EXTENSION as WEIGHTS_EXTENSION
 
 
 def resolve_dtype(dtype: str, device: str, model_dir: str, *, bf16: bool | None = None) -> str:
