@@ -47,7 +47,7 @@ from planners.registry import create  # noqa: E402
 from planners.offline import (  # noqa: E402
     DeviceSet,
     Edge,
-    EngineConfig,
+    EngineLimits,
     JobGraph,
     ModelSpec,
     Stage,
@@ -153,7 +153,7 @@ def sim_spec(m: SimModel, prompts: Sequence[int], max_out: int, truth_pool: np.n
     truth = np.minimum(np.random.default_rng(seed).choice(truth_pool, size=len(prompts)), max_out)
     return ModelSpec(m.name, m.weight_bytes, tuple(int(p) for p in prompts), max_out, m.kv_bytes_per_token,
                      max_seq_len=4096, output_tokens=tuple(int(x) for x in truth), load_time_s=m.load_times(),
-                     engine=EngineConfig(max_num_seqs=256, max_batched_tokens=8192))
+                     engine=EngineLimits(max_num_seqs=256, max_batched_tokens=8192))
 
 
 def ensemble_graph(d: SimData, n: int, max_out: int, seed: int = 0) -> tuple[list[ModelSpec], list[Edge]]:
