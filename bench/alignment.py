@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -42,6 +41,7 @@ from bench.common import (  # noqa: E402
     bench_config,
     free_port,
     hh_as_chat,
+    load_average,
     real_model_config,
     start_app,
     stop_app,
@@ -85,10 +85,6 @@ class Feeder:
         self._thread.join(timeout=70)
 
 
-def load_average() -> str:
-    return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def run_mode(url: str, mode: str, args: argparse.Namespace, pairs: list[dict[str, str]], tag: str,
              load: Load) -> dict[str, Any]:
     name = f"align-{mode}-{tag}"
@@ -98,7 +94,7 @@ def run_mode(url: str, mode: str, args: argparse.Namespace, pairs: list[dict[str
         spec["periodic"] = {"every_seconds": args.period}
     httpx.post(f"{url}/v1/adapters", json=spec, timeout=30).raise_for_status()
     feeder = Feeder(url, name, pairs, args.rate, args.post_every)
-    load_before = load_average()
+    load_before = load_average(1)
     t0 = time.time()
     feeder.start()
     time.sleep(args.window)
@@ -109,10 +105,10 @@ def run_mode(url: str, mode: str, args: argparse.Namespace, pairs: list[dict[str
     time.sleep(3)  # the step in flight finishes; the trainer re-reads the mode within 2 s
     info = httpx.get(f"{url}/v1/adapters/{name}", timeout=30).json()
     print(f"{mode}: {len(info['versions'])} versions, {feeder.accepted} pairs accepted, "
-          f"{info['queued']} still queued; load {load_before} -> {load_average()}", file=sys.stderr, flush=True)
+          f"{info['queued']} still queued; load {load_before} -> {load_average(1)}", file=sys.stderr, flush=True)
     return {"mode": mode, "adapter": name, "t0": t0, "t1": t1, "accepted": feeder.accepted,
             "feed_errors": feeder.errors, "queued": info["queued"], "versions": info["versions"],
-            "load": load.window(t0, t1), "load_average": (load_before, load_average())}
+            "load": load.window(t0, t1), "load_average": (load_before, load_average(1))}
 
 
 def evaluate_runs(runs: list[dict[str, Any]], args: argparse.Namespace, model_dir: str) -> None:

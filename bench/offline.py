@@ -40,13 +40,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from actors.offline.job import chunk_text  # noqa: E402
+from bench.common import rows_table  # noqa: E402
 from app.serve_env import init_ray  # noqa: E402
 from planners.costs import CostModel  # noqa: E402
 from planners.registry import create  # noqa: E402
 from planners.offline import (  # noqa: E402
     DeviceSet,
     Edge,
-    EngineConfig,
+    EngineLimits,
     JobGraph,
     ModelSpec,
     Stage,
@@ -69,12 +70,6 @@ VARIANTS = [("greedy", True, False), ("greedy", False, False), ("greedy", True, 
 
 def variant_name(planner: str, preemption: bool, known: bool) -> str:
     return planner + ("" if preemption else ", no preemption") + (", known lengths" if known else "")
-
-
-def md_table(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> str:
-    fmt = (lambda v: f"{v:.2f}" if isinstance(v, float) else str(v))
-    return "\n".join([f"| {' | '.join(keys)} |", "|" + "|".join(" --- " for _ in keys) + "|"]
-                     + [f"| {' | '.join(fmt(r[k]) for k in keys)} |" for r in rows])
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -158,7 +153,7 @@ def sim_spec(m: SimModel, prompts: Sequence[int], max_out: int, truth_pool: np.n
     truth = np.minimum(np.random.default_rng(seed).choice(truth_pool, size=len(prompts)), max_out)
     return ModelSpec(m.name, m.weight_bytes, tuple(int(p) for p in prompts), max_out, m.kv_bytes_per_token,
                      max_seq_len=4096, output_tokens=tuple(int(x) for x in truth), load_time_s=m.load_times(),
-                     engine=EngineConfig(max_num_seqs=256, max_batched_tokens=8192))
+                     engine=EngineLimits(max_num_seqs=256, max_batched_tokens=8192))
 
 
 def ensemble_graph(d: SimData, n: int, max_out: int, seed: int = 0) -> tuple[list[ModelSpec], list[Edge]]:
@@ -281,10 +276,10 @@ def run_sim(quick: bool, plot: bool) -> list[dict[str, Any]]:
         print(f"  ({c.name} simulated in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     print("\n## every variant (times in simulated seconds; search_s: CPU seconds of the search on this machine; "
           "error = (predicted − actual) / actual)\n")
-    print(md_table(rows, ["workload", "variant", "plan", "search_s", "predicted_s", "actual_s", "e2e_s", "error",
+    print(rows_table(rows, ["workload", "variant", "plan", "search_s", "predicted_s", "actual_s", "e2e_s", "error",
                           "stages", "loads", "fallbacks", "vs_greedy"]))
     print("\n## greedy against the heuristics (end-to-end; gains are ratios of end-to-end times)\n")
-    print(md_table(summarize(rows), ["workload", "greedy s", "max s", "min s", "better heuristic", "speedup",
+    print(rows_table(summarize(rows), ["workload", "greedy s", "max s", "min s", "better heuristic", "speedup",
                                      "preemption gain", "known lengths gain", "best keeps", "best speedup"]))
     if plot:
         plot_sim(rows, timelines, [c.name for c in cases])
@@ -492,7 +487,7 @@ def run_real(quick: bool, data_dir: Path, load_s: float | None, plot: bool, work
           f"({os.cpu_count()} cores = 2 devices), output limit {REAL_TOKENS}, load-time table "
           f"{', '.join(f'{k} {v:.1f} s' for k, v in loads.items())}; "
           f"{time.time() - t_start:.0f} s in all\n")
-    print(md_table(rows, ["workload", "planner", "requests", "search_s", "predicted_s", "actual_s", "e2e_s", "error",
+    print(rows_table(rows, ["workload", "planner", "requests", "search_s", "predicted_s", "actual_s", "e2e_s", "error",
                           "engine starts", "mean load s", "load share", "stages", "loadavg"]))
     summary = []
     nan = float("nan")
@@ -509,7 +504,7 @@ def run_real(quick: bool, data_dir: Path, load_s: float | None, plot: bool, work
     summary.append({"workload": "geomean", "greedy s": "", "max s": "", "min s": "", "best s": "",
                     "better heuristic": "", **{k: geomean([r[k] for r in summary if r[k] == r[k]]) for k in keys}})
     print("\n## greedy (and best) against the heuristics (real, end-to-end)\n")
-    print(md_table(summary, ["workload", "greedy s", "max s", "min s", "best s", "better heuristic", *keys]))
+    print(rows_table(summary, ["workload", "greedy s", "max s", "min s", "best s", "better heuristic", *keys]))
     print(f"\ncost-model error |predicted − actual| / actual: mean {np.mean(errors):.1%}, "
           f"median {np.median(errors):.1%}, max {max(errors):.1%}")
     return rows

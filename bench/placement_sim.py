@@ -36,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import rows_table  # noqa: E402
 from planners import registry  # noqa: E402
 from planners.costs import CostModel, default_cost_model  # noqa: E402
 from planners.types import ExecutionTrace, NodeView, Task  # noqa: E402
@@ -399,16 +400,7 @@ def simulate(name: str, jobs_fn: Any, cost: CostModel, nodes: int, stages: int, 
 
 
 def _table(title: str, rows: list[dict[str, Any]], keys: list[str]) -> str:
-    head = f"| {' | '.join(keys)} |"
-    sep = "|" + "|".join(" --- " for _ in keys) + "|"
-    lines = [head, sep]
-    for r in rows:
-        cells = []
-        for k in keys:
-            v = r[k]
-            cells.append(f"{v:.3f}" if isinstance(v, float) else str(v))
-        lines.append(f"| {' | '.join(cells)} |")
-    return f"\n{title}\n\n" + "\n".join(lines)
+    return f"\n{title}\n\n" + rows_table(rows, keys, "{:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

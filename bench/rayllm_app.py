@@ -133,7 +133,7 @@ def flags_for(config_path: str, data_dir: str | None = None, dtype: str | None =
     """``actors.serving.engine_args.engine_flags`` for one replica of the app config ``config_path``."""
     import os
 
-    from actors import config as app_config
+    import settings as app_config
     from actors.models.default_model import model_dir as resolve_model_dir
     from actors.serving.engine_args import engine_flags, served_model_name
 

@@ -82,6 +82,11 @@ the run's ``COSERVE_BENCH_TAG`` environment variable is killed (and listed in th
 Benchmark client settings (same for all): ``--backend openai`` (``/v1/completions``, streamed),
 random dataset, ``--random-input-len 128 --random-output-len 64 --ignore-eos``, ``--seed 0``,
 ``--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99``.
+
+The harness (servers, waits, CPU accounting, tables) is ``bench/common.py`` and ``bench/servers.py``; the
+engine timeline is ``bench/engine_timeline.py``. This module stays over 500 lines because its own part
+(this description, which ``--help`` prints, the options, the run loop of systems x rates x rounds, the trace
+replay and the goals) is one benchmark whose pieces only make sense together.
 """
 
 from __future__ import annotations
@@ -96,23 +101,47 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.common import (  # noqa: E402
+    comparison_head,
+    cpu_by_process,
+    cpu_snapshot,
+    fmt,
+    load_average,
+    log,
+    percentile,
+    port_free,
+    ratio,
+    reserve_port,
+    table_row,
+)
+from bench.common import cpu_table as cpu_runs_table  # noqa: E402
+from bench.engine_timeline import engine_scrape_before, engine_timeline, timeline_table  # noqa: E402
+from bench.servers import (  # noqa: E402
+    QUIET_WINDOW_S,
+    RUN_ID,
+    Server,
+    inspect_system,
+    start_ours,
+    start_plain,
+    start_rayllm,
+    stop_all,
+    sweep_leftovers,
+    wait_quiet,
+    wait_ready,
+    wait_trainer_running,
+)
 
 BENCH_CLIENT = (
     "import argparse, sys\n"
@@ -159,480 +188,7 @@ GOAL_REPLAY_TTFT_VS_PLAIN = 1.50      # trace replay TTFT p50 and p99, ours / pl
 GOAL_SATURATED_REQS_VS_RAYLLM = 1.00  # saturated req/s, ours / rayllm, at least
 GOAL_SUSTAINED_ITL_P50_MS = 0.5       # ours' ITL p50 at the sustained rate, more than: pieces read under 0.5 ms apart arrived in one read, not token by token
 
-# Where a replay's time goes, from the engines' own Prometheus histograms (vllm/v1/metrics/loggers.py):
-# (row label, histogram). Every system has these.
-VLLM_TIMELINE = [
-    ("queue: waiting to be scheduled (ms)", "vllm:request_queue_time_seconds"),
-    ("prefill: scheduled to first token (ms)", "vllm:request_prefill_time_seconds"),
-    ("TTFT in the engine: arrival to first token (ms)", "vllm:time_to_first_token_seconds"),
-    ("decode: first to last token (ms)", "vllm:request_decode_time_seconds"),
-    ("inference: prefill + decode (ms)", "vllm:request_inference_time_seconds"),
-    ("inter-token latency, per token (ms)", "vllm:inter_token_latency_seconds"),
-    ("end to end in the engine (ms)", "vllm:e2e_request_latency_seconds"),
-]
-# Ours only (actors/serving/request_stages.py, actors/serving/engine_iterations.py); a histogram named in
-# TIMELINE_SPLIT gets one entry per value of that label.
-STAGES = ("guard", "checked", "engine", "first_token", "first_byte")  # as actors/serving/request_stages.py STAGES
-STREAM_STAGES = ("first_token", "first_byte")  # stamped for streamed requests only
-OURS_TIMELINE = [
-    *((f"ours: arrival at the replica to {stage} (ms{', streamed requests' if stage in STREAM_STAGES else ''})",
-       f"coserve_request_stage_seconds{{stage={stage}}}") for stage in STAGES),
-    ("ours: engine iteration (ms)", "coserve_engine_iteration_seconds"),
-    ("ours: prefill tokens per iteration", "coserve_engine_iteration_tokens{phase=prefill}"),
-    ("ours: decode tokens per iteration", "coserve_engine_iteration_tokens{phase=decode}"),
-    ("ours: requests in prefill per iteration", "coserve_engine_iteration_requests{phase=prefill}"),
-]
-TIMELINE_SPLIT = {"coserve_request_stage_seconds": "stage", "coserve_engine_iteration_tokens": "phase",
-                  "coserve_engine_iteration_requests": "phase"}
-TIMELINE_NAMES = [m for _, m in VLLM_TIMELINE] + list(TIMELINE_SPLIT) + ["coserve_engine_iteration_seconds"]
-# Seconds to wait before each scrape of a system's engine metrics, so that the series of what ran just
-# before have reached the endpoint: ours' replicas send vLLM's series to the planner at most every 5 s
-# (actors/serving/replica.py ENGINE_METRICS_S), Ray's workers send theirs to the node's metrics agent every
-# metrics_report_interval_ms (10 s by default). Plain vLLM's /metrics is live.
-ENGINE_METRICS_SETTLE_S = {"plain": 0.0, "ours": 6.0, "rayllm": 12.0}
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_conv_sample.csv"
-
-# Per Ray system: preferred HAProxy / fallback-proxy ports (the next free port is taken when
-# one is in use) and its own direct-ingress port ranges, below Linux's ephemeral range (32768+)
-# and away from Serve's defaults (30000-31000, 40000-41000) that another Serve app on the
-# machine would use.
-RAY_PORTS = {
-    "ours": {"RAY_SERVE_HAPROXY_STATS_PORT": 18404, "RAY_SERVE_HAPROXY_METRICS_PORT": 19101,
-             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 18500, "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 19500},
-    "rayllm": {"RAY_SERVE_HAPROXY_STATS_PORT": 18414, "RAY_SERVE_HAPROXY_METRICS_PORT": 19111,
-               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 18510, "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 19510},
-}
-DIRECT_INGRESS_RANGES = {
-    "ours": {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 31100, "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": 31299,
-             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 31300, "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": 31499},
-    "rayllm": {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 31500, "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": 31699,
-               "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 31700, "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": 31899},
-}
-# Every server process inherits this variable (value "<run id>:<system>"): the CPU accounting and
-# the final sweep find a system's processes by it even if one left the server's session.
-TAG_VAR = "COSERVE_BENCH_TAG"
-RUN_ID = uuid.uuid4().hex[:12]
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    """The q-th percentile (linear interpolation, as numpy's default); None when empty."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-# ---- ports ------------------------------------------------------------------------------------
-
-_ports_taken: set[int] = set()
-
-
-def port_free(port: int) -> bool:
-    """Whether nothing listens on ``port`` (any address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # As the servers bind (SO_REUSEADDR): connections of an earlier run in TIME_WAIT do not take the port.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-            return True
-        except OSError:
-            return False
-
-
-def pick_port(preferred: int) -> int:
-    """``preferred`` or the next free port above it, never one already handed out in this run."""
-    port = preferred
-    while port in _ports_taken or not port_free(port):
-        port += 1
-    _ports_taken.add(port)
-    return port
-
-
-# ---- processes --------------------------------------------------------------------------------
-
-def _stat_fields(pid: int | str) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def session_pids(sid: int) -> list[int]:
-    """Every live process of session ``sid`` (Ray workers get their own process groups)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(entry.name)
-        # After "pid (comm)": state ppid pgrp session ...
-        if fields and int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def tagged_pids(tag: str, prefix: bool = False) -> list[int]:
-    """Live processes whose environment has ``TAG_VAR=tag`` (or a value starting with ``tag``)."""
-    needle = f"{TAG_VAR}={tag}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            env = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        for var in env.split(b"\0"):
-            if var == needle or (prefix and var.startswith(needle)):
-                fields = _stat_fields(entry.name)
-                if fields and fields[0] != "Z":
-                    pids.append(int(entry.name))
-                break
-    return pids
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-_METHOD_SUFFIX = re.compile(r"\.[a-z_][a-z0-9_]*$")
-_SCRIPT_LABELS = (  # (substring of the command line, label), first match wins
-    ("vllm.entrypoints.openai.api_server", "vllm api_server"), ("api_server", "vllm api_server"),
-    ("dashboard/agent.py", "ray dashboard agent"), ("dashboard/dashboard.py", "ray dashboard"),
-    ("log_monitor", "ray log_monitor"), ("runtime_env/agent", "ray runtime_env agent"),
-    ("autoscaler", "ray autoscaler monitor"), ("bin/serve", "serve run (driver)"),
-    ("serve run", "serve run (driver)"), ("app.serve_env", "serve run (driver)"),
-    ("resource_tracker", "mp resource_tracker"), ("forkserver", "mp forkserver"),
-    ("multiprocessing.spawn", "mp spawn child"), ("locust", "locust"),
-)
-
-
-def process_label(pid: int) -> str:
-    """A short, stable, readable name for a server process.
-
-    Ray sets titles like ``ray::ServeReplica:rayllm:LLMServer:tiny-llama`` or
-    ``ray::ServeController.listen_for_change`` (the method is dropped); vLLM titles its engine
-    processes ``VLLM::EngineCore`` / ``VLLM::Worker``; HAProxy and Ray's daemons are named by binary.
-    """
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "?"
-    argv = [a.decode(errors="replace") for a in argv if a]
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        comm = ""
-    if not argv:
-        return f"[{comm}]" if comm else "?"
-    first = argv[0].split()[0] if argv[0].strip() else argv[0]
-    if first.startswith("ray::"):
-        return _METHOD_SUFFIX.sub("", first.split("(")[0].strip())
-    if first.startswith("VLLM::"):
-        return first.split("(")[0].strip()
-    if first.startswith("ray-dashboard-"):  # ray-dashboard-MetricsHead-0
-        return "ray dashboard " + first[len("ray-dashboard-"):].rsplit("-", 1)[0]
-    if comm.startswith(("VLLM::", "ray::")):  # title set, cmdline not rewritten
-        return comm
-    name = Path(first).name
-    if name == "haproxy":
-        return "haproxy"
-    if name in ("gcs_server", "raylet"):
-        return f"ray {name}"
-    joined = " ".join(argv)
-    for key, label in _SCRIPT_LABELS:
-        if key in joined:
-            return label
-    return name
-
-
-def system_pids(server: "Server") -> list[int]:
-    return sorted(set(session_pids(server.proc.pid)) | set(tagged_pids(server.tag)))
-
-
-def cpu_snapshot(server: "Server") -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system, all threads) of every process of ``server``."""
-    snap = {}
-    for pid in system_pids(server):
-        fields = _stat_fields(pid)
-        if not fields:
-            continue
-        # fields[11], fields[12] = utime, stime (fields 14 and 15 of stat(5), counted from 1)
-        snap[pid] = (process_label(pid), (int(fields[11]) + int(fields[12])) / CLK_TCK)
-    return snap
-
-
-QUIET_WINDOW_S = 3.0  # the window wait_quiet reads a system's CPU over
-
-
-def wait_quiet(server: "Server", share: float, timeout_s: float) -> tuple[float, float]:
-    """Wait until ``server``'s processes together use under ``share`` of one core over QUIET_WINDOW_S (its
-    start-up work done: a Ray system keeps its daemons and agents busy for up to a minute after "ready",
-    which a saturation run measured on top of, twice, as streams read in one piece); (seconds waited, last
-    share). Gives up after ``timeout_s`` and measures anyway, saying so through the returned share."""
-    t0 = time.time()
-    while True:
-        before = cpu_snapshot(server)
-        time.sleep(QUIET_WINDOW_S)
-        used = sum(cpu_by_process(before, cpu_snapshot(server)).values()) / QUIET_WINDOW_S
-        if used < share or time.time() - t0 > timeout_s:
-            return time.time() - t0, used
-
-
-def cpu_by_process(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds spent between two snapshots, summed per label (``label (xN)`` for N processes).
-
-    Every process is counted; a process that exited inside the window is lost (its time is not
-    readable any more), one started inside it counts from zero.
-    """
-    secs: dict[str, float] = {}
-    count: dict[str, int] = {}
-    for pid, (label, t) in after.items():
-        used = t - before.get(pid, (label, 0.0))[1]
-        if used > 0:
-            secs[label] = secs.get(label, 0.0) + used
-            count[label] = count.get(label, 0) + 1
-    out = {(f"{k} (x{count[k]})" if count[k] > 1 else k): round(v, 3) for k, v in secs.items()}
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
-def listening_ports(pids: list[int]) -> dict[int, int]:
-    """TCP port -> pid, for the listening sockets of ``pids`` (from /proc/net/tcp{,6})."""
-    inodes: dict[str, int] = {}
-    for name in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) > 9 and parts[3] == "0A":  # LISTEN
-                inodes[parts[9]] = int(parts[1].rsplit(":", 1)[1], 16)
-    out: dict[int, int] = {}
-    for pid in pids:
-        try:
-            fds = list(Path(f"/proc/{pid}/fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                port = inodes.get(target[8:-1])
-                if port is not None:
-                    out.setdefault(port, pid)
-    return out
-
-
-def process_env(pid: int, prefixes: tuple[str, ...] = ("RAY_SERVE", "RAY_worker", "VLLM_", "OMP_")) -> dict[str, str]:
-    """The variables of ``pid``'s environment (as it was exec'd) whose names start with ``prefixes``."""
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return {}
-    out = {}
-    for var in env:
-        key, _, value = var.decode(errors="replace").partition("=")
-        if key.startswith(prefixes):
-            out[key] = value
-    return dict(sorted(out.items()))
-
-
-@dataclass
-class Server:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    url: str
-    tag: str
-    env_set: dict[str, str] = field(default_factory=dict)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGINT to its process group (as Ctrl-C would), then SIGTERM/SIGKILL to whatever is left
-        of its session and of the processes carrying its tag."""
-        sid = self.proc.pid  # started with start_new_session: session id == its pid
-        if self.alive():
-            try:
-                os.killpg(sid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            left = system_pids(self)
-            if not left:
-                break
-            for pid in left:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.time() + wait_s
-            while time.time() < deadline and system_pids(self):
-                time.sleep(0.2)
-        if self.alive():
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-        left = system_pids(self)
-        log(f"{self.name}: stopped (log: {self.log_path})" + (f"; STILL ALIVE: {left}" if left else ""))
-
-
-def start(name: str, cmd: list[str], env_set: dict[str, str], log_path: Path, url: str) -> Server:
-    tag = f"{RUN_ID}:{name}"
-    env = {**os.environ, **env_set, TAG_VAR: tag}
-    shown = " ".join(f"{k}={v}" for k, v in env_set.items() if k != "PYTHONPATH")
-    log(f"{name}: starting: {shown + ' ' if shown else ''}{' '.join(cmd)}")
-    out = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    out.close()
-    return Server(name, proc, log_path, url, tag, env_set)
-
-
-def stop_all(servers: list[Server]) -> None:
-    """Stop servers in parallel (each may wait out its grace period)."""
-    threads = [threading.Thread(target=s.stop, daemon=True) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-
-
-def sweep_leftovers() -> list[str]:
-    """Kill any process of this run still alive (found by its tag); returns what it found."""
-    found = []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = tagged_pids(RUN_ID, prefix=True)
-        if not pids:
-            break
-        for pid in pids:
-            if sig == signal.SIGTERM:
-                found.append(f"{pid} {process_label(pid)}")
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(3)
-    if found:
-        log(f"WARNING: killed leftover processes of this run: {found}")
-    return found
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            body = r.read()
-            return r.status, json.loads(body) if body else None
-    except urllib.error.HTTPError as e:
-        return e.code, None
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0, None
-
-
-def wait_trainer_running(server: Server, timeout_s: float) -> float:
-    """Seconds until our app's trainer reports its ranks running (or has training off)."""
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        status, body = http_get(f"{server.url}/v1/status")
-        training = (body or {}).get("training") if status == 200 else None
-        if status == 200 and (not training or (training.get("state") == "running" and training.get("workers"))):
-            return time.time() - t0
-        time.sleep(1.0)
-    raise RuntimeError(f"{server.name}: trainer not running within {timeout_s:.0f} s:\n{server.log_tail()}")
-
-
-def wait_ready(server: Server, model: str, timeout_s: float) -> float:
-    """Seconds until /health is 200 and /v1/models lists ``model``."""
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if not server.alive():
-            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
-        status, _ = http_get(f"{server.url}/health")
-        if status == 200:
-            status, models = http_get(f"{server.url}/v1/models")
-            if status == 200 and any(m.get("id") == model for m in (models or {}).get("data", [])):
-                return time.time() - t0
-        time.sleep(1.0)
-    raise RuntimeError(f"{server.name} not ready within {timeout_s:.0f} s:\n{server.log_tail()}")
-
-
-def inspect_system(server: Server, port: int) -> dict[str, Any]:
-    """What actually serves ``port``: the system's processes, HAProxy's backends and their owners.
-
-    For rayllm, ``checks`` say whether it runs as configured: HAProxy (``ray::HAProxyManager`` and a
-    ``haproxy`` binary on the service port), the ``LLMServer`` replica as HAProxy's backend (direct
-    streaming: no ``OpenAiIngress`` deployment) and an ``LLMRouter`` replica (ingress request router).
-    """
-    pids = system_pids(server)
-    labels = {pid: process_label(pid) for pid in pids}
-    listening = listening_ports(pids)
-    port_owner = labels.get(listening.get(port, -1))
-    backends: list[dict[str, Any]] = []
-    haproxy_cfg = None
-    for pid, label in labels.items():
-        if label != "haproxy":
-            continue
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-            haproxy_cfg = argv[argv.index("-f") + 1]
-            text = Path(haproxy_cfg).read_text()
-        except (OSError, ValueError, IndexError):
-            continue
-        seen = set()
-        for m in re.finditer(r"^\s*server\s+(\S+)\s+([\d.]+):(\d+)(.*)$", text, re.M):
-            name, host, bport, rest = m.group(1), m.group(2), int(m.group(3)), m.group(4)
-            if name in seen:
-                continue
-            seen.add(name)
-            backends.append({"server": name, "address": f"{host}:{bport}", "backup": " backup" in rest,
-                             "owner": labels.get(listening.get(bport, -1), "(not a process of this system)")})
-        break
-    info: dict[str, Any] = {
-        "service_port": port, "service_port_owner": port_owner, "haproxy_config": haproxy_cfg,
-        "haproxy_backends": backends,
-        "processes": dict(sorted({f"{pid}": lbl for pid, lbl in labels.items()}.items(), key=lambda kv: kv[1])),
-    }
-    replicas = [pid for pid, lbl in labels.items() if lbl.startswith("ray::ServeReplica")]
-    if replicas:
-        info["replica_env"] = {labels[pid]: process_env(pid) for pid in replicas}
-    if server.name == "rayllm":
-        label_set = set(labels.values())
-        primary = [b for b in backends if not b["backup"]]
-        info["checks"] = {
-            "ray::HAProxyManager actor": "ray::HAProxyManager" in label_set,
-            "haproxy binary serves the port": port_owner == "haproxy",
-            "LLMServer replica": any(":LLMServer" in lbl for lbl in label_set),
-            "LLMRouter replica (ingress request router)": any(":LLMRouter" in lbl for lbl in label_set),
-            "HAProxy backend is the LLMServer replica": bool(primary) and all(
-                ":LLMServer" in b["owner"] for b in primary),
-            "no OpenAiIngress deployment": not any("OpenAiIngress" in lbl for lbl in label_set),
-        }
-        info["verified"] = all(info["checks"].values())
-    return info
-
 
 # ---- the benchmark client ---------------------------------------------------------------------
 
@@ -654,7 +210,7 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
     log(f"{tag}: benchmark at rate {rate} ({args.num_prompts} prompts), load average {load_average()}")
     client_log = out_dir / f"{tag}-rate-{rate}.log"
     load_before = load_average()
-    cpu_before = cpu_snapshot(server)
+    cpu_before = cpu_snapshot(server.pids())
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall_before = time.time()
     with open(client_log, "wb") as out:
@@ -668,7 +224,7 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    cpu = cpu_by_process(cpu_before, cpu_snapshot(server))
+    cpu = cpu_by_process(cpu_before, cpu_snapshot(server.pids()))
     children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.time() - wall_before
     if proc.returncode != 0 or not (out_dir / result_name).exists():
@@ -694,206 +250,6 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
     return summary
 
 
-# ---- engine metrics: where a replay's time goes -------------------------------------------------
-
-def normalise_metric_name(name: str) -> str:
-    """vLLM's own name for a sample Ray exported.
-
-    Ray Serve LLM's engine records vLLM's metrics through ``ray.util.metrics``
-    (``vllm/v1/metrics/ray_wrappers.py``: ``:`` becomes ``_``) and Ray's metrics agent prefixes its
-    namespace (``ray_``), so ``vllm:time_to_first_token_seconds_count`` is scraped there as
-    ``ray_vllm_time_to_first_token_seconds_count``. Other names are returned as they are.
-    """
-    for prefix in ("ray_vllm_", "ray_vllm:"):
-        if name.startswith(prefix):
-            return "vllm:" + name[len(prefix):]
-    return name
-
-
-def histogram_totals(text: str, names: list[str], split: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """``{"count", "sum", "buckets": {upper bound: cumulative count}}`` of each histogram in ``names``
-    in a Prometheus text exposition, summed over all its label sets (engines, nodes, replicas, Ray
-    workers). A histogram named in ``split`` (default ``TIMELINE_SPLIT``) gets one entry per value of
-    that label, keyed ``name{label=value}``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    split = TIMELINE_SPLIT if split is None else split
-    wanted = set(names)
-    out: dict[str, dict[str, Any]] = {}
-    for family in text_string_to_metric_families(text):
-        # By sample, not by family: an exposition without TYPE lines has one family per sample name.
-        for sample in family.samples:
-            name = normalise_metric_name(sample.name)
-            for suffix in ("_count", "_sum", "_bucket"):
-                base = name[:-len(suffix)]
-                if not (name.endswith(suffix) and base in wanted):
-                    continue
-                label = split.get(base)
-                key = f"{base}{{{label}={sample.labels.get(label, '')}}}" if label else base
-                entry = out.setdefault(key, {"count": 0.0, "sum": 0.0, "buckets": {}})
-                if suffix == "_bucket":
-                    try:
-                        le = float(sample.labels.get("le", ""))
-                    except ValueError:
-                        continue
-                    entry["buckets"][le] = entry["buckets"].get(le, 0.0) + sample.value
-                else:
-                    entry[suffix[1:]] += sample.value
-    return out
-
-
-def midpoint_mean(buckets: dict[float, float]) -> float | None:
-    """The mean of a histogram whose observations are taken at their buckets' midpoints, as Ray's
-    metrics agent re-records the histograms Ray workers report (``record_histogram_aggregated_batch``
-    in ray/_private/telemetry/open_telemetry_metric_recorder.py: below the first bound from 0, above the
-    last at twice it). ``buckets``: upper bound -> cumulative count (Prometheus ``le``)."""
-    bounds = sorted(b for b in buckets if not math.isinf(b))
-    if not bounds:
-        return None
-    total, n, cum_prev, lower = 0.0, 0.0, 0.0, (0.0 if bounds[0] > 0 else bounds[0] * 2.0)
-    for b in bounds + [math.inf]:
-        cum = buckets.get(b, cum_prev)
-        mid = (1.0 if bounds[-1] <= 0 else bounds[-1] * 2.0) if math.isinf(b) else (lower + b) / 2.0
-        total, n, cum_prev, lower = total + (cum - cum_prev) * mid, n + (cum - cum_prev), cum, b
-    return total / n if n > 0 else None
-
-
-def histogram_deltas(before_text: str, after_text: str, names: list[str],
-                     split: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """What the histograms ``names`` observed between two scrapes, summed over all label sets:
-    ``{name: {"count": n, "mean_ms": x, "mean_ms_midpoints": y}}`` (``mean_ms`` for ``*_seconds``;
-    otherwise the mean in the histogram's unit, ``mean_tokens`` for ``*_tokens``). ``*_midpoints``: the
-    mean with every observation at its bucket's midpoint, which is what Ray's export reports as the
-    mean (see :func:`midpoint_mean`), for a like-for-like comparison with it. Histograms in ``split``
-    get one entry per label value (``coserve_request_stage_seconds{stage=engine}``). A series missing
-    before counts from zero (it appears with its first observation); one missing after is left out;
-    means are None when nothing was observed."""
-    before = histogram_totals(before_text, names, split)
-    after = histogram_totals(after_text, names, split)
-    out: dict[str, dict[str, Any]] = {}
-    for key, a in after.items():
-        b = before.get(key) or {"count": 0.0, "sum": 0.0, "buckets": {}}
-        n = a["count"] - b["count"]
-        unit = key.split("{", 1)[0].rsplit("_", 1)[-1]
-        mean_key, scale = ("mean_ms", 1000.0) if unit == "seconds" else (f"mean_{unit}", 1.0)
-        mid = midpoint_mean({le: c - b["buckets"].get(le, 0.0) for le, c in a["buckets"].items()}) if n > 0 else None
-        entry: dict[str, Any] = {"count": round(n),
-                                 mean_key: round((a["sum"] - b["sum"]) / n * scale, 3) if n > 0 else None,
-                                 f"{mean_key}_midpoints": round(mid * scale, 3) if mid is not None else None}
-        if n < 0:
-            entry["note"] = "the count went down between the scrapes (a process restarted?)"
-        out[key] = entry
-    return out
-
-
-def ray_metrics_url(server: Server) -> str:
-    """The Prometheus endpoint of the Ray metrics agent of ``server``'s (one) Ray node; raises with
-    the reason when there is none.
-
-    The raylet is started with ``--metrics_export_port=N`` (``ray/_private/services.py``; the dashboard
-    agent, which serves it, with ``--metrics-export-port=N``). With Ray's default N = 0 the agent
-    binds a free port and writes it to ``<session_dir>/metrics_export_port_<node id>``
-    (``ray._raylet.persist_port``; -1: metrics collection off).
-    """
-    raylets = [pid for pid in system_pids(server) if process_label(pid) == "ray raylet"]
-    if not raylets:
-        raise RuntimeError("no raylet among the system's processes")
-    try:
-        argv = Path(f"/proc/{raylets[0]}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError as exc:
-        raise RuntimeError(f"raylet {raylets[0]}: command line unreadable: {exc}") from exc
-    opts: dict[str, str] = {}
-    for arg in argv:
-        if arg.startswith("--") and "=" in arg:
-            key, _, value = arg[2:].partition("=")
-            opts.setdefault(key.replace("-", "_"), value)
-    try:
-        port = int(opts.get("metrics_export_port") or 0)
-    except ValueError:
-        port = 0
-    if port == 0:
-        session_dir, node_id = opts.get("session_dir"), opts.get("node_id")
-        if not session_dir or not node_id:
-            raise RuntimeError(f"raylet {raylets[0]}: --metrics_export_port=0 and no --session_dir/--node_id "
-                               "to find the port the agent picked")
-        try:
-            from ray._raylet import METRICS_EXPORT_PORT_NAME, get_port_filename
-
-            port_file = Path(session_dir) / get_port_filename(node_id, METRICS_EXPORT_PORT_NAME)
-        except Exception:  # noqa: BLE001 - the file name Ray 2.60 uses
-            port_file = Path(session_dir) / f"metrics_export_port_{node_id}"
-        try:
-            port = int(port_file.read_text().strip())
-        except (OSError, ValueError) as exc:
-            raise RuntimeError(f"metrics export port not readable from {port_file}: {exc}") from exc
-    if port <= 0:
-        raise RuntimeError(f"Ray's metrics export is off on this node (port {port})")
-    return f"http://127.0.0.1:{port}/metrics"
-
-
-def engine_metrics_url(server: Server) -> str:
-    """Where ``server``'s vLLM Prometheus series are: plain vLLM's and our app's ``/metrics`` (ours: no
-    API keys in the bench, so no auth; its vLLM series carry a ``node`` label), Ray Serve LLM's on
-    its node's Ray metrics agent (its engine has no Prometheus registry of its own)."""
-    if server.name == "rayllm":
-        return ray_metrics_url(server)
-    return f"{server.url}/metrics"
-
-
-def http_text(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode(errors="replace")
-
-
-def engine_scrape_before(server: Server) -> dict[str, Any]:
-    """The engine metrics before a replay: ``{"url", "text"}``, or ``{"error"}`` (the replay goes on)."""
-    try:
-        url = engine_metrics_url(server)
-    except Exception as exc:  # noqa: BLE001 - a missing timeline is reported, not fatal
-        return {"error": f"no engine metrics endpoint: {exc}"}
-    # What ran just before (the rate runs) must be in this scrape, not counted as the replay's.
-    time.sleep(ENGINE_METRICS_SETTLE_S.get(server.name, 0.0))
-    try:
-        return {"url": url, "text": http_text(url)}
-    except Exception as exc:  # noqa: BLE001
-        return {"url": url, "error": f"scrape of {url} before the replay failed: {exc}"}
-
-
-def engine_timeline(server: Server, before: dict[str, Any], finished: int) -> dict[str, Any]:
-    """``engine_timeline`` (the histogram deltas of the replay) and where they come from, for the
-    replay summary; ``finished``: the requests the client saw answered, which the engine's
-    end-to-end histogram should have counted too (one more wait for a late push if not)."""
-    if "text" not in before:
-        log(f"{server.name}: engine timeline: {before['error']}")
-        return {"engine_timeline": None, "engine_timeline_error": before["error"],
-                **({"engine_timeline_source": before["url"]} if before.get("url") else {})}
-    url, settle = before["url"], ENGINE_METRICS_SETTLE_S.get(server.name, 0.0)
-    e2e = "vllm:e2e_request_latency_seconds"
-    deltas: dict[str, dict[str, Any]] = {}
-    for _ in range(2 if settle else 1):
-        time.sleep(settle)
-        try:
-            deltas = histogram_deltas(before["text"], http_text(url), TIMELINE_NAMES)
-        except Exception as exc:  # noqa: BLE001
-            error = f"scrape of {url} after the replay failed: {exc}"
-            log(f"{server.name}: engine timeline: {error}")
-            return {"engine_timeline": None, "engine_timeline_source": url, "engine_timeline_error": error}
-        if (deltas.get(e2e) or {}).get("count", 0) >= finished:
-            break
-    out: dict[str, Any] = {"engine_timeline": deltas, "engine_timeline_source": url}
-    if not any(k.startswith("vllm:") for k in deltas):
-        out["engine_timeline_error"] = f"no vLLM histograms in {url}"
-    elif (deltas.get(e2e) or {}).get("count", 0) < finished:
-        out["engine_timeline_note"] = (f"the engine counted {(deltas.get(e2e) or {}).get('count', 0)} finished "
-                                       f"requests, the client {finished}")
-    ttft = (deltas.get("vllm:time_to_first_token_seconds") or {}).get("mean_ms")
-    queue = (deltas.get("vllm:request_queue_time_seconds") or {}).get("mean_ms")
-    problem = out.get("engine_timeline_error") or out.get("engine_timeline_note")
-    log(f"{server.name}: engine timeline from {url}: {(deltas.get(e2e) or {}).get('count', 0)} requests, "
-        f"queue mean {fmt('{:.1f}', queue)} ms, TTFT mean {fmt('{:.1f}', ttft)} ms" + (f"; {problem}" if problem else ""))
-    return out
-
-
 # ---- trace replay (Locust) ----------------------------------------------------------------------
 
 def replay_summary(record: Path, replay_log: Path, stats_csv: Path, locust_log: Path) -> dict[str, Any]:
@@ -911,8 +267,8 @@ def replay_summary(record: Path, replay_log: Path, stats_csv: Path, locust_log: 
     out: dict[str, Any] = {
         "requests": len(reqs), "failures": sum(1 for s in reqs if not s["ok"]),
         "streamed_ok": len(ttft),
-        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-        "latency_p50_ms": pct(lat, 50), "latency_p99_ms": pct(lat, 99),
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+        "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),
     }
     lags = []
     if replay_log.exists():
@@ -923,8 +279,8 @@ def replay_summary(record: Path, replay_log: Path, stats_csv: Path, locust_log: 
             except (ValueError, KeyError):
                 pass
     out["sent"] = len(lags)
-    out.update(lag_mean_s=statistics.fmean(lags) if lags else None, lag_p50_s=pct(lags, 50),
-               lag_p99_s=pct(lags, 99), lag_max_s=max(lags) if lags else None)
+    out.update(lag_mean_s=statistics.fmean(lags) if lags else None, lag_p50_s=percentile(lags, 50),
+               lag_p99_s=percentile(lags, 99), lag_max_s=max(lags) if lags else None)
     text = locust_log.read_text(errors="replace") if locust_log.exists() else ""
     for key, pattern in (("locust_schedule", r"replay schedule: .*"), ("locust_lag", r"replay lag .*"),
                          ("synthetic", r"SYNTHETIC POISSON SCHEDULE.*")):
@@ -982,7 +338,7 @@ def run_replay(args: argparse.Namespace, server: Server, work: Path, suffix: str
         f"speed-up {args.trace_speedup:g}), "
         f"-u {args.replay_users}, outputs <= {args.replay_max_output_tokens} tokens, load average {load_average()}")
     load_before = load_average()
-    cpu_before = cpu_snapshot(server)
+    cpu_before = cpu_snapshot(server.pids())
     t0 = time.time()
     with open(locust_log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -995,7 +351,7 @@ def run_replay(args: argparse.Namespace, server: Server, work: Path, suffix: str
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    cpu = cpu_by_process(cpu_before, cpu_snapshot(server))
+    cpu = cpu_by_process(cpu_before, cpu_snapshot(server.pids()))
     summary = replay_summary(record, replay_log, Path(f"{prefix}_stats.csv"), locust_log)
     if not summary["requests"] and proc.returncode not in (0, 1):  # locust exits 1 when a request failed
         tail = "\n".join(locust_log.read_text(errors="replace").splitlines()[-30:])
@@ -1007,102 +363,6 @@ def run_replay(args: argparse.Namespace, server: Server, work: Path, suffix: str
         f"{fmt('{:.1f}', summary['ttft_p50_ms'])} ms, lag p99 {fmt('{:.3f}', summary['lag_p99_s'])} s")
     summary.update(engine_timeline(server, before, summary["requests"] - summary["failures"]))
     return summary
-
-
-# ---- the three systems --------------------------------------------------------------------------
-
-def ray_env(system: str, args: argparse.Namespace) -> dict[str, str]:
-    """Environment of one Ray-based system: its own ports, and the worker niceness."""
-    env = {"PYTHONPATH": str(ROOT)}
-    for key, preferred in RAY_PORTS[system].items():
-        env[key] = str(pick_port(preferred))
-    env.update({k: str(v) for k, v in DIRECT_INGRESS_RANGES[system].items()})
-    if args.ray_worker_niceness is not None:
-        env["RAY_worker_niceness"] = str(args.ray_worker_niceness)
-    return env
-
-
-def start_plain(args, cfg, model_dir: Path, served: str, work: Path, suffix: str = "") -> tuple[Server, dict[str, Any]]:
-    from actors.serving.engine_args import engine_flags
-
-    port = args.port_plain
-    flags = engine_flags(cfg, str(model_dir), served)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
-           "--port", str(port), *flags]
-    server = start("plain", cmd, {"PYTHONPATH": str(ROOT)}, work / f"plain{suffix}-server.log",
-                   f"http://127.0.0.1:{port}")
-    return server, {"port": port, "flags": cmd[3:]}
-
-
-def start_ours(args, model_dir: Path, served: str, work: Path, suffix: str = "") -> tuple[Server, dict[str, Any]]:
-    """Our app; ``suffix`` (``-round<r>``) names its files and its fresh data_dir, one per round."""
-    import yaml
-
-    port = args.port_ours
-    serve_cfg = yaml.safe_load(Path(args.config).read_text())
-    serve_cfg.setdefault("http_options", {})["port"] = port
-    serve_cfg["http_options"]["host"] = "127.0.0.1"
-    app_args = serve_cfg["applications"][0].setdefault("args", {})
-    data_dir = args.data_dir
-    if not args.reuse_data_dir:
-        # A fresh data_dir (no feedback store, no adapters, no versions), so nothing an earlier run (or round)
-        # left trains during the measurement; the models, built once, are shared through a link.
-        data_dir = work / f"ours-data{suffix}"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        (args.data_dir / "models").mkdir(parents=True, exist_ok=True)
-        if not (data_dir / "models").exists():
-            (data_dir / "models").symlink_to(args.data_dir / "models", target_is_directory=True)
-    app_args["data_dir"] = str(data_dir)
-    if args.dtype:
-        app_args.setdefault("engine", {})["dtype"] = args.dtype
-    if args.model:
-        app_args.setdefault("model", {})["embedded"] = args.model
-    if args.nodes is not None:
-        app_args.setdefault("cluster", {})["nodes"] = args.nodes
-    cfg_path = work / f"ours{suffix}-serve-config.yaml"
-    cfg_path.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
-    env = {**ray_env("ours", args), "COSERVE_DATA_DIR": str(data_dir)}
-    serve_bin = Path(sys.executable).parent / "serve"
-    # As `make serve`: app.serve_env sets the app's Serve settings and execs the rest.
-    # --address local: always a fresh Ray instance of our own, never someone else's cluster.
-    cmd = [sys.executable, "-m", "app.serve_env", str(serve_bin), "run", "--address", "local", str(cfg_path)]
-    server = start("ours", cmd, env, work / f"ours{suffix}-server.log", f"http://127.0.0.1:{port}")
-    info: dict[str, Any] = {"port": port, "command": cmd, "config": serve_cfg, "env_set": env}
-    try:
-        from app.serve_env import SERVE_ENV
-
-        info["env_from_app_serve_env"] = {k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}
-    except Exception as exc:  # noqa: BLE001 - the app is being rewritten; record, do not fail
-        info["env_from_app_serve_env"] = f"unreadable: {exc!r}"
-    return server, info
-
-
-def start_rayllm(args, flags: list[str], work: Path, suffix: str = "") -> tuple[Server, dict[str, Any]]:
-    import yaml
-
-    from bench.rayllm_app import llm_config, rayllm_env
-
-    port = args.port_rayllm
-    app_args: dict[str, Any] = {"flags": list(flags), "bundle": {"CPU": 1}}
-    if args.rayllm_lora_config:
-        app_args["lora_config"] = True
-    serve_cfg = {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "rayllm", "route_prefix": "/", "import_path": "bench.rayllm_app:build_app",
-                          "args": app_args}],
-    }
-    cfg_path = work / f"rayllm{suffix}-serve-config.yaml"
-    cfg_path.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
-    env = {**rayllm_env(args.rayllm_lora_config), **ray_env("rayllm", args),
-           # Harness only: a stopping replica keeps its port this long for load balancers (default
-           # 30 s); HAProxy here is local. Serving is unaffected; `ours` sets the same (app.serve_env).
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
-    serve_bin = Path(sys.executable).parent / "serve"
-    cmd = [str(serve_bin), "run", "--address", "local", str(cfg_path)]
-    server = start("rayllm", cmd, env, work / f"rayllm{suffix}-server.log", f"http://127.0.0.1:{port}")
-    return server, {"port": port, "command": cmd, "config": serve_cfg, "env_set": env,
-                    "llm_config": llm_config(app_args)}
 
 
 def _is_number(v: Any) -> bool:
@@ -1187,11 +447,16 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
         for attempt in range(1, args.startup_attempts + 1):
             try:
                 if system == "plain":
-                    server, info = start_plain(args, cfg, model_dir, served, work, suffix)
+                    server, info = start_plain(flags, args.port_plain, work / f"plain{suffix}-server.log")
                 elif system == "ours":
-                    server, info = start_ours(args, model_dir, served, work, suffix)
+                    server, info = start_ours(args.config, args.port_ours, args.data_dir, work, suffix,
+                                              fresh_data_dir=not args.reuse_data_dir, dtype=args.dtype,
+                                              model=args.model, nodes=args.nodes,
+                                              worker_niceness=args.ray_worker_niceness)
                 else:
-                    server, info = start_rayllm(args, flags, work, suffix)
+                    server, info = start_rayllm(flags, args.port_rayllm, work, suffix,
+                                                lora_config=args.rayllm_lora_config,
+                                                worker_niceness=args.ray_worker_niceness)
             except Exception as exc:  # noqa: BLE001
                 error(system, "start" + (f" (round {rnd})" if suffix else ""), exc)
                 return False
@@ -1357,16 +622,8 @@ def rate_label(rate: str, sustained: str | None) -> str:
     return f"{rate} req/s" + (" (sustained)" if rate == sustained else "")
 
 
-def fmt(fmt_str: str, v: Any) -> str:
-    return "n/a" if v is None else fmt_str.format(v)
-
-
 def _get(results: dict[str, Any], system: str, rate: str, key: str) -> Any:
     return ((results.get(system) or {}).get("rates") or {}).get(rate, {}).get(key)
-
-
-def _ratio(a: Any, b: Any) -> str:
-    return f"{a / b:.2f}" if a is not None and b else "n/a"
 
 
 def present(results: dict[str, Any]) -> list[str]:
@@ -1376,60 +633,27 @@ def present(results: dict[str, Any]) -> list[str]:
 def rate_table(results: dict[str, Any], rate: str) -> str:
     systems = present(results)
     ratios = [(a, b) for a, b in RATIOS if a in systems and b in systems]
-    head = ["metric", *systems, *(f"{a}/{b}" for a, b in ratios)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = comparison_head([*systems, *(f"{a}/{b}" for a, b in ratios)])
     for label, key, f in METRICS:
         vals = {s: _get(results, s, rate, key) for s in systems}
-        row = [label, *(fmt(f, vals[s]) for s in systems), *(_ratio(vals[a], vals[b]) for a, b in ratios)]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(table_row([label, *(fmt(f, vals[s]) for s in systems),
+                                *(ratio(vals[a], vals[b]) for a, b in ratios)]))
     row = ["completed / failed"]
     for s in systems:
         c, fl = _get(results, s, rate, "completed"), _get(results, s, rate, "failed")
         row.append("n/a" if c is None else f"{c} / {fl}")
-    lines.append("| " + " | ".join(row + [""] * len(ratios)) + " |")
+    lines.append(table_row(row + [""] * len(ratios)))
     row = ["load avg (1 min) before / after"]
     for s in systems:
         row.append(fmt("{:.1f}", _get(results, s, rate, "load_1min_before")) + " / "
                    + fmt("{:.1f}", _get(results, s, rate, "load_1min_after")))
-    lines.append("| " + " | ".join(row + [""] * len(ratios)) + " |")
+    lines.append(table_row(row + [""] * len(ratios)))
     return "\n".join(lines)
 
 
 def cpu_table(results: dict[str, Any], rate: str, min_share: float = 0.01) -> str:
-    """Where the CPU time goes during one benchmark: seconds per process, per system.
-
-    Every process is in the system's total; processes below ``min_share`` of it are folded into one
-    "other" row in the table (the JSON has them all)."""
-    lines = []
-    for system in present(results):
-        r = ((results[system].get("rates") or {}).get(rate))
-        if not r:
-            continue
-        cpu = dict(r["cpu_seconds"])
-        window = r.get("cpu_window_s") or 0
-        tokens = r.get("total_output_tokens") or 0
-        total = sum(cpu.values())
-
-        def row(label: str, sec: float) -> str:
-            core = f"{sec / window * 100:.0f}%" if window else "n/a"
-            per_tok = f"{sec / tokens * 1000:.3f}" if tokens else "n/a"
-            return f"| {system} | {label} | {sec:.2f} | {core} | {per_tok} |"
-
-        lines.append(row(f"**all {len(cpu)} labels**", total))
-        other, n_other = 0.0, 0
-        for label, sec in cpu.items():
-            if total and sec / total < min_share:
-                other, n_other = other + sec, n_other + 1
-            else:
-                lines.append(row(label, sec))
-        if n_other:
-            lines.append(row(f"other ({n_other} labels)", other))
-        if r.get("client_cpu_s") is not None:
-            lines.append(row("(benchmark client, not in the total)", r["client_cpu_s"]))
-    if not lines:
-        return ""
-    head = "| system | process | CPU s | of one core | CPU ms per output token |\n|---|---|---|---|---|"
-    return head + "\n" + "\n".join(lines)
+    """Where the CPU time goes during one benchmark: seconds per process, per system (``bench/common.py``)."""
+    return cpu_runs_table({s: (results[s].get("rates") or {}).get(rate) for s in present(results)}, min_share)
 
 
 def replay_table(results: dict[str, Any]) -> str:
@@ -1437,76 +661,20 @@ def replay_table(results: dict[str, Any]) -> str:
     if not systems:
         return ""
     ratios = [(a, b) for a, b in RATIOS if a in systems and b in systems]
-    head = ["metric", *systems, *(f"{a}/{b}" for a, b in ratios)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = comparison_head([*systems, *(f"{a}/{b}" for a, b in ratios)])
     for label, key, f in REPLAY_METRICS:
         vals = {s: results[s]["replay"].get(key) for s in systems}
-        rat = [_ratio(vals[a], vals[b]) if key.startswith(("ttft", "latency")) else "" for a, b in ratios]
-        lines.append("| " + " | ".join([label, *(fmt(f, vals[s]) for s in systems), *rat]) + " |")
+        rat = [ratio(vals[a], vals[b]) if key.startswith(("ttft", "latency")) else "" for a, b in ratios]
+        lines.append(table_row([label, *(fmt(f, vals[s]) for s in systems), *rat]))
     cpu = {s: sum((results[s]["replay"].get("cpu_seconds") or {}).values()) for s in systems}
-    lines.append("| " + " | ".join(["server CPU s (all processes)", *(f"{cpu[s]:.1f}" for s in systems),
-                                    *(_ratio(cpu[a], cpu[b]) for a, b in ratios)]) + " |")
+    lines.append(table_row(["server CPU s (all processes)", *(f"{cpu[s]:.1f}" for s in systems),
+                            *(ratio(cpu[a], cpu[b]) for a, b in ratios)]))
     row = ["load avg (1 min) before / after"]
     for s in systems:
         rp = results[s]["replay"]
         row.append(fmt("{:.1f}", rp.get("load_1min_before")) + " / " + fmt("{:.1f}", rp.get("load_1min_after")))
-    lines.append("| " + " | ".join(row + [""] * len(ratios)) + " |")
+    lines.append(table_row(row + [""] * len(ratios)))
     return "\n".join(lines)
-
-
-def _timeline_value(results: dict[str, Any], system: str, key: str, part: str | None = None,
-                    midpoints: bool = False) -> Any:
-    """One figure of a system's replay engine timeline: ``part``, or the entry's mean (whatever its
-    unit; ``midpoints``: the bucket-midpoint mean)."""
-    entry = (((results.get(system) or {}).get("replay") or {}).get("engine_timeline") or {}).get(key) or {}
-    if part:
-        return entry.get(part)
-    return next((v for k, v in entry.items() if k.startswith("mean") and k.endswith("_midpoints") == midpoints),
-                None)
-
-
-def timeline_table(results: dict[str, Any]) -> str:
-    """Where a replay's time goes, side by side: the mean per observation of each engine histogram
-    (per request; inter-token latency per token, iterations per engine step), a column per system,
-    and ours/rayllm, ours/plain. Rows that only ours has (its stages, its iterations) read n/a for
-    the others. Ray's export only has bucket-midpoint means (:func:`midpoint_mean`), so ours/rayllm
-    divides ours' bucket-midpoint mean by rayllm's. Below the table: where each system's figures
-    come from, or why there are none."""
-    systems = [s for s in present(results) if (results[s].get("replay") or {})]
-    if not any("engine_timeline" in results[s]["replay"] for s in systems):
-        return ""
-    ratios = [(a, b) for a, b in (("ours", "rayllm"), ("ours", "plain")) if a in systems and b in systems]
-    head = ["metric", *systems, *(f"{a}/{b}" for a, b in ratios)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    e2e = "vllm:e2e_request_latency_seconds"
-    counts = {s: _timeline_value(results, s, e2e, "count") for s in systems}
-    lines.append("| " + " | ".join(["requests the engine finished", *(fmt("{:.0f}", counts[s]) for s in systems),
-                                    *([""] * len(ratios))]) + " |")
-    for label, key in VLLM_TIMELINE + OURS_TIMELINE:
-        vals = {s: _timeline_value(results, s, key) for s in systems}
-        mids = {s: _timeline_value(results, s, key, midpoints=True) for s in systems}
-        if key.startswith("coserve_") and all(v is None for v in vals.values()):
-            continue  # an app without these series: no empty rows
-        lines.append("| " + " | ".join([label, *(fmt("{:.2f}", vals[s]) for s in systems),
-                                        *(_ratio(mids[a], mids[b]) if b == "rayllm" else _ratio(vals[a], vals[b])
-                                          for a, b in ratios)]) + " |")
-    notes = []
-    if "rayllm" in systems:
-        notes.append("- rayllm's means come from Ray's metrics export, which re-records every observation at its "
-                     "bucket's midpoint (an approximation); ours/rayllm compares ours' means taken the same way "
-                     "(`mean_ms_midpoints` in the JSON).")
-    for s in systems:
-        rp = results[s]["replay"]
-        rounds = rp.get("repeats") or [rp]  # combined over rounds: say which round lacked what
-        for i, r in enumerate(rounds):
-            at = f" (round {r.get('round', i)})" if len(rounds) > 1 else ""
-            for key, what in (("engine_timeline_error", "n/a"), ("engine_timeline_note", "note")):
-                if r.get(key):
-                    notes.append(f"- {s}{at}: {what}: {r[key]}")
-        sources = list(dict.fromkeys(r["engine_timeline_source"] for r in rounds if r.get("engine_timeline_source")))
-        if sources:
-            notes.append(f"- {s}: from {', '.join(sources)}")
-    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def goals(results: dict[str, Any], rates: list[str], sustained: str | None) -> list[str]:
@@ -1547,7 +715,7 @@ def goals(results: dict[str, Any], rates: list[str], sustained: str | None) -> l
 
 
 def main() -> int:
-    from actors import config as app_config
+    import settings as app_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -1640,7 +808,7 @@ def main() -> int:
     for system, port in (("plain", args.port_plain), ("ours", args.port_ours), ("rayllm", args.port_rayllm)):
         if system in args.systems and not port_free(port):
             p.error(f"port {port} ({system}) is in use; pick another with --port-{system}")
-        _ports_taken.add(port)
+        reserve_port(port)
 
     cfg = app_config.load(args.config)
     if args.dtype:
@@ -1752,7 +920,7 @@ def main() -> int:
     elif replay_skipped:
         print()
         print(f"Trace replay: {replay_skipped}.")
-    timeline_md = timeline_table(results)
+    timeline_md = timeline_table(results, list(SYSTEMS))
     if timeline_md:
         print()
         print("### Trace replay: where the time goes (means per request from the engines' own histograms)"
