@@ -39,13 +39,13 @@ from actors.learning.store.models import (
     ADAPTER_KEY_RE,
     ADAPTER_NAME_RE,
     ALL_LINEAR,
-    FULL_METHODS,
     AdapterExists,
     AdapterQuotaExceeded,
     AdapterSpec,
     Conflict,
     IdempotencyKeyReused,
     InvalidRequest,
+    KIND_FOR_METHOD,
     StoreError,
     UnknownAdapter,
     UnknownItem,
@@ -56,9 +56,10 @@ from actors.learning.store.models import (
     pydantic_param,
     split_adapter_key,
 )
+from actors.learning.store.unit_kind import unit_kind
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
-from planners.types import FullVersion, NewFeedback
+from planners.types import NewFeedback
 
 logger = logging.getLogger("ray.serve")
 
@@ -251,8 +252,7 @@ class LearningRoutes:
         principal = PRINCIPAL.get()
         out = info.model_dump()
         name = out["name"] = shown_name(principal, info.name)
-        # A full unit's versions are the base model itself: requests name the base.
-        out["model"] = self.base if info.method in FULL_METHODS else f"{self.base}:{name}"
+        out["model"] = unit_kind(info.method).model_name(self.base, name)
         for v in out["versions"]:
             v["adapter"] = name
         if not principal.admin:
@@ -274,14 +274,16 @@ class LearningRoutes:
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
         principal = PRINCIPAL.get()
-        if isinstance(body.get("method"), str) and body["method"] in FULL_METHODS:  # [] or {}: the spec's 400
+        method = body.get("method")
+        # [] or {} or an unknown method: the spec's 400 below.
+        kind = unit_kind(method) if isinstance(method, str) and method in KIND_FOR_METHOD else None
+        if kind is not None and kind.admin_only and not principal.admin:
             # A full unit retrains the model every tenant is served: the operator's decision, not a tenant's.
-            if not principal.admin:
-                return error(403, "a full_sft/full_dpo unit changes the model every tenant is served; only an "
-                                  "admin key may create one", "method")
-            if self.cfg.cluster.stages < 2:
-                raise BadRequest(f"method {body['method']!r} trains the model on a pipeline of cluster.stages >= 2 "
-                                 f"bundles; this deployment has cluster.stages={self.cfg.cluster.stages}", "method")
+            return error(403, f"a {kind.methods_named} unit changes the model every tenant is served; "
+                              "only an admin key may create one", "method")
+        if kind is not None and self.cfg.cluster.stages < kind.min_stages:
+            raise BadRequest(f"method {method!r} trains the model on a pipeline of cluster.stages >= {kind.min_stages} "
+                             f"bundles; this deployment has cluster.stages={self.cfg.cluster.stages}", "method")
         if "tenant" in body:
             if not principal.admin and body["tenant"] != principal.tenant:
                 raise BadRequest("`tenant`: only an admin key may create adapters for another tenant.", "tenant")
@@ -292,7 +294,7 @@ class LearningRoutes:
         except ValidationError as exc:
             errors = exc.errors()
             raise InvalidRequest([pydantic_error("adapter", e) for e in errors], param=pydantic_param(errors[0])) from None
-        if spec.method not in FULL_METHODS:  # a full unit trains every weight: its lora settings are unused
+        if unit_kind(spec.method).uses_lora_settings:
             await self._check_lora(spec)
         info = await self._create(body, adapter_key(spec.tenant, spec.name))
         return JSONResponse(self._adapter_json(info), status_code=201)
@@ -395,13 +397,9 @@ class LearningRoutes:
         # The target's path and node come with the answer (versions are immutable once published).
         target = next((v for v in info.versions if v.version == version), None)
         what = f"{how} of {name!r} to v{version}"
-        if info.method in FULL_METHODS and (version == 0 or target is not None):
-            # Every node's engine computes with that version (0: the starting model) once the planner returns.
-            full = None if version == 0 else FullVersion(name, version, target.path)
-            await self._tell_planner(what, lambda p: p.load_full.remote(full))
-        elif info.method not in FULL_METHODS and target is not None:
-            nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
-            await self._tell_planner(what, lambda p: p.load_adapter.remote(name, nodes))
+        update = unit_kind(info.method).planner_update(name, version, target)
+        if update is not None:
+            await self._tell_planner(what, update)
         return JSONResponse(self._adapter_json(info))
 
     async def metrics(self) -> Response:

@@ -44,7 +44,8 @@ from typing import Any, Callable
 import ray
 
 from settings import AppConfig
-from actors.learning.store.models import FULL_METHODS, FeedbackItem
+from actors.learning.store.models import FeedbackItem
+from actors.learning.store.unit_kind import unit_kind
 from actors.learning.lora.evaluator import VersionEvaluator
 from actors.learning.lora.messages import (
     GrantWaited,
@@ -239,7 +240,7 @@ class LoraDriver:
             # Not while the gate judges the adapter's candidate: the next version must start from
             # whatever is served after the verdict, never from weights the gate may reject.
             # A full unit (full_sft/full_dpo) is not a LoRA adapter: actors/learning/full/loop.py trains it.
-            return (available(name) > 0 and self._spec(name).method not in FULL_METHODS
+            return (available(name) > 0 and unit_kind(self._spec(name).method).trained_by_lora_ranks
                     and self._spec(name).mode != "off" and not self._spec(name).paused
                     and not self.evaluator.judging(name) and self.not_before.get(name, 0) <= now)
 

@@ -12,7 +12,6 @@ from actors.learning.store.models import (
     AdapterQuotaExceeded,
     AdapterInfo,
     AdapterSpec,
-    FULL_METHODS,
     FullUnitExists,
     GateOverrides,
     GateSettings,
@@ -21,6 +20,7 @@ from actors.learning.store.models import (
     adapter_key,
     split_adapter_key,
 )
+from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.connection import StoreConnection, validate_as
 from actors.learning.store.schema import ADAPTER_COLUMNS, UPDATABLE
 
@@ -45,9 +45,12 @@ class AdapterRegistry(StoreConnection):
                 owner = f"tenant {spec.tenant!r}" if spec.tenant is not None else "this deployment (no API keys)"
                 raise AdapterQuotaExceeded(f"{owner} has {cap} adapters, the most limits.adapters_per_tenant allows; "
                                            "the operator can raise the limit")
-            if spec.method in FULL_METHODS:
+            kind = unit_kind(spec.method)
+            if kind.one_per_deployment:
                 # A full unit changes the base model every request is served with: one per deployment.
-                other = db.execute("SELECT name FROM adapters WHERE method IN ('full_sft', 'full_dpo')").fetchone()
+                methods = sorted(kind.methods)
+                other = db.execute(f"SELECT name FROM adapters WHERE method IN ({','.join('?' * len(methods))})",
+                                   methods).fetchone()
                 if other:
                     raise FullUnitExists(f"full unit {other[0]!r} already trains this deployment's model; "
                                          "at most one full_sft/full_dpo unit per deployment")

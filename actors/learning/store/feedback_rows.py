@@ -10,7 +10,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from actors.learning.store.models import (
-    FULL_METHODS,
     FeedbackItem,
     FeedbackReceipt,
     IdempotencyKeyReused,
@@ -26,6 +25,7 @@ from actors.learning.store.models import (
     is_held_out,
     validate_feedback,
 )
+from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.connection import StoreConnection
 from actors.learning.store.schema import ITEM_COLUMNS, IDEMPOTENCY_TTL_S
 
@@ -92,8 +92,8 @@ class FeedbackRows(StoreConnection):
         names = {it.adapter for it in parsed}
         seen = {a: db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ?", (a,)).fetchone()[0] for a in names}
         # A full unit has no quality gate to score a held-out slice with: every item trains.
-        share = {a: 0.0 if self._adapter_row(db, a)[1] in FULL_METHODS
-                 else self._gate_overrides(db, a).over(self.gate_defaults).held_out_share for a in names}
+        share = {a: unit_kind(self._adapter_row(db, a)[1]).held_out_share(
+                     self._gate_overrides(db, a).over(self.gate_defaults).held_out_share) for a in names}
         ids = []
         for item, node in zip(parsed, nodes):
             cur = db.execute(

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from actors.learning.store.models import (
     AdapterInfo,
-    FULL_METHODS,
     GateOverrides,
     InvalidRequest,
     ServedAdapter,
@@ -18,6 +17,7 @@ from actors.learning.store.models import (
     VersionConflict,
     VersionInfo,
 )
+from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.connection import StoreConnection, version_from_row
 from actors.learning.store.schema import VERSION_COLUMNS, RESERVATION_PINS_S
 
@@ -188,7 +188,7 @@ class VersionRegistry(StoreConnection):
             row = self._adapter_row(db, adapter)  # 404 names the adapter, not the version
             if version == 0:
                 # A full unit's version 0 is the model the deployment started with: serve it again.
-                if row[1] not in FULL_METHODS:
+                if unit_kind(row[1]).lowest_rollback_version > 0:
                     raise InvalidRequest("version: 0 (the starting model) is a full unit's; an adapter rolls back to v1 "
                                          "or later")
                 self._roll_back_newer(db, adapter, 0, None)
