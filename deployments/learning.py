@@ -444,7 +444,7 @@ class LearningRoutes:
                       if isinstance(it, dict) and isinstance(it.get("adapter"), str) else it for it in listed]
             items = listed if isinstance(items, list) else listed[0]
         nodes = None
-        if self.cfg.training.scope == "per_node":  # each node's copy trains on the items placed on it
+        if self.cfg.training.scope_rules.routes_feedback:  # per_node: each node's copy trains on the items placed on it
             sizes = await asyncio.to_thread(self._sizes, listed)  # tokenizing is CPU work: off the event loop
             nodes = await self.ask_planner(lambda p: p.feedback_nodes.remote(sizes))
         tenant, ttl = PRINCIPAL.get().tenant, None

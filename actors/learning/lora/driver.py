@@ -130,7 +130,6 @@ class LoraDriver:
         self.cfg, self.t = cfg, cfg.training
         self.ranks, self.nodes, self.line = ranks, nodes, line
         self.node_id = nodes[0]  # the node whose planner state judges CheckEnd (rank 0's)
-        self.per_node = line is not None
         self.store, self.planner = store, planner
         self.should_stop, self._report, self._warn_to = should_stop, report, warn
         self.loaded: tuple[str, int | None] | None = None  # (adapter, version) the ranks' weights started from
@@ -497,7 +496,7 @@ class LoraDriver:
         """The store serves a new version of ``adapter``: wait until the replicas serve what the store says (the
         planner follows the store anyway; waiting here makes the freshness figures mean "served")."""
         try:
-            nodes = [self.node_id] if self.per_node else None  # per_node: only this node serves its copy
+            nodes = self.t.scope_rules.serving_nodes(self.node_id)  # per_node: only this node serves its copy
             ray.get(self.planner.load_adapter.remote(adapter, nodes), timeout=LOAD_TIMEOUT_S)
         except Exception as exc:  # published in the store; the planner restores it on restart
             self._warn("load_adapter", exc)
