@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 
 from settings import AppConfig
@@ -40,6 +40,7 @@ from actors.learning.store.models import (
     ADAPTER_NAME_RE,
     ALL_LINEAR,
     AdapterExists,
+    AdapterInfo,
     AdapterQuotaExceeded,
     AdapterSpec,
     Conflict,
@@ -138,6 +139,12 @@ async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
     if isinstance(cause, StoreError):
         return await _store_error(request, cause)
     return internal_error(request, exc)
+
+
+class AdapterView(AdapterInfo):
+    """An adapter as ``/v1/adapters`` answers it: its name as the caller names it, and the model requests name."""
+
+    model: str = Field(description="What a request's `model` names to be served by this unit's current version.")
 
 
 class LearningRoutes:
@@ -247,20 +254,20 @@ class LearningRoutes:
                            "is back", what, type(exc).__name__, exc)
             return False
 
-    def _adapter_json(self, info: Any) -> dict[str, Any]:
-        """An adapter as the request's principal sees it: a tenant by its bare name, with no server path."""
+    def _adapter_view(self, info: AdapterInfo) -> AdapterView:
+        """An adapter as the request's principal sees it: a tenant by its bare name, an admin with its paths."""
         principal = PRINCIPAL.get()
-        out = info.model_dump()
-        name = out["name"] = shown_name(principal, info.name)
-        out["model"] = unit_kind(info.method).model_name(self.base, name)
-        for v in out["versions"]:
-            v["adapter"] = name
-        if not principal.admin:
-            for v in out["versions"]:
-                v.pop("path", None)
-                v["reason"] = self._without_paths(v["reason"])
-            out["paused_reason"] = self._without_paths(out["paused_reason"])
-        return out
+        name = shown_name(principal, info.name)
+        shown = (lambda text: text) if principal.admin else self._without_paths
+        versions = [v.model_copy(update={"adapter": name, "reason": shown(v.reason)}) for v in info.versions]
+        return AdapterView(**{**dict(info), "name": name, "versions": versions,
+                              "paused_reason": shown(info.paused_reason)},
+                           model=unit_kind(info.method).model_name(self.base, name))
+
+    def _adapter_json(self, info: AdapterInfo) -> dict[str, Any]:
+        """The JSON of :meth:`_adapter_view`; a tenant's has no server path (no version's ``path``)."""
+        admin = PRINCIPAL.get().admin
+        return self._adapter_view(info).model_dump(exclude=None if admin else {"versions": {"__all__": {"path"}}})
 
     def _without_paths(self, text: str | None) -> str | None:
         """``text`` with the server's data, model and adapter locations cut to ``<server path>``."""
@@ -296,7 +303,7 @@ class LearningRoutes:
             raise InvalidRequest([pydantic_error("adapter", e) for e in errors], param=pydantic_param(errors[0])) from None
         if unit_kind(spec.method).uses_lora_settings:
             await self._check_lora(spec)
-        info = await self._create(body, adapter_key(spec.tenant, spec.name))
+        info = await self._create(spec, adapter_key(spec.tenant, spec.name))
         return JSONResponse(self._adapter_json(info), status_code=201)
 
     async def _check_lora(self, spec: AdapterSpec) -> None:
@@ -326,7 +333,7 @@ class LearningRoutes:
                            self.base, type(exc).__name__, exc)
             return None
 
-    async def _create(self, body: dict[str, Any], key: str) -> Any:
+    async def _create(self, spec: AdapterSpec, key: str) -> AdapterInfo:
         """Create in the store. The store's actor takes no task retries for a create (a resent one would
         answer 409 for the caller's own adapter), so a store that died meanwhile reaches ``_store``, which
         sends it once more; if that answers "exists" with this very spec, made a moment ago, it is this
@@ -336,7 +343,7 @@ class LearningRoutes:
         def create(q: Any) -> Any:
             nonlocal calls
             calls += 1
-            return q.create_adapter.remote(body)
+            return q.create_adapter.remote(spec)
 
         try:
             return await self._store(create)
@@ -346,11 +353,7 @@ class LearningRoutes:
             info = await self._store(lambda q: q.get_adapter.remote(key))
             # The stored gate is the effective one; the stored name is the key (its tenant's and name's).
             fields = set(AdapterSpec.model_fields) - {"gate", "name"}
-            try:
-                wanted = AdapterSpec.model_validate(body).model_dump(include=fields)
-            except ValueError:
-                raise exc from None
-            if info.model_dump(include=fields) != wanted or time.time() - info.created_at > 60:
+            if info.model_dump(include=fields) != spec.model_dump(include=fields) or time.time() - info.created_at > 60:
                 raise
             return info
 
