@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 
 from settings import AppConfig
@@ -39,13 +39,14 @@ from actors.learning.store.models import (
     ADAPTER_KEY_RE,
     ADAPTER_NAME_RE,
     ALL_LINEAR,
-    FULL_METHODS,
     AdapterExists,
+    AdapterInfo,
     AdapterQuotaExceeded,
     AdapterSpec,
     Conflict,
     IdempotencyKeyReused,
     InvalidRequest,
+    KIND_FOR_METHOD,
     StoreError,
     UnknownAdapter,
     UnknownItem,
@@ -56,9 +57,10 @@ from actors.learning.store.models import (
     pydantic_param,
     split_adapter_key,
 )
+from actors.learning.store.unit_kind import unit_kind
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
-from planners.types import FullVersion, NewFeedback
+from planners.types import NewFeedback
 
 logger = logging.getLogger("ray.serve")
 
@@ -137,6 +139,12 @@ async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
     if isinstance(cause, StoreError):
         return await _store_error(request, cause)
     return internal_error(request, exc)
+
+
+class AdapterView(AdapterInfo):
+    """An adapter as ``/v1/adapters`` answers it: its name as the caller names it, and the model requests name."""
+
+    model: str = Field(description="What a request's `model` names to be served by this unit's current version.")
 
 
 class LearningRoutes:
@@ -246,21 +254,20 @@ class LearningRoutes:
                            "is back", what, type(exc).__name__, exc)
             return False
 
-    def _adapter_json(self, info: Any) -> dict[str, Any]:
-        """An adapter as the request's principal sees it: a tenant by its bare name, with no server path."""
+    def _adapter_view(self, info: AdapterInfo) -> AdapterView:
+        """An adapter as the request's principal sees it: a tenant by its bare name, an admin with its paths."""
         principal = PRINCIPAL.get()
-        out = info.model_dump()
-        name = out["name"] = shown_name(principal, info.name)
-        # A full unit's versions are the base model itself: requests name the base.
-        out["model"] = self.base if info.method in FULL_METHODS else f"{self.base}:{name}"
-        for v in out["versions"]:
-            v["adapter"] = name
-        if not principal.admin:
-            for v in out["versions"]:
-                v.pop("path", None)
-                v["reason"] = self._without_paths(v["reason"])
-            out["paused_reason"] = self._without_paths(out["paused_reason"])
-        return out
+        name = shown_name(principal, info.name)
+        shown = (lambda text: text) if principal.admin else self._without_paths
+        versions = [v.model_copy(update={"adapter": name, "reason": shown(v.reason)}) for v in info.versions]
+        return AdapterView(**{**dict(info), "name": name, "versions": versions,
+                              "paused_reason": shown(info.paused_reason)},
+                           model=unit_kind(info.method).model_name(self.base, name))
+
+    def _adapter_json(self, info: AdapterInfo) -> dict[str, Any]:
+        """The JSON of :meth:`_adapter_view`; a tenant's has no server path (no version's ``path``)."""
+        admin = PRINCIPAL.get().admin
+        return self._adapter_view(info).model_dump(exclude=None if admin else {"versions": {"__all__": {"path"}}})
 
     def _without_paths(self, text: str | None) -> str | None:
         """``text`` with the server's data, model and adapter locations cut to ``<server path>``."""
@@ -274,14 +281,16 @@ class LearningRoutes:
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
         principal = PRINCIPAL.get()
-        if isinstance(body.get("method"), str) and body["method"] in FULL_METHODS:  # [] or {}: the spec's 400
+        method = body.get("method")
+        # [] or {} or an unknown method: the spec's 400 below.
+        kind = unit_kind(method) if isinstance(method, str) and method in KIND_FOR_METHOD else None
+        if kind is not None and kind.admin_only and not principal.admin:
             # A full unit retrains the model every tenant is served: the operator's decision, not a tenant's.
-            if not principal.admin:
-                return error(403, "a full_sft/full_dpo unit changes the model every tenant is served; only an "
-                                  "admin key may create one", "method")
-            if self.cfg.cluster.stages < 2:
-                raise BadRequest(f"method {body['method']!r} trains the model on a pipeline of cluster.stages >= 2 "
-                                 f"bundles; this deployment has cluster.stages={self.cfg.cluster.stages}", "method")
+            return error(403, f"a {kind.methods_named} unit changes the model every tenant is served; "
+                              "only an admin key may create one", "method")
+        if kind is not None and self.cfg.cluster.stages < kind.min_stages:
+            raise BadRequest(f"method {method!r} trains the model on a pipeline of cluster.stages >= {kind.min_stages} "
+                             f"bundles; this deployment has cluster.stages={self.cfg.cluster.stages}", "method")
         if "tenant" in body:
             if not principal.admin and body["tenant"] != principal.tenant:
                 raise BadRequest("`tenant`: only an admin key may create adapters for another tenant.", "tenant")
@@ -292,9 +301,9 @@ class LearningRoutes:
         except ValidationError as exc:
             errors = exc.errors()
             raise InvalidRequest([pydantic_error("adapter", e) for e in errors], param=pydantic_param(errors[0])) from None
-        if spec.method not in FULL_METHODS:  # a full unit trains every weight: its lora settings are unused
+        if unit_kind(spec.method).uses_lora_settings:
             await self._check_lora(spec)
-        info = await self._create(body, adapter_key(spec.tenant, spec.name))
+        info = await self._create(spec, adapter_key(spec.tenant, spec.name))
         return JSONResponse(self._adapter_json(info), status_code=201)
 
     async def _check_lora(self, spec: AdapterSpec) -> None:
@@ -324,7 +333,7 @@ class LearningRoutes:
                            self.base, type(exc).__name__, exc)
             return None
 
-    async def _create(self, body: dict[str, Any], key: str) -> Any:
+    async def _create(self, spec: AdapterSpec, key: str) -> AdapterInfo:
         """Create in the store. The store's actor takes no task retries for a create (a resent one would
         answer 409 for the caller's own adapter), so a store that died meanwhile reaches ``_store``, which
         sends it once more; if that answers "exists" with this very spec, made a moment ago, it is this
@@ -334,7 +343,7 @@ class LearningRoutes:
         def create(q: Any) -> Any:
             nonlocal calls
             calls += 1
-            return q.create_adapter.remote(body)
+            return q.create_adapter.remote(spec)
 
         try:
             return await self._store(create)
@@ -344,11 +353,7 @@ class LearningRoutes:
             info = await self._store(lambda q: q.get_adapter.remote(key))
             # The stored gate is the effective one; the stored name is the key (its tenant's and name's).
             fields = set(AdapterSpec.model_fields) - {"gate", "name"}
-            try:
-                wanted = AdapterSpec.model_validate(body).model_dump(include=fields)
-            except ValueError:
-                raise exc from None
-            if info.model_dump(include=fields) != wanted or time.time() - info.created_at > 60:
+            if info.model_dump(include=fields) != spec.model_dump(include=fields) or time.time() - info.created_at > 60:
                 raise
             return info
 
@@ -395,13 +400,9 @@ class LearningRoutes:
         # The target's path and node come with the answer (versions are immutable once published).
         target = next((v for v in info.versions if v.version == version), None)
         what = f"{how} of {name!r} to v{version}"
-        if info.method in FULL_METHODS and (version == 0 or target is not None):
-            # Every node's engine computes with that version (0: the starting model) once the planner returns.
-            full = None if version == 0 else FullVersion(name, version, target.path)
-            await self._tell_planner(what, lambda p: p.load_full.remote(full))
-        elif info.method not in FULL_METHODS and target is not None:
-            nodes = None if target.node is None else [target.node]  # a per_node version: its own node only
-            await self._tell_planner(what, lambda p: p.load_adapter.remote(name, nodes))
+        update = unit_kind(info.method).planner_update(name, version, target)
+        if update is not None:
+            await self._tell_planner(what, update)
         return JSONResponse(self._adapter_json(info))
 
     async def metrics(self) -> Response:
@@ -446,7 +447,7 @@ class LearningRoutes:
                       if isinstance(it, dict) and isinstance(it.get("adapter"), str) else it for it in listed]
             items = listed if isinstance(items, list) else listed[0]
         nodes = None
-        if self.cfg.training.scope == "per_node":  # each node's copy trains on the items placed on it
+        if self.cfg.training.scope_rules.routes_feedback:  # per_node: each node's copy trains on the items placed on it
             sizes = await asyncio.to_thread(self._sizes, listed)  # tokenizing is CPU work: off the event loop
             nodes = await self.ask_planner(lambda p: p.feedback_nodes.remote(sizes))
         tenant, ttl = PRINCIPAL.get().tenant, None

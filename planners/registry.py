@@ -2,6 +2,10 @@
 
 A policy module registers its classes with ``@register(kind, name)``; callers build one with
 ``create(kind, name, **params)`` from a config value and never import a policy class directly.
+
+Names are per kind (``separate`` is a placement and an iteration policy), so what errors, logs and
+listings show is the qualified name ``kind.name`` (``placement.separate``), unique across kinds. A
+config field names its kind already, so its value stays the short name; ``create`` takes either.
 """
 
 from __future__ import annotations
@@ -22,16 +26,24 @@ _POLICIES: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in _MOD
 T = TypeVar("T")
 
 
+def qualified(kind: str, name: str) -> str:
+    """The name of policy ``name`` of ``kind`` across kinds: ``kind.name``, e.g. ``placement.separate``."""
+    return f"{kind}.{name}"
+
+
 def register(kind: str, name: str) -> Callable[[T], T]:
-    """Class decorator: make ``cls`` available as policy ``name`` of ``kind``."""
+    """Class decorator: make ``cls`` available as policy ``name`` of ``kind``; it learns its ``qualified_name``."""
     if kind not in _POLICIES:
         raise ValueError(f"unknown policy kind {kind!r}; kinds: {sorted(_POLICIES)}")
+    if "." in name:
+        raise ValueError(f"policy name {name!r}: a short name, without '.' (the registry qualifies it by its kind)")
 
     def wrap(cls: T) -> T:
         existing = _POLICIES[kind].get(name)
         if existing is not None and existing is not cls:
-            raise ValueError(f"{kind} policy {name!r} registered twice")
+            raise ValueError(f"policy {qualified(kind, name)!r} registered twice")
         _POLICIES[kind][name] = cls  # type: ignore[assignment]
+        cls.qualified_name = qualified(kind, name)  # type: ignore[attr-defined]  # what its logs and status show
         return cls
 
     return wrap
@@ -50,23 +62,33 @@ def _load(kind: str) -> dict[str, Callable[..., Any]]:
 
 
 def names(kind: str) -> list[str]:
-    """Registered policy names of ``kind``, sorted."""
+    """Registered policy names of ``kind``, sorted: the short names, a config field's values."""
     return sorted(_load(kind))
+
+
+def qualified_names(kind: str | None = None) -> list[str]:
+    """The qualified names (``kind.name``) of the policies of ``kind`` (None: of every kind), sorted."""
+    kinds = sorted(_POLICIES) if kind is None else [kind]
+    return sorted(qualified(k, n) for k in kinds for n in _load(k))
+
+
+def policy_class(kind: str, name: str) -> Callable[..., Any]:
+    """The policy class ``name`` of ``kind``: its short name or its qualified name ``kind.name``."""
+    policies = _load(kind)
+    short = name[len(kind) + 1:] if name.startswith(f"{kind}.") else name
+    if short not in policies:
+        raise ValueError(f"unknown policy {qualified(kind, short)!r}; choose one of "
+                         f"{', '.join(qualified(kind, n) for n in sorted(policies))}")
+    return policies[short]
 
 
 def accepts(kind: str, name: str, param: str) -> bool:
     """Whether policy ``name`` of ``kind`` takes the keyword ``param`` (e.g. ``cost_model``)."""
     import inspect
 
-    policies = _load(kind)
-    if name not in policies:
-        raise ValueError(f"unknown {kind} policy {name!r}; choose one of {sorted(policies)}")
-    return param in inspect.signature(policies[name]).parameters
+    return param in inspect.signature(policy_class(kind, name)).parameters
 
 
 def create(kind: str, name: str, **params: Any) -> Any:
-    """Build the policy ``name`` of ``kind`` with ``params`` (from config)."""
-    policies = _load(kind)
-    if name not in policies:
-        raise ValueError(f"unknown {kind} policy {name!r}; choose one of {sorted(policies)}")
-    return policies[name](**params)
+    """Build the policy ``name`` (short, as config gives it, or ``kind.name``) of ``kind`` with ``params``."""
+    return policy_class(kind, name)(**params)

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from planners.training_scope import TrainingScope, training_scope
+
 
 DEFAULT_DATA_DIR = "~/.cache/coserve"
 ADMIN_TENANT = "admin"  # the operator's tenant name: its key may act on every adapter (deployments/keys.py)
@@ -192,6 +194,11 @@ class TrainingConfig(_ConfigSection):
                              "publish and gate verdict. Only the versions training may resume from keep their "
                              "optimizer state. null: keep every version.")
 
+    @property
+    def scope_rules(self) -> TrainingScope:
+        """What ``scope`` decides (planners/training_scope.py), for the code that differs between the scopes."""
+        return training_scope(self.scope)
+
 
 class StorageConfig(_ConfigSection):
     store_node: str = Field(
@@ -314,7 +321,7 @@ class AppConfig(_ConfigSection):
         """``placement: separate`` needs a node that serves, one that trains, and a scope whose copies get served."""
         if self.planner.placement == "separate":
             t = self.training
-            problem = self._separate().problem(self.cluster.nodes, t.enabled, t.scope == "per_node")
+            problem = self._separate().problem(self.cluster.nodes, t.enabled, t.scope_rules)
             if problem:
                 raise ValueError(problem)
         return self

@@ -134,10 +134,7 @@ class Trainer:
             self._error("config", why)
         self.problem: str | None = None
         t = self.cfg.training
-        if t.scope == "per_node" and t.workers is not None and t.workers != self.cfg.cluster.nodes:
-            # Each node's copy is trained by the one worker on that node; more or fewer cannot split a queue.
-            self.problem = (f"training.scope 'per_node' needs one worker per node: workers={t.workers}, "
-                            f"nodes={self.cfg.cluster.nodes} (leave workers unset)")
+        self.problem = t.scope_rules.workers_problem(t.workers, self.cfg.cluster.nodes)
         if ray.get_runtime_context().was_current_actor_reconstructed:
             # Ray restarted this actor after a crash; whoever called run() before will not call it again.
             self.run()
@@ -242,14 +239,13 @@ class Trainer:
                     f"trainer ranks not placed within {PLACE_TIMEOUT_S:.0f} s: each asks {dict(t.resources_per_worker)} "
                     f"in bundle 0 of its node's placement group, beside the replica's {self.cfg.replica_share} "
                     f"(bundle {dict(self.cfg.cluster.bundle)})") from None
-            if t.scope == "synced" and workers > 1:
+            if t.scope_rules.joins_collective(workers):
                 host, port = ray.get(ranks[0].address.remote(), timeout=60)
                 ray.get([a.join.remote(host, port) for a in ranks], timeout=JOIN_TIMEOUT_S)
             for started in ray.get([a.start.remote() for a in ranks], timeout=PLACE_TIMEOUT_S):
                 self._rank_started(started)
             store = ray.get_actor(self.cfg.feedback_actor_name, namespace=self.namespace)
-            lanes = ([(ranks, node_of_rank, None)] if t.scope == "synced"
-                     else [([a], [node], node) for a, node in zip(ranks, node_of_rank)])
+            lanes = t.scope_rules.lanes(ranks, node_of_rank)
             drivers = [LoraDriver(self.cfg, lane_ranks, lane_nodes, line, store=store, planner=self.planner,
                                   eval_file=self.eval_file, should_stop=lambda: self._stop.is_set() or ended.is_set(),
                                   report=self.record, warn=self._error)

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 from planners.costs import CostModel, as_cost_model
 from planners.placement.policy import task_length
 from planners.registry import register
+from planners.training_scope import TrainingScope, training_scope
 from planners.types import ExecutionTrace, NodeView, Task
 
 
@@ -64,9 +65,12 @@ class Separate:
         """The nodes set aside for training: the last N_train in ``node_ids``."""
         return list(node_ids[len(node_ids) - self.n_train(len(node_ids)):])
 
-    def problem(self, n_nodes: int, training: bool, per_node: bool) -> str | None:
+    def problem(self, n_nodes: int, training: bool, scope: TrainingScope | str | bool) -> str | None:
         """Why this split cannot run the app (None: it can): SEPARATE needs a node that serves and,
-        with training on, one that trains; and a per_node copy would be served only where it trains."""
+        with training on, one that trains; and a per_node copy would be served only where it trains.
+        ``scope``: the training scope or its name; True/False (per_node or not) still work for
+        actors/control/planner.py until it passes the scope."""
+        scope = training_scope(("per_node" if scope else "synced") if isinstance(scope, bool) else scope)
         n_train = self.n_train(n_nodes)
         if n_nodes - n_train < 1:
             return (f"placement separate (alpha={self.alpha}) leaves none of the {n_nodes} node(s) to serve "
@@ -74,7 +78,7 @@ class Separate:
         if training and n_train < 1:
             return (f"placement separate (alpha={self.alpha}) leaves none of the {n_nodes} node(s) to train; "
                     "raise alpha, add nodes, or set training.enabled false")
-        if training and per_node:
+        if training and scope.serves_only_where_trained:
             return ("training.scope per_node cannot run with placement separate: a node's copy is served only on "
                     "that node, and separate's training nodes serve no inference, so no trained copy would ever be "
                     "served; use training.scope synced (the training nodes train one copy together and every node "

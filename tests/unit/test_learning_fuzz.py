@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from typing import Any
 
 import pytest
 
@@ -25,13 +24,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 
 from settings import load  # noqa: E402
-from deployments.keys import KeyRing  # noqa: E402
 from actors.learning.store.sqlite import FeedbackStore  # noqa: E402
-from deployments.guard import RequestGuard  # noqa: E402
-from deployments.http import install_error_handlers  # noqa: E402
-from deployments.learning import LearningRoutes  # noqa: E402
-from deployments.openapi import install_openapi  # noqa: E402
-from tests.unit.test_learning_routes import FakeStoreActor, Planner  # noqa: E402
+from tests.unit.learning_app import guarded_learning_app  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
@@ -44,24 +38,8 @@ STORE = FeedbackStore(DATA, gate_defaults={"enabled": False, "held_out_share": 0
 def _app() -> FastAPI:
     cfg = load({"data_dir": DATA, "model": {"embedded": "tiny-llama"}, "engine": {"max_lora_rank": 8}})
     STORE.create_adapter({"name": "tutor", "mode": "off"})
-    actor = FakeStoreActor(STORE)
-    routes = LearningRoutes(cfg, Planner())
-    routes.planner_timeout_s = 0.1
-
-    async def find_store() -> Any:
-        return actor
-
-    async def lora_modules() -> frozenset[str]:
-        return frozenset(f"model.layers.0.self_attn.{m}" for m in ("q_proj", "v_proj"))
-
-    routes._find_store = find_store  # type: ignore[method-assign]
-    routes._lora_modules = lora_modules  # type: ignore[method-assign]
-    app = FastAPI()
-    install_error_handlers(app)
-    routes.install(app)
-    install_openapi(app, guarded=False, max_lora_rank=cfg.engine.max_lora_rank)
     # As the app runs without keys: the guard establishes local mode (a route reached without it refuses).
-    app.add_middleware(RequestGuard, keys=KeyRing({}), limits=cfg.limits)
+    app, _, _ = guarded_learning_app(cfg, STORE, planner_timeout_s=0.1, openapi=True)
     return app
 
 

@@ -2,94 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from ray.exceptions import RayActorError
 
 from settings import AppConfig, load
-from deployments.keys import KeyRing
 from actors.learning.store.sqlite import FeedbackStore
-from deployments.guard import RequestGuard
-from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import LearningRoutes
-
-
-class _Method:
-    def __init__(self, actor: "FakeStoreActor", name: str) -> None:
-        self.actor, self.name = actor, name
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self.actor.call(self.name, *args, **kwargs)
-
-
-class FakeStoreActor:
-    """Stands in for the FeedbackQueue actor handle: ``q.<method>.remote(...)`` runs the real store's method
-    in a thread; a name in ``die_after`` makes its next call commit and then fail as if the actor died before
-    replying, one in ``die_before`` makes it fail before it runs."""
-
-    def __init__(self, store: FeedbackStore) -> None:
-        self.store = store
-        self.die_after: set[str] = set()
-        self.die_before: set[str] = set()
-
-    def __getattr__(self, name: str) -> _Method:
-        return _Method(self, name)
-
-    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if name in self.die_before:
-            self.die_before.discard(name)
-            raise RayActorError()
-        result = await asyncio.to_thread(getattr(self.store, name), *args, **kwargs)
-        if name in self.die_after:
-            self.die_after.discard(name)
-            raise RayActorError()
-        return result
-
-
-class Planner:
-    """How the planner answers: ``mode`` away (ServiceUnavailable, as ModelServer._ask_planner raises it), dead
-    (RayActorError), hangs (never answers), or ok."""
-
-    def __init__(self) -> None:
-        self.mode, self.calls = "away", 0
-
-    async def __call__(self, call: Callable[[Any], Any]) -> Any:
-        self.calls += 1
-        if self.mode == "away":
-            raise ServiceUnavailable("The planner is restarting; retry in a few seconds.")
-        if self.mode == "dead":
-            raise RayActorError()
-        if self.mode == "hangs":
-            await asyncio.sleep(3600)
-        return None
+from tests.unit.learning_app import TINY_LORA_PARTS, Planner, guarded_learning_app
 
 
 @pytest.fixture
 def harness(tmp_path):
     cfg: AppConfig = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
     store = FeedbackStore(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
-    actor, planner = FakeStoreActor(store), Planner()
-    routes = LearningRoutes(cfg, planner)
-    routes.planner_timeout_s = 0.2
-
-    async def find_store() -> Any:
-        return actor
-
-    async def lora_modules() -> frozenset[str]:  # the tiny Llama's, without building it (tests/integration does)
-        return frozenset(f"model.layers.0.{part}" for part in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"))
-
-    routes._find_store = find_store  # type: ignore[method-assign]
-    routes._lora_modules = lora_modules  # type: ignore[method-assign]
-    app = FastAPI()
-    install_error_handlers(app)
-    routes.install(app)
-    # As the model server runs the routes: behind the guard, here in local mode (no keys), which the guard
-    # sets explicitly; without it the routes refuse every request (no principal).
-    app.add_middleware(RequestGuard, keys=KeyRing({}), limits=cfg.limits)
+    # As the model server runs the routes: behind the guard, here in local mode (no keys).
+    app, actor, planner = guarded_learning_app(cfg, store, lora_parts=(*TINY_LORA_PARTS, "mlp.up_proj"))
     with TestClient(app) as client:
         yield client, store, actor, planner
     store.close()
@@ -192,27 +122,11 @@ def tenants(tmp_path):
     **kw)`` sends a request with that tenant's key."""
     from settings import LimitsConfig
     from deployments.keys import KeyRing, digest
-    from deployments.guard import RequestGuard
 
     cfg: AppConfig = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
     store = FeedbackStore(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
-    actor = FakeStoreActor(store)
-    routes = LearningRoutes(cfg, Planner())
-    routes.planner_timeout_s = 0.2
-
-    async def find_store() -> Any:
-        return actor
-
-    async def lora_modules() -> frozenset[str]:
-        return frozenset(f"model.layers.0.{part}" for part in ("self_attn.q_proj", "self_attn.v_proj"))
-
-    routes._find_store = find_store  # type: ignore[method-assign]
-    routes._lora_modules = lora_modules  # type: ignore[method-assign]
-    app = FastAPI()
-    install_error_handlers(app)
-    routes.install(app)
-    app.add_middleware(RequestGuard, keys=KeyRing({digest(k): t for t, k in KEYS.items()}),
-                       limits=LimitsConfig(requests_per_second=None, max_concurrent=None))
+    app, _, _ = guarded_learning_app(cfg, store, keys=KeyRing({digest(k): t for t, k in KEYS.items()}),
+                                     limits=LimitsConfig(requests_per_second=None, max_concurrent=None))
     with TestClient(app) as client:
         def call(tenant: str, method: str, path: str, **kw: Any) -> Any:
             return client.request(method, path, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, **kw)

@@ -52,3 +52,21 @@ def test_planners_import_neither_ray_nor_torch():
 def test_accepts_tells_which_policies_take_a_cost_model():
     assert registry.accepts("placement", "lemix", "cost_model")
     assert not registry.accepts("placement", "round_robin", "cost_model")
+
+
+def test_qualified_names_are_unique_and_create_takes_either_form():
+    every = registry.qualified_names()
+    assert len(every) == len(set(every))
+    for kind in ("placement", "iteration", "stages", "retraining", "stage_order"):
+        assert registry.qualified_names(kind) == [f"{kind}.{n}" for n in registry.names(kind)]
+        for name in registry.names(kind):  # each class knows the name its logs and status show
+            assert registry.policy_class(kind, name).qualified_name == registry.qualified(kind, name)
+    assert {"placement.separate", "iteration.separate", "stage_order.separate"} <= set(every)
+    short = registry.create("placement", "separate")
+    full = registry.create("placement", "placement.separate")
+    assert type(short) is type(full) and type(short).qualified_name == "placement.separate"
+    assert type(registry.create("iteration", "iteration.separate")).qualified_name == "iteration.separate"
+    with pytest.raises(ValueError, match=r"unknown policy 'placement.nope'; choose one of .*placement.separate"):
+        registry.create("placement", "nope")
+    with pytest.raises(ValueError, match="unknown policy 'placement.iteration.separate'"):
+        registry.create("placement", "iteration.separate")  # another kind's qualified name is no placement

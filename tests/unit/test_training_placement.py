@@ -9,6 +9,7 @@ from planners import registry
 from planners.coserving import LiveRequest
 from planners.placement import Separate, TrainingPlacer, route_feedback
 from planners.routing import RoutingTable
+from planners.training_scope import PER_NODE, SYNCED
 from planners.types import ExecutionTrace, NewFeedback, NodeView, RoutingSnapshot, TrainingPlacement
 from tests.unit.placement_toy import TOY, TWO, by_node, infer, lemix, train
 
@@ -190,11 +191,11 @@ def test_a_granted_step_is_placed_until_its_node_reports_back():
 def test_separate_names_its_training_nodes_and_what_it_cannot_run():
     s = Separate(alpha=0.5)
     assert s.training_nodes([0, 1, 2, 3]) == [2, 3] and s.training_nodes([0, 1]) == [1]
-    assert s.problem(2, training=True, per_node=False) is None
-    assert "serve" in s.problem(1, training=True, per_node=False)
-    assert "per_node" in s.problem(2, training=True, per_node=True)
-    assert "train" in Separate(alpha=0.0).problem(2, training=True, per_node=False)
-    assert Separate(alpha=0.0).problem(2, training=False, per_node=False) is None
+    assert s.problem(2, training=True, scope=SYNCED) is None
+    assert "serve" in s.problem(1, training=True, scope=SYNCED)
+    assert "per_node" in s.problem(2, training=True, scope=PER_NODE)
+    assert "train" in Separate(alpha=0.0).problem(2, training=True, scope=SYNCED)
+    assert Separate(alpha=0.0).problem(2, training=False, scope=SYNCED) is None
 
 
 def test_least_utilized_counts_work_committed_elsewhere_until_forgotten():

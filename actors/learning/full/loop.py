@@ -29,7 +29,8 @@ from typing import Any, Callable
 import ray
 
 from settings import AppConfig
-from actors.learning.store.models import FULL_METHODS, FeedbackItem, VersionConflict
+from actors.learning.store.models import FeedbackItem, VersionConflict
+from actors.learning.store.unit_kind import unit_kind
 from actors.learning.full.messages import PipelineSettings, TrainingSample
 from planners.retraining import RetrainingPolicy, RetrainingView, make_policy
 from planners.types import FullVersion
@@ -109,7 +110,8 @@ class FullUnitLoop:
 
     def round(self) -> float:
         """Train and publish one version if the unit's policy says so; the seconds to wait before the next round."""
-        units = [a for a in ray.get(self.store.list_adapters.remote()) if a.method in FULL_METHODS]
+        units = [a for a in ray.get(self.store.list_adapters.remote())
+                 if not unit_kind(a.method).trained_by_lora_ranks]
         if not units:
             return IDLE_WAIT_S
         unit = units[0]

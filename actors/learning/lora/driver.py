@@ -44,7 +44,8 @@ from typing import Any, Callable
 import ray
 
 from settings import AppConfig
-from actors.learning.store.models import FULL_METHODS, FeedbackItem
+from actors.learning.store.models import FeedbackItem
+from actors.learning.store.unit_kind import unit_kind
 from actors.learning.lora.evaluator import VersionEvaluator
 from actors.learning.lora.messages import (
     GrantWaited,
@@ -129,7 +130,6 @@ class LoraDriver:
         self.cfg, self.t = cfg, cfg.training
         self.ranks, self.nodes, self.line = ranks, nodes, line
         self.node_id = nodes[0]  # the node whose planner state judges CheckEnd (rank 0's)
-        self.per_node = line is not None
         self.store, self.planner = store, planner
         self.should_stop, self._report, self._warn_to = should_stop, report, warn
         self.loaded: tuple[str, int | None] | None = None  # (adapter, version) the ranks' weights started from
@@ -239,7 +239,7 @@ class LoraDriver:
             # Not while the gate judges the adapter's candidate: the next version must start from
             # whatever is served after the verdict, never from weights the gate may reject.
             # A full unit (full_sft/full_dpo) is not a LoRA adapter: actors/learning/full/loop.py trains it.
-            return (available(name) > 0 and self._spec(name).method not in FULL_METHODS
+            return (available(name) > 0 and unit_kind(self._spec(name).method).trained_by_lora_ranks
                     and self._spec(name).mode != "off" and not self._spec(name).paused
                     and not self.evaluator.judging(name) and self.not_before.get(name, 0) <= now)
 
@@ -496,7 +496,7 @@ class LoraDriver:
         """The store serves a new version of ``adapter``: wait until the replicas serve what the store says (the
         planner follows the store anyway; waiting here makes the freshness figures mean "served")."""
         try:
-            nodes = [self.node_id] if self.per_node else None  # per_node: only this node serves its copy
+            nodes = self.t.scope_rules.serving_nodes(self.node_id)  # per_node: only this node serves its copy
             ray.get(self.planner.load_adapter.remote(adapter, nodes), timeout=LOAD_TIMEOUT_S)
         except Exception as exc:  # published in the store; the planner restores it on restart
             self._warn("load_adapter", exc)

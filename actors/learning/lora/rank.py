@@ -82,7 +82,7 @@ class TrainRank:
         self.rank, self.world, self.node_id = rank, world, node_id
         self.cfg, self.t, self.namespace = config, config.training, namespace
         # per_node (LEMIX §V-B): each rank trains its node's copy alone and never joins a collective.
-        self.group_rank, self.group_world = (0, 1) if self.t.scope == "per_node" else (rank, world)
+        self.group_rank, self.group_world = self.t.scope_rules.group(rank, world)
         self.bank: Any = None
         self.model: Any = None
         self.opt: Any = None
