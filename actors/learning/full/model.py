@@ -112,6 +112,7 @@ def pipeline_module(config: dict, stages: int, partition_method: str, loss_fn, *
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime import utils as ds_utils
 
+    # Overrides DeepSpeed's private partitioning step (the names it uses are checked in compat/).
     class ComputeBalanced(PipelineModule):
         def _partition_layers(self, method: str = "uniform") -> None:
             if method != "compute":
