@@ -31,15 +31,15 @@ call) stays Ray's.
 from __future__ import annotations
 
 import logging
-import string
 
 import ray
 
+import compat
 from deployments.front_door import ROUTER_MARKER_HEADER, FrontDoor, FrontDoorError
 
 logger = logging.getLogger("ray.serve")
 
-RAY_VERSION = "2.60.0"
+RAY_VERSION = compat.CHECKED_VERSIONS["ray"]
 
 # (what Ray 2.60's template has exactly once, what it becomes); "{rules}" is the frontend's rules.
 _CONFIG_EDITS = (
@@ -105,20 +105,15 @@ def check_version() -> None:
                          "ingress_request_router.lua.tmpl, then update RAY_VERSION.")
 
 
-check_version()  # before anything below reaches into Ray's private modules
+check_version()  # before anything below reads Ray's private modules (through compat/)
 
-from ray.serve._private import haproxy as _haproxy  # noqa: E402
-
-_RAY_TEMPLATE = _haproxy.HAPROXY_CONFIG_TEMPLATE
-_RAY_LOAD_LUA = _haproxy._load_lua_template
+_RAY_TEMPLATE = compat.haproxy_config_template()
+_RAY_LOAD_LUA = compat.haproxy_lua_loader()
 
 
 def _check_ray_knobs(door: FrontDoor) -> None:
     """Ray read its own knobs of the front door (maxconn, timeout client, buffers) from the same environment."""
-    read = {"maxconn": _haproxy.RAY_SERVE_HAPROXY_MAXCONN,
-            "timeout client": _haproxy.RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S,
-            "tune.bufsize": _haproxy.RAY_SERVE_HAPROXY_TUNE_BUFSIZE,
-            "tune.bufsize (router)": _haproxy.RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE}
+    read = compat.haproxy_knobs()
     want = {"maxconn": door.maxconn, "timeout client": door.client_idle_timeout_s, "tune.bufsize": door.bufsize,
             "tune.bufsize (router)": door.bufsize}
     if read != want:
@@ -129,16 +124,12 @@ def apply(door: FrontDoor) -> None:
     """Render this process's HAProxy configs with the front door (idempotent: edits Ray's originals)."""
     check_version()
     _check_ray_knobs(door)
-    _haproxy.HAPROXY_CONFIG_TEMPLATE = edit_template(_RAY_TEMPLATE, door)
-    lua = edit_lua(_RAY_LOAD_LUA().template)
-    _haproxy._load_lua_template = lambda: string.Template(lua)
-
-
-_RayHAProxyManager = _haproxy.HAProxyManager.__ray_metadata__.modified_class.__ray_actor_class__
+    compat.set_haproxy_config_template(edit_template(_RAY_TEMPLATE, door))
+    compat.set_haproxy_lua_template(edit_lua(_RAY_LOAD_LUA().template))
 
 
 @ray.remote(num_cpus=0)
-class HAProxyManager(_RayHAProxyManager):  # type: ignore[misc, valid-type]
+class HAProxyManager(compat.ray_haproxy_manager_class()):  # type: ignore[misc]
     """Ray's HAProxy manager, created from this module so that its process renders with the front door."""
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
@@ -159,9 +150,8 @@ def install() -> None:
     _check_ray_knobs(door)
     edit_template(_RAY_TEMPLATE, door)
     edit_lua(_RAY_LOAD_LUA().template)
-    from ray.serve._private import controller
-
-    if controller.HAProxyManager is not _haproxy.HAProxyManager and controller.HAProxyManager is not HAProxyManager:
-        raise PatchError(f"the Serve controller creates {controller.HAProxyManager!r}, not Ray's HAProxyManager")
-    controller.HAProxyManager = HAProxyManager
+    current = compat.serve_controller_haproxy_manager()
+    if current is not compat.ray_haproxy_manager() and current is not HAProxyManager:
+        raise PatchError(f"the Serve controller creates {current!r}, not Ray's HAProxyManager")
+    compat.set_serve_controller_haproxy_manager(HAProxyManager)
     logger.info("front door: the Serve controller creates HAProxy managers from %s (%s)", __name__, door)

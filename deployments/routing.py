@@ -2,7 +2,7 @@
 
 With HAProxy in front (``app/serve_env.py``), HAProxy asks an *ingress request router* which
 model server replica takes each request, then forwards the request straight to it
-(``Application._with_ingress_request_router``, the hook Ray Serve LLM's direct streaming uses;
+(``compat.with_ingress_request_router``, the hook Ray Serve LLM's direct streaming uses;
 HAProxy's Lua calls ``POST /internal/route`` with the request body):
 
 - :class:`PlacementRouter` is that router deployment. It turns the body into a :class:`Task`
@@ -45,6 +45,7 @@ from fastapi import FastAPI, HTTPException, Request
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+import compat
 from settings import AppConfig
 from deployments.keys import LOCAL, Principal
 from deployments.front_door import ROUTER_MARKER_HEADER
@@ -200,7 +201,7 @@ class PlacementRouter:
         self.keys = KeyRing.load(config.auth.keys_file, config.auth.keys_env, config.data_path)
         self._warned_unmarked = False
         self.counter = PromptCounter(model_dir(config))
-        self.server._init()
+        compat.start_handle(self.server)
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
@@ -209,12 +210,12 @@ class PlacementRouter:
         if principal is not None:
             task = self._task(await request.body(), request.headers.get("x-request-id"), principal)
         try:
-            async with self.server.choose_replica(*(() if task is None else (task,)), _reserve=False) as chosen:
-                replica = chosen._replica  # Serve's own LLM router reads the endpoint the same way
-                if replica.backend_http_endpoint is None:
+            async with compat.choose_replica(self.server, *(() if task is None else (task,))) as chosen:
+                endpoint, replica_id = compat.chosen_http_endpoint(chosen)
+                if endpoint is None:
                     raise HTTPException(503, f"replica {chosen.replica_id} has no HTTP endpoint")
-                host, port = replica.backend_http_endpoint
-                return {"host": host, "port": port, "replica_id": replica.replica_id.to_full_id_str()}
+                host, port = endpoint
+                return {"host": host, "port": port, "replica_id": replica_id}
         except HTTPException:
             raise
         except Exception as exc:  # HAProxy falls back to its own balancing on any non-200

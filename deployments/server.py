@@ -8,6 +8,17 @@ status, learning). With HAProxy in front (``app/serve_env.py``), a request reach
 straight from HAProxy and its streamed tokens go back the same way: one Python process in the
 token path, as in ``vllm serve`` and Ray Serve LLM's direct streaming.
 
+A request's path through a replica, in order (each a plain call; a debugger steps through it):
+
+1. ASGI middleware, outermost first (:meth:`ModelServer.__serve_build_asgi_app__`): :class:`StageStamps`
+   (arrival), ``RequestGuard`` (key, rate limits, body cap: ``deployments/guard.py``),
+   ``CoalesceEventStreams`` (``deployments/streams.py``), then vLLM's own middleware;
+2. the route: for completions, chat, tokenize and detokenize the app's checks (the server's ``_checked``
+   route runs ``_check_generation`` or ``_check_owner``), then vLLM's own route function, which calls its
+   serving class (``OpenAIServingCompletion.create_completion``, ...);
+3. the engine: ``TracedEngine.generate`` (``actors/serving/request_traces.py``) records the request under
+   the id vLLM built from its ``X-Request-Id``, then vLLM's ``AsyncLLM.generate``.
+
 The planner is this deployment's deployment-scoped actor: Serve creates it before the replicas,
 recreates it if it dies, and removes it with the app. Each replica registers with it as the
 replica of node ``rank`` and reports traces and engine facts; the placement router
@@ -16,6 +27,7 @@ replica of node ``rank`` and reports traces and engine facts; the placement rout
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -30,10 +42,11 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
+import compat
 from actors.serving import request_stages
 from actors.learning.versions.files import AdapterFiles
 from actors.control.planner import NAMESPACE
-from actors.serving.replica import TASK_ID, ModelReplica
+from actors.serving.replica import ModelReplica
 from settings import AppConfig
 from actors.serving.engine_args import engine_flags, served_model_name
 from deployments.guard import PRINCIPAL, RequestGuard
@@ -52,6 +65,8 @@ PLANNER = "planner"  # the deployment-scoped actor's name
 # /metrics are the app's own (they span every node and show the planner's and adapters' facts).
 VLLM_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/ping", "/version",
                          "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})  # the model's rights and the caps
+OWNED_ROUTES = frozenset({"/tokenize", "/detokenize"})  # the model's rights alone (no output, so no caps)
 
 
 class StageStamps:
@@ -78,24 +93,6 @@ class StageStamps:
         await self.app(scope, receive, stamped_send)
 
 
-class TaskIdMiddleware:
-    """Pure ASGI: the request's ``X-Request-Id`` (HAProxy sets one when the client did not) becomes
-    the trace's task id, the id the placement router planned the request under."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            for key, value in scope["headers"]:
-                if key == b"x-request-id":
-                    TASK_ID.set(value.decode("latin-1"))
-                    break
-            else:
-                TASK_ID.set(None)
-        await self.app(scope, receive, send)
-
-
 @serve.ingress()
 class ModelServer:
     """One node's engine and the app's HTTP API (built by :func:`build`)."""
@@ -119,7 +116,7 @@ class ModelServer:
                                                            and config.engine.keep_others_off_engine_cores))
         self.learning = LearningRoutes(config, self._ask_planner)
         await self.replica.start()
-        self._guard_requests()
+        self._prepare_checks()
         ctx = ray.get_runtime_context()
         pg = ray.util.get_current_placement_group()
         registration = NodeRegistration(
@@ -175,7 +172,8 @@ class ModelServer:
         r = self.replica
         app = build_app(r.args, supported_tasks=r.supported_tasks, model_config=r.engine.model_config)
         # vLLM's handlers read their serving objects from the app state that init_app_state filled.
-        app.state._state.update(r.state._state)
+        for key in r.state:
+            app.state[key] = r.state[key]
         # vLLM's engine-error handler flips ``state.server.should_exit`` on the uvicorn server it runs
         # itself; here Serve runs the server and replaces an unhealthy replica through check_health.
         app.state.server = SimpleNamespace()
@@ -183,11 +181,16 @@ class ModelServer:
         # request once cleared, with the handlers and middleware added below (Ray Serve LLM does the same).
         app.middleware_stack = None
         app.router.routes[:] = [rt for rt in app.router.routes if getattr(rt, "path", None) in VLLM_ROUTES]
+        for route in list(app.router.routes):
+            if route.path in GENERATION_ROUTES | OWNED_ROUTES:
+                check = self._check_generation if route.path in GENERATION_ROUTES else self._check_owner
+                app.router.routes.remove(route)  # the same route, with the app's checks before vLLM's function
+                app.add_api_route(route.path, self._checked(route.endpoint, check), methods=list(route.methods),
+                                  dependencies=route.dependencies, responses=route.responses)
         install_error_handlers(app)
         self._install_routes(app)
         self.learning.install(app)
         install_openapi(app, guarded=self.keys.enabled, max_lora_rank=self.cfg.engine.max_lora_rank)
-        app.add_middleware(TaskIdMiddleware)
         if self.cfg.ingress.stream_batching_ms > 0:
             app.add_middleware(CoalesceEventStreams, interval_s=self.cfg.ingress.stream_batching_ms / 1000)
         # Nothing runs for a request without a key, over its limits, or with a body over the cap.
@@ -231,107 +234,108 @@ class ModelServer:
         app.add_api_route("/health", health, methods=["GET"])
         app.add_api_route("/v1/status", status, methods=["GET"])
 
-    def _guard_requests(self) -> None:
-        """Checks vLLM's serving classes do not make, wrapped around their entry points once: the tenant's
-        rights on the model (completions, chat, tokenize and detokenize alike), the request caps (``limits``,
-        and ``limits.max_tokens`` as the default output length), and the tenant's prefix-cache salt.
+    def _prepare_checks(self) -> None:
+        """What the checks of :meth:`_checked` need from the engine, and the tenant's names in answers.
 
         Adapter names are scoped by tenant (deployments/learning.py): the engine serves tenant acme's
         ``support`` as the LoRA ``base:acme/support``, which acme calls ``base:support``. The request's
-        ``model`` becomes the engine's name here, and the names vLLM writes into answers go back to the
-        tenant's (``OpenAIServingModels.model_name``)."""
+        ``model`` becomes the engine's name in the checks, and the names vLLM writes into answers go back
+        to the tenant's here (``OpenAIServingModels.model_name``; vLLM has no hook for it)."""
+        state, limits = self.replica.state, self.cfg.limits
+        models = state.openai_serving_models
+        self._aliases = ", ".join(m.name for m in models.base_model_paths)
+        # The output length of a request that names none, per serving class: limits.max_tokens, or less where the
+        # model's generation config says less (vLLM's default then), never past the context; vLLM then takes the
+        # least of that and the room the prompt leaves (get_max_tokens).
+        self._default_caps: dict[str, int] = {}
+        for kind in ("openai_serving_completion", "openai_serving_chat"):
+            serving = getattr(state, kind, None)
+            defaults = (getattr(serving, "default_sampling_params", None) or {}) if serving is not None else {}
+            self._default_caps[kind] = min(limits.max_tokens, self.replica.max_model_len,
+                                           defaults.get("max_tokens") or limits.max_tokens)
+        base, engine_name = self.served_name, models.model_name
+        models.model_name = lambda lora_request=None: public_model(PRINCIPAL.get(), base, engine_name(lora_request))
+
+    @staticmethod
+    def _checked(vllm_route: Callable[..., Awaitable[Any]], check: Callable[[Any], Awaitable[Any]]) -> Any:
+        """vLLM's route function ``vllm_route``, after ``check(request)``: its refusal (a vLLM ``ErrorResponse``)
+        is the answer, as vLLM answers its own; None lets the request (as ``check`` left it) through."""
+        @functools.wraps(vllm_route)  # FastAPI reads vLLM's signature: the same body model and validation
+        async def route(request: Any, raw_request: Any) -> Any:
+            refused = await check(request)
+            if refused is not None:
+                return JSONResponse(content=refused.model_dump(), status_code=refused.error.code)
+            return await vllm_route(request, raw_request)
+        return route
+
+    async def _engine_model(self, model: str) -> str | None:
+        models = self.replica.state.openai_serving_models
+        return await engine_model_for(PRINCIPAL.get(), model, self.served_name, self.learning.owner,
+                                      models.lora_requests)
+
+    def _not_found(self, request: Any) -> Any:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-        lora = self.cfg.engine.enable_lora
-        limits = self.cfg.limits
-        base = self.served_name
-        models = self.replica.state.openai_serving_models
-        aliases = ", ".join(m.name for m in models.base_model_paths)
+        # Word for word what vLLM answers for a model it does not have, with the name the client sent.
+        return create_error_response(f"The model `{request.model}` does not exist. Valid aliases: {self._aliases}.",
+                                     err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="model")
 
-        def refusal(request: Any) -> str | None:
-            """Why ``request`` is over a cap (the message of a 400), or None."""
-            n = getattr(request, "n", 1) or 1
-            prompt = getattr(request, "prompt", None)
-            prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
-            if n * prompts > limits.max_n:
-                return f"n={n} choices for {prompts} prompt(s) exceeds limits.max_n={limits.max_n} per request."
-            best_of = getattr(request, "best_of", None)
-            if best_of is not None and best_of > limits.max_best_of:
-                return f"best_of={best_of} exceeds limits.max_best_of={limits.max_best_of}."
-            for field in ("max_tokens", "max_completion_tokens"):
-                value = getattr(request, field, None)
-                if value is not None and value > limits.max_tokens:
-                    return f"{field}={value} exceeds limits.max_tokens={limits.max_tokens}."
-            for field in ("logprobs", "top_logprobs"):
-                value = getattr(request, field, None)
-                if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limits.max_logprobs:
-                    return f"{field}={value} is outside 0..limits.max_logprobs={limits.max_logprobs}."
-            return None
+    async def _check_owner(self, request: Any) -> Any:
+        """Tokenize and detokenize: the tenant may use the model it names, which becomes the engine's name."""
+        if request.model:
+            model = await self._engine_model(request.model)
+            if model is None:
+                return self._not_found(request)
+            request.model = model
+        return None
 
-        async def engine_model(model: str) -> str | None:
-            return await engine_model_for(PRINCIPAL.get(), model, base, self.learning.owner, models.lora_requests)
+    async def _check_generation(self, request: Any) -> Any:
+        """Completions and chat: the tenant's rights on the model, the request caps (``limits``, and
+        ``limits.max_tokens`` as the default output length) and the tenant's prefix-cache salt."""
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-        def not_found(request: Any) -> Any:
-            # Word for word what vLLM answers for a model it does not have, with the name the client sent.
-            return create_error_response(f"The model `{request.model}` does not exist. Valid aliases: {aliases}.",
-                                         err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="model")
+        if not request.model:
+            return create_error_response("`model` is required and must be a string.", param="model")
+        model = await self._engine_model(request.model)
+        if model is None:
+            return self._not_found(request)
+        request.model = model
+        chat = "max_completion_tokens" in type(request).model_fields
+        default_max_tokens(request, self._default_caps["openai_serving_chat" if chat else "openai_serving_completion"])
+        why = refusal(request, self.cfg.limits)
+        if why is not None:
+            return create_error_response(why)
+        if self.cfg.engine.enable_lora and (getattr(request, "prompt_logprobs", None) is not None or (
+                getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None)):
+            # vLLM #16668: prompt logprobs in a LoRA-enabled CPU engine crash the engine for everyone.
+            return create_error_response(
+                "Prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are not supported while "
+                "LoRA is enabled (vLLM #16668).", param="prompt_logprobs")
+        # Never the client's: a chosen salt could probe another tenant's cached prefixes.
+        request.cache_salt = PRINCIPAL.get().cache_salt
+        request_stages.mark("checked")
+        return None
 
-        def owned(create: Any) -> Any:
-            """Tokenize and detokenize: the ownership rule alone (no output, so no caps)."""
-            async def create_owned(request: Any, raw_request: Any = None) -> Any:
-                if request.model:
-                    model = await engine_model(request.model)
-                    if model is None:
-                        return not_found(request)
-                    request.model = model
-                return await create(request, raw_request)
-            return create_owned
 
-        def guarded(create: Any, serving: Any) -> Any:
-            # The output length of a request that names none: limits.max_tokens, or less where the model's
-            # generation config says less (vLLM's default then), never past the context; vLLM then takes the
-            # least of that and the room the prompt leaves (get_max_tokens).
-            default_cap = min(limits.max_tokens, self.replica.max_model_len,
-                              (getattr(serving, "default_sampling_params", None) or {}).get("max_tokens")
-                              or limits.max_tokens)
-
-            async def create_checked(request: Any, raw_request: Any = None) -> Any:
-                if not request.model:
-                    return create_error_response("`model` is required and must be a string.", param="model")
-                model = await engine_model(request.model)
-                if model is None:
-                    return not_found(request)
-                request.model = model
-                default_max_tokens(request, default_cap)
-                why = refusal(request)
-                if why is not None:
-                    return create_error_response(why)
-                if lora and (getattr(request, "prompt_logprobs", None) is not None
-                             or (getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None)):
-                    # vLLM #16668: prompt logprobs in a LoRA-enabled CPU engine crash the engine for everyone.
-                    return create_error_response(
-                        "Prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are not supported while "
-                        "LoRA is enabled (vLLM #16668).", param="prompt_logprobs")
-                # Never the client's: a chosen salt could probe another tenant's cached prefixes.
-                request.cache_salt = PRINCIPAL.get().cache_salt
-                request_stages.mark("checked")
-                return await create(request, raw_request)
-            return create_checked
-
-        state = self.replica.state
-        if getattr(state, "openai_serving_completion", None) is not None:
-            serving = state.openai_serving_completion
-            serving.create_completion = guarded(serving.create_completion, serving)
-        if getattr(state, "openai_serving_chat", None) is not None:
-            serving = state.openai_serving_chat
-            serving.create_chat_completion = guarded(serving.create_chat_completion, serving)
-        if getattr(state, "serving_tokenization", None) is not None:
-            serving = state.serving_tokenization
-            serving.create_tokenize = owned(serving.create_tokenize)
-            serving.create_detokenize = owned(serving.create_detokenize)
-        # The model an answer names (vLLM writes its LoRA's name): the tenant's own name for its adapter.
-        engine_name = models.model_name
-        models.model_name = lambda lora_request=None: public_model(PRINCIPAL.get(), base, engine_name(lora_request))
+def refusal(request: Any, limits: Any) -> str | None:
+    """Why ``request`` is over a cap of ``limits`` (the message of a 400), or None."""
+    n = getattr(request, "n", 1) or 1
+    prompt = getattr(request, "prompt", None)
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+    if n * prompts > limits.max_n:
+        return f"n={n} choices for {prompts} prompt(s) exceeds limits.max_n={limits.max_n} per request."
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of > limits.max_best_of:
+        return f"best_of={best_of} exceeds limits.max_best_of={limits.max_best_of}."
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, field, None)
+        if value is not None and value > limits.max_tokens:
+            return f"{field}={value} exceeds limits.max_tokens={limits.max_tokens}."
+    for field in ("logprobs", "top_logprobs"):
+        value = getattr(request, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limits.max_logprobs:
+            return f"{field}={value} is outside 0..limits.max_logprobs={limits.max_logprobs}."
+    return None
 
 
 async def engine_model_for(principal: Any, model: str, base: str, owner: Callable[[str], Awaitable[Any]],
@@ -382,11 +386,9 @@ def default_max_tokens(request: Any, cap: int) -> None:
 
 def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:
     """Refuse to start (the deploy fails with the reason) where :func:`deployments.keys.bind_refusal` says so."""
-    from ray.serve.context import _get_global_client
-
     from deployments.keys import bind_refusal
 
-    host = _get_global_client().http_config.host or "127.0.0.1"
+    host = compat.serve_http_host() or "127.0.0.1"
     refusal = bind_refusal(host, keys_enabled, cfg.auth.allow_unauthenticated_bind)
     if refusal is not None:
         raise RuntimeError(refusal)
@@ -409,9 +411,7 @@ def replica_actor_options(cfg: AppConfig) -> dict[str, Any]:
 def haproxy_enabled() -> bool:
     """Whether this process's Ray Serve runs HAProxy with direct ingress (``app/serve_env.py`` turns it on;
     read here as Serve reads it)."""
-    from ray.serve._private import constants
-
-    return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)
+    return compat.haproxy_enabled()
 
 
 def build(cfg: AppConfig) -> serve.Application:
@@ -448,5 +448,5 @@ def build(cfg: AppConfig) -> serve.Application:
     router = serve.deployment(PlacementRouter).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
         logging_config={"enable_access_log": cfg.ingress.access_log}).bind(server, cfg)
-    # Internal and unstable in Ray 2.60 (Ray Serve LLM's direct streaming uses it the same way): the one place.
-    return server._with_ingress_request_router(router)
+    # Internal and unstable in Ray 2.60 (Ray Serve LLM's direct streaming uses it the same way).
+    return compat.with_ingress_request_router(server, router)

@@ -401,9 +401,9 @@ class Trainer:
 
 def rank_actor_options(share: dict[str, float], placement_group_id: str | None) -> dict[str, Any]:
     """Ray options of a rank: its share of bundle 0 of its node's placement group (by the group's hex id)."""
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from compat import placement_group
 
     res = dict(share)
     options: dict[str, Any] = {"num_cpus": res.pop("CPU", 0.0), "num_gpus": res.pop("GPU", 0.0), "max_restarts": 0,
@@ -411,7 +411,7 @@ def rank_actor_options(share: dict[str, float], placement_group_id: str | None) 
     if res:
         options["resources"] = res
     if placement_group_id:
-        group = PlacementGroup(PlacementGroupID(bytes.fromhex(placement_group_id)))
+        group = placement_group(placement_group_id)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
     return options

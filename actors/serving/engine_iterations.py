@@ -55,7 +55,7 @@ def observe(details: Any) -> None:
 
 
 class DropIterationLines(logging.Filter):
-    """Drops vLLM's one-log-line-per-iteration (``LoggingStatLogger._log_iteration_details``); keeps its
+    """Drops vLLM's one-log-line-per-iteration (``LoggingStatLogger``'s iteration details); keeps its
     periodic throughput lines. The figures go to the histograms above instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -6,10 +6,10 @@ from the engine to the client without crossing another process. The profiler run
 plain Ray actor (``app/profile.py``).
 
 Besides the engine it keeps, for the planner:
-- an :class:`ExecutionTrace` per request (arrival, first token, finish, token counts), taken by
-  wrapping ``engine.generate``, the one method vLLM's serving classes call for every request;
-- the engine's per-iteration facts (requests in flight, iterations, KV cache in use), from a
-  vLLM stat logger;
+- an :class:`ExecutionTrace` per request (arrival, first token, finish, token counts) and the
+  engine's per-iteration facts (requests in flight, iterations, KV cache in use), in
+  :attr:`ModelReplica.requests` (``actors/serving/request_traces.py``: the engine's own ``generate``
+  and a vLLM stat logger record them);
 - the adapter versions this node must serve, which it loads and unloads as the planner's
   :class:`AdapterAssignment` changes (a long poll, so a published version is served at once);
 - which full model version the engine computes with, swapped in place without a restart by
@@ -21,7 +21,6 @@ Traces and facts go to the planner in one :class:`NodeReport` per ``trace_flush_
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import os
 import time
@@ -38,16 +37,11 @@ from actors.serving.engine_weights import (
 )
 from actors.learning.versions.fit import misfit, write_zero_lora
 from actors.learning.lora.targets import module_shapes
-from actors.serving import cpu_affinity, engine_iterations, request_stages
-from planners.coserving import EngineFacts, LiveRequest
-from planners.types import (AdapterAssignment, AdapterLoadFailed, ExecutionTrace, FullSynced, FullVersion,
-                            NodeRegistration, NodeReport)
+from actors.serving import cpu_affinity, engine_iterations
+from actors.serving.request_traces import RequestTraces, engine_stats_logger, traced_engine_class
+from planners.types import AdapterAssignment, AdapterLoadFailed, FullSynced, FullVersion, NodeRegistration, NodeReport
 
 logger = logging.getLogger(__name__)
-
-TASK_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("task_id", default=None)
-"""The request's task id (its ``X-Request-Id``), set by the HTTP layer for the trace; the placement
-router plans the request under the same id, so its trace calibrates that plan (LEMIX Alg. 2)."""
 
 ASSIGNMENT_POLL_S = 30.0  # the planner answers an adapter long poll at least this often
 HEARTBEAT_S = 5.0  # an idle replica still reports this often, so a restarted planner finds it
@@ -72,15 +66,9 @@ class ModelReplica:
         self.args: Any = None  # vLLM's parsed CLI namespace
         self.supported_tasks: tuple[str, ...] = ()
         self.max_model_len = 0
-        self._stats: Any = None  # the engine's per-iteration stats (see _engine_stats_logger)
-        self._traces: list[ExecutionTrace] = []
-        self._live: dict[str, list[Any]] = {}  # engine request id -> [prompt tokens, output tokens, arrival, max]
-        self._received = self._finished = 0
-        self._reported_finished = 0
-        self._facts_reported = True
+        self.requests = RequestTraces(node_id)  # the engine's requests: traces, those in flight, per-step facts
+        self._reported = (0, 0, True)  # (received, finished, idle) as the last report said
         self._metrics_sent = float("-inf")  # when vLLM's series last went to the planner
-        self._busy_since: float | None = None
-        self._busy_total = 0.0
         self._adapters: dict[str, dict[str, Any]] = {}  # "base:adapter" -> {version, lora_id, path}
         self._next_lora_id = 1
         self._load_failed: dict[str, tuple[tuple[int, str], str]] = {}  # model id -> ((version, path), error)
@@ -107,16 +95,16 @@ class ModelReplica:
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self._flags)
         # Per-iteration figures for /metrics (actors/serving/engine_iterations.py), not one log line per step.
         args.enable_logging_iteration_details = True
         engine_iterations.install_log_filter()
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args),
-                                           stat_loggers=[_engine_stats_logger(self)])
+        engine = traced_engine_class().from_engine_args(AsyncEngineArgs.from_cli_args(args),
+                                                        stat_loggers=[engine_stats_logger(self.requests)])
         await self._warm_up(engine, str(Path(args.model).resolve()), bool(getattr(args, "enable_lora", False)))
-        self._trace_engine_outputs(engine)
+        self.requests.max_model_len = engine.model_config.max_model_len
+        engine.requests = self.requests  # from now on every request is recorded
         state = State()
         self.supported_tasks = tuple(await engine.get_supported_tasks())
         await init_app_state(engine, state, args, self.supported_tasks)
@@ -126,7 +114,7 @@ class ModelReplica:
 
     async def _warm_up(self, engine: Any, model_dir: str, lora: bool) -> None:
         """Run the paths a first request would otherwise pay for under load, before traffic (not traced: this
-        runs before the tracing wrapper). Measured on the tiny model with two streaming clients, each first
+        runs before the engine records requests). Measured on the tiny model with two streaming clients, each first
         use stalled every stream of the replica for about 2 s, once per engine:
         - the first request asking for ``logprobs``: vLLM compiles the sampler's logprob gather (torch
           dynamo; py-spy on the worker process: ``Sampler.gather_logprobs`` -> ``_compile``);
@@ -162,9 +150,9 @@ class ModelReplica:
             "ready": self.engine is not None,
             "model": self.served_name,
             "max_model_len": self.max_model_len,
-            "in_flight": len(self._live),
-            "received": self._received,
-            "busy_seconds": self._busy_seconds(),
+            "in_flight": len(self.requests.live),
+            "received": self.requests.received,
+            "busy_seconds": self.requests.busy_seconds(),
             "adapters": {name: a["version"] for name, a in self._adapters.items()},
             "full_version": None if self._full is None else self._full["version"],
             "pid": os.getpid(),
@@ -224,8 +212,9 @@ class ModelReplica:
             await asyncio.sleep(flush_s)
             # Facts go out while requests are in flight and once more when the last one ends, so
             # the planner's view of an idle node is not a stale busy one.
-            if not self._traces and self._finished == self._reported_finished and not self._live \
-                    and self._facts_reported and time.monotonic() - last < HEARTBEAT_S:
+            r = self.requests
+            unchanged = not r.traces and not r.live and self._reported == (r.received, r.finished, True)
+            if unchanged and time.monotonic() - last < HEARTBEAT_S:
                 continue
             last = time.monotonic()
             report = self.take_report()
@@ -254,18 +243,18 @@ class ModelReplica:
 
     def take_report(self) -> NodeReport:
         """Traces since the last report, counters and the engine's facts."""
-        traces, self._traces = self._traces, []
-        self._reported_finished = self._finished
-        self._facts_reported = not self._live
+        r = self.requests
+        traces = r.take_traces()
+        self._reported = (r.received, r.finished, not r.live)
         metrics = None
-        if time.monotonic() - self._metrics_sent >= ENGINE_METRICS_S or not self._live:
+        if time.monotonic() - self._metrics_sent >= ENGINE_METRICS_S or not r.live:
             self._metrics_sent = time.monotonic()
             metrics = engine_metrics_text()
-        return NodeReport(node_id=self.node_id, traces=tuple(traces), received=self._received,
-                          finished=self._finished, in_flight=len(self._live), busy_seconds=self._busy_seconds(),
-                          engine=self.facts(), at=time.time(),
-                          prefix_cache_queries=getattr(self._stats, "prefix_cache_queries", 0),
-                          prefix_cache_hits=getattr(self._stats, "prefix_cache_hits", 0), engine_metrics=metrics)
+        return NodeReport(node_id=self.node_id, traces=tuple(traces), received=r.received,
+                          finished=r.finished, in_flight=len(r.live), busy_seconds=r.busy_seconds(),
+                          engine=r.facts(), at=time.time(),
+                          prefix_cache_queries=getattr(r.stats, "prefix_cache_queries", 0),
+                          prefix_cache_hits=getattr(r.stats, "prefix_cache_hits", 0), engine_metrics=metrics)
 
     # ---- profiling -------------------------------------------------------------------------
 
@@ -447,93 +436,6 @@ class ModelReplica:
         """A short digest of the weights the engine computes with now (equal digests: equal weights)."""
         return combine_fingerprints(await self.engine.collective_rpc(FINGERPRINT_METHOD))
 
-    # ---- execution traces ------------------------------------------------------------------
-
-    def _trace_engine_outputs(self, engine: Any) -> None:
-        """Wrap ``engine.generate`` so every request leaves an ExecutionTrace and counts as in flight.
-
-        vLLM's serving classes call ``engine.generate`` themselves; wrapping that one method on
-        this instance is the narrowest place that sees every request's outputs.
-        """
-        generate = engine.generate
-        replica = self
-
-        async def traced_generate(*args: Any, **kwargs: Any):
-            arrival = time.time()
-            first = None
-            out_tokens = 0
-            prompt_tokens = 0
-            ok = False
-            engine_id = str(kwargs.get("request_id") or (args[2] if len(args) > 2 else ""))
-            task_id = TASK_ID.get() or engine_id
-            params = kwargs.get("sampling_params") or (args[1] if len(args) > 1 else None)
-            # DELTA outputs carry new tokens only; CUMULATIVE and FINAL_ONLY carry all so far.
-            kind = getattr(getattr(params, "output_kind", None), "name", "")
-            cumulative = kind != "DELTA"
-            if kind == "FINAL_ONLY":
-                request_stages.not_streamed()
-            prompt = kwargs.get("prompt") or (args[0] if args else None)
-            if isinstance(prompt, dict):
-                prompt_tokens = len(prompt.get("prompt_token_ids") or ())
-            max_tokens = getattr(params, "max_tokens", None) or max(1, replica.max_model_len - prompt_tokens)
-            live = replica._begin(engine_id, prompt_tokens, arrival, max_tokens)
-            request_stages.mark("engine")
-            try:
-                async for out in generate(*args, **kwargs):
-                    n = sum(len(c.token_ids) for c in out.outputs)
-                    if n and first is None:
-                        first = time.time()
-                        request_stages.mark("first_token")
-                    out_tokens = n if cumulative else out_tokens + n
-                    prompt_tokens = len(out.prompt_token_ids or ())
-                    live[0], live[1] = prompt_tokens, out_tokens
-                    yield out
-                ok = True
-            finally:
-                replica._end(engine_id)
-                replica._traces.append(
-                    ExecutionTrace(
-                        task_id=task_id, node_id=replica.node_id, arrival=arrival,
-                        start=arrival, first_token=first, finish=time.time(),
-                        prompt_tokens=prompt_tokens, output_tokens=out_tokens, ok=ok,
-                    )
-                )
-
-        engine.generate = traced_generate
-
-    def _begin(self, engine_id: str, prompt_tokens: int, arrival: float, max_tokens: int) -> list[Any]:
-        if not self._live:
-            self._busy_since = time.monotonic()
-        self._received += 1
-        self._facts_reported = False
-        live = self._live[engine_id] = [prompt_tokens, 0, arrival, max_tokens]
-        return live
-
-    def _end(self, engine_id: str) -> None:
-        self._live.pop(engine_id, None)
-        self._finished += 1
-        if not self._live and self._busy_since is not None:
-            self._busy_total += time.monotonic() - self._busy_since
-            self._busy_since = None
-
-    def _busy_seconds(self) -> float:
-        live = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
-        return self._busy_total + live
-
-    def facts(self) -> EngineFacts:
-        """The engine as the node's iteration scheduler needs it: requests in flight, iterations, KV in use."""
-        st = self._stats
-        return EngineFacts(
-            at=time.time(),
-            requests=tuple(LiveRequest(rid, p, o, a, m) for rid, (p, o, a, m) in self._live.items()),
-            iterations=0 if st is None else st.iterations,
-            kv_cache_usage=0.0 if st is None else st.kv_cache_usage,
-            kv_cache_bytes=0.0 if st is None else st.kv_cache_bytes,
-            steps_with_waiting=0 if st is None else st.steps_with_waiting,
-            waiting_peak=0 if st is None else st.waiting_peak,
-        )
-
-
 async def _retry(call: Callable[[], Any], what: str, attempts: int = 120) -> Any:
     """``await call()``, again after a pause while it fails (the planner may be starting or restarting)."""
     for attempt in range(attempts):
@@ -562,47 +464,3 @@ def engine_metrics_text() -> str:
         if name.startswith(("vllm:", "coserve_request_stage_seconds", "coserve_engine_iteration_")):
             keep.append(line)
     return "\n".join(keep) + "\n" if keep else ""
-
-
-def _engine_stats_logger(replica: ModelReplica) -> Any:
-    """A vLLM stat-logger factory that keeps the engine's per-iteration facts on ``replica``.
-
-    vLLM calls ``record`` once per engine step with the scheduler's state (running and waiting
-    requests, KV cache usage): the only place outside the engine core that sees every iteration.
-    The scheduler takes its stats after the step is scheduled, so ``num_waiting_reqs`` (plus the
-    waiting requests it skipped for a transient reason) are the requests that step left waiting.
-    """
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class EngineStats(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.iterations = 0
-            self.kv_cache_usage = 0.0
-            self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens, since the engine started
-            self.steps_with_waiting = 0  # steps that left at least one request in vLLM's waiting queue
-            self.waiting_peak = 0  # the most requests a step left waiting
-            cache = vllm_config.cache_config
-            self.kv_cache_bytes = float(getattr(cache, "kv_cache_memory_bytes", None) or 0.0)
-            replica._stats = self
-
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                engine_iterations.observe(scheduler_stats.iteration_details)
-                self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
-                waiting = int(scheduler_stats.num_waiting_reqs) + int(
-                    getattr(scheduler_stats, "num_skipped_waiting_reqs", 0))
-                if waiting > 0:
-                    self.steps_with_waiting += 1
-                    self.waiting_peak = max(self.waiting_peak, waiting)
-                cache = getattr(scheduler_stats, "prefix_cache_stats", None)
-                if cache is not None:
-                    self.prefix_cache_queries += cache.queries
-                    self.prefix_cache_hits += cache.hits
-            if iteration_stats is not None:
-                self.iterations += 1
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return EngineStats

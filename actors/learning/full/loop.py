@@ -143,10 +143,8 @@ class FullUnitLoop:
 
     def _pipeline(self, unit: Any) -> Any:
         """The stage actors in node 0's replica group, started afresh when that group or the unit's settings changed."""
-        from ray._raylet import PlacementGroupID
-        from ray.util.placement_group import PlacementGroup
-
         from actors.learning.full.trainer import PipelineTrainer
+        from compat import placement_group
 
         locations = ray.get(self.planner.node_locations.remote(), timeout=30)
         group = locations[0].placement_group_id if locations and locations[0].state == "ready" else None
@@ -157,7 +155,7 @@ class FullUnitLoop:
         if self.pipeline is not None and (self.group_id != group or self.pipeline.settings != settings):
             self.shutdown()
         if self.pipeline is None:
-            pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group)))
+            pg = placement_group(group)
             if len(pg.bundle_specs) < 2:
                 raise RuntimeError("a full unit trains on cluster.stages >= 2 bundles of node 0's placement group")
             self.pipeline, self.group_id = PipelineTrainer(settings, pg), group

@@ -22,10 +22,9 @@ def read_config(model_dir: str | Path) -> dict:
 def _hf_config(config: dict):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")})
     # An explicit causal mask is passed to every decoder layer, so either kernel sees the same thing.
-    cfg._attn_implementation = "sdpa"
-    return cfg
+    return LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")},
+                       attn_implementation="sdpa")
 
 
 class _HFLayer(nn.Module):
@@ -113,6 +112,7 @@ def pipeline_module(config: dict, stages: int, partition_method: str, loss_fn, *
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime import utils as ds_utils
 
+    # Overrides DeepSpeed's private partitioning step (the names it uses are checked in compat/).
     class ComputeBalanced(PipelineModule):
         def _partition_layers(self, method: str = "uniform") -> None:
             if method != "compute":
@@ -166,9 +166,11 @@ def local_layers(pipe) -> list[tuple[int, _HFLayer, bool]]:
     that first uses it (the embedding), so the tensor is written once."""
     from deepspeed.pipe import TiedLayerSpec
 
-    specs = pipe._layer_specs
+    from compat import pipeline_layer_specs, pipeline_local_bounds
+
+    specs = pipeline_layer_specs(pipe)
     out = []
-    for idx in range(pipe._local_start, pipe._local_stop):
+    for idx in range(*pipeline_local_bounds(pipe)):
         spec = specs[idx]
         if isinstance(spec, TiedLayerSpec):
             first = next(i for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == spec.key)

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from actors.learning.full.messages import StageInfo, StageSetup, TokenBatch
+from compat import pipeline_layer_specs, pipeline_local_bounds, synchronize_tied_weights
 from planners.pipeline import OpDone, StageOp
 
 GROUP_TIMEOUT_S = 1800.0
@@ -82,8 +83,9 @@ class PipelineStage:
         fused = s.schedule == "planner"
         optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=0.0, fused=fused or None)
         self.pipe, self.optimizer, self.setup_msg = pipe, optimizer, s
-        self.first, self.last = pipe._local_start == 0, pipe._local_stop == len(pipe._layer_specs)
-        self.chunks = chunk_bounds(read_config(s.model_dir), pipe._local_start, pipe._local_stop, s.chunks)
+        start, stop = pipeline_local_bounds(pipe)
+        self.first, self.last = start == 0, stop == len(pipeline_layer_specs(pipe))
+        self.chunks = chunk_bounds(read_config(s.model_dir), start, stop, s.chunks)
         self.weight_pointers = {p.data_ptr() for p in pipe.parameters()}
         if s.schedule == "deepspeed":
             ds_config = {"train_micro_batch_size_per_gpu": s.micro_batch,
@@ -94,8 +96,8 @@ class PipelineStage:
         self._resync_tied()
         ctx = ray.get_runtime_context()
         pg = ray.util.get_current_placement_group()
-        return StageInfo(rank=self.rank, stage_id=pipe.stage_id, layer_start=int(pipe._local_start),
-                         layer_stop=int(pipe._local_stop), bounds=[int(b) for b in pipe.parts],
+        return StageInfo(rank=self.rank, stage_id=pipe.stage_id, layer_start=start,
+                         layer_stop=stop, bounds=[int(b) for b in pipe.parts],
                          params=sum(p.numel() for p in pipe.parameters()),
                          placement_group_id=None if pg is None else pg.id.hex(),
                          node_id=ctx.get_node_id(), actor_id=ctx.get_actor_id())
@@ -107,7 +109,7 @@ class PipelineStage:
         import torch
 
         with torch.no_grad():
-            self.pipe._synchronize_tied_weights()
+            synchronize_tied_weights(self.pipe)
 
     def load(self, model_dir: str) -> None:
         """Restart from the weights in ``model_dir`` (rollback): new weights, fresh optimizer moments."""

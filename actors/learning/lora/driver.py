@@ -131,7 +131,7 @@ class LoraDriver:
         self.ranks, self.nodes, self.line = ranks, nodes, line
         self.node_id = nodes[0]  # the node whose planner state judges CheckEnd (rank 0's)
         self.store, self.planner = store, planner
-        self.should_stop, self._report, self._warn_to = should_stop, report, warn
+        self.should_stop, self.report, self._warn_to = should_stop, report, warn
         self.loaded: tuple[str, int | None] | None = None  # (adapter, version) the ranks' weights started from
         self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
         self.opt_steps = 0  # optimizer steps since the last published version
@@ -210,7 +210,7 @@ class LoraDriver:
             return self._decide()
         except Exception as exc:
             if not transient(exc):  # e.g. a deleted adapter's spec: look again in a moment
-                self._warn("plan", exc)
+                self.warn("plan", exc)
                 time.sleep(IDLE_WAIT_S)
                 return None
             raise
@@ -277,7 +277,7 @@ class LoraDriver:
         if self.loaded is not None and self.loaded[0] == adapter and self.loaded[1] != plan.target[0] and (
                 self.micro_done or self.opt_steps):
             # The current version moved under unpublished work (a rollback): drop it, train the items again.
-            self._report(adapter, WorkDropped())
+            self.report(adapter, WorkDropped())
         begun: list[StepBegun] = self._all(lambda r: r.begin_step.remote(plan))
         fault = next((b.fault for b in begun if b.fault), None)
         if fault is not None:
@@ -303,11 +303,11 @@ class LoraDriver:
         self.version_losses.append((loss, len(plan.items)))
         if stepped:
             self._applied()
-        self._report(adapter, StepDone(samples=len(plan.items), loss=loss, tokens=sum(lengths.values()),
+        self.report(adapter, StepDone(samples=len(plan.items), loss=loss, tokens=sum(lengths.values()),
                                        seconds=run_s, grant_s=time.time() - t_start - run_s, windows=windows,
                                        shrunk=windows > len(plan.items), optimizer_step=stepped, requeued=requeued))
         if waited_s:
-            self._report(adapter, GrantWaited(waited_s))
+            self.report(adapter, GrantWaited(waited_s))
         if self.opt_steps >= self.t.steps_per_version or (plan.last_of_queue and self.opt_steps > 0):
             self._finish_version(adapter, flush=False)
 
@@ -366,7 +366,7 @@ class LoraDriver:
         try:
             answers = ray.get([self.planner.grant.remote(r) for r in requests.values()], timeout=CALL_TIMEOUT_S)
         except Exception as exc:
-            self._warn("grant", exc)
+            self.warn("grant", exc)
             return {i: Grant((), MAX_GRANT_SLEEP_S, "planner away") for i in requests}
         return dict(zip(requests, answers))
 
@@ -383,7 +383,7 @@ class LoraDriver:
         """Drop the micro-step and the gradients not yet applied on every rank; their items stay queued."""
         self._all(lambda r: r.abandon_step.remote())
         self.micro_done, self.pending_items = 0, []
-        self._report(adapter, StepAbandoned())
+        self.report(adapter, StepAbandoned())
 
     def _check_end(self, plan: StepPlan, finished: dict[int, ItemLoss], lengths: dict[int, int]) -> int:
         """Report each item's loss in this pass to the planner; its CheckEnd (MACE Alg. 1 lines 17–21) says
@@ -400,7 +400,7 @@ class LoraDriver:
             verdicts = ray.get(self.planner.report_passes.remote(self.node_id, plan.adapter, plan.spec.mode,
                                                                  reports), timeout=CALL_TIMEOUT_S)
         except Exception as exc:  # planner restarting: one pass per item, as without CheckEnd
-            self._warn("report_passes", exc)
+            self.warn("report_passes", exc)
             verdicts = [PassVerdict(r.sample_id, "retired", r.passes_before + 1, r.loss, r.arrival) for r in reports]
         for v in verdicts:
             if v.outcome == "requeued":
@@ -468,11 +468,11 @@ class LoraDriver:
             marks.append(time.time())
         except VersionConflict as exc:
             # A rollback moved the current version: drop this work; the items are still queued.
-            self._report(adapter, WorkDropped())
-            self._warn("publish", exc)
+            self.report(adapter, WorkDropped())
+            self.warn("publish", exc)
             return None, None, False
         except Exception as exc:
-            self._warn("publish", exc)
+            self.warn("publish", exc)
             if not transient(exc):  # e.g. the version's files could not be written: this adapter's fault
                 self._adapter_fault(adapter, "save", exc)
             return None, None, False
@@ -482,13 +482,13 @@ class LoraDriver:
             # The gate is on: not served until the evaluator passes it (it loads it on the replicas then).
             now = time.time()
             breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
-            self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown, candidate=True))
+            self.report(adapter, VersionPublished(v.version, now, now - t0, breakdown, candidate=True))
             return v.version, path, True
         self.load_on_replicas(adapter)
         now = time.time()
         marks.append(now)
         breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
-        self._report(adapter, VersionPublished(v.version, now, now - t0, breakdown,
+        self.report(adapter, VersionPublished(v.version, now, now - t0, breakdown,
                                                tuple(round(now - c, 3) for c in created)))
         return v.version, path, False
 
@@ -499,14 +499,14 @@ class LoraDriver:
             nodes = self.t.scope_rules.serving_nodes(self.node_id)  # per_node: only this node serves its copy
             ray.get(self.planner.load_adapter.remote(adapter, nodes), timeout=LOAD_TIMEOUT_S)
         except Exception as exc:  # published in the store; the planner restores it on restart
-            self._warn("load_adapter", exc)
+            self.warn("load_adapter", exc)
 
     def _resume_gate(self) -> None:
         """Candidates that a previous driver left undecided (the group failed while the gate judged them)."""
         try:
             left = ray.get(self.store.candidates.remote(self.line), timeout=60)
         except Exception as exc:
-            self._warn("candidates", exc)
+            self.warn("candidates", exc)
             return
         for v in left:
             self.evaluator.submit(v.adapter, v.version, v.path, candidate=True, created=[])
@@ -520,12 +520,12 @@ class LoraDriver:
             message = str(exc)
         reason = f"trainer {where} failed: {message}"[:1000]
         logger.warning("adapter %s paused: %s", adapter, reason)
-        self._warn(f"{where} {adapter}", message)
+        self.warn(f"{where} {adapter}", message)
         self._drop_adapter(adapter)
         try:
             ray.get(self.store.pause_adapter.remote(adapter, reason), timeout=CALL_TIMEOUT_S)
         except Exception as again:  # the store away: the next fault pauses it; the loop goes on meanwhile
-            self._warn("pause_adapter", again)
+            self.warn("pause_adapter", again)
         self.not_before[adapter] = time.time() + SPEC_TTL_S  # not picked again before the pause is read back
 
     def _drop_adapter(self, adapter: str) -> None:
@@ -536,7 +536,8 @@ class LoraDriver:
             self.loaded = None
             self._reset_version()
 
-    def _warn(self, where: str, exc: BaseException | str) -> None:
+    def warn(self, where: str, exc: BaseException | str) -> None:
+        """Log what went wrong at ``where`` and pass it on to the trainer's warnings (the evaluator uses it too)."""
         message = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
         logger.warning("trainer driver (line %s), %s: %s", self.line, where, message)
         self._warn_to(f"driver {where}" if self.line is None else f"driver node {self.line} {where}", message)

@@ -86,7 +86,7 @@ class VersionEvaluator:
             self._gate(job)
         except Exception as exc:
             job.attempts += 1
-            self.worker._warn("gate", exc)
+            self.worker.warn("gate", exc)
             if job.attempts < self.MAX_ATTEMPTS:
                 job.not_before = time.time() + 2.0  # e.g. the store actor restarting
                 self._candidates.appendleft(job)
@@ -98,7 +98,7 @@ class VersionEvaluator:
         try:
             self._score_served(job)
         except Exception as exc:
-            self.worker._warn("evaluate", exc)
+            self.worker.warn("evaluate", exc)
 
     # ---- what is scored, and how --------------------------------------------------------------------
 
@@ -110,7 +110,7 @@ class VersionEvaluator:
                 self._file_pairs = read_preference_jsonl(self.eval_file, limit=self.t.eval_pairs,
                                                          max_text_bytes=4 * self.t.max_length)
             except Exception as exc:
-                self.worker._warn("eval_file", exc)
+                self.worker.warn("eval_file", exc)
                 self._file_pairs = []
         return self._file_pairs or []
 
@@ -189,7 +189,7 @@ class VersionEvaluator:
                 win_rate=cand.get("win_rate"), clpd=cand.get("clpd"), token_logprob=cand.get("token_logprob"),
                 eval_items=len(items) or None), timeout=60)
         except VersionConflict as exc:  # promoted (or otherwise decided) through the API meanwhile
-            w._warn("gate", exc)
+            w.warn("gate", exc)
             return
         w.specs.pop(adapter, None)  # a pause the verdict caused takes effect at the next plan
         freshness: list[float] = []
@@ -197,7 +197,7 @@ class VersionEvaluator:
             w.load_on_replicas(adapter)
             now = time.time()
             freshness = [round(now - c, 3) for c in job.created]
-        w._report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,
+        w.report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,
                                        decided.baseline_version, time.time() - t0, time.time(), tuple(freshness),
                                        cand.get("win_rate"), cand.get("clpd"), cand.get("token_logprob")))
 
@@ -208,7 +208,7 @@ class VersionEvaluator:
                 job.adapter, job.version, passed=False,
                 reason=f"the gate could not score it: {type(exc).__name__}: {str(exc)[:300]}"), timeout=60)
         except Exception as again:
-            self.worker._warn("gate", again)
+            self.worker.warn("gate", again)
 
     def _score_served(self, job: EvalJob) -> None:
         """Held-out scores of a version served without the gate (the gate off), for the API and the metrics."""
@@ -221,5 +221,5 @@ class VersionEvaluator:
             return
         scores, _ = self._score(adapter, version, job.path, info, items, key)
         ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items), **scores), timeout=60)
-        w._report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
+        w.report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
                                          scores.get("token_logprob")))

