@@ -58,7 +58,8 @@ from actors.learning.store.models import (
 )
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
-from planners.types import FullVersion, NewFeedback
+from actors.learning.messages import FullVersion
+from planners.types import NewFeedback
 
 logger = logging.getLogger("ray.serve")
 

@@ -53,27 +53,12 @@ from planners.coserving.priorities import as_priority_weights
 from planners.coserving.slo import SloCheck, check_slos
 from planners.memory import MemoryGuard
 from planners.placement import Separate, TrainingPlacer
-from planners.types import (
-    AdapterAssignment,
-    AdapterLoaded,
-    AdapterLoadFailed,
-    AdapterVersion,
-    ExecutionTrace,
-    FullSynced,
-    FullVersion,
-    Grant,
-    GrantedWindow,
-    GrantRequest,
-    NodeLocation,
-    NewFeedback,
-    NodeRegistration,
-    NodeReport,
-    NodeView,
-    PassReport,
-    PassVerdict,
-    RoutingSnapshot,
-    ServedModels,
-)
+from actors.control.messages import AdapterLoaded, ServedModels
+from actors.learning.messages import (FullVersion, Grant, GrantRequest, GrantedWindow, NodeLocation, PassReport,
+                                      PassVerdict)
+from actors.serving.messages import (AdapterAssignment, AdapterLoadFailed, AdapterVersion, FullSynced, NodeRegistration,
+                                     NodeReport)
+from planners.types import ExecutionTrace, NewFeedback, NodeView, RoutingSnapshot
 
 logger = logging.getLogger(__name__)
 

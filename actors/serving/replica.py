@@ -40,8 +40,9 @@ from actors.learning.versions.fit import misfit, write_zero_lora
 from actors.learning.lora.targets import module_shapes
 from actors.serving import cpu_affinity, engine_iterations, request_stages
 from planners.coserving import EngineFacts, LiveRequest
-from planners.types import (AdapterAssignment, AdapterLoadFailed, ExecutionTrace, FullSynced, FullVersion,
-                            NodeRegistration, NodeReport)
+from actors.learning.messages import FullVersion
+from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, FullSynced, NodeRegistration, NodeReport
+from planners.types import ExecutionTrace
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from settings import AppConfig
 from actors.learning.store.models import FULL_METHODS, FeedbackItem, VersionConflict
 from actors.learning.full.messages import PipelineSettings, TrainingSample
 from planners.retraining import RetrainingPolicy, RetrainingView, make_policy
-from planners.types import FullVersion
+from actors.learning.messages import FullVersion
 
 logger = logging.getLogger(__name__)
 
