@@ -54,7 +54,7 @@ from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import UNKNOWN, LearningRoutes, adapter_key_for, shown_name
 from deployments.openapi import install_openapi
 from deployments.streams import CoalesceEventStreams
-from planners.types import NodeRegistration
+from actors.serving.messages import NodeRegistration
 
 logger = logging.getLogger(__name__)
 

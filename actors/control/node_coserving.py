@@ -17,7 +17,7 @@ from planners import registry
 from planners.coserving import EngineFacts, FineTuneSample, TokenWindow, WindowCostCalibration, grant_run_time
 from planners.costs import CostModel
 from planners.memory import MemoryGuard
-from planners.types import GrantRequest, PassReport, PassVerdict
+from actors.learning.messages import GrantRequest, PassReport, PassVerdict
 
 LOG_KEPT = 64  # recent grant answers and CheckEnd verdicts shown in /v1/status
 

@@ -53,7 +53,7 @@ from actors.learning.lora.messages import (
     VersionScored,
     WorkDropped,
 )
-from planners.types import NodeLocation
+from actors.learning.messages import NodeLocation
 
 logger = logging.getLogger(__name__)
 

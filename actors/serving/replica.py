@@ -39,7 +39,8 @@ from actors.learning.versions.fit import misfit, write_zero_lora
 from actors.learning.lora.targets import module_shapes
 from actors.serving import cpu_affinity, engine_iterations
 from actors.serving.request_traces import RequestTraces, engine_stats_logger, traced_engine_class
-from planners.types import AdapterAssignment, AdapterLoadFailed, FullSynced, FullVersion, NodeRegistration, NodeReport
+from actors.learning.messages import FullVersion
+from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, FullSynced, NodeRegistration, NodeReport
 
 logger = logging.getLogger(__name__)
 

@@ -65,12 +65,11 @@ class Separate:
         """The nodes set aside for training: the last N_train in ``node_ids``."""
         return list(node_ids[len(node_ids) - self.n_train(len(node_ids)):])
 
-    def problem(self, n_nodes: int, training: bool, scope: TrainingScope | str | bool) -> str | None:
+    def problem(self, n_nodes: int, training: bool, scope: TrainingScope | str) -> str | None:
         """Why this split cannot run the app (None: it can): SEPARATE needs a node that serves and,
         with training on, one that trains; and a per_node copy would be served only where it trains.
-        ``scope``: the training scope or its name; True/False (per_node or not) still work for
-        actors/control/planner.py until it passes the scope."""
-        scope = training_scope(("per_node" if scope else "synced") if isinstance(scope, bool) else scope)
+        ``scope``: the training scope or its name."""
+        scope = training_scope(scope)
         n_train = self.n_train(n_nodes)
         if n_nodes - n_train < 1:
             return (f"placement separate (alpha={self.alpha}) leaves none of the {n_nodes} node(s) to serve "

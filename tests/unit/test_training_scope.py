@@ -34,7 +34,7 @@ def test_per_node_is_a_line_per_node():
     assert "one worker per node" in PER_NODE.workers_problem(3, 2)
 
 
-def test_separate_takes_the_scope_its_name_or_the_planners_flag():
+def test_separate_takes_the_scope_or_its_name():
     s = Separate(alpha=0.5)
-    assert s.problem(2, True, "per_node") == s.problem(2, True, PER_NODE) == s.problem(2, True, True)
-    assert s.problem(2, True, "synced") is s.problem(2, True, False) is None
+    assert s.problem(2, True, "per_node") == s.problem(2, True, PER_NODE) is not None
+    assert s.problem(2, True, "synced") is s.problem(2, True, SYNCED) is None

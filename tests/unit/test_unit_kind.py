@@ -6,15 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.learning.store.models import FULL_METHODS, KIND_FOR_METHOD
+from actors.learning.store.models import KIND_FOR_METHOD
 from actors.learning.store.unit_kind import FULL_MODEL, LORA_ADAPTER, UNIT_KINDS, unit_kind
-from planners.types import FullVersion
+from actors.learning.messages import FullVersion
 
 
 def test_every_method_has_one_kind():
     methods = [m for kind in UNIT_KINDS for m in kind.methods]
     assert sorted(methods) == sorted(KIND_FOR_METHOD) and len(set(methods)) == len(methods)
-    assert FULL_METHODS == FULL_MODEL.methods  # what actors/control still reads
     assert {unit_kind(m) for m in ("sft", "dpo")} == {LORA_ADAPTER}
     assert {unit_kind(m) for m in ("full_sft", "full_dpo")} == {FULL_MODEL}
     with pytest.raises(ValueError, match="ppo"):

@@ -33,7 +33,7 @@ from actors.learning.store.models import FeedbackItem, VersionConflict
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.full.messages import PipelineSettings, TrainingSample
 from planners.retraining import RetrainingPolicy, RetrainingView, make_policy
-from planners.types import FullVersion
+from actors.learning.messages import FullVersion
 
 logger = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ class AdapterBank:
     # ---- peft bookkeeping -----------------------------------------------------------------------
 
     def _add(self, peft_name: str, lora: Any, path: str | None, *, trainable: bool) -> None:
-        from peft import PeftModel, get_peft_model
+        from peft import get_peft_model
 
         if self.model is None and path is not None:
             # Wrap the base with a fresh slot first: loading stored files straight into the base

@@ -66,7 +66,7 @@ from actors.learning.lora.messages import (
 )
 from actors.learning.lora.rank import GroupFailed
 from planners.turns import TrainingTurns
-from planners.types import Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress
+from actors.learning.messages import Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.learning.store.models import LoraSettings
-from planners.types import GrantedWindow, MemoryUse, PassVerdict
+from actors.learning.messages import GrantedWindow, MemoryUse, PassVerdict
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from actors.learning.lora.messages import (
     StepBegun,
     StepPlan,
 )
-from planners.types import MemoryUse
+from actors.learning.messages import MemoryUse
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from actors.learning.store.unit_kind import FULL_MODEL
 from settings import ADMIN_TENANT, MAX_COUNT, GateSettings
 
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -36,8 +35,6 @@ VersionState = Literal["candidate", "served", "rejected", "rolled_back"]
 # the grant budget and the reported loss of a version meaningful. An SFT adapter takes only SFT samples.
 # A full unit (full_sft, full_dpo) trains every weight of the served model itself, through the same feedback.
 KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference", "full_sft": "sft", "full_dpo": "preference"}
-# Still read by actors/control/planner.py; new code asks unit_kind(method) (actors/learning/store/unit_kind.py).
-FULL_METHODS = FULL_MODEL.methods
 METHOD_TAKES = {"dpo": "preference pairs (prompt, chosen, rejected)", "sft": "SFT samples (prompt, completion)",
           "full_dpo": "preference pairs (prompt, chosen, rejected)", "full_sft": "SFT samples (prompt, completion)"}
 KIND_NAMES = {"sft": "an SFT sample", "preference": "a preference pair"}

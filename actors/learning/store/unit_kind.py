@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from planners.types import FullVersion
+from actors.learning.messages import FullVersion
 
 
 class UnitKind:
