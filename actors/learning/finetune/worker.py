@@ -133,6 +133,11 @@ def train_loop(config: dict[str, Any]) -> None:
                 (Path(tmp) / STATE_FILE).write_text(json.dumps(state, indent=1))
                 ckpt = ray.train.Checkpoint.from_directory(tmp)
             ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=f"epoch-{epoch:04d}")
+        # report() only queues the result in this worker; the controller collects it at its next poll
+        # (every 2 s). A worker that dies before then takes the epoch's result with it, and the restart
+        # would begin an epoch earlier. Wait until the checkpoint is committed: a failure in the next
+        # epoch then always resumes from this one.
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
 
 
 def _average_gradients(params: list[Any], world: int) -> None:
