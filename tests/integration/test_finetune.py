@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from actors.learning.finetune.job import parse_job
 
 PROMPTS = ["What is the capital of France?", "Name a prime number.", "Say hello.", "What colour is the sky?",
@@ -24,11 +22,11 @@ def _write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def _job(tmp_path: Path, data_dir: Path, data: Path, **over) -> dict:
+def _job(tmp_path: Path, data_dir: Path, data_path: Path, **over) -> dict:
     return {"base": "tiny-llama", "data_dir": str(data_dir),
             "adapter": {"name": "zebra", "method": "sft", "lora": {"r": 8, "alpha": 16,
                                                                   "target_modules": ["q_proj", "v_proj", "o_proj"]}},
-            "data": {"path": str(data), "loader": "ray_data", "max_length": 96},
+            "data": {"path": str(data_path), "loader": "ray_data", "max_length": 96},
             "epochs": 3, "batch_size": 2, "learning_rate": 5e-3, "workers": 2, "resources_per_worker": {"CPU": 0.5},
             "storage_path": str(tmp_path / "runs"), "max_failures": 1, "output": {"dir": str(tmp_path / "adapter")},
             **over}
@@ -94,7 +92,7 @@ def test_two_workers_checkpoint_each_epoch_survive_a_kill_and_resume(ray_cluster
 
 
 def test_dpo_from_a_file_on_two_workers(ray_cluster, data_dir, tmp_path):
-    """DPO with the file loader (every worker reads the file, takes every second item): the loss falls below log 2."""
+    """DPO with the file loader (every worker reads the file, takes every second item): the loss falls well below log 2."""
     from actors.learning.finetune.run import run_finetune
 
     rows = [{"prompt": p, "chosen": ANSWER, "rejected": "I do not know."} for p in PROMPTS]
@@ -106,5 +104,5 @@ def test_dpo_from_a_file_on_two_workers(ray_cluster, data_dir, tmp_path):
     run = run_finetune(job, log=lambda _: None)
     history = run.state["history"]
     assert [h["epoch"] for h in history] == [1, 2] and all(h["samples"] == 8 for h in history)
-    assert history[0]["loss"] == pytest.approx(0.693, abs=0.15)  # starts at −log σ(0) = log 2: the adapter is new
-    assert history[-1]["loss"] < history[0]["loss"], history
+    # A new adapter starts at −log σ(0) = log 2 ≈ 0.693 (its first steps score as the reference does).
+    assert history[-1]["loss"] < min(history[0]["loss"], 0.5), history
