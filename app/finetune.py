@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # A local Ray of its own; logical CPUs enough for the workers' fractions on a small host.
             need = job.workers * job.resources_per_worker.get("CPU", 1.0)
-            ray.init(num_cpus=max(4, int(need + 2)), include_dashboard=False,
+            ray.init(address="local", num_cpus=max(4, int(need + 2)), include_dashboard=False,
                      runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_TRAIN_V2_ENABLED": "1"}})
     try:
         run = run_finetune(job, crash_once=os.environ.get(CRASH_ONCE_ENV))

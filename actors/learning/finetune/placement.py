@@ -60,8 +60,10 @@ def serving_node_ids(deployment: str) -> set[str]:
     try:
         from ray.util.state import list_actors
 
-        return {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=100_000, raise_on_missing_output=False)
-                if serves(a.class_name or "") and a.node_id}
+        # The address explicitly: without it the client guesses, and fails where several Rays share the host.
+        actors = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")],
+                             limit=100_000, raise_on_missing_output=False)
+        return {a.node_id for a in actors if serves(a.class_name or "") and a.node_id}
     except Exception as exc:  # no dashboard (the state API's server): read the GCS actor table directly
         logger.debug("state API unavailable (%s); reading the GCS actor table", exc)
         from ray._private import state

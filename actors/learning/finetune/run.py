@@ -105,7 +105,10 @@ def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = 
     run_config = ray.train.RunConfig(
         name=job.name, storage_path=job.storage_path, failure_config=ray.train.FailureConfig(max_failures=job.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None), callbacks=callbacks or None)
-    datasets = {"train": ray.data.read_json(job.data.path)} if job.data.loader == "ray_data" else None
+    datasets = None
+    if job.data.loader == "ray_data":
+        ray.data.DataContext.get_current().enable_progress_bars = False  # a few rows: bars would bury the epochs' lines
+        datasets = {"train": ray.data.read_json(job.data.path)}
     threads = max(1, int(job.resources_per_worker.get("CPU", 1.0)))
     trainer = TorchTrainer(
         train_loop, train_loop_config={"job": job.model_dump(), "model_dir": model_dir, "crash_once": crash,

@@ -30,6 +30,13 @@ STATE_FILE = "state.json"
 CRASH_ONCE_ENV = "COSERVE_FINETUNE_CRASH_ONCE"
 
 
+def _say(text: str) -> None:
+    """One line to the worker's stdout (Ray forwards it to the driver). Not ``print``: Ray Train patches print
+    in its workers to log *and* echo every line, so the driver would show each one twice."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 class _Lines:
     """A file for tqdm that ends each redraw with a newline: Ray forwards worker output by lines, not ``\\r``."""
 
@@ -67,8 +74,8 @@ def train_loop(config: dict[str, Any]) -> None:
                                                device="cpu")
             optimizer = make_optimizer(model, job.learning_rate, state_dir=ckpt)
         if rank == 0:
-            print(f"[finetune] resumed from the checkpoint of epoch {state['epoch']}: on with epoch "
-                  f"{state['epoch'] + 1}/{job.epochs}", flush=True)
+            _say(f"[finetune] resumed from the checkpoint of epoch {state['epoch']}: on with epoch "
+                 f"{state['epoch'] + 1}/{job.epochs}")
     else:
         model, tokenizer = load_lora_model(config["model_dir"], job.adapter.lora, seed=job.seed, device="cpu")
         optimizer = make_optimizer(model, job.learning_rate)
@@ -96,7 +103,7 @@ def train_loop(config: dict[str, Any]) -> None:
         steps = int(steps)
         totals = torch.zeros(3, dtype=torch.float64)  # Σ loss·samples, samples, tokens (this rank)
         bar = tqdm(total=steps, desc=f"epoch {epoch}/{job.epochs}", disable=rank != 0, file=_Lines(), ascii=True,
-                   mininterval=0, dynamic_ncols=False, ncols=100)
+                   mininterval=0, ncols=100, leave=False)
         for step in range(steps):
             batch = batches[step]
             if job.adapter.method == "sft":
@@ -110,8 +117,7 @@ def train_loop(config: dict[str, Any]) -> None:
             bar.update(1)
             if crash and crash["epoch"] == epoch and rank == world - 1 and not os.path.exists(crash["marker"]):
                 Path(crash["marker"]).write_text(f"rank {rank} exited during epoch {epoch}, step {step + 1}\n")
-                print(f"[finetune] test crash: rank {rank} exits during epoch {epoch} (step {step + 1}/{steps})",
-                      flush=True)
+                _say(f"[finetune] test crash: rank {rank} exits during epoch {epoch} (step {step + 1}/{steps})")
                 os._exit(1)  # a hard death, as a killed process: no exception, no cleanup
         bar.close()
         dist.all_reduce(totals)
@@ -123,8 +129,8 @@ def train_loop(config: dict[str, Any]) -> None:
                  "base": job.base, "history": [*state["history"], entry]}
         metrics = dict(entry, world_size=world)
         if rank == 0:
-            print(f"[finetune] epoch {epoch}/{job.epochs}: loss {loss:.4f} over {entry['samples']} items "
-                  f"({world} workers, {entry['seconds']} s); checkpoint", flush=True)
+            _say(f"[finetune] epoch {epoch}/{job.epochs}: loss {loss:.4f} over {entry['samples']} items "
+                 f"({world} workers, {entry['seconds']} s); checkpoint")
         with tempfile.TemporaryDirectory(prefix="finetune-ckpt-") as tmp:
             ckpt = None
             if rank == 0:  # the adapter is the same on every rank: one copy is the checkpoint
