@@ -132,3 +132,9 @@ def test_the_upload_archive_holds_the_two_peft_files_at_its_top(tmp_path):
         assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
     out = write_peft_dir(src, tmp_path / "out", {"epoch": 2})
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "finetune.json"]
+
+
+def test_the_example_job_and_its_data_are_valid():
+    root = Path(__file__).resolve().parents[2]
+    job = load_job(root / "configs" / "finetune" / "zebra.yaml")
+    assert len(read_items(job.data.path, job.adapter.name, job.adapter.method)) == 8
