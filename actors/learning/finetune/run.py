@@ -11,7 +11,6 @@ a worker dies (``FailureConfig(max_failures)``), and keeps the checkpoints under
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,6 @@ from actors.learning.finetune.job import EMBEDDED_MODELS, FinetuneJob, JobFileEr
 from actors.learning.finetune.placement import SeparateDecision, away_from_serving, separate_decision
 from actors.learning.finetune.publish import publish, write_peft_dir
 from actors.learning.finetune.worker import STATE_FILE, train_loop
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,12 +84,13 @@ def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = 
         f"{len(items)} items from {job.data.path} ({job.data.loader}); {job.epochs} epoch(s), {job.workers} worker(s) "
         f"x {job.resources_per_worker}, batch {job.batch_size}/worker")
 
-    selector, callbacks, placement = None, [], "shared"
+    callbacks, placement = [], "shared"
     if job.placement == "separate":
         decision: SeparateDecision = separate_decision(job.serving_deployment)
         log(f"[finetune] {decision.message}")
         placement = decision.message
-        # The controller reads the cluster again before each worker group (a restart may find serving moved).
+        # The label selector comes from a controller callback, not ScalingConfig.label_selector: the controller
+        # reads the cluster again before each worker group (a restart may find serving moved).
         callbacks.append(away_from_serving(job.serving_deployment))
     crash = None
     if crash_once:
@@ -101,7 +99,7 @@ def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = 
         log(f"[finetune] test crash armed: the last rank exits once during epoch {epoch} (marker {marker})")
 
     scaling = ray.train.ScalingConfig(num_workers=job.workers, resources_per_worker=dict(job.resources_per_worker),
-                                      use_gpu=False, label_selector=selector)
+                                      use_gpu=False)
     run_config = ray.train.RunConfig(
         name=job.name, storage_path=job.storage_path, failure_config=ray.train.FailureConfig(max_failures=job.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None), callbacks=callbacks or None)
