@@ -74,7 +74,7 @@ def test_every_room_says_what_it_holds_and_may_import():
 
 def test_app_holds_only_entry_points_and_wiring():
     assert sorted(p.name for p in (ROOT / "app").glob("*.py")) == [
-        "__init__.py", "main.py", "offline.py", "profile.py", "serve_env.py"]
+        "__init__.py", "finetune.py", "main.py", "offline.py", "profile.py", "serve_env.py"]
 
 
 def test_no_class_name_is_defined_twice():
