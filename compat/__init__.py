@@ -37,6 +37,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray.serve.deployment", "Application._with_ingress_request_router"),
     ("ray.serve._private.request_router.replica_wrapper", "RunningReplica.backend_http_endpoint"),
     ("ray._raylet", "PlacementGroupID"),
+    ("ray._private.state", "actors"),
+    ("ray.train.v2._internal.constants", "is_v2_enabled"),
+    ("ray.train.v2._internal.execution.callback", "ControllerCallback"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._synchronize_tied_weights"),
@@ -120,6 +123,28 @@ def placement_group(hex_id: str) -> Any:
 
 
 # ---- Ray Serve's HAProxy (deployments/haproxy_patch.py edits what these return) --------------------
+
+
+def gcs_alive_actor_table() -> dict[str, Any]:
+    """Every alive actor as the GCS keeps it (for a cluster without the dashboard's state API)."""
+    from ray._private import state
+
+    return state.actors(actor_state_name="ALIVE")
+
+
+def ray_train_v2_enabled() -> bool:
+    """Whether this process runs Ray Train v2 (``RAY_TRAIN_V2_ENABLED``, read as Ray Train itself reads it)."""
+    from ray.train.v2._internal.constants import is_v2_enabled
+
+    return is_v2_enabled()
+
+
+def ray_train_controller_callback_class() -> type:
+    """Ray Train v2's controller callback base (a developer API kept under ``_internal`` in 2.60), whose
+    ``on_controller_start_worker_group`` may return a label selector for each new worker group."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    return ControllerCallback
 
 
 def haproxy_config_template() -> str:

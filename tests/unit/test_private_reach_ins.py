@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CHECKED = ("deployments", "actors")
 # namedtuple's public methods start with an underscore so they cannot clash with field names.
-PUBLIC_UNDERSCORE_NAMES = frozenset({"_replace", "_asdict", "_fields", "_make"})
+PUBLIC_UNDERSCORE_NAMES = frozenset({"_replace", "_asdict", "_fields", "_make", "_exit"})  # namedtuple API; os._exit
 # Reach-ins still to move into compat/, as (file, reach-in); none are left.
 NOT_YET: frozenset[tuple[str, str]] = frozenset()
 

@@ -66,9 +66,9 @@ def serving_node_ids(deployment: str) -> set[str]:
         return {a.node_id for a in actors if serves(a.class_name or "") and a.node_id}
     except Exception as exc:  # no dashboard (the state API's server): read the GCS actor table directly
         logger.debug("state API unavailable (%s); reading the GCS actor table", exc)
-        from ray._private import state
+        from compat import gcs_alive_actor_table
 
-        table = state.actors(actor_state_name="ALIVE") if ray.is_initialized() else {}
+        table = gcs_alive_actor_table() if ray.is_initialized() else {}
         return {a["Address"]["NodeID"] for a in table.values() if serves(a.get("ActorClassName") or "")}
 
 
@@ -85,9 +85,9 @@ def separate_decision(deployment: str) -> SeparateDecision:
 
 def away_from_serving(deployment: str) -> Any:
     """The Ray Train controller callback that places each new worker group away from serving nodes."""
-    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from compat import ray_train_controller_callback_class
 
-    class AwayFromServing(ControllerCallback):
+    class AwayFromServing(ray_train_controller_callback_class()):
         """Before each worker group starts (the first and every restart), read where serving runs now."""
 
         def __init__(self, deployment: str) -> None:

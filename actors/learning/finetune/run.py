@@ -73,9 +73,9 @@ def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = 
     import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.constants import is_v2_enabled
+    from compat import ray_train_v2_enabled
 
-    if not is_v2_enabled():
+    if not ray_train_v2_enabled():
         raise RuntimeError("Ray Train v2 is off in this process (RAY_TRAIN_V2_ENABLED=0); this job needs v2")
     items = read_items(job.data.path, job.adapter.name, job.adapter.method)  # every line checked before any worker
     model_dir = resolve_base(job)
