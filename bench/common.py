@@ -5,6 +5,9 @@ Servers started as processes of their own (plain vLLM, this app via ``serve run`
 stop, and the waits for ready and quiet are in ``bench/servers.py``, which builds on this module.
 Importing this module sets nothing: :func:`start_app` applies the app's Serve settings itself, so a
 driver of other servers (``bench/serving.py``) does not hand them on to what it starts.
+
+Why one module of about 520 lines: it is the harness every bench script shares (logging, ports, HTTP,
+CPU accounting, tables); the server start/stop half is ``bench/servers.py``.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ and the trainer ran, from ``/v1/status``); the machine's CPU busy fraction (``/p
 CPU host the "devices" are the cores); and each policy's fine-tuning throughput and attainment as
 ratios to ``separate``'s in the same (load, α). Prints one markdown table and the goal lines,
 and saves a plot (fine-tuning tokens/s and SLO attainment per policy).
+
+Why one module of about 510 lines: one experiment's runs, table, goals and plot.
 """
 
 from __future__ import annotations

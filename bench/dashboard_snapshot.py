@@ -20,6 +20,9 @@ Three steps, around a load such as the trace replay (``bench/serving.py``)::
 config and pid file live under ``--data-dir``. ``render`` queries it (or, when it is no longer
 running, starts one on the same TSDB that scrapes nothing, only to answer queries, and stops it
 after). ``render --prometheus URL`` queries any other Prometheus instead.
+
+Why one module of about 510 lines: record, render and stop are one tool's three commands over one
+Prometheus.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ QMSum meetings), run by ``app.offline.run_job`` on this machine (2 devices = 2 C
 per planner; reports end-to-end time (search included), engine load time, and the cost model's
 error. The load-time table is measured first (each model size started once, two at a time), as
 SamuLLM §4.1 profiles it in advance. Needs ``../shared/data``.
+
+Why one module of about 540 lines: one script's measurement, simulation and plots of one experiment.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ Policies: ``lemix`` (defaults), ``lemix_ratio`` (the same with Eq. 3 as printed,
 ``round_robin``, ``least_utilized``, ``separate`` (α = the run's training share).
 
 Run: ``python bench/placement_sim.py`` (about a minute on 2 cores); ``--quick`` for a smoke run.
+
+Why one module of about 500 lines: one simulation's workload, runs and table.
 """
 
 from __future__ import annotations

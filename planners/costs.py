@@ -4,6 +4,9 @@ Sources: LEMIX §IV-A (stage latency Δ = η·C·ℓ², memory threshold M_thres
 SamuLLM §2 / §4.1 (per-iteration latency as a linear function of the running batch, Eq. 5;
 output lengths sampled from an empirical CDF). Fitting is least squares on measurement rows;
 reading and writing profile files is the caller's job (``to_dict`` / ``from_dict`` only).
+
+Why one module of about 530 lines: the stage, iteration, memory and length estimates are fitted from one
+profile and read together by every planner; split, each would import the others.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Plain pydantic models and functions, no SQLite: the HTTP layer (``deployments/learning.py``,
 ``deployments/openapi.py``) validates and documents requests with them, and
 ``actors/learning/store/sqlite.py`` stores and returns them.
+
+Why one module of about 510 lines: these are the store's whole wire vocabulary (specs, items, versions,
+errors) that the HTTP layer and the store must read alike.
 """
 
 from __future__ import annotations
