@@ -46,6 +46,10 @@ BUFSIZE_VARS = ("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", "RAY_SERVE_HAPROXY_INGRESS_REQ
 REQUEST_TIMEOUT_VAR = "COSERVE_HAPROXY_REQUEST_TIMEOUT_S"
 PER_SOURCE_VAR = "COSERVE_HAPROXY_MAXCONN_PER_SOURCE"  # 0: no cap
 MAX_BODY_VAR = "COSERVE_HAPROXY_MAX_BODY_BYTES"
+MAX_ADAPTER_VAR = "COSERVE_HAPROXY_MAX_ADAPTER_BYTES"
+# The adapter upload (POST .../v1/adapters/{name}/versions, under any route prefix): bounded by max_adapter_bytes
+# instead; the model server's guard (deployments/guard.py UPLOAD_PATH_RE) holds it to the same two limits.
+UPLOAD_PATH_REGEX = "/v1/adapters/.+/versions$"
 
 
 class FrontDoorError(RuntimeError):
@@ -59,12 +63,13 @@ class FrontDoor:
     maxconn: int
     maxconn_per_source: int | None
     max_body_bytes: int
+    max_adapter_bytes: int
 
     @classmethod
     def from_config(cls, cfg: AppConfig) -> FrontDoor:
         h = cfg.ingress.haproxy
         return cls(h.request_timeout_s, h.client_idle_timeout_s, h.maxconn, h.maxconn_per_source,
-                   cfg.limits.max_body_bytes)
+                   cfg.limits.max_body_bytes, cfg.limits.max_adapter_bytes)
 
     @property
     def bufsize(self) -> int:
@@ -75,7 +80,8 @@ class FrontDoor:
         """The variables that carry these settings to the Serve controller and the HAProxy managers."""
         env = {CALLBACK_VAR: CALLBACK, MAXCONN_VAR: str(self.maxconn),
                CLIENT_TIMEOUT_VAR: str(self.client_idle_timeout_s), REQUEST_TIMEOUT_VAR: str(self.request_timeout_s),
-               PER_SOURCE_VAR: str(self.maxconn_per_source or 0), MAX_BODY_VAR: str(self.max_body_bytes)}
+               PER_SOURCE_VAR: str(self.maxconn_per_source or 0), MAX_BODY_VAR: str(self.max_body_bytes),
+               MAX_ADAPTER_VAR: str(self.max_adapter_bytes)}
         env.update({var: str(self.bufsize) for var in BUFSIZE_VARS})
         return env
 
@@ -94,13 +100,14 @@ class FrontDoor:
 
         per_source = number(PER_SOURCE_VAR)
         door = cls(number(REQUEST_TIMEOUT_VAR), number(CLIENT_TIMEOUT_VAR), number(MAXCONN_VAR), per_source or None,
-                   number(MAX_BODY_VAR))
+                   number(MAX_BODY_VAR), number(MAX_ADAPTER_VAR))
         expected = door.environment()
         wrong = {var: env.get(var) for var in (*BUFSIZE_VARS, CALLBACK_VAR) if env.get(var) != expected[var]}
         if wrong:
             raise FrontDoorError(f"front door settings disagree: {wrong}, expected "
                                  f"{ {var: expected[var] for var in wrong} }")
-        if door.request_timeout_s < 1 or door.client_idle_timeout_s < 1 or door.maxconn < 1 or door.max_body_bytes < 1:
+        if door.request_timeout_s < 1 or door.client_idle_timeout_s < 1 or door.maxconn < 1 or door.max_body_bytes < 1 \
+                or door.max_adapter_bytes < 1:
             raise FrontDoorError(f"front door settings must be positive: {door}")
         return door
 
@@ -120,9 +127,26 @@ class FrontDoor:
                       f"tcp-request connection reject if {{ sc0_conn_cur gt {self.maxconn_per_source} }}"]
         too_large = error_body(413, f"Request body larger than limits.max_body_bytes={self.max_body_bytes}.",
                                "invalid_request_error", "request_too_large")
-        lines.append(f"http-request return status 413 content-type application/json string {_quoted(too_large)} "
-                     f"if {{ req.hdr_val(content-length) gt {self.max_body_bytes} }} || "
-                     f"{{ req.body_size gt {self.max_body_bytes} }}")
+        if self.max_adapter_bytes <= self.max_body_bytes:
+            lines.append(f"http-request return status 413 content-type application/json string {_quoted(too_large)} "
+                         f"if {{ req.hdr_val(content-length) gt {self.max_body_bytes} }} || "
+                         f"{{ req.body_size gt {self.max_body_bytes} }}")
+            return "".join(f"    {line}\n" for line in lines)
+        # An adapter upload may be larger: its body streams past the buffer (what HAProxy holds stays bounded).
+        # ACLs come before the rules that use them (HAProxy reads the section in order).
+        lines += [f"acl coserve_upload_path path_reg {UPLOAD_PATH_REGEX}", "acl coserve_post method POST"]
+        adapter_too_large = error_body(
+            413, f"Request body larger than limits.max_adapter_bytes={self.max_adapter_bytes}.",
+            "invalid_request_error", "request_too_large")
+        lines += [
+            f"http-request return status 413 content-type application/json string {_quoted(too_large)} "
+            f"if !coserve_upload_path {{ req.hdr_val(content-length) gt {self.max_body_bytes} }} || "
+            f"!coserve_upload_path {{ req.body_size gt {self.max_body_bytes} }} || "
+            f"!coserve_post {{ req.hdr_val(content-length) gt {self.max_body_bytes} }} || "
+            f"!coserve_post {{ req.body_size gt {self.max_body_bytes} }}",
+            f"http-request return status 413 content-type application/json string {_quoted(adapter_too_large)} "
+            f"if coserve_upload_path coserve_post {{ req.hdr_val(content-length) gt {self.max_adapter_bytes} }}",
+        ]
         return "".join(f"    {line}\n" for line in lines)
 
 

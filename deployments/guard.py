@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import re
 import time
 from typing import Any
 
@@ -60,6 +61,15 @@ PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/doc
 # Whole-service views: every tenant's adapters and every node's facts.
 ADMIN_PATHS = frozenset({"/v1/status", "/metrics"})
 _WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
+# The one route whose body may exceed limits.max_body_bytes: an adapter upload, up to limits.max_adapter_bytes.
+UPLOAD_PATH_RE = re.compile(r"^/v1/adapters/.+/versions$")
+
+
+def body_cap(limits: LimitsConfig, method: str, path: str) -> tuple[int, str]:
+    """The largest body a request may send, and the setting that says so (for the 413's message)."""
+    if method == "POST" and UPLOAD_PATH_RE.match(path) and limits.max_adapter_bytes > limits.max_body_bytes:
+        return limits.max_adapter_bytes, "limits.max_adapter_bytes"
+    return limits.max_body_bytes, "limits.max_body_bytes"
 
 
 class TokenBucket:
@@ -131,7 +141,7 @@ class RequestGuard:
             return
         try:
             if scope["method"] in _WITH_BODY:
-                body = await self._read_body(scope, receive, send)
+                body = await self._read_body(scope, receive, send, *body_cap(self.limits, scope["method"], path))
                 if body is None:
                     return
                 receive = _replay(body, receive)
@@ -164,9 +174,9 @@ class RequestGuard:
             self._in_flight[key] = self._in_flight.get(key, 0) + 1
         return True
 
-    async def _read_body(self, scope: dict[str, Any], receive: Any, send: Any) -> bytes | None:
-        """The whole body, or None after answering 413 (never more than the cap is held in memory)."""
-        cap = self.limits.max_body_bytes
+    async def _read_body(self, scope: dict[str, Any], receive: Any, send: Any, cap: int,
+                         setting: str = "limits.max_body_bytes") -> bytes | None:
+        """The whole body, or None after answering 413 (never more than ``cap`` is held in memory)."""
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:
@@ -174,7 +184,7 @@ class RequestGuard:
                 except ValueError:
                     declared = -1
                 if declared > cap:
-                    await self._too_large(send)
+                    await self._too_large(send, cap, setting)
                     return None
                 break
         chunks, size = [], 0
@@ -185,15 +195,15 @@ class RequestGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:
-                await self._too_large(send)
+                await self._too_large(send, cap, setting)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _too_large(self, send: Any) -> None:
-        await send_error(send, 413, f"Request body larger than limits.max_body_bytes={self.limits.max_body_bytes}.",
-                         "invalid_request_error", "request_too_large")
+    async def _too_large(self, send: Any, cap: int, setting: str) -> None:
+        await send_error(send, 413, f"Request body larger than {setting}={cap}.", "invalid_request_error",
+                         "request_too_large")
 
 
 def _bearer(scope: dict[str, Any]) -> str | None:

@@ -1,5 +1,7 @@
 """HTTP routes for learning: adapters (create, list, show, change, roll back, promote), feedback and ``/metrics``.
 
+A version's files (upload one, download one) are deployments/adapter_files.py's, installed with these.
+
 Bodies go to the feedback store's own validation (actors/learning/store/sqlite.py) through the one actor
 that owns it; each kind of its errors maps to one HTTP status here, and a 2xx on feedback means the whole batch
 is durably stored.
@@ -58,6 +60,7 @@ from actors.learning.store.models import (
     split_adapter_key,
 )
 from actors.learning.store.unit_kind import unit_kind
+from deployments.adapter_files import AdapterFileRoutes
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
 from planners.types import NewFeedback
@@ -182,6 +185,9 @@ class LearningRoutes:
         # {name:path}: the admin names a tenant's adapter by its key, "acme/support" (OpenAPI shows {name}).
         r.add_api_route("/v1/adapters/{name:path}/rollback", self.rollback_adapter, methods=["POST"])
         r.add_api_route("/v1/adapters/{name:path}/promote", self.promote_adapter, methods=["POST"])
+        # Upload and download of a version's files (deployments/adapter_files.py), before GET {name:path}.
+        self.files = AdapterFileRoutes(self)
+        self.files.install(r)
         r.add_api_route("/v1/adapters/{name:path}", self.show_adapter, methods=["GET"])
         r.add_api_route("/v1/adapters/{name:path}", self.update_adapter, methods=["PATCH"])
         r.add_api_route("/v1/feedback", self.feedback, methods=["POST"], status_code=202)

@@ -63,6 +63,14 @@ class VersionChoice(BaseModel):
     version: int = Field(ge=1, lt=2**63)
 
 
+class VersionSource(BaseModel):
+    """What ``POST /v1/adapters/{name}/versions`` takes as JSON: where the adapter is (admin only)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    source: str = Field(min_length=1, description="file://, s3:// or gs:// URI of a PEFT directory or a .tar/.zip of one.")
+    gate: bool | None = Field(None, description="false: serve at once, unjudged (admin only).")
+
+
 class FeedbackBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     items: list[SFTItem | PreferenceItem] = Field(min_length=1)
@@ -84,6 +92,24 @@ APP_OPERATIONS: dict[tuple[str, str], tuple[dict[str, Any] | None, tuple[int, ..
     ("/v1/adapters/{name}/promote", "post"): ({"$ref": REF.format(model="VersionChoice")}, (400, 404, 409)),
     ("/v1/feedback", "post"): (FEEDBACK_BODY, (400, 404, 422)),
 }
+# Upload and download of a version's files (deployments/adapter_files.py): bodies of several types, a query, a tar.
+UPLOAD = ("/v1/adapters/{name}/versions", "post")
+DOWNLOAD = ("/v1/adapters/{name}/versions/{version}/files", "get")
+APP_OPERATIONS[UPLOAD] = (None, (400, 403, 404, 409, 413))
+APP_OPERATIONS[DOWNLOAD] = (None, (400, 404))
+_BINARY = {"type": "string", "format": "binary"}
+UPLOAD_BODY: dict[str, Any] = {
+    "required": True,
+    "description": "A PEFT LoRA adapter: a tar or zip of adapter_config.json + adapter_model.safetensors (at the "
+                   "top level or in one folder), at most limits.max_adapter_bytes; or JSON naming a PEFT directory "
+                   "or such an archive by URI (admin only).",
+    "content": {"application/x-tar": {"schema": _BINARY}, "application/zip": {"schema": _BINARY},
+                "application/json": {"schema": {"$ref": REF.format(model="VersionSource")}}}}
+UPLOAD_QUERY = {"name": "gate", "in": "query", "required": False, "schema": {"type": "boolean"},
+                "description": "false: serve the version at once, unjudged (admin only); true: judge it even with the "
+                               "adapter's gate off. Default: the adapter's gate."}
+VERSION_PARAM = {"name": "version", "in": "path", "required": True,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}}
 # (path, method) -> header parameters the route reads itself
 APP_HEADERS: dict[tuple[str, str], list[dict[str, Any]]] = {
     ("/v1/feedback", "post"): [{
@@ -93,10 +119,11 @@ APP_HEADERS: dict[tuple[str, str], list[dict[str, Any]]] = {
         "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS, "pattern": "^[ -~]+$"}}],
 }
 _DOC_MODELS: tuple[type[BaseModel], ...] = (AppError, AdapterSpec, AdapterChange, VersionChoice, FeedbackBatch,
-                                            SFTItem, PreferenceItem)
+                                            SFTItem, PreferenceItem, VersionSource)
 _STATUS_TEXT = {400: "Bad request", 401: "Missing or unknown API key",
                 403: "Not allowed: needs an admin key, or over a count limit (limits.adapters_per_tenant)",
-                404: "Not found (or another tenant's)", 409: "Conflict", 413: "Body larger than limits.max_body_bytes",
+                404: "Not found (or another tenant's)", 409: "Conflict",
+                413: "Body larger than limits.max_body_bytes (an adapter upload: limits.max_adapter_bytes)",
                 422: "Idempotency-Key sent again with other feedback items",
                 429: "Over the key's rate or concurrency limit", 500: "Internal error (the log has the detail)",
                 503: "A part of the service is restarting"}
@@ -123,6 +150,22 @@ def _components(max_lora_rank: int | None = None) -> dict[str, Any]:
     return schemas
 
 
+def _files_operation(path: str, method: str, op: dict[str, Any]) -> None:
+    """The upload's bodies, query and 201, and the download's tar and integer version, which FastAPI cannot see."""
+    if (path, method) == UPLOAD:
+        op["requestBody"] = UPLOAD_BODY
+        op["parameters"] = [*op.get("parameters", []), UPLOAD_QUERY]
+        op.setdefault("responses", {})["201"] = {
+            "description": "The new version, as the adapter routes show versions (a tenant's without `path`).",
+            "content": {"application/json": {"schema": {"type": "object"}}}}
+        op["responses"].pop("200", None)
+    elif (path, method) == DOWNLOAD:
+        op["parameters"] = [VERSION_PARAM if p.get("name") == "version" else p for p in op.get("parameters", [])]
+        op.setdefault("responses", {})["200"] = {
+            "description": "The version's PEFT directory as a tar: adapter_config.json + adapter_model.safetensors.",
+            "content": {"application/x-tar": {"schema": _BINARY}}}
+
+
 def install_openapi(app: FastAPI, guarded: bool, max_lora_rank: int | None = None) -> None:
     """Make ``app.openapi()`` describe what the app accepts and answers (built once, on first request).
     ``guarded``: API keys are configured, so every non-public operation may answer 401 and 403.
@@ -143,6 +186,7 @@ def install_openapi(app: FastAPI, guarded: bool, max_lora_rank: int | None = Non
                     op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
                 if (path, method) in APP_HEADERS:
                     op["parameters"] = [*op.get("parameters", []), *APP_HEADERS[(path, method)]]
+                _files_operation(path, method, op)
                 responses = op.setdefault("responses", {})
                 statuses = {500, *answers}
                 if path not in PUBLIC_PATHS:

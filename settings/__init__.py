@@ -264,6 +264,10 @@ class LimitsConfig(_ConfigSection):
     """Caps that keep one client from holding the engine or the ingress' memory (README "Security")."""
 
     max_body_bytes: int = Field(1 * 2**20, gt=0, description="Largest request body; larger ones get 413.")
+    max_adapter_bytes: int = Field(
+        64 * 2**20, gt=0, description="Largest adapter upload (POST /v1/adapters/{name}/versions: the archive's body, "
+                                      "and its files unpacked, or the files a `source` URI names); larger: 413. "
+                                      "Only that route may send a body over max_body_bytes.")
     max_n: int = Field(8, gt=0, description="Most choices (``n``) per request.")
     max_best_of: int = Field(8, gt=0, description="Most ``best_of`` candidates per request.")
     max_tokens: int = Field(2048, gt=0, description="Most output tokens (``max_tokens``, ``max_completion_tokens``).")

@@ -5,6 +5,7 @@ actor handle and the planner (the Ray actors they talk to)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -22,6 +23,19 @@ from settings import AppConfig, LimitsConfig
 TINY_LORA_PARTS = ("self_attn.q_proj", "self_attn.v_proj")
 
 
+def tiny_shapes(layers: int = 4, hidden: int = 256, intermediate: int = 768, vocab: int = 259
+                ) -> dict[str, tuple[int, int]]:
+    """The embedded tiny Llama's module -> (in, out) features (actors.models.default_model.DEFAULT_SPEC), as
+    actors.learning.lora.targets.module_shapes builds them, without torch."""
+    shapes: dict[str, tuple[int, int]] = {"model.embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab)}
+    for i in range(layers):
+        for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[f"model.layers.{i}.self_attn.{part}"] = (hidden, hidden)
+        shapes[f"model.layers.{i}.mlp.gate_proj"] = shapes[f"model.layers.{i}.mlp.up_proj"] = (hidden, intermediate)
+        shapes[f"model.layers.{i}.mlp.down_proj"] = (intermediate, hidden)
+    return shapes
+
+
 class _Method:
     def __init__(self, actor: "FakeStoreActor", name: str) -> None:
         self.actor, self.name = actor, name
@@ -37,6 +51,7 @@ class FakeStoreActor:
 
     def __init__(self, store: FeedbackStore) -> None:
         self.store = store
+        self.adapters_root = store.path.parent / "adapters"  # as the actor's data_dir/adapters
         self.die_after: set[str] = set()
         self.die_before: set[str] = set()
 
@@ -47,11 +62,24 @@ class FakeStoreActor:
         if name in self.die_before:
             self.die_before.discard(name)
             raise RayActorError()
-        result = await asyncio.to_thread(getattr(self.store, name), *args, **kwargs)
+        result = await asyncio.to_thread(self._method(name), *args, **kwargs)
         if name in self.die_after:
             self.die_after.discard(name)
             raise RayActorError()
         return result
+
+
+    def _method(self, name: str) -> Callable[..., Any]:
+        """The store's method, or what the actor adds to it: an upload's version, a version's files."""
+        if name == "add_version":
+            from actors.learning.store.uploads import add_uploaded_version
+
+            return functools.partial(add_uploaded_version, self.store, self.adapters_root, None)
+        if name == "read_version":
+            from actors.learning.versions.layout import read_version_files
+
+            return functools.partial(read_version_files, self.adapters_root)
+        return getattr(self.store, name)
 
 
 class Planner:
@@ -95,6 +123,8 @@ def guarded_learning_app(cfg: AppConfig, store: FeedbackStore, *, planner: Plann
     app = FastAPI()
     install_error_handlers(app)
     routes.install(app)
+    shapes = tiny_shapes()
+    routes.files.shapes = lambda: shapes  # type: ignore[method-assign]
     if openapi:
         from deployments.openapi import install_openapi
 

@@ -71,6 +71,7 @@ from actors.learning.messages import Grant, GrantRequest, MemoryUse, PassReport,
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 5.0  # an idle driver waits on the store at most this long (new feedback wakes it at once; so does a stop)
+ADOPT_EVERY_S = 5.0  # a busy driver looks this often for candidates it did not publish (uploads) to judge
 SPEC_TTL_S = 2.0  # a PATCHed adapter (mode, learning rate) takes effect within this
 MAX_GRANT_SLEEP_S = 1.0  # a refused step asks again at least this often
 CALL_TIMEOUT_S = 30.0
@@ -147,6 +148,7 @@ class LoraDriver:
         self.turns = TrainingTurns()
         self.not_before: dict[str, float] = {}  # adapter -> when to pick it again (after a fault)
         self.evaluator = VersionEvaluator(self, eval_file)
+        self._adopted_at = 0.0
         self._resume_gate()
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -154,6 +156,8 @@ class LoraDriver:
     def run(self) -> None:
         """Train until asked to stop; raises when the group or the store/planner failed (the Trainer restarts)."""
         while not self.should_stop():
+            if time.time() - self._adopted_at > ADOPT_EVERY_S:
+                self._resume_gate()  # an uploaded candidate waits for the gate as a trained one does
             if self.evaluator.pending():
                 # Scoring shares rank 0's model, so it runs here, between steps.
                 self.evaluator.work_one()
@@ -221,8 +225,11 @@ class LoraDriver:
         timeout = IDLE_WAIT_S if wake_at is None else max(0.0, min(IDLE_WAIT_S, wake_at - time.time()))
         if self.evaluator.pending():
             timeout = 0.0  # scoring waits: come back to the loop at once
+        seen = self.store_changes
         self.store_changes = ray.get(self.store.wait_for_change.remote(self.store_changes, timeout),
                                      timeout=timeout + CALL_TIMEOUT_S)
+        if self.store_changes != seen:
+            self._resume_gate()  # the change may be an uploaded candidate (POST /v1/adapters/{name}/versions)
 
     def _decide(self) -> StepPlan | Flush | None:
         # adapter -> (unconsumed, oldest created_at), of this node's partition under per_node
@@ -502,14 +509,17 @@ class LoraDriver:
             self.warn("load_adapter", exc)
 
     def _resume_gate(self) -> None:
-        """Candidates that a previous driver left undecided (the group failed while the gate judged them)."""
+        """Candidates this driver does not judge yet: those a previous driver left undecided (the group failed
+        while the gate judged them) and uploaded ones (published by the store, not by a rank)."""
+        self._adopted_at = time.time()
         try:
             left = ray.get(self.store.candidates.remote(self.line), timeout=60)
         except Exception as exc:
             self.warn("candidates", exc)
             return
         for v in left:
-            self.evaluator.submit(v.adapter, v.version, v.path, candidate=True, created=[])
+            if not self.evaluator.has(v.adapter, v.version):
+                self.evaluator.submit(v.adapter, v.version, v.path, candidate=True, created=[])
 
     # ---- faults and reports -----------------------------------------------------------------------
 

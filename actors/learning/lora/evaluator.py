@@ -62,6 +62,10 @@ class VersionEvaluator:
         """Whether a candidate of ``adapter`` waits for its verdict (the driver does not train it meanwhile)."""
         return self._judging.get(adapter, 0) > 0
 
+    def has(self, adapter: str, version: int) -> bool:
+        """Whether the candidate ``version`` of ``adapter`` waits here for its verdict already."""
+        return any(j.adapter == adapter and j.version == version for j in self._candidates)
+
     def submit(self, adapter: str, version: int, path: str, *, candidate: bool, created: list[float]) -> None:
         job = EvalJob(adapter, version, path, candidate, created)
         if candidate:

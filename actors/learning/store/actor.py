@@ -74,6 +74,7 @@ class FeedbackQueue:
         # Resolved here, on the store's node: the path names this node's disk, not the planner's.
         self.data_dir = config.data_path
         self.adapters_root = config.adapters_path
+        self.adapters_uri = config.storage.adapters_uri  # where versions are written, when set (an upload's too)
         self.store = FeedbackStore(self.data_dir, gate_defaults=config.training.gate.model_dump(),
                                    max_item_bytes=config.limits.feedback_max_item_bytes,
                                    max_batch_items=config.limits.feedback_max_items,
@@ -99,6 +100,16 @@ class FeedbackQueue:
         finally:
             self._changes += int(work)
             self._served_change += int(serves)
+            async with self._condition():
+                self._condition().notify_all()
+
+    async def _run_and_notify_call(self, work: Any) -> Any:
+        """``work()`` in a thread, then wake both long polls (it may give the trainer work and change what is served)."""
+        try:
+            return await asyncio.to_thread(work)
+        finally:
+            self._changes += 1
+            self._served_change += 1
             async with self._condition():
                 self._condition().notify_all()
 
@@ -200,6 +211,19 @@ class FeedbackQueue:
                                                samples_trained, loss, serves=True, work=False, **kwargs)
         await self._prune_quietly(adapter)
         return published
+
+    @ray.method(max_task_retries=0)  # not idempotent: a resent upload would publish a second version
+    async def add_version(self, adapter: str, files: dict[str, bytes], meta: dict[str, Any], *,
+                          gated: bool | None = None, note: str | None = None):
+        """An uploaded adapter version, already checked, reserved, written and published as a trained one
+        (actors/learning/store/uploads.py). Wakes the trainer (``work``): its gate judges a candidate."""
+        from actors.learning.store.uploads import add_uploaded_version
+
+        added = await self._run_and_notify_call(
+            lambda: add_uploaded_version(self.store, self.adapters_root, self.adapters_uri, adapter, files, meta,
+                                         gated=gated, note=note))
+        await self._prune_quietly(adapter)
+        return added
 
     async def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float):
         return await self._run("record_eval", adapter, version, win_rate, clpd)

@@ -41,7 +41,7 @@ class VersionRegistry(StoreConnection):
 
     def publish_version(self, adapter: str, version: int, path: str | Path, item_ids: Iterable[int],
                         samples_trained: int, loss: float | None, *, check_parent: bool = True,
-                        gated: bool | None = None) -> VersionInfo:
+                        gated: bool | None = None, note: str | None = None) -> VersionInfo:
         """Publish a reserved version and count its pass over ``item_ids``: one transaction.
 
         With the adapter's quality gate on (``gated`` None: its settings decide) the version becomes a
@@ -52,6 +52,7 @@ class VersionRegistry(StoreConnection):
         another version keep their first consumer. With ``check_parent``,
         raises :class:`VersionConflict` (and changes nothing) if the current version moved since
         the reservation (e.g. a rollback): the trainer should reload the current version and retrain.
+        ``note``: where the version came from (an upload), written before the reason its state has.
         """
         ids = sorted(set(item_ids))
         with self._tx() as db:
@@ -69,11 +70,11 @@ class VersionRegistry(StoreConnection):
             if gated is None:
                 gated = self._gate_overrides(db, adapter).over(self.gate_defaults).enabled
             now = time.time()
+            reason = "waiting for the quality gate" if gated else "served at once: the quality gate is off"
             db.execute("UPDATE versions SET published = 1, published_at = ?, path = ?, samples_trained = ?, "
                        "loss = ?, state = ?, reason = ?, decided_at = ? WHERE adapter = ? AND version = ?",
                        (now, str(path), samples_trained, loss, "candidate" if gated else "served",
-                        "waiting for the quality gate" if gated else "served at once: the quality gate is off",
-                        None if gated else now, adapter, version))
+                        f"{note}; {reason}" if note else reason, None if gated else now, adapter, version))
             # One more pass each; consumed (no longer queued) once the adapter's epochs are done.
             epochs = db.execute("SELECT epochs FROM adapters WHERE name = ?", (adapter,)).fetchone()[0]
             db.executemany("UPDATE feedback SET passes = passes + 1, consumed_by_version = CASE WHEN passes + 1 >= ? "
@@ -82,6 +83,13 @@ class VersionRegistry(StoreConnection):
             if not gated:
                 self._set_current(db, adapter, version, v.node)
             return self._version(db, adapter, version)
+
+    def abandon_reservation(self, adapter: str, version: int) -> bool:
+        """A reserved version that will never be published (its upload's files could not be written): marked
+        deleted, so it pins no parent and is never listed; its number stays taken. Whether it was unpublished."""
+        with self._tx() as db:
+            return db.execute("UPDATE versions SET deleted_at = ? WHERE adapter = ? AND version = ? AND published = 0 "
+                              "AND deleted_at IS NULL", (time.time(), adapter, version)).rowcount > 0
 
     def decide_version(self, adapter: str, version: int, *, passed: bool, reason: str, score: float | None = None,
                        baseline_version: int | None = None, baseline_score: float | None = None,
@@ -267,7 +275,7 @@ class VersionRegistry(StoreConnection):
                                                 "state = 'candidate'", (adapter,))}
             # A reservation older than a day is a crashed trainer's, not a training in progress: it pins nothing.
             needed |= {r[0] for r in db.execute("SELECT parent FROM versions WHERE adapter = ? AND published = 0 "
-                                                "AND parent IS NOT NULL AND created_at > ?",
+                                                "AND deleted_at IS NULL AND parent IS NOT NULL AND created_at > ?",
                                                 (adapter, time.time() - RESERVATION_PINS_S))}
             doomed = sorted(v for v in live if v not in needed)
             db.executemany("UPDATE versions SET deleted_at = ? WHERE adapter = ? AND version = ?",

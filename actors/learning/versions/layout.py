@@ -131,13 +131,17 @@ def read_dir_files(path: str | Path) -> dict[str, bytes]:
 
 def upload_version(uri: str, adapter: str, version: int, local_dir: str | Path) -> str:
     """Copy a locally saved version to ``<uri>/<adapter>/v<N>`` (pyarrow.fs); the location to publish."""
+    return upload_version_files(uri, adapter, version, read_dir_files(local_dir))
+
+
+def upload_version_files(uri: str, adapter: str, version: int, files: dict[str, bytes]) -> str:
+    """Write a version given as ``{file name: bytes}`` to ``<uri>/<adapter>/v<N>`` (pyarrow.fs); the location."""
     from pyarrow import fs as pafs
 
     version_dir("/", adapter, version)  # validates the name and the number
     location = f"{uri.rstrip('/')}/{adapter_dir(adapter)}/v{int(version)}"
     filesystem, base = pafs.FileSystem.from_uri(location)
     filesystem.create_dir(base, recursive=True)
-    files = read_dir_files(local_dir)
     # meta.json last: a reader that finds it finds every other file (is_complete_version's rule).
     for name in sorted(files, key=lambda n: n == META_FILE):
         with filesystem.open_output_stream(f"{base}/{name}") as out:
