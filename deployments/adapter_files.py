@@ -73,7 +73,7 @@ class AdapterFileRoutes:
         """Check a PEFT LoRA adapter against the served base and publish it as the adapter's next version; 201."""
         principal = PRINCIPAL.get()
         key = await self.routes.resolve(name)
-        info = await self.routes._store(lambda q: q.get_adapter.remote(key))
+        info = await self.routes.call_store(lambda q: q.get_adapter.remote(key))
         kind = unit_kind(info.method)
         if not kind.trained_by_lora_ranks:
             raise BadRequest(f"{name!r} is a {kind.name} unit ({info.method}): only LoRA adapters take uploaded "
@@ -104,7 +104,7 @@ class AdapterFileRoutes:
                 await asyncio.to_thread(read_archive, body, archive, limit)
             checked = await asyncio.to_thread(self._check, files)
         except AdapterRejected as exc:
-            text = str(exc) if principal.admin else self.routes._without_paths(str(exc))
+            text = str(exc) if principal.admin else self.routes.without_paths(str(exc))
             return error(exc.status, text, exc.param, err_type="invalid_request_error")
         meta = {"uploaded": True, "source": "body" if source is None else source.split("?", 1)[0],
                 "base_model_name_or_path": checked.base_model, "r": checked.rank, "lora_alpha": checked.alpha,
@@ -114,7 +114,7 @@ class AdapterFileRoutes:
         if version.state == "served":
             update = kind.planner_update(key, version.version, version)
             if update is not None:
-                await self.routes._tell_planner(f"upload of {key!r} v{version.version}", update)
+                await self.routes.tell_planner(f"upload of {key!r} v{version.version}", update)
         return JSONResponse(self._version_json(version), status_code=201)
 
     @staticmethod
@@ -189,13 +189,10 @@ class AdapterFileRoutes:
                    note: str) -> VersionInfo:
         """Publish on the store's actor, once: a resent upload could publish twice, so a store that died
         meanwhile is a 503 that says how to find out whether it was stored."""
-        routes = self.routes
-        if routes._feedback is None:
-            routes._feedback = await routes._find_store()
         try:
-            return await routes._feedback.add_version.remote(key, files, meta, gated=gate, note=note)
+            return await self.routes.call_store_once(
+                lambda q: q.add_version.remote(key, files, meta, gated=gate, note=note))
         except RayActorError:
-            routes._feedback = None
             raise ServiceUnavailable("The feedback store restarted during the upload; GET the adapter to see whether "
                                      "the version was stored, and send it again if not.") from None
 
@@ -207,7 +204,7 @@ class AdapterFileRoutes:
         principal = PRINCIPAL.get()
         shown = version.model_copy(update={"adapter": shown_name(principal, version.adapter),
                                            "reason": version.reason if principal.admin
-                                           else self.routes._without_paths(version.reason)})
+                                           else self.routes.without_paths(version.reason)})
         return shown.model_dump(exclude=None if principal.admin else {"path"})
 
     # ---- download ------------------------------------------------------------------------------
@@ -218,18 +215,18 @@ class AdapterFileRoutes:
         if not version.isdigit() or not 1 <= int(version) < 2**63:
             raise BadRequest(f"version {version!r}: a positive integer", "version")
         number = int(version)
-        info = await self.routes._store(lambda q: q.get_adapter.remote(key))
+        info = await self.routes.call_store(lambda q: q.get_adapter.remote(key))
         kind = unit_kind(info.method)
         if not kind.trained_by_lora_ranks:
             raise BadRequest(f"{name!r} is a {kind.name} unit ({info.method}): only a LoRA adapter's versions are "
                              "downloaded here", "name")
-        found = await self.routes._store(lambda q: q.get_version.remote(key, number))
+        found = await self.routes.call_store(lambda q: q.get_version.remote(key, number))
         if not found.published or not found.path:
             raise UnknownVersion(f"adapter {name!r} has no published version {number}")
         if is_uri(found.path):
             files = await asyncio.to_thread(download_version, found.path)
         else:
-            files = await self.routes._store(lambda q: q.read_version.remote(found.path))
+            files = await self.routes.call_store(lambda q: q.read_version.remote(found.path))
         tar = as_tar({n: files[n] for n in ADAPTER_FILES})
         filename = f"{name.replace('/', '-')}-v{number}.tar"
         return Response(tar, media_type="application/x-tar",

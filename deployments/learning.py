@@ -194,7 +194,7 @@ class LearningRoutes:
         r.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.include_router(r)
 
-    async def _store(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+    async def call_store(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """``call(store)`` on the feedback store's actor, looked up again once if it was restarted."""
         for attempt in range(2):
             if self._feedback is None:
@@ -207,6 +207,17 @@ class LearningRoutes:
                 if attempt == 1:
                     raise ServiceUnavailable("The feedback store is restarting; retry in a few seconds.") from None
         raise AssertionError("unreachable")
+
+    async def call_store_once(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``call(store)`` on the feedback store's actor once, never resent (a resent write could apply twice):
+        a store that died meanwhile forgets the handle and raises ``RayActorError`` for the caller to answer."""
+        if self._feedback is None:
+            self._feedback = await self._find_store()
+        try:
+            return await call(self._feedback)
+        except RayActorError:
+            self._feedback = None
+            raise
 
     async def _find_store(self) -> Any:
         """The feedback store's actor, by its name, so that storing needs no planner (it may be restarting);
@@ -227,7 +238,7 @@ class LearningRoutes:
         if not ADAPTER_KEY_RE.match(adapter):
             return UNKNOWN
         try:
-            owner = await self._store(lambda q: q.adapter_tenant.remote(adapter))
+            owner = await self.call_store(lambda q: q.adapter_tenant.remote(adapter))
         except (UnknownAdapter, RayTaskError) as exc:
             # Ray re-raises the store's error as a RayTaskError that carries it as ``cause``.
             if not isinstance(getattr(exc, "cause", exc), UnknownAdapter):
@@ -248,7 +259,7 @@ class LearningRoutes:
             raise UnknownAdapter(f"no adapter named {name!r}")
         return key
 
-    async def _tell_planner(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> bool:
+    async def tell_planner(self, what: str, call: Callable[[Any], Awaitable[Any]]) -> bool:
         """``ask_planner(call)`` after the store committed a change: best effort. A planner that is away
         (restarting, dead, or not answering within ``planner_timeout_s``) must not turn a stored change
         into an error; the replicas catch up when it is back. Whether the planner confirmed."""
@@ -264,7 +275,7 @@ class LearningRoutes:
         """An adapter as the request's principal sees it: a tenant by its bare name, an admin with its paths."""
         principal = PRINCIPAL.get()
         name = shown_name(principal, info.name)
-        shown = (lambda text: text) if principal.admin else self._without_paths
+        shown = (lambda text: text) if principal.admin else self.without_paths
         versions = [v.model_copy(update={"adapter": name, "reason": shown(v.reason)}) for v in info.versions]
         return AdapterView(**{**dict(info), "name": name, "versions": versions,
                               "paused_reason": shown(info.paused_reason)},
@@ -275,7 +286,7 @@ class LearningRoutes:
         admin = PRINCIPAL.get().admin
         return self._adapter_view(info).model_dump(exclude=None if admin else {"versions": {"__all__": {"path"}}})
 
-    def _without_paths(self, text: str | None) -> str | None:
+    def without_paths(self, text: str | None) -> str | None:
         """``text`` with the server's data, model and adapter locations cut to ``<server path>``."""
         if text:
             for root in self._server_paths:
@@ -341,7 +352,7 @@ class LearningRoutes:
 
     async def _create(self, spec: AdapterSpec, key: str) -> AdapterInfo:
         """Create in the store. The store's actor takes no task retries for a create (a resent one would
-        answer 409 for the caller's own adapter), so a store that died meanwhile reaches ``_store``, which
+        answer 409 for the caller's own adapter), so a store that died meanwhile reaches ``call_store``, which
         sends it once more; if that answers "exists" with this very spec, made a moment ago, it is this
         request's adapter, committed before the store died, and the answer is 201."""
         calls = 0
@@ -352,11 +363,11 @@ class LearningRoutes:
             return q.create_adapter.remote(spec)
 
         try:
-            return await self._store(create)
+            return await self.call_store(create)
         except (AdapterExists, RayTaskError) as exc:
             if calls < 2 or not isinstance(getattr(exc, "cause", exc), AdapterExists):
                 raise
-            info = await self._store(lambda q: q.get_adapter.remote(key))
+            info = await self.call_store(lambda q: q.get_adapter.remote(key))
             # The stored gate is the effective one; the stored name is the key (its tenant's and name's).
             fields = set(AdapterSpec.model_fields) - {"gate", "name"}
             if info.model_dump(include=fields) != spec.model_dump(include=fields) or time.time() - info.created_at > 60:
@@ -365,12 +376,12 @@ class LearningRoutes:
 
     async def list_adapters(self) -> JSONResponse:
         principal = PRINCIPAL.get()
-        adapters = [a for a in await self._store(lambda q: q.list_adapters.remote()) if principal.may_use(a.tenant)]
+        adapters = [a for a in await self.call_store(lambda q: q.list_adapters.remote()) if principal.may_use(a.tenant)]
         return JSONResponse({"object": "list", "data": [self._adapter_json(i) for i in adapters]})
 
     async def show_adapter(self, name: str) -> Response:
         key = await self.resolve(name)
-        info = await self._store(lambda q: q.get_adapter.remote(key))
+        info = await self.call_store(lambda q: q.get_adapter.remote(key))
         return JSONResponse(self._adapter_json(info))
 
     async def update_adapter(self, name: str, request: Request) -> Response:
@@ -379,8 +390,8 @@ class LearningRoutes:
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
-        info = await self._store(lambda q: q.update_adapter.remote(key, body))
-        await self._tell_planner(f"PATCH of adapter {key!r}", lambda p: p.adapter_changed.remote(key))
+        info = await self.call_store(lambda q: q.update_adapter.remote(key, body))
+        await self.tell_planner(f"PATCH of adapter {key!r}", lambda p: p.adapter_changed.remote(key))
         return JSONResponse(self._adapter_json(info))
 
     async def rollback_adapter(self, name: str, request: Request) -> Response:
@@ -401,14 +412,14 @@ class LearningRoutes:
             raise BadRequest("`version` (a positive integer) is required.", "version")
         if isinstance(body, dict) and set(body) != {"version"}:
             raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
-        info = await self._store(lambda q: (q.rollback if how == "rollback" else q.promote).remote(name, version))
+        info = await self.call_store(lambda q: (q.rollback if how == "rollback" else q.promote).remote(name, version))
         # From here on the change is committed: the answer is the stored state, whatever the planner does.
         # The target's path and node come with the answer (versions are immutable once published).
         target = next((v for v in info.versions if v.version == version), None)
         what = f"{how} of {name!r} to v{version}"
         update = unit_kind(info.method).planner_update(name, version, target)
         if update is not None:
-            await self._tell_planner(what, update)
+            await self.tell_planner(what, update)
         return JSONResponse(self._adapter_json(info))
 
     async def metrics(self) -> Response:
@@ -416,7 +427,7 @@ class LearningRoutes:
 
         status = await self.ask_planner(lambda p: p.status.remote())
         engines = await self.ask_planner(lambda p: p.engine_metrics.remote())
-        adapters = [a.model_dump() for a in await self._store(lambda q: q.list_adapters.remote())]
+        adapters = [a.model_dump() for a in await self.call_store(lambda q: q.list_adapters.remote())]
         return Response(render(status, adapters, engines), media_type=CONTENT_TYPE_LATEST)
 
     async def feedback(self, request: Request) -> Response:
@@ -462,7 +473,7 @@ class LearningRoutes:
         options: dict[str, Any] = {"idempotency_key": key, "tenant": tenant}
         if ttl is not None:
             options["key_ttl_s"] = ttl
-        receipt = await self._store(lambda q: q.submit_feedback.remote(items, nodes, **options))
+        receipt = await self.call_store(lambda q: q.submit_feedback.remote(items, nodes, **options))
         # Only a client's own key is a replay the client asked for; a request key replays Ray's resend.
         replayed = {"Idempotent-Replayed": "true"} if receipt.replayed and ttl is None else None
         return JSONResponse({"ids": receipt.ids, "accepted": len(receipt.ids)}, status_code=202, headers=replayed)

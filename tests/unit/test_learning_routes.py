@@ -94,7 +94,7 @@ def test_feedback_replays_its_idempotency_key_and_refuses_bad_ones(harness):
     client, store, actor, _ = harness
     store.create_adapter({"name": "tutor", "method": "sft", "mode": "off"})
     item = {"adapter": "tutor", "prompt": "2+2?", "completion": "4"}
-    actor.die_after.add("submit_feedback")  # stored, reply lost: _store sends it again with the request's key
+    actor.die_after.add("submit_feedback")  # stored, reply lost: call_store sends it again with the request's key
     r = client.post("/v1/feedback", json=[item, item])
     assert r.status_code == 202 and len(r.json()["ids"]) == 2, r.text
     assert "idempotent-replayed" not in r.headers and store.queued("tutor") == 2
