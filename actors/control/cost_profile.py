@@ -12,7 +12,7 @@ from pathlib import Path
 from settings import AppConfig
 from planners.costs import CostModel, default_cost_model
 
-SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+SHIPPED_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
 
 def profile_name(served_name: str, device: str) -> str:

@@ -57,7 +57,7 @@ from actors.learning.messages import NodeLocation
 
 logger = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESTART_BACKOFF_S = 2.0
 PLACE_TIMEOUT_S = 300.0  # ranks wait this long for their share of a bundle (a replica may be starting)
 JOIN_TIMEOUT_S = 300.0

@@ -20,7 +20,7 @@ from planners.costs import CostModel
 from planners.registry import create
 from planners.offline import DeviceSet, JobGraph, Plan, output_cdf_from_pairs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_PROFILE = ROOT / "profiles" / "tiny-llama-cpu.json"
 DEFAULT_DATA_DIR = Path("~/.cache/coserve").expanduser()
 
