@@ -6,6 +6,7 @@ what differs between the two, instead of each testing the setting's name.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import ClassVar, TypeVar
 
@@ -13,7 +14,7 @@ T = TypeVar("T")
 V = TypeVar("V")
 
 
-class TrainingScope:
+class TrainingScope(ABC):
     """What the scope decides: which version line a node's training writes, who averages gradients with whom,
     where a new version is served, and whether new feedback is placed on a node."""
 
@@ -23,35 +24,42 @@ class TrainingScope:
     # Each new feedback item is placed on the node whose copy trains on it (the planner chooses the node).
     routes_feedback: ClassVar[bool]
 
+    @abstractmethod
     def line(self, node_id: int) -> int | None:
         """The version line that training on ``node_id`` writes and its grants count against: None is the one
         synced line, else the node's own."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def group(self, rank: int, world: int) -> tuple[int, int]:
         """(rank, world size) of trainer rank ``rank`` of ``world`` in its gradient-averaging group."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def joins_collective(self, world: int) -> bool:
         """Whether the ``world`` ranks must join one collective (rendezvous) before they train."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def lanes(self, ranks: Sequence[T], node_of_rank: Sequence[int]) -> list[tuple[list[T], list[int], int | None]]:
         """The independent training loops: (their ranks, those ranks' nodes, the version line they write)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def serving_nodes(self, node_id: int) -> list[int] | None:
         """The nodes that serve a version trained by ``node_id``'s loop (its rank 0's node); None: every node."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def served(self, current: V | None, by_node: Mapping[int, V], node_id: int) -> V | None:
         """What node ``node_id`` serves of an adapter whose synced current version is ``current`` and whose
         nodes' own current versions are ``by_node``."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def workers_problem(self, workers: int | None, nodes: int) -> str | None:
         """Why ``training.workers`` cannot train with this scope on ``nodes`` nodes (None: it can)."""
-        raise NotImplementedError
+        ...
 
 
 class Synced(TrainingScope):

@@ -6,13 +6,14 @@ differs between them is decided here, in one class per kind, rather than by test
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from actors.learning.messages import FullVersion
 
 
-class UnitKind:
+class UnitKind(ABC):
     """What a unit's kind decides: how it is served, trained, created, queued and rolled back."""
 
     name: ClassVar[str]
@@ -31,18 +32,21 @@ class UnitKind:
     # The oldest version a rollback may go to: 0 is the starting model, which only a full unit has.
     lowest_rollback_version: ClassVar[int]
 
+    @abstractmethod
     def model_name(self, base: str, name: str) -> str:
         """The ``model`` a request names to be served by this unit's current version."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def held_out_share(self, gate_share: float) -> float:
         """The share of new feedback kept back for the quality gate, given the gate's setting."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def planner_update(self, name: str, version: int, target: Any | None) -> Callable[[Any], Any] | None:
         """What to ask the planner after a rollback or promotion to ``version`` (``target``: its record, or None
         for one not listed), as a function of the planner's handle; None: nothing to ask."""
-        raise NotImplementedError
+        ...
 
 
 class LoraAdapter(UnitKind):
