@@ -1,6 +1,6 @@
 """The offline-job CLI: plan and run multi-LLM batch jobs stage by stage (SamuLLM §3–§4.3).
 
-    python -m app.offline plan configs/jobs/ensemble.yaml [--planner greedy|max|min] [--no-preemption] [--json PATH]
+    python -m app.offline plan configs/jobs/ensemble.yaml [--planner search|greedy|max|min] [--no-preemption] [--json PATH]
     python -m app.offline run configs/jobs/ensemble.yaml [--planner ...] [--no-preemption] [--data-dir DIR]
 
 Planning is ``actors/offline/plan.py`` (the job spec: ``actors/offline/job.py``); running executes
@@ -60,7 +60,7 @@ def gantt(summary: dict[str, Any], n_devices: int, path: Path) -> None:
     plt.close(fig)
 
 
-def run_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
+def run_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
             data_dir: Path = DEFAULT_DATA_DIR, output_dir: Path | None = None, progress: bool = True
             ) -> dict[str, Any] | None:
     """Plan what is left of ``job`` (outputs already in ``output_dir`` are skipped) and run it on Ray;
@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     rn = sub.add_parser("run", help="run the job stage by stage on Ray (resumes: finished requests are skipped)")
     for q in (pl, rn):
         q.add_argument("job")
-        q.add_argument("--planner", default="greedy", choices=names("stages"))
-        q.add_argument("--no-preemption", action="store_true")
+        q.add_argument("--planner", choices=names("stages"),
+                       help="override the job's planner: search (ours, the default), greedy (SamuLLM Alg. 1), max, min")
+        q.add_argument("--no-preemption", action="store_true", help="override the job's preemption: off")
         q.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where embedded models are built")
     pl.add_argument("--json", metavar="PATH", help="also write the plan as JSON (the run's plan.json) here")
     rn.add_argument("--output-dir", help="override the job's output_dir (e.g. an absolute path under ray job submit)")
@@ -129,11 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = Path(args.data_dir).expanduser()
     try:
         job, base = load_job(args.job)
+        planner = args.planner or job.planner
+        preemption = job.preemption and not args.no_preemption
         if args.command == "run":
             out = Path(args.output_dir).expanduser().resolve() if args.output_dir else None
-            run_job(job, base, args.planner, not args.no_preemption, data_dir, out, not args.no_progress)
+            run_job(job, base, planner, preemption, data_dir, out, not args.no_progress)
             return 0
-        plan, notes = plan_job(job, base, args.planner, not args.no_preemption, data_dir)
+        plan, notes = plan_job(job, base, planner, preemption, data_dir)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -58,7 +58,8 @@ from planners.offline import (  # noqa: E402
     replay_plan,
 )
 
-SHARED = ROOT.parent / "shared" / "data"
+# ../shared/data beside the repository; COSERVE_SHARED_DATA points elsewhere (e.g. from a git worktree).
+SHARED = Path(os.environ.get("COSERVE_SHARED_DATA") or ROOT.parent / "shared" / "data")
 SHAREGPT = SHARED / "prompts" / "sharegpt_sample.jsonl"
 QMSUM = SHARED / "longdocs" / "qmsum_meetings_sample.jsonl"
 PROFILE = ROOT / "profiles" / "tiny-llama-cpu.json"

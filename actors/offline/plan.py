@@ -88,7 +88,7 @@ class PreparedJob:
     """Where embedded models are built; an engine on another node resolves its own (COSERVE_DATA_DIR there)."""
 
 
-def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
+def prepare_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
                 data_dir: Path = DEFAULT_DATA_DIR, done: dict[str, set[str]] | None = None) -> PreparedJob:
     """Build the planner's view of the requests of ``job`` not in ``done`` (resume) and plan them;
     ``plan`` is None when nothing is left."""
@@ -113,7 +113,7 @@ def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemptio
                        data_dir)
 
 
-def plan_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
+def plan_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
              data_dir: Path = DEFAULT_DATA_DIR) -> tuple[Plan, list[str]]:
     """Build the planner's view of ``job`` and plan it; also return notes on where the estimates came from."""
     prep = prepare_job(job, base_dir, planner, preemption, data_dir)

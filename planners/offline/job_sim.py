@@ -163,12 +163,18 @@ class JobSimulator:
 
     # -- simulation --
 
-    def _run(self, plan: ExecutionPlan, runs: Mapping[str, ModelRun], until_s: float = math.inf) -> ModelRun:
+    def solo_end_s(self, plan: ExecutionPlan) -> float:
+        """Seconds until ``plan``'s model would finish from now, alone and with every input already there
+        (its load included): the model's own time on that plan, without waiting on upstream models."""
+        return self._run(plan, {}, inputs_ready=True).end_s
+
+    def _run(self, plan: ExecutionPlan, runs: Mapping[str, ModelRun], until_s: float = math.inf,
+             inputs_ready: bool = False) -> ModelRun:
         m = plan.model
         w = self.work[m]
         ready = np.zeros(w.spec.n_requests)
         for src, mp in w.inputs:
-            if self.work[src].finished:
+            if self.work[src].finished or inputs_ready:
                 continue
             src_done = self.work[src].done
             src_finish = runs[src].finish_s if src in runs else np.full(src_done.size, math.inf)

@@ -1,4 +1,7 @@
-"""Stage selection: the greedy search with preemption (SamuLLM Alg. 1, §4.2), its §5 baselines, and the §4.3 adjustment."""
+"""Stage selection: the greedy search with preemption (SamuLLM Alg. 1, §4.2), its §5 baselines, and the §4.3 adjustment.
+
+Our own planner, which takes these as baselines and candidates, is ``planners/offline/plan_search.py``.
+"""
 
 from __future__ import annotations
 
@@ -160,37 +163,6 @@ def _heuristic(name: str, selector: Selector, doc: str) -> type[StagePlanner]:
 GreedyStages = _heuristic("greedy", select_greedy, "SamuLLM's planner: Algorithm 1 per stage (:func:`select_greedy`).")
 MaxStages = _heuristic("max", select_max, "Max-heuristic baseline (:func:`select_max`).")
 MinStages = _heuristic("min", select_min, "Min-heuristic baseline (:func:`select_min`).")
-
-
-@register("stages", "best")
-class BestStages(StagePlanner):
-    """Greedy with the heuristics as candidates: plans with ``greedy``, ``max`` and ``min`` and keeps
-    the plan with the lowest predicted time; the search time is all three searches.
-
-    Not in SamuLLM: Algorithm 1 is itself a heuristic, and on a chain it can pick a plan its own
-    cost model predicts slower than Min's (it ranks a stage by work rate per added device, so a
-    model load hidden behind another model's run never counts in its favour; see
-    docs/benchmarks.md). Taking the best predicted plan makes the planner never worse than a
-    heuristic under its own model, at about twice greedy's search time. ``Plan.planner`` names
-    the candidate kept, as ``best:<name>``.
-    """
-
-    name = "best"
-    candidates: tuple[type[StagePlanner], ...] = (GreedyStages, MaxStages, MinStages)
-
-    def plan(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel]) -> Plan:
-        t0 = time.perf_counter()
-        plans, errors = [], []
-        for cls in self.candidates:
-            try:
-                plans.append(cls(self.preemption, self.known_output_lengths, self.seed, self.tp_scaling)
-                             .plan(job, devices, costs))
-            except ValueError as exc:  # a candidate that finds no plan leaves the others
-                errors.append(exc)
-        if not plans:
-            raise errors[0]
-        kept = min(plans, key=lambda p: p.predicted_s)  # ties: the earlier candidate (greedy first)
-        return replace(kept, search_time_s=time.perf_counter() - t0, planner=f"best:{kept.planner}")
 
 
 # --- Dynamic adjustment in the running phase (§4.3) --------------------------------------------------
