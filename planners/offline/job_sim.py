@@ -166,7 +166,11 @@ class JobSimulator:
     def solo_end_s(self, plan: ExecutionPlan) -> float:
         """Seconds until ``plan``'s model would finish from now, alone and with every input already there
         (its load included): the model's own time on that plan, without waiting on upstream models."""
-        return self._run(plan, {}, inputs_ready=True).end_s
+        key = ("solo", plan.model, plan.shape)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._run(plan, {}, inputs_ready=True)
+        return hit.end_s
 
     def _run(self, plan: ExecutionPlan, runs: Mapping[str, ModelRun], until_s: float = math.inf,
              inputs_ready: bool = False) -> ModelRun:
@@ -280,7 +284,7 @@ class JobSimulator:
         start = self.now_s
         self.now_s += dur
         self.running = {m: p for m, p in stage.items() if not self.work[m].finished}
-        self._cache.clear()
+        self._cache = {}  # a new dict: copies made before this stage keep sharing the old one
         return Stage(tuple(stage[m] for m in self.order if m in stage), start, dur,
                      tuple(m for m in self.order if m in stage and self.work[m].finished), loads,
                      tuple((m, est.model_end_s[m]) for m in self.order if m in stage))
@@ -292,5 +296,7 @@ class JobSimulator:
         new.work = {m: replace(w, prompt=w.prompt.copy(), out=w.out.copy(), done=w.done.copy(),
                                resumable=w.resumable.copy()) for m, w in self.work.items()}
         new.running = dict(self.running)
-        new._cache = {}
+        # Same state, same predictions: the copy shares the cache until either advances (which replaces,
+        # never clears, its own), so candidates tried from one state simulate each (model, plan) once.
+        new._cache = self._cache
         return new

@@ -263,7 +263,7 @@ class SearchStages(StagePlanner):
     baselines: tuple[type[StagePlanner], ...] = (GreedyStages, MaxStages, MinStages)
 
     def __init__(self, preemption: bool = True, known_output_lengths: bool = False, seed: int = 0,
-                 tp_scaling: TensorParallelScaling | None = None, pilot_depth: int = 2, pilot_width: int = 3,
+                 tp_scaling: TensorParallelScaling | None = None, pilot_depth: int = 1, pilot_width: int = 3,
                  targets: Sequence[float] = (1.0, 1.1, 1.25, 1.5, 2.0)) -> None:
         super().__init__(preemption, known_output_lengths, seed, tp_scaling)
         self.pilot_depth, self.pilot_width = pilot_depth, pilot_width
@@ -271,20 +271,22 @@ class SearchStages(StagePlanner):
 
     def plan(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel]) -> Plan:
         t0 = time.perf_counter()  # reported as search time only; no decision depends on it
+        root = self.simulator(job, devices, costs)  # every candidate starts from copies: one cache of predictions
         plans, errors = [], []
         for cls in self.baselines:
             try:
                 plans.append(cls(self.preemption, self.known_output_lengths, self.seed, self.tp_scaling)
-                             .plan(job, devices, costs))
+                             .plan_on(root.copy()))
             except ValueError as exc:  # a baseline that finds no plan leaves the others
                 errors.append(exc)
-        sim = self.simulator(job, devices, costs)
-        end, stages = self._search(sim)
+        # The min baseline's plan is what the portfolio's min policy would roll out: not simulated twice.
+        known = {p.planner: p.predicted_s for p in plans if p.planner == "min"}
+        end, stages = self._search(root, known)
         if math.isfinite(end):
             plans.append(Plan(place_stages(stages, devices, job), end, 0.0, self.name, self.preemption,
                               self.known_output_lengths))
         if not plans:
-            raise errors[0] if errors else ValueError(f"no plan runs the models {list(sim.unfinished())}")
+            raise errors[0] if errors else ValueError(f"no plan runs the models {list(root.unfinished())}")
         kept = plans[0]
         for p in plans[1:]:
             if p.predicted_s < kept.predicted_s * (1 - EPS):
@@ -292,15 +294,17 @@ class SearchStages(StagePlanner):
         name = self.name if kept.planner == self.name else f"{self.name}:{kept.planner}"
         return replace(kept, search_time_s=time.perf_counter() - t0, planner=name)
 
-    def _search(self, sim: JobSimulator) -> tuple[float, list[Stage]]:
-        """Steps 2 and 3: the best base policy's plan, improved by the pilot over the first boundaries."""
-        policies = portfolio(sim, self.targets)
-        ends = {name: complete(sim, pol, self.preemption)[0] for name, pol in policies.items()}
+    def _search(self, root: JobSimulator, known: Mapping[str, float]) -> tuple[float, list[Stage]]:
+        """Steps 2 and 3: the best base policy's plan, improved by the pilot over the first boundaries;
+        ``known``: ends already predicted for some of the portfolio's policies, by name."""
+        policies = portfolio(root, self.targets)
+        ends = {name: known[name] if name in known else complete(root, pol, self.preemption)[0]
+                for name, pol in policies.items()}
         ranked = sorted(policies, key=ends.__getitem__)  # stable: ties keep the portfolio's order
         base = policies[ranked[0]]
         leaders = [policies[n] for n in ranked[:self.pilot_width]]
         stages: list[Stage] = []
-        sim = sim.copy()
+        sim = root.copy()
         for _ in range(self.pilot_depth):
             if sim.done:
                 break

@@ -135,8 +135,12 @@ class StagePlanner:
 
     def plan(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel]) -> Plan:
         """The stage sequence for ``job`` on ``devices`` with device ids chosen, and its predicted time."""
+        return self.plan_on(self.simulator(job, devices, costs))
+
+    def plan_on(self, sim: JobSimulator) -> Plan:
+        """Plan from a fresh simulator of the job (advanced to the end); lets callers share one's predictions."""
         t0 = time.perf_counter()  # reported as search time only; no decision depends on it
-        sim = self.simulator(job, devices, costs)
+        job, devices = sim.job, sim.devices
         for m in sim.unfinished():
             if not sim.plans(m):
                 raise ValueError(f"model {m!r} fits no (dp, tp) plan on {devices.count} device(s) of "
