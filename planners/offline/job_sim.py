@@ -166,7 +166,10 @@ class JobSimulator:
     def solo_end_s(self, plan: ExecutionPlan) -> float:
         """Seconds until ``plan``'s model would finish from now, alone and with every input already there
         (its load included): the model's own time on that plan, without waiting on upstream models."""
-        key = ("solo", plan.model, plan.shape)
+        m = plan.model
+        waits = any(not self.work[u].finished for u in self._upstream[m])
+        # A model with no unfinished input runs the same alone as in any stage: share _runs' cache entry.
+        key = ("solo", m, plan.shape) if waits else (m, plan.shape, ())
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._run(plan, {}, inputs_ready=True)
