@@ -1,13 +1,14 @@
-"""A stage search that never loses to its baselines: rollouts over candidate stages, judged by the simulator.
+"""Our offline stage planner, ``search``: whole plans judged by the simulator, the baselines' plans among them.
 
 Not in SamuLLM. Algorithm 1 (``greedy``) ranks a stage by its work rate per added device, so it
 cannot see what a stage buys later: a model loaded beside its producer while the producer still
 runs (its load hidden, fed as outputs finish), a plan kept to save a reload, devices given to the
-model that ends last. This search asks the simulator instead (the pilot method, Duin & Voß 1999;
-rollout algorithms, Bertsekas 1997): at each stage boundary it builds a few candidate stages and
-scores each by the predicted end of the whole job when the rest is finished by cheap base
-policies; it commits the best and repeats. The baselines' whole plans are candidates too, so the
-chosen plan's predicted time is never above ``greedy``'s, ``max``'s or ``min``'s.
+model that ends last. This planner asks the simulator about whole plans instead: those of a few
+base policies (keep running plans; list schedules of per-model target plans taken from the moldable
+bound of the job), then a pilot search (Duin & Voß 1999; a rollout algorithm, Bertsekas 1997) that
+tries other stages at the first boundary, downstream models beside their producers among them,
+each finished by the best base policy. The baselines' whole plans are candidates too, so the chosen
+plan's predicted time is never above ``greedy``'s, ``max``'s or ``min``'s.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from planners.offline.devices import DeviceSet, ExecutionPlan, Plan, Stage, Tens
 from planners.offline.engine_sim import EPS
 from planners.offline.job import JobGraph
 from planners.offline.job_sim import JobSimulator
-from planners.offline.search import (GreedyStages, MaxStages, MinStages, StagePlanner, _fastest, select_greedy,
-                                     select_max, select_min)
+from planners.offline.search import (GreedyStages, MaxStages, MinStages, StagePlanner, fastest_plan,
+                                     select_greedy, select_max, select_min)
 from planners.registry import register
 
 StageChoice = tuple[ExecutionPlan, ...]
@@ -74,7 +75,7 @@ def select_keep(sim: JobSimulator, preemption: bool = True) -> StageChoice:
         share = [free // k + (1 if i < free % k else 0) for i in range(k)]
         trial = dict(stage)
         for m, s in zip(cands[:k], share):
-            p = _fastest(sim, trial, m, s)
+            p = fastest_plan(sim, trial, m, s)
             if p is None:
                 break
             trial[m] = p
@@ -271,7 +272,7 @@ class SearchStages(StagePlanner):
 
     def plan(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel]) -> Plan:
         t0 = time.perf_counter()  # reported as search time only; no decision depends on it
-        root = self.simulator(job, devices, costs)  # every candidate starts from copies: one cache of predictions
+        root = self.simulator(job, devices, costs)  # candidates start from its copies: one cache of predictions
         plans, errors = [], []
         for cls in self.baselines:
             try:

@@ -58,8 +58,10 @@ def select_greedy(sim: JobSimulator, preemption: bool = True) -> tuple[Execution
     return tuple(stage[m] for m in sim.order if m in stage)
 
 
-def _fastest(sim: JobSimulator, base: Mapping[str, ExecutionPlan], model: str, max_devices: int
-             ) -> ExecutionPlan | None:
+def fastest_plan(sim: JobSimulator, base: Mapping[str, ExecutionPlan], model: str, max_devices: int
+                 ) -> ExecutionPlan | None:
+    """The plan of ``model`` on at most ``max_devices`` devices, placeable beside ``base``, that the
+    simulator predicts ends first (ties: the earlier of :meth:`JobSimulator.plans`)."""
     best, best_end = None, math.inf
     for p in sim.plans(model):
         if p.n_devices > max_devices or not sim.placeable([*base.values(), p]):
@@ -74,7 +76,7 @@ def select_max(sim: JobSimulator, preemption: bool = True) -> tuple[ExecutionPla
     """Max-heuristic (SamuLLM §5): all devices to one model at a time, in topological order, with
     the plan the cost model predicts fastest for it. Preemption makes no difference (§5.5)."""
     for m in sim.ready():
-        p = _fastest(sim, {}, m, sim.devices.count)
+        p = fastest_plan(sim, {}, m, sim.devices.count)
         if p is not None:
             return (p,)
     return ()
@@ -99,7 +101,7 @@ def select_min(sim: JobSimulator, preemption: bool = True) -> tuple[ExecutionPla
         share = [free // k + (1 if i < free % k else 0) for i in range(k)]
         stage = dict(fixed)
         for m, s in zip(cands[:k], share):
-            p = _fastest(sim, stage, m, s)
+            p = fastest_plan(sim, stage, m, s)
             if p is None:
                 break
             stage[m] = p
