@@ -16,6 +16,7 @@ from typing import Any
 
 from actors.offline.job import (JobModel, JobSpec, ModelFacts, Workload, build_workload, job_graph, model_facts,
                                 read_jsonl, remaining_workload, weight_scale)
+from actors.offline.load_times import LoadTimes
 from planners.costs import CostModel
 from planners.registry import create
 from planners.offline import DeviceSet, JobGraph, Plan, output_cdf_from_pairs
@@ -68,6 +69,25 @@ def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts
     return costs, ["cost models:"] + notes
 
 
+def load_times(job: JobSpec, dirs: dict[str, Path], data_dir: Path) -> tuple[dict[str, float], list[str]]:
+    """Per model, the engine start time to plan with (SamuLLM §4.1's load-time table): its own ``load_s``;
+    else the job's ``engine_load_s`` when the job sets it; else the median of this host's measured starts
+    of its directory (:class:`LoadTimes`, written by the runner); else the default ``engine_load_s``."""
+    table = LoadTimes(data_dir)
+    explicit = "engine_load_s" in job.model_fields_set
+    out, notes = {}, []
+    for m in job.models:
+        measured = None if m.load_s or explicit else table.median(dirs[m.name].name)
+        if m.load_s:
+            out[m.name], why = m.load_s, "its load_s"
+        elif measured is not None:
+            out[m.name], why = measured[0], f"median of {measured[1]} measured start(s)"
+        else:
+            out[m.name], why = job.engine_load_s, "the job's engine_load_s" if explicit else "default engine_load_s"
+        notes.append(f"  {m.name}: {out[m.name]:.1f} s ({why})")
+    return out, ["engine start times:"] + notes
+
+
 @dataclass
 class PreparedJob:
     """A job made ready to run: its model directories, the whole workload, what is left of it, and the plan."""
@@ -106,11 +126,12 @@ def prepare_job(job: JobSpec, base_dir: Path, planner: str = "search", preemptio
         return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, None, devices, None, notes, data_dir)
     sub = job.model_copy(update={"models": [m for m in job.models if m.name in todo.nodes]})
     counters = {n: token_counter(dirs[n]) for n in todo.nodes}
-    graph = job_graph(sub, todo, facts, counters, {m.name: m.load_s or job.engine_load_s for m in sub.models})
+    loads, load_notes = load_times(sub, dirs, data_dir)
+    graph = job_graph(sub, todo, facts, counters, loads)
     costs, cost_notes = cost_models(sub, dirs, facts, base_dir, counters, data_dir)
     plan = create("stages", planner, preemption=preemption).plan(graph, devices, costs)
-    return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan, notes + cost_notes,
-                       data_dir)
+    return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan,
+                       notes + load_notes + cost_notes, data_dir)
 
 
 def plan_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
