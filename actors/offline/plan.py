@@ -17,6 +17,7 @@ from typing import Any
 from actors.offline.job import (JobModel, JobSpec, ModelFacts, Workload, build_workload, job_graph, model_facts,
                                 read_jsonl, remaining_workload, weight_scale)
 from actors.offline.load_times import LoadTimes
+from actors.offline.profile import profile_dir
 from planners.costs import CostModel
 from planners.registry import create
 from planners.offline import DeviceSet, JobGraph, Plan, output_cdf_from_pairs
@@ -40,8 +41,9 @@ def token_counter(path: Path):
 
 def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts], base_dir: Path,
                 counters: dict[str, Any], data_dir: Path) -> tuple[dict[str, CostModel], list[str]]:
-    """Per model: its own fitted profile if one is shipped, else the embedded model's profile scaled by
-    weight bytes (a first guess: `python -m app.profile` fits a model's own); with the job's eCDF."""
+    """Per model: its own fitted profile (``python -m app.offline profile``: in the data dir's
+    ``offline/profiles``, else shipped in ``profiles/``), else the embedded model's profile scaled by weight
+    bytes (a first guess); with the job's eCDF when it names one."""
     from actors.models.default_model import ensure
 
     reference = CostModel.from_dict(json.loads(REFERENCE_PROFILE.read_text()))
@@ -49,10 +51,11 @@ def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts
     pairs_rows = read_jsonl(base_dir / job.output_lengths_file) if job.output_lengths_file else None
     costs, notes = {}, []
     for m in job.models:
-        own = ROOT / "profiles" / f"{dirs[m.name].name}-cpu.json"
-        if own.is_file():
+        name = f"{dirs[m.name].name}-cpu.json"
+        own = next((p for p in (profile_dir(data_dir) / name, ROOT / "profiles" / name) if p.is_file()), None)
+        if own is not None:
             cm = CostModel.from_dict(json.loads(own.read_text()))
-            notes.append(f"  {m.name}: fitted profile {own.name}")
+            notes.append(f"  {m.name}: fitted profile {own}")
         else:
             k = weight_scale(facts[m.name], ref_facts)
             it = reference.iteration
