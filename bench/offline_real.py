@@ -1,12 +1,14 @@
 """Offline multi-LLM jobs, for real on this machine: planners side by side, and the shipped jobs' stages against their predictions.
 
-    python bench/offline_real.py shipped [--planner search]   # each configs/jobs/*.yaml, 2 devices (~5 min)
+    python bench/offline_real.py shipped [--shipped-planners search,greedy,max,min]   # configs/jobs/*.yaml (~2 min a planner)
     python bench/offline_real.py real [--quick]               # bigger inputs, 4 planners (~25 min; quick ~12)
 
-``shipped`` runs every example job of ``configs/jobs`` as it is (2 devices = the 2 CPU cores, the
-job's own planner unless ``--planner``) with ``app.offline.run_job`` and prints, per stage and per
-model, the planner's prediction against what happened (SamuLLM §4.1's cost model against the
-§4.3 runtime), with each engine's start time against the load time the planner assumed.
+``shipped`` runs every example job of ``configs/jobs`` as it is (2 devices = the 2 CPU cores; the
+job's own planner, or each of ``--shipped-planners``) with ``app.offline.run_job`` and prints, per
+stage and per model, the (first) planner's prediction against what happened (SamuLLM §4.1's cost
+model against the §4.3 runtime), with each engine's start time against the load time the planner
+assumed; with several planners, also their end-to-end times side by side. Engine starts are
+recorded in ``--data-dir``'s load-time table, so a second pass plans with the first one's.
 
 ``real``: the example jobs with bigger inputs from ``shared/data`` (ShareGPT prompts, QMSum
 meetings), one run per planner; end-to-end time (search included), engine load time, the cost
@@ -81,7 +83,9 @@ def model_rows(job_name: str, plan: dict[str, Any], summary: dict[str, Any]) -> 
     return rows
 
 
-def run_shipped(data_dir: Path, planner: str | None, work_dir: Path | None) -> None:
+def run_shipped(data_dir: Path, planners: Sequence[str], work_dir: Path | None) -> None:
+    """Each shipped job with each of ``planners`` (an empty name: the job's own), one after another in one Ray;
+    stages and models are reported for the first planner, end-to-end times for all of them."""
     from actors.offline.job import load_job
     from app.offline import run_job
 
@@ -92,17 +96,31 @@ def run_shipped(data_dir: Path, planner: str | None, work_dir: Path | None) -> N
         for path in sorted(JOBS.glob("*.yaml")):
             job, base = load_job(path)
             name = path.stem
-            out = root / name
-            load_before = os.getloadavg()[0]
-            s = run_job(job, base, planner or job.planner, job.preemption, data_dir, out, progress=False)
-            plan = json.loads((out / "plan.json").read_text())
-            stages += stage_rows(name, s)
-            models += model_rows(name, plan, s)
-            totals.append({"job": name, "planner": s["planner"], "predicted s": s["predicted_s"],
-                           "actual s": s["actual_s"], "error": f"{s['estimation_error']:+.0%}",
-                           "engine starts": len(s["replicas"]), "loadavg": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}"})
+            for i, planner in enumerate(planners):
+                out = root / f"{name}-{planner or 'own'}"
+                load_before = os.getloadavg()[0]
+                s = run_job(job, base, planner or job.planner, job.preemption, data_dir, out, progress=False)
+                if i == 0:
+                    stages += stage_rows(name, s)
+                    models += model_rows(name, json.loads((out / "plan.json").read_text()), s)
+                totals.append({"job": name, "planner": s["planner"], "search s": s["search_time_s"],
+                               "predicted s": s["predicted_s"], "actual s": s["actual_s"],
+                               "e2e s": s["actual_s"] + s["search_time_s"], "error": f"{s['estimation_error']:+.0%}",
+                               "engine starts": len(s["replicas"]),
+                               "loadavg": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}"})
     print(f"\n# shipped jobs on this machine ({os.cpu_count()} cores = 2 devices), each as configs/jobs has it\n")
     print(rows_table(totals, list(totals[0])))
+    if len(planners) > 1:
+        print("\n## the first planner against the better heuristic (real, end-to-end)\n")
+        rows = []
+        for name in dict.fromkeys(t["job"] for t in totals):
+            e = {t["planner"].split(":")[0]: t["e2e s"] for t in totals if t["job"] == name}
+            ours = next(t["e2e s"] for t in totals if t["job"] == name)
+            heur = {h: e[h] for h in ("max", "min") if h in e}
+            better = min(heur, key=heur.__getitem__) if heur else ""
+            rows.append({"job": name, **{f"{p} s": e.get(p, float("nan")) for p in ("search", "greedy", "max", "min")},
+                         "better heuristic": better, "speedup": heur[better] / ours if better else float("nan")})
+        print(rows_table(rows, list(rows[0])))
     print("\n## per stage (actual: from the runtime reaching the stage to reaching the next; error = actual vs predicted)\n")
     print(rows_table(stages, list(stages[0])))
     print("\n## per model (engine starts: each replica from being asked for to ready, against what the plan assumed)\n")
@@ -272,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", help="keep each run's job, outputs, plan and summary here (default: a temp dir)")
     p.add_argument("--workloads", help="real: only these workloads (comma-separated: ensemble,routing,chain,mixed)")
     p.add_argument("--planners", default=",".join(REAL_PLANNERS), help="real: these planners, in order")
-    p.add_argument("--planner", help="shipped: plan every job with this planner instead of the job's own")
+    p.add_argument("--shipped-planners", default="",
+                   help="shipped: comma-separated planners to run each job with (default: the job's own only)")
     a = p.parse_args(argv)
     work = Path(a.work_dir).expanduser().resolve() if a.work_dir else None
     if a.part == "shipped":
-        run_shipped(Path(a.data_dir).expanduser(), a.planner, work)
+        run_shipped(Path(a.data_dir).expanduser(), a.shipped_planners.split(","), work)
         return 0
     if not SHARED.is_dir():
         print(f"error: {SHARED} not found (the benchmark reads ShareGPT and QMSum from it; COSERVE_SHARED_DATA "
