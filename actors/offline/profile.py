@@ -12,8 +12,10 @@ Planning reads a model's own profile before it scales the reference one
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
+import platform
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +27,7 @@ from planners.costs import CostModel, fit_iteration_latency
 # (batch, prompt tokens): one prefill iteration each, within the engine's smallest token budget (2,048).
 GRID = ((1, 32), (1, 128), (1, 512), (4, 32), (4, 128), (4, 512), (16, 32), (16, 128))
 DECODE_TOKENS = 32
+REFERENCE_NAME = "the reference profile (profiles/tiny-llama-cpu.json)"
 
 
 def profile_dir(data_dir: Path) -> Path:
@@ -32,14 +35,25 @@ def profile_dir(data_dir: Path) -> Path:
     return Path(data_dir).expanduser() / "offline" / "profiles"
 
 
-def measure_rows(engine: Any, get: Callable[[Any], Any], repeats: int = 2) -> list[dict[str, float]]:
-    """Eq. 5 rows from one started engine actor: a prefill row and a decode row per :data:`GRID` point."""
+def measure_rows(engine: Any, get: Callable[[Any], Any], repeats: int = 3) -> list[dict[str, float]]:
+    """Eq. 5 rows from one started engine actor: a prefill row and a decode row per :data:`GRID` point.
+
+    A probe's time also holds what one request costs outside the engine's iterations (the hand-off to
+    the stepping thread and back). It cancels in a decode row (two probes' difference); for the
+    prefill rows it is measured as a one-token request's time less one decode iteration and taken
+    off, since the runtime streams requests and never waits on it per iteration.
+    """
     get(engine.measure.remote(2, 16, 4, 1, seed=999))  # warm-up: the first iterations allocate and compile
+    med = (lambda b, n, k, seed: statistics.median(get(engine.measure.remote(b, n, k, repeats, seed=seed))))
+    one = med(1, 1, 1, 997)
+    iteration = max(med(1, 1, 1 + DECODE_TOKENS, 998) - one, 0.0) / DECODE_TOKENS
+    overhead = max(one - iteration, 0.0)
     rows = []
     for i, (batch, length) in enumerate(GRID):
-        short = statistics.median(get(engine.measure.remote(batch, length, 1, repeats, seed=2 * i)))
-        long = statistics.median(get(engine.measure.remote(batch, length, 1 + DECODE_TOKENS, repeats, seed=2 * i + 1)))
-        rows.append({"prefill_tokens": batch * length, "decode_seqs": 0, "context_tokens": 0, "seconds": short})
+        short = med(batch, length, 1, 2 * i)
+        long = med(batch, length, 1 + DECODE_TOKENS, 2 * i + 1)
+        rows.append({"prefill_tokens": batch * length, "decode_seqs": 0, "context_tokens": 0,
+                     "seconds": max(short - overhead, iteration)})
         rows.append({"prefill_tokens": 0, "decode_seqs": batch, "context_tokens": batch * (length + DECODE_TOKENS / 2),
                      "seconds": max(long - short, 0.0) / DECODE_TOKENS})
     return rows
@@ -75,11 +89,12 @@ def profile_job(job: JobSpec, data_dir: Path, reference: CostModel, out_dir: Pat
             ray.kill(engine, no_restart=True)
         it = fit_iteration_latency(rows)
         device = info.get("device", "cpu")
-        meta = {**reference.metadata, "model": d.name, "device": device, "source": "app.offline profile",
+        meta = {"model": d.name, "device": device, "hardware": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(), "fitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "source": "app.offline profile",
                 "engine": f"offline vllm max_num_seqs={job.max_num_seqs} eager={job.enforce_eager}",
-                "rows": {"iteration": rows}, "engine_start_s": round(info["load_s"], 2)}
-        meta.pop("refitted_at", None)
-        meta.pop("interference", None)
+                "rows": {"iteration": rows}, "engine_start_s": round(info["load_s"], 2),
+                "other_terms": f"forward, backward, memory and the eCDF from {REFERENCE_NAME}"}
         path = out_dir / f"{d.name}-{device}.json"
         path.write_text(json.dumps(replace(reference, iteration=it, metadata=meta).to_dict(), indent=1))
         written.append(path)
