@@ -28,6 +28,7 @@ class _Work:
     longest: int
     cap: Mapping[int, int]  # tp -> max running requests the KV cache allows
     loading: tuple[float, ...] = ()  # per replica of the running plan: load seconds left at the stage start
+    started: bool = False  # ran in some stage: its state is no longer the job's start
 
     @property
     def finished(self) -> bool:
@@ -58,6 +59,8 @@ class JobSimulator:
         self.now_s = 0.0
         self.running: dict[str, ExecutionPlan] = {}
         self._cache: dict[Any, ModelRun] = {}
+        # Runs of models still as at the job's start: the same in every state, so shared by every copy for good.
+        self._fresh: dict[Any, ModelRun] = {}
         self._ancestors = {m: self._closure(m) for m in self.order}
         self._placeable: dict[tuple[int, ...], bool] = {}
 
@@ -170,10 +173,15 @@ class JobSimulator:
         waits = any(not self.work[u].finished for u in self._upstream[m])
         # A model with no unfinished input runs the same alone as in any stage: share _runs' cache entry.
         key = ("solo", m, plan.shape) if waits else (m, plan.shape, ())
-        hit = self._cache.get(key)
+        cache = self._fresh if self._untouched(m) else self._cache
+        hit = cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._run(plan, {}, inputs_ready=True)
+            hit = cache[key] = self._run(plan, {}, inputs_ready=True)
         return hit.end_s
+
+    def _untouched(self, m: str) -> bool:
+        """Whether ``m`` is as at the job's start (never run, nothing loading): its run depends on nothing else."""
+        return not self.work[m].started and m not in self.running
 
     def _run(self, plan: ExecutionPlan, runs: Mapping[str, ModelRun], until_s: float = math.inf,
              inputs_ready: bool = False) -> ModelRun:
@@ -231,9 +239,12 @@ class JobSimulator:
                 runs[m] = self._run(plan, runs, until_s)
                 continue
             key = (m, plan.shape, tuple(sorted((a, stage[a].shape) for a in self._ancestors[m] if a in stage)))
-            hit = self._cache.get(key)
+            # An untouched model whose inputs are all there runs the same in any state: the lasting cache.
+            waits = any(not self.work[u].finished for u in self._upstream[m])
+            cache = self._fresh if self._untouched(m) and not waits else self._cache
+            hit = cache.get(key)
             if hit is None:
-                hit = self._cache[key] = self._run(plan, runs)
+                hit = cache[key] = self._run(plan, runs)
             runs[m] = hit
         return runs
 
@@ -278,6 +289,7 @@ class JobSimulator:
             w.out[partial] -= run.generated[partial]
             w.resumable = run.decoding & ~fin & ~w.done
             w.done = w.done | fin
+            w.started = True
         for m in self.order:
             w = self.work[m]
             # Set before self.running changes below: _loads reads the plans this stage started from.
