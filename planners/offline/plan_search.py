@@ -38,15 +38,18 @@ def _used(stage: Mapping[str, ExecutionPlan]) -> int:
     return sum(p.n_devices for p in stage.values())
 
 
-def _grow(sim: JobSimulator, stage: dict[str, ExecutionPlan]) -> dict[str, ExecutionPlan]:
+def _grow(sim: JobSimulator, stage: dict[str, ExecutionPlan], preemption: bool = True) -> dict[str, ExecutionPlan]:
     """Give the devices ``stage`` leaves free to its models: one more replica of the same tp at a time, to
     the model predicted to end last among those it makes end sooner (the new replica loads while the
-    others keep running; late in a run a load can cost more than the replica saves)."""
+    others keep running; late in a run a load can cost more than the replica saves). Without
+    preemption a running model's plan is never changed, so only models starting now grow."""
     ends = sim.estimate(stage.values()).model_end_s if stage else {}
     while stage:
         free = sim.devices.count - _used(stage)
         grown = False
         for m in sorted(stage, key=lambda k: -ends[k]):
+            if not preemption and m in sim.running:
+                continue
             p = stage[m]
             q = replace(p, dp=p.dp + 1)
             if p.tp > free or q not in sim.plans(m):
@@ -65,8 +68,8 @@ def _grow(sim: JobSimulator, stage: dict[str, ExecutionPlan]) -> dict[str, Execu
 
 def select_keep(sim: JobSimulator, preemption: bool = True) -> StageChoice:
     """Keep every running plan; split the free devices evenly over the ready models not running (as
-    Min does, downstream models beside their producers included), then grow the running models into
-    what is left. Never reloads a running model: the no-preemption counterpart of Min, with growth."""
+    Min does, downstream models beside their producers included), then grow the models into what is
+    left (with preemption, running ones too: more replicas, none reloaded)."""
     stage = {m: p for m, p in sim.running.items() if m in sim.unfinished()}
     free = sim.devices.count - _used(stage)
     cands = [m for m in sim.unfinished() if m not in stage]
@@ -84,7 +87,7 @@ def select_keep(sim: JobSimulator, preemption: bool = True) -> StageChoice:
             break
     if not stage:
         return select_max(sim)
-    return _ordered(sim, _grow(sim, stage))
+    return _ordered(sim, _grow(sim, stage, preemption))
 
 
 def _beside(sim: JobSimulator, stage: StageChoice) -> list[StageChoice]:
@@ -161,9 +164,10 @@ def moldable_bound(sim: JobSimulator) -> MoldableBound:
 
 
 def shaped_policy(shapes: Mapping[str, ExecutionPlan], order: Sequence[str]) -> Selector:
-    """A list scheduler for fixed target plans: keep what runs, grow a running model toward its target,
-    start ready models in ``order`` on their target (fewer replicas if that is all that is free),
-    then give leftover devices to the model predicted to end last. Never reloads a running model."""
+    """A list scheduler for fixed target plans: keep what runs, grow a running model toward its target
+    (with preemption), start ready models in ``order`` on their target (fewer replicas if that is all
+    that is free), then give leftover devices to the model predicted to end last. Never reloads a
+    running model."""
 
     def select(sim: JobSimulator, preemption: bool = True) -> StageChoice:
         stage = {m: p for m, p in sim.running.items() if m in sim.unfinished()}
@@ -173,7 +177,7 @@ def shaped_policy(shapes: Mapping[str, ExecutionPlan], order: Sequence[str]) -> 
             want, free = shapes[m], sim.devices.count - _used(stage)
             cur = stage.get(m)
             if cur is not None:
-                if cur.tp == want.tp and cur.dp < want.dp and free >= cur.tp:
+                if preemption and cur.tp == want.tp and cur.dp < want.dp and free >= cur.tp:
                     trial = {**stage, m: replace(cur, dp=min(want.dp, cur.dp + free // cur.tp))}
                     if sim.placeable(trial.values()):
                         stage = trial
@@ -187,7 +191,7 @@ def shaped_policy(shapes: Mapping[str, ExecutionPlan], order: Sequence[str]) -> 
                     break
         if not stage:
             return select_max(sim)
-        return _ordered(sim, _grow(sim, stage))
+        return _ordered(sim, _grow(sim, stage, preemption))
 
     return select
 

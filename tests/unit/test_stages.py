@@ -410,7 +410,7 @@ def test_plan_structure_devices_and_stage_boundaries():
 
 def test_no_preemption_keeps_plans_until_the_model_finishes():
     job = _instance(5, n_models=4)
-    for name in ("greedy", "min"):
+    for name in ("greedy", "min", "search"):
         plan = _plan(name, job, DeviceSet(4, 1e11), preemption=False)
         first: dict[str, tuple[int, int]] = {}
         last_stage = {m: max(i for i, s in enumerate(plan.stages) if s.plan_of(m))
