@@ -462,6 +462,7 @@ def engine_metrics_text() -> str:
     keep = []
     for line in generate_latest(REGISTRY).decode().splitlines():
         name = line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line
-        if name.startswith(("vllm:", "coserve_request_stage_seconds", "coserve_engine_iteration_")):
+        if name.startswith(("vllm:", "coserve_request_stage_seconds", "coserve_engine_iteration_",
+                            "coserve_tenant_")):
             keep.append(line)
     return "\n".join(keep) + "\n" if keep else ""

@@ -1,0 +1,127 @@
+"""A replica's fair admission: the per-tenant queue in front of its engine (asked of ``planners/fairness.py``) and
+each tenant's served tokens, queue wait and time to first token as Prometheus series.
+
+Every request the engine's ``generate`` is called with (``TracedEngine``, ``actors/serving/request_traces.py``)
+passes :meth:`FairAdmission.generate`: it joins its tenant's queue, waits until the admission policy
+(``engine.admission``) lets it in, runs in vLLM at the priority the policy gave it, charges its tenant's counter
+with its prompt and each output token, and frees its slots when its outputs end (finished, failed, or its client
+gone). The tenant comes from :data:`TENANT`, which the request guard (``deployments/guard.py``) sets from the
+API key; in local mode (no keys) it is None: one user, counted as ``local`` and never capped.
+
+The series (names ``coserve_tenant_*``) live in this process's Prometheus registry; the replica sends them to the
+planner with vLLM's own (``engine_metrics_text``), and ``/metrics`` shows them per node, with the tenant as a
+label. An admin sees every tenant's; a tenant's key sees its own only (``deployments/metrics.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections.abc import Mapping
+from typing import Any, AsyncIterator, Callable
+
+from prometheus_client import Counter, Histogram
+
+from actors.serving import request_stages
+from planners.fairness import AdmissionQueue, AdmissionRequest, TenantCounters, tenant_slot_cap
+from planners.registry import create
+
+TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("coserve_tenant", default=None)
+LOCAL_TENANT = "local"  # the label of local mode's one user
+METRIC_PREFIX = "coserve_tenant_"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKENS = Counter("coserve_tenant_tokens", "Tokens the engine served the tenant: prompt (admitted) and output",
+                 ["tenant", "kind"])
+REQUESTS = Counter("coserve_tenant_requests", "The tenant's requests admitted to the engine", ["tenant"])
+QUEUE_WAIT = Histogram("coserve_tenant_queue_wait_seconds", "Seconds a request of the tenant waited for admission "
+                       "to the engine (the fair queue in front of it)", ["tenant"], buckets=_LATENCY_BUCKETS)
+TTFT = Histogram("coserve_tenant_time_to_first_token_seconds", "Seconds from a streamed request's arrival at the "
+                 "replica to its first output token", ["tenant"], buckets=_LATENCY_BUCKETS)
+
+
+class FairAdmission:
+    """One engine's admission queue across tenants (``planners.fairness.AdmissionQueue``) and its waiting requests."""
+
+    def __init__(self, policy: str, max_num_seqs: int, params: Mapping[str, Any] | None = None,
+                 tenant_weights: Mapping[str, float] | None = None) -> None:
+        rule = create("admission", policy, **dict(params or {}))
+        self.policy = rule
+        self.queue = AdmissionQueue(rule, TenantCounters(rule.weights, tenant_weights), slots=max_num_seqs,
+                                    tenant_slots=tenant_slot_cap(max_num_seqs))
+        self._waiting: dict[str, asyncio.Future[Any]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> FairAdmission:
+        """The admission of a replica of ``cfg`` (an ``AppConfig``)."""
+        return cls(cfg.engine.admission, cfg.engine.max_num_seqs, cfg.engine.admission_params,
+                   cfg.limits.tenant_weights)
+
+    def _dispatch(self) -> None:
+        for admission in self.queue.admit(time.monotonic()):
+            future = self._waiting.pop(admission.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(admission)
+            else:  # its request left between its admission and now
+                self.queue.finish(admission.request_id)
+
+    async def generate(self, engine_generate: Callable[..., AsyncIterator[Any]], prompt: Any, sampling_params: Any,
+                       request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """``engine_generate(prompt, sampling_params, request_id, ...)`` once the policy admits the request, at its
+        priority; yields the engine's outputs and charges them to the request's tenant."""
+        tenant = TENANT.get()
+        label = tenant or LOCAL_TENANT
+        prompt_tokens = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else 0
+        stamps = request_stages.CURRENT.get()
+        arrival = time.perf_counter() if stamps is None else stamps.arrival
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        self.queue.arrive(AdmissionRequest(request_id, label, prompt_tokens, time.monotonic(),
+                                           max(1, int(getattr(sampling_params, "n", 1) or 1)), tenant is not None))
+        self._dispatch()
+        try:
+            admission = await future
+        except BaseException:
+            self._waiting.pop(request_id, None)
+            if future.done() and not future.cancelled():  # admitted just as its client left
+                self.queue.finish(request_id)
+            else:
+                self.queue.cancel(request_id, label)
+            self._dispatch()
+            raise
+        QUEUE_WAIT.labels(label).observe(admission.waited)
+        REQUESTS.labels(label).inc()
+        TOKENS.labels(label, "prompt").inc(prompt_tokens)
+        if self.policy.sets_priority:
+            kwargs["priority"] = admission.priority  # the policy's, never what the client asked for
+        kind = getattr(getattr(sampling_params, "output_kind", None), "name", "")
+        cumulative, streamed = kind != "DELTA", kind != "FINAL_ONLY"
+        seen = 0
+        first = True
+        try:
+            async for out in engine_generate(prompt, sampling_params, request_id, *args, **kwargs):
+                n = sum(len(c.token_ids) for c in out.outputs)
+                new = n - seen if cumulative else n
+                seen = n if cumulative else seen + n
+                if new > 0:
+                    self.queue.generated(label, new)
+                    TOKENS.labels(label, "output").inc(new)
+                    if first and streamed:
+                        TTFT.labels(label).observe(time.perf_counter() - arrival)
+                    first = False
+                yield out
+        finally:
+            self.queue.finish(request_id)
+            self._dispatch()
+
+    def charge_training(self, tenant: str, tokens: int) -> None:
+        """Training tokens run for an adapter of ``tenant`` count toward its share here too."""
+        self.queue.counters.charge_training(tenant, tokens)
+
+    def facts(self) -> dict[str, Any]:
+        """The queue as ``/v1/status`` may show it: slots in use, requests waiting, each tenant's counter."""
+        q = self.queue
+        return {"policy": getattr(self.policy, "qualified_name", "?"), "slots": q.slots,
+                "tenant_slots": q.tenant_slots, "in_use": q.in_use(), "waiting": q.queued(),
+                "counters": {t: round(c, 1) for t, c in q.counters.counters().items()}}
