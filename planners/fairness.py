@@ -197,9 +197,18 @@ class FirstComeFirstServed(AdmissionPolicy):
 
 @register("admission", "vtc")
 class VirtualTokenCounter(AdmissionPolicy):
-    """Ours: VTC (Sheng et al., OSDI 2024, Alg. 2): the tenant with the least virtual token counter goes next."""
+    """Ours: VTC (Sheng et al., OSDI 2024, Alg. 2): the tenant with the least virtual token counter goes next.
+
+    ``hold`` (True): the queue holds requests while the engine's slots (or the tenant's share of them) are taken;
+    False sends every request at once with its counter as the vLLM priority alone, which reorders vLLM's waiting
+    queue but never frees a running slot (``bench/fairness.py`` measures both).
+    """
 
     sets_priority = True
+
+    def __init__(self, hold: bool = True, **weights: float) -> None:
+        super().__init__(**weights)
+        self.holds = bool(hold)
 
     def order(self, head: AdmissionRequest, counters: TenantCounters) -> tuple[float, ...]:
         return (counters.counter(head.tenant), head.arrival)
