@@ -48,6 +48,16 @@ class TokenWeights:
             raise ValueError("token weights must be >= 0")
 
 
+@dataclass(frozen=True)
+class TenantTokens:
+    """What one replica served a tenant since its last report (``NodeReport.tenant_tokens``)."""
+
+    tenant: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+
 @dataclass
 class TenantService:
     """What one tenant has been served (raw token counts; the counter holds them weighted)."""
@@ -107,6 +117,15 @@ class TenantCounters:
         self.service.setdefault(tenant, TenantService()).output_tokens += tokens
         self._add(tenant, self.weights.decode * tokens)
 
+    def charge_served(self, served: Iterable[TenantTokens]) -> None:
+        """Inference a replica reports it served (the planner's ledger across nodes)."""
+        for t in served:
+            s = self.service.setdefault(t.tenant, TenantService())
+            s.requests += t.requests
+            s.prompt_tokens += t.prompt_tokens
+            s.output_tokens += t.output_tokens
+            self._add(t.tenant, self.weights.prefill * t.prompt_tokens + self.weights.decode * t.output_tokens)
+
     def charge_training(self, tenant: str, tokens: int) -> None:
         """The trainer ran ``tokens`` training tokens for an adapter of ``tenant`` (its share pays for them)."""
         self.service.setdefault(tenant, TenantService()).training_tokens += tokens
@@ -127,6 +146,12 @@ class TenantCounters:
         requests ``waiting`` has a counter more than ``slack`` (weighted tokens) below ``tenant``'s."""
         others = [self.counter(t) for t in waiting if t != tenant]
         return not others or self.counter(tenant) <= min(others) + slack
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per tenant: requests, prompt, output and training tokens, counter, and share of the weighted service."""
+        return {t: {"requests": s.requests, "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
+                    "training_tokens": s.training_tokens, "counter": round(self.counter(t), 1),
+                    "share": round(self.share(t), 4)} for t, s in sorted(self.service.items())}
 
     def _weighted(self, tenant: str) -> float:
         s = self.service.get(tenant)

@@ -6,7 +6,7 @@ passes :meth:`FairAdmission.generate`: it joins its tenant's queue, waits until 
 (``engine.admission``) lets it in, runs in vLLM at the priority the policy gave it, charges its tenant's counter
 with its prompt and each output token, and frees its slots when its outputs end (finished, failed, or its client
 gone). The tenant comes from :data:`TENANT`, which the request guard (``deployments/guard.py``) sets from the
-API key; in local mode (no keys) it is None: one user, counted as ``local`` and never capped.
+API key; in local mode (no keys) it is None: one user with every right, counted as ``admin`` and never capped.
 
 The series (names ``coserve_tenant_*``) live in this process's Prometheus registry; the replica sends them to the
 planner with vLLM's own (``engine_metrics_text``), and ``/metrics`` shows them per node, with the tenant as a
@@ -24,11 +24,12 @@ from typing import Any, AsyncIterator, Callable
 from prometheus_client import Counter, Histogram
 
 from actors.serving import request_stages
-from planners.fairness import AdmissionQueue, AdmissionRequest, TenantCounters, tenant_slot_cap
+from planners.fairness import AdmissionQueue, AdmissionRequest, TenantCounters, TenantTokens, tenant_slot_cap
 from planners.registry import create
 
 TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("coserve_tenant", default=None)
-LOCAL_TENANT = "local"  # the label of local mode's one user
+# Local mode's one user has every right: its requests (and adapters without a tenant) count as the admin's.
+LOCAL_TENANT = "admin"
 METRIC_PREFIX = "coserve_tenant_"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -41,6 +42,13 @@ TTFT = Histogram("coserve_tenant_time_to_first_token_seconds", "Seconds from a s
                  "replica to its first output token", ["tenant"], buckets=_LATENCY_BUCKETS)
 
 
+def tenant_ledger(cfg: Any) -> TenantCounters:
+    """The planner's per-tenant service across nodes (inference the replicas report, training the trainer reports),
+    weighted as the admission policy of ``cfg`` (an ``AppConfig``) weighs it."""
+    return TenantCounters(create("admission", cfg.engine.admission, **cfg.engine.admission_params).weights,
+                          cfg.limits.tenant_weights)
+
+
 class FairAdmission:
     """One engine's admission queue across tenants (``planners.fairness.AdmissionQueue``) and its waiting requests."""
 
@@ -51,6 +59,7 @@ class FairAdmission:
         self.queue = AdmissionQueue(rule, TenantCounters(rule.weights, tenant_weights), slots=max_num_seqs,
                                     tenant_slots=tenant_slot_cap(max_num_seqs))
         self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._served: dict[str, list[int]] = {}  # tenant -> [requests, prompt, output] since the last report
 
     @classmethod
     def from_config(cls, cfg: Any) -> FairAdmission:
@@ -93,6 +102,9 @@ class FairAdmission:
         QUEUE_WAIT.labels(label).observe(admission.waited)
         REQUESTS.labels(label).inc()
         TOKENS.labels(label, "prompt").inc(prompt_tokens)
+        served = self._served.setdefault(label, [0, 0, 0])
+        served[0] += 1
+        served[1] += prompt_tokens
         if self.policy.sets_priority:
             kwargs["priority"] = admission.priority  # the policy's, never what the client asked for
         kind = getattr(getattr(sampling_params, "output_kind", None), "name", "")
@@ -107,6 +119,7 @@ class FairAdmission:
                 if new > 0:
                     self.queue.generated(label, new)
                     TOKENS.labels(label, "output").inc(new)
+                    self._served.setdefault(label, [0, 0, 0])[2] += new
                     if first and streamed:
                         TTFT.labels(label).observe(time.perf_counter() - arrival)
                     first = False
@@ -115,9 +128,10 @@ class FairAdmission:
             self.queue.finish(request_id)
             self._dispatch()
 
-    def charge_training(self, tenant: str, tokens: int) -> None:
-        """Training tokens run for an adapter of ``tenant`` count toward its share here too."""
-        self.queue.counters.charge_training(tenant, tokens)
+    def take_served(self) -> tuple[TenantTokens, ...]:
+        """What each tenant was served since the last call, for the replica's report to the planner."""
+        served, self._served = self._served, {}
+        return tuple(TenantTokens(t, r, p, o) for t, (r, p, o) in served.items())
 
     def facts(self) -> dict[str, Any]:
         """The queue as ``/v1/status`` may show it: slots in use, requests waiting, each tenant's counter."""

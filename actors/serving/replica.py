@@ -255,7 +255,8 @@ class ModelReplica:
                           finished=r.finished, in_flight=len(r.live), busy_seconds=r.busy_seconds(),
                           engine=r.facts(), at=time.time(),
                           prefix_cache_queries=getattr(r.stats, "prefix_cache_queries", 0),
-                          prefix_cache_hits=getattr(r.stats, "prefix_cache_hits", 0), engine_metrics=metrics)
+                          prefix_cache_hits=getattr(r.stats, "prefix_cache_hits", 0), engine_metrics=metrics,
+                          tenant_tokens=() if self.engine.admission is None else self.engine.admission.take_served())
 
     # ---- profiling -------------------------------------------------------------------------
 
