@@ -18,9 +18,9 @@ slot keeps it. :class:`AdmissionQueue` therefore holds requests in front of the 
 ``tenant_slots`` of them, so a slot stays free for another tenant's next request. An admitted
 request also carries its tenant's counter as its vLLM priority (lower runs first).
 
-Training shares the counters: a tenant's training tokens are charged with :meth:`TenantCounters.
-charge_training`, and :meth:`TenantCounters.may_train` says whether a grant for that tenant would
-run it ahead of another tenant that waits.
+Training shares the counters: the planner keeps one :class:`TenantCounters` across nodes, charged with what the
+replicas report they served each tenant and with the training tokens of each tenant's adapters
+(:meth:`TenantCounters.charge_training`), and shows each tenant's share in ``/v1/status``.
 
 Pure: no I/O, no clocks (the caller passes ``now``); the replica's ``actors/serving/fair_admission.py``
 holds the asyncio side.
@@ -135,17 +135,6 @@ class TenantCounters:
         """The tenant's part of all weighted service so far, in [0, 1] (0 when nobody has been served)."""
         total = sum(self._weighted(t) for t in self.service)
         return self._weighted(tenant) / total if total > 0 else 0.0
-
-    def fair_share(self, tenant: str, active: Iterable[str]) -> float:
-        """What ``tenant`` is entitled to among the ``active`` tenants (and itself): its weight over theirs."""
-        tenants = set(active) | {tenant}
-        return self.weight(tenant) / sum(self.weight(t) for t in tenants)
-
-    def may_train(self, tenant: str, waiting: Iterable[str], slack: float = 0.0) -> bool:
-        """Whether a training grant for ``tenant`` runs no one ahead of their turn: true unless another tenant with
-        requests ``waiting`` has a counter more than ``slack`` (weighted tokens) below ``tenant``'s."""
-        others = [self.counter(t) for t in waiting if t != tenant]
-        return not others or self.counter(tenant) <= min(others) + slack
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per tenant: requests, prompt, output and training tokens, counter, and share of the weighted service."""

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from planners import registry
-from planners.fairness import AdmissionQueue, AdmissionRequest, TenantCounters, TokenWeights, tenant_slot_cap
+from planners.fairness import (
+    AdmissionQueue,
+    AdmissionRequest,
+    TenantCounters,
+    TenantTokens,
+    TokenWeights,
+    tenant_slot_cap,
+)
 
 
 def queue(policy: str = "vtc", slots: int = 4, tenant_slots: int | None = 3, **weights: float) -> AdmissionQueue:
@@ -28,7 +35,19 @@ def test_counters_weigh_prefill_decode_and_training_and_divide_by_the_tenant_wei
     assert c.counter("paying") == (10 + 2 * 5) / 2
     assert c.service["free"].output_tokens == 5 and c.service["free"].training_tokens == 4
     assert c.share("free") == pytest.approx(22 / 42)
-    assert c.fair_share("paying", ["free"]) == pytest.approx(2 / 3)
+    summary = c.summary()
+    assert summary["free"]["training_tokens"] == 4 and summary["paying"]["share"] == pytest.approx(20 / 42, abs=1e-4)
+
+
+def test_the_planners_ledger_adds_what_replicas_served_and_what_the_trainer_ran():
+    ledger = TenantCounters()
+    ledger.charge_served([TenantTokens("acme", 2, 30, 100), TenantTokens("beta", 1, 10, 10)])
+    ledger.charge_served([TenantTokens("acme", 1, 5, 20)])  # another node, or the next report
+    ledger.charge_training("beta", 200)
+    acme, beta = ledger.summary()["acme"], ledger.summary()["beta"]
+    assert (acme["requests"], acme["prompt_tokens"], acme["output_tokens"]) == (3, 35, 120)
+    assert acme["counter"] == 35 + 2 * 120 and beta["counter"] == 10 + 2 * 10 + 200
+    assert acme["share"] + beta["share"] == pytest.approx(1.0)
 
 
 def test_an_idle_tenant_is_lifted_to_the_least_active_counter_and_banks_no_credit():
