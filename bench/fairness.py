@@ -8,10 +8,11 @@ idle), alone and fresh (a new data_dir), with API keys for tenants acme, beta an
 README "Security"), differing only in what the system names:
 
 - ``before``: ``engine.admission: fcfs`` and ``limits.max_concurrent: 64``: the configuration issue 42 measured;
-- ``fcfs``: ``engine.admission: fcfs``, ``limits.max_concurrent: auto`` (``max_num_seqs`` less an eighth);
+- ``fcfs``: ``engine.admission: fcfs``, ``limits.max_concurrent: auto`` (``max_num_seqs`` less an eighth: 28);
 - ``priority``: ``vtc`` with ``hold: false`` (each request's vLLM priority is its tenant's counter, nothing is
   held) and ``max_concurrent: 64``: vLLM's priority alone;
-- ``vtc``: ``engine.admission: vtc`` and ``max_concurrent: auto`` (the defaults).
+- ``vtc``: ``engine.admission: vtc`` and ``max_concurrent: auto`` (the defaults; twice the slots: 64);
+- ``vtc-28``: ``vtc`` with ``max_concurrent: 28``: the key capped as under fcfs.
 
 Phases, one after another on each system (clients in processes of their own, so one tenant's client never delays
 the other's timestamps):
@@ -50,9 +51,10 @@ from bench.common import log, percentile  # noqa: E402
 KEYS = {t: f"sk-coserve-bench-{t}-0123456789abcdef" for t in ("acme", "beta", "admin")}
 SYSTEMS: dict[str, dict[str, Any]] = {
     "before": {"engine": {"admission": "fcfs"}, "limits": {"max_concurrent": 64}},
-    "fcfs": {"engine": {"admission": "fcfs"}, "limits": {"max_concurrent": "auto"}},
+    "fcfs": {"engine": {"admission": "fcfs"}, "limits": {"max_concurrent": "auto"}},  # 28 of 32
     "priority": {"engine": {"admission": "vtc", "admission_params": {"hold": False}}, "limits": {"max_concurrent": 64}},
-    "vtc": {"engine": {"admission": "vtc"}, "limits": {"max_concurrent": "auto"}},
+    "vtc": {"engine": {"admission": "vtc"}, "limits": {"max_concurrent": "auto"}},  # 64: the fair queue holds
+    "vtc-28": {"engine": {"admission": "vtc"}, "limits": {"max_concurrent": 28}},
 }
 
 
@@ -280,7 +282,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default="before,fcfs,vtc", help=f"comma-separated, of {sorted(SYSTEMS)}")
+    p.add_argument("--systems", default="before,fcfs,priority,vtc", help=f"comma-separated, of {sorted(SYSTEMS)}")
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     p.add_argument("--alone-s", type=float, default=20.0, help="seconds of the beta-alone phase")
     p.add_argument("--flood-s", type=float, default=30.0, help="seconds of each phase with acme's flood")

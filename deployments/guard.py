@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from actors.serving import fair_admission, request_stages
+from planners.registry import create
 from settings import EngineConfig, LimitsConfig
 from deployments.keys import LOCAL, KeyRing, Principal
 
@@ -113,8 +114,10 @@ class RequestGuard:
     def __init__(self, app: Any, keys: KeyRing, limits: LimitsConfig) -> None:
         self.app, self.keys, self.limits = app, keys, limits
         # An app's config has ``auto`` derived from its engine already (settings.AppConfig); limits alone, from the
-        # engine's default slots.
-        self.max_concurrent = limits.in_flight_cap(EngineConfig.model_fields["max_num_seqs"].default)
+        # engine's defaults.
+        engine = EngineConfig()
+        held = create("admission", engine.admission, **engine.admission_params).holds
+        self.max_concurrent = limits.in_flight_cap(engine.max_num_seqs, held)
         self._buckets: dict[str, TokenBucket] = {}  # one per key that has been used: bounded by the key ring
         self._in_flight: dict[str, int] = {}
 

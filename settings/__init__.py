@@ -318,8 +318,10 @@ class LimitsConfig(_ConfigSection):
     burst: int = Field(100, gt=0, description="Requests a key may send at once above that rate.")
     max_concurrent: int | Literal["auto"] | None = Field(
         "auto", description="Requests one API key may have in flight on a model server (null: no cap); over it: "
-                            "429. Applies when keys are configured. auto: engine.max_num_seqs less an eighth (at "
-                            "least one), so one key never holds every sequence slot (28 of 32).")
+                            "429. Applies when keys are configured. auto: derived from engine.max_num_seqs so "
+                            "that one key never holds every sequence slot: twice the slots under an admission "
+                            "policy that holds requests (vtc: the fair queue keeps the tenant to all but an eighth "
+                            "of them, the rest wait in it), else the slots less an eighth (28 of 32).")
     tenant_weights: dict[str, float] = Field(
         default_factory=dict, description="Share weight per tenant under a fair admission policy (default 1): a "
                                           "tenant of weight 2 gets twice the service of a tenant of weight 1 "
@@ -340,14 +342,16 @@ class LimitsConfig(_ConfigSection):
             raise ValueError(f"tenant weights must be > 0: {bad}")
         return v
 
-    def in_flight_cap(self, max_num_seqs: int) -> int | None:
-        """Requests one key may have in flight: ``max_concurrent``, with ``auto`` derived from the engine's slots."""
-        from planners.fairness import tenant_slot_cap
-
-        return tenant_slot_cap(max_num_seqs) if self.max_concurrent == "auto" else self.max_concurrent
     adapters_per_tenant: int | None = Field(
         64, gt=0, description="Adapters one tenant may own (null: no cap); creating one more answers 403 "
                               "(permission_error). Without API keys every adapter counts toward one allowance.")
+
+    def in_flight_cap(self, max_num_seqs: int, held: bool) -> int | None:
+        """Requests one key may have in flight: ``max_concurrent``, with ``auto`` derived from the engine's slots and
+        whether the admission policy holds requests in front of the engine (``planners.fairness.key_in_flight_cap``)."""
+        from planners.fairness import key_in_flight_cap
+
+        return key_in_flight_cap(max_num_seqs, held) if self.max_concurrent == "auto" else self.max_concurrent
 
 
 class AppConfig(_ConfigSection):
@@ -366,7 +370,10 @@ class AppConfig(_ConfigSection):
     @model_validator(mode="after")
     def _derive_in_flight_cap(self) -> "AppConfig":
         """``limits.max_concurrent: auto`` becomes its number here, where the engine's slots are known."""
-        self.limits.max_concurrent = self.limits.in_flight_cap(self.engine.max_num_seqs)
+        from planners.registry import create
+
+        held = create("admission", self.engine.admission, **self.engine.admission_params).holds
+        self.limits.max_concurrent = self.limits.in_flight_cap(self.engine.max_num_seqs, held)
         return self
 
     @model_validator(mode="after")
