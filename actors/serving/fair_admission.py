@@ -132,10 +132,3 @@ class FairAdmission:
         """What each tenant was served since the last call, for the replica's report to the planner."""
         served, self._served = self._served, {}
         return tuple(TenantTokens(t, r, p, o) for t, (r, p, o) in served.items())
-
-    def facts(self) -> dict[str, Any]:
-        """The queue as ``/v1/status`` may show it: slots in use, requests waiting, each tenant's counter."""
-        q = self.queue
-        return {"policy": getattr(self.policy, "qualified_name", "?"), "slots": q.slots,
-                "tenant_slots": q.tenant_slots, "in_use": q.in_use(), "waiting": q.queued(),
-                "counters": {t: round(c, 1) for t, c in q.counters.counters().items()}}
