@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -180,13 +181,48 @@ def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     out["flood"] = {t: figures(rs) for t, rs in both.items()}
     log(f"  {out['flood']}")
     log("phase: backlogged")
+    ledger: list[tuple[float, dict[str, Any]]] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_ledger, args=(url, ledger, stop), daemon=True)
+    watcher.start()
     both = run_clients(url, model, [acme_flood, ("beta", args.beta_streams, 256, 0.0)], args.backlog_s)
+    stop.set()
+    watcher.join(timeout=30)
     out["backlogged"] = {t: figures(rs, args.settle) for t, rs in both.items()}
     total = sum(f["output_tokens"] for f in out["backlogged"].values()) or 1
     for f in out["backlogged"].values():
         f["share"] = f["output_tokens"] / total
+    t0, t1 = both["acme"][0]["window"]
+    served = served_between(ledger, t0 + args.settle, t1)
+    for tenant, f in out["backlogged"].items():
+        f["engine_share"] = served.get(tenant)
     log(f"  {out['backlogged']}")
     return out
+
+
+def watch_ledger(url: str, into: list[tuple[float, dict[str, Any]]], stop: threading.Event) -> None:
+    """Every second, each tenant's output tokens as the planner adds them up (``/v1/status`` → ``tenants``: what the
+    engine generated for it, reported by the replica every ``planner.trace_flush_seconds``)."""
+    import httpx
+
+    with httpx.Client(timeout=10, headers={"Authorization": f"Bearer {KEYS['admin']}"}) as c:
+        while not stop.wait(1.0):
+            try:
+                tenants = c.get(f"{url}/v1/status").json().get("tenants") or {}
+                into.append((time.time(), {t: v["output_tokens"] for t, v in tenants.items()}))
+            except (httpx.HTTPError, ValueError):
+                pass
+
+
+def served_between(ledger: list[tuple[float, dict[str, Any]]], t0: float, t1: float) -> dict[str, float]:
+    """Each tenant's share of the output tokens the engine generated between the snapshots nearest ``t0`` and ``t1``."""
+    if len(ledger) < 2:
+        return {}
+    first = min(ledger, key=lambda e: abs(e[0] - t0))[1]
+    last = min(ledger, key=lambda e: abs(e[0] - t1))[1]
+    got = {t: last.get(t, 0) - first.get(t, 0) for t in ("acme", "beta")}
+    total = sum(got.values())
+    return {t: n / total for t, n in got.items()} if total else {}
 
 
 # ---- the app -----------------------------------------------------------------------------------------------------
@@ -263,9 +299,15 @@ def ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v * 1000:,.0f} ms"
 
 
+def engine_shares(backlogged: dict[str, Any]) -> str:
+    a, b = backlogged["acme"].get("engine_share"), backlogged["beta"].get("engine_share")
+    return "n/a" if a is None or b is None else f"{a:.1%} / {b:.1%}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["system", "beta alone TTFT p50 / p95", "beta during flood TTFT p50 / p95", "ratio p50 / p95",
-            "acme answers / 429s (flood)", "acme alone tok/s", "backlogged: acme / beta share of output tokens"]
+            "acme answers / 429s (flood)", "acme alone tok/s", "backlogged: acme / beta share of output tokens "
+            "(streamed; engine)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         a, f = r["beta_alone"], r["flood"]["beta"]
@@ -276,7 +318,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             r["system"], f"{ms(a['ttft_p50_s'])} / {ms(a['ttft_p95_s'])}",
             f"{ms(f['ttft_p50_s'])} / {ms(f['ttft_p95_s'])} (n={f['ttft_n']})", ratio,
             f"{fa['answers']:,} / {fa['429s']:,}", f"{r['acme_alone']['output_tok_s']:,.0f}",
-            f"{b['acme']['share']:.1%} / {b['beta']['share']:.1%}"]) + " |")
+            f"{b['acme']['share']:.1%} / {b['beta']['share']:.1%} ({engine_shares(b)})"]) + " |")
     return "\n".join(lines)
 
 

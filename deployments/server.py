@@ -117,7 +117,7 @@ class ModelServer:
                                                            and config.engine.keep_others_off_engine_cores))
         self.learning = LearningRoutes(config, self._ask_planner)
         await self.replica.start()
-        self.replica.engine.admission = FairAdmission.from_config(config)  # engine.admission, from now on
+        self.replica.engine.admission = FairAdmission.from_config(config, self.replica.engine)  # engine.admission
         self._prepare_checks()
         ctx = ray.get_runtime_context()
         pg = ray.util.get_current_placement_group()

@@ -49,25 +49,66 @@ def tenant_ledger(cfg: Any) -> TenantCounters:
                           cfg.limits.tenant_weights)
 
 
+def engine_progress(engine: Any) -> Callable[[str], int]:
+    """How many output tokens ``engine`` (vLLM's ``AsyncLLM``) has generated for a request, by the id ``generate`` got.
+
+    Read from vLLM's output processor, which counts each request's tokens as the engine core sends them
+    (``RequestState.stats``), not as the request's consumer reads them: a client that reads its stream slowly leaves
+    outputs queued, and its tenant must still be charged for what the engine did for it.
+    """
+    processor = engine.output_processor
+
+    def generated(request_id: str) -> int:
+        total = 0
+        for internal in processor.external_req_ids.get(request_id, ()):
+            state = processor.request_states.get(internal)
+            if state is not None and state.stats is not None:
+                total += state.stats.num_generation_tokens
+        return total
+
+    return generated
+
+
 class FairAdmission:
-    """One engine's admission queue across tenants (``planners.fairness.AdmissionQueue``) and its waiting requests."""
+    """One engine's admission queue across tenants (``planners.fairness.AdmissionQueue``) and its waiting requests.
+
+    ``progress(request_id)``: the output tokens the engine has generated for a running request (:func:`engine_progress`);
+    each decision first charges every running request with what it got since the last, so a tenant whose clients
+    read slowly is charged as fast as the engine serves it. None: charged as outputs are read.
+    """
 
     def __init__(self, policy: str, max_num_seqs: int, params: Mapping[str, Any] | None = None,
-                 tenant_weights: Mapping[str, float] | None = None) -> None:
+                 tenant_weights: Mapping[str, float] | None = None,
+                 progress: Callable[[str], int] | None = None) -> None:
         rule = create("admission", policy, **dict(params or {}))
         self.policy = rule
         self.queue = AdmissionQueue(rule, TenantCounters(rule.weights, tenant_weights), slots=max_num_seqs,
                                     tenant_slots=tenant_slot_cap(max_num_seqs))
+        self._progress = progress
         self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._running: dict[str, str] = {}  # request id -> tenant, admitted and not ended
+        self._charged: dict[str, int] = {}  # request id -> output tokens charged to its tenant
         self._served: dict[str, list[int]] = {}  # tenant -> [requests, prompt, output] since the last report
 
     @classmethod
-    def from_config(cls, cfg: Any) -> FairAdmission:
-        """The admission of a replica of ``cfg`` (an ``AppConfig``)."""
+    def from_config(cls, cfg: Any, engine: Any = None) -> FairAdmission:
+        """The admission of a replica of ``cfg`` (an ``AppConfig``) in front of ``engine`` (vLLM's ``AsyncLLM``)."""
         return cls(cfg.engine.admission, cfg.engine.max_num_seqs, cfg.engine.admission_params,
-                   cfg.limits.tenant_weights)
+                   cfg.limits.tenant_weights, None if engine is None else engine_progress(engine))
+
+    def _charge(self, request_id: str, tenant: str, generated: int) -> None:
+        """``tenant``'s request has ``generated`` output tokens so far: charge what was not charged yet."""
+        new = generated - self._charged.get(request_id, 0)
+        if new > 0:
+            self._charged[request_id] = generated
+            self.queue.generated(tenant, new)
+            TOKENS.labels(tenant, "output").inc(new)
+            self._served.setdefault(tenant, [0, 0, 0])[2] += new
 
     def _dispatch(self) -> None:
+        if self._progress is not None:
+            for request_id, tenant in self._running.items():
+                self._charge(request_id, tenant, self._progress(request_id))
         for admission in self.queue.admit(time.monotonic()):
             future = self._waiting.pop(admission.request_id, None)
             if future is not None and not future.done():
@@ -99,6 +140,7 @@ class FairAdmission:
                 self.queue.cancel(request_id, label)
             self._dispatch()
             raise
+        self._running[request_id] = label
         QUEUE_WAIT.labels(label).observe(admission.waited)
         REQUESTS.labels(label).inc()
         TOKENS.labels(label, "prompt").inc(prompt_tokens)
@@ -110,21 +152,19 @@ class FairAdmission:
         kind = getattr(getattr(sampling_params, "output_kind", None), "name", "")
         cumulative, streamed = kind != "DELTA", kind != "FINAL_ONLY"
         seen = 0
-        first = True
         try:
             async for out in engine_generate(prompt, sampling_params, request_id, *args, **kwargs):
                 n = sum(len(c.token_ids) for c in out.outputs)
-                new = n - seen if cumulative else n
+                if n and not seen and streamed:
+                    TTFT.labels(label).observe(time.perf_counter() - arrival)
                 seen = n if cumulative else seen + n
-                if new > 0:
-                    self.queue.generated(label, new)
-                    TOKENS.labels(label, "output").inc(new)
-                    self._served.setdefault(label, [0, 0, 0])[2] += new
-                    if first and streamed:
-                        TTFT.labels(label).observe(time.perf_counter() - arrival)
-                    first = False
+                self._charge(request_id, label, seen)
                 yield out
         finally:
+            if self._progress is not None:  # what the engine generated that no output carried (cancelled midway)
+                self._charge(request_id, label, self._progress(request_id))
+            self._running.pop(request_id, None)
+            self._charged.pop(request_id, None)
             self.queue.finish(request_id)
             self._dispatch()
 
