@@ -95,7 +95,10 @@ def test_a_light_tenants_first_token_does_not_wait_behind_another_tenants_flood(
     while 'tenant="flood"' not in (admin := scrape("admin")) and time.time() < deadline:
         time.sleep(1)  # the replica sends its series to the planner every few seconds
     light = scrape("light")
-    assert 'coserve_tenant_tokens_total{kind="output",node="0",tenant="light"}' in light
+    output = [line for line in light.splitlines()
+              if line.startswith("coserve_tenant_tokens_total{") and 'kind="output"' in line]
+    assert output and all('tenant="light"' in line for line in output), light
+    assert float(output[0].rsplit(" ", 1)[1]) >= 12 * 16  # its 12 requests of 16 tokens
     assert "flood" not in light and "vllm:" not in light and "coserve_node_" not in light
     waits = [line for line in admin.splitlines()
              if line.startswith("coserve_tenant_queue_wait_seconds_sum") and 'tenant="flood"' in line]
