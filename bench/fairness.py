@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import log, percentile  # noqa: E402
+from bench.common import load_average, log, percentile  # noqa: E402
 
 KEYS = {t: f"sk-coserve-bench-{t}-0123456789abcdef" for t in ("acme", "beta", "admin")}
 SYSTEMS: dict[str, dict[str, Any]] = {
@@ -170,17 +170,17 @@ def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     beta_light = ("beta", 1, 32, args.think)
     acme_flood = ("acme", 80, 256, 0.0)
     out: dict[str, Any] = {}
-    log("phase: beta alone")
+    log(f"phase: beta alone (load average {load_average()})")
     out["beta_alone"] = figures(run_clients(url, model, [beta_light], args.alone_s)["beta"])
     log(f"  {out['beta_alone']}")
-    log("phase: acme alone")
+    log(f"phase: acme alone (load average {load_average()})")
     out["acme_alone"] = figures(run_clients(url, model, [acme_flood], args.flood_s)["acme"])
     log(f"  {out['acme_alone']}")
-    log("phase: flood")
+    log(f"phase: flood (load average {load_average()})")
     both = run_clients(url, model, [acme_flood, beta_light], args.flood_s)
     out["flood"] = {t: figures(rs) for t, rs in both.items()}
     log(f"  {out['flood']}")
-    log("phase: backlogged")
+    log(f"phase: backlogged (load average {load_average()})")
     ledger: list[tuple[float, dict[str, Any]]] = []
     stop = threading.Event()
     watcher = threading.Thread(target=watch_ledger, args=(url, ledger, stop), daemon=True)
