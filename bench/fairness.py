@@ -170,16 +170,28 @@ def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     beta_light = ("beta", 1, 32, args.think)
     acme_flood = ("acme", 80, 256, 0.0)
     out: dict[str, Any] = {}
-    log(f"phase: beta alone (load average {load_average()})")
-    out["beta_alone"] = figures(run_clients(url, model, [beta_light], args.alone_s)["beta"])
-    log(f"  {out['beta_alone']}")
-    log(f"phase: acme alone (load average {load_average()})")
-    out["acme_alone"] = figures(run_clients(url, model, [acme_flood], args.flood_s)["acme"])
-    log(f"  {out['acme_alone']}")
-    log(f"phase: flood (load average {load_average()})")
-    both = run_clients(url, model, [acme_flood, beta_light], args.flood_s)
-    out["flood"] = {t: figures(rs) for t, rs in both.items()}
-    log(f"  {out['flood']}")
+    phases = set(args.phases.split(","))
+    if "beta" in phases:
+        log(f"phase: beta alone (load average {load_average()})")
+        out["beta_alone"] = figures(run_clients(url, model, [beta_light], args.alone_s)["beta"])
+        log(f"  {out['beta_alone']}")
+    if "acme" in phases:
+        log(f"phase: acme alone (load average {load_average()})")
+        out["acme_alone"] = figures(run_clients(url, model, [acme_flood], args.flood_s)["acme"])
+        log(f"  {out['acme_alone']}")
+    if "flood" in phases:
+        log(f"phase: flood (load average {load_average()})")
+        both = run_clients(url, model, [acme_flood, beta_light], args.flood_s)
+        out["flood"] = {t: figures(rs) for t, rs in both.items()}
+        log(f"  {out['flood']}")
+    if "backlogged" in phases:
+        out["backlogged"] = backlogged(url, model, acme_flood, args)
+    return out
+
+
+def backlogged(url: str, model: str, acme_flood: tuple[str, int, int, float], args: argparse.Namespace
+               ) -> dict[str, Any]:
+    """Acme's flood and beta's ``--beta-streams`` streams at once: each one's share of the output tokens."""
     log(f"phase: backlogged (load average {load_average()})")
     ledger: list[tuple[float, dict[str, Any]]] = []
     stop = threading.Event()
@@ -188,15 +200,15 @@ def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     both = run_clients(url, model, [acme_flood, ("beta", args.beta_streams, 256, 0.0)], args.backlog_s)
     stop.set()
     watcher.join(timeout=30)
-    out["backlogged"] = {t: figures(rs, args.settle) for t, rs in both.items()}
-    total = sum(f["output_tokens"] for f in out["backlogged"].values()) or 1
-    for f in out["backlogged"].values():
+    out = {t: figures(rs, args.settle) for t, rs in both.items()}
+    total = sum(f["output_tokens"] for f in out.values()) or 1
+    for f in out.values():
         f["share"] = f["output_tokens"] / total
     t0, t1 = both["acme"][0]["window"]
     served = served_between(ledger, t0 + args.settle, t1)
-    for tenant, f in out["backlogged"].items():
+    for tenant, f in out.items():
         f["engine_share"] = served.get(tenant)
-    log(f"  {out['backlogged']}")
+    log(f"  {out}")
     return out
 
 
@@ -310,15 +322,16 @@ def table(rows: list[dict[str, Any]]) -> str:
             "(streamed; engine)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        a, f = r["beta_alone"], r["flood"]["beta"]
-        fa, b = r["flood"]["acme"], r["backlogged"]
+        a, f = r.get("beta_alone") or {}, (r.get("flood") or {}).get("beta") or {}
+        fa, b, alone = (r.get("flood") or {}).get("acme") or {}, r.get("backlogged"), r.get("acme_alone")
         ratio = (f"{f['ttft_p50_s'] / a['ttft_p50_s']:.1f}× / {f['ttft_p95_s'] / a['ttft_p95_s']:.1f}×"
                  if a.get("ttft_p50_s") and f.get("ttft_p50_s") else "n/a")
         lines.append("| " + " | ".join([
-            r["system"], f"{ms(a['ttft_p50_s'])} / {ms(a['ttft_p95_s'])}",
-            f"{ms(f['ttft_p50_s'])} / {ms(f['ttft_p95_s'])} (n={f['ttft_n']})", ratio,
-            f"{fa['answers']:,} / {fa['429s']:,}", f"{r['acme_alone']['output_tok_s']:,.0f}",
-            f"{b['acme']['share']:.1%} / {b['beta']['share']:.1%} ({engine_shares(b)})"]) + " |")
+            r["system"], f"{ms(a.get('ttft_p50_s'))} / {ms(a.get('ttft_p95_s'))}",
+            f"{ms(f.get('ttft_p50_s'))} / {ms(f.get('ttft_p95_s'))} (n={f.get('ttft_n', 0)})", ratio,
+            f"{fa['answers']:,} / {fa['429s']:,}" if fa else "n/a",
+            f"{alone['output_tok_s']:,.0f}" if alone else "n/a",
+            f"{b['acme']['share']:.1%} / {b['beta']['share']:.1%} ({engine_shares(b)})" if b else "n/a"]) + " |")
     return "\n".join(lines)
 
 
@@ -333,6 +346,8 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiply every phase's seconds (slower models)")
     p.add_argument("--think", type=float, default=0.05, help="beta's pause between its requests (s)")
     p.add_argument("--beta-streams", type=int, default=24, help="beta's concurrent streams when backlogged")
+    p.add_argument("--phases", default="beta,acme,flood,backlogged",
+                   help="which phases to run, in this order: beta (alone), acme (alone), flood, backlogged")
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args()
     args.alone_s *= args.scale
