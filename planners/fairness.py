@@ -159,8 +159,9 @@ class AdmissionRequest:
     prompt_tokens: int
     arrival: float
     slots: int = 1
-    capped: bool = True
-    """False: the tenant cap does not apply (local mode: one user, nobody to leave a slot for)."""
+    keyed: bool = True
+    """False: local mode (no API keys), one user and nobody to be fair to: never held, never capped; vLLM's own
+    queue orders its requests, as under ``fcfs``."""
 
 
 @dataclass(frozen=True)
@@ -325,12 +326,12 @@ class AdmissionQueue:
         return min(r.slots, self.slots, self.tenant_slots or self.slots)
 
     def _fits(self, r: AdmissionRequest) -> bool:
-        if not self.policy.holds:
+        if not self.policy.holds or not r.keyed:
             return True
         slots = self._slots_of(r)
         if self.in_use() + slots > self.slots:
             return False
-        return not r.capped or self.tenant_slots is None or self.held.get(r.tenant, 0) + slots <= self.tenant_slots
+        return self.tenant_slots is None or self.held.get(r.tenant, 0) + slots <= self.tenant_slots
 
 
 def tenant_slot_cap(max_num_seqs: int) -> int:

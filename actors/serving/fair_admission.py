@@ -6,7 +6,8 @@ passes :meth:`FairAdmission.generate`: it joins its tenant's queue, waits until 
 (``engine.admission``) lets it in, runs in vLLM at the priority the policy gave it, charges its tenant's counter
 with its prompt and each output token, and frees its slots when its outputs end (finished, failed, or its client
 gone). The tenant comes from :data:`TENANT`, which the request guard (``deployments/guard.py``) sets from the
-API key; in local mode (no keys) it is None: one user with every right, counted as ``admin`` and never capped.
+API key; in local mode (no keys) it is None: one user with every right, counted as ``admin``, never held or capped
+(vLLM's own queue orders its requests, as before).
 
 The series (names ``coserve_tenant_*``) live in this process's Prometheus registry; the replica sends them to the
 planner with vLLM's own (``engine_metrics_text``), and ``/metrics`` shows them per node, with the tenant as a

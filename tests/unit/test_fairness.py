@@ -20,8 +20,8 @@ def queue(policy: str = "vtc", slots: int = 4, tenant_slots: int | None = 3, **w
     return AdmissionQueue(rule, TenantCounters(rule.weights, weights), slots=slots, tenant_slots=tenant_slots)
 
 
-def request(i: int, tenant: str, at: float, prompt: int = 10, slots: int = 1, capped: bool = True) -> AdmissionRequest:
-    return AdmissionRequest(f"{tenant}-{i}", tenant, prompt, at, slots, capped)
+def request(i: int, tenant: str, at: float, prompt: int = 10, slots: int = 1, keyed: bool = True) -> AdmissionRequest:
+    return AdmissionRequest(f"{tenant}-{i}", tenant, prompt, at, slots, keyed)
 
 
 def test_counters_weigh_prefill_decode_and_training_and_divide_by_the_tenant_weight():
@@ -94,11 +94,11 @@ def test_one_tenant_never_holds_every_slot_and_another_gets_the_one_left():
     q.arrive(request(0, "beta", 11.0))
     admitted = q.admit(11.0)
     assert [a.tenant for a in admitted] == ["beta"] and admitted[0].waited == 0.0
-    # Local mode (uncapped) may take every slot: there is nobody to keep one for.
+    # Local mode (no keys): one user, nobody to keep a slot for or to be fair to: nothing is held.
     local = queue(slots=4, tenant_slots=3)
-    for i in range(5):
-        local.arrive(request(i, "local", 0.0, capped=False))
-    assert len(local.admit(0.0)) == 4
+    for i in range(6):
+        local.arrive(request(i, "admin", 0.0, keyed=False))
+    assert len(local.admit(0.0)) == 6
 
 
 def beta_share(policy: str, depth: dict[str, int], slots: int = 4, length: int = 4, steps: int = 400) -> float:
