@@ -423,10 +423,13 @@ class LearningRoutes:
         return JSONResponse(self._adapter_json(info))
 
     async def metrics(self) -> Response:
-        from deployments.metrics import CONTENT_TYPE_LATEST, render
+        from deployments.metrics import CONTENT_TYPE_LATEST, render, render_tenant
 
-        status = await self.ask_planner(lambda p: p.status.remote())
         engines = await self.ask_planner(lambda p: p.engine_metrics.remote())
+        principal = PRINCIPAL.get()
+        if not principal.admin:  # a tenant's key: its own series, nobody else's
+            return Response(render_tenant(engines, principal.tenant or ""), media_type=CONTENT_TYPE_LATEST)
+        status = await self.ask_planner(lambda p: p.status.remote())
         adapters = [a.model_dump() for a in await self.call_store(lambda q: q.list_adapters.remote())]
         return Response(render(status, adapters, engines), media_type=CONTENT_TYPE_LATEST)
 

@@ -17,7 +17,8 @@ __all__ = ["render", "CONTENT_TYPE_LATEST"]
 
 def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: dict[int, str] | None = None) -> bytes:
     """The Prometheus text exposition of ``status`` (Planner.status), ``adapters`` (store infos) and ``engines``
-    (each node's vLLM series, as its ``PrometheusStatLogger`` exposes them), the latter with a ``node`` label."""
+    (each node's vLLM series, as its ``PrometheusStatLogger`` exposes them, and the app's per-stage, per-iteration
+    and per-tenant series), the latter with a ``node`` label: the admin's view, every tenant's series."""
     reg = CollectorRegistry()
     if engines:
         reg.register(_Families(engine_families(engines)))
@@ -85,6 +86,28 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
                            (token_logprob, "token_logprob")):
             if current.get(key) is not None:
                 gauge.labels(name).set(current[key])
+    return generate_latest(reg)
+
+
+TENANT_PREFIX = "coserve_tenant_"  # the per-tenant series of each replica's fair admission (actors/serving/fair_admission.py)
+
+
+def render_tenant(engines: dict[int, str], tenant: str) -> bytes:
+    """What a tenant's key reads at ``/metrics``: its own ``coserve_tenant_*`` series (served tokens, queue wait,
+    time to first token, per node) and nothing of any other tenant's or of the service's."""
+    from prometheus_client.metrics_core import Metric
+
+    own = []
+    for family in engine_families(engines):
+        if not family.name.startswith(TENANT_PREFIX):
+            continue
+        mine = Metric(family.name, family.documentation, family.type, family.unit)
+        for sample in family.samples:
+            if sample.labels.get("tenant") == tenant:
+                mine.add_sample(sample.name, sample.labels, sample.value, sample.timestamp)
+        own.append(mine)
+    reg = CollectorRegistry()
+    reg.register(_Families(own))
     return generate_latest(reg)
 
 

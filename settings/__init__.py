@@ -78,7 +78,45 @@ class EngineConfig(_ConfigSection):
     enable_lora: bool = True
     max_lora_rank: int = Field(8, gt=0)
     max_loras: int = Field(4, gt=0, description="Adapters resident in one engine batch.")
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority"] | None = Field(
+        None, description="vLLM's scheduling: fcfs or priority (lower first). null: priority when the admission "
+                          "policy sets each request's priority (vtc), else fcfs.")
+    admission: str = Field(
+        "vtc", description="Admission policy from the registry (planners/fairness.py): vtc, fair across tenants "
+                           "(VTC, Sheng et al. OSDI 2024: the tenant with the least virtual token counter goes "
+                           "next, one tenant holds at most all but an eighth of the sequence slots); fcfs, every "
+                           "request straight to the engine in arrival order.")
+    admission_params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword args of that policy: prefill_weight (1), decode_weight (2), "
+                                          "training_weight (1), the cost of a prompt, output and training token.")
+
+    @field_validator("admission")
+    @classmethod
+    def _known_admission(cls, v: str) -> str:
+        from planners.registry import names
+
+        if v not in names("admission"):
+            raise ValueError(f"unknown admission policy {v!r}; choose one of {names('admission')}")
+        return v
+
+    @model_validator(mode="after")
+    def _admission_params_fit(self) -> "EngineConfig":
+        from planners.registry import create
+
+        try:
+            create("admission", self.admission, **self.admission_params)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"engine.admission_params for {self.admission}: {exc}") from None
+        return self
+
+    @property
+    def vllm_scheduling_policy(self) -> str:
+        """The ``--scheduling-policy`` the engine runs: as set, else what the admission policy needs."""
+        if self.scheduling_policy is not None:
+            return self.scheduling_policy
+        from planners.registry import policy_class
+
+        return "priority" if policy_class("admission", self.admission).sets_priority else "fcfs"
     seed: int = 0
     omp_threads: int | None = Field(
         None, gt=0, description="CPU only: OpenMP threads of one engine; null lets vLLM choose (as plain vLLM does)."
@@ -278,12 +316,42 @@ class LimitsConfig(_ConfigSection):
         50.0, gt=0, description="Sustained requests per second per API key, on each model server (null: no cap); "
                                 "over it: 429 with Retry-After. Applies when keys are configured.")
     burst: int = Field(100, gt=0, description="Requests a key may send at once above that rate.")
-    max_concurrent: int | None = Field(
-        64, gt=0, description="Requests one API key may have in flight on a model server (null: no cap); "
-                              "over it: 429. Applies when keys are configured.")
+    max_concurrent: int | Literal["auto"] | None = Field(
+        "auto", description="Requests one API key may have in flight on a model server (null: no cap); over it: "
+                            "429. Applies when keys are configured. auto: derived from engine.max_num_seqs so "
+                            "that one key never holds every sequence slot: twice the slots under an admission "
+                            "policy that holds requests (vtc: the fair queue keeps the tenant to all but an eighth "
+                            "of them, the rest wait in it), else the slots less an eighth (28 of 32).")
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict, description="Share weight per tenant under a fair admission policy (default 1): a "
+                                          "tenant of weight 2 gets twice the service of a tenant of weight 1 "
+                                          "while both wait.")
+
+    @field_validator("max_concurrent")
+    @classmethod
+    def _positive_cap(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("max_concurrent must be > 0, auto or null")
+        return v
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _positive_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {t: w for t, w in v.items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant weights must be > 0: {bad}")
+        return v
+
     adapters_per_tenant: int | None = Field(
         64, gt=0, description="Adapters one tenant may own (null: no cap); creating one more answers 403 "
                               "(permission_error). Without API keys every adapter counts toward one allowance.")
+
+    def in_flight_cap(self, max_num_seqs: int, held: bool) -> int | None:
+        """Requests one key may have in flight: ``max_concurrent``, with ``auto`` derived from the engine's slots and
+        whether the admission policy holds requests in front of the engine (``planners.fairness.key_in_flight_cap``)."""
+        from planners.fairness import key_in_flight_cap
+
+        return key_in_flight_cap(max_num_seqs, held) if self.max_concurrent == "auto" else self.max_concurrent
 
 
 class AppConfig(_ConfigSection):
@@ -298,6 +366,15 @@ class AppConfig(_ConfigSection):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @model_validator(mode="after")
+    def _derive_in_flight_cap(self) -> "AppConfig":
+        """``limits.max_concurrent: auto`` becomes its number here, where the engine's slots are known."""
+        from planners.registry import create
+
+        held = create("admission", self.engine.admission, **self.engine.admission_params).holds
+        self.limits.max_concurrent = self.limits.in_flight_cap(self.engine.max_num_seqs, held)
+        return self
 
     @model_validator(mode="after")
     def _shares_fit(self) -> "AppConfig":

@@ -127,10 +127,15 @@ def traced_engine_class() -> type:
 
         class TracedEngine(AsyncLLM):
             requests: RequestTraces | None = None
+            admission: Any = None  # FairAdmission (actors/serving/fair_admission.py); None: straight to vLLM
 
             async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any,
                                **kwargs: Any) -> Any:
-                outputs = super().generate(prompt, sampling_params, request_id, *args, **kwargs)
+                if self.admission is not None:  # waits for its turn among the tenants, runs at its priority
+                    outputs = self.admission.generate(super().generate, prompt, sampling_params, request_id,
+                                                      *args, **kwargs)
+                else:
+                    outputs = super().generate(prompt, sampling_params, request_id, *args, **kwargs)
                 if self.requests is not None:
                     outputs = self.requests.traced(outputs, prompt, sampling_params, request_id)
                 async for out in outputs:
