@@ -18,7 +18,7 @@ from typing import Any
 from settings import AppConfig
 from actors.control.nodes import NodeRecord, NodeRegistry
 from actors.control.policies import Policies
-from actors.learning.messages import Grant, GrantedWindow, GrantRequest, PassReport, PassVerdict
+from actors.learning.messages import Grant, GrantedWindow, GrantRequest, PassReport, PassVerdict, WindowsRan
 from planners.coserving import FineTuneSample, whole_windows
 from planners.costs import CostModel
 from planners.placement import TrainingPlacer
@@ -109,15 +109,19 @@ class TrainingGrants:
             windows, reason, budget = co.iteration_windows(queue, node.facts, now, request.ran_s)
             windows, reason, offload, wait_s = co.check_memory(request, windows, reason, node.facts,
                                                                self.cost_model.memory.weight_bytes, now)
-            co.granted(windows)
         else:
             windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now, feedback)
         co.record_answer(adapter, mode, windows, reason, budget, node.facts, now)
         if not windows:
             return Grant((), wait_s, reason)
+        co.granted(windows, node.facts, now)  # predicted, then measured when the trainer says it ran
         self._training_granted(node_id, adapter, windows, now)
         self._last_run[adapter] = now
         return Grant(tuple(GrantedWindow(int(w.sample_id), w.start, w.end) for w in windows), 0.0, reason, offload)
+
+    def windows_ran(self, run: WindowsRan) -> None:
+        """The trainer ran its last grant's windows on ``run.node_id``: measure the grant against its prediction."""
+        self.nodes[run.node_id].coserving.windows_ran(run, time.time())
 
     def report_passes(self, node_id: int, adapter: str, mode: str, reports: list[PassReport]) -> list[PassVerdict]:
         """CheckEnd for the passes a trainer finished in a micro-step (MACE Alg. 1 lines 17–21, §4.2).

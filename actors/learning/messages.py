@@ -134,6 +134,25 @@ class GrantRequest:
 
 
 @dataclass(frozen=True)
+class WindowsRan:
+    """The trainer on ``node_id`` ran the windows of its last grant: when (its wall clock) and for how long.
+
+    Sent after every round, the last of a micro-step included, so the planner measures every grant
+    against its prediction (``planners/coserving/measurement.py``) and refits the cost model.
+    """
+
+    node_id: int
+    adapter: str
+    ran_at: float
+    """Wall time (``time.time()``) the first window started."""
+    ran_s: float
+    forward_s: float = 0.0
+    """Of ``ran_s``, the seconds in forward windows."""
+    backward_s: float = 0.0
+    """Of ``ran_s``, the seconds in backward work."""
+
+
+@dataclass(frozen=True)
 class GrantedWindow:
     """Run tokens [start, end) of the sample's current pass."""
 

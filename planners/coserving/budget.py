@@ -20,22 +20,28 @@ def ft_latency(cost: CostModel, batch: int, tokens: int) -> float:
     return cost.stages * (cost.forward_latency(batch, tokens) + cost.backward_latency(batch, tokens))
 
 
-def grant_run_time(cost: CostModel, windows: Iterable[TokenWindow]) -> float:
-    """Seconds the trainer takes to run ``windows`` one after another, as it really runs them.
+def grant_phase_times(cost: CostModel, windows: Iterable[TokenWindow]) -> tuple[float, float]:
+    """(forward, backward) seconds the trainer takes to run ``windows`` one after another, as it really runs them.
 
     Each window pays its forward; a window that completes its sample also pays the backward of the
     whole sample, because the trainer's windowed pass (``WindowedPass.finish``) sweeps every window's
     backward once the loss is known. :func:`ft_latency` prices forward and backward per window, which
     is right over a whole pass but wrong for any one grant (LEMIX Alg. 2 calibrates against this).
     """
-    total = 0.0
+    forward = backward = 0.0
     for w in windows:
         if w.tokens <= 0:
             continue
-        total += cost.forward_latency(1, w.tokens)
+        forward += cost.forward_latency(1, w.tokens)
         if w.completes_pass:
-            total += cost.backward_latency(1, w.length)
-    return cost.stages * total
+            backward += cost.backward_latency(1, w.length)
+    return cost.stages * forward, cost.stages * backward
+
+
+def grant_run_time(cost: CostModel, windows: Iterable[TokenWindow]) -> float:
+    """Seconds the trainer takes to run ``windows`` (:func:`grant_phase_times`, both phases)."""
+    forward, backward = grant_phase_times(cost, windows)
+    return forward + backward
 
 
 def ft_memory(cost: CostModel, batch: int, tokens: int) -> float:

@@ -53,6 +53,24 @@ class LiveRequest:
 
 
 @dataclass(frozen=True)
+class EngineIteration:
+    """One engine step as its replica saw it: when its tokens reached the replica, and what the step computed.
+
+    ``at`` is the wall time (``time.time()``) at which vLLM's output handler recorded the step, the
+    moment its new tokens go out to the requests' streams; ``elapsed_s`` the step's own time in the
+    engine core; ``gap_s`` the time since the previous step's tokens went out: for each of the
+    ``decode_seqs`` requests that decoded in this step it is their time between tokens (None for the
+    first step the replica saw).
+    """
+
+    at: float
+    elapsed_s: float
+    prefill_tokens: int
+    decode_seqs: int
+    gap_s: float | None = None
+
+
+@dataclass(frozen=True)
 class EngineFacts:
     """What a replica reports of its engine: the requests in flight, iterations so far, KV cache in use.
 
@@ -63,7 +81,9 @@ class EngineFacts:
     request (one that step did not start: ``max_num_seqs`` reached, no token budget or KV blocks
     left), since the engine started; ``waiting_peak`` is the most requests that queue held after
     any step. They measure how often request order inside vLLM could matter at all
-    (docs/coserving.md, "Admission by priority: measured, then removed").
+    (docs/coserving.md, "Admission by priority: measured, then removed"). ``iteration_log`` holds the
+    engine steps since the replica's previous report, each with its time between tokens: what the
+    planner compares with each fine-tuning window's prediction and counts against the SLOs.
     """
 
     at: float
@@ -73,6 +93,7 @@ class EngineFacts:
     kv_cache_bytes: float = 0.0
     steps_with_waiting: int = 0
     waiting_peak: int = 0
+    iteration_log: tuple[EngineIteration, ...] = ()
 
     @property
     def kv_used_bytes(self) -> float:

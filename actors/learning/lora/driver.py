@@ -66,7 +66,8 @@ from actors.learning.lora.messages import (
 )
 from actors.learning.lora.rank import GroupFailed
 from planners.turns import TrainingTurns
-from actors.learning.messages import Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress
+from actors.learning.messages import (Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress,
+                                     WindowsRan)
 
 logger = logging.getLogger(__name__)
 
@@ -359,6 +360,9 @@ class LoraDriver:
             run_s += time.time() - t0
             fault = None
             for i, res in zip(runs, results):
+                if res.windows:  # measured against its prediction, the last round of the step included
+                    self._windows_ran(WindowsRan(self.nodes[i], adapter, res.ran_at, res.ran_s, res.forward_s,
+                                                 max(0.0, res.ran_s - res.forward_s)))
                 done[i].update(res.done)
                 finished.update(res.finished)
                 ran_s[i], memory[i], optimizer_bytes[i] = res.ran_s, res.memory, res.optimizer_bytes
@@ -367,6 +371,13 @@ class LoraDriver:
             if fault is not None:
                 self._abandon(adapter)
                 raise RankFault(fault)
+
+    def _windows_ran(self, run: WindowsRan) -> None:
+        """Tell the planner when a grant's windows ran (not waited on: the next ask is queued behind it)."""
+        try:
+            self.planner.windows_ran.remote(run)
+        except Exception as exc:
+            self.warn("windows_ran", exc)
 
     def _grants(self, requests: dict[int, GrantRequest]) -> dict[int, Grant]:
         """The planner's grant for each rank's node, asked together; the planner away means "wait", never train unasked."""

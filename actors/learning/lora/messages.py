@@ -85,6 +85,10 @@ class RoundDone:
     memory: MemoryUse | None
     optimizer_bytes: float = 0.0
     fault: str | None = None
+    ran_at: float = 0.0
+    """Wall time the first window started."""
+    forward_s: float = 0.0
+    """Of ``ran_s``, the seconds in forward windows; the rest went to backward work."""
 
 
 @dataclass(frozen=True)

@@ -172,12 +172,15 @@ class TrainRank:
         mark = memory_mark(self.bank.device)
         t0 = time.time()
         ran = 0
+        forward_s = 0.0
         try:
             for w in plan.windows:
                 p = self.passes.get(w.sample_id)
                 if p is None or w.start != p.done or w.end > p.length:
                     continue
+                f0 = time.perf_counter()
                 p.forward(w.end)
+                forward_s += time.perf_counter() - f0
                 ran += 1
                 if p.done == p.length:
                     stats = p.finish()  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
@@ -188,7 +191,7 @@ class TrainRank:
         memory = (MemoryUse(ran, max(w.end - w.start for w in plan.windows), memory_added(self.bank.device, mark))
                   if ran else None)
         return RoundDone({sid: p.done for sid, p in self.passes.items()}, finished, ran, elapsed if ran else 0.0,
-                         memory, offloadable_bytes(self.opt), fault)
+                         memory, offloadable_bytes(self.opt), fault, ran_at=t0, forward_s=forward_s if ran else 0.0)
 
     def abandon_step(self) -> None:
         """Drop the micro-step's passes and every gradient not yet applied; the driver keeps the items queued."""
