@@ -172,12 +172,17 @@ class TrainingConfig(_ConfigSection):
     steps_per_version: int = Field(1, gt=0, description="Optimizer steps between published versions (k).")
     accumulation: int = Field(1, gt=0, description="Micro-steps per optimizer step.")
     max_length: int = Field(512, gt=0, description="Tokens per training sequence (prompt + completion).")
-    slo_ttft_s: float = Field(1.0, gt=0, description="Inference TTFT SLO that LEMIX Eq. 4 grants protect.")
+    slo_ttft_s: float = Field(1.0, gt=0, description="The tenants' time-to-first-token objective: LEMIX Eq. 4 grants "
+                                                     "and an idle engine's grants keep a request arriving meanwhile "
+                                                     "within it; /v1/status and /metrics count the share of first "
+                                                     "tokens within it, with training beside them and without.")
     slo_tbt_s: float | None = Field(
-        None, gt=0, description="Time-between-tokens SLO: the latency bound of one iteration window that the "
-                                "co-serving policy keeps inference plus fine-tuning within (FlexLLM §6.2). null: "
-                                "derived from the cost profile, 4 decode iterations and at least 0.1 s "
-                                "(planners/coserving/slo.py); a value the profile shows cannot hold is named in "
+        None, gt=0, description="The tenants' time-between-tokens objective: the latency bound of one iteration "
+                                "window that the co-serving policy keeps inference plus fine-tuning within (FlexLLM "
+                                "§6.2); /v1/status and /metrics count the share of times between tokens within it, "
+                                "with training beside them and without. null: derived from the cost profile, 4 "
+                                "decode iterations and at least 0.1 s (planners/coserving/slo.py; /v1/status "
+                                "slo.tbt_source says how); a value the profile shows cannot hold is named in "
                                 "/v1/status (slo.problems) at start-up.")
     eval_file: str | None = Field(
         None, description="Preference JSONL that scores the versions of adapters without held-out feedback of their "

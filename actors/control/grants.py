@@ -102,7 +102,8 @@ class TrainingGrants:
         node = self.nodes[node_id]
         now = time.time()
         self.training.done(node_id, now)  # it asks again: what it was granted before has run
-        queue = [FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done) for x in request.samples]
+        queue = [FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done,
+                                forward_tokens=x.forward_tokens) for x in request.samples]
         offload, wait_s = False, self.cfg.planner.grant_recheck_s
         co = node.coserving
         if mode == "hybrid" and self.cfg.planner.iteration is not None:

@@ -17,12 +17,13 @@ inference with fine-tuning beside it and without.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from settings import AppConfig
 from planners import registry
 from planners.coserving import (EngineFacts, EngineIteration, FineTuneSample, InferenceWork, InterferenceCalibration,
-                                SloAttainment, TokenWindow, TrainingTimeline, WindowCostCalibration,
+                                SloAttainment, TrainingTimeline, WindowCostCalibration,
                                 WindowPrediction, WindowRun, calibrated, grant_phase_times, measure_window)
 from planners.coserving.measurement import median
 from planners.costs import CostModel
@@ -144,8 +145,7 @@ class NodeCoServing:
             # Give the work back; it asks again after T_max (inference keeps the memory meanwhile).
             return (), f"memory defer: {d.reason}", False, max(guard.t_max_s, recheck_s)
         if d.batch_size < len(windows) or d.tokens < max(w.tokens for w in windows):
-            windows = tuple(TokenWindow(w.sample_id, w.start, min(w.end, w.start + d.tokens), w.length)
-                            for w in windows[:d.batch_size])
+            windows = tuple(replace(w, end=min(w.end, w.start + d.tokens)) for w in windows[:d.batch_size])
         if d.action == "run":
             return windows, reason, False, 0.0
         return windows, f"{reason}; memory {d.action}: {d.reason}", d.action == "offload", 0.0

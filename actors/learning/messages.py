@@ -92,13 +92,17 @@ class SampleProgress:
 
     sample_id: int
     tokens: int
-    """L, the tokens of one pass over the sample (DPO: chosen + rejected)."""
+    """The work of one pass over the sample, in tokens: 2·L, its L stream tokens (DPO: chosen + rejected)
+    forward, then the same backward (FlexLLM Alg. 2)."""
     done: int
-    """Tokens of this pass already run (its windows so far)."""
+    """Tokens of this pass's work already run (its windows so far)."""
     arrival: float
     """t_arr: the item's acceptance time, or when CheckEnd last requeued it."""
     last_loss: float = 0.0
     """The item's loss in its previous pass (MACE §4.1's γ·L_DPO term); 0 before its first."""
+    forward_tokens: int | None = None
+    """L: [0, L) of the work is forward, [L, tokens) backward. None: a pass without phases (every window
+    its forward, the last one the whole backward)."""
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class HybridScheduler(IterationScheduler):
         room = max(min(ft_room(cost, delay), self.max_grant_s), ft_latency(cost, 1, reserve))
         capacity = self._capacity(work, free_bytes)
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
-        windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
+        windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None, room)
         bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.first_bin_fill, self.max_ft_samples)
         chosen, _ = within_room(bins, room)
         reason = f"promoted {promoted.sample_id}" if promoted is not None and any(
@@ -302,7 +302,7 @@ class SeparateScheduler(IterationScheduler):
         if now >= self.next_grant_at:
             share = fraction * (cost.memory_threshold() - cost.memory.weight_bytes)
             capacity = max(0.0, share if free_bytes is None else min(share, free_bytes))
-            windows = self._windows(self._by_arrival(), budget, capacity)
+            windows = self._windows(self._by_arrival(), budget, capacity, room_s=self.slo_s)
             bins = best_fit_pack(windows, cost, capacity, self.slo_s, self.lambdas, self.first_bin_fill, self.max_ft_samples)
             chosen, total = within_room(bins, self.slo_s)
             granted = tuple(chosen)

@@ -28,6 +28,10 @@ class FineTuneSample:
     dpo_loss: float = 0.0
     done: int = 0
     passes: int = 0
+    forward_tokens: int | None = None
+    """F: the pass is F tokens forward, then its backward as tokens [F, tokens) (FlexLLM §6.1: the window spans
+    both; ``WindowedPass``: tokens = 2·F). None: every window carries its own forward and the window that
+    completes the pass the whole backward (the trainer's earlier pass, and the simulator's samples)."""
 
     @property
     def remaining(self) -> int:
@@ -136,6 +140,8 @@ class TokenWindow:
     start: int
     end: int
     length: int
+    forward_tokens: int | None = None
+    """As :attr:`FineTuneSample.forward_tokens`: [0, F) of the pass is forward, [F, length) backward."""
 
     @property
     def tokens(self) -> int:
@@ -145,6 +151,15 @@ class TokenWindow:
     def completes_pass(self) -> bool:
         """The last window of the sequence: after it the accumulated gradient equals the full-sequence one."""
         return self.end >= self.length
+
+    @property
+    def phases(self) -> tuple[int, int]:
+        """(forward tokens, backward tokens) the window runs: for a pass without phases, its tokens forward and,
+        when it completes the pass, the whole sample's backward."""
+        f = self.forward_tokens
+        if f is None:
+            return self.tokens, self.length if self.completes_pass and self.tokens > 0 else 0
+        return max(0, min(self.end, f) - self.start), max(0, self.end - max(self.start, f))
 
 
 def token_windows(length: int, grants: Iterable[int], start: int = 0) -> list[tuple[int, int]]:
@@ -174,7 +189,7 @@ def whole_windows(samples: Sequence[FineTuneSample], count: int) -> tuple[TokenW
     How a grant of whole samples (the retraining policies of ``planners/retraining.py``) is handed
     to a trainer that runs token windows.
     """
-    return tuple(TokenWindow(s.sample_id, s.done, s.tokens, s.tokens) for s in samples[:max(0, count)]
+    return tuple(TokenWindow(s.sample_id, s.done, s.tokens, s.tokens, s.forward_tokens) for s in samples[:max(0, count)]
                  if s.remaining > 0)
 
 

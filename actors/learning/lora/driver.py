@@ -297,7 +297,7 @@ class LoraDriver:
         if outcome is None:
             return
         finished, run_s, waited_s, windows, t_start = outcome
-        lengths = {sid: n for b in begun for sid, n in b.lengths.items()}
+        lengths = {sid: n for b in begun for sid, n in (b.forward_lengths or b.lengths).items()}  # L, the item's tokens
         loss_sum = sum(f.loss * f.weight for f in finished.values())
         weight_sum = sum(f.weight for f in finished.values())
         # CheckEnd before the items become held: a requeued item must not be marked consumed at publish.
@@ -324,7 +324,8 @@ class LoraDriver:
         """Grant and run windows round by round until every rank's items are done; None: the step was dropped."""
         adapter = plan.adapter
         by_id = {it.id: it for it in plan.items}
-        lengths = [dict(b.lengths) for b in begun]
+        lengths = [dict(b.lengths) for b in begun]  # the work of each pass: forward, then backward
+        forward = [dict(b.forward_lengths) for b in begun]
         done = [dict.fromkeys(b.lengths, 0) for b in begun]
         ran_s = [0.0] * len(self.ranks)  # each rank's last windows' time, told to the planner at the next ask
         memory: list[MemoryUse | None] = [None] * len(self.ranks)
@@ -342,7 +343,8 @@ class LoraDriver:
                 return None
             asked = time.time()
             requests = {i: GrantRequest(self.nodes[i], adapter, plan.spec.mode, tuple(
-                SampleProgress(sid, n, done[i][sid], _arrival(plan, by_id[sid]), _last_loss(plan, by_id[sid]))
+                SampleProgress(sid, n, done[i][sid], _arrival(plan, by_id[sid]), _last_loss(plan, by_id[sid]),
+                               forward[i].get(sid))
                 for sid, n in lengths[i].items() if done[i][sid] < n), ran_s[i], memory[i], optimizer_bytes[i])
                 for i in todo}
             grants = self._grants(requests)

@@ -48,7 +48,9 @@ class StepBegun:
     """A rank's answer to a :class:`StepPlan`: the tokens of one pass over each of its items, or the adapter's fault."""
 
     lengths: dict[int, int]
-    """Item id -> L, the tokens of one pass (DPO: chosen + rejected), for the rank's share."""
+    """Item id -> the work of one pass in tokens, 2·L (forward, then backward), for the rank's share."""
+    forward_lengths: dict[int, int] = field(default_factory=dict)
+    """Item id -> L, the item's stream tokens (DPO: chosen + rejected): the forward part of ``lengths``."""
     optimizer_bytes: float = 0.0
     """Bytes of optimizer state on the device that offloading would free (0 on a CPU)."""
     fault: str | None = None

@@ -160,10 +160,13 @@ class TrainRank:
         except Exception as exc:  # this adapter's version or items: its fault alone
             self.passes = {}
             return StepBegun({}, fault=_fault(exc))
-        return StepBegun({sid: p.length for sid, p in self.passes.items()}, offloadable_bytes(self.opt))
+        return StepBegun({sid: p.work for sid, p in self.passes.items()}, offloadable_bytes(self.opt),
+                         forward_lengths={sid: p.length for sid, p in self.passes.items()})
 
     def run_windows(self, plan: RoundPlan) -> RoundDone:
-        """Run the granted windows in order; a stale one (the planner saw an older state) is skipped."""
+        """Run the granted windows in order, forward and backward work (FlexLLM Alg. 2); a stale one (the planner
+        saw an older state) is skipped. A backward window runs whole (layer, window) units, so an item may end
+        the round a little short of or past the window's end: its ``done`` says where."""
         if plan.offload_optimizer and self.opt is not None:
             # LEMIX Alg. 2 lines 9–11: free the device for this grant; the state comes back for the optimizer step.
             self.offloaded_bytes += move_optimizer_state(self.opt, "cpu")
@@ -176,14 +179,17 @@ class TrainRank:
         try:
             for w in plan.windows:
                 p = self.passes.get(w.sample_id)
-                if p is None or w.start != p.done or w.end > p.length:
+                if p is None or w.start != p.done or w.end > p.work:
                     continue
-                f0 = time.perf_counter()
-                p.forward(w.end)
-                forward_s += time.perf_counter() - f0
+                if p.done < p.length:
+                    f0 = time.perf_counter()
+                    p.forward(min(w.end, p.length))
+                    forward_s += time.perf_counter() - f0
+                if w.end > p.length:
+                    p.backward(w.end)
                 ran += 1
-                if p.done == p.length:
-                    stats = p.finish()  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
+                if p.complete:
+                    stats = p.stats  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
                     finished[w.sample_id] = ItemLoss(stats.loss, self.weights[w.sample_id])
         except Exception as exc:
             fault = _fault(exc)
