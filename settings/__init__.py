@@ -165,6 +165,14 @@ class TrainingConfig(_ConfigSection):
         description="One full-model pipeline stage actor's share of its bundle (stage i in bundle i of node 0's group; "
                     "full_sft/full_dpo units). With cluster.stages > 1 bundle 0 keeps it free beside the replica "
                     "and the trainer rank.")
+    cpu_placement: Literal["apart", "shared", "any"] = Field(
+        "any", description="CPU hosts: where a trainer rank's threads run beside its node's engine. apart: off the "
+                             "cores vLLM's CPU workers are bound to (with the app's other processes); shared: on "
+                             "those cores; any: the kernel's choice. Measured in docs/benchmarks.md (issue 38). "
+                             "No effect on GPU hosts, or where the engine workers hold every core.")
+    torch_threads: int | None = Field(
+        None, gt=0, description="Torch threads of a trainer rank; null: its CPU share in resources_per_worker, at "
+                                "least 1 (measured with cpu_placement, docs/benchmarks.md).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="The trainer's base weights: auto is bfloat16 on GPUs and CPUs with bf16 instructions, "
                             "else float32. LoRA weights and optimizer moments stay float32.")

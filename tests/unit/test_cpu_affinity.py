@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from actors.learning.lora import cpu_placement
 from actors.serving import cpu_affinity
 
 pytest.importorskip("setproctitle", reason="setproctitle (Ray's dependency) titles the stand-in processes")
@@ -49,3 +50,28 @@ def test_ray_processes_leave_the_engines_core_and_trainer_ranks_stay():
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores: one for the engine, one for the rest")
+def test_a_trainer_rank_puts_its_threads_apart_from_the_engine_or_on_its_cores():
+    every = set(range(os.cpu_count()))
+    worker = _titled("VLLM::Worker", {0})
+    before = os.sched_getaffinity(0)
+    threads = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
+    try:
+        done = cpu_placement.place_trainer("apart", [worker.pid])
+        assert done["cores"] == sorted(every - {0}) and os.sched_getaffinity(0) == every - {0}
+        assert cpu_placement.place_trainer("shared", [worker.pid])["cores"] == [0]
+        assert os.sched_getaffinity(0) == {0}
+        assert cpu_placement.place_trainer("any", [worker.pid])["cores"] == sorted(every)
+        assert cpu_placement.place_trainer("apart", [])["cores"] is None  # no engine on this host: unchanged
+        with pytest.raises(ValueError, match="unknown CPU placement"):
+            cpu_placement.place_trainer("nowhere", [worker.pid])
+    finally:
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, before)
+            except OSError:
+                pass
+        worker.kill()
+        worker.wait()

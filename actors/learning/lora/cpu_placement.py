@@ -1,0 +1,83 @@
+"""Where a trainer rank's threads run on a CPU host: apart from the cores vLLM's CPU workers are bound to, on them, or anywhere.
+
+vLLM's CPU worker binds its OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND=auto``: on a 2-core
+host the worker takes core 0), and ``actors/serving/cpu_affinity.py`` keeps the app's other Ray
+processes off those cores. A trainer rank places itself (:func:`place_trainer`, called before each
+micro-step, since engines start and restart): ``apart`` keeps its threads off the engine workers'
+cores (with the app's other processes), ``shared`` puts them on those cores, ``any`` leaves the
+choice to the kernel. Which hurts the engine least was measured (docs/benchmarks.md, issue 38), and
+``training.cpu_placement`` defaults to it. The ``/proc`` reading lives here, in the room both the
+trainer and the replica may import.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPU_PLACEMENTS = ("apart", "shared", "any")
+
+
+def argv_of(pid: int) -> list[str]:
+    """A process's command line (its title, for Ray's and vLLM's processes)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def comm_of(pid: int) -> str:
+    """A process's short name."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def user_pids() -> list[int]:
+    """This user's processes."""
+    uid = os.getuid()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+def engine_cores(pids: list[int] | None = None) -> set[int]:
+    """The cores this host's vLLM CPU workers (among ``pids``; default: this user's processes) are bound to."""
+    cores: set[int] = set()
+    for pid in user_pids() if pids is None else pids:
+        if comm_of(pid) == "VLLM::Worker" or (argv_of(pid) or [""])[0].startswith("VLLM::Worker"):
+            try:
+                cores |= os.sched_getaffinity(pid)
+            except OSError:
+                continue
+    return cores
+
+
+def place_trainer(placement: str, pids: list[int] | None = None) -> dict[str, object]:
+    """Set this process's threads to the cores ``placement`` names (see the module docstring); returns what was
+    done. Nothing changes when no engine worker runs on this host, or ``apart`` would leave no core."""
+    if placement not in CPU_PLACEMENTS:
+        raise ValueError(f"unknown CPU placement {placement!r}; expected one of {CPU_PLACEMENTS}")
+    every = set(range(os.cpu_count() or 1))
+    engine = engine_cores(pids)
+    cores = {"apart": every - engine, "shared": engine, "any": every}[placement]
+    if not engine or not cores:
+        return {"placement": placement, "engine_cores": sorted(engine), "cores": None,
+                "reason": "no vLLM CPU worker on this host" if not engine else "the engine workers hold every core"}
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # exited meanwhile
+            continue
+    return {"placement": placement, "engine_cores": sorted(engine), "cores": sorted(cores)}
