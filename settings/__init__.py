@@ -192,6 +192,12 @@ class TrainingConfig(_ConfigSection):
                                 "decode iterations and at least 0.1 s (planners/coserving/slo.py; /v1/status "
                                 "slo.tbt_source says how); a value the profile shows cannot hold is named in "
                                 "/v1/status (slo.problems) at start-up.")
+    slo_slowdown: float | None = Field(
+        None, gt=0, lt=1, description="The tenants' throughput objective: the share of their throughput training may "
+                                      "take while they are served. The co-serving policy (hybrid) then gives "
+                                      "fine-tuning at most a share d of each node's busy time with rho*d <= "
+                                      "slo_slowdown, rho as measured on the node (docs/coserving.md). null: no bound "
+                                      "but slo_tbt_s.")
     eval_file: str | None = Field(
         None, description="Preference JSONL that scores the versions of adapters without held-out feedback of their "
                           "own (win rate / CLPD; sft adapters: log-likelihood of the chosen answers).")

@@ -65,8 +65,8 @@ class TrainingGrants:
         """Which token windows may the trainer on ``request.node_id`` run now for its unfinished samples?
 
         The trainer owns its samples' progress and sends it with each request (``SampleProgress``:
-        tokens, done, t_arr, last loss, MACE §4.1's γ·L_DPO term); ``ran_s`` is how long the windows of
-        its previous grant took. Adapters in mode ``hybrid`` are granted by the node's iteration
+        tokens, done, t_arr, last loss, MACE §4.1's γ·L_DPO term); when the windows of its previous grant
+        ran, it said apart (:meth:`windows_ran`). Adapters in mode ``hybrid`` are granted by the node's iteration
         scheduler (``planner.iteration``, FlexLLM §6.2 budget and MACE §4.1–4.2 by default) within the
         memory guard's check (LEMIX Alg. 2, ``NodeCoServing.check_memory``); the other modes, and ``hybrid`` with
         ``planner.iteration: null``, by the adapter's retraining policy (``planners/retraining.py``),
@@ -80,7 +80,7 @@ class TrainingGrants:
         """
         deadline = time.time() + GRANT_HOLD_S
         grant = await self._grant_now(request, feedback)
-        again = GrantRequest(request.node_id, request.adapter, request.mode, request.samples, 0.0, None,
+        again = GrantRequest(request.node_id, request.adapter, request.mode, request.samples, None,
                              request.optimizer_bytes)  # what ran is counted once
         reported = self.registry.reported
         while not grant.windows:
@@ -107,7 +107,7 @@ class TrainingGrants:
         offload, wait_s = False, self.cfg.planner.grant_recheck_s
         co = node.coserving
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
-            windows, reason, budget = co.iteration_windows(queue, node.facts, now, request.ran_s)
+            windows, reason, budget = co.iteration_windows(queue, node.facts, now)
             windows, reason, offload, wait_s = co.check_memory(request, windows, reason, node.facts,
                                                                self.cost_model.memory.weight_bytes, now)
         else:

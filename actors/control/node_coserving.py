@@ -93,12 +93,14 @@ class NodeCoServing:
                       "max_batched_tokens": e.max_num_batched_tokens or 2048, **planner.iteration_params}
             if registry.accepts("iteration", planner.iteration, "ttft_slo_s"):
                 params.setdefault("ttft_slo_s", self.cfg.training.slo_ttft_s)
+            if registry.accepts("iteration", planner.iteration, "max_slowdown"):
+                params.setdefault("max_slowdown", self.cfg.training.slo_slowdown)
             self.scheduler = registry.create("iteration", planner.iteration, cost_model=self.cost_model, **params)
             self.guard = MemoryGuard(self.cost_model, **planner.memory_params)
         return self.scheduler
 
-    def iteration_windows(self, queue: list[FineTuneSample], facts: EngineFacts | None, now: float,
-                          ran_s: float = 0.0) -> tuple[Any, str, int]:
+    def iteration_windows(self, queue: list[FineTuneSample], facts: EngineFacts | None,
+                          now: float) -> tuple[Any, str, int]:
         """The scheduler's plan for the next window: the token windows granted, why, and the token budget."""
         sched = self.iteration_scheduler()
         # What was measured on this node: t_ft per phase, t_iter and ρ (LEMIX Alg. 2 lines 13–17).
@@ -106,7 +108,6 @@ class NodeCoServing:
         if facts is not None:
             sched.observe(facts)
         sched.set_samples(queue)
-        sched.observe_ft_run(ran_s, now)
         # MACE's P (the bins' memory) is the cost model's own estimate; the configured budget and the
         # memory really in use are the memory guard's to weigh (check_memory), as LEMIX checks before
         # each forward. (Packing within the guard's room instead would cut every window to nothing under
@@ -169,6 +170,8 @@ class NodeCoServing:
         p, self.prediction = self.prediction, None
         r = WindowRun(run.ran_at, run.ran_s, run.forward_s, run.backward_s)
         self.timeline.ran(r.ran_at, r.end)
+        if self.scheduler is not None:  # the policies that budget by real time (separate, hybrid's max_slowdown)
+            self.scheduler.observe_ft_run(r.ran_s, max(r.end, now))
         if p is None:
             return
         if p.forward_s > 0 and r.forward_s > 0:

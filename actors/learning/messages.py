@@ -129,8 +129,6 @@ class GrantRequest:
     mode: str
     """The adapter's training mode (``hybrid``, ``periodic``, ...): who decides the grant."""
     samples: tuple[SampleProgress, ...]
-    ran_s: float = 0.0
-    """Seconds the windows of the previous grant on this node took to run (0: none ran)."""
     memory: MemoryUse | None = None
     """Measured memory of the previous grant's windows (None: none ran), to calibrate the memory guard."""
     optimizer_bytes: float = 0.0

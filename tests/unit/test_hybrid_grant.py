@@ -75,3 +75,33 @@ def test_a_pass_with_phases_is_granted_forward_then_backward_windows_each_within
     # A backward token costs Δ_B, a forward one Δ_F: each phase's windows are sized by their own cost.
     f_tokens = max(w.tokens for w in forward)
     assert window_run_time(cost, TokenWindow("x", 0, f_tokens + 1, 2 * length, length)) * 0.5 > bound
+
+
+def test_max_slowdown_bounds_the_share_of_time_fine_tuning_takes_beside_inference():
+    """ρ·d ≤ σ: after windows of t seconds the next grant waits t·(ρ/σ − 1) while inference runs; not when idle."""
+    cost = replace(COST, ft_interference=0.5)
+    s = HybridScheduler(cost_model=cost, slo_s=0.05, max_slowdown=0.1)
+    decode = LiveRequest("a", 50, 3, 0.0, 64)
+    s.observe(_facts(decode))
+    s.set_samples([FineTuneSample("x", 100_000, 0.0)])
+    assert s.schedule(1.0).windows
+    s.observe_ft_run(0.1, 1.0)  # the windows ran 0.1 s: the next grant waits 0.1 · (0.5/0.1 − 1) = 0.4 s
+    held = s.schedule(1.3)
+    assert not held.windows and "throughput bound" in held.reason
+    assert s.schedule(1.41).windows
+    s.observe(_facts())  # an idle engine has no throughput to lose
+    s.observe_ft_run(0.1, 2.0)
+    assert s.schedule(2.1).windows
+    # Over time, fine-tuning beside a decode takes at most σ/ρ of the node's time.
+    s.observe(_facts(decode))
+    t, busy = 10.0, 0.0
+    while t < 40.0:
+        plan = s.schedule(t)
+        if plan.windows:
+            busy += plan.ft_latency_s
+            t += plan.ft_latency_s
+            s.observe_ft_run(plan.ft_latency_s, t)
+        t += 0.01
+    assert 0.5 * busy / 30.0 <= 0.1 + 0.01
+    with pytest.raises(ValueError):
+        HybridScheduler(cost_model=cost, max_slowdown=1.5)

@@ -327,7 +327,6 @@ class LoraDriver:
         lengths = [dict(b.lengths) for b in begun]  # the work of each pass: forward, then backward
         forward = [dict(b.forward_lengths) for b in begun]
         done = [dict.fromkeys(b.lengths, 0) for b in begun]
-        ran_s = [0.0] * len(self.ranks)  # each rank's last windows' time, told to the planner at the next ask
         memory: list[MemoryUse | None] = [None] * len(self.ranks)
         optimizer_bytes = [b.optimizer_bytes for b in begun]
         finished: dict[int, ItemLoss] = {}
@@ -345,11 +344,11 @@ class LoraDriver:
             requests = {i: GrantRequest(self.nodes[i], adapter, plan.spec.mode, tuple(
                 SampleProgress(sid, n, done[i][sid], _arrival(plan, by_id[sid]), _last_loss(plan, by_id[sid]),
                                forward[i].get(sid))
-                for sid, n in lengths[i].items() if done[i][sid] < n), ran_s[i], memory[i], optimizer_bytes[i])
+                for sid, n in lengths[i].items() if done[i][sid] < n), memory[i], optimizer_bytes[i])
                 for i in todo}
             grants = self._grants(requests)
             for i in todo:
-                ran_s[i], memory[i] = 0.0, None  # told once
+                memory[i] = None  # told once
             runs = {i: g for i, g in grants.items() if g.windows}
             if not runs:
                 wait = min((g.wait_s for g in grants.values()), default=MAX_GRANT_SLEEP_S)
@@ -367,7 +366,7 @@ class LoraDriver:
                                                  max(0.0, res.ran_s - res.forward_s)))
                 done[i].update(res.done)
                 finished.update(res.finished)
-                ran_s[i], memory[i], optimizer_bytes[i] = res.ran_s, res.memory, res.optimizer_bytes
+                memory[i], optimizer_bytes[i] = res.memory, res.optimizer_bytes
                 windows += res.windows
                 fault = fault or res.fault
             if fault is not None:
