@@ -52,6 +52,7 @@ from bench.common import (Load, bench_config, free_port, log, pct, served_base, 
                           wait_ready)
 
 POLL_S = 0.05
+ITEM_TIMEOUT_S = 300.0  # an item not served within this stops the run (the adapter paused, the trainer died)
 
 
 class StreamLoad(Load):
@@ -164,9 +165,13 @@ def deliver(c: httpx.Client, url: str, name: str, model: str, prompt: str, compl
         info = c.get(f"{url}/v1/adapters/{name}").json()
         if info["queued"] == 0 and info["current_version"]:
             break
+        if time.time() - accepted > ITEM_TIMEOUT_S or info.get("paused_reason"):
+            raise RuntimeError(f"item not trained within {time.time() - accepted:.0f} s: {info}")
         time.sleep(POLL_S)
     version = info["current_version"]
     while (serving_version(c, url, model) or 0) < version:
+        if time.time() - accepted > ITEM_TIMEOUT_S:
+            raise RuntimeError(f"version {version} not served within {ITEM_TIMEOUT_S:.0f} s")
         time.sleep(POLL_S)
     after = probe(c, url, model, prompt)
     done = time.time() - accepted
@@ -331,6 +336,24 @@ def goals(by: dict[str, list[dict[str, Any]]], fresh: list[float], tbt_s: float)
         print(f"- {label}: {value:.3f} -> {'met' if met else 'NOT met'}")
 
 
+def merge(paths: list[str]) -> None:
+    """One report over the phases of several runs' ``--json`` files, their repeats numbered in turn."""
+    phases: list[dict[str, Any]] = []
+    first: dict[str, Any] | None = None
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        first = first or run
+        offset = max((p.get("repeat", 0) for p in phases), default=0)
+        for p in run["phases"]:
+            if p["kind"] in ("alone", "training"):
+                phases.append({**p, "repeat": p["repeat"] + offset})
+        last_status = next((p for p in run["phases"] if p["kind"] == "status"), None)
+    if first is None:
+        raise SystemExit("nothing to merge")
+    args = argparse.Namespace(**{**first["args"], "pairs": max(p["repeat"] for p in phases)})
+    report(phases + ([last_status] if last_status else []), args, first["slo"])
+
+
 def overridden_config(path: str, sets: list[str], out: Path) -> Path:
     """A copy of Serve config ``path`` with ``--set a.b=value`` applied to its app args (values parsed as YAML)."""
     import yaml
@@ -366,7 +389,12 @@ def main() -> None:
     p.add_argument("--load-tokens", type=int, default=32)
     p.add_argument("--lr", type=float, default=None, help="the adapter's learning rate (default: the app's)")
     p.add_argument("--json", help="write the raw numbers here")
+    p.add_argument("--merge", nargs="+", help="print one report of the phases of these --json files (runs of the "
+                                              "same shape, e.g. one pair each) and exit")
     args = p.parse_args()
+    if args.merge:
+        merge(args.merge)
+        return
     # A timeout's SIGTERM runs the finally below, which stops the app this bench started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.modes:

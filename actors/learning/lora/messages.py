@@ -49,12 +49,12 @@ class StepBegun:
 
     lengths: dict[int, int]
     """Item id -> the work of one pass in tokens, 2·L (forward, then backward), for the rank's share."""
-    forward_lengths: dict[int, int] = field(default_factory=dict)
-    """Item id -> L, the item's stream tokens (DPO: chosen + rejected): the forward part of ``lengths``."""
     optimizer_bytes: float = 0.0
     """Bytes of optimizer state on the device that offloading would free (0 on a CPU)."""
     fault: str | None = None
     """The adapter's version could not be loaded or its items not encoded: the driver pauses the adapter."""
+    forward_lengths: dict[int, int] = field(default_factory=dict)
+    """Item id -> L, the item's stream tokens (DPO: chosen + rejected): the forward part of ``lengths``."""
 
 
 @dataclass(frozen=True)
