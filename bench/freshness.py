@@ -48,8 +48,24 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (Load, bench_config, free_port, log, pct, served_base, start_app, stop_app,  # noqa: E402
-                          wait_ready)
+from bench.common import (Load, bench_config, cpu_by_process, cpu_snapshot, free_port, log, pct,  # noqa: E402
+                          served_base, start_app, stop_app, wait_ready)
+
+
+def own_pids() -> list[int]:
+    """Every process of this user on the host (the app, its engine and trainer, this bench)."""
+    import os
+
+    uid = os.getuid()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
 
 POLL_S = 0.05
 ITEM_TIMEOUT_S = 300.0  # an item not served within this stops the run (the adapter paused, the trainer died)
@@ -61,18 +77,21 @@ class StreamLoad(Load):
     def __init__(self, url: str, clients: int, max_tokens: int, model: str) -> None:
         super().__init__(url, clients, max_tokens, stream=True, model=model)
         self.gaps: list[tuple[float, tuple[float, ...]]] = []  # (finish, every gap of the request)
+        self.streams: list[tuple[float, tuple[float, ...]]] = []  # (sent, when each streamed piece came)
 
     def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None, float | None]:
         body = {"model": self.model, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
                 "max_tokens": self.max_tokens, "temperature": 0.8, "stream": True}
         ttft = last = None
         gaps: list[float] = []
+        times: list[float] = []
         with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return False, None, None
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     now = time.time()
+                    times.append(now)
                     if ttft is None:
                         ttft = now - t0
                     else:
@@ -80,6 +99,7 @@ class StreamLoad(Load):
                     last = now
         if ttft is not None:
             self.gaps.append((time.time(), tuple(gaps)))
+            self.streams.append((t0, tuple(round(t, 4) for t in times)))
         return ttft is not None, ttft, max(gaps) if gaps else None
 
     def finished_since(self, t0: float) -> int:
@@ -137,9 +157,21 @@ def probe(c: httpx.Client, url: str, model: str, prompt: str) -> float | None:
     return float(r.json()["choices"][0]["logprobs"]["token_logprobs"][0])
 
 
+EVENTS: list[tuple[float, str]] = []  # (when, what): the timeline of a run, for the JSON
+RUNS: set[tuple[int, float, float]] = set()  # (node, start, seconds) of the trainer's windows, as /v1/status showed them
+
+
+def seen_runs(status: dict[str, Any]) -> None:
+    for n in status.get("nodes", []):
+        for m in (n.get("window_prediction") or {}).get("recent", []):
+            RUNS.add((n["node_id"], m["at"], m["ran_s"]))
+
+
 def serving_version(c: httpx.Client, url: str, model: str) -> int | None:
     """The lowest version of ``model`` that any ready node serves (None if one does not serve it)."""
-    nodes = [n for n in c.get(f"{url}/v1/status").json()["nodes"] if n["state"] == "ready"]
+    status = c.get(f"{url}/v1/status").json()
+    seen_runs(status)
+    nodes = [n for n in status["nodes"] if n["state"] == "ready"]
     versions = [n["adapters"].get(model) for n in nodes]
     return None if not versions or None in versions else min(versions)
 
@@ -161,6 +193,7 @@ def deliver(c: httpx.Client, url: str, name: str, model: str, prompt: str, compl
     """Post one item; seconds until a response of a version trained on it, and whether the weights moved."""
     c.post(f"{url}/v1/feedback", json={"adapter": name, "prompt": prompt, "completion": completion}).raise_for_status()
     accepted = time.time()
+    EVENTS.append((accepted, "posted"))
     while True:
         info = c.get(f"{url}/v1/adapters/{name}").json()
         if info["queued"] == 0 and info["current_version"]:
@@ -169,12 +202,15 @@ def deliver(c: httpx.Client, url: str, name: str, model: str, prompt: str, compl
             raise RuntimeError(f"item not trained within {time.time() - accepted:.0f} s: {info}")
         time.sleep(POLL_S)
     version = info["current_version"]
+    EVENTS.append((time.time(), f"published v{version}"))
     while (serving_version(c, url, model) or 0) < version:
         if time.time() - accepted > ITEM_TIMEOUT_S:
             raise RuntimeError(f"version {version} not served within {ITEM_TIMEOUT_S:.0f} s")
         time.sleep(POLL_S)
+    EVENTS.append((time.time(), f"served v{version}"))
     after = probe(c, url, model, prompt)
     done = time.time() - accepted
+    EVENTS.append((time.time(), "probed"))
     return done, before is None or (after is not None and after != before)
 
 
@@ -214,6 +250,7 @@ def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, 
         for kind in ("alone", "training"):
             poller.idle.set()
             before = node_attainment(c.get(f"{url}/v1/status").json())
+            cpu0 = cpu_snapshot(own_pids())
             t0 = time.time()
             fresh: list[float] = []
             unchanged = 0
@@ -230,9 +267,13 @@ def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, 
                     unchanged += int(not changed)
                     item += 1
             t1 = time.time()
-            after = node_attainment(c.get(f"{url}/v1/status").json())
+            cpu = cpu_by_process(cpu0, cpu_snapshot(own_pids()))
+            status = c.get(f"{url}/v1/status").json()
+            seen_runs(status)
+            after = node_attainment(status)
             phase = {"repeat": r + 1, "kind": kind, "t0": t0, "t1": t1, "load": load.phase(t0, t1, tbt, ttft),
-                     "freshness_s": fresh, "unchanged": unchanged, "server": attainment_delta(before, after)}
+                     "freshness_s": fresh, "unchanged": unchanged, "server": attainment_delta(before, after),
+                     "cpu_s": cpu}
             phases.append(phase)
             w = phase["load"]
             log(f"phase {r + 1} {kind}: {w['requests']} requests in {t1 - t0:.0f} s, {w['rate']:.2f} req/s, "
@@ -293,6 +334,22 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace, slo: dict[str
         ma, mt = mean(a), mean(t)
         ratio = f"{mt / ma:.2f}" if ma and mt is not None else "n/a"
         print(f"| {label} | {spread(a, f)} | {spread(t, f)} | {ratio} |")
+    cpu_rows: dict[str, dict[str, float]] = {}
+    for k in ("alone", "training"):
+        seconds = sum(p["t1"] - p["t0"] for p in runs if p["kind"] == k) or 1.0
+        for p in runs:
+            if p["kind"] == k:
+                for label, s in (p.get("cpu_s") or {}).items():
+                    cpu_rows.setdefault(label, {}).setdefault(k, 0.0)
+                    cpu_rows[label][k] += s / seconds
+    top = sorted(cpu_rows.items(), key=lambda kv: -max(kv[1].values()))[:12]
+    if top:
+        print("\n| CPU (cores busy, mean over the phases) | load alone | while training |")
+        print("| --- | --- | --- |")
+        print(f"| all processes | {sum(v.get('alone', 0) for v in cpu_rows.values()):.2f} "
+              f"| {sum(v.get('training', 0) for v in cpu_rows.values()):.2f} |")
+        for label, v in top:
+            print(f"| {label} | {v.get('alone', 0):.2f} | {v.get('training', 0):.2f} |")
     fresh = [x for p in runs for x in p["freshness_s"]]
     unchanged = sum(p["unchanged"] for p in runs)
     print(f"| freshness p50 / p95 / max (s), {len(fresh)} items | | {pct(fresh, 50):.2f} / {pct(fresh, 95):.2f} / "
@@ -433,8 +490,8 @@ def main() -> None:
     report(phases, args, slo)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "slo": slo, "phases": phases}, indent=1,
-                                              default=str))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "slo": slo, "phases": phases, "events": EVENTS,
+                                               "runs": sorted(RUNS), "streams": load.streams}, default=str))
 
 
 if __name__ == "__main__":
