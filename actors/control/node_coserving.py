@@ -16,6 +16,7 @@ inference with fine-tuning beside it and without.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import replace
 from typing import Any
@@ -36,6 +37,7 @@ STEPS_KEPT_S = 30.0  # engine steps kept to match against the windows that ran b
 SETTLE_S = 0.5  # a run is measured once the node reported steps this long past its end ...
 SETTLE_MAX_S = 3.0  # ... or this long after it ended, whatever was reported
 UNDECIDED_MAX_S = 15.0  # a step or first token still undecided this long after (no run report came) counts as training
+AFTERMATH_S = 2.0  # a step this soon after a run counts as beside training (the version is published and loaded then)
 
 
 def _rounded(x: float | None, digits: int = 4) -> float | None:
@@ -105,6 +107,7 @@ class NodeCoServing:
         sched = self.iteration_scheduler()
         # What was measured on this node: t_ft per phase, t_iter and ρ (LEMIX Alg. 2 lines 13–17).
         sched.cost = self.refit_cost()
+        sched.throughput_interference = self.interference.with_aftermath(now)
         if facts is not None:
             sched.observe(facts)
         sched.set_samples(queue)
@@ -170,7 +173,9 @@ class NodeCoServing:
         p, self.prediction = self.prediction, None
         r = WindowRun(run.ran_at, run.ran_s, run.forward_s, run.backward_s)
         self.timeline.ran(r.ran_at, r.end)
+        self.interference.observe_run(r.end, r.ran_s)
         if self.scheduler is not None:  # the policies that budget by real time (separate, hybrid's max_slowdown)
+            self.scheduler.throughput_interference = self.interference.with_aftermath(now)
             self.scheduler.observe_ft_run(r.ran_s, max(r.end, now))
         if p is None:
             return
@@ -219,9 +224,10 @@ class NodeCoServing:
         self._to_measure = waiting
         self.timeline.expire(now)
         modelled = self._modelled_step(calibrated(self.cost_model), self._context_per_seq)
+        k = self.interference.iteration_factor
         while self._undecided_steps:
             st = self._undecided_steps[0]
-            training = self.timeline.training(st.at - (st.gap_s or 0.0), st.at)
+            training = self._training(st.at - (st.gap_s or 0.0), st.at)
             if training is None:
                 if now - st.at < UNDECIDED_MAX_S:
                     break
@@ -229,17 +235,25 @@ class NodeCoServing:
             self._undecided_steps.popleft()
             if st.decode_seqs > 0 and st.gap_s:
                 self.attainment.gap(st.gap_s, st.decode_seqs, training)
-                if not training:
+                if training:  # what the tenants lost to fine-tuning and the publishing of what it trained
+                    self.interference.observe_active_step(st.at, st.gap_s - k * modelled(st))
+                else:
                     self.interference.observe_step(modelled(st), st.gap_s)
         while self._undecided_first:
             arrival, first = self._undecided_first[0]
-            training = self.timeline.training(arrival, first)
+            training = self._training(arrival, first)
             if training is None:
                 if now - first < UNDECIDED_MAX_S:
                     break
                 training = True
             self._undecided_first.popleft()
             self.attainment.first_token(first - arrival, training)
+
+    def _training(self, t0: float, t1: float) -> bool | None:
+        """Did fine-tuning run during [t0, t1], or end less than AFTERMATH_S before it? (None: not known yet.)
+        The aftermath counts: after a run the trainer steps its optimizer, saves, publishes, and the replica
+        loads the version, all on the same host."""
+        return self.timeline.training(t0 - AFTERMATH_S, t1)
 
     def record_answer(self, adapter: str, mode: str, windows: Any, reason: str, budget: int,
                       facts: EngineFacts | None, now: float) -> None:
@@ -307,7 +321,8 @@ class NodeCoServing:
                 "worst_gap_over_slo": sum(m.worst_gap_s is not None and m.worst_gap_s > self.slo_tbt_s
                                           for m in measured),
                 "interference": {"profile": round(i.profile_interference, 4), "in_force": round(i.interference, 4),
-                                 "windows_measured": i.windows_measured},
+                                 "windows_measured": i.windows_measured,
+                                 "with_aftermath": _rounded(i.with_aftermath(time.time()))},
                 "iteration_factor": round(i.iteration_factor, 4), "steps_measured": i.steps_measured,
                 "recent": [m.as_json() for m in measured[-8:]]},
             # Share of times between tokens within the TBT SLO and first tokens within the TTFT SLO, with

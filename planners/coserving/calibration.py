@@ -85,11 +85,14 @@ class InterferenceCalibration:
     """
 
     def __init__(self, interference: float, kept_steps: int = 512, kept_windows: int = 32, min_steps: int = 16,
-                 min_windows: int = 3, high: float = 10.0) -> None:
+                 min_windows: int = 3, high: float = 10.0, span_s: float = 30.0, min_run_s: float = 1.0) -> None:
         self.profile_interference = float(interference)
         self.min_steps, self.min_windows, self.high = min_steps, min_windows, high
+        self.span_s, self.min_run_s = span_s, min_run_s
         self._steps: deque[tuple[float, float]] = deque(maxlen=kept_steps)  # (modelled, measured)
         self._windows: deque[tuple[float, float]] = deque(maxlen=kept_windows)  # (lost, fine-tuning seconds)
+        self._active: deque[tuple[float, float]] = deque()  # (at, lost) of steps beside training or its aftermath
+        self._runs: deque[tuple[float, float]] = deque()  # (end, seconds) of the trainer's runs
 
     def observe_step(self, modelled_s: float, measured_s: float) -> None:
         """An engine step that decoded with no fine-tuning beside it: modelled t_iter, measured time between tokens."""
@@ -100,6 +103,27 @@ class InterferenceCalibration:
         """A window of ``ran_s`` fine-tuning seconds beside which the decoding steps lost ``lost_s`` seconds."""
         if ran_s > 0:
             self._windows.append((lost_s, ran_s))
+
+    def observe_active_step(self, at: float, lost_s: float) -> None:
+        """A decoding step beside fine-tuning or in its aftermath lost ``lost_s`` (gap − k·t_iter, may be < 0)."""
+        self._active.append((at, lost_s))
+
+    def observe_run(self, end: float, seconds: float) -> None:
+        """The trainer ran windows for ``seconds``, ending at ``end``."""
+        if seconds > 0:
+            self._runs.append((end, seconds))
+
+    def with_aftermath(self, now: float) -> float | None:
+        """ρ counting everything training costs the tenants: Σ lost over the decoding steps beside a run or in its
+        aftermath (the optimizer step, saving, publishing and loading the version it trained) / Σ run seconds,
+        over the last ``span_s``; None until ``min_run_s`` of runs fell in that span."""
+        for q in (self._active, self._runs):
+            while q and q[0][0] < now - self.span_s:
+                q.popleft()
+        ran = sum(s for _, s in self._runs)
+        if ran < self.min_run_s:
+            return None
+        return min(max(0.0, sum(lost for _, lost in self._active)) / ran, 10.0)
 
     @property
     def iteration_factor(self) -> float:

@@ -59,9 +59,11 @@ class HybridScheduler(IterationScheduler):
     decode iterations). Where the two run side by side on separate cores (a CPU host, ρ < 1) every
     step beside fine-tuning slows by about ρ, whatever the window's size. ``max_slowdown`` = σ
     bounds what the tenants lose instead: while inference runs, fine-tuning takes at most a share d
-    of the node's time with ρ·d ≤ σ (ρ as measured on the node), so after windows that ran t
-    seconds the next grant waits t·(ρ/σ − 1) (none when ρ ≤ σ). Promoted samples wait too; d > 0
-    still bounds every sample's wait. An idle engine has no throughput to lose.
+    of the node's time with ρ·d ≤ σ, so after windows that ran t seconds the next grant waits
+    t·(ρ/σ − 1) (none when ρ ≤ σ). ρ here is ``throughput_interference`` when the node measured it:
+    the inference seconds lost per second of fine-tuning counting each run's aftermath (its version
+    saved, published and loaded), else the cost model's. Promoted samples wait too; d > 0 still
+    bounds every sample's wait. An idle engine has no throughput to lose.
 
     Params (besides the common ones): ``weights`` (PriorityWeights or a dict of its fields);
     ``max_grant_s`` (1.0): the most fine-tuning seconds one grant holds, whatever ρ allows;
@@ -99,7 +101,8 @@ class HybridScheduler(IterationScheduler):
     def observe_ft_run(self, seconds: float, now: float) -> None:
         """Windows of ``seconds`` ran, ending about ``now``: with ``max_slowdown``, the next grant waits
         t·(ρ/σ − 1), so fine-tuning takes a share d of the node's time with ρ·d ≤ σ."""
-        rho, sigma = self.cost.ft_interference, self.max_slowdown
+        rho = self.cost.ft_interference if self.throughput_interference is None else self.throughput_interference
+        sigma = self.max_slowdown
         if sigma is None or seconds <= 0 or rho <= sigma:
             return
         self.next_grant_at = max(self.next_grant_at, now + seconds * (rho / sigma - 1.0))
@@ -132,9 +135,10 @@ class HybridScheduler(IterationScheduler):
         cost = self.cost
         if now < self.next_grant_at and (self.running or self.waiting):
             work = self._inference_work()
+            rho = cost.ft_interference if self.throughput_interference is None else self.throughput_interference
             return WindowPlan(now, self.name, (), 0, work, work.latency(cost),
-                              reason=f"throughput bound (max_slowdown {self.max_slowdown:g} at rho "
-                                     f"{cost.ft_interference:.2f}): next grant in {self.next_grant_at - now:.3f} s")
+                              reason=f"throughput bound (max_slowdown {self.max_slowdown:g} at rho {rho:.2f}): "
+                                     f"next grant in {self.next_grant_at - now:.3f} s")
         ranked = self.scores(now)
         last_inference = max((i for i, (_, kind, _) in enumerate(ranked) if kind != "ft"), default=-1)
         promoted: FineTuneSample | None = None

@@ -109,6 +109,9 @@ class IterationScheduler:
         self.running: dict[str, LiveRequest] = {}
         self.samples: dict[str, FineTuneSample] = {}
         self._iterations_seen: int | None = None
+        # ρ counting what a run costs the tenants afterwards too (its version published and loaded), as the node
+        # measured it; None: the cost model's ρ. The policies that bound the tenants' throughput use it.
+        self.throughput_interference: float | None = None
 
     # -- what was observed --------------------------------------------------------------------
 

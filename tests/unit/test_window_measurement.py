@@ -53,6 +53,18 @@ def test_rho_and_the_iteration_factor_are_ratios_of_sums_and_start_from_the_prof
     assert cal.iteration_factor == pytest.approx(1.5)
 
 
+def test_the_aftermath_of_a_run_counts_in_the_throughput_rho():
+    """What a run costs the tenants afterwards (its version saved, published, loaded) counts per second of run."""
+    cal = InterferenceCalibration(0.3, span_s=30.0, min_run_s=1.0)
+    assert cal.with_aftermath(10.0) is None
+    cal.observe_run(5.0, 0.5)
+    cal.observe_run(6.0, 0.6)
+    cal.observe_active_step(5.5, 0.2)
+    cal.observe_active_step(6.5, 0.35)
+    assert cal.with_aftermath(7.0) == pytest.approx(0.55 / 1.1)
+    assert cal.with_aftermath(40.0) is None  # older than the span
+
+
 def test_the_timeline_answers_only_what_it_knows():
     tl = TrainingTimeline(stale_s=10.0)
     assert tl.training(0.0, 1.0) is False
@@ -109,6 +121,7 @@ def test_measured_windows_refit_rho_and_the_next_budget_and_show_in_status_and_m
     assert wp["grants_measured"] == 6 and wp["grants_beside_decodes"] == 6
     assert wp["worst_gap_over_slo"] == 6 and wp["worst_gap_median_error"] < 0  # the model promised too little
     assert wp["interference"]["in_force"] > 2.0 > before.ft_interference
+    assert wp["interference"]["with_aftermath"] is None  # 0.6 s of runs: under a second of evidence
     # The first grants used the profile's ρ, the later ones what was measured.
     assert preds[0].interference == pytest.approx(before.ft_interference)
     assert preds[-1].interference > preds[0].interference
