@@ -466,7 +466,8 @@ def main() -> None:
             from bench import servers
 
             cfg = overridden_config(args.serve_config, args.set, work / "serve-config.yaml")
-            server, _ = servers.start_ours(cfg, port, Path(args.data_dir).expanduser(), work)
+            # As `make serve`: Ray's workers (the replica, its engine, the trainer) at normal priority.
+            server, _ = servers.start_ours(cfg, port, Path(args.data_dir).expanduser(), work, worker_niceness=0)
             log(f"app starting from {args.serve_config} {args.set} on {url} (log {work})")
         else:
             start_app(bench_config("bench-fresh", str(work / "data"), args.nodes), port)

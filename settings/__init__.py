@@ -170,6 +170,10 @@ class TrainingConfig(_ConfigSection):
                              "cores vLLM's CPU workers are bound to (with the app's other processes); shared: on "
                              "those cores; any: the kernel's choice. Measured in docs/benchmarks.md (issue 38). "
                              "No effect on GPU hosts, or where the engine workers hold every core.")
+    cpu_priority: Literal["normal", "low", "idle"] = Field(
+        "normal", description="CPU hosts: the scheduling priority of a trainer rank's threads. low: nice 19 (the "
+                              "processes that serve get about 98% of a shared core while they want it); idle: "
+                              "SCHED_IDLE (only what nothing else wants). Measured in docs/benchmarks.md (issue 38).")
     torch_threads: int | None = Field(
         None, gt=0, description="Torch threads of a trainer rank; null: its CPU share in resources_per_worker, at "
                                 "least 1 (measured with cpu_placement, docs/benchmarks.md).")

@@ -5,7 +5,8 @@ host the worker takes core 0), and ``actors/serving/cpu_affinity.py`` keeps the 
 processes off those cores. A trainer rank places itself (:func:`place_trainer`, called before each
 micro-step, since engines start and restart): ``apart`` keeps its threads off the engine workers'
 cores (with the app's other processes), ``shared`` puts them on those cores, ``any`` leaves the
-choice to the kernel. Which hurts the engine least was measured (docs/benchmarks.md, issue 38), and
+choice to the kernel; ``training.cpu_priority`` sets their priority (``low``: nice 19, ``idle``:
+SCHED_IDLE), so on a shared core the processes that serve get it first. Which hurts the engine least was measured (docs/benchmarks.md, issue 38), and
 ``training.cpu_placement`` defaults to it. The ``/proc`` reading lives here, in the room both the
 trainer and the replica may import.
 """
@@ -16,6 +17,8 @@ import os
 from pathlib import Path
 
 CPU_PLACEMENTS = ("apart", "shared", "any")
+CPU_PRIORITIES = ("normal", "low", "idle")
+LOW_NICE = 19
 
 
 def argv_of(pid: int) -> list[str]:
@@ -60,24 +63,48 @@ def engine_cores(pids: list[int] | None = None) -> set[int]:
     return cores
 
 
-def place_trainer(placement: str, pids: list[int] | None = None) -> dict[str, object]:
-    """Set this process's threads to the cores ``placement`` names (see the module docstring); returns what was
-    done. Nothing changes when no engine worker runs on this host, or ``apart`` would leave no core."""
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
+    except OSError:
+        return [0]
+
+
+def set_priority(priority: str) -> str:
+    """Set every thread of this process to ``priority`` (Linux keeps niceness and policy per thread; threads
+    started later inherit their creator's): ``normal`` (nice 0), ``low`` (nice 19: on a shared core the
+    others get about 98% of it while they want it) or ``idle`` (SCHED_IDLE: only what nothing else wants)."""
+    if priority not in CPU_PRIORITIES:
+        raise ValueError(f"unknown CPU priority {priority!r}; expected one of {CPU_PRIORITIES}")
+    for tid in _threads():
+        try:
+            if priority == "idle":
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE if priority == "low" else 0)
+        except OSError:  # exited meanwhile, or lowering back to 0 is not permitted
+            continue
+    return priority
+
+
+def place_trainer(placement: str, pids: list[int] | None = None, priority: str = "normal") -> dict[str, object]:
+    """Set this process's threads to the cores ``placement`` names (see the module docstring) and to ``priority``;
+    returns what was done. The cores stay as they are when no engine worker runs on this host, or ``apart``
+    would leave no core."""
     if placement not in CPU_PLACEMENTS:
         raise ValueError(f"unknown CPU placement {placement!r}; expected one of {CPU_PLACEMENTS}")
+    set_priority(priority)
     every = set(range(os.cpu_count() or 1))
     engine = engine_cores(pids)
     cores = {"apart": every - engine, "shared": engine, "any": every}[placement]
     if not engine or not cores:
-        return {"placement": placement, "engine_cores": sorted(engine), "cores": None,
+        return {"placement": placement, "priority": priority, "engine_cores": sorted(engine), "cores": None,
                 "reason": "no vLLM CPU worker on this host" if not engine else "the engine workers hold every core"}
-    try:
-        threads = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
-    except OSError:
-        threads = [0]
-    for tid in threads:
+    for tid in _threads():
         try:
             os.sched_setaffinity(tid, cores)
         except OSError:  # exited meanwhile
             continue
-    return {"placement": placement, "engine_cores": sorted(engine), "cores": sorted(cores)}
+    return {"placement": placement, "priority": priority, "engine_cores": sorted(engine), "cores": sorted(cores)}

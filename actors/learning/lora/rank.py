@@ -156,7 +156,7 @@ class TrainRank:
             return self.placement
         self._placed_at = now
         try:
-            done = cpu_placement.place_trainer(self.t.cpu_placement)
+            done = cpu_placement.place_trainer(self.t.cpu_placement, priority=self.t.cpu_priority)
         except Exception as exc:  # a convenience for speed; never a reason to stop training
             logger.warning("rank %d: CPU placement failed: %s", self.rank, exc)
             return None
