@@ -15,8 +15,11 @@ served log-probability of the greedy next token after the item's prompt must hav
 "unchanged"). Every phase lasts until at least ``--requests`` client requests finished in it (so
 its p99 is not its maximum), a training phase also until ``--samples`` items were served; a
 training phase ends with its last item served, so the next alone phase has no training left.
-The bench polls the same two endpoints at the same rate in both kinds of phase, so the observer
-costs both the same.
+Each pair runs the training phase first. The observer costs both kinds of phase the same: an
+alone phase polls the same two endpoints at the same rate, and probes the adapter (its current
+version, 1 token with log-probabilities) as often as the training phase before it probed (two
+probes an item); without that the probes, about two 1-token LoRA requests a second beside two
+clients, were charged to training.
 
 Per phase it records the clients' throughput, TTFT and worst time between streamed tokens per
 request (p50/p99), the share of all their times between tokens within the TBT SLO and of their
@@ -116,23 +119,32 @@ class StreamLoad(Load):
 
 
 class Poller:
-    """Polls ``/v1/status`` and the adapter's info at POLL_S: the freshness loop in a training phase, the same
-    traffic in an alone phase (``idle``), so the observer costs both kinds of phase the same."""
+    """The freshness loop's own traffic, in an alone phase (``idle`` set): ``/v1/status`` and the adapter's info
+    polled at POLL_S, and a probe of the adapter every ``probe_every_s`` (the rate the last training phase
+    probed at), so the observer costs both kinds of phase the same."""
 
-    def __init__(self, url: str, adapter: str) -> None:
-        self.url, self.adapter = url, adapter
+    def __init__(self, url: str, adapter: str, model: str) -> None:
+        self.url, self.adapter, self.model = url, adapter, model
         self.idle = threading.Event()
+        self.probe_every_s: float | None = None
+        self.probes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         paths = (f"/v1/adapters/{self.adapter}", "/v1/status")
         k = 0
+        last_probe = 0.0
         with httpx.Client(timeout=60) as c:
             while not self._stop.is_set():
                 if self.idle.wait(0.5):
                     c.get(f"{self.url}{paths[k % 2]}")
                     k += 1
+                    every = self.probe_every_s
+                    if every and time.time() - last_probe >= every:
+                        last_probe = time.time()
+                        probe(c, self.url, self.model, f"Fact {k}: the code word for day {k} is")
+                        self.probes += 1
                     time.sleep(POLL_S)
 
     def start(self) -> None:
@@ -240,20 +252,21 @@ def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, 
     name = f"fresh-{args.mode}-{time.strftime('%H%M%S')}"
     model = f"{base}:{name}"
     create_adapter(c, url, name, args.mode, args.lr)
-    poller = Poller(url, name)
+    poller = Poller(url, name, model)
     poller.start()
     log(f"adapter {name}; one uncounted item loads it in the trainer")
     deliver(c, url, name, model, "warm up: the adapter is loaded by the trainer", " fine", None)
     phases: list[dict[str, Any]] = []
     item = 0
     for r in range(args.pairs):
-        for kind in ("alone", "training"):
+        for kind in ("training", "alone"):  # the alone phase probes at the rate the training phase before it did
             poller.idle.set()
             before = node_attainment(c.get(f"{url}/v1/status").json())
             cpu0 = cpu_snapshot(own_pids())
             t0 = time.time()
             fresh: list[float] = []
             unchanged = 0
+            probes0 = poller.probes
             if kind == "alone":
                 while load.finished_since(t0) < args.requests:
                     time.sleep(0.5)
@@ -267,13 +280,16 @@ def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, 
                     unchanged += int(not changed)
                     item += 1
             t1 = time.time()
+            probes = 2 * len(fresh) if kind == "training" else poller.probes - probes0
+            if kind == "training":
+                poller.probe_every_s = (t1 - t0) / max(1, probes)
             cpu = cpu_by_process(cpu0, cpu_snapshot(own_pids()))
             status = c.get(f"{url}/v1/status").json()
             seen_runs(status)
             after = node_attainment(status)
             phase = {"repeat": r + 1, "kind": kind, "t0": t0, "t1": t1, "load": load.phase(t0, t1, tbt, ttft),
                      "freshness_s": fresh, "unchanged": unchanged, "server": attainment_delta(before, after),
-                     "cpu_s": cpu}
+                     "cpu_s": cpu, "probes": probes}
             phases.append(phase)
             w = phase["load"]
             log(f"phase {r + 1} {kind}: {w['requests']} requests in {t1 - t0:.0f} s, {w['rate']:.2f} req/s, "
@@ -314,16 +330,16 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace, slo: dict[str
           f"{args.pairs} pairs of phases, each >= {args.requests} requests (training: >= {args.samples} items); "
           f"TBT SLO {slo['tbt_s']} s ({'derived' if slo.get('tbt_derived') else 'set'}), TTFT SLO {slo['ttft_s']} s\n")
     print("| phase | requests | s | req/s | TTFT p50 / p99 (s) | worst gap p50 / p99 (s) | gaps within TBT SLO "
-          "(clients / planner) | first tokens within TTFT SLO (clients / planner) | items | freshness p50 / p95 / "
-          "max (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "(clients / planner) | first tokens within TTFT SLO (clients / planner) | probes | items | freshness p50 "
+          "/ p95 / max (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for p in runs:
         w, s, f = p["load"], p["server"], p["freshness_s"]
         key = "training" if p["kind"] == "training" else "no_training"
         print(f"| {p['repeat']} {p['kind']} | {w['requests']} | {p['t1'] - p['t0']:.0f} | {w['rate']:.2f} "
               f"| {w['ttft_p50_s']:.3f} / {w['ttft_p99_s']:.3f} | {w['max_tbt_p50_s']:.3f} / {w['max_tbt_p99_s']:.3f} "
               f"| {fmt(w['tbt_attainment'])} / {fmt(s.get(f'tbt_{key}'))} "
-              f"| {fmt(w['ttft_attainment'])} / {fmt(s.get(f'ttft_{key}'))} | {len(f) or ''} "
+              f"| {fmt(w['ttft_attainment'])} / {fmt(s.get(f'ttft_{key}'))} | {p.get('probes', '')} | {len(f) or ''} "
               f"| {f'{pct(f, 50):.2f} / {pct(f, 95):.2f} / {max(f):.2f}' if f else ''} |")
     print("\nby kind: mean over the repeats (min–max)\n")
     print("| figure | load alone | while training | ratio |")
