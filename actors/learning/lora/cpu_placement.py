@@ -72,19 +72,20 @@ def _threads() -> list[int]:
 
 def set_priority(priority: str) -> str:
     """Set every thread of this process to ``priority`` (Linux keeps niceness and policy per thread; threads
-    started later inherit their creator's): ``normal`` (nice 0), ``low`` (nice 19: on a shared core the
-    others get about 98% of it while they want it) or ``idle`` (SCHED_IDLE: only what nothing else wants)."""
+    started later inherit their creator's): ``normal`` leaves the priority the process started with (Ray's
+    workers', as the replica's), ``low`` is nice 19 (on a shared core the others get about 98% of it while
+    they want it), ``idle`` SCHED_IDLE (only what nothing else wants)."""
     if priority not in CPU_PRIORITIES:
         raise ValueError(f"unknown CPU priority {priority!r}; expected one of {CPU_PRIORITIES}")
+    if priority == "normal":
+        return priority
     for tid in _threads():
         try:
             if priority == "idle":
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             else:
-                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-                os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE if priority == "low" else 0)
-        except OSError:  # exited meanwhile, or lowering back to 0 is not permitted
+                os.setpriority(os.PRIO_PROCESS, tid, LOW_NICE)
+        except OSError:  # exited meanwhile
             continue
     return priority
 
