@@ -36,8 +36,49 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
                           "in its prefix cache since its replica started", node, registry=reg)
     cache_hit = Gauge("coserve_node_prefix_cache_hit_tokens_total", "of those, tokens found cached (same tenant's "
                       "prefixes only: per-tenant cache salt)", node, registry=reg)
+    prediction = Gauge("coserve_window_prediction_error", "median error of the recent fine-tuning grants' prediction "
+                       "on the node: duration and worst_gap relative ((modelled - measured) / measured), delay in "
+                       "seconds (rho*t_ft - inference seconds lost beside the window)", node + ("quantity",),
+                       registry=reg)
+    measured = Gauge("coserve_window_grants_measured", "recent fine-tuning grants measured against their prediction",
+                     node, registry=reg)
+    interference = Gauge("coserve_window_interference", "rho, inference seconds lost per second of fine-tuning beside "
+                         "it: the profile's, and the one in force (measured once enough windows ran)",
+                         node + ("source",), registry=reg)
+    iteration_factor = Gauge("coserve_engine_iteration_factor", "measured / modelled time between tokens of engine "
+                             "steps without fine-tuning beside them (the budget's t_iter refit)", node, registry=reg)
+    attainment = Gauge("coserve_slo_attainment", "share of times between tokens within the TBT SLO (slo=tbt, one per "
+                       "decoding request and step) and of first tokens within the TTFT SLO (slo=ttft), with "
+                       "fine-tuning running beside them or not", node + ("slo", "training"), registry=reg)
+    observed = CounterMetricFamily("coserve_slo_observed", "times between tokens and first tokens counted against "
+                                   "the SLOs, and how many were within", labels=node + ("slo", "training", "within"))
+    reg.register(_Families([observed]))
     for n in status.get("nodes", []):
         label = str(n["node_id"])
+        wp = n.get("window_prediction") or {}
+        if wp:
+            measured.labels(label).set(wp.get("grants_measured", 0))
+            for quantity, key in (("duration", "duration_median_error"), ("worst_gap", "worst_gap_median_error"),
+                                  ("delay", "delay_median_error_s")):
+                if wp.get(key) is not None:
+                    prediction.labels(label, quantity).set(wp[key])
+            rho = wp.get("interference") or {}
+            for source in ("profile", "in_force"):
+                if rho.get(source) is not None:
+                    interference.labels(label, source).set(rho[source])
+            if wp.get("iteration_factor") is not None:
+                iteration_factor.labels(label).set(wp["iteration_factor"])
+        slo = n.get("slo_attainment") or {}
+        for kind in ("tbt", "ttft"):
+            for training in ("training", "no_training"):
+                c = slo.get(f"{kind}_{training}")
+                if not c:
+                    continue
+                yes = "yes" if training == "training" else "no"
+                if c.get("share") is not None:
+                    attainment.labels(label, kind, yes).set(c["share"])
+                observed.add_metric([label, kind, yes, "yes"], c["within"])
+                observed.add_metric([label, kind, yes, "no"], c["total"] - c["within"])
         if "prefix_cache" in n:
             cache_queried.labels(label).set(n["prefix_cache"]["queried_tokens"])
             cache_hit.labels(label).set(n["prefix_cache"]["hit_tokens"])

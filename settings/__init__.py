@@ -203,6 +203,18 @@ class TrainingConfig(_ConfigSection):
         description="One full-model pipeline stage actor's share of its bundle (stage i in bundle i of node 0's group; "
                     "full_sft/full_dpo units). With cluster.stages > 1 bundle 0 keeps it free beside the replica "
                     "and the trainer rank.")
+    cpu_placement: Literal["apart", "shared", "any"] = Field(
+        "any", description="CPU hosts: where a trainer rank's threads run beside its node's engine. apart: off the "
+                             "cores vLLM's CPU workers are bound to (with the app's other processes); shared: on "
+                             "those cores; any: the kernel's choice. Measured in docs/benchmarks.md (issue 38). "
+                             "No effect on GPU hosts, or where the engine workers hold every core.")
+    cpu_priority: Literal["normal", "low", "idle"] = Field(
+        "normal", description="CPU hosts: the scheduling priority of a trainer rank's threads. low: nice 19 (the "
+                              "processes that serve get about 98% of a shared core while they want it); idle: "
+                              "SCHED_IDLE (only what nothing else wants). Measured in docs/benchmarks.md (issue 38).")
+    torch_threads: int | None = Field(
+        None, gt=0, description="Torch threads of a trainer rank; null: its CPU share in resources_per_worker, at "
+                                "least 1 (measured with cpu_placement, docs/benchmarks.md).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="The trainer's base weights: auto is bfloat16 on GPUs and CPUs with bf16 instructions, "
                             "else float32. LoRA weights and optimizer moments stay float32.")
@@ -210,13 +222,24 @@ class TrainingConfig(_ConfigSection):
     steps_per_version: int = Field(1, gt=0, description="Optimizer steps between published versions (k).")
     accumulation: int = Field(1, gt=0, description="Micro-steps per optimizer step.")
     max_length: int = Field(512, gt=0, description="Tokens per training sequence (prompt + completion).")
-    slo_ttft_s: float = Field(1.0, gt=0, description="Inference TTFT SLO that LEMIX Eq. 4 grants protect.")
+    slo_ttft_s: float = Field(1.0, gt=0, description="The tenants' time-to-first-token objective: LEMIX Eq. 4 grants "
+                                                     "and an idle engine's grants keep a request arriving meanwhile "
+                                                     "within it; /v1/status and /metrics count the share of first "
+                                                     "tokens within it, with training beside them and without.")
     slo_tbt_s: float | None = Field(
-        None, gt=0, description="Time-between-tokens SLO: the latency bound of one iteration window that the "
-                                "co-serving policy keeps inference plus fine-tuning within (FlexLLM §6.2). null: "
-                                "derived from the cost profile, 4 decode iterations and at least 0.1 s "
-                                "(planners/coserving/slo.py); a value the profile shows cannot hold is named in "
+        None, gt=0, description="The tenants' time-between-tokens objective: the latency bound of one iteration "
+                                "window that the co-serving policy keeps inference plus fine-tuning within (FlexLLM "
+                                "§6.2); /v1/status and /metrics count the share of times between tokens within it, "
+                                "with training beside them and without. null: derived from the cost profile, 4 "
+                                "decode iterations and at least 0.1 s (planners/coserving/slo.py; /v1/status "
+                                "slo.tbt_source says how); a value the profile shows cannot hold is named in "
                                 "/v1/status (slo.problems) at start-up.")
+    slo_slowdown: float | None = Field(
+        None, gt=0, lt=1, description="The tenants' throughput objective: the share of their throughput training may "
+                                      "take while they are served. The co-serving policy (hybrid) then gives "
+                                      "fine-tuning at most a share d of each node's busy time with rho*d <= "
+                                      "slo_slowdown, rho as measured on the node (docs/coserving.md). null: no bound "
+                                      "but slo_tbt_s.")
     eval_file: str | None = Field(
         None, description="Preference JSONL that scores the versions of adapters without held-out feedback of their "
                           "own (win rate / CLPD; sft adapters: log-likelihood of the chosen answers).")

@@ -53,7 +53,7 @@ from actors.control.nodes import NodeRecord, NodeRegistry
 from actors.control.policies import Policies, checked_slos
 from actors.control.status import StatusBoard
 from actors.control.versions import VersionAssignments
-from actors.learning.messages import FullVersion, Grant, GrantRequest, NodeLocation, PassReport, PassVerdict
+from actors.learning.messages import FullVersion, Grant, GrantRequest, NodeLocation, PassReport, PassVerdict, WindowsRan
 from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, FullSynced, NodeRegistration, NodeReport
 from planners.types import ExecutionTrace, NewFeedback, RoutingSnapshot
 
@@ -238,6 +238,10 @@ class Planner:
         (:meth:`TrainingGrants.grant` says how it is decided, and why a refused request waits here.)"""
         await self.start()
         return await self.grants.grant(request, self.feedback)
+
+    async def windows_ran(self, run: WindowsRan) -> None:
+        """The trainer ran its last grant's windows: measured against the prediction (``TrainingGrants.windows_ran``)."""
+        self.grants.windows_ran(run)
 
     async def report_passes(self, node_id: int, adapter: str, mode: str,
                             reports: list[PassReport]) -> list[PassVerdict]:

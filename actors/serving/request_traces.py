@@ -80,6 +80,7 @@ class RequestTraces:
             kv_cache_bytes=0.0 if st is None else st.kv_cache_bytes,
             steps_with_waiting=0 if st is None else st.steps_with_waiting,
             waiting_peak=0 if st is None else st.waiting_peak,
+            iteration_log=engine_iterations.LOG.take(),  # the steps since the last report, once each
         )
 
     async def traced(self, outputs: Any, prompt: Any, sampling_params: Any, request_id: str) -> Any:

@@ -48,11 +48,13 @@ class StepBegun:
     """A rank's answer to a :class:`StepPlan`: the tokens of one pass over each of its items, or the adapter's fault."""
 
     lengths: dict[int, int]
-    """Item id -> L, the tokens of one pass (DPO: chosen + rejected), for the rank's share."""
+    """Item id -> the work of one pass in tokens, 2·L (forward, then backward), for the rank's share."""
     optimizer_bytes: float = 0.0
     """Bytes of optimizer state on the device that offloading would free (0 on a CPU)."""
     fault: str | None = None
     """The adapter's version could not be loaded or its items not encoded: the driver pauses the adapter."""
+    forward_lengths: dict[int, int] = field(default_factory=dict)
+    """Item id -> L, the item's stream tokens (DPO: chosen + rejected): the forward part of ``lengths``."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,10 @@ class RoundDone:
     memory: MemoryUse | None
     optimizer_bytes: float = 0.0
     fault: str | None = None
+    ran_at: float = 0.0
+    """Wall time the first window started."""
+    forward_s: float = 0.0
+    """Of ``ran_s``, the seconds in forward windows; the rest went to backward work."""
 
 
 @dataclass(frozen=True)
