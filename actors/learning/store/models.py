@@ -174,6 +174,21 @@ class GateOverrides(_Strict):
     held_out_share: float | None = Field(None, ge=0, le=0.5)
     pause_after_rejections: int | None = Field(None, ge=0, le=MAX_COUNT)
     max_eval_items: int | None = Field(None, gt=0, le=MAX_COUNT)
+    retention: bool | None = None
+    retention_file: str | None = Field(
+        None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]*$",
+        description="The adapter's must-not-break prompts: a JSONL file under the app's data_dir (a relative path, "
+                    "no '..'), one {\"prompt\"} or {\"messages\"} per line.")
+    retention_margin: float | None = Field(None, ge=0)
+    thin_evidence: Literal["serve", "wait"] | None = None
+
+    @field_validator("retention_file")
+    @classmethod
+    def _inside_data_dir(cls, v: str | None) -> str | None:
+        # A tenant names a file of the server's: only under data_dir, so no other file can be read.
+        if v is not None and ".." in v.split("/"):
+            raise ValueError("a path relative to the app's data_dir, without '..'")
+        return v
 
     def over(self, defaults: GateSettings) -> GateSettings:
         """The effective settings: these overrides on top of ``defaults``."""
