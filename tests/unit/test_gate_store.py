@@ -353,3 +353,19 @@ def test_one_held_out_item_is_not_enough_evidence_and_the_policy_decides():
     gain = judge("sft", -1.0, -2.0, 0.02, items=4, baseline_name="v1", item_changes=[0.9, 1.1, 1.0, 1.2])
     assert gain.passed and not gain.thin and "better" in gain.reason
     assert decide(gain, kept, "wait").passed
+
+
+def test_a_version_held_for_evidence_does_not_count_and_retention_is_stored_and_exported(store):
+    for v in (1, 2):
+        publish(store)
+        store.decide_version("acme", v, passed=False, reason="waiting for more held-out evidence", counts=False,
+                             retention=-1.1, retention_base=-1.0, retention_prompts=24, score_s=1.5)
+    info = store.get_adapter("acme")
+    assert info.rejections_in_row == 0 and info.paused_reason is None  # pause_after_rejections is 2
+    publish(store)
+    store.decide_version("acme", 3, passed=True, reason="ok", retention=-1.05, retention_base=-1.0, retention_prompts=24)
+    v3 = store.get_version("acme", 3)
+    assert (v3.retention, v3.retention_base, v3.retention_prompts) == (-1.05, -1.0, 24)
+    text = render({"nodes": []}, [a.model_dump() for a in store.list_adapters()]).decode()
+    assert 'coserve_adapter_retention{adapter="acme"} -1.05' in text
+    assert 'coserve_adapter_retention_base{adapter="acme"} -1.0' in text

@@ -53,6 +53,8 @@ from actors.learning.lora.messages import (
     RoundDone,
     RoundPlan,
     SaveVersion,
+    RetentionScoreRequest,
+    RetentionSetRequest,
     ScoreRequest,
     StepAbandoned,
     StepBegun,
@@ -196,6 +198,14 @@ class LoraDriver:
     def score(self, request: ScoreRequest) -> list[Any]:
         """The gate's scoring, on rank 0's model."""
         return self._gather([self.ranks[0].score.remote(request)])[0]
+
+    def retention_set(self, request: RetentionSetRequest) -> Any:
+        """The gate's retention set (the base's answers and scores), built or read back on rank 0."""
+        return self._gather([self.ranks[0].retention_set.remote(request)])[0]
+
+    def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]:
+        """A version's retention scores, on rank 0's model."""
+        return self._gather([self.ranks[0].score_retention.remote(request)])[0]
 
     # ---- what to do next ----------------------------------------------------------------------------
 

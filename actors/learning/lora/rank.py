@@ -36,6 +36,8 @@ from actors.learning.lora.messages import (
     RoundDone,
     RoundPlan,
     SaveVersion,
+    RetentionScoreRequest,
+    RetentionSetRequest,
     ScoreRequest,
     StepBegun,
     StepPlan,
@@ -91,6 +93,7 @@ class TrainRank:
         self.weights: dict[int, float] = {}
         self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
         self.offloaded_bytes = 0  # optimizer state moved to host memory by an offload grant
+        self.retention: Any = None  # RetentionSets: the gate's retention sets (issue 37), built on first use
 
     # ---- the group -------------------------------------------------------------------------------
 
@@ -300,3 +303,22 @@ class TrainRank:
                 return list(evaluate_preferences(model, tok, items, max_length=self.t.max_length).diffs)
             return list(evaluate_completions(model, tok, items, field=request.answer_field,
                                              max_length=self.t.max_length).per_item)
+
+    def retention_set(self, request: RetentionSetRequest) -> Any:
+        """The gate's retention set of ``request.file``: the base model's greedy answers and its scores of them,
+        built on this rank's base weights once and cached beside the model (actors/learning/lora/retention.py)."""
+        from actors.learning.lora.retention import RetentionSets
+        from actors.models.default_model import model_dir
+
+        if self.retention is None:
+            self.retention = RetentionSets(model_dir(self.cfg), self.cfg.data_path, self.bank.dtype_name)
+        return self.retention.get(request.file, request.name, lambda: self.bank.scoring(None, None),
+                                  self.bank.tokenizer)
+
+    def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]:
+        """Each retention item's (log-likelihood sum, tokens) of the base's answer under the version."""
+        from actors.learning.lora.retention import score_answers
+
+        local = self.files.local_path(request.adapter, request.version, request.path) if request.path else None
+        with self.bank.scoring(request.lora, local) as model:
+            return score_answers(model, self.bank.tokenizer, request.items, max_length=self.t.max_length)

@@ -223,12 +223,14 @@ class StoreConnection:
 
 def version_from_row(row: tuple) -> VersionInfo:
     (adapter, version, parent, path, created, published, published_at, samples, loss, win, clpd, node, state, reason,
-     score, baseline_version, baseline_score, token_logprob, eval_items, decided_at) = row
+     score, baseline_version, baseline_score, token_logprob, eval_items, decided_at, retention, retention_base,
+     retention_prompts, score_s) = row
     return VersionInfo(adapter=adapter, version=version, parent=parent, path=path, created_at=created,
                        published=bool(published), published_at=published_at, samples_trained=samples,
                        loss=loss, win_rate=win, clpd=clpd, node=node, state=state, reason=reason, score=score,
                        baseline_version=baseline_version, baseline_score=baseline_score, token_logprob=token_logprob,
-                       eval_items=eval_items, decided_at=decided_at)
+                       eval_items=eval_items, decided_at=decided_at, retention=retention,
+                       retention_base=retention_base, retention_prompts=retention_prompts, score_s=score_s)
 
 
 

@@ -325,6 +325,14 @@ class VersionInfo(BaseModel):
     token_logprob: float | None = Field(None, description="sft: mean log-likelihood per held-out completion token.")
     eval_items: int | None = Field(None, description="Held-out items (or eval_file pairs) the scores are over.")
     decided_at: float | None = Field(None, description="When the gate (or a promotion) decided the state.")
+    retention: float | None = Field(
+        None, description="How well this version keeps the base model's answers to the retention set: mean "
+                          "log-likelihood per answer token (higher is better; the gate rejects a loss of more than "
+                          "gate.retention_margin against retention_base).")
+    retention_base: float | None = Field(None, description="The base model's own score of those answers.")
+    retention_prompts: int | None = Field(None, description="Prompts of the retention set the scores are over.")
+    score_s: float | None = Field(None, description="Seconds the gate spent scoring this version (held-out slice "
+                                                    "and retention set; the base's scores are cached).")
 
 
 class AdapterInfo(AdapterSpec):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 9  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
+SCHEMA_VERSION = 10  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
 # 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo); 7: idempotency keys;
-# 8: versions deleted by the retention rule (training.keep_versions); 9: a tenant's adapters keyed tenant/name
+# 8: versions deleted by the retention rule (training.keep_versions); 9: a tenant's adapters keyed tenant/name;
+# 10: the gate's retention scores (how well a version keeps the base model's answers) and scoring seconds
 DB_FILENAME = "feedback.sqlite3"
 RESERVATION_PINS_S = 24 * 3600.0  # how long an unpublished reservation keeps its parent from prune_versions
 IDEMPOTENCY_TTL_S = 24 * 3600.0  # how long a client's Idempotency-Key answers with its first result (as Stripe's)
@@ -54,6 +55,10 @@ CREATE TABLE IF NOT EXISTS versions (
     eval_items        INTEGER,                   -- how many held-out items the scores are over
     decided_at        REAL,
     deleted_at        REAL,                      -- set by prune_versions: its files are gone, it answers 404
+    retention         REAL,                      -- mean log-likelihood per token of the base's answers to the retention set
+    retention_base    REAL,                      -- the base model's own score of them (the gate compares the two)
+    retention_prompts INTEGER,                   -- prompts of the retention set scored
+    score_s           REAL,                      -- seconds the gate (or the served version's scoring) spent scoring it
     PRIMARY KEY (adapter, version)
 );
 CREATE TABLE IF NOT EXISTS node_heads (          -- per_node scope: the version each node's copy is at
@@ -105,7 +110,7 @@ ADAPTER_COLUMNS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_
                  "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant")
 VERSION_COLUMNS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
                  "loss, win_rate, clpd, node, state, reason, score, baseline_version, baseline_score, token_logprob, "
-                 "eval_items, decided_at")
+                 "eval_items, decided_at, retention, retention_base, retention_prompts, score_s")
 # Columns added after schema 1, for databases created by older code: (table, column, type).
 ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"), ("feedback", "messages", "TEXT"),
                   # schema 3: the quality gate
@@ -123,5 +128,8 @@ ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"
                   # schema 5: tenants
                   ("adapters", "tenant", "TEXT"),
                   # schema 8: retention
-                  ("versions", "deleted_at", "REAL"))
+                  ("versions", "deleted_at", "REAL"),
+                  # schema 10: the gate's retention scores
+                  ("versions", "retention", "REAL"), ("versions", "retention_base", "REAL"),
+                  ("versions", "retention_prompts", "INTEGER"), ("versions", "score_s", "REAL"))
 ITEM_COLUMNS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages"
