@@ -234,16 +234,53 @@ def score_answers(model: Any, tokenizer: Any, items: Sequence[RetentionItem], *,
     """
     import torch
 
-    from actors.learning.lora.steps import completion_logprobs, model_mode
+    from actors.learning.lora.steps import model_mode
 
     out: list[tuple[float, int]] = []
     with torch.no_grad(), model_mode(model, False):
         for i in range(0, len(items), batch_size):
             enc = encoded(tokenizer, items[i: i + batch_size], max_length)
-            sums = completion_logprobs(model, enc).tolist()
-            counts = enc.completion_mask[:, 1:].sum(dim=1).tolist()
+            logps = _shared_prefix_logprobs(model, enc)
+            mask = enc.completion_mask[:, 1:].to(logps.device)
+            sums = (logps * mask).sum(dim=1).tolist()
+            counts = mask.sum(dim=1).tolist()
             out += [(float(s), int(n)) for s, n in zip(sums, counts)]
     return out
+
+
+def _shared_prefix_logprobs(model: Any, enc: Any) -> Any:
+    """``steps.token_logprobs`` of a batch whose rows share a prefix (the chat template's system turn), computing
+    that prefix once: its keys and values are repeated for every row, and only the rest runs per row.
+
+    Every retention prompt starts with the same rendered system turn (about 24 of SmolLM2's ~60 tokens per
+    item), so this saves about 40% of the scoring's forward pass. The result equals the plain pass
+    (``tests/unit/test_retention.py``). Positions [0, P−1) of the result cover the prefix and are zero:
+    no completion token lies there.
+    """
+    import torch
+
+    from actors.learning.lora.steps import token_logprobs
+
+    ids, attn = enc.input_ids, enc.attention_mask
+    lengths = attn.sum(dim=1)
+    same = (ids == ids[:1]).all(dim=0)
+    # The shared prefix stops before every row's last prompt token, which must predict the first answer token.
+    first_answer = enc.completion_mask.float().argmax(dim=1)
+    limit = int(min(first_answer.min().item(), lengths.min().item())) - 1
+    p = int(same[:limit].long().cumprod(0).sum().item()) if limit > 0 else 0
+    if p < 2 or ids.shape[0] < 2:
+        return token_logprobs(model, enc)
+    device = next(model.parameters()).device
+    ids, attn = ids.to(device), attn.to(device)
+    head = model(input_ids=ids[:1, :p], use_cache=True)
+    cache = head.past_key_values
+    cache.batch_repeat_interleave(ids.shape[0])
+    logits = model(input_ids=ids[:, p:], attention_mask=attn, past_key_values=cache, use_cache=True).logits.float()
+    # logits[:, j] predicts token p + j + 1; the prefix's last position predicts token p.
+    logits = torch.cat([head.logits[:, -1:].float().expand(ids.shape[0], -1, -1), logits[:, :-1]], dim=1)
+    targets = ids[:, p:]
+    rest = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.cat([torch.zeros(ids.shape[0], p - 1, device=device, dtype=rest.dtype), rest], dim=1)
 
 
 def encoded(tokenizer: Any, items: Sequence[RetentionItem], max_length: int = 512) -> Any:
