@@ -70,7 +70,8 @@ def trainer(app_url) -> dict:
 
 def test_the_gate_keeps_poisoned_feedback_from_being_served(app_url, trainer):
     t0 = time.time()
-    gates = {"gate-on": {"enabled": True, "margin": 0.02, "pause_after_rejections": 3},
+    # The held-out slice alone: on the random tiny model, lr 1e-2 moves far from its answers (retention: below).
+    gates = {"gate-on": {"enabled": True, "margin": 0.02, "pause_after_rejections": 3, "retention": False},
              "gate-off": {"enabled": False}}
     for name, gate in gates.items():
         r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
@@ -154,7 +155,7 @@ def test_the_gate_rejects_an_sft_version_that_degrades_the_held_out_answers(app_
     r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
         "name": name, "method": "sft", "learning_rate": 2e-2, "mode": "sync", "lora": {"r": 8, "alpha": 16},
         "gate": {"enabled": True, "margin": 0.02, "held_out_share": 0.25, "max_eval_items": 4,
-                 "pause_after_rejections": 2}})
+                 "pause_after_rejections": 2, "retention": False}})
     assert r.status_code == 201, r.text
     good = [{"adapter": name, "prompt": f"Q{i}: what do you say to {t}?\nA:", "completion": " Hello, nice to meet you."}
             for i, t in enumerate(["Ann", "Bob", "Cy", "Di", "Ed", "Flo", "Gus", "Hal", "Ida", "Jo", "Kim", "Lu",
