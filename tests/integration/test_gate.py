@@ -187,7 +187,7 @@ def test_a_version_that_forgets_is_rejected_by_retention_while_the_served_one_st
     name = "keeper"
     r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
         "name": name, "method": "sft", "learning_rate": 1e-4, "mode": "sync", "lora": {"r": 8, "alpha": 16},
-        "gate": {"held_out_share": 0, "pause_after_rejections": 0}})
+        "gate": {"held_out_share": 0, "pause_after_rejections": 0, "retention": True}})
     assert r.status_code == 201, r.text
     items = lambda k: [{"adapter": name, "prompt": f"Q{k + i}: name a colour.\nA:", "completion": " Blue."}  # noqa: E731
                        for i in range(4)]
