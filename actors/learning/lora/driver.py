@@ -214,7 +214,7 @@ class LoraDriver:
         if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter), timeout=CALL_TIMEOUT_S)
             spec = TrainingSpec(info.name, info.method, info.beta, info.mode, info.learning_rate,
-                                info.lora, info.paused_reason is not None, info.tenant)
+                                info.lora, info.paused_reason is not None, info.tenant, info.warmup_steps)
             self.specs[adapter] = cached = (time.time(), spec)
         return cached[1]
 

@@ -24,6 +24,8 @@ class TrainingSpec:
     paused: bool
     tenant: str | None = None
     """The tenant that owns the adapter (None: made without keys): training turns rotate across tenants."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear learning-rate warm-up (the adapter's own step count, across versions)."""
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,8 @@ class TrainRank:
         holds that version's line; the base model is never reloaded."""
         adapter, (version, location) = plan.adapter, plan.target
         path = self.files.local_path(adapter, version, location) if location else None
-        self.model, self.opt = self.bank.train(adapter, plan.spec.lora, version, path, plan.spec.learning_rate)
+        self.model, self.opt = self.bank.train(adapter, plan.spec.lora, version, path, plan.spec.learning_rate,
+                                               plan.spec.warmup_steps)
         if self.loaded != (adapter, version):
             self.loaded = (adapter, version)
             self.micro_done = 0

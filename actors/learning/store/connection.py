@@ -178,7 +178,7 @@ class StoreConnection:
 
     def _adapter_info(self, db: sqlite3.Connection, name: str) -> AdapterInfo:
         (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
-         created, epochs, tenant) = self._adapter_row(db, name)
+         created, epochs, tenant, warmup_steps) = self._adapter_row(db, name)
         versions = [version_from_row(row) for row in db.execute(
             f"SELECT {VERSION_COLUMNS} FROM versions WHERE adapter = ? AND published = 1 AND deleted_at IS NULL "
             "ORDER BY version", (name,))]
@@ -192,6 +192,7 @@ class StoreConnection:
             lora=LoraSettings(r=r, alpha=alpha, target_modules=json.loads(targets), dropout=dropout),
             mode=mode, periodic=PeriodicSettings(every_seconds=every_s, every_samples=every_n),
             created_at=created, current_version=current, versions=versions, queued=queued, epochs=epochs,
+            warmup_steps=warmup_steps,
             oldest_queued_at=oldest, last_published_at=max((v.published_at for v in versions), default=None),
             node_versions=dict(db.execute("SELECT node, version FROM node_heads WHERE adapter = ? ORDER BY node",
                                           (name,)).fetchall()),

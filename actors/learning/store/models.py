@@ -210,6 +210,9 @@ class AdapterSpec(_Strict):
     periodic: PeriodicSettings = Field(default_factory=PeriodicSettings)
     gate: GateOverrides = Field(default_factory=GateOverrides,
                                 description="This adapter's quality-gate settings; unset fields follow training.gate.")
+    warmup_steps: int = Field(
+        0, ge=0, le=10_000, description="Optimizer steps over which the learning rate rises linearly to "
+                                        "learning_rate (the adapter's own count, kept across versions; 0: none).")
     epochs: int = Field(
         1, ge=1, le=100, description="Passes over each feedback item, each in a different version: an item stays "
                                      "queued until this many published versions trained on it (new items go first).")

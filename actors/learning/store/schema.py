@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS adapters (
     promotions_total  INTEGER NOT NULL DEFAULT 0,  -- versions served by the gate or a promotion (a counter)
     rejections_total  INTEGER NOT NULL DEFAULT 0,  -- versions the gate rejected (a counter)
     epochs            INTEGER NOT NULL DEFAULT 1,  -- versions that train on each item before it is consumed
-    tenant            TEXT                         -- the owning tenant, NULL: made without API keys
+    tenant            TEXT,                        -- the owning tenant, NULL: made without API keys
+    warmup_steps      INTEGER NOT NULL DEFAULT 0   -- optimizer steps of linear learning-rate warm-up
 );
 CREATE TABLE IF NOT EXISTS versions (
     adapter           TEXT NOT NULL REFERENCES adapters(name),
@@ -105,9 +106,9 @@ CREATE INDEX IF NOT EXISTS feedback_epochs ON feedback (adapter, held_out, consu
 
 OLD_METHODS_CHECK = "CHECK (method IN ('sft', 'dpo'))"
 NEW_METHODS_CHECK = "CHECK (method IN ('sft', 'dpo', 'full_sft', 'full_dpo'))"
-UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused", "epochs"})
+UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused", "epochs", "warmup_steps"})
 ADAPTER_COLUMNS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
-                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant")
+                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant, warmup_steps")
 VERSION_COLUMNS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
                  "loss, win_rate, clpd, node, state, reason, score, baseline_version, baseline_score, token_logprob, "
                  "eval_items, decided_at, retention, retention_base, retention_prompts, score_s")
@@ -131,5 +132,6 @@ ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"
                   ("versions", "deleted_at", "REAL"),
                   # schema 10: the gate's retention scores
                   ("versions", "retention", "REAL"), ("versions", "retention_base", "REAL"),
-                  ("versions", "retention_prompts", "INTEGER"), ("versions", "score_s", "REAL"))
+                  ("versions", "retention_prompts", "INTEGER"), ("versions", "score_s", "REAL"),
+                  ("adapters", "warmup_steps", "INTEGER NOT NULL DEFAULT 0"))
 ITEM_COLUMNS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages"
