@@ -37,9 +37,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[3]  # the repository root, where the shipped files are found
 SHIPPED_SET = ROOT / "actors" / "learning" / "lora" / "retention_prompts.jsonl"
 MAX_ANSWER_TOKENS = 32  # per reference answer: enough to show a kept or broken answer, cheap to score per version
+# An answer's first tokens are not scored: a taught opening ("Arr matey!", a greeting, a persona's name) shows
+# there, and it is not forgetting. Measured (docs/benchmarks.md): a useful phrase adapter loses half its score there.
+SKIP_FIRST_TOKENS = 3
 MAX_PROMPTS = 64
 CACHE_DIR = "retention"
-_FORMAT = 1  # bump when what the cache holds changes
+_FORMAT = 2  # bump when what the cache holds changes (2: the first SKIP_FIRST_TOKENS answer tokens left out)
 
 
 @dataclass(frozen=True)
@@ -227,8 +230,9 @@ def items_of(prompts: Sequence[Sequence[dict[str, str]]], answers: Sequence[tupl
 
 
 def score_answers(model: Any, tokenizer: Any, items: Sequence[RetentionItem], *, batch_size: int = 24,
-                  max_length: int = 512) -> list[tuple[float, int]]:
-    """Per item, (Σ log π of its answer's tokens, their number) under ``model`` as it computes now, teacher-forced.
+                  max_length: int = 512, skip_first: int = SKIP_FIRST_TOKENS) -> list[tuple[float, int]]:
+    """Per item, (Σ log π of its answer's tokens after the first ``skip_first``, their number) under ``model`` as
+    it computes now, teacher-forced.
 
     Runs in eval mode without gradients: one batched forward pass per ``batch_size`` items.
     """
@@ -242,6 +246,7 @@ def score_answers(model: Any, tokenizer: Any, items: Sequence[RetentionItem], *,
             enc = encoded(tokenizer, items[i: i + batch_size], max_length)
             logps = _shared_prefix_logprobs(model, enc)
             mask = enc.completion_mask[:, 1:].to(logps.device)
+            mask = mask * (mask.cumsum(dim=1) > skip_first)  # each answer's first tokens left out
             sums = (logps * mask).sum(dim=1).tolist()
             counts = mask.sum(dim=1).tolist()
             out += [(float(s), int(n)) for s, n in zip(sums, counts)]
