@@ -101,6 +101,12 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
     clpd = Gauge("coserve_adapter_clpd", "CLPD on the held-out preferences (MACE §3.1)", ad, registry=reg)
     token_logprob = Gauge("coserve_adapter_token_logprob", "sft: mean log-likelihood per held-out completion token",
                           ad, registry=reg)
+    retention = Gauge("coserve_adapter_retention", "the served version's retention score: mean log-likelihood per "
+                      "token of the base model's answers to the retention set (issue 37)", ad, registry=reg)
+    retention_base = Gauge("coserve_adapter_retention_base", "the base model's own retention score (the gate rejects "
+                           "a version that loses more than gate.retention_margin against it)", ad, registry=reg)
+    score_s = Gauge("coserve_adapter_score_seconds", "seconds the gate spent scoring the served version", ad,
+                    registry=reg)
     paused = Gauge("coserve_adapter_paused", "1 while training is paused (e.g. too many versions rejected in a row)",
                    ad, registry=reg)
     held_out = Gauge("coserve_adapter_held_out", "feedback items kept out of training as the held-out slice", ad,
@@ -124,7 +130,8 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
         if current is None:
             continue
         for gauge, key in ((trained, "samples_trained"), (loss, "loss"), (win, "win_rate"), (clpd, "clpd"),
-                           (token_logprob, "token_logprob")):
+                           (token_logprob, "token_logprob"), (retention, "retention"),
+                           (retention_base, "retention_base"), (score_s, "score_s")):
             if current.get(key) is not None:
                 gauge.labels(name).set(current[key])
     return generate_latest(reg)

@@ -28,8 +28,9 @@ class _ConfigSection(BaseModel):
 
 
 class GateSettings(BaseModel):
-    """The quality gate: a trained version is served only if it scores on the adapter's held-out slice
-    no worse than the version served now (the base model before the first) by more than ``margin``.
+    """The quality gate: a trained version is served only if it keeps the base model's answers on a retention set
+    (within ``retention_margin``) and scores on the adapter's held-out slice no worse than the version served now
+    (the base model before the first) by more than ``margin`` (planners/gate.py).
 
     The app's default is ``training.gate``; an adapter's ``gate`` overrides any of these fields.
     """
@@ -47,6 +48,20 @@ class GateSettings(BaseModel):
     pause_after_rejections: int = Field(
         3, ge=0, le=MAX_COUNT, description="Consecutive rejected versions after which the adapter stops training (0: never).")
     max_eval_items: int = Field(64, gt=0, le=MAX_COUNT, description="Held-out items a version is scored on (the oldest ones).")
+    retention: bool = Field(
+        True, description="Score every candidate on a retention set (general prompts with the base model's own greedy "
+                          "answers) and reject one that loses more than retention_margin: the gate sees forgetting.")
+    retention_file: str | None = Field(
+        None, description="JSONL of prompts the adapter must not break ({\"prompt\": ...} or {\"messages\": [...]} "
+                          "per line; the base model's answers are generated and cached); null: the shipped set "
+                          "(actors/learning/lora/retention_prompts.jsonl). Relative paths are under data_dir.")
+    retention_margin: float = Field(
+        0.1, ge=0, description="Nats per token of the base model's answers a candidate may lose on the retention set "
+                               "and still be served (compared with the base model, not the served version).")
+    thin_evidence: Literal["serve", "wait"] = Field(
+        "serve", description="When the held-out slice is too small to show a drop of margin (one item has no spread): "
+                             "serve: judge on the retention check alone; wait: hold the version back (not counted as "
+                             "a rejection) until the slice can show the margin.")
 
 
 class ModelConfig(_ConfigSection):

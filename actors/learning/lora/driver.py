@@ -53,6 +53,8 @@ from actors.learning.lora.messages import (
     RoundDone,
     RoundPlan,
     SaveVersion,
+    RetentionScoreRequest,
+    RetentionSetRequest,
     ScoreRequest,
     StepAbandoned,
     StepBegun,
@@ -198,6 +200,14 @@ class LoraDriver:
         """The gate's scoring, on rank 0's model."""
         return self._gather([self.ranks[0].score.remote(request)])[0]
 
+    def retention_set(self, request: RetentionSetRequest) -> Any:
+        """The gate's retention set (the base's answers and scores), built or read back on rank 0."""
+        return self._gather([self.ranks[0].retention_set.remote(request)])[0]
+
+    def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]:
+        """A version's retention scores, on rank 0's model."""
+        return self._gather([self.ranks[0].score_retention.remote(request)])[0]
+
     # ---- what to do next ----------------------------------------------------------------------------
 
     def _spec(self, adapter: str) -> TrainingSpec:
@@ -205,7 +215,7 @@ class LoraDriver:
         if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter), timeout=CALL_TIMEOUT_S)
             spec = TrainingSpec(info.name, info.method, info.beta, info.mode, info.learning_rate,
-                                info.lora, info.paused_reason is not None, info.tenant)
+                                info.lora, info.paused_reason is not None, info.tenant, info.warmup_steps)
             self.specs[adapter] = cached = (time.time(), spec)
         return cached[1]
 

@@ -24,6 +24,8 @@ class TrainingSpec:
     paused: bool
     tenant: str | None = None
     """The tenant that owns the adapter (None: made without keys): training turns rotate across tenants."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear learning-rate warm-up (the adapter's own step count, across versions)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,29 @@ class ScoreRequest:
     """SFT: which field of an item is the completion scored ("completion", or "chosen" of an eval-file pair)."""
 
 
+@dataclass(frozen=True)
+class RetentionSetRequest:
+    """Rank 0: the retention set of a prompt file, with the base model's greedy answers and its scores of them
+    (built and cached beside the model on first use: actors/learning/lora/retention.py)."""
+
+    file: str
+    name: str
+    """How reasons call the set ("the shipped set", or the adapter's file as it named it)."""
+
+
+@dataclass(frozen=True)
+class RetentionScoreRequest:
+    """Rank 0: score one version (``path`` None: the base model) on a retention set's answers; each item's
+    (log-likelihood sum, tokens)."""
+
+    adapter: str
+    version: int | None
+    path: str | None
+    lora: LoraSettings
+    items: tuple[Any, ...]
+    """``actors.learning.lora.retention.RetentionItem``s."""
+
+
 # ---- what the ranks and drivers tell the Trainer supervisor (for /v1/status and the metrics) ----------
 
 
@@ -222,6 +247,11 @@ class GateDecided:
     win_rate: float | None = None
     clpd: float | None = None
     token_logprob: float | None = None
+    retention: float | None = None
+    """The candidate's retention score (mean log-likelihood per token of the base's answers); None: not scored."""
+    retention_base: float | None = None
+    retention_s: float | None = None
+    """Seconds the retention scoring of this version took (the base's scores are cached)."""
 
 
 TrainerEvent = StepDone | GrantWaited | WorkDropped | StepAbandoned | VersionPublished | VersionScored | GateDecided

@@ -36,6 +36,8 @@ from actors.learning.lora.messages import (
     RoundDone,
     RoundPlan,
     SaveVersion,
+    RetentionScoreRequest,
+    RetentionSetRequest,
     ScoreRequest,
     StepBegun,
     StepPlan,
@@ -94,6 +96,7 @@ class TrainRank:
         self.offloaded_bytes = 0  # optimizer state moved to host memory by an offload grant
         self.placement: dict[str, object] | None = None  # where its threads run (training.cpu_placement)
         self._placed_at = float("-inf")
+        self.retention: Any = None  # RetentionSets: the gate's retention sets (issue 37), built on first use
 
     # ---- the group -------------------------------------------------------------------------------
 
@@ -279,7 +282,8 @@ class TrainRank:
         holds that version's line; the base model is never reloaded."""
         adapter, (version, location) = plan.adapter, plan.target
         path = self.files.local_path(adapter, version, location) if location else None
-        self.model, self.opt = self.bank.train(adapter, plan.spec.lora, version, path, plan.spec.learning_rate)
+        self.model, self.opt = self.bank.train(adapter, plan.spec.lora, version, path, plan.spec.learning_rate,
+                                               plan.spec.warmup_steps)
         if self.loaded != (adapter, version):
             self.loaded = (adapter, version)
             self.micro_done = 0
@@ -334,3 +338,22 @@ class TrainRank:
                 return list(evaluate_preferences(model, tok, items, max_length=self.t.max_length).diffs)
             return list(evaluate_completions(model, tok, items, field=request.answer_field,
                                              max_length=self.t.max_length).per_item)
+
+    def retention_set(self, request: RetentionSetRequest) -> Any:
+        """The gate's retention set of ``request.file``: the base model's greedy answers and its scores of them,
+        built on this rank's base weights once and cached beside the model (actors/learning/lora/retention.py)."""
+        from actors.learning.lora.retention import RetentionSets
+        from actors.models.default_model import model_dir
+
+        if self.retention is None:
+            self.retention = RetentionSets(model_dir(self.cfg), self.cfg.data_path, self.bank.dtype_name)
+        return self.retention.get(request.file, request.name, lambda: self.bank.scoring(None, None),
+                                  self.bank.tokenizer)
+
+    def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]:
+        """Each retention item's (log-likelihood sum, tokens) of the base's answer under the version."""
+        from actors.learning.lora.retention import score_answers
+
+        local = self.files.local_path(request.adapter, request.version, request.path) if request.path else None
+        with self.bank.scoring(request.lora, local) as model:
+            return score_answers(model, self.bank.tokenizer, request.items, max_length=self.t.max_length)
