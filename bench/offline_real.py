@@ -8,7 +8,8 @@ job's own planner, or each of ``--shipped-planners``) with ``app.offline.run_job
 stage and per model, the (first) planner's prediction against what happened (SamuLLM §4.1's cost
 model against the §4.3 runtime), with each engine's start time against the load time the planner
 assumed; with several planners, also their end-to-end times side by side. Engine starts are
-recorded in ``--data-dir``'s load-time table, so a second pass plans with the first one's.
+recorded in ``--data-dir``'s load-time table, so a second pass plans with the first one's; within a pass,
+every planner of a job plans from the table as it was before the job's first run.
 
 ``real``: the example jobs with bigger inputs from ``shared/data`` (ShareGPT prompts, QMSum
 meetings), one run per planner; end-to-end time (search included), engine load time, the cost
@@ -93,10 +94,18 @@ def run_shipped(data_dir: Path, planners: Sequence[str], work_dir: Path | None) 
     stages, models, totals = [], [], []
     with tempfile.TemporaryDirectory(prefix="offline-shipped-") as tmp:
         root = work_dir or Path(tmp)
+        table = data_dir / "offline" / "load_times.jsonl"
         for path in sorted(JOBS.glob("*.yaml")):
             job, base = load_job(path)
             name = path.stem
+            # Every planner of a job plans from the same measured starts: a run's own starts are recorded
+            # as it goes, so without this each later planner would plan with more (and other) information.
+            before = table.read_text() if table.is_file() else None
             for i, planner in enumerate(planners):
+                if before is not None:
+                    table.write_text(before)
+                elif table.is_file():
+                    table.unlink()
                 out = root / f"{name}-{planner or 'own'}"
                 load_before = os.getloadavg()[0]
                 s = run_job(job, base, planner or job.planner, job.preemption, data_dir, out, progress=False)
