@@ -46,6 +46,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 import compat
+from actors.serving import request_stages
 from settings import AppConfig
 from deployments.keys import LOCAL, Principal
 from deployments.front_door import ROUTER_MARKER_HEADER
@@ -205,16 +206,22 @@ class PlacementRouter:
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
+        arrival = time.perf_counter()
         task = None
         principal = self._principal(request.headers)
         if principal is not None:
             task = self._task(await request.body(), request.headers.get("x-request-id"), principal)
+        counted = time.perf_counter()
         try:
             async with compat.choose_replica(self.server, *(() if task is None else (task,))) as chosen:
                 endpoint, replica_id = compat.chosen_http_endpoint(chosen)
                 if endpoint is None:
                     raise HTTPException(503, f"replica {chosen.replica_id} has no HTTP endpoint")
                 host, port = endpoint
+                log = request_stages.request_log()
+                if log is not None:  # a benchmark's request log: this hop's share of the request's time
+                    log.write({"kind": "route", "id": request.headers.get("x-request-id", ""), "arrival": arrival,
+                               "counted": counted, "chosen": time.perf_counter()})
                 return {"host": host, "port": port, "replica_id": replica_id}
         except HTTPException:
             raise

@@ -164,10 +164,10 @@ def engine_stats_logger(requests: RequestTraces) -> Any:
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
-                engine_iterations.observe(scheduler_stats.iteration_details)
-                self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
                 waiting = int(scheduler_stats.num_waiting_reqs) + int(
                     getattr(scheduler_stats, "num_skipped_waiting_reqs", 0))
+                engine_iterations.observe(scheduler_stats.iteration_details, waiting)
+                self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
                 if waiting > 0:
                     self.steps_with_waiting += 1
                     self.waiting_peak = max(self.waiting_peak, waiting)

@@ -128,6 +128,10 @@ def test_the_rendered_config_is_bounded_by_the_app_s_settings(rendered):
     # The bounds come before Ray's own rules of the frontend, so they apply to every request.
     assert front.index("option http-buffer-request") < front.index(
         next(x for x in front if x.startswith("acl healthcheck")))
+    # HAProxy's stamps for the replica's request stages: when it routes a request, and once the router answered.
+    assert "http-request set-header x-coserve-accepted %[date(0,us)]" in front
+    routed = next(v for k, v in s.items() if k.endswith("-via-ingress-request-router"))
+    assert "http-request set-header x-coserve-routed %[date(0,us)]" in routed
 
 
 def test_stats_exporter_and_socket_are_on_loopback_and_private(rendered):
