@@ -114,6 +114,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
+    SELF_SCHEDSTAT,
     cpu_by_process,
     cpu_snapshot,
     fmt,
@@ -122,6 +123,7 @@ from bench.common import (  # noqa: E402
     percentile,
     port_free,
     reserve_port,
+    wait_snapshot,
 )
 from bench.engine_timeline import engine_scrape_before, engine_timeline, timeline_table  # noqa: E402
 from bench.request_timeline import burst_stages, client_requests, client_summary, server_records  # noqa: E402
@@ -159,7 +161,7 @@ BENCH_CLIENT = (
     "    p = argparse.ArgumentParser(prog='vllm.benchmarks.serve')\n"
     "    add_cli_args(p)\n"
     "    main(p.parse_args(sys.argv[1:]))\n"
-)
+) + SELF_SCHEDSTAT
 
 SYSTEMS = ("plain", "ours", "rayllm")
 RAY_SYSTEMS = ("ours", "rayllm")
@@ -198,6 +200,7 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
     client_log = out_dir / f"{tag}-rate-{key}.log"
     load_before = load_average()
     cpu_before = cpu_snapshot(server.pids())
+    wait_before = wait_snapshot(server.pids())
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall_before = time.time()
     with open(client_log, "wb") as out:
@@ -212,6 +215,7 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     cpu = cpu_by_process(cpu_before, cpu_snapshot(server.pids()))
+    waits = cpu_by_process(wait_before, wait_snapshot(server.pids()))
     children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.time() - wall_before
     if proc.returncode != 0 or not (out_dir / result_name).exists():
@@ -227,6 +231,12 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
     # The window includes the client's start-up (tokenizer, dataset) and the servers' idle time in it.
     summary["cpu_window_s"] = round(wall, 1)
     summary["cpu_seconds"] = cpu
+    # Time runnable but not running (waiting for a CPU), the servers' processes and the client's own: on a host
+    # whose cores are all busy, who waits says who was squeezed (a client that waits reads its streams late).
+    summary["cpu_wait_seconds"] = waits
+    m = re.search(r"CLIENT SCHEDSTAT run_s=([\d.]+) wait_s=([\d.]+)", client_log.read_text(errors="replace"))
+    if m:
+        summary["client_run_s"], summary["client_wait_s"] = float(m.group(1)), float(m.group(2))
     summary["client_cpu_s"] = round(children_after.ru_utime + children_after.ru_stime
                                     - children_before.ru_utime - children_before.ru_stime, 2)
     clients = client_requests(out_dir / result_name, prefix)

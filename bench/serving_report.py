@@ -149,12 +149,21 @@ def burst_table(results: dict[str, Any], rate: str) -> str:
     rows.append(("front end: client TTFT − engine TTFT, mean (ms)",
                  {s: None if mean_ttft[s] is None or engine_ttft[s] is None else mean_ttft[s] - engine_ttft[s]
                   for s in systems}))
+    rows.append(("client: CPU s / waiting for a CPU s (whole run, start-up included)",
+                 {s: _get(results, s, rate, "client_wait_s") for s in systems}))
+    rows.append(("servers: waiting for a CPU, all processes (s)",
+                 {s: sum((_get(results, s, rate, "cpu_wait_seconds") or {}).values()) or None for s in systems}))
     streams = {s: _get(results, s, rate, "streams") or {} for s in systems}
     rows.append(("stream pieces read by the client, p50", {s: streams[s].get("pieces_p50") for s in systems}))
     rows.append(("token gaps under 1 ms (read together), share", {s: streams[s].get("gaps_under_1ms_share")
                                                                    for s in systems}))
     for label, vals in rows:
-        lines.append(table_row([label, *(fmt("{:.2f}" if "share" in label else "{:.1f}", vals[s]) for s in systems)]))
+        if label.startswith("client: CPU"):
+            lines.append(table_row([label, *(f"{fmt('{:.1f}', _get(results, s, rate, 'client_run_s'))} / "
+                                             f"{fmt('{:.1f}', vals[s])}" for s in systems)]))
+            continue
+        lines.append(table_row([label, *(fmt("{:.2f}" if "share" in label or "(s)" in label else "{:.1f}", vals[s])
+                                         for s in systems)]))
     stages = _get(results, "ours", rate, "stages") if "ours" in systems else None
     if stages:
         for label, key in HOPS:
