@@ -396,6 +396,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in dict.fromkeys(k for r in runs for k in r):  # a note or error only one round has is kept
         # The first run's value may be None where a later run measured something.
         v = next((r[key] for r in runs if r.get(key) is not None), None)
+        if key in ("round", "repeats"):
+            continue  # each run's own, kept in its entry under "repeats"
         if key in ("completed", "failed", "failures"):
             out[key] = sum(r.get(key) or 0 for r in runs)
         elif _is_number(v):
