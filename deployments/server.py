@@ -118,7 +118,8 @@ class ModelServer:
                                     self.served_name, config.engine.omp_threads,
                                     adapter_files=AdapterFiles(config, NAMESPACE),
                                     keep_off_engine_cores=(config.engine.device == "cpu"
-                                                           and config.engine.keep_others_off_engine_cores))
+                                                           and config.engine.keep_others_off_engine_cores),
+                                    quiet_engine_core=config.engine.device == "cpu")
         self.learning = LearningRoutes(config, self._ask_planner)
         await self.replica.start()
         log = request_stages.request_log()

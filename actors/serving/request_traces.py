@@ -128,13 +128,13 @@ def traced_engine_class() -> type:
         class TracedEngine(AsyncLLM):
             requests: RequestTraces | None = None
 
-            async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any,
-                               **kwargs: Any) -> Any:
+            def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+                # vLLM's own stream, recorded by one generator around it, not two (every output of every
+                # request passes each layer).
                 outputs = super().generate(prompt, sampling_params, request_id, *args, **kwargs)
-                if self.requests is not None:
-                    outputs = self.requests.traced(outputs, prompt, sampling_params, request_id)
-                async for out in outputs:
-                    yield out
+                if self.requests is None:
+                    return outputs
+                return self.requests.traced(outputs, prompt, sampling_params, request_id)
 
         _TRACED_ENGINE = TracedEngine
     return _TRACED_ENGINE
