@@ -1,7 +1,8 @@
 """The offline-job CLI: plan and run multi-LLM batch jobs stage by stage (SamuLLM §3–§4.3).
 
-    python -m app.offline plan configs/jobs/ensemble.yaml [--planner greedy|max|min] [--no-preemption] [--json PATH]
+    python -m app.offline plan configs/jobs/ensemble.yaml [--planner search|greedy|max|min] [--no-preemption] [--json PATH]
     python -m app.offline run configs/jobs/ensemble.yaml [--planner ...] [--no-preemption] [--data-dir DIR]
+    python -m app.offline profile configs/jobs/ensemble.yaml [--out-dir DIR]   # each model's own Eq. 5 constants
 
 Planning is ``actors/offline/plan.py`` (the job spec: ``actors/offline/job.py``); running executes
 the plan with one :class:`actors.offline.engine.OfflineEngine` Ray actor per model replica
@@ -60,7 +61,7 @@ def gantt(summary: dict[str, Any], n_devices: int, path: Path) -> None:
     plt.close(fig)
 
 
-def run_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
+def run_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
             data_dir: Path = DEFAULT_DATA_DIR, output_dir: Path | None = None, progress: bool = True
             ) -> dict[str, Any] | None:
     """Plan what is left of ``job`` (outputs already in ``output_dir`` are skipped) and run it on Ray;
@@ -95,6 +96,27 @@ def run_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: b
     return summary
 
 
+def profile(job: JobSpec, data_dir: Path, out_dir: Path | None = None) -> list[Path]:
+    """Fit and write each model's offline-engine profile (:func:`actors.offline.profile.profile_job`) in a local Ray."""
+    import ray
+
+    from actors.offline.plan import REFERENCE_PROFILE
+    from actors.offline.profile import profile_job
+    from planners.costs import CostModel
+
+    reference = CostModel.from_dict(json.loads(REFERENCE_PROFILE.read_text()))
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(8, job.devices.count), include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        print(f"profiling the offline engine of {len(job.models)} model(s):")
+        return profile_job(job, data_dir, reference, out_dir)
+    finally:
+        if started:
+            ray.shutdown()
+
+
 def format_plan(plan: Plan) -> str:
     from rich.console import Console
     from rich.table import Table
@@ -117,10 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="print the planned execution stages without running")
     rn = sub.add_parser("run", help="run the job stage by stage on Ray (resumes: finished requests are skipped)")
-    for q in (pl, rn):
+    pr = sub.add_parser("profile", help="fit each model's per-iteration latency on the offline engine (SamuLLM §4.1)")
+    pr.add_argument("job")
+    pr.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where embedded models are built")
+    pr.add_argument("--out-dir", help="write the profiles here (default: <data-dir>/offline/profiles, where "
+                                      "planning looks first; profiles/ is where shipped ones live)")
+    for q in (pl, rn):  # profile takes only the job and the directories
         q.add_argument("job")
-        q.add_argument("--planner", default="greedy", choices=names("stages"))
-        q.add_argument("--no-preemption", action="store_true")
+        q.add_argument("--planner", choices=names("stages"),
+                       help="override the job's planner: search (ours, the default), greedy (SamuLLM Alg. 1), max, min")
+        q.add_argument("--no-preemption", action="store_true", help="override the job's preemption: off")
         q.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where embedded models are built")
     pl.add_argument("--json", metavar="PATH", help="also write the plan as JSON (the run's plan.json) here")
     rn.add_argument("--output-dir", help="override the job's output_dir (e.g. an absolute path under ray job submit)")
@@ -129,11 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = Path(args.data_dir).expanduser()
     try:
         job, base = load_job(args.job)
+        if args.command == "profile":
+            profile(job, data_dir, Path(args.out_dir).expanduser() if args.out_dir else None)
+            return 0
+        planner = args.planner or job.planner
+        preemption = job.preemption and not args.no_preemption
         if args.command == "run":
             out = Path(args.output_dir).expanduser().resolve() if args.output_dir else None
-            run_job(job, base, args.planner, not args.no_preemption, data_dir, out, not args.no_progress)
+            run_job(job, base, planner, preemption, data_dir, out, not args.no_progress)
             return 0
-        plan, notes = plan_job(job, base, args.planner, not args.no_preemption, data_dir)
+        plan, notes = plan_job(job, base, planner, preemption, data_dir)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -183,7 +183,7 @@ def window_cost(url: str) -> tuple[float | None, float | None]:
     """(median |relative error| of the modelled window time over the recent grants, the refit factor) of node 0."""
     node = httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"][0]
     w = node.get("window_cost") or {}
-    return w.get("median_abs_error"), w.get("factor")
+    return w.get("median_abs_error"), w.get("forward_factor")
 
 
 class CorePinning:

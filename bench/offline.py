@@ -1,27 +1,23 @@
-"""Offline multi-LLM jobs: SamuLLM's greedy stage planner against the Max and Min heuristics, simulated and real.
+"""Offline multi-LLM jobs, simulated: our search planner against SamuLLM's greedy and the Max and Min heuristics.
 
-    python bench/offline.py sim [--quick]   # an 8-device node, the four workloads at two sizes each (~1 min of CPU)
-    python bench/offline.py real [--quick]  # for real: tiny models, vLLM engines in Ray actors (~22 min; quick ~10)
-    python bench/offline.py all [--quick]
+    python bench/offline.py sim [--quick] [--workloads chain-24,mixed-24]   # an 8-device node (~4 min of CPU)
 
 Simulated (SamuLLM §5): each workload is planned by every planner variant from output lengths
 *sampled* from a ShareGPT eCDF (§4.1), then executed in the simulator against *true* lengths the
 planner never saw, re-adjusting at every model finish as the runtime does (§4.3,
 ``planners.offline.replay_plan``). End-to-end time = that execution + the search's CPU seconds (§5
-"Metric"; CPU, not wall, time because other sessions share this machine). The node is SamuLLM's: 8 devices of 80 GB, all linked. Costs: the embedded model's
-fitted profile (``profiles/tiny-llama-cpu.json``) stands for a 7B model in fp16 on one device; a
-bigger model's per-token terms scale by its weight bytes over the 7B's, the rule
-``actors.offline.plan.cost_models`` applies, anchored at 7B instead of at the 14 MB embedded model (at that
-anchor a 13B model would cost 0.2 s per prompt token). Load times: 10 s + weights / (tp × 2 GB/s),
-11 to 45 s as in SamuLLM §5.1.
+"Metric"; CPU, not wall, time because other sessions share this machine). The node is SamuLLM's: 8
+devices of 80 GB, all linked. Costs: the embedded model's fitted profile (``profiles/tiny-llama-cpu.json``)
+stands for a 7B model in fp16 on one device; a bigger model's per-token terms scale by its weight
+bytes over the 7B's, the rule ``actors.offline.plan.cost_models`` applies, anchored at 7B instead of
+at the 14 MB embedded model (at that anchor a 13B model would cost 0.2 s per prompt token). No
+profile of a 7 to 70 B model exists here: this derivation is the stand-in, and it is stated wherever
+the figures are. Load times: 10 s + weights / (tp × 2 GB/s), 11 to 45 s as in SamuLLM §5.1. Each
+workload also gets the moldable bound of its true lengths (``planners.offline.moldable_bound``): what
+no plan that keeps each model on one (dp, tp) can beat, so better heuristic / bound is the most any
+such plan could gain.
 
-Real: the example jobs of ``configs/jobs`` with bigger inputs from ``shared/data`` (ShareGPT prompts,
-QMSum meetings), run by ``app.offline.run_job`` on this machine (2 devices = 2 CPU cores), one run
-per planner; reports end-to-end time (search included), engine load time, and the cost model's
-error. The load-time table is measured first (each model size started once, two at a time), as
-SamuLLM §4.1 profiles it in advance. Needs ``../shared/data``.
-
-Why one module of about 540 lines: one script's measurement, simulation and plots of one experiment.
+Real runs on this machine: ``bench/offline_real.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from actors.offline.job import chunk_text  # noqa: E402
 from bench.common import rows_table  # noqa: E402
-from app.serve_env import init_ray  # noqa: E402
 from planners.costs import CostModel  # noqa: E402
 from planners.registry import create  # noqa: E402
 from planners.offline import (  # noqa: E402
@@ -51,23 +45,28 @@ from planners.offline import (  # noqa: E402
     Edge,
     EngineLimits,
     JobGraph,
+    JobSimulator,
     ModelSpec,
     Stage,
     chain_maps,
+    moldable_bound,
     output_cdf_from_pairs,
     replay_plan,
 )
 
-SHARED = ROOT.parent / "shared" / "data"
+# ../shared/data beside the repository; COSERVE_SHARED_DATA points elsewhere (e.g. from a git worktree).
+SHARED = Path(os.environ.get("COSERVE_SHARED_DATA") or ROOT.parent / "shared" / "data")
 SHAREGPT = SHARED / "prompts" / "sharegpt_sample.jsonl"
 QMSUM = SHARED / "longdocs" / "qmsum_meetings_sample.jsonl"
 PROFILE = ROOT / "profiles" / "tiny-llama-cpu.json"
 IMG = ROOT / "docs" / "img"
 
-# (planner, preemption, known output lengths): SamuLLM's method, its baselines, the §5.5 ablations, and
-# `best` (greedy's plan or a heuristic's, whichever its cost model predicts faster).
-VARIANTS = [("greedy", True, False), ("greedy", False, False), ("greedy", True, True),
-            ("max", True, False), ("min", True, False), ("min", False, False), ("best", True, False)]
+# (planner, preemption, known output lengths): our search, SamuLLM's method (greedy), the §5 baselines and
+# the §5.5 ablations (no preemption, known output lengths).
+VARIANTS = [("search", True, False), ("search", False, False), ("search", True, True),
+            ("greedy", True, False), ("greedy", False, False), ("greedy", True, True),
+            ("max", True, False), ("max", True, True), ("min", True, False), ("min", False, False),
+            ("min", True, True)]
 
 
 def variant_name(planner: str, preemption: bool, known: bool) -> str:
@@ -115,6 +114,10 @@ ROUTING = ((SimModel("llama-2-70b", 69.0, 2 * 80 * 1024 * 2), 408),
            (SimModel("mixtral-8x7b", 46.7, 2 * 32 * 1024 * 2), 1267), (SimModel("wizardlm-13b", 13.0, _L13), 2068),
            (SimModel("codellama-34b", 33.7, 2 * 48 * 1024 * 2), 456),
            (SimModel("mistral-7b", 7.2, 2 * 32 * 1024 * 2), 2657))
+# An ensemble of five models of different sizes (the issue's SamuLLM-shaped ensemble; §5.1's are all 6 to 13 B).
+ENSEMBLE5 = (SimModel("mistral-7b", 7.2, 2 * 32 * 1024 * 2), SimModel("vicuna-13b", 13.0, _L13),
+             SimModel("codellama-34b", 33.7, 2 * 48 * 1024 * 2), SimModel("mixtral-8x7b", 46.7, 2 * 32 * 1024 * 2),
+             SimModel("llama-2-70b", 69.0, 2 * 80 * 1024 * 2))
 # Chain summary (§5.3): vicuna-13b summarizes, Llama-2-70b-chat evaluates.
 SUMMARIZER, EVALUATOR = SimModel("summarizer", 13.0, _L13), SimModel("evaluator", 69.0, 2 * 80 * 1024 * 2)
 CHUNK_TOKENS = 2048  # BooookScore's chunk size (§5.3)
@@ -158,9 +161,10 @@ def sim_spec(m: SimModel, prompts: Sequence[int], max_out: int, truth_pool: np.n
                      engine=EngineLimits(max_num_seqs=256, max_batched_tokens=8192))
 
 
-def ensemble_graph(d: SimData, n: int, max_out: int, seed: int = 0) -> tuple[list[ModelSpec], list[Edge]]:
+def ensemble_graph(d: SimData, n: int, max_out: int, seed: int = 0,
+                   models: Sequence[SimModel] = ENSEMBLE) -> tuple[list[ModelSpec], list[Edge]]:
     prompts = np.random.default_rng(seed).choice(d.prompts, size=n)
-    return [sim_spec(m, prompts, max_out, d.responses, seed + 1 + i) for i, m in enumerate(ENSEMBLE)], []
+    return [sim_spec(m, prompts, max_out, d.responses, seed + 1 + i) for i, m in enumerate(models)], []
 
 
 def routing_graph(d: SimData, scale: float, max_out: int, seed: int = 1) -> tuple[list[ModelSpec], list[Edge]]:
@@ -194,6 +198,10 @@ class SimCase:
 
 
 SIM_CASES = [
+    SimCase("ensemble5-1k", "5 models of 7 to 70 B × 1,000 prompts, ≤ 256 out",
+            lambda d: ensemble_graph(d, 1000, 256, models=ENSEMBLE5)),
+    SimCase("ensemble5-4k", "5 models of 7 to 70 B × 4,000 prompts, ≤ 512 out",
+            lambda d: ensemble_graph(d, 4000, 512, models=ENSEMBLE5)),
     SimCase("ensemble-1k", "9 models × 1,000 prompts, ≤ 256 out", lambda d: ensemble_graph(d, 1000, 256)),
     SimCase("ensemble-4k", "9 models × 4,000 prompts, ≤ 512 out", lambda d: ensemble_graph(d, 4000, 512)),
     SimCase("routing", "5 models, Table 1 split (6,856 prompts), ≤ 4,096 out", lambda d: routing_graph(d, 1.0, 4096)),
@@ -203,7 +211,7 @@ SIM_CASES = [
     SimCase("mixed-24", "chain-24 + ensemble of 1,000", lambda d: mixed_graph(d, 24, 1000)),
     SimCase("mixed-96", "chain-96 + ensemble of 1,000", lambda d: mixed_graph(d, 96, 1000)),
 ]
-QUICK_SIM = ("ensemble-1k", "routing-1/4", "chain-24", "mixed-24")
+QUICK_SIM = ("ensemble5-1k", "routing-1/4", "chain-24", "mixed-24")
 
 
 def sim_costs(job: JobGraph, pairs: list[tuple[int, int]]) -> dict[str, CostModel]:
@@ -219,11 +227,13 @@ def sim_costs(job: JobGraph, pairs: list[tuple[int, int]]) -> dict[str, CostMode
     return out
 
 
-def simulate_case(case: SimCase, d: SimData) -> tuple[list[dict[str, Any]], dict[str, tuple[Stage, ...]]]:
-    """Every variant of one workload: plan (sampled or true lengths), replay against the truth, time both."""
+def simulate_case(case: SimCase, d: SimData) -> tuple[list[dict[str, Any]], dict[str, tuple[Stage, ...]], float]:
+    """Every variant of one workload: plan (sampled or true lengths), replay against the truth, time both;
+    and the moldable bound of the true lengths (:func:`planners.offline.moldable_bound`)."""
     models, edges = case.build(d)
     job = JobGraph(tuple(models), tuple(edges))
     costs = sim_costs(job, d.pairs)
+    bound = moldable_bound(JobSimulator(job, SIM_DEVICES, costs, known_output_lengths=True)).bound_s
     rows, timelines = [], {}
     for planner, pre, known in VARIANTS:
         cpu = time.process_time()  # CPU, not wall, seconds: other sessions share this machine's 2 cores
@@ -239,50 +249,59 @@ def simulate_case(case: SimCase, d: SimData) -> tuple[list[dict[str, Any]], dict
                      "loads": sum(len(s.loads) for s in rep.stages), "fallbacks": rep.fallbacks})
     ours = rows[0]["e2e_s"]
     for r in rows:
-        r["vs_greedy"] = r["e2e_s"] / ours
-    return rows, timelines
+        r["vs_search"] = r["e2e_s"] / ours
+    return rows, timelines, bound
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per workload: greedy's (and best's) speedup over the better heuristic, from preemption, and knowing the lengths."""
+def summarize(rows: list[dict[str, Any]], bounds: dict[str, float]) -> list[dict[str, Any]]:
+    """Per workload: the search's and greedy's speedups over the better heuristic (end-to-end); the search's
+    when every planner knows the true lengths (§5.5); preemption's gain to the search; and the most a plan
+    could gain (better heuristic / bound)."""
     out = []
     for w in dict.fromkeys(r["workload"] for r in rows):
         e = {r["variant"]: r["e2e_s"] for r in rows if r["workload"] == w}
-        kept = next((r["plan"] for r in rows if r["workload"] == w and r["variant"] == "best"), "")
+        plan = {r["variant"]: r["plan"] for r in rows if r["workload"] == w}
         best = min(("max", "min"), key=e.__getitem__)
-        out.append({"workload": w, "greedy s": e["greedy"], "max s": e["max"], "min s": e["min"],
-                    "better heuristic": best, "speedup": e[best] / e["greedy"],
-                    "preemption gain": e["greedy, no preemption"] / e["greedy"],
-                    "known lengths gain": e["greedy"] / e["greedy, known lengths"],
-                    "best keeps": kept.partition(":")[2],
-                    "best speedup": e[best] / e["best"] if "best" in e else float("nan")})
-    keys = ("speedup", "preemption gain", "known lengths gain", "best speedup")
-    out.append({"workload": "geomean", "greedy s": "", "max s": "", "min s": "", "better heuristic": "",
-                "best keeps": "", **{k: geomean([r[k] for r in out]) for k in keys}})
+        out.append({"workload": w, "search s": e["search"], "plan kept": plan["search"], "greedy s": e["greedy"],
+                    "max s": e["max"], "min s": e["min"], "better heuristic": best,
+                    "search speedup": e[best] / e["search"], "greedy speedup": e[best] / e["greedy"],
+                    "known lengths: search speedup": min(e["max, known lengths"], e["min, known lengths"])
+                    / e["search, known lengths"],
+                    "preemption gain": e["search, no preemption"] / e["search"],
+                    "bound s": bounds[w], "bound speedup": e[best] / bounds[w]})
+    keys = ("search speedup", "greedy speedup", "known lengths: search speedup", "preemption gain", "bound speedup")
+    out.append({"workload": "geomean", **{k: "" for k in ("search s", "plan kept", "greedy s", "max s", "min s",
+                                                         "better heuristic", "bound s")},
+                **{k: geomean([r[k] for r in out]) for k in keys}})
     return out
 
 
-def run_sim(quick: bool, plot: bool) -> list[dict[str, Any]]:
+SUMMARY_KEYS = ["workload", "search s", "plan kept", "greedy s", "max s", "min s", "better heuristic",
+                "search speedup", "greedy speedup", "known lengths: search speedup", "preemption gain", "bound s",
+                "bound speedup"]
+
+
+def run_sim(quick: bool, plot: bool, workloads: Sequence[str] | None = None) -> list[dict[str, Any]]:
     d = load_sim_data()
-    cases = [c for c in SIM_CASES if not quick or c.name in QUICK_SIM]
+    cases = [c for c in SIM_CASES if (not quick or c.name in QUICK_SIM) and (not workloads or c.name in workloads)]
     print(f"# simulated: {SIM_DEVICES.count} devices × {SIM_DEVICES.memory_bytes / 1e9:.0f} GB; profile "
           f"{PROFILE.name} as a 7B model, scaled by weight; eCDF from {len(d.pairs)} ShareGPT pairs, true lengths "
           f"from the other {len(d.responses)} (summaries: {len(d.summaries)} QMSum answers)\n")
     for c in cases:
         print(f"- {c.name}: {c.about}")
-    rows, timelines = [], {}
+    rows, timelines, bounds = [], {}, {}
     for c in cases:
         t0 = time.perf_counter()
-        got, timelines[c.name] = simulate_case(c, d)
+        got, timelines[c.name], bounds[c.name] = simulate_case(c, d)
         rows += got
         print(f"  ({c.name} simulated in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     print("\n## every variant (times in simulated seconds; search_s: CPU seconds of the search on this machine; "
           "error = (predicted − actual) / actual)\n")
     print(rows_table(rows, ["workload", "variant", "plan", "search_s", "predicted_s", "actual_s", "e2e_s", "error",
-                          "stages", "loads", "fallbacks", "vs_greedy"]))
-    print("\n## greedy against the heuristics (end-to-end; gains are ratios of end-to-end times)\n")
-    print(rows_table(summarize(rows), ["workload", "greedy s", "max s", "min s", "better heuristic", "speedup",
-                                     "preemption gain", "known lengths gain", "best keeps", "best speedup"]))
+                          "stages", "loads", "fallbacks", "vs_search"]))
+    print("\n## against the better heuristic (end-to-end; speedup = better heuristic's time / the planner's; "
+          "bound: the moldable bound of the true lengths)\n")
+    print(rows_table(summarize(rows, bounds), SUMMARY_KEYS))
     if plot:
         plot_sim(rows, timelines, [c.name for c in cases])
     return rows
@@ -303,21 +322,21 @@ def _plt():
 def plot_sim(rows: list[dict[str, Any]], timelines: dict[str, dict[str, tuple[Stage, ...]]],
              workloads: list[str]) -> None:
     plt = _plt()
-    shown = [v for v in (variant_name(*x) for x in VARIANTS) if v != "greedy"]
+    shown = [v for v in (variant_name(*x) for x in VARIANTS) if v != "search"]
     fig, ax = plt.subplots(figsize=(11, 3.6))
     width = 0.8 / len(shown)
     for i, v in enumerate(shown):
-        ys = [next(r["vs_greedy"] for r in rows if r["workload"] == w and r["variant"] == v) for w in workloads]
+        ys = [next(r["vs_search"] for r in rows if r["workload"] == w and r["variant"] == v) for w in workloads]
         ax.bar(np.arange(len(workloads)) + (i - (len(shown) - 1) / 2) * width, ys, width, label=v)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylabel("end-to-end time / greedy's")
+    ax.set_ylabel("end-to-end time / search's")
     ax.legend(fontsize=8, ncol=3)
-    ax.set_title("Simulated 8-device node: each variant's end-to-end time relative to SamuLLM's greedy planner")
+    ax.set_title("Simulated 8-device node: each variant's end-to-end time relative to our search planner")
     _save(fig, IMG / "offline_sim.png")
     name = next((w for w in ("mixed-96", "mixed-24") if w in timelines), None)
     if name:
-        picks = ["greedy", "max", "min", "greedy, no preemption"]
+        picks = ["search", "greedy", "max", "min"]
         models = dict.fromkeys(p.model for v in picks for s in timelines[name][v] for p in s.plans)
         color = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(models)}  # one colour per model throughout
         fig, axes = plt.subplots(len(picks), 1, figsize=(11, 2.2 * len(picks)), sharex=True)
@@ -350,187 +369,18 @@ def _save(fig: Any, path: Path) -> None:
     print(f"(figure written to {path.relative_to(ROOT)})")
 
 
-# ---- real runs: tiny models, vLLM engines in Ray actors ------------------------------------------------
-
-
-REAL_PLANNERS = ("greedy", "max", "min")
-REAL_TOKENS = 64  # output limit of every model: the tiny random models mostly run to it
-# Table 1's split folded onto three sizes: 7B 39 %, 13B + Mixtral 48 %, 34B + 70B 13 %.
-ROUTE_SHARES = {"small": 0.39, "medium": 0.48, "large": 0.13}
-
-
-@dataclass(frozen=True)
-class RealCase:
-    name: str
-    example: str  # configs/jobs/<example>.yaml: models, templates, graph
-    prompts: int = 0  # ShareGPT prompts for an ensemble or routing part
-    meetings: int = 0  # QMSum meetings for a chain part, each cut to 1/doc_scale of its length
-    doc_scale: int = 40
-
-
-REAL_CASES = [RealCase("ensemble", "ensemble", prompts=96), RealCase("routing", "routing", prompts=192),
-              RealCase("chain", "chain_summary", meetings=8), RealCase("mixed", "mixed", prompts=64, meetings=8)]
-QUICK_REAL = ("routing", "mixed")
-
-
-def write_real_inputs(case: RealCase, folder: Path) -> dict[str, Path]:
-    """ShareGPT prompts (≤ 500 bytes: the byte-level tokenizer makes a byte a token), a routing file by
-    ROUTE_SHARES, and QMSum meetings shortened to keep QMSum's skew of lengths at a size this CPU runs."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    rows = [r for r in map(json.loads, SHAREGPT.open()) if 0 < len(r["prompt"].encode()) <= 500][: case.prompts]
-    prompts = [{"id": r["id"], "prompt": r["prompt"]} for r in rows]
-    models = list(ROUTE_SHARES)
-    routes = [{"id": r["id"], "model": str(rng.choice(models, p=list(ROUTE_SHARES.values())))} for r in prompts]
-    meetings = [json.loads(line) for line in QMSUM.open()][: case.meetings]
-    docs = [{"id": m["doc_id"], "text": m["transcript"][: len(m["transcript"]) // case.doc_scale]} for m in meetings]
-    out = {}
-    for name, data in (("prompts", prompts), ("routes", routes), ("docs", docs)):
-        out[name] = folder / f"{name}.jsonl"
-        out[name].write_text("".join(json.dumps(x) + "\n" for x in data))
-    return out
-
-
-def size_key(model: dict[str, Any]) -> str:
-    """An embedded model's size, the key of the load-time table (the summarizer is medium's size)."""
-    e = model.get("embedded") or {}
-    return f"h{e.get('hidden_size', 256)}-l{e.get('layers', 4)}"
-
-
-def real_job(case: RealCase, folder: Path, loads: dict[str, float]) -> Path:
-    """The example job with the inputs above, output limit REAL_TOKENS and the measured load times
-    (``loads``: per size_key, and ``default`` for the rest)."""
-    import yaml
-
-    spec = yaml.safe_load((ROOT / "configs" / "jobs" / f"{case.example}.yaml").read_text())
-    files = write_real_inputs(case, folder)
-
-    def point(part: dict[str, Any]) -> None:
-        kind = part["app"]["kind"]
-        part["input"] = str(files["docs" if kind == "chain_summary" else "prompts"])
-        if kind == "routing":
-            part["app"]["routing_file"] = str(files["routes"])
-
-    for part in spec["app"]["parts"] if spec["app"]["kind"] == "mixed" else [spec]:
-        point(part)
-    for m in spec["models"]:
-        m["max_output_tokens"] = REAL_TOKENS
-        m["load_s"] = loads.get(size_key(m), loads["default"])
-    spec.update(output_dir=str(folder / "out"), engine_load_s=loads["default"])
-    path = folder / "job.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def start_ray() -> None:
-    # Ray starts workers at nice 15; on a shared host the engines would then time other sessions' work.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    init_ray(address="local")  # a Ray of our own, even when another one runs on this machine
-
-
-def measure_load_table(folder: Path, data_dir: Path) -> dict[str, float]:
-    """SamuLLM §4.1's load-time table, measured: start each of the three model sizes of the examples
-    (one request, one token), two at a time as in the runs; the median start time per size."""
-    import yaml
-
-    from app.offline import run_job
-    from actors.offline.job import load_job
-
-    path = real_job(RealCase("load-table", "ensemble", prompts=2), folder, {"default": 30.0})
-    size = {m["name"]: size_key(m) for m in yaml.safe_load(path.read_text())["models"]}
-    job, base = load_job(path)
-    job = job.model_copy(update={"models": [m.model_copy(update={"max_output_tokens": 1}) for m in job.models]})
-    summary = run_job(job, base, "min", True, data_dir, folder / "out", progress=False)  # loads 2 at a time, as runs do
-    starts = [(size[r["model"]], r["load_s"]) for r in summary["replicas"] if r["load_s"] is not None]
-    table = {k: float(np.median([s for kk, s in starts if kk == k])) for k in dict.fromkeys(k for k, _ in starts)}
-    table["default"] = float(np.median([s for _, s in starts]))
-    print("load-time table (s): " + ", ".join(f"{k} {v:.1f}" for k, v in table.items())
-          + f" from {len(starts)} engine starts")
-    return table
-
-
-def run_real_case(case: RealCase, planner: str, folder: Path, data_dir: Path, loads: dict[str, float]
-                  ) -> dict[str, Any]:
-    from app.offline import run_job
-    from actors.offline.job import load_job
-
-    job, base = load_job(real_job(case, folder, loads))
-    load_before = os.getloadavg()[0]
-    s = run_job(job, base, planner, True, data_dir, folder / "out", progress=False)
-    loads = [r["load_s"] for r in s["replicas"] if r["load_s"] is not None]
-    return {"workload": case.name, "planner": planner, "requests": sum(m["requests"] for m in s["models"].values()),
-            "search_s": s["search_time_s"], "predicted_s": s["predicted_s"], "actual_s": s["actual_s"],
-            "e2e_s": s["actual_s"] + s["search_time_s"], "error": (s["predicted_s"] - s["actual_s"]) / s["actual_s"],
-            "engine starts": len(loads), "mean load s": float(np.mean(loads)) if loads else 0.0,
-            "load share": sum(loads) / (job.devices.count * s["actual_s"]),
-            "stages": len(s["stages"]), "loadavg": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}",
-            "gantt": folder / "out" / "gantt.png"}
-
-
-def run_real(quick: bool, data_dir: Path, load_s: float | None, plot: bool, work_dir: Path | None = None,
-             workloads: Sequence[str] | None = None, planners: Sequence[str] = REAL_PLANNERS) -> list[dict[str, Any]]:
-    start_ray()
-    cases = [c for c in REAL_CASES if (not quick or c.name in QUICK_REAL) and (not workloads or c.name in workloads)]
-    t_start = time.time()
-    with tempfile.TemporaryDirectory(prefix="offline-bench-") as tmp:
-        root = work_dir or Path(tmp)
-        loads = {"default": load_s} if load_s else measure_load_table(root / "load-table", data_dir)
-        rows = []
-        for case in cases:
-            for planner in planners:
-                row = run_real_case(case, planner, root / f"{case.name}-{planner}", data_dir, loads)
-                rows.append(row)
-                print(f"  {case.name} {planner}: {row['e2e_s']:.1f} s (predicted {row['predicted_s']:.1f} s)",
-                      file=sys.stderr)
-                if plot and case.name == "mixed":
-                    IMG.mkdir(parents=True, exist_ok=True)
-                    (IMG / f"offline_real_mixed_{planner}.png").write_bytes(row["gantt"].read_bytes())
-    print(f"\n# real: {len(cases)} workloads × {len(planners)} planners on this machine "
-          f"({os.cpu_count()} cores = 2 devices), output limit {REAL_TOKENS}, load-time table "
-          f"{', '.join(f'{k} {v:.1f} s' for k, v in loads.items())}; "
-          f"{time.time() - t_start:.0f} s in all\n")
-    print(rows_table(rows, ["workload", "planner", "requests", "search_s", "predicted_s", "actual_s", "e2e_s", "error",
-                          "engine starts", "mean load s", "load share", "stages", "loadavg"]))
-    summary = []
-    nan = float("nan")
-    for w in dict.fromkeys(r["workload"] for r in rows):
-        e = {r["planner"]: r["e2e_s"] for r in rows if r["workload"] == w}
-        heuristics = [h for h in ("max", "min") if h in e]
-        better = min(heuristics, key=e.__getitem__) if heuristics else ""
-        summary.append({"workload": w, **{f"{n} s": e.get(n, nan) for n in ("greedy", "max", "min", "best")},
-                        "better heuristic": better,
-                        "speedup": e[better] / e["greedy"] if better and "greedy" in e else nan,
-                        "best speedup": e[better] / e["best"] if better and "best" in e else nan})
-    errors = [abs(r["error"]) for r in rows]
-    keys = ("speedup", "best speedup")
-    summary.append({"workload": "geomean", "greedy s": "", "max s": "", "min s": "", "best s": "",
-                    "better heuristic": "", **{k: geomean([r[k] for r in summary if r[k] == r[k]]) for k in keys}})
-    print("\n## greedy (and best) against the heuristics (real, end-to-end)\n")
-    print(rows_table(summary, ["workload", "greedy s", "max s", "min s", "best s", "better heuristic", *keys]))
-    print(f"\ncost-model error |predicted − actual| / actual: mean {np.mean(errors):.1%}, "
-          f"median {np.median(errors):.1%}, max {max(errors):.1%}")
-    return rows
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["sim", "real", "all"])
-    p.add_argument("--quick", action="store_true", help="fewer workloads (and smaller real runs)")
+    p.add_argument("part", choices=["sim"], help="sim: the simulated 8-device node (real runs: bench/offline_real.py)")
+    p.add_argument("--quick", action="store_true", help="4 of the workloads")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--data-dir", default=str(Path("~/.cache/coserve").expanduser()), help="embedded models")
-    p.add_argument("--load-s", type=float, help="engine load time to plan with (default: measure it first)")
-    p.add_argument("--work-dir", help="keep each real run's job, outputs, plan and summary here (default: a temp dir)")
-    p.add_argument("--workloads", help="real runs: only these workloads (comma-separated: ensemble,routing,chain,mixed)")
-    p.add_argument("--planners", default=",".join(REAL_PLANNERS), help="real runs: these planners, in order")
+    p.add_argument("--workloads", help="only these workloads (comma-separated, e.g. chain-24,mixed-24)")
     a = p.parse_args(argv)
     if not SHARED.is_dir():
-        print(f"error: {SHARED} not found (the benchmark reads ShareGPT and QMSum from it)", file=sys.stderr)
+        print(f"error: {SHARED} not found (the benchmark reads ShareGPT and QMSum from it; COSERVE_SHARED_DATA "
+              "points elsewhere)", file=sys.stderr)
         return 2
-    if a.part in ("sim", "all"):
-        run_sim(a.quick, not a.no_plot)
-    if a.part in ("real", "all"):
-        run_real(a.quick, Path(a.data_dir).expanduser(), a.load_s, not a.no_plot,
-                 Path(a.work_dir).expanduser().resolve() if a.work_dir else None,
-                 a.workloads.split(",") if a.workloads else None, tuple(x for x in a.planners.split(",") if x))
+    run_sim(a.quick, not a.no_plot, a.workloads.split(",") if a.workloads else None)
     return 0
 
 

@@ -25,8 +25,9 @@ import re
 import time
 from typing import Any
 
-from actors.serving import request_stages
-from settings import LimitsConfig
+from actors.serving import fair_admission, request_stages
+from planners.registry import create
+from settings import EngineConfig, LimitsConfig
 from deployments.keys import LOCAL, KeyRing, Principal
 
 
@@ -58,8 +59,9 @@ PRINCIPAL = PrincipalVar()
 
 # Answered without a key: liveness for load balancers, and the API's own description.
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
-# Whole-service views: every tenant's adapters and every node's facts.
-ADMIN_PATHS = frozenset({"/v1/status", "/metrics"})
+# Whole-service views: every tenant's adapters and every node's facts. (/metrics answers a tenant's key with its
+# own series only: deployments/learning.py.)
+ADMIN_PATHS = frozenset({"/v1/status"})
 _WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 # The one route whose body may exceed limits.max_body_bytes: an adapter upload, up to limits.max_adapter_bytes.
 UPLOAD_PATH_RE = re.compile(r"^/v1/adapters/.+/versions$")
@@ -111,6 +113,11 @@ class RequestGuard:
 
     def __init__(self, app: Any, keys: KeyRing, limits: LimitsConfig) -> None:
         self.app, self.keys, self.limits = app, keys, limits
+        # An app's config has ``auto`` derived from its engine already (settings.AppConfig); limits alone, from the
+        # engine's defaults.
+        engine = EngineConfig()
+        held = create("admission", engine.admission, **engine.admission_params).holds
+        self.max_concurrent = limits.in_flight_cap(engine.max_num_seqs, held)
         self._buckets: dict[str, TokenBucket] = {}  # one per key that has been used: bounded by the key ring
         self._in_flight: dict[str, int] = {}
 
@@ -146,10 +153,12 @@ class RequestGuard:
                     return
                 receive = _replay(body, receive)
             PRINCIPAL.set(principal)
+            # The fair admission in front of the engine queues the request as its tenant's (None: local mode).
+            fair_admission.TENANT.set(principal.tenant if self.keys.enabled else None)
             request_stages.mark("guard")
             await self.app(scope, receive, send)
         finally:
-            if self.keys.enabled and self.limits.max_concurrent is not None:
+            if self.keys.enabled and self.max_concurrent is not None:
                 self._in_flight[principal.key_id] -= 1
 
     async def _admit(self, principal: Principal, send: Any) -> bool:
@@ -165,9 +174,11 @@ class RequestGuard:
                                  f"reached; retry in {wait:.2f} s.", "rate_limit_error", "rate_limit_exceeded",
                                  headers=((b"retry-after", str(max(1, round(wait + 0.5))).encode()),))
                 return False
-        if lim.max_concurrent is not None:
-            if self._in_flight.get(key, 0) >= lim.max_concurrent:
-                await send_error(send, 429, f"This key already has {lim.max_concurrent} requests in flight.",
+        cap = self.max_concurrent
+        if cap is not None:
+            if self._in_flight.get(key, 0) >= cap:
+                await send_error(send, 429, f"This key already has {cap} requests in flight "
+                                 "(limits.max_concurrent).",
                                  "rate_limit_error", "too_many_concurrent_requests",
                                  headers=((b"retry-after", b"1"),))
                 return False

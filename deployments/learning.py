@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 
 from settings import AppConfig
@@ -144,10 +144,23 @@ async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
     return internal_error(request, exc)
 
 
+class RetentionView(BaseModel):
+    """How the served version keeps the base model's answers to the gate's retention set (issue 37)."""
+
+    version: int = Field(description="The served version these numbers are of.")
+    score: float = Field(description="Its mean log-likelihood per token of the base model's answers.")
+    base: float = Field(description="The base model's own score of them.")
+    lost: float = Field(description="base - score: what the version lost (the gate rejects more than margin).")
+    margin: float = Field(description="gate.retention_margin in effect.")
+    prompts: int | None = Field(description="Prompts of the retention set.")
+
+
 class AdapterView(AdapterInfo):
     """An adapter as ``/v1/adapters`` answers it: its name as the caller names it, and the model requests name."""
 
     model: str = Field(description="What a request's `model` names to be served by this unit's current version.")
+    retention: RetentionView | None = Field(
+        None, description="The served version's retention check; null before a scored version is served.")
 
 
 class LearningRoutes:
@@ -277,9 +290,14 @@ class LearningRoutes:
         name = shown_name(principal, info.name)
         shown = (lambda text: text) if principal.admin else self.without_paths
         versions = [v.model_copy(update={"adapter": name, "reason": shown(v.reason)}) for v in info.versions]
+        served = next((v for v in info.versions if v.version == info.current_version), None)
+        retention = (None if served is None or served.retention is None or served.retention_base is None else
+                     RetentionView(version=served.version, score=served.retention, base=served.retention_base,
+                                   lost=served.retention_base - served.retention, margin=info.gate.retention_margin,
+                                   prompts=served.retention_prompts))
         return AdapterView(**{**dict(info), "name": name, "versions": versions,
                               "paused_reason": shown(info.paused_reason)},
-                           model=unit_kind(info.method).model_name(self.base, name))
+                           model=unit_kind(info.method).model_name(self.base, name), retention=retention)
 
     def _adapter_json(self, info: AdapterInfo) -> dict[str, Any]:
         """The JSON of :meth:`_adapter_view`; a tenant's has no server path (no version's ``path``)."""
@@ -423,10 +441,13 @@ class LearningRoutes:
         return JSONResponse(self._adapter_json(info))
 
     async def metrics(self) -> Response:
-        from deployments.metrics import CONTENT_TYPE_LATEST, render
+        from deployments.metrics import CONTENT_TYPE_LATEST, render, render_tenant
 
-        status = await self.ask_planner(lambda p: p.status.remote())
         engines = await self.ask_planner(lambda p: p.engine_metrics.remote())
+        principal = PRINCIPAL.get()
+        if not principal.admin:  # a tenant's key: its own series, nobody else's
+            return Response(render_tenant(engines, principal.tenant or ""), media_type=CONTENT_TYPE_LATEST)
+        status = await self.ask_planner(lambda p: p.status.remote())
         adapters = [a.model_dump() for a in await self.call_store(lambda q: q.list_adapters.remote())]
         return Response(render(status, adapters, engines), media_type=CONTENT_TYPE_LATEST)
 

@@ -17,7 +17,8 @@ __all__ = ["render", "CONTENT_TYPE_LATEST"]
 
 def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: dict[int, str] | None = None) -> bytes:
     """The Prometheus text exposition of ``status`` (Planner.status), ``adapters`` (store infos) and ``engines``
-    (each node's vLLM series, as its ``PrometheusStatLogger`` exposes them), the latter with a ``node`` label."""
+    (each node's vLLM series, as its ``PrometheusStatLogger`` exposes them, and the app's per-stage, per-iteration
+    and per-tenant series), the latter with a ``node`` label: the admin's view, every tenant's series."""
     reg = CollectorRegistry()
     if engines:
         reg.register(_Families(engine_families(engines)))
@@ -35,8 +36,49 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
                           "in its prefix cache since its replica started", node, registry=reg)
     cache_hit = Gauge("coserve_node_prefix_cache_hit_tokens_total", "of those, tokens found cached (same tenant's "
                       "prefixes only: per-tenant cache salt)", node, registry=reg)
+    prediction = Gauge("coserve_window_prediction_error", "median error of the recent fine-tuning grants' prediction "
+                       "on the node: duration and worst_gap relative ((modelled - measured) / measured), delay in "
+                       "seconds (rho*t_ft - inference seconds lost beside the window)", node + ("quantity",),
+                       registry=reg)
+    measured = Gauge("coserve_window_grants_measured", "recent fine-tuning grants measured against their prediction",
+                     node, registry=reg)
+    interference = Gauge("coserve_window_interference", "rho, inference seconds lost per second of fine-tuning beside "
+                         "it: the profile's, and the one in force (measured once enough windows ran)",
+                         node + ("source",), registry=reg)
+    iteration_factor = Gauge("coserve_engine_iteration_factor", "measured / modelled time between tokens of engine "
+                             "steps without fine-tuning beside them (the budget's t_iter refit)", node, registry=reg)
+    attainment = Gauge("coserve_slo_attainment", "share of times between tokens within the TBT SLO (slo=tbt, one per "
+                       "decoding request and step) and of first tokens within the TTFT SLO (slo=ttft), with "
+                       "fine-tuning running beside them or not", node + ("slo", "training"), registry=reg)
+    observed = CounterMetricFamily("coserve_slo_observed", "times between tokens and first tokens counted against "
+                                   "the SLOs, and how many were within", labels=node + ("slo", "training", "within"))
+    reg.register(_Families([observed]))
     for n in status.get("nodes", []):
         label = str(n["node_id"])
+        wp = n.get("window_prediction") or {}
+        if wp:
+            measured.labels(label).set(wp.get("grants_measured", 0))
+            for quantity, key in (("duration", "duration_median_error"), ("worst_gap", "worst_gap_median_error"),
+                                  ("delay", "delay_median_error_s")):
+                if wp.get(key) is not None:
+                    prediction.labels(label, quantity).set(wp[key])
+            rho = wp.get("interference") or {}
+            for source in ("profile", "in_force"):
+                if rho.get(source) is not None:
+                    interference.labels(label, source).set(rho[source])
+            if wp.get("iteration_factor") is not None:
+                iteration_factor.labels(label).set(wp["iteration_factor"])
+        slo = n.get("slo_attainment") or {}
+        for kind in ("tbt", "ttft"):
+            for training in ("training", "no_training"):
+                c = slo.get(f"{kind}_{training}")
+                if not c:
+                    continue
+                yes = "yes" if training == "training" else "no"
+                if c.get("share") is not None:
+                    attainment.labels(label, kind, yes).set(c["share"])
+                observed.add_metric([label, kind, yes, "yes"], c["within"])
+                observed.add_metric([label, kind, yes, "no"], c["total"] - c["within"])
         if "prefix_cache" in n:
             cache_queried.labels(label).set(n["prefix_cache"]["queried_tokens"])
             cache_hit.labels(label).set(n["prefix_cache"]["hit_tokens"])
@@ -59,6 +101,12 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
     clpd = Gauge("coserve_adapter_clpd", "CLPD on the held-out preferences (MACE §3.1)", ad, registry=reg)
     token_logprob = Gauge("coserve_adapter_token_logprob", "sft: mean log-likelihood per held-out completion token",
                           ad, registry=reg)
+    retention = Gauge("coserve_adapter_retention", "the served version's retention score: mean log-likelihood per "
+                      "token of the base model's answers to the retention set (issue 37)", ad, registry=reg)
+    retention_base = Gauge("coserve_adapter_retention_base", "the base model's own retention score (the gate rejects "
+                           "a version that loses more than gate.retention_margin against it)", ad, registry=reg)
+    score_s = Gauge("coserve_adapter_score_seconds", "seconds the gate spent scoring the served version", ad,
+                    registry=reg)
     paused = Gauge("coserve_adapter_paused", "1 while training is paused (e.g. too many versions rejected in a row)",
                    ad, registry=reg)
     held_out = Gauge("coserve_adapter_held_out", "feedback items kept out of training as the held-out slice", ad,
@@ -82,9 +130,32 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
         if current is None:
             continue
         for gauge, key in ((trained, "samples_trained"), (loss, "loss"), (win, "win_rate"), (clpd, "clpd"),
-                           (token_logprob, "token_logprob")):
+                           (token_logprob, "token_logprob"), (retention, "retention"),
+                           (retention_base, "retention_base"), (score_s, "score_s")):
             if current.get(key) is not None:
                 gauge.labels(name).set(current[key])
+    return generate_latest(reg)
+
+
+TENANT_PREFIX = "coserve_tenant_"  # the per-tenant series of each replica's fair admission (actors/serving/fair_admission.py)
+
+
+def render_tenant(engines: dict[int, str], tenant: str) -> bytes:
+    """What a tenant's key reads at ``/metrics``: its own ``coserve_tenant_*`` series (served tokens, queue wait,
+    time to first token, per node) and nothing of any other tenant's or of the service's."""
+    from prometheus_client.metrics_core import Metric
+
+    own = []
+    for family in engine_families(engines):
+        if not family.name.startswith(TENANT_PREFIX):
+            continue
+        mine = Metric(family.name, family.documentation, family.type, family.unit)
+        for sample in family.samples:
+            if sample.labels.get("tenant") == tenant:
+                mine.add_sample(sample.name, sample.labels, sample.value, sample.timestamp)
+        own.append(mine)
+    reg = CollectorRegistry()
+    reg.register(_Families(own))
     return generate_latest(reg)
 
 

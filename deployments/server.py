@@ -47,6 +47,7 @@ from actors.serving import request_stages
 from actors.learning.versions.files import AdapterFiles
 from actors.control.planner import NAMESPACE
 from actors.serving.replica import ModelReplica
+from actors.serving.fair_admission import FairAdmission
 from settings import AppConfig
 from actors.serving.engine_args import engine_flags, served_model_name
 from deployments.guard import PRINCIPAL, RequestGuard
@@ -125,6 +126,7 @@ class ModelServer:
         log = request_stages.request_log()
         if log is not None:  # a benchmark's request log: the event loop's stalls go in too
             log.watch_loop()
+        self.replica.engine.admission = FairAdmission.from_config(config, self.replica.engine)  # engine.admission
         self._prepare_checks()
         ctx = ray.get_runtime_context()
         pg = ray.util.get_current_placement_group()

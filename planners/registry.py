@@ -20,6 +20,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "stages": ("planners.offline.search",),
     "retraining": ("planners.retraining",),
     "stage_order": ("planners.pipeline.orders",),
+    "admission": ("planners.fairness",),
 }
 _POLICIES: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in _MODULES}
 

@@ -28,8 +28,9 @@ class _ConfigSection(BaseModel):
 
 
 class GateSettings(BaseModel):
-    """The quality gate: a trained version is served only if it scores on the adapter's held-out slice
-    no worse than the version served now (the base model before the first) by more than ``margin``.
+    """The quality gate: a trained version is served only if it keeps the base model's answers on a retention set
+    (within ``retention_margin``) and scores on the adapter's held-out slice no worse than the version served now
+    (the base model before the first) by more than ``margin`` (planners/gate.py).
 
     The app's default is ``training.gate``; an adapter's ``gate`` overrides any of these fields.
     """
@@ -47,6 +48,20 @@ class GateSettings(BaseModel):
     pause_after_rejections: int = Field(
         3, ge=0, le=MAX_COUNT, description="Consecutive rejected versions after which the adapter stops training (0: never).")
     max_eval_items: int = Field(64, gt=0, le=MAX_COUNT, description="Held-out items a version is scored on (the oldest ones).")
+    retention: bool = Field(
+        True, description="Score every candidate on a retention set (general prompts with the base model's own greedy "
+                          "answers) and reject one that loses more than retention_margin: the gate sees forgetting.")
+    retention_file: str | None = Field(
+        None, description="JSONL of prompts the adapter must not break ({\"prompt\": ...} or {\"messages\": [...]} "
+                          "per line; the base model's answers are generated and cached); null: the shipped set "
+                          "(actors/learning/lora/retention_prompts.jsonl). Relative paths are under data_dir.")
+    retention_margin: float = Field(
+        0.1, ge=0, description="Nats per token of the base model's answers a candidate may lose on the retention set "
+                               "and still be served (compared with the base model, not the served version).")
+    thin_evidence: Literal["serve", "wait"] = Field(
+        "serve", description="When the held-out slice is too small to show a drop of margin (one item has no spread): "
+                             "serve: judge on the retention check alone; wait: hold the version back (not counted as "
+                             "a rejection) until the slice can show the margin.")
 
 
 class ModelConfig(_ConfigSection):
@@ -78,7 +93,45 @@ class EngineConfig(_ConfigSection):
     enable_lora: bool = True
     max_lora_rank: int = Field(8, gt=0)
     max_loras: int = Field(4, gt=0, description="Adapters resident in one engine batch.")
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority"] | None = Field(
+        None, description="vLLM's scheduling: fcfs or priority (lower first). null: priority when the admission "
+                          "policy sets each request's priority (vtc), else fcfs.")
+    admission: str = Field(
+        "vtc", description="Admission policy from the registry (planners/fairness.py): vtc, fair across tenants "
+                           "(VTC, Sheng et al. OSDI 2024: the tenant with the least virtual token counter goes "
+                           "next, one tenant holds at most all but an eighth of the sequence slots); fcfs, every "
+                           "request straight to the engine in arrival order.")
+    admission_params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword args of that policy: prefill_weight (1), decode_weight (2), "
+                                          "training_weight (1), the cost of a prompt, output and training token.")
+
+    @field_validator("admission")
+    @classmethod
+    def _known_admission(cls, v: str) -> str:
+        from planners.registry import names
+
+        if v not in names("admission"):
+            raise ValueError(f"unknown admission policy {v!r}; choose one of {names('admission')}")
+        return v
+
+    @model_validator(mode="after")
+    def _admission_params_fit(self) -> "EngineConfig":
+        from planners.registry import create
+
+        try:
+            create("admission", self.admission, **self.admission_params)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"engine.admission_params for {self.admission}: {exc}") from None
+        return self
+
+    @property
+    def vllm_scheduling_policy(self) -> str:
+        """The ``--scheduling-policy`` the engine runs: as set, else what the admission policy needs."""
+        if self.scheduling_policy is not None:
+            return self.scheduling_policy
+        from planners.registry import policy_class
+
+        return "priority" if policy_class("admission", self.admission).sets_priority else "fcfs"
     seed: int = 0
     omp_threads: int | None = Field(
         None, gt=0, description="CPU only: OpenMP threads of one engine; null lets vLLM choose (as plain vLLM does)."
@@ -165,6 +218,18 @@ class TrainingConfig(_ConfigSection):
         description="One full-model pipeline stage actor's share of its bundle (stage i in bundle i of node 0's group; "
                     "full_sft/full_dpo units). With cluster.stages > 1 bundle 0 keeps it free beside the replica "
                     "and the trainer rank.")
+    cpu_placement: Literal["apart", "shared", "any"] = Field(
+        "any", description="CPU hosts: where a trainer rank's threads run beside its node's engine. apart: off the "
+                             "cores vLLM's CPU workers are bound to (with the app's other processes); shared: on "
+                             "those cores; any: the kernel's choice. Measured in docs/benchmarks.md (issue 38). "
+                             "No effect on GPU hosts, or where the engine workers hold every core.")
+    cpu_priority: Literal["normal", "low", "idle"] = Field(
+        "normal", description="CPU hosts: the scheduling priority of a trainer rank's threads. low: nice 19 (the "
+                              "processes that serve get about 98% of a shared core while they want it); idle: "
+                              "SCHED_IDLE (only what nothing else wants). Measured in docs/benchmarks.md (issue 38).")
+    torch_threads: int | None = Field(
+        None, gt=0, description="Torch threads of a trainer rank; null: its CPU share in resources_per_worker, at "
+                                "least 1 (measured with cpu_placement, docs/benchmarks.md).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="The trainer's base weights: auto is bfloat16 on GPUs and CPUs with bf16 instructions, "
                             "else float32. LoRA weights and optimizer moments stay float32.")
@@ -172,13 +237,24 @@ class TrainingConfig(_ConfigSection):
     steps_per_version: int = Field(1, gt=0, description="Optimizer steps between published versions (k).")
     accumulation: int = Field(1, gt=0, description="Micro-steps per optimizer step.")
     max_length: int = Field(512, gt=0, description="Tokens per training sequence (prompt + completion).")
-    slo_ttft_s: float = Field(1.0, gt=0, description="Inference TTFT SLO that LEMIX Eq. 4 grants protect.")
+    slo_ttft_s: float = Field(1.0, gt=0, description="The tenants' time-to-first-token objective: LEMIX Eq. 4 grants "
+                                                     "and an idle engine's grants keep a request arriving meanwhile "
+                                                     "within it; /v1/status and /metrics count the share of first "
+                                                     "tokens within it, with training beside them and without.")
     slo_tbt_s: float | None = Field(
-        None, gt=0, description="Time-between-tokens SLO: the latency bound of one iteration window that the "
-                                "co-serving policy keeps inference plus fine-tuning within (FlexLLM §6.2). null: "
-                                "derived from the cost profile, 4 decode iterations and at least 0.1 s "
-                                "(planners/coserving/slo.py); a value the profile shows cannot hold is named in "
+        None, gt=0, description="The tenants' time-between-tokens objective: the latency bound of one iteration "
+                                "window that the co-serving policy keeps inference plus fine-tuning within (FlexLLM "
+                                "§6.2); /v1/status and /metrics count the share of times between tokens within it, "
+                                "with training beside them and without. null: derived from the cost profile, 4 "
+                                "decode iterations and at least 0.1 s (planners/coserving/slo.py; /v1/status "
+                                "slo.tbt_source says how); a value the profile shows cannot hold is named in "
                                 "/v1/status (slo.problems) at start-up.")
+    slo_slowdown: float | None = Field(
+        None, gt=0, lt=1, description="The tenants' throughput objective: the share of their throughput training may "
+                                      "take while they are served. The co-serving policy (hybrid) then gives "
+                                      "fine-tuning at most a share d of each node's busy time with rho*d <= "
+                                      "slo_slowdown, rho as measured on the node (docs/coserving.md). null: no bound "
+                                      "but slo_tbt_s.")
     eval_file: str | None = Field(
         None, description="Preference JSONL that scores the versions of adapters without held-out feedback of their "
                           "own (win rate / CLPD; sft adapters: log-likelihood of the chosen answers).")
@@ -278,12 +354,42 @@ class LimitsConfig(_ConfigSection):
         50.0, gt=0, description="Sustained requests per second per API key, on each model server (null: no cap); "
                                 "over it: 429 with Retry-After. Applies when keys are configured.")
     burst: int = Field(100, gt=0, description="Requests a key may send at once above that rate.")
-    max_concurrent: int | None = Field(
-        64, gt=0, description="Requests one API key may have in flight on a model server (null: no cap); "
-                              "over it: 429. Applies when keys are configured.")
+    max_concurrent: int | Literal["auto"] | None = Field(
+        "auto", description="Requests one API key may have in flight on a model server (null: no cap); over it: "
+                            "429. Applies when keys are configured. auto: derived from engine.max_num_seqs so "
+                            "that one key never holds every sequence slot: twice the slots under an admission "
+                            "policy that holds requests (vtc: the fair queue keeps the tenant to all but an eighth "
+                            "of them, the rest wait in it), else the slots less an eighth (28 of 32).")
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict, description="Share weight per tenant under a fair admission policy (default 1): a "
+                                          "tenant of weight 2 gets twice the service of a tenant of weight 1 "
+                                          "while both wait.")
+
+    @field_validator("max_concurrent")
+    @classmethod
+    def _positive_cap(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("max_concurrent must be > 0, auto or null")
+        return v
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _positive_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {t: w for t, w in v.items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant weights must be > 0: {bad}")
+        return v
+
     adapters_per_tenant: int | None = Field(
         64, gt=0, description="Adapters one tenant may own (null: no cap); creating one more answers 403 "
                               "(permission_error). Without API keys every adapter counts toward one allowance.")
+
+    def in_flight_cap(self, max_num_seqs: int, held: bool) -> int | None:
+        """Requests one key may have in flight: ``max_concurrent``, with ``auto`` derived from the engine's slots and
+        whether the admission policy holds requests in front of the engine (``planners.fairness.key_in_flight_cap``)."""
+        from planners.fairness import key_in_flight_cap
+
+        return key_in_flight_cap(max_num_seqs, held) if self.max_concurrent == "auto" else self.max_concurrent
 
 
 class AppConfig(_ConfigSection):
@@ -298,6 +404,15 @@ class AppConfig(_ConfigSection):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @model_validator(mode="after")
+    def _derive_in_flight_cap(self) -> "AppConfig":
+        """``limits.max_concurrent: auto`` becomes its number here, where the engine's slots are known."""
+        from planners.registry import create
+
+        held = create("admission", self.engine.admission, **self.engine.admission_params).holds
+        self.limits.max_concurrent = self.limits.in_flight_cap(self.engine.max_num_seqs, held)
+        return self
 
     @model_validator(mode="after")
     def _shares_fit(self) -> "AppConfig":

@@ -86,6 +86,9 @@ def app_config(data_dir) -> dict:
         "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
         # Round robin makes per-node counts exact in tests; test_placement_live.py switches to lemix.
         "planner": {"placement": "round_robin"},
+        # The random tiny model has no answers worth keeping: the gate's retention check is off by default here
+        # and on where a test asks for it (tests/integration/test_gate.py).
+        "training": {"gate": {"retention": False}},
     }
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from settings import AppConfig
 from actors.control.nodes import NodeRecord, NodeRegistry
 from actors.control.policies import Policies
-from actors.learning.messages import Grant, GrantedWindow, GrantRequest, PassReport, PassVerdict
+from actors.learning.messages import Grant, GrantedWindow, GrantRequest, PassReport, PassVerdict, WindowsRan
 from planners.coserving import FineTuneSample, whole_windows
 from planners.costs import CostModel
 from planners.placement import TrainingPlacer
@@ -65,8 +65,8 @@ class TrainingGrants:
         """Which token windows may the trainer on ``request.node_id`` run now for its unfinished samples?
 
         The trainer owns its samples' progress and sends it with each request (``SampleProgress``:
-        tokens, done, t_arr, last loss, MACE §4.1's γ·L_DPO term); ``ran_s`` is how long the windows of
-        its previous grant took. Adapters in mode ``hybrid`` are granted by the node's iteration
+        tokens, done, t_arr, last loss, MACE §4.1's γ·L_DPO term); when the windows of its previous grant
+        ran, it said apart (:meth:`windows_ran`). Adapters in mode ``hybrid`` are granted by the node's iteration
         scheduler (``planner.iteration``, FlexLLM §6.2 budget and MACE §4.1–4.2 by default) within the
         memory guard's check (LEMIX Alg. 2, ``NodeCoServing.check_memory``); the other modes, and ``hybrid`` with
         ``planner.iteration: null``, by the adapter's retraining policy (``planners/retraining.py``),
@@ -80,7 +80,7 @@ class TrainingGrants:
         """
         deadline = time.time() + GRANT_HOLD_S
         grant = await self._grant_now(request, feedback)
-        again = GrantRequest(request.node_id, request.adapter, request.mode, request.samples, 0.0, None,
+        again = GrantRequest(request.node_id, request.adapter, request.mode, request.samples, None,
                              request.optimizer_bytes)  # what ran is counted once
         reported = self.registry.reported
         while not grant.windows:
@@ -102,22 +102,27 @@ class TrainingGrants:
         node = self.nodes[node_id]
         now = time.time()
         self.training.done(node_id, now)  # it asks again: what it was granted before has run
-        queue = [FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done) for x in request.samples]
+        queue = [FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done,
+                                forward_tokens=x.forward_tokens) for x in request.samples]
         offload, wait_s = False, self.cfg.planner.grant_recheck_s
         co = node.coserving
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
-            windows, reason, budget = co.iteration_windows(queue, node.facts, now, request.ran_s)
+            windows, reason, budget = co.iteration_windows(queue, node.facts, now)
             windows, reason, offload, wait_s = co.check_memory(request, windows, reason, node.facts,
                                                                self.cost_model.memory.weight_bytes, now)
-            co.granted(windows)
         else:
             windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now, feedback)
         co.record_answer(adapter, mode, windows, reason, budget, node.facts, now)
         if not windows:
             return Grant((), wait_s, reason)
+        co.granted(windows, node.facts, now)  # predicted, then measured when the trainer says it ran
         self._training_granted(node_id, adapter, windows, now)
         self._last_run[adapter] = now
         return Grant(tuple(GrantedWindow(int(w.sample_id), w.start, w.end) for w in windows), 0.0, reason, offload)
+
+    def windows_ran(self, run: WindowsRan) -> None:
+        """The trainer ran its last grant's windows on ``run.node_id``: measure the grant against its prediction."""
+        self.nodes[run.node_id].coserving.windows_ran(run, time.time())
 
     def report_passes(self, node_id: int, adapter: str, mode: str, reports: list[PassReport]) -> list[PassVerdict]:
         """CheckEnd for the passes a trainer finished in a micro-step (MACE Alg. 1 lines 17–21, §4.2).

@@ -142,6 +142,8 @@ class NodeRegistry:
         for t in report.traces:
             self.traces_seen += 1
             self._traces.append((self.traces_seen, t))
+        if node.coserving is not None:  # engine steps and first tokens, against the grants and the SLOs
+            node.coserving.observe_report(report.engine, report.traces, time.time())
         return True
 
     def views(self) -> tuple[NodeView, ...]:

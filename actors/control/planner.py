@@ -44,6 +44,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from settings import AppConfig, PlannerConfig
 from actors.serving.engine_args import served_model_name
+from actors.serving.fair_admission import LOCAL_TENANT, tenant_ledger
+from actors.learning.store.models import split_adapter_key
 from actors.control.grants import TrainingGrants
 from actors.control.messages import AdapterLoaded, ServedModels
 from actors.control.node_coserving import NodeCoServing
@@ -51,7 +53,7 @@ from actors.control.nodes import NodeRecord, NodeRegistry
 from actors.control.policies import Policies, checked_slos
 from actors.control.status import StatusBoard
 from actors.control.versions import VersionAssignments
-from actors.learning.messages import FullVersion, Grant, GrantRequest, NodeLocation, PassReport, PassVerdict
+from actors.learning.messages import FullVersion, Grant, GrantRequest, NodeLocation, PassReport, PassVerdict, WindowsRan
 from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, FullSynced, NodeRegistration, NodeReport
 from planners.types import ExecutionTrace, NewFeedback, RoutingSnapshot
 
@@ -79,6 +81,7 @@ class Planner:
         self.grants = TrainingGrants(config, self.cost_model, self.registry, self.in_force)
         self.versions = VersionAssignments(config, self.registry.nodes, served_name)
         self.board = StatusBoard(config, self.registry, self.in_force, served_name, str(model_dir), cost_model_note)
+        self.tenants = tenant_ledger(config)  # each tenant's inference and training service, across nodes
         self._started = False
         self.feedback = None
         self.trainer = None
@@ -177,6 +180,7 @@ class Planner:
         """Execution facts from a replica; False if this planner has no registration for it (register again)."""
         if not await self.registry.record(report):
             return False
+        self.tenants.charge_served(report.tenant_tokens)
         # Where inference runs, for the training placement's node state (Alg. 1's Q_inference^n).
         self.in_force.training.inference_report(report.node_id, report.traces,
                                                 None if report.engine is None else report.engine.requests)
@@ -204,7 +208,7 @@ class Planner:
         return self.board.node_replicas()
 
     async def status(self) -> dict[str, Any]:
-        return await self.board.status(self.feedback, self.trainer)
+        return {**await self.board.status(self.feedback, self.trainer), "tenants": self.tenants.summary()}
 
     async def node_locations(self) -> list[NodeLocation]:
         """The physical Ray node of each logical node's replica (for co-locating its trainer rank), and
@@ -235,9 +239,15 @@ class Planner:
         await self.start()
         return await self.grants.grant(request, self.feedback)
 
+    async def windows_ran(self, run: WindowsRan) -> None:
+        """The trainer ran its last grant's windows: measured against the prediction (``TrainingGrants.windows_ran``)."""
+        self.grants.windows_ran(run)
+
     async def report_passes(self, node_id: int, adapter: str, mode: str,
                             reports: list[PassReport]) -> list[PassVerdict]:
         """CheckEnd for the passes a trainer finished in a micro-step (MACE Alg. 1 lines 17–21, §4.2)."""
+        # The adapter's tenant pays for its training from the same share as for its inference.
+        self.tenants.charge_training(split_adapter_key(adapter)[0] or LOCAL_TENANT, sum(r.tokens for r in reports))
         return self.grants.report_passes(node_id, adapter, mode, reports)
 
     # ---- adapter and full-model versions (VersionAssignments) ---------------------------------

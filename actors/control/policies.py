@@ -29,8 +29,7 @@ def checked_slos(cfg: AppConfig, planner: PlannerConfig, cost_model: CostModel) 
     here, at start-up, and shown in ``/v1/status`` (``slo``)."""
     t, params = cfg.training, planner.iteration_params
     check = check_slos(cost_model.with_stages(cfg.cluster.stages), t.slo_tbt_s, t.slo_ttft_s,
-                       int(params.get("min_window_tokens", 16)), t.max_length,
-                       as_priority_weights(params.get("weights")))
+                       int(params.get("min_window_tokens", 16)), as_priority_weights(params.get("weights")))
     for problem in check.problems:
         logger.warning("SLO: %s", problem)
     return check

@@ -92,13 +92,17 @@ class SampleProgress:
 
     sample_id: int
     tokens: int
-    """L, the tokens of one pass over the sample (DPO: chosen + rejected)."""
+    """The work of one pass over the sample, in tokens: 2·L, its L stream tokens (DPO: chosen + rejected)
+    forward, then the same backward (FlexLLM Alg. 2)."""
     done: int
-    """Tokens of this pass already run (its windows so far)."""
+    """Tokens of this pass's work already run (its windows so far)."""
     arrival: float
     """t_arr: the item's acceptance time, or when CheckEnd last requeued it."""
     last_loss: float = 0.0
     """The item's loss in its previous pass (MACE §4.1's γ·L_DPO term); 0 before its first."""
+    forward_tokens: int | None = None
+    """L: [0, L) of the work is forward, [L, tokens) backward. None: a pass without phases (every window
+    its forward, the last one the whole backward)."""
 
 
 @dataclass(frozen=True)
@@ -125,12 +129,29 @@ class GrantRequest:
     mode: str
     """The adapter's training mode (``hybrid``, ``periodic``, ...): who decides the grant."""
     samples: tuple[SampleProgress, ...]
-    ran_s: float = 0.0
-    """Seconds the windows of the previous grant on this node took to run (0: none ran)."""
     memory: MemoryUse | None = None
     """Measured memory of the previous grant's windows (None: none ran), to calibrate the memory guard."""
     optimizer_bytes: float = 0.0
     """Bytes of optimizer state on the device that offloading would free (0 on a CPU, or already offloaded)."""
+
+
+@dataclass(frozen=True)
+class WindowsRan:
+    """The trainer on ``node_id`` ran the windows of its last grant: when (its wall clock) and for how long.
+
+    Sent after every round, the last of a micro-step included, so the planner measures every grant
+    against its prediction (``planners/coserving/measurement.py``) and refits the cost model.
+    """
+
+    node_id: int
+    adapter: str
+    ran_at: float
+    """Wall time (``time.time()``) the first window started."""
+    ran_s: float
+    forward_s: float = 0.0
+    """Of ``ran_s``, the seconds in forward windows."""
+    backward_s: float = 0.0
+    """Of ``ran_s``, the seconds in backward work."""
 
 
 @dataclass(frozen=True)

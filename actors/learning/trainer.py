@@ -94,6 +94,9 @@ class AdapterProgress:
     gate_passed: int = 0
     gate_rejected: int = 0
     last_gate: GateDecided | None = None
+    retention: float | None = None  # the served version's retention score (issue 37), and the base's
+    retention_base: float | None = None
+    retention_s: float | None = None  # seconds the last version's retention scoring took
 
 
 def resolve_eval_file(path: str | None) -> tuple[str | None, str | None]:
@@ -356,6 +359,9 @@ class Trainer:
                 a.gate_rejected += not served
                 a.last_gate = event
                 a.eval_s = event.seconds
+                a.retention_s = event.retention_s
+                if served and event.retention is not None:
+                    a.retention, a.retention_base = event.retention, event.retention_base
                 if served:
                     a.version = event.version
                     a.freshness_s = (a.freshness_s + list(event.freshness_s))[-200:]
@@ -376,7 +382,8 @@ class Trainer:
             a = asdict(progress)
             gate = progress.last_gate  # the verdict as /v1/status has always shown it
             a["last_gate"] = None if gate is None else {k: getattr(gate, k) for k in (
-                "version", "state", "reason", "score", "baseline_version", "baseline_score", "seconds")}
+                "version", "state", "reason", "score", "baseline_version", "baseline_score", "seconds", "retention",
+                "retention_base", "retention_s")}
             fresh = a.pop("freshness_s")  # seconds from an item's acceptance to its version being loaded
             adapters[name] = a | {
                 "freshness_p50_s": round(statistics.median(fresh), 3) if fresh else None,

@@ -42,7 +42,7 @@ class OfflineEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self._engine: Any = None
         self._cv = threading.Condition()
-        self._queue: list[tuple[str, str, dict[str, Any], float]] = []
+        self._queue: list[tuple[str, str | dict[str, Any], dict[str, Any], float]] = []
         self._done: list[dict[str, Any]] = []
         self._running: dict[str, tuple[str, float]] = {}  # engine request id -> (our id, submitted at)
         self._stop = False
@@ -63,10 +63,12 @@ class OfflineEngine:
         self._engine = llm.llm_engine
         self._thread = threading.Thread(target=self._loop, name="offline-engine", daemon=True)
         self._thread.start()
-        return {"load_s": time.time() - t0, "pid": os.getpid(), "dtype": a["dtype"]}
+        return {"load_s": time.time() - t0, "pid": os.getpid(), "dtype": a["dtype"],
+                "device": "cpu" if _on_cpu() else "gpu"}
 
-    def submit(self, requests: list[tuple[str, str, dict[str, Any]]]) -> int:
-        """Queue ``(request id, prompt, sampling params as a dict)``; returns how many are queued or running."""
+    def submit(self, requests: list[tuple[str, str | dict[str, Any], dict[str, Any]]]) -> int:
+        """Queue ``(request id, prompt, sampling params as a dict)``; returns how many are queued or running.
+        A prompt is text, or ``{"prompt_token_ids": [...]}`` (vLLM's tokens prompt)."""
         now = time.time()
         with self._cv:
             if self._failed is not None:  # answered at once: the driver fails the job with the reason
@@ -130,6 +132,32 @@ class OfflineEngine:
         with self._cv:
             self._done.append(rec)
             self._cv.notify_all()
+
+    def measure(self, batch: int, length: int, max_tokens: int, repeats: int = 2, seed: int = 0) -> list[float]:
+        """Seconds to run ``batch`` requests of ``length`` prompt tokens to exactly ``max_tokens`` output tokens,
+        once per repeat (the profiler's probe, SamuLLM §4.1). Prompts are random token ids, new every
+        time, so the prefix cache never shortens a prefill. Call it on an idle engine."""
+        import random
+
+        rng = random.Random(seed)
+        vocab = self._engine.model_config.get_vocab_size()
+        params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
+        out = []
+        for k in range(repeats):
+            ids = [f"probe-{seed}-{k}-{i}" for i in range(batch)]
+            reqs = [(rid, {"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]}, params) for rid in ids]
+            t0 = time.perf_counter()
+            self.submit(reqs)
+            with self._cv:
+                while not all(any(d["id"] == rid for d in self._done) for rid in ids):
+                    self._cv.wait(1.0)
+                done = [d for d in self._done if d["id"] in set(ids)]
+                self._done = [d for d in self._done if d["id"] not in set(ids)]
+            out.append(time.perf_counter() - t0)
+            failed = [d["error"] for d in done if "error" in d]
+            if failed:
+                raise RuntimeError(failed[0])
+        return out
 
     def in_flight(self) -> int:
         with self._cv:

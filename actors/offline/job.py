@@ -144,9 +144,17 @@ class JobSpec(_JobSpecPart):
     max_model_len: int = Field(2048, ge=16)
     enforce_eager: bool = Field(False, description="Skip vLLM's graph compilation: faster engine start, slower "
                                                    "iterations (for short demo and test jobs).")
+    planner: str = Field("search", description="The stage planner (registry kind stages): search (ours), or the "
+                                               "baselines greedy (SamuLLM Alg. 1), max, min; --planner overrides.")
+    preemption: bool = Field(True, description="Let a stage boundary change a running model's plan; "
+                                               "--no-preemption overrides.")
 
     @model_validator(mode="after")
     def _graph_names(self) -> JobSpec:
+        from planners.registry import names
+
+        if self.planner not in names("stages"):
+            raise ValueError(f"planner {self.planner!r} is not one of {names('stages')}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique: {names}")

@@ -16,6 +16,8 @@ from typing import Any
 
 from actors.offline.job import (JobModel, JobSpec, ModelFacts, Workload, build_workload, job_graph, model_facts,
                                 read_jsonl, remaining_workload, weight_scale)
+from actors.offline.load_times import LoadTimes
+from actors.offline.profile import profile_dir
 from planners.costs import CostModel
 from planners.registry import create
 from planners.offline import DeviceSet, JobGraph, Plan, output_cdf_from_pairs
@@ -39,8 +41,9 @@ def token_counter(path: Path):
 
 def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts], base_dir: Path,
                 counters: dict[str, Any], data_dir: Path) -> tuple[dict[str, CostModel], list[str]]:
-    """Per model: its own fitted profile if one is shipped, else the embedded model's profile scaled by
-    weight bytes (a first guess: `python -m app.profile` fits a model's own); with the job's eCDF."""
+    """Per model: its own fitted profile (``python -m app.offline profile``: in the data dir's
+    ``offline/profiles``, else shipped in ``profiles/``), else the embedded model's profile scaled by weight
+    bytes (a first guess); with the job's eCDF when it names one."""
     from actors.models.default_model import ensure
 
     reference = CostModel.from_dict(json.loads(REFERENCE_PROFILE.read_text()))
@@ -48,10 +51,11 @@ def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts
     pairs_rows = read_jsonl(base_dir / job.output_lengths_file) if job.output_lengths_file else None
     costs, notes = {}, []
     for m in job.models:
-        own = ROOT / "profiles" / f"{dirs[m.name].name}-cpu.json"
-        if own.is_file():
+        name = f"{dirs[m.name].name}-cpu.json"
+        own = next((p for p in (profile_dir(data_dir) / name, ROOT / "profiles" / name) if p.is_file()), None)
+        if own is not None:
             cm = CostModel.from_dict(json.loads(own.read_text()))
-            notes.append(f"  {m.name}: fitted profile {own.name}")
+            notes.append(f"  {m.name}: fitted profile {own}")
         else:
             k = weight_scale(facts[m.name], ref_facts)
             it = reference.iteration
@@ -66,6 +70,25 @@ def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts
             cm = replace(cm, output_lengths=output_cdf_from_pairs(pairs, m.max_output_tokens))
         costs[m.name] = cm
     return costs, ["cost models:"] + notes
+
+
+def load_times(job: JobSpec, dirs: dict[str, Path], data_dir: Path) -> tuple[dict[str, float], list[str]]:
+    """Per model, the engine start time to plan with (SamuLLM §4.1's load-time table): its own ``load_s``;
+    else the job's ``engine_load_s`` when the job sets it; else the median of this host's measured starts
+    of its directory (:class:`LoadTimes`, written by the runner); else the default ``engine_load_s``."""
+    table = LoadTimes(data_dir)
+    explicit = "engine_load_s" in job.model_fields_set
+    out, notes = {}, []
+    for m in job.models:
+        measured = None if m.load_s or explicit else table.median(dirs[m.name].name)
+        if m.load_s:
+            out[m.name], why = m.load_s, "its load_s"
+        elif measured is not None:
+            out[m.name], why = measured[0], f"median of {measured[1]} measured start(s)"
+        else:
+            out[m.name], why = job.engine_load_s, "the job's engine_load_s" if explicit else "default engine_load_s"
+        notes.append(f"  {m.name}: {out[m.name]:.1f} s ({why})")
+    return out, ["engine start times:"] + notes
 
 
 @dataclass
@@ -88,7 +111,7 @@ class PreparedJob:
     """Where embedded models are built; an engine on another node resolves its own (COSERVE_DATA_DIR there)."""
 
 
-def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
+def prepare_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
                 data_dir: Path = DEFAULT_DATA_DIR, done: dict[str, set[str]] | None = None) -> PreparedJob:
     """Build the planner's view of the requests of ``job`` not in ``done`` (resume) and plan them;
     ``plan`` is None when nothing is left."""
@@ -106,14 +129,15 @@ def prepare_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemptio
         return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, None, devices, None, notes, data_dir)
     sub = job.model_copy(update={"models": [m for m in job.models if m.name in todo.nodes]})
     counters = {n: token_counter(dirs[n]) for n in todo.nodes}
-    graph = job_graph(sub, todo, facts, counters, {m.name: m.load_s or job.engine_load_s for m in sub.models})
+    loads, load_notes = load_times(sub, dirs, data_dir)
+    graph = job_graph(sub, todo, facts, counters, loads)
     costs, cost_notes = cost_models(sub, dirs, facts, base_dir, counters, data_dir)
     plan = create("stages", planner, preemption=preemption).plan(graph, devices, costs)
-    return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan, notes + cost_notes,
-                       data_dir)
+    return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan,
+                       notes + load_notes + cost_notes, data_dir)
 
 
-def plan_job(job: JobSpec, base_dir: Path, planner: str = "greedy", preemption: bool = True,
+def plan_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
              data_dir: Path = DEFAULT_DATA_DIR) -> tuple[Plan, list[str]]:
     """Build the planner's view of ``job`` and plan it; also return notes on where the estimates came from."""
     prep = prepare_job(job, base_dir, planner, preemption, data_dir)

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from actors.offline.job import render_prompt
+from actors.offline.load_times import LoadTimes
 from actors.offline.plan import PreparedJob
 from planners.offline import Edge, ExecutionPlan, adjust_stage, assign_devices, replica_of
 
@@ -70,6 +71,7 @@ class _Replica:
     devices: tuple[int, ...]
     actor: Any
     t_start: float
+    planned_load_s: float = 0.0
     start_ref: Any = None
     t_ready: float | None = None
     t_end: float | None = None
@@ -81,7 +83,8 @@ class _Replica:
     def row(self, t0: float) -> dict[str, Any]:
         rel = (lambda t: None if t is None else round(t - t0, 3))
         return {"model": self.model, "devices": list(self.devices), "start_s": rel(self.t_start),
-                "ready_s": rel(self.t_ready), "end_s": rel(self.t_end), "load_s": self.load_s}
+                "ready_s": rel(self.t_ready), "end_s": rel(self.t_end), "load_s": self.load_s,
+                "planned_load_s": self.planned_load_s}
 
 
 class JobRunner:
@@ -119,6 +122,7 @@ class JobRunner:
         self.adjustments: list[dict[str, Any]] = []
         self.fallbacks = 0
         self.pg: Any = None
+        self.load_times = LoadTimes(prep.data_dir)
         self.t0 = time.time()
 
     # -- the communicator ----------------------------------------------------------------------
@@ -196,7 +200,7 @@ class JobRunner:
                                                                  placement_group_bundle_index=devs[0]),
         ).remote(jm, str(self.p.data_dir), max_model_len=max_len, max_num_seqs=self.job.max_num_seqs, kv_cache_bytes=kv,
                  seed=jm.seed, omp_threads=self.omp_per_device * len(devs), enforce_eager=self.job.enforce_eager)
-        r = _Replica(m, devs, actor, time.time())
+        r = _Replica(m, devs, actor, time.time(), self.p.graph.spec(m).load_time(len(devs)))
         r.start_ref = actor.start.remote()
         self.history.append(r)
         return r
@@ -333,6 +337,8 @@ class JobRunner:
                     if ref is r.start_ref:
                         info = ray.get(ref)
                         r.t_ready, r.load_s = time.time(), round(info["load_s"], 2)
+                        # The planner's load time: from asking for the replica to its engine answering.
+                        self.load_times.record(self.p.dirs[r.model].name, r.t_ready - r.t_start)
                         continue
                     r.poll_ref = None
                     for out in ray.get(ref):

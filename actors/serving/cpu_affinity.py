@@ -1,4 +1,4 @@
-"""Keeps this host's other Ray processes off the cores vLLM's CPU engine workers are bound to.
+"""Keeps this host's other Ray processes off the cores vLLM's CPU engine workers are bound to; places the trainer ranks.
 
 vLLM's CPU worker binds its OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND=auto``: on a
 2-core host the worker takes core 0 and leaves core 1 "reserved" for everything else), but nothing
@@ -10,16 +10,19 @@ those processes kept on the reserved core, 36.68 and 34.39 req/s against 30.56 a
 :func:`keep_off_engine_cores` runs once in each replica after its engine has started. It reads the
 cores of every ``VLLM::Worker`` on the host and sets every other Ray process (and each of its
 threads) of this user to the remaining cores. It leaves alone the engine processes themselves, the
-trainer ranks, whose fine-tuning windows run on the engine's cores by design (the planner grants
-them), and the raylet, whose children inherit its affinity; it does nothing when the workers hold
-every core.
+trainer ranks, which place themselves (``actors/learning/lora/cpu_placement.py``, ``training.cpu_placement``), and the
+raylet, whose children inherit its affinity; it does nothing when the workers hold every core.
+
+The cores the engine workers hold are read from ``/proc`` by the learning room's
+``actors/learning/lora/cpu_placement.py``, which also places the trainer ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
+
+from actors.learning.lora.cpu_placement import argv_of, engine_cores, user_pids
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +36,6 @@ SCRIPTS = ("dashboard/dashboard.py", "dashboard/agent.py", "log_monitor.py", "au
 LEFT_ALONE = ("ray::TrainRank", "ray::IDLE")
 
 
-def _argv(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def _is_ray_process(argv: list[str]) -> bool:
     if not argv or not argv[0]:
         return False
@@ -57,35 +46,10 @@ def _is_ray_process(argv: list[str]) -> bool:
     return "python" in os.path.basename(argv[0]) and any(a.endswith(SCRIPTS) for a in argv[1:3])
 
 
-def _pids() -> list[int]:
-    uid = os.getuid()
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
-
-
-def engine_cores(pids: list[int] | None = None) -> set[int]:
-    """The cores this host's vLLM CPU workers (among ``pids``; default: this user's processes) are bound to."""
-    cores: set[int] = set()
-    for pid in _pids() if pids is None else pids:
-        if _comm(pid) == "VLLM::Worker" or (_argv(pid) or [""])[0].startswith("VLLM::Worker"):
-            try:
-                cores |= os.sched_getaffinity(pid)
-            except OSError:
-                continue
-    return cores
-
-
 def keep_off_engine_cores(pids: list[int] | None = None) -> dict[str, object]:
     """Set every other Ray process of this host (all its threads) to the cores the engine workers leave;
     returns what was done, for the replica's log. ``pids``: the processes to look at (default: this user's)."""
-    pids = _pids() if pids is None else pids
+    pids = user_pids() if pids is None else pids
     every = set(range(os.cpu_count() or 1))
     engine = engine_cores(pids)
     others = every - engine
@@ -94,7 +58,7 @@ def keep_off_engine_cores(pids: list[int] | None = None) -> dict[str, object]:
                 if engine else "no vLLM CPU worker on this host"}
     moved = 0
     for pid in pids:
-        if not _is_ray_process(_argv(pid)):
+        if not _is_ray_process(argv_of(pid)):
             continue
         try:
             threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -107,3 +71,4 @@ def keep_off_engine_cores(pids: list[int] | None = None) -> dict[str, object]:
                 continue
         moved += 1
     return {"engine_cores": sorted(engine), "other_cores": sorted(others), "moved": moved}
+

@@ -42,7 +42,7 @@ def engine_flags(cfg: AppConfig, model_dir: str, served_name: str) -> list[str]:
         "--max-num-seqs", str(e.max_num_seqs),
         "--dtype", resolve_dtype(e.dtype, e.device, model_dir),
         "--seed", str(e.seed),
-        "--scheduling-policy", e.scheduling_policy,
+        "--scheduling-policy", e.vllm_scheduling_policy,
         # Always on, so any replica can take a full-weight sync (ModelReplica.load_full_version):
         # vLLM only adds the class to the worker's bases at start, nothing runs until it is called.
         "--worker-extension-cls", WEIGHTS_EXTENSION,

@@ -14,16 +14,26 @@ logging stat logger writes one log line per iteration from it; the replica drops
 Read side by side with ``vllm:request_queue_time_seconds`` and the app's stage histograms
 (``actors/serving/request_stages.py``): a request that waits long with short iterations waits on the
 engine's queue; long iterations with many prefill tokens are the chunked-prefill budget at work.
+
+Each step also goes into :data:`LOG` with the wall time its tokens went out and the time since the
+previous step's (:class:`planners.coserving.EngineIteration`): the replica's report hands the steps
+since the last one to the planner (``EngineFacts.iteration_log``), which measures every fine-tuning
+window against its prediction and counts the time between tokens against the TBT SLO
+(``actors/control/node_coserving.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import deque
 from typing import Any
 
 from prometheus_client import Histogram
 
 from actors.serving import request_stages
+from planners.coserving import EngineIteration
 
 PHASES = ("prefill", "decode")
 ITERATION_SECONDS = Histogram(
@@ -45,6 +55,36 @@ ITERATION_REQUESTS = Histogram(
 )
 
 
+LOG_KEPT = 4096  # steps held between two reports (a report every 0.25 s; the tiny model steps every ~3 ms)
+
+
+class IterationLog:
+    """The engine's steps since they were last taken, each stamped when its tokens went out."""
+
+    def __init__(self, kept: int = LOG_KEPT) -> None:
+        self._steps: deque[EngineIteration] = deque(maxlen=kept)
+        self._last_at: float | None = None
+        self._lock = threading.Lock()  # vLLM's output handler appends, the replica's report takes
+
+    def add(self, elapsed_s: float, prefill_tokens: int, decode_seqs: int, at: float | None = None) -> None:
+        at = time.time() if at is None else at
+        with self._lock:
+            gap = None if self._last_at is None else max(0.0, at - self._last_at)
+            self._last_at = at
+            self._steps.append(EngineIteration(at, elapsed_s, prefill_tokens, decode_seqs, gap))
+
+    def take(self) -> tuple[EngineIteration, ...]:
+        """The steps recorded since the last call (the oldest dropped past ``kept``)."""
+        with self._lock:
+            steps = tuple(self._steps)
+            self._steps.clear()
+        return steps
+
+
+LOG = IterationLog()
+"""This process's engine steps (one engine per replica process)."""
+
+
 def observe(details: Any, waiting: int = 0) -> None:
     """Record one iteration from vLLM's ``SchedulerIterationDetails`` (a data-parallel dummy step is skipped);
     ``waiting``: the requests it left in the engine's queue (for the request log only)."""
@@ -54,6 +94,7 @@ def observe(details: Any, waiting: int = 0) -> None:
     if log is not None:
         log.iteration(details.elapsed_ms / 1000.0, details.num_ctx_tokens, details.num_generation_tokens,
                       details.num_ctx_requests, details.num_generation_requests, waiting)
+    LOG.add(details.elapsed_ms / 1000.0, int(details.num_ctx_tokens), int(details.num_generation_requests))
     ITERATION_SECONDS.observe(details.elapsed_ms / 1000.0)
     ITERATION_TOKENS.labels("prefill").observe(details.num_ctx_tokens)
     ITERATION_TOKENS.labels("decode").observe(details.num_generation_tokens)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from actors.learning.messages import FullVersion
+from planners.fairness import TenantTokens
 from planners.types import ExecutionTrace
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class NodeReport:
     engine_metrics: str | None = None
     """vLLM's own Prometheus series of the node's engine (its ``PrometheusStatLogger``), as exposition text,
     every few seconds; None: unchanged since the last one sent."""
+    tenant_tokens: tuple[TenantTokens, ...] = ()
+    """What the engine served each tenant since the last report (``actors/serving/fair_admission.py``)."""
 
 
 @dataclass(frozen=True)

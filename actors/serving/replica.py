@@ -259,7 +259,8 @@ class ModelReplica:
                           finished=r.finished, in_flight=len(r.live), busy_seconds=r.busy_seconds(),
                           engine=r.facts(), at=time.time(),
                           prefix_cache_queries=getattr(r.stats, "prefix_cache_queries", 0),
-                          prefix_cache_hits=getattr(r.stats, "prefix_cache_hits", 0), engine_metrics=metrics)
+                          prefix_cache_hits=getattr(r.stats, "prefix_cache_hits", 0), engine_metrics=metrics,
+                          tenant_tokens=() if self.engine.admission is None else self.engine.admission.take_served())
 
     # ---- profiling -------------------------------------------------------------------------
 
@@ -466,6 +467,7 @@ def engine_metrics_text() -> str:
     keep = []
     for line in generate_latest(REGISTRY).decode().splitlines():
         name = line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line
-        if name.startswith(("vllm:", "coserve_request_stage_seconds", "coserve_engine_iteration_")):
+        if name.startswith(("vllm:", "coserve_request_stage_seconds", "coserve_engine_iteration_",
+                            "coserve_tenant_")):
             keep.append(line)
     return "\n".join(keep) + "\n" if keep else ""

@@ -80,6 +80,7 @@ class RequestTraces:
             kv_cache_bytes=0.0 if st is None else st.kv_cache_bytes,
             steps_with_waiting=0 if st is None else st.steps_with_waiting,
             waiting_peak=0 if st is None else st.waiting_peak,
+            iteration_log=engine_iterations.LOG.take(),  # the steps since the last report, once each
         )
 
     async def traced(self, outputs: Any, prompt: Any, sampling_params: Any, request_id: str) -> Any:
@@ -127,11 +128,16 @@ def traced_engine_class() -> type:
 
         class TracedEngine(AsyncLLM):
             requests: RequestTraces | None = None
+            admission: Any = None  # FairAdmission (actors/serving/fair_admission.py); None: straight to vLLM
 
             def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
-                # vLLM's own stream, recorded by one generator around it, not two (every output of every
-                # request passes each layer).
-                outputs = super().generate(prompt, sampling_params, request_id, *args, **kwargs)
+                # vLLM's own stream (behind the admission queue when there is one), recorded by one generator
+                # around it, not a further pass-through layer (every output of every request passes each layer).
+                if self.admission is not None:  # waits for its turn among the tenants, runs at its priority
+                    outputs = self.admission.generate(super().generate, prompt, sampling_params, request_id,
+                                                      *args, **kwargs)
+                else:
+                    outputs = super().generate(prompt, sampling_params, request_id, *args, **kwargs)
                 if self.requests is None:
                     return outputs
                 return self.requests.traced(outputs, prompt, sampling_params, request_id)

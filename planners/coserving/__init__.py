@@ -42,22 +42,36 @@ Modules, each one concept (pure: plain dataclasses in, a plan out; no Ray, no to
 - ``packing``: MACE's best-fit packing into micro-batches;
 - ``scheduler``: the queues and protocol every policy shares, and the plan it returns;
 - ``policies``: the six registered policies;
-- ``calibration``: the live refit of the fine-tuning window cost from measured windows.
+- ``calibration``: the live refits of the window cost (t_ft per phase, t_iter, ρ) from what ran;
+- ``measurement``: each grant measured against its prediction, and the SLO attainment beside it.
 """
 
 from __future__ import annotations
 
-from planners.coserving.budget import (ft_delay, ft_latency, ft_memory, ft_room, ft_tokens_within, grant_run_time,
-                                       token_budget, window_latency)
-from planners.coserving.calibration import WindowCostCalibration, WindowCostSample
+from planners.coserving.budget import (ft_delay, ft_latency, ft_memory, ft_room, ft_tokens_within, grant_phase_times,
+                                       grant_run_time, token_budget, window_latency)
+from planners.coserving.calibration import (InterferenceCalibration, WindowCostCalibration, WindowCostSample,
+                                            calibrated)
+from planners.coserving.measurement import (SloAttainment, TrainingTimeline, WindowMeasurement, WindowPrediction,
+                                            WindowRun, measure_window)
 from planners.coserving.packing import best_fit_pack
 from planners.coserving.priorities import PriorityWeights, check_end, priority
 from planners.coserving.scheduler import IterationScheduler, WindowPlan
-from planners.coserving.work import (EngineFacts, FineTuneSample, InferenceWork, LiveRequest, MicroBatch,
+from planners.coserving.work import (EngineFacts, EngineIteration, FineTuneSample, InferenceWork, LiveRequest, MicroBatch,
                                      SampleOutcome, TokenWindow, WorkKind, token_windows, whole_windows)
 
 __all__ = [
     "EngineFacts",
+    "EngineIteration",
+    "InterferenceCalibration",
+    "SloAttainment",
+    "TrainingTimeline",
+    "WindowMeasurement",
+    "WindowPrediction",
+    "WindowRun",
+    "calibrated",
+    "grant_phase_times",
+    "measure_window",
     "FineTuneSample",
     "InferenceWork",
     "IterationScheduler",

@@ -20,22 +20,52 @@ def ft_latency(cost: CostModel, batch: int, tokens: int) -> float:
     return cost.stages * (cost.forward_latency(batch, tokens) + cost.backward_latency(batch, tokens))
 
 
-def grant_run_time(cost: CostModel, windows: Iterable[TokenWindow]) -> float:
-    """Seconds the trainer takes to run ``windows`` one after another, as it really runs them.
+def window_phase_times(cost: CostModel, window: TokenWindow) -> tuple[float, float]:
+    """(forward, backward) seconds the trainer takes to run ``window`` alone, as it really runs it.
 
-    Each window pays its forward; a window that completes its sample also pays the backward of the
-    whole sample, because the trainer's windowed pass (``WindowedPass.finish``) sweeps every window's
-    backward once the loss is known. :func:`ft_latency` prices forward and backward per window, which
-    is right over a whole pass but wrong for any one grant (LEMIX Alg. 2 calibrates against this).
+    A window of a pass with phases (``forward_tokens`` set: FlexLLM Alg. 2's forward windows, then
+    its backward windows) pays Δ_F of its forward tokens and Δ_B of its backward token-equivalents.
+    A window of a pass without phases pays its forward, and, when it completes the sample, the
+    backward of the whole sample: the trainer's earlier pass swept it at once once the loss was
+    known. :func:`ft_latency` prices forward and backward per window, right over a whole pass but
+    not for any one grant (LEMIX Alg. 2 calibrates against this).
     """
-    total = 0.0
+    forward, backward = window.phases
+    return (cost.stages * cost.forward_latency(1, forward) if forward > 0 else 0.0,
+            cost.stages * cost.backward_latency(1, backward) if backward > 0 else 0.0)
+
+
+def window_run_time(cost: CostModel, window: TokenWindow) -> float:
+    """Seconds the trainer takes to run ``window`` alone (:func:`window_phase_times`, both phases)."""
+    forward, backward = window_phase_times(cost, window)
+    return forward + backward
+
+
+def grant_phase_times(cost: CostModel, windows: Iterable[TokenWindow]) -> tuple[float, float]:
+    """(forward, backward) seconds the trainer takes to run ``windows`` one after another."""
+    forward = backward = 0.0
     for w in windows:
-        if w.tokens <= 0:
-            continue
-        total += cost.forward_latency(1, w.tokens)
-        if w.completes_pass:
-            total += cost.backward_latency(1, w.length)
-    return cost.stages * total
+        f, b = window_phase_times(cost, w)
+        forward, backward = forward + f, backward + b
+    return forward, backward
+
+
+def tokens_within_seconds(cost: CostModel, window: TokenWindow, seconds: float) -> int:
+    """The most tokens t ≤ ``window.tokens`` with ``window`` cut to [start, start + t) running within ``seconds``."""
+    lo, hi = 0, window.tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if window_run_time(cost, replace(window, end=window.start + mid)) <= seconds + EPS:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def grant_run_time(cost: CostModel, windows: Iterable[TokenWindow]) -> float:
+    """Seconds the trainer takes to run ``windows`` (:func:`grant_phase_times`, both phases)."""
+    forward, backward = grant_phase_times(cost, windows)
+    return forward + backward
 
 
 def ft_memory(cost: CostModel, batch: int, tokens: int) -> float:

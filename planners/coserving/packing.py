@@ -6,13 +6,27 @@ import math
 from collections.abc import Sequence
 
 from planners.costs import CostModel
-from planners.coserving.budget import EPS, ft_latency, ft_memory
+from planners.coserving.budget import EPS, ft_latency, ft_memory, window_run_time
 from planners.coserving.work import MicroBatch, TokenWindow
+
+
+def window_alone(cost: CostModel, window: TokenWindow) -> float:
+    """A window's latency alone: its phases as the trainer runs them (FlexLLM Alg. 2), or, for a pass without
+    phases, forward and backward of its tokens (LEMIX §IV-A's Δ_F + Δ_B)."""
+    return window_run_time(cost, window) if window.forward_tokens is not None else ft_latency(cost, 1, window.tokens)
+
+
+def bin_latency(cost: CostModel, windows: Sequence[TokenWindow]) -> float:
+    """A micro-batch's latency: B windows padded to ℓ (LEMIX §IV-A), or, once any window has phases, the sum of
+    its windows alone (the trainer runs a forward window and a backward window one after the other)."""
+    if any(w.forward_tokens is not None for w in windows):
+        return sum(window_alone(cost, w) for w in windows)
+    return ft_latency(cost, len(windows), max(w.tokens for w in windows))
 
 
 def _bin(cost: CostModel, windows: Sequence[TokenWindow]) -> MicroBatch:
     b, padded = len(windows), max(w.tokens for w in windows)
-    return MicroBatch(tuple(windows), ft_memory(cost, b, padded), ft_latency(cost, b, padded))
+    return MicroBatch(tuple(windows), ft_memory(cost, b, padded), bin_latency(cost, windows))
 
 
 def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes: float,
@@ -39,7 +53,7 @@ def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes:
         if w.tokens <= 0:
             continue
         taken += 1
-        m_alone, lat_alone = ft_memory(cost, 1, w.tokens), ft_latency(cost, 1, w.tokens)
+        m_alone, lat_alone = ft_memory(cost, 1, w.tokens), window_alone(cost, w)
         if m_alone > memory_bytes + EPS or lat_alone > latency_cap_s + EPS:
             continue
         lat_ref = latency_cap_s if math.isfinite(latency_cap_s) and latency_cap_s > 0 else max(lat_alone, EPS)
@@ -47,10 +61,10 @@ def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes:
         for i, members in enumerate(bins):
             b, padded = len(members) + 1, max(w.tokens, max(x.tokens for x in members))
             new_mem = ft_memory(cost, b, padded)
-            if new_mem > memory_bytes + EPS or ft_latency(cost, b, padded) > latency_cap_s + EPS:
+            if new_mem > memory_bytes + EPS or bin_latency(cost, [*members, w]) > latency_cap_s + EPS:
                 continue
             free = memory_bytes - mems[i]
-            maxlat = ft_latency(cost, 1, max(x.tokens for x in members))
+            maxlat = max(window_alone(cost, x) for x in members)
             score = (lam1 * abs(free - (new_mem - mems[i])) / max(memory_bytes, EPS)
                      + lam2 * abs(maxlat - lat_alone) / lat_ref)
             if score < best_score - EPS:

@@ -53,22 +53,39 @@ class HybridScheduler(IterationScheduler):
     TTFT of a request that arrives during the grant: with ``ttft_slo_s`` set, the grant may then
     delay that request's prefill (of the mean prompt seen so far) up to the TTFT SLO, not the TBT SLO.
 
+    The tenants' throughput. FlexLLM fuses the fine-tuning tokens into each iteration, and the SLO
+    bounds that iteration; grants back to back let every iteration run at the SLO, so the clients'
+    throughput may fall to t_iter/SLO of what they get alone (a quarter with the derived SLO of 4
+    decode iterations). Where the two run side by side on separate cores (a CPU host, ρ < 1) every
+    step beside fine-tuning slows by about ρ, whatever the window's size. ``max_slowdown`` = σ
+    bounds what the tenants lose instead: while inference runs, fine-tuning takes at most a share d
+    of the node's time with ρ·d ≤ σ, so after windows that ran t seconds the next grant waits
+    t·(ρ/σ − 1) (none when ρ ≤ σ). ρ here is ``throughput_interference`` when the node measured it:
+    the inference seconds lost per second of fine-tuning counting each run's aftermath (its version
+    saved, published and loaded), else the cost model's. Promoted samples wait too; d > 0 still
+    bounds every sample's wait. An idle engine has no throughput to lose.
+
     Params (besides the common ones): ``weights`` (PriorityWeights or a dict of its fields);
     ``max_grant_s`` (1.0): the most fine-tuning seconds one grant holds, whatever ρ allows;
-    ``ttft_slo_s`` (None: the idle engine gets the TBT bound too).
+    ``ttft_slo_s`` (None: the idle engine gets the TBT bound too); ``max_slowdown`` (None: no bound
+    but the SLO's).
     """
 
     name = "hybrid"
 
     def __init__(self, weights: PriorityWeights | Mapping[str, float] | None = None,
                  cost_model: CostModel | Mapping[str, Any] | None = None, max_grant_s: float = 1.0,
-                 ttft_slo_s: float | None = None, **common: Any) -> None:
+                 ttft_slo_s: float | None = None, max_slowdown: float | None = None, **common: Any) -> None:
         super().__init__(cost_model, **common)
         if max_grant_s <= 0 or (ttft_slo_s is not None and ttft_slo_s <= 0):
             raise ValueError("max_grant_s and ttft_slo_s must be > 0")
+        if max_slowdown is not None and not 0 < max_slowdown < 1:
+            raise ValueError("max_slowdown must be in (0, 1)")
         self.weights = as_priority_weights(weights)
         self.max_grant_s = float(max_grant_s)
         self.ttft_slo_s = ttft_slo_s
+        self.max_slowdown = max_slowdown
+        self.next_grant_at = -math.inf  # the tenants' throughput bound (max_slowdown): no grant before this
         self.prompts_seen, self.prompt_tokens_seen = 0, 0
         self._counted: set[str] = set()
 
@@ -80,6 +97,15 @@ class HybridScheduler(IterationScheduler):
                 self.prompts_seen += 1
                 self.prompt_tokens_seen += max(1, r.prompt_tokens)
         self._counted &= {r.request_id for r in facts.requests}
+
+    def observe_ft_run(self, seconds: float, now: float) -> None:
+        """Windows of ``seconds`` ran, ending about ``now``: with ``max_slowdown``, the next grant waits
+        t·(ρ/σ − 1), so fine-tuning takes a share d of the node's time with ρ·d ≤ σ."""
+        rho = self.cost.ft_interference if self.throughput_interference is None else self.throughput_interference
+        sigma = self.max_slowdown
+        if sigma is None or seconds <= 0 or rho <= sigma:
+            return
+        self.next_grant_at = max(self.next_grant_at, now + seconds * (rho / sigma - 1.0))
 
     def _delay_bound(self, work: InferenceWork) -> float:
         """The most a grant may delay the inference beside it: SLO − t_iter(c), or, on an idle engine
@@ -107,6 +133,12 @@ class HybridScheduler(IterationScheduler):
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
         cost = self.cost
+        if now < self.next_grant_at and (self.running or self.waiting):
+            work = self._inference_work()
+            rho = cost.ft_interference if self.throughput_interference is None else self.throughput_interference
+            return WindowPlan(now, self.name, (), 0, work, work.latency(cost),
+                              reason=f"throughput bound (max_slowdown {self.max_slowdown:g} at rho {rho:.2f}): "
+                                     f"next grant in {self.next_grant_at - now:.3f} s")
         ranked = self.scores(now)
         last_inference = max((i for i, (_, kind, _) in enumerate(ranked) if kind != "ft"), default=-1)
         promoted: FineTuneSample | None = None
@@ -131,7 +163,7 @@ class HybridScheduler(IterationScheduler):
         room = max(min(ft_room(cost, delay), self.max_grant_s), ft_latency(cost, 1, reserve))
         capacity = self._capacity(work, free_bytes)
         # ft_order is in descending P, so a promoted sample (the top one) is cut first.
-        windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None)
+        windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None, room)
         bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.first_bin_fill, self.max_ft_samples)
         chosen, _ = within_room(bins, room)
         reason = f"promoted {promoted.sample_id}" if promoted is not None and any(
@@ -302,7 +334,7 @@ class SeparateScheduler(IterationScheduler):
         if now >= self.next_grant_at:
             share = fraction * (cost.memory_threshold() - cost.memory.weight_bytes)
             capacity = max(0.0, share if free_bytes is None else min(share, free_bytes))
-            windows = self._windows(self._by_arrival(), budget, capacity)
+            windows = self._windows(self._by_arrival(), budget, capacity, room_s=self.slo_s)
             bins = best_fit_pack(windows, cost, capacity, self.slo_s, self.lambdas, self.first_bin_fill, self.max_ft_samples)
             chosen, total = within_room(bins, self.slo_s)
             granted = tuple(chosen)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planners.costs import CostModel, as_cost_model
-from planners.coserving.budget import EPS, ft_memory
+from planners.coserving.budget import EPS, ft_memory, tokens_within_seconds, window_run_time
 from planners.coserving.packing import best_fit_pack
 from planners.coserving.priorities import check_end
 from planners.coserving.work import (EngineFacts, FineTuneSample, InferenceWork, LiveRequest, MicroBatch,
@@ -109,6 +109,9 @@ class IterationScheduler:
         self.running: dict[str, LiveRequest] = {}
         self.samples: dict[str, FineTuneSample] = {}
         self._iterations_seen: int | None = None
+        # ρ counting what a run costs the tenants afterwards too (its version published and loaded), as the node
+        # measured it; None: the cost model's ρ. The policies that bound the tenants' throughput use it.
+        self.throughput_interference: float | None = None
 
     # -- what was observed --------------------------------------------------------------------
 
@@ -220,29 +223,42 @@ class IterationScheduler:
         return max_tokens is None or batched + prompt <= max_tokens or (first and batched < max_tokens)
 
     def _windows(self, samples: Iterable[FineTuneSample], tokens: float, capacity: float,
-                 reserve: Mapping[str, int] | None = None) -> list[TokenWindow]:
+                 reserve: Mapping[str, int] | None = None, room_s: float | None = None) -> list[TokenWindow]:
         """Cut one window per sample, in order, from a budget of ``tokens`` (math.inf: whole passes).
 
         Each window is capped by the remaining pass, ``max_window_tokens`` and what fits
         ``capacity`` alone; a window shorter than ``min_window_tokens`` is cut only when it ends
-        the pass; ``reserve`` gives promoted samples at least that many tokens.
+        the pass; ``reserve`` gives promoted samples at least that many tokens. A sample whose pass
+        has phases (forward, then backward: FlexLLM Alg. 2) is cut by time instead when ``room_s``
+        is given: the longest window whose phases run within the fine-tuning seconds left (a
+        backward token-equivalent costs Δ_B, a forward token Δ_F, so a token budget priced at
+        Δ_F + Δ_B would grant each phase about half of what fits).
         """
         per_token = ft_memory(self.cost, 1, 1)
         by_mem = math.floor(capacity / per_token + 1e-9) if per_token > 0 else math.inf
         cap = math.inf if self.max_window_tokens is None else self.max_window_tokens
+        room_left = room_s
         out: list[TokenWindow] = []
         for s in samples:
             if len(out) >= self.max_ft_samples:
                 break
-            w = min(s.remaining, tokens, cap)
+            timed = room_left is not None and s.forward_tokens is not None and math.isfinite(tokens)
+            w = min(s.remaining, cap) if timed else min(s.remaining, tokens, cap)
+            if timed:
+                longest = TokenWindow(s.sample_id, s.done, s.done + int(min(w, by_mem)), s.tokens, s.forward_tokens)
+                w = tokens_within_seconds(self.cost, longest, room_left)
             if reserve and s.sample_id in reserve:
                 w = min(max(w, reserve[s.sample_id]), s.remaining)
             w = min(w, by_mem)
             if w <= 0 or (w < self.min_window_tokens and w < s.remaining):
                 continue
             w = int(w)
-            out.append(TokenWindow(s.sample_id, s.done, s.done + w, s.tokens))
-            tokens = max(0.0, tokens - w)
+            window = TokenWindow(s.sample_id, s.done, s.done + w, s.tokens, s.forward_tokens)
+            out.append(window)
+            if timed:
+                room_left = max(0.0, room_left - window_run_time(self.cost, window))
+            else:
+                tokens = max(0.0, tokens - w)
         return out
 
     def _by_arrival(self) -> list[FineTuneSample]:

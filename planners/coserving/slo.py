@@ -10,8 +10,10 @@ named at start-up (``/v1/status``, the log), not silently turned into zero budge
 The progress bound under load (MACE §4.1 aging) is stated here too: a sample that waits outranks
 the running decodes after (π_decode − π_ft)/(δ_ft − δ_decode) seconds, and from then on each grant
 runs at least ``min_window_tokens`` of it, delaying the inference beside it by at most
-ρ·(Δ_F(1, min_window_tokens) + Δ_B(1, max_length)) (the window's forward, and the backward of a
-whole sample when the window completes it).
+ρ·max(Δ_F(1, m), Δ_B(1, m)) for m = ``min_window_tokens``: a window's worth, forward or backward,
+since the trainer sweeps the backward in windows too (FlexLLM Alg. 2 lines 12–21,
+``WindowedPass``). A backward grant runs whole (layer, window) units and may overrun its tokens by
+less than one unit (a window's tokens times its largest level's share, the head's).
 """
 
 from __future__ import annotations
@@ -47,11 +49,21 @@ class SloCheck:
     promotion_after_s: float
     """A waiting sample outranks a running decode after this long (MACE §4.1), and is then granted."""
     promoted_delay_s: float
-    """The most one promoted window delays the inference beside it: ρ·(forward of the window + backward of a sample)."""
+    """The most one promoted window delays the inference beside it: ρ·(a window's forward or backward)."""
     problems: tuple[str, ...] = ()
+
+    @property
+    def tbt_source(self) -> str:
+        """Where the TBT SLO comes from, in words: the user's objective, or how the default was derived."""
+        if not self.tbt_derived:
+            return "training.slo_tbt_s (the configured objective)"
+        return (f"derived: {TBT_ITERATIONS:g} decode iterations of the profile ({self.decode_iteration_s:.3f} s each, "
+                f"one sequence at {REFERENCE_CONTEXT} tokens of context), at least {MIN_TBT_SLO_S:g} s; "
+                f"set training.slo_tbt_s to make it an objective")
 
     def as_json(self) -> dict[str, object]:
         return {"tbt_s": round(self.tbt_s, 4), "ttft_s": self.ttft_s, "tbt_derived": self.tbt_derived,
+                "tbt_source": self.tbt_source,
                 "decode_iteration_s": round(self.decode_iteration_s, 4),
                 "smallest_window_s": round(self.smallest_window_s, 4),
                 "promotion_after_s": round(self.promotion_after_s, 2),
@@ -69,7 +81,7 @@ def derived_tbt_slo(cost: CostModel) -> float:
 
 
 def check_slos(cost: CostModel, tbt_s: float | None, ttft_s: float, min_window_tokens: int = 16,
-               max_length: int = 512, weights: PriorityWeights | None = None) -> SloCheck:
+               weights: PriorityWeights | None = None) -> SloCheck:
     """The SLOs in force (``tbt_s`` None: derived) and the problems the profile shows with them."""
     w = weights or PriorityWeights()
     decode = decode_iteration(cost)
@@ -88,5 +100,6 @@ def check_slos(cost: CostModel, tbt_s: float | None, ttft_s: float, min_window_t
     if ttft_s < decode:
         problems.append(f"training.slo_ttft_s={ttft_s:g} s is below one decode iteration ({decode:.3f} s)")
     promotion = (w.decode_base - w.ft_base) / max(w.ft_aging - w.decode_aging, 1e-12)
-    promoted = rho * (cost.forward_latency(1, min_window_tokens) + cost.backward_latency(1, max_length)) * cost.stages
+    promoted = rho * max(cost.forward_latency(1, min_window_tokens), cost.backward_latency(1, min_window_tokens)) \
+        * cost.stages
     return SloCheck(tbt, ttft_s, tbt_s is None, decode, smallest, promotion, promoted, tuple(problems))

@@ -28,6 +28,10 @@ class FineTuneSample:
     dpo_loss: float = 0.0
     done: int = 0
     passes: int = 0
+    forward_tokens: int | None = None
+    """F: the pass is F tokens forward, then its backward as tokens [F, tokens) (FlexLLM §6.1: the window spans
+    both; ``WindowedPass``: tokens = 2·F). None: every window carries its own forward and the window that
+    completes the pass the whole backward (the trainer's earlier pass, and the simulator's samples)."""
 
     @property
     def remaining(self) -> int:
@@ -53,6 +57,24 @@ class LiveRequest:
 
 
 @dataclass(frozen=True)
+class EngineIteration:
+    """One engine step as its replica saw it: when its tokens reached the replica, and what the step computed.
+
+    ``at`` is the wall time (``time.time()``) at which vLLM's output handler recorded the step, the
+    moment its new tokens go out to the requests' streams; ``elapsed_s`` the step's own time in the
+    engine core; ``gap_s`` the time since the previous step's tokens went out: for each of the
+    ``decode_seqs`` requests that decoded in this step it is their time between tokens (None for the
+    first step the replica saw).
+    """
+
+    at: float
+    elapsed_s: float
+    prefill_tokens: int
+    decode_seqs: int
+    gap_s: float | None = None
+
+
+@dataclass(frozen=True)
 class EngineFacts:
     """What a replica reports of its engine: the requests in flight, iterations so far, KV cache in use.
 
@@ -63,7 +85,9 @@ class EngineFacts:
     request (one that step did not start: ``max_num_seqs`` reached, no token budget or KV blocks
     left), since the engine started; ``waiting_peak`` is the most requests that queue held after
     any step. They measure how often request order inside vLLM could matter at all
-    (docs/coserving.md, "Admission by priority: measured, then removed").
+    (docs/coserving.md, "Admission by priority: measured, then removed"). ``iteration_log`` holds the
+    engine steps since the replica's previous report, each with its time between tokens: what the
+    planner compares with each fine-tuning window's prediction and counts against the SLOs.
     """
 
     at: float
@@ -73,6 +97,7 @@ class EngineFacts:
     kv_cache_bytes: float = 0.0
     steps_with_waiting: int = 0
     waiting_peak: int = 0
+    iteration_log: tuple[EngineIteration, ...] = ()
 
     @property
     def kv_used_bytes(self) -> float:
@@ -115,6 +140,8 @@ class TokenWindow:
     start: int
     end: int
     length: int
+    forward_tokens: int | None = None
+    """As :attr:`FineTuneSample.forward_tokens`: [0, F) of the pass is forward, [F, length) backward."""
 
     @property
     def tokens(self) -> int:
@@ -124,6 +151,15 @@ class TokenWindow:
     def completes_pass(self) -> bool:
         """The last window of the sequence: after it the accumulated gradient equals the full-sequence one."""
         return self.end >= self.length
+
+    @property
+    def phases(self) -> tuple[int, int]:
+        """(forward tokens, backward tokens) the window runs: for a pass without phases, its tokens forward and,
+        when it completes the pass, the whole sample's backward."""
+        f = self.forward_tokens
+        if f is None:
+            return self.tokens, self.length if self.completes_pass and self.tokens > 0 else 0
+        return max(0, min(self.end, f) - self.start), max(0, self.end - max(self.start, f))
 
 
 def token_windows(length: int, grants: Iterable[int], start: int = 0) -> list[tuple[int, int]]:
@@ -153,7 +189,7 @@ def whole_windows(samples: Sequence[FineTuneSample], count: int) -> tuple[TokenW
     How a grant of whole samples (the retraining policies of ``planners/retraining.py``) is handed
     to a trainer that runs token windows.
     """
-    return tuple(TokenWindow(s.sample_id, s.done, s.tokens, s.tokens) for s in samples[:max(0, count)]
+    return tuple(TokenWindow(s.sample_id, s.done, s.tokens, s.tokens, s.forward_tokens) for s in samples[:max(0, count)]
                  if s.remaining > 0)
 
 

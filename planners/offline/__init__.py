@@ -13,6 +13,10 @@ Source: SamuLLM. The pieces, each citing its section, one module each:
 - the greedy stage search with preemption (§4.2, Algorithm 1) and the baselines of §5
   (Max-heuristic, Min-heuristic, no-preemption and known-output-length variants of §5.5):
   registry kind ``stages``, names ``greedy``, ``max``, ``min``;
+- our planner, not in SamuLLM: a portfolio of base policies (keep running plans; list schedules of
+  per-model targets from the moldable bound), the pilot method on the best one, and the baselines'
+  whole plans as candidates, so it is never predicted slower than any of them: name ``search``
+  (:class:`SearchStages`, :func:`moldable_bound`);
 - link-aware device choice minimising reloads and the dynamic re-adjustment of the running phase
   (§4.3): :func:`assign_devices`, :func:`adjust_stage`.
 
@@ -39,12 +43,12 @@ from planners.offline.engine_sim import EPS, EngineLimits, EngineRun, IterationS
 from planners.offline.job import Edge, JobGraph, ModelSpec, chain_maps, fuse_self_loops
 from planners.offline.devices import DeviceSet, ExecutionPlan, Plan, Stage, StageEstimate, TensorParallelScaling, assign_devices, iteration_cost, pack_devices, place_stages, valid_plans
 from planners.offline.job_sim import JobSimulator
-from planners.offline.search import Adjustment, BestStages, GreedyStages, MaxStages, MinStages, Selector, StagePlanner, adjust_stage, select_greedy, select_max, select_min
+from planners.offline.search import Adjustment, GreedyStages, MaxStages, MinStages, Selector, StagePlanner, adjust_stage, select_greedy, select_max, select_min
 from planners.offline.replay import Replay, replay_plan
+from planners.offline.plan_search import MoldableBound, SearchStages, moldable_bound, select_keep, shaped_policy
 
 __all__ = [
     "Adjustment",
-    "BestStages",
     "DeviceSet",
     "EPS",
     "Edge",
@@ -55,12 +59,14 @@ __all__ = [
     "IterationSegment",
     "JobGraph",
     "JobSimulator",
+    "MoldableBound",
     "MaxStages",
     "MinStages",
     "ModelRun",
     "ModelSpec",
     "Plan",
     "Replay",
+    "SearchStages",
     "Selector",
     "Stage",
     "StageEstimate",
@@ -71,12 +77,15 @@ __all__ = [
     "chain_maps",
     "fuse_self_loops",
     "iteration_cost",
+    "moldable_bound",
     "output_cdf_from_pairs",
     "pack_devices",
     "place_stages",
     "replay_plan",
     "replica_of",
     "sample_output_lengths",
+    "select_keep",
+    "shaped_policy",
     "select_greedy",
     "select_max",
     "select_min",

@@ -160,13 +160,13 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
     cap, budget_max = config.max_num_seqs, config.max_batched_tokens
     pl, ol = p.tolist(), o.tolist()
 
-    finish = np.full(n, math.inf)
-    gen = np.zeros(n, dtype=np.int64)
+    # Python lists in the loop: a numpy scalar read or write per request costs more than the simulation step.
+    finish = [math.inf] * n
+    gen = [0] * n
+    readyl, parl = ready.tolist(), par.tolist()
     children: dict[int, list[int]] = {}
-    waiting: list[tuple[float, int]] = []
-    for j in range(n):
-        if par[j] >= 0:
-            children.setdefault(int(par[j]), []).append(j)
+    for j in np.flatnonzero(par >= 0).tolist():
+        children.setdefault(parl[j], []).append(j)
     t, g, iters, busy, tokens = float(start_s), 0, 0, 0.0, 0
     dec: list[tuple[int, int]] = []  # (g at which the request finishes, request)
     n_dec, ctx = 0, 0
@@ -176,16 +176,16 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
             n_dec += 1
             ctx += pl[j]
     in_dec = {j for _, j in dec}
-    for j in range(n):
-        if par[j] < 0 and j not in in_dec and math.isfinite(ready[j]):
-            heapq.heappush(waiting, (max(float(ready[j]), t), j))
+    waiting = [(r if r > t else t, j) for j, r in enumerate(readyl)
+               if parl[j] < 0 and r < math.inf and j not in in_dec]
+    heapq.heapify(waiting)
     prefilling: deque[list[int]] = deque()
     curve_s, curve_tok = [t], [0]
     segs: list[IterationSegment] = []
 
     def release(j: int, at: float) -> None:
         for c in children.get(j, ()):
-            heapq.heappush(waiting, (max(float(ready[c]), at), c))
+            heapq.heappush(waiting, (max(readyl[c], at), c))
 
     def retire(at: float, step: int) -> tuple[int, int]:
         """Finish, at ``at``, every decode whose last iteration is ``step`` or earlier; the context
@@ -284,8 +284,8 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
     for gf, j in dec:
         decoding[j] = True
         gen[j] = ol[j] - (gf - g)
-    return EngineRun(iters, busy, t, finish, gen, decoding, np.asarray(curve_s), np.asarray(curve_tok, dtype=float),
-                     tuple(segs))
+    return EngineRun(iters, busy, t, np.asarray(finish, dtype=float), np.asarray(gen, dtype=np.int64), decoding,
+                     np.asarray(curve_s), np.asarray(curve_tok, dtype=float), tuple(segs))
 
 
 def replica_of(prompt_tokens: np.ndarray, output_tokens: np.ndarray, parent: np.ndarray, dp: int) -> np.ndarray:

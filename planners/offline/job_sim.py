@@ -28,6 +28,7 @@ class _Work:
     longest: int
     cap: Mapping[int, int]  # tp -> max running requests the KV cache allows
     loading: tuple[float, ...] = ()  # per replica of the running plan: load seconds left at the stage start
+    started: bool = False  # ran in some stage: its state is no longer the job's start
 
     @property
     def finished(self) -> bool:
@@ -58,6 +59,8 @@ class JobSimulator:
         self.now_s = 0.0
         self.running: dict[str, ExecutionPlan] = {}
         self._cache: dict[Any, ModelRun] = {}
+        # Runs of models still as at the job's start: the same in every state, so shared by every copy for good.
+        self._fresh: dict[Any, ModelRun] = {}
         self._ancestors = {m: self._closure(m) for m in self.order}
         self._placeable: dict[tuple[int, ...], bool] = {}
 
@@ -163,12 +166,30 @@ class JobSimulator:
 
     # -- simulation --
 
-    def _run(self, plan: ExecutionPlan, runs: Mapping[str, ModelRun], until_s: float = math.inf) -> ModelRun:
+    def solo_end_s(self, plan: ExecutionPlan) -> float:
+        """Seconds until ``plan``'s model would finish from now, alone and with every input already there
+        (its load included): the model's own time on that plan, without waiting on upstream models."""
+        m = plan.model
+        waits = any(not self.work[u].finished for u in self._upstream[m])
+        # A model with no unfinished input runs the same alone as in any stage: share _runs' cache entry.
+        key = ("solo", m, plan.shape) if waits else (m, plan.shape, ())
+        cache = self._fresh if self._untouched(m) else self._cache
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = self._run(plan, {}, inputs_ready=True)
+        return hit.end_s
+
+    def _untouched(self, m: str) -> bool:
+        """Whether ``m`` is as at the job's start (never run, nothing loading): its run depends on nothing else."""
+        return not self.work[m].started and m not in self.running
+
+    def _run(self, plan: ExecutionPlan, runs: Mapping[str, ModelRun], until_s: float = math.inf,
+             inputs_ready: bool = False) -> ModelRun:
         m = plan.model
         w = self.work[m]
         ready = np.zeros(w.spec.n_requests)
         for src, mp in w.inputs:
-            if self.work[src].finished:
+            if self.work[src].finished or inputs_ready:
                 continue
             src_done = self.work[src].done
             src_finish = runs[src].finish_s if src in runs else np.full(src_done.size, math.inf)
@@ -218,9 +239,12 @@ class JobSimulator:
                 runs[m] = self._run(plan, runs, until_s)
                 continue
             key = (m, plan.shape, tuple(sorted((a, stage[a].shape) for a in self._ancestors[m] if a in stage)))
-            hit = self._cache.get(key)
+            # An untouched model whose inputs are all there runs the same in any state: the lasting cache.
+            waits = any(not self.work[u].finished for u in self._upstream[m])
+            cache = self._fresh if self._untouched(m) and not waits else self._cache
+            hit = cache.get(key)
             if hit is None:
-                hit = self._cache[key] = self._run(plan, runs)
+                hit = cache[key] = self._run(plan, runs)
             runs[m] = hit
         return runs
 
@@ -265,6 +289,7 @@ class JobSimulator:
             w.out[partial] -= run.generated[partial]
             w.resumable = run.decoding & ~fin & ~w.done
             w.done = w.done | fin
+            w.started = True
         for m in self.order:
             w = self.work[m]
             # Set before self.running changes below: _loads reads the plans this stage started from.
@@ -274,7 +299,7 @@ class JobSimulator:
         start = self.now_s
         self.now_s += dur
         self.running = {m: p for m, p in stage.items() if not self.work[m].finished}
-        self._cache.clear()
+        self._cache = {}  # a new dict: copies made before this stage keep sharing the old one
         return Stage(tuple(stage[m] for m in self.order if m in stage), start, dur,
                      tuple(m for m in self.order if m in stage and self.work[m].finished), loads,
                      tuple((m, est.model_end_s[m]) for m in self.order if m in stage))
@@ -286,5 +311,7 @@ class JobSimulator:
         new.work = {m: replace(w, prompt=w.prompt.copy(), out=w.out.copy(), done=w.done.copy(),
                                resumable=w.resumable.copy()) for m, w in self.work.items()}
         new.running = dict(self.running)
-        new._cache = {}
+        # Same state, same predictions: the copy shares the cache until either advances (which replaces,
+        # never clears, its own), so candidates tried from one state simulate each (model, plan) once.
+        new._cache = self._cache
         return new

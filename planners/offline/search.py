@@ -1,4 +1,7 @@
-"""Stage selection: the greedy search with preemption (SamuLLM Alg. 1, §4.2), its §5 baselines, and the §4.3 adjustment."""
+"""Stage selection: the greedy search with preemption (SamuLLM Alg. 1, §4.2), its §5 baselines, and the §4.3 adjustment.
+
+Our own planner, which takes these as baselines and candidates, is ``planners/offline/plan_search.py``.
+"""
 
 from __future__ import annotations
 
@@ -55,8 +58,10 @@ def select_greedy(sim: JobSimulator, preemption: bool = True) -> tuple[Execution
     return tuple(stage[m] for m in sim.order if m in stage)
 
 
-def _fastest(sim: JobSimulator, base: Mapping[str, ExecutionPlan], model: str, max_devices: int
-             ) -> ExecutionPlan | None:
+def fastest_plan(sim: JobSimulator, base: Mapping[str, ExecutionPlan], model: str, max_devices: int
+                 ) -> ExecutionPlan | None:
+    """The plan of ``model`` on at most ``max_devices`` devices, placeable beside ``base``, that the
+    simulator predicts ends first (ties: the earlier of :meth:`JobSimulator.plans`)."""
     best, best_end = None, math.inf
     for p in sim.plans(model):
         if p.n_devices > max_devices or not sim.placeable([*base.values(), p]):
@@ -71,7 +76,7 @@ def select_max(sim: JobSimulator, preemption: bool = True) -> tuple[ExecutionPla
     """Max-heuristic (SamuLLM §5): all devices to one model at a time, in topological order, with
     the plan the cost model predicts fastest for it. Preemption makes no difference (§5.5)."""
     for m in sim.ready():
-        p = _fastest(sim, {}, m, sim.devices.count)
+        p = fastest_plan(sim, {}, m, sim.devices.count)
         if p is not None:
             return (p,)
     return ()
@@ -96,7 +101,7 @@ def select_min(sim: JobSimulator, preemption: bool = True) -> tuple[ExecutionPla
         share = [free // k + (1 if i < free % k else 0) for i in range(k)]
         stage = dict(fixed)
         for m, s in zip(cands[:k], share):
-            p = _fastest(sim, stage, m, s)
+            p = fastest_plan(sim, stage, m, s)
             if p is None:
                 break
             stage[m] = p
@@ -132,8 +137,12 @@ class StagePlanner:
 
     def plan(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel]) -> Plan:
         """The stage sequence for ``job`` on ``devices`` with device ids chosen, and its predicted time."""
+        return self.plan_on(self.simulator(job, devices, costs))
+
+    def plan_on(self, sim: JobSimulator) -> Plan:
+        """Plan from a fresh simulator of the job (advanced to the end); lets callers share one's predictions."""
         t0 = time.perf_counter()  # reported as search time only; no decision depends on it
-        sim = self.simulator(job, devices, costs)
+        job, devices = sim.job, sim.devices
         for m in sim.unfinished():
             if not sim.plans(m):
                 raise ValueError(f"model {m!r} fits no (dp, tp) plan on {devices.count} device(s) of "
@@ -160,37 +169,6 @@ def _heuristic(name: str, selector: Selector, doc: str) -> type[StagePlanner]:
 GreedyStages = _heuristic("greedy", select_greedy, "SamuLLM's planner: Algorithm 1 per stage (:func:`select_greedy`).")
 MaxStages = _heuristic("max", select_max, "Max-heuristic baseline (:func:`select_max`).")
 MinStages = _heuristic("min", select_min, "Min-heuristic baseline (:func:`select_min`).")
-
-
-@register("stages", "best")
-class BestStages(StagePlanner):
-    """Greedy with the heuristics as candidates: plans with ``greedy``, ``max`` and ``min`` and keeps
-    the plan with the lowest predicted time; the search time is all three searches.
-
-    Not in SamuLLM: Algorithm 1 is itself a heuristic, and on a chain it can pick a plan its own
-    cost model predicts slower than Min's (it ranks a stage by work rate per added device, so a
-    model load hidden behind another model's run never counts in its favour; see
-    docs/benchmarks.md). Taking the best predicted plan makes the planner never worse than a
-    heuristic under its own model, at about twice greedy's search time. ``Plan.planner`` names
-    the candidate kept, as ``best:<name>``.
-    """
-
-    name = "best"
-    candidates: tuple[type[StagePlanner], ...] = (GreedyStages, MaxStages, MinStages)
-
-    def plan(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel]) -> Plan:
-        t0 = time.perf_counter()
-        plans, errors = [], []
-        for cls in self.candidates:
-            try:
-                plans.append(cls(self.preemption, self.known_output_lengths, self.seed, self.tp_scaling)
-                             .plan(job, devices, costs))
-            except ValueError as exc:  # a candidate that finds no plan leaves the others
-                errors.append(exc)
-        if not plans:
-            raise errors[0]
-        kept = min(plans, key=lambda p: p.predicted_s)  # ties: the earlier candidate (greedy first)
-        return replace(kept, search_time_s=time.perf_counter() - t0, planner=f"best:{kept.planner}")
 
 
 # --- Dynamic adjustment in the running phase (§4.3) --------------------------------------------------

@@ -83,4 +83,5 @@ def test_ray_job_submit_runs_the_routing_job(head_node, data_dir, tmp_path):
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
     got = check_outputs(path)
     assert {m: len(v) for m, v in got.items()} == {"small": 7, "medium": 4, "large": 1}
-    assert "done in" in logs and json.loads((tmp_path / "out" / "summary.json").read_text())["planner"] == "greedy"
+    # The job names no planner: the default, our search (or the baseline plan it kept, "search:<name>").
+    assert "done in" in logs and json.loads((tmp_path / "out" / "summary.json").read_text())["planner"].startswith("search")

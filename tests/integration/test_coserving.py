@@ -48,7 +48,7 @@ def _collect_until_consumed(app_url: str, name: str, version: int, seen: dict, t
 def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(app_url, trainer, app_config):
     from settings import AppConfig
     from actors.control.cost_profile import load_profile
-    from planners.coserving import InferenceWork, ft_tokens_within, token_budget
+    from planners.coserving import InferenceWork, calibrated, ft_tokens_within, token_budget
 
     cfg = AppConfig.model_validate(app_config)
     assert cfg.planner.iteration == "hybrid"
@@ -58,15 +58,19 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
     slo_tbt_s = httpx.get(f"{app_url}/v1/status", timeout=30).json()["slo"]["tbt_s"]
     assert slo_tbt_s == pytest.approx(cfg.training.slo_tbt_s or max(0.1, 4 * cm.iteration_latency(0, 1, 256)), rel=1e-3)
 
+    def refit(grant: dict):
+        """The cost model as the node had refit it when it made ``grant`` (t_ft per phase, t_iter, ρ)."""
+        return calibrated(cm, grant["forward_cost_factor"], grant["backward_cost_factor"], grant["iteration_factor"],
+                          grant["interference"])
+
     def idle_budget(grant: dict) -> int:
         """An empty window: s = max{s : ρ·t_ft(s) ≤ SLO}, at most ``max_grant_s`` (1 s) of fine-tuning,
-        under the live refit of t_ft that was in force for ``grant``."""
-        refit = cm.with_training_time(grant["window_cost_factor"])
-        return token_budget(refit, InferenceWork(), slo_tbt_s, cap=ft_tokens_within(refit, 1.0))
+        under the live refit in force for ``grant``."""
+        return token_budget(refit(grant), InferenceWork(), slo_tbt_s, cap=ft_tokens_within(refit(grant), 1.0))
 
     def grant_cap(grant: dict) -> int:
         """``max_grant_s`` (1 s) of fine-tuning under the refit in force for ``grant``."""
-        return ft_tokens_within(cm.with_training_time(grant["window_cost_factor"]), 1.0)
+        return ft_tokens_within(refit(grant), 1.0)
 
     name = "coserve-grants"
     _create(app_url, name, method="sft", learning_rate=1e-3, mode="hybrid",
@@ -80,7 +84,7 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
     v1 = _collect_until_consumed(app_url, name, 1, idle)["current_version"]
     quiet = [g for g in idle.values() if g["decoding"] == 0 and g["prefilling"] == 0]
     assert quiet and all(0 < idle_budget(g) <= g["budget"] <= grant_cap(g) for g in quiet), [
-        (g["budget"], idle_budget(g), grant_cap(g), g["window_cost_factor"], g["reason"]) for g in quiet]
+        (g["budget"], idle_budget(g), grant_cap(g), g["forward_cost_factor"], g["reason"]) for g in quiet]
 
     # Phase 2: closed-loop clients with long prompts keep both engines prefilling and decoding.
     stop = threading.Event()
@@ -119,3 +123,14 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
     assert info["current_version"] > v1 and info["queued"] == 0
     stats = _status(app_url)["training"]["adapters"][name]
     assert stats["windows"] > stats["steps"]  # samples longer than a grant ran as several windows
+    # Each grant was measured against its prediction beside the engine's steps, and the clients' times between
+    # tokens and first tokens were counted against the SLOs with training beside them and without (issue 38).
+    metrics = httpx.get(f"{app_url}/metrics", timeout=30).text
+    for n in _status(app_url)["nodes"]:
+        wp, att, node = n["window_prediction"], n["slo_attainment"], n["node_id"]
+        assert wp["grants_beside_decodes"] > 0 and wp["worst_gap_median_error"] is not None, wp
+        assert att["tbt_training"]["total"] > 0 and att["tbt_no_training"]["total"] > 0, att
+        assert att["ttft_training"]["total"] + att["ttft_no_training"]["total"] > 0, att
+        assert f'coserve_window_prediction_error{{node="{node}",quantity="worst_gap"}}' in metrics
+        assert f'coserve_slo_attainment{{node="{node}",slo="tbt",training="yes"}}' in metrics
+        assert f'coserve_window_interference{{node="{node}",source="in_force"}}' in metrics

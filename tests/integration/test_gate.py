@@ -70,7 +70,8 @@ def trainer(app_url) -> dict:
 
 def test_the_gate_keeps_poisoned_feedback_from_being_served(app_url, trainer):
     t0 = time.time()
-    gates = {"gate-on": {"enabled": True, "margin": 0.02, "pause_after_rejections": 3},
+    # The held-out slice alone: on the random tiny model, lr 1e-2 moves far from its answers (retention: below).
+    gates = {"gate-on": {"enabled": True, "margin": 0.02, "pause_after_rejections": 3, "retention": False},
              "gate-off": {"enabled": False}}
     for name, gate in gates.items():
         r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
@@ -154,7 +155,7 @@ def test_the_gate_rejects_an_sft_version_that_degrades_the_held_out_answers(app_
     r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
         "name": name, "method": "sft", "learning_rate": 2e-2, "mode": "sync", "lora": {"r": 8, "alpha": 16},
         "gate": {"enabled": True, "margin": 0.02, "held_out_share": 0.25, "max_eval_items": 4,
-                 "pause_after_rejections": 2}})
+                 "pause_after_rejections": 2, "retention": False}})
     assert r.status_code == 201, r.text
     good = [{"adapter": name, "prompt": f"Q{i}: what do you say to {t}?\nA:", "completion": " Hello, nice to meet you."}
             for i, t in enumerate(["Ann", "Bob", "Cy", "Di", "Ed", "Flo", "Gus", "Hal", "Ida", "Jo", "Kim", "Lu",
@@ -177,3 +178,33 @@ def test_the_gate_rejects_an_sft_version_that_degrades_the_held_out_answers(app_
     assert _served(after)["token_logprob"] >= served_before["token_logprob"] - 0.02, after["versions"]
     assert after["paused_reason"] and "2 versions in a row" in after["paused_reason"], after
 
+
+
+def test_a_version_that_forgets_is_rejected_by_retention_while_the_served_one_stays(app_url, trainer):
+    """Issue 37: the held-out slice cannot see what the tenant did not teach. With nothing held out, a gentle
+    version keeps the base model's answers to the shipped retention set and is served; the same adapter at a
+    learning rate that breaks the model loses them, and the gate rejects it by retention, naming both numbers."""
+    name = "keeper"
+    r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
+        "name": name, "method": "sft", "learning_rate": 1e-4, "mode": "sync", "lora": {"r": 8, "alpha": 16},
+        "gate": {"held_out_share": 0, "pause_after_rejections": 0, "retention": True}})
+    assert r.status_code == 201, r.text
+    items = lambda k: [{"adapter": name, "prompt": f"Q{k + i}: name a colour.\nA:", "completion": " Blue."}  # noqa: E731
+                       for i in range(4)]
+    assert httpx.post(f"{app_url}/v1/feedback", json=items(0), timeout=60).status_code == 202
+    kept = _settle(app_url, name, "retention")
+    v1 = _served(kept)
+    assert v1["retention_base"] - v1["retention"] <= kept["gate"]["retention_margin"], v1
+    assert "served on retention alone" in v1["reason"] and "no held-out feedback" in v1["reason"], v1
+    assert kept["retention"]["version"] == v1["version"] and kept["retention"]["prompts"] >= 20, kept["retention"]
+
+    httpx.patch(f"{app_url}/v1/adapters/{name}", json={"learning_rate": 0.5}, timeout=30).raise_for_status()
+    assert httpx.post(f"{app_url}/v1/feedback", json=items(4), timeout=60).status_code == 202
+    after = _settle(app_url, name, "retention")
+    rejected = [v for v in after["versions"] if v["state"] == "rejected"]
+    assert rejected and after["current_version"] == v1["version"], after["versions"]
+    lost = rejected[0]
+    assert lost["retention_base"] - lost["retention"] > after["gate"]["retention_margin"], lost
+    assert lost["reason"].startswith("retention: ") and "more than the retention margin" in lost["reason"], lost
+    assert f"{lost['retention']:.4g} vs {lost['retention_base']:.4g}" in lost["reason"], lost
+    assert lost["score_s"] is not None and lost["score_s"] < 30, lost

@@ -81,8 +81,8 @@ def test_plan_cli_prints_stages_that_cover_every_model(tmp_path, capsys):
     from app.offline import main
 
     assert main(["plan", str(JOBS / "routing.yaml"), "--data-dir", str(tmp_path), "--json", str(tmp_path / "p.json")]) == 0
-    assert "greedy plan" in capsys.readouterr().out
     plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["planner"].startswith("search") and f"{plan['planner']} plan" in capsys.readouterr().out
     ran = {p["model"] for st in plan["stages"] for p in st["plans"]}
     assert ran == {"small", "medium", "large"} and plan["predicted_s"] > 0
     ends = [st["start_s"] + st["duration_s"] for st in plan["stages"]]
@@ -91,6 +91,30 @@ def test_plan_cli_prints_stages_that_cover_every_model(tmp_path, capsys):
     assert main(["plan", str(JOBS / "chain_summary.yaml"), "--data-dir", str(tmp_path), "--planner", "max"]) == 0
     out = capsys.readouterr().out
     assert "max plan" in out and "summarizer" in out and "evaluator" in out
+
+
+def test_the_job_names_its_planner_and_the_cli_overrides_it(tmp_path, capsys):
+    from app.offline import main
+
+    spec = yaml.safe_load((JOBS / "chain_summary.yaml").read_text())
+    spec.update(input=str(JOBS / "docs.jsonl"), planner="greedy")
+    # The engine starts measured on this project's machines (the planner's choice depends on them).
+    for m, load_s in zip(spec["models"], (20.0, 16.5)):
+        m["load_s"] = load_s
+    path = tmp_path / "chain.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    plans = {}
+    for name, extra in (("job", []), ("cli", ["--planner", "search"])):
+        assert main(["plan", str(path), "--data-dir", str(tmp_path), "--json", str(tmp_path / f"{name}.json"), *extra]) == 0
+        plans[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert plans["job"]["planner"] == "greedy" and plans["cli"]["planner"].startswith("search")
+    # On the chain, greedy runs the summarizer on both devices, then loads the evaluator; the search runs the
+    # evaluator beside the summarizer from the start (its load hidden), and is predicted faster.
+    assert [len(st["plans"]) for st in plans["job"]["stages"]] == [1, 1]
+    assert {p["model"] for p in plans["cli"]["stages"][0]["plans"]} == {"summarizer", "evaluator"}
+    assert plans["cli"]["predicted_s"] < 0.8 * plans["job"]["predicted_s"]
+    with pytest.raises(ValueError, match="planner 'fastest'"):
+        JobSpec.model_validate({**spec, "planner": "fastest"})
 
 
 def test_plan_cli_reports_a_bad_job_without_a_traceback(tmp_path, capsys):

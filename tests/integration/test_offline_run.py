@@ -110,8 +110,14 @@ def test_chain_summary_resumes_after_a_kill_and_keeps_the_chain_order(ray_cluste
     assert "half-writ" not in "".join(OutputFile(summ).records)  # dropped on open, file cut back
 
     job, base = load_job(path)
-    summary = run_job(job, base, "greedy", True, data_dir, progress=False)
+    summary = run_job(job, base, "search", True, data_dir, progress=False)
     assert summary["skipped"]["summarizer"] >= 2
+    # The search's plan runs the evaluator beside the summarizer (greedy's would load it after): the evaluator's
+    # engine started with the summarizer's, on the other device, and was fed the final summaries as they came.
+    assert set(summary["stages"][0]["models"]) == {"summarizer 1x1", "evaluator 1x1"}
+    rep = {r["model"]: r for r in summary["replicas"]}
+    assert len(summary["replicas"]) == 2 and rep["evaluator"]["devices"] != rep["summarizer"]["devices"]
+    assert rep["evaluator"]["start_s"] < rep["summarizer"]["ready_s"]
     got = check_outputs(path)  # every id once: nothing redone twice, nothing lost
     by_id = {r["id"]: r for r in got["summarizer"]}
     chains = {}

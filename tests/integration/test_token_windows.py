@@ -80,6 +80,20 @@ def windowed(model, tok, item, method, ends, **kw):
     return p.finish()
 
 
+def granted(model, tok, item, method, forward_ends, backward_step, **kw):
+    """The pass as a trainer runs it across grants: forward windows, then backward grants of ``backward_step``
+    token-equivalents each (FlexLLM Alg. 2 lines 12–21); returns the stats and each grant's progress."""
+    p = wp.WindowedPass(model, tok, item, method, **kw)
+    for end in forward_ends:
+        p.run(end)
+    progress = []
+    while not p.complete:
+        before = p.done
+        p.run(min(p.work, p.done + backward_step))
+        progress.append(p.done - before)
+    return p.stats, progress
+
+
 def test_item_length_is_the_encoded_stream(model_dir):
     _, tok = lora_model(model_dir, QV)
     enc = lt.encode(tok, [ITEM["prompt"]], [ITEM["completion"]])
@@ -194,3 +208,47 @@ def test_misuse_raises_and_abandon_leaves_grads_alone(model_dir):
     done.finish()
     with pytest.raises(ValueError, match="finished or abandoned"):
         done.finish()
+
+
+@pytest.mark.parametrize("step", [1, 7, 40])
+def test_the_backward_runs_in_grants_and_gives_the_full_sequence_gradient(model_dir, step):
+    """No grant carries a whole sample's backward: each backward grant runs (level, window) units up to its tokens,
+    and the gradient after the last one equals sft_step's and dpo_step's (issue 38)."""
+    model, tok = lora_model(model_dir)
+    length = wp.item_length(tok, ITEM, "sft")
+    want_stats, want = step_grads(model, lambda: lt.sft_step(model, tok, [ITEM], scale=0.7))
+    zero_grads(model)
+    stats, progress = granted(model, tok, ITEM, "sft", [5, 23, length], step, scale=0.7)
+    assert_same_grads(grads(model), want)
+    assert stats.loss == pytest.approx(want_stats.loss, rel=1e-6)
+    assert sum(progress) == length and all(d > 0 for d in progress)
+    # A grant overruns its tokens by less than one unit: the largest unit is a window's head.
+    largest_unit = max(5, 18, length - 23) * max(wp.level_weights(model))
+    assert max(progress) <= step + largest_unit + 1
+    assert len(progress) >= length // (step + largest_unit + 1)
+
+    n_chosen = lt.encode(tok, [PAIR["prompt"]], [PAIR["chosen"]]).input_ids.shape[1]
+    pair_length = wp.item_length(tok, PAIR, "dpo")
+    want_stats, want = step_grads(model, lambda: lt.dpo_step(model, tok, [PAIR], beta=0.1, scale=0.7))
+    zero_grads(model)
+    stats, progress = granted(model, tok, PAIR, "dpo", [7, n_chosen + 5, pair_length], step, beta=0.1, scale=0.7)
+    assert_same_grads(grads(model), want)
+    assert stats.reward_margin == pytest.approx(want_stats.reward_margin, abs=1e-5)
+    assert sum(progress) == pair_length
+
+
+def test_the_backward_waits_for_the_forward_and_its_levels_are_weighed_by_parameters(model_dir):
+    model, tok = lora_model(model_dir, QV)
+    weights = wp.level_weights(model)
+    assert len(weights) == 1 + model.get_base_model().config.num_hidden_layers
+    assert sum(weights) == pytest.approx(1.0) and len(set(round(w, 9) for w in weights[1:])) == 1
+    p = wp.WindowedPass(model, tok, ITEM, "sft")
+    assert p.work == 2 * p.length
+    p.run(10)
+    with pytest.raises(ValueError, match="backward needs the whole stream forwarded"):
+        p.backward(p.length + 1)
+    p.run(p.length + 1)  # the forward's rest, then the first backward unit: the last window's head
+    assert p.length < p.done < p.work and p.stats is not None
+    assert all(q.grad is None for q in model.parameters())  # no LoRA weight in the head
+    p.run(p.done + p.length // 2)
+    assert any(q.grad is not None for q in model.parameters()) and not p.complete

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from actors.learning.lora import cpu_placement
 from actors.serving import cpu_affinity
 
 pytest.importorskip("setproctitle", reason="setproctitle (Ray's dependency) titles the stand-in processes")
@@ -49,3 +50,43 @@ def test_ray_processes_leave_the_engines_core_and_trainer_ranks_stay():
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores: one for the engine, one for the rest")
+def test_a_trainer_rank_puts_its_threads_apart_from_the_engine_or_on_its_cores():
+    every = set(range(os.cpu_count()))
+    worker = _titled("VLLM::Worker", {0})
+    before = os.sched_getaffinity(0)
+    threads = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
+    try:
+        done = cpu_placement.place_trainer("apart", [worker.pid])
+        assert done["cores"] == sorted(every - {0}) and os.sched_getaffinity(0) == every - {0}
+        assert cpu_placement.place_trainer("shared", [worker.pid])["cores"] == [0]
+        assert os.sched_getaffinity(0) == {0}
+        assert cpu_placement.place_trainer("any", [worker.pid])["cores"] == sorted(every)
+        assert cpu_placement.place_trainer("apart", [])["cores"] is None  # no engine on this host: unchanged
+        with pytest.raises(ValueError, match="unknown CPU placement"):
+            cpu_placement.place_trainer("nowhere", [worker.pid])
+    finally:
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, before)
+            except OSError:
+                pass
+        worker.kill()
+        worker.wait()
+
+
+def test_a_trainer_rank_lowers_its_priority_in_every_thread():
+    """In a process of its own (a thread's nice cannot go back down unprivileged): every thread, not just the main one."""
+    code = ("import os, sys, threading, time; sys.path.insert(0, sys.argv[1]);"
+            "from actors.learning.lora import cpu_placement as c;"
+            "t = threading.Thread(target=time.sleep, args=(2,)); t.start();"
+            "c.set_priority('low'); nices = {os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir('/proc/self/task')};"
+            "c.set_priority('idle'); idle = {os.sched_getscheduler(int(x)) for x in os.listdir('/proc/self/task')};"
+            "print(sorted(nices), sorted(idle) == [os.SCHED_IDLE])")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[19] True", (out.stdout, out.stderr)
+    with pytest.raises(ValueError, match="unknown CPU priority"):
+        cpu_placement.set_priority("urgent")

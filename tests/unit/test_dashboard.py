@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana" / "coserve.json"
 METRIC = re.compile(r"\b(vllm:[a-zA-Z0-9_:]+|coserve_[a-zA-Z0-9_]+)")
-ROWS = ["Latency", "Where time goes", "Engine", "Training"]
+ROWS = ["Latency", "Where time goes", "Engine", "Training", "Tenants"]
 
 
 def dashboard() -> dict[str, Any]:
@@ -58,12 +58,14 @@ def exposed(families: list[tuple[str, str]]) -> set[str]:
 
 def app_series() -> set[str]:
     """The series the app itself exports: the replica's stage and iteration histograms, the ingress' gauges."""
-    from actors.serving import engine_iterations, request_stages
+    from actors.serving import engine_iterations, fair_admission, request_stages
     from deployments.metrics import render
 
     families = [(m.name, m.type) for metric in (request_stages.STAGE_SECONDS, engine_iterations.ITERATION_SECONDS,
                                                 engine_iterations.ITERATION_TOKENS,
-                                                engine_iterations.ITERATION_REQUESTS)
+                                                engine_iterations.ITERATION_REQUESTS, fair_admission.TOKENS,
+                                                fair_admission.REQUESTS, fair_admission.QUEUE_WAIT,
+                                                fair_admission.TTFT)
                 for m in metric.describe()]
     names = exposed(families)
     # One render with every fact present, so every family of deployments/metrics.py has a sample.

@@ -9,7 +9,7 @@ import pytest
 from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict, is_held_out
 from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackStore
 from deployments.metrics import render
-from planners.gate import judge
+from planners.gate import decide, judge, judge_retention
 
 
 def pair(i: int, adapter: str = "acme") -> dict:
@@ -331,3 +331,41 @@ def test_a_rollback_is_undone_by_promoting_the_version_rolled_back_from(store):
     info = store.promote("acme", 3)
     assert info.current_version == 3
     assert [(x.version, x.state) for x in info.versions][-1] == (3, "served")
+
+
+def test_one_held_out_item_is_not_enough_evidence_and_the_policy_decides():
+    # Issue 37: one SFT item has no spread; "not worse" from it claimed what was not measured.
+    one = judge("sft", -5.138, -5.228, 0.02, items=1, baseline_name="the base model", item_changes=[0.09])
+    assert one.passed and one.thin and "not worse" not in one.reason
+    assert "not enough held-out evidence" in one.reason and "one item has no spread" in one.reason
+    kept = judge_retention(-0.41, -0.40, 0.1, prompts=32, set_name="the default retention set")
+    lost = judge_retention(-0.95, -0.40, 0.1, prompts=32, set_name="the default retention set")
+    assert kept.passed and not lost.passed and "-0.95 vs -0.4" in lost.reason and "0.55 lost" in lost.reason
+    served = decide(one, kept, "serve")
+    assert served.passed and "served on retention alone" in served.reason and "not enough" in served.reason
+    waiting = decide(one, kept, "wait")
+    assert not waiting.passed and not waiting.counts and "waiting for more held-out evidence" in waiting.reason
+    # Forgetting rejects whatever the held-out slice says, and the reason names both numbers.
+    rejected = decide(judge("sft", -1.0, -2.0, 0.02, items=8, baseline_name="v1", item_changes=[1.0] * 7 + [1.1]),
+                      lost, "serve")
+    assert not rejected.passed and rejected.counts and rejected.reason.startswith("retention: ")
+    # A gain larger than the slice's noise is measured, not thin.
+    gain = judge("sft", -1.0, -2.0, 0.02, items=4, baseline_name="v1", item_changes=[0.9, 1.1, 1.0, 1.2])
+    assert gain.passed and not gain.thin and "better" in gain.reason
+    assert decide(gain, kept, "wait").passed
+
+
+def test_a_version_held_for_evidence_does_not_count_and_retention_is_stored_and_exported(store):
+    for v in (1, 2):
+        publish(store)
+        store.decide_version("acme", v, passed=False, reason="waiting for more held-out evidence", counts=False,
+                             retention=-1.1, retention_base=-1.0, retention_prompts=24, score_s=1.5)
+    info = store.get_adapter("acme")
+    assert info.rejections_in_row == 0 and info.paused_reason is None  # pause_after_rejections is 2
+    publish(store)
+    store.decide_version("acme", 3, passed=True, reason="ok", retention=-1.05, retention_base=-1.0, retention_prompts=24)
+    v3 = store.get_version("acme", 3)
+    assert (v3.retention, v3.retention_base, v3.retention_prompts) == (-1.05, -1.0, 24)
+    text = render({"nodes": []}, [a.model_dump() for a in store.list_adapters()]).decode()
+    assert 'coserve_adapter_retention{adapter="acme"} -1.05' in text
+    assert 'coserve_adapter_retention_base{adapter="acme"} -1.0' in text

@@ -244,3 +244,15 @@ def test_the_openapi_schema_says_what_create_takes():
         schemas["LoraSettings"]["properties"]["r"]
     assert schemas["AdapterSpec"]["properties"]["epochs"]["type"] == "integer"
     assert {"/v1/adapters/{name}", "/v1/adapters/{name}/rollback"} <= set(app.openapi()["paths"])
+
+
+def test_the_adapter_view_shows_the_served_versions_retention(harness):
+    client, store, _, _ = harness
+    assert client.post("/v1/adapters", json={"name": "tutor", "method": "sft", "mode": "off"}).status_code == 201
+    assert client.get("/v1/adapters/tutor").json()["retention"] is None  # nothing served yet
+    v1 = _publish(store, "tutor")
+    store.record_scores("tutor", v1, retention=-1.25, retention_base=-1.0, retention_prompts=24, score_s=0.8)
+    body = client.get("/v1/adapters/tutor").json()
+    assert body["retention"] == {"version": v1, "score": -1.25, "base": -1.0, "lost": 0.25,
+                                 "margin": body["gate"]["retention_margin"], "prompts": 24}
+    assert body["versions"][0]["retention"] == -1.25 and body["versions"][0]["score_s"] == 0.8

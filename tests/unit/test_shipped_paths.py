@@ -19,3 +19,13 @@ def test_the_shipped_cost_profiles_are_found():
 
 def test_relative_paths_fall_back_to_the_repository_root():
     assert trainer.ROOT == plan.ROOT == REPO
+
+
+def test_the_shipped_retention_set_is_found_and_reads():
+    from actors.learning.lora import retention
+
+    assert retention.ROOT == REPO and retention.SHIPPED_SET.is_file()
+    prompts = retention.read_prompts(retention.SHIPPED_SET)
+    assert len(prompts) >= 20 and all(p[-1]["role"] == "user" for p in prompts)
+    assert retention.resolve(None, "/data") == retention.SHIPPED_SET
+    assert retention.resolve("mine/set.jsonl", "/data") == Path("/data/mine/set.jsonl")

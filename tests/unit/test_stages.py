@@ -24,6 +24,7 @@ from planners.offline import (
     chain_maps,
     iteration_cost,
     output_cdf_from_pairs,
+    replay_plan,
     sample_output_lengths,
     simulate_engine,
     simulate_model,
@@ -319,7 +320,7 @@ def search_results():
         job = _instance(seed)
         opt = _brute_force(JobSimulator(job, dev, _costs(job), known_output_lengths=True))
         got = {(n, pre): _plan(n, job, dev, preemption=pre).predicted_s
-               for n in ("greedy", "max", "min", "best") for pre in (True, False)}
+               for n in ("greedy", "max", "min", "search") for pre in (True, False)}
         rows.append((opt, got))
     return rows
 
@@ -347,17 +348,39 @@ def test_greedy_beats_the_baselines_on_average(search_results):
     assert any(got[("max", True)] > 1.05 * opt for opt, got in search_results)
 
 
-def test_best_keeps_the_lowest_predicted_plan_of_greedy_and_the_heuristics(search_results):
-    for _, got in search_results:
+def test_search_is_never_predicted_slower_than_a_baseline_and_sometimes_faster(search_results):
+    for opt, got in search_results:
         for pre in (True, False):
-            assert got[("best", pre)] == min(got[(n, pre)] for n in ("greedy", "max", "min"))
-    # On some of these instances a heuristic beats greedy (see above): there best is strictly better.
-    assert any(got[("best", True)] < got[("greedy", True)] for _, got in search_results)
+            assert got[("search", pre)] <= min(got[(n, pre)] for n in ("greedy", "max", "min")) * (1 + 1e-9)
+    # Strictly better than every baseline on some instances, and closer to the optimum on average.
+    assert any(got[("search", True)] < 0.99 * min(got[(n, True)] for n in ("greedy", "max", "min"))
+               for _, got in search_results)
+    assert _geomean_ratio(search_results, ("search", True)) < _geomean_ratio(search_results, ("greedy", True))
     job = _instance(3)
-    plan = _plan("best", job, DeviceSet(3, 1e11))
-    kept = plan.planner.split(":")[1]
-    assert plan.planner.startswith("best:") and kept in ("greedy", "max", "min")
-    assert plan.stages == _plan(kept, job, DeviceSet(3, 1e11)).stages
+    plan = _plan("search", job, DeviceSet(3, 1e11))
+    assert plan.planner == "search" or plan.planner.split(":")[1] in ("greedy", "max", "min")
+
+
+def test_search_runs_a_chain_consumer_beside_its_producer_and_beats_min():
+    # 12 documents of 3 chunks on 4 devices; the evaluator takes 8 s to load. Greedy (SamuLLM Alg. 1) gives the
+    # summarizer every device, then loads the evaluator; Min splits the devices 2/2. The search starts the
+    # evaluator on one device beside a 3-replica summarizer: its load hidden, it answers each final summary
+    # as it is written, and the job ends ~1 s after the last summary.
+    parents, last = chain_maps([3] * 12)
+    summ = ModelSpec("summarizer", 4e9, (300,) * 36, 60, output_tokens=(40,) * 36, load_time_s=((1, 2.0),))
+    ev = ModelSpec("evaluator", 4e9, (50,) * 12, 20, output_tokens=(10,) * 12, load_time_s=((1, 8.0),))
+    job = JobGraph((summ, ev), (Edge("summarizer", "summarizer", parents), Edge("summarizer", "evaluator", last)))
+    dev = DeviceSet(4, 20e9)
+    got = {n: _plan(n, job, dev) for n in ("greedy", "max", "min", "search")}
+    ours = got["search"]
+    assert ours.planner == "search"
+    first = {p.model: p.shape for p in ours.stages[0].plans}
+    assert first == {"summarizer": (3, 1), "evaluator": (1, 1)}
+    assert ours.predicted_s < 0.85 * got["min"].predicted_s and ours.predicted_s < 0.7 * got["greedy"].predicted_s
+    assert all(len(s.plans) == 1 for s in got["greedy"].stages)  # greedy never runs the two together
+    assert ours.stages[-1].duration_s < 8.0  # what is left after the summaries is shorter than the hidden load
+    # The §4.3 runtime rule executes it as planned: replayed with the same lengths, it takes the predicted time.
+    assert replay_plan(ours, job, dev, _costs(job)).actual_s == pytest.approx(ours.predicted_s, rel=1e-6)
 
 
 def test_preemption_helps_on_average(search_results):
@@ -387,7 +410,7 @@ def test_plan_structure_devices_and_stage_boundaries():
 
 def test_no_preemption_keeps_plans_until_the_model_finishes():
     job = _instance(5, n_models=4)
-    for name in ("greedy", "min"):
+    for name in ("greedy", "min", "search"):
         plan = _plan(name, job, DeviceSet(4, 1e11), preemption=False)
         first: dict[str, tuple[int, int]] = {}
         last_stage = {m: max(i for i, s in enumerate(plan.stages) if s.plan_of(m))
@@ -439,7 +462,7 @@ def test_chain_summary_with_self_loop_and_evaluator():
 
 
 def test_registry_names_and_bad_jobs():
-    assert {"greedy", "max", "min", "best"} <= set(registry.names("stages"))
+    assert {"greedy", "max", "min", "search"} <= set(registry.names("stages"))
     job = JobGraph((ModelSpec("huge", 1e12, (5,), 5),))
     with pytest.raises(ValueError, match="huge"):
         registry.create("stages", "greedy").plan(job, DeviceSet(2, 1e10), {"huge": COST})

@@ -39,6 +39,22 @@ class _Slot:
     optimizer: torch.optim.Optimizer
 
 
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far (AdamW's per-parameter ``step``; 0 before the first)."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is not None:
+            return int(step)
+    return 0
+
+
+def warmed_up(learning_rate: float, steps_done: int, warmup_steps: int) -> float:
+    """The learning rate of the next optimizer step: linear warm-up, (steps_done + 1) / warmup_steps of it."""
+    if warmup_steps <= 0:
+        return learning_rate
+    return learning_rate * min(1.0, (steps_done + 1) / warmup_steps)
+
+
 class AdapterBank:
     """The rank's one model: base weights loaded once, LoRA adapters switched on top of them."""
 
@@ -57,17 +73,22 @@ class AdapterBank:
 
     # ---- adapters in training ---------------------------------------------------------------
 
-    def train(self, adapter: str, lora: Any, version: int | None, path: str | None, learning_rate: float
-              ) -> tuple[Any, torch.optim.Optimizer]:
+    def train(self, adapter: str, lora: Any, version: int | None, path: str | None, learning_rate: float,
+              warmup_steps: int = 0) -> tuple[Any, torch.optim.Optimizer]:
         """Make ``adapter`` the one that computes, starting from ``version`` (its files at ``path``) unless its
-        slot already holds that version's line; returns ``(model, optimizer)``."""
+        slot already holds that version's line; returns ``(model, optimizer)``.
+
+        ``warmup_steps``: the learning rate rises linearly over the adapter's first optimizer steps (counted
+        by its optimizer, whose state a version keeps), so its first versions move the weights less.
+        """
         slot = self._slots.get(adapter)
         if slot is None or slot.version != version:
             slot = self._load(adapter, lora, version, path, learning_rate)
         self._activate(slot.peft_name, trainable=True)
         self.active = adapter
+        rate = warmed_up(learning_rate, optimizer_steps(slot.optimizer), warmup_steps)
         for group in slot.optimizer.param_groups:  # the adapter's current learning rate (PATCH) wins
-            group["lr"] = learning_rate
+            group["lr"] = rate
         return self.model, slot.optimizer
 
     def advance(self, adapter: str, version: int) -> None:

@@ -53,6 +53,8 @@ from actors.learning.lora.messages import (
     RoundDone,
     RoundPlan,
     SaveVersion,
+    RetentionScoreRequest,
+    RetentionSetRequest,
     ScoreRequest,
     StepAbandoned,
     StepBegun,
@@ -66,7 +68,8 @@ from actors.learning.lora.messages import (
 )
 from actors.learning.lora.rank import GroupFailed
 from planners.turns import TrainingTurns
-from actors.learning.messages import Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress
+from actors.learning.messages import (Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress,
+                                     WindowsRan)
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +200,14 @@ class LoraDriver:
         """The gate's scoring, on rank 0's model."""
         return self._gather([self.ranks[0].score.remote(request)])[0]
 
+    def retention_set(self, request: RetentionSetRequest) -> Any:
+        """The gate's retention set (the base's answers and scores), built or read back on rank 0."""
+        return self._gather([self.ranks[0].retention_set.remote(request)])[0]
+
+    def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]:
+        """A version's retention scores, on rank 0's model."""
+        return self._gather([self.ranks[0].score_retention.remote(request)])[0]
+
     # ---- what to do next ----------------------------------------------------------------------------
 
     def _spec(self, adapter: str) -> TrainingSpec:
@@ -204,7 +215,7 @@ class LoraDriver:
         if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter), timeout=CALL_TIMEOUT_S)
             spec = TrainingSpec(info.name, info.method, info.beta, info.mode, info.learning_rate,
-                                info.lora, info.paused_reason is not None, info.tenant)
+                                info.lora, info.paused_reason is not None, info.tenant, info.warmup_steps)
             self.specs[adapter] = cached = (time.time(), spec)
         return cached[1]
 
@@ -296,7 +307,7 @@ class LoraDriver:
         if outcome is None:
             return
         finished, run_s, waited_s, windows, t_start = outcome
-        lengths = {sid: n for b in begun for sid, n in b.lengths.items()}
+        lengths = {sid: n for b in begun for sid, n in (b.forward_lengths or b.lengths).items()}  # L, the item's tokens
         loss_sum = sum(f.loss * f.weight for f in finished.values())
         weight_sum = sum(f.weight for f in finished.values())
         # CheckEnd before the items become held: a requeued item must not be marked consumed at publish.
@@ -323,9 +334,9 @@ class LoraDriver:
         """Grant and run windows round by round until every rank's items are done; None: the step was dropped."""
         adapter = plan.adapter
         by_id = {it.id: it for it in plan.items}
-        lengths = [dict(b.lengths) for b in begun]
+        lengths = [dict(b.lengths) for b in begun]  # the work of each pass: forward, then backward
+        forward = [dict(b.forward_lengths) for b in begun]
         done = [dict.fromkeys(b.lengths, 0) for b in begun]
-        ran_s = [0.0] * len(self.ranks)  # each rank's last windows' time, told to the planner at the next ask
         memory: list[MemoryUse | None] = [None] * len(self.ranks)
         optimizer_bytes = [b.optimizer_bytes for b in begun]
         finished: dict[int, ItemLoss] = {}
@@ -341,12 +352,13 @@ class LoraDriver:
                 return None
             asked = time.time()
             requests = {i: GrantRequest(self.nodes[i], adapter, plan.spec.mode, tuple(
-                SampleProgress(sid, n, done[i][sid], _arrival(plan, by_id[sid]), _last_loss(plan, by_id[sid]))
-                for sid, n in lengths[i].items() if done[i][sid] < n), ran_s[i], memory[i], optimizer_bytes[i])
+                SampleProgress(sid, n, done[i][sid], _arrival(plan, by_id[sid]), _last_loss(plan, by_id[sid]),
+                               forward[i].get(sid))
+                for sid, n in lengths[i].items() if done[i][sid] < n), memory[i], optimizer_bytes[i])
                 for i in todo}
             grants = self._grants(requests)
             for i in todo:
-                ran_s[i], memory[i] = 0.0, None  # told once
+                memory[i] = None  # told once
             runs = {i: g for i, g in grants.items() if g.windows}
             if not runs:
                 wait = min((g.wait_s for g in grants.values()), default=MAX_GRANT_SLEEP_S)
@@ -359,14 +371,24 @@ class LoraDriver:
             run_s += time.time() - t0
             fault = None
             for i, res in zip(runs, results):
+                if res.windows:  # measured against its prediction, the last round of the step included
+                    self._windows_ran(WindowsRan(self.nodes[i], adapter, res.ran_at, res.ran_s, res.forward_s,
+                                                 max(0.0, res.ran_s - res.forward_s)))
                 done[i].update(res.done)
                 finished.update(res.finished)
-                ran_s[i], memory[i], optimizer_bytes[i] = res.ran_s, res.memory, res.optimizer_bytes
+                memory[i], optimizer_bytes[i] = res.memory, res.optimizer_bytes
                 windows += res.windows
                 fault = fault or res.fault
             if fault is not None:
                 self._abandon(adapter)
                 raise RankFault(fault)
+
+    def _windows_ran(self, run: WindowsRan) -> None:
+        """Tell the planner when a grant's windows ran (not waited on: the next ask is queued behind it)."""
+        try:
+            self.planner.windows_ran.remote(run)
+        except Exception as exc:
+            self.warn("windows_ran", exc)
 
     def _grants(self, requests: dict[int, GrantRequest]) -> dict[int, Grant]:
         """The planner's grant for each rank's node, asked together; the planner away means "wait", never train unasked."""

@@ -10,7 +10,18 @@ from typing import Any
 
 import ray
 
-from actors.learning.lora.messages import GateDecided, ScoreRequest, VersionScored
+from actors.learning.lora.messages import (GateDecided, RetentionScoreRequest, RetentionSetRequest, ScoreRequest,
+                                           VersionScored)
+
+
+@dataclass(frozen=True)
+class RetentionScores:
+    """A version's retention check: its score, the base's, the prompts, and the seconds it cost."""
+
+    score: float
+    base: float
+    prompts: int
+    seconds: float
 
 
 @dataclass
@@ -32,8 +43,12 @@ class VersionEvaluator:
     A candidate (its adapter's gate on) is scored on the adapter's held-out slice, the oldest
     ``max_eval_items`` held-out feedback items (or ``training.eval_file`` when it has none), and so
     is the version served now (the base model before the first; scores are cached per version and
-    slice, so usually only the candidate is scored). ``planners.gate.judge`` compares them; the
-    store records the verdict in one transaction and a passed candidate is loaded on the replicas.
+    slice, so usually only the candidate is scored). ``planners.gate.judge`` compares them. It is
+    also scored on the retention set (``gate.retention``: the base model's greedy answers to general
+    prompts, or the adapter's ``gate.retention_file``; ``retention.py``), against the base model's
+    own score of them, cached beside the model; ``planners.gate.decide`` combines the two under
+    ``gate.thin_evidence``. The store records the verdict, both scores and the scoring seconds in
+    one transaction, and a passed candidate is loaded on the replicas.
     The driver does not train an adapter while its candidate is judged, so the next version starts
     from whatever is served after the verdict, never from rejected weights.
 
@@ -163,7 +178,7 @@ class VersionEvaluator:
 
     def _gate(self, job: EvalJob) -> None:
         from actors.learning.store.models import VersionConflict
-        from planners.gate import Verdict, judge
+        from planners.gate import decide, judge
 
         w = self.worker
         adapter, version, path = job.adapter, job.version, job.path
@@ -175,23 +190,25 @@ class VersionEvaluator:
         items, key, slice_name = self._slice(adapter, info.gate.max_eval_items)
         cand: dict[str, float] = {}
         base: dict[str, float] = {}
-        if not items:
-            verdict = Verdict(True, "nothing to compare on: no held-out feedback yet (or held_out_share 0) and no "
-                                    "training.eval_file")
-        else:
+        held_out = None
+        if items:
             cand, cand_items = self._score(adapter, version, path, info, items, key)
             base, base_items = self._score(adapter, base_version, base_path, info, items, key)
             # SFT: each item's change of its mean token log-likelihood, whose spread is the verdict's noise.
             changes = ([c[0] / max(c[1], 1) - b[0] / max(b[1], 1) for c, b in zip(cand_items, base_items)]
                        if info.method == "sft" else [])
-            verdict = judge(info.method, cand["score"], base["score"], info.gate.margin, items=len(items),
-                            baseline_name=base_name, slice_name=slice_name, item_changes=changes)
+            held_out = judge(info.method, cand["score"], base["score"], info.gate.margin, items=len(items),
+                             baseline_name=base_name, slice_name=slice_name, item_changes=changes)
+        retention_verdict, kept = self._retention(adapter, version, path, info)
+        verdict = decide(held_out, retention_verdict, info.gate.thin_evidence)
+        score_s = round(time.time() - t0, 3)
         try:
             decided = ray.get(w.store.decide_version.remote(
                 adapter, version, passed=verdict.passed, reason=verdict.reason, score=cand.get("score"),
                 baseline_version=base_version if items else None, baseline_score=base.get("score"),
                 win_rate=cand.get("win_rate"), clpd=cand.get("clpd"), token_logprob=cand.get("token_logprob"),
-                eval_items=len(items) or None), timeout=60)
+                eval_items=len(items) or None, counts=verdict.counts, score_s=score_s,
+                **self._retention_columns(kept)), timeout=60)
         except VersionConflict as exc:  # promoted (or otherwise decided) through the API meanwhile
             w.warn("gate", exc)
             return
@@ -203,7 +220,51 @@ class VersionEvaluator:
             freshness = [round(now - c, 3) for c in job.created]
         w.report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,
                                        decided.baseline_version, time.time() - t0, time.time(), tuple(freshness),
-                                       cand.get("win_rate"), cand.get("clpd"), cand.get("token_logprob")))
+                                       cand.get("win_rate"), cand.get("clpd"), cand.get("token_logprob"),
+                                       kept.score if kept else None, kept.base if kept else None,
+                                       kept.seconds if kept else None))
+
+    # ---- the retention check ---------------------------------------------------------------------
+
+    def _retention(self, adapter: str, version: int, path: str | None, info: Any) -> tuple[Any, RetentionScores | None]:
+        """The retention verdict of a version and its scores; (None, None) with ``gate.retention`` off.
+
+        The set (the base model's answers and its scores of them) is built on rank 0 at its first use
+        and cached beside the model; each version costs one batched forward pass over the answers,
+        itself cached per version. A missing or malformed ``retention_file`` of the adapter's own
+        rejects the version with a reason that names the file, rather than serving it unchecked.
+        """
+        from actors.learning.lora.retention import read_prompts, resolve, token_mean
+        from planners.gate import Verdict, judge_retention
+
+        gate = info.gate
+        if not gate.retention:
+            return None, None
+        t0 = time.time()
+        file = resolve(gate.retention_file, self.worker.cfg.data_path)
+        name = "the shipped retention set" if gate.retention_file is None else f"gate.retention_file {gate.retention_file}"
+        try:
+            read_prompts(file)  # the adapter's own file: its fault, named in the reason, before rank 0 is asked
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = "not found under data_dir" if isinstance(exc, FileNotFoundError) else f"{type(exc).__name__}: {exc}"
+            return Verdict(False, f"retention: {name}: {why}"[:500]), None
+        rs = self.worker.retention_set(RetentionSetRequest(str(file), name))
+        cache_key = (adapter, version, "retention:" + rs.fingerprint)
+        if cache_key not in self._scores and len(self._scores) >= self.MAX_CACHED:
+            self._scores.clear()
+        cached = self._scores.setdefault(cache_key, {})
+        if not cached:
+            found = self.worker.score_retention(RetentionScoreRequest(adapter, version, path, info.lora, rs.items))
+            cached.update(enumerate(found))
+        score = token_mean([cached[i] for i in range(len(rs.items))])
+        kept = RetentionScores(score, rs.base_score, len(rs.items), round(time.time() - t0, 3))
+        return judge_retention(score, rs.base_score, gate.retention_margin, prompts=len(rs.items), set_name=rs.name), kept
+
+    @staticmethod
+    def _retention_columns(kept: RetentionScores | None) -> dict[str, Any]:
+        if kept is None:
+            return {}
+        return {"retention": kept.score, "retention_base": kept.base, "retention_prompts": kept.prompts}
 
     def _give_up(self, job: EvalJob, exc: BaseException) -> None:
         """Scoring failed again and again: reject the candidate, with the error as the reason (not served unproven)."""
@@ -215,15 +276,21 @@ class VersionEvaluator:
             self.worker.warn("gate", again)
 
     def _score_served(self, job: EvalJob) -> None:
-        """Held-out scores of a version served without the gate (the gate off), for the API and the metrics."""
+        """Held-out and retention scores of a version served without the gate (the gate off), for the API and the
+        metrics: every served version's retention is shown, gated or not."""
         w = self.worker
         adapter, version = job.adapter, job.version
         t0 = time.time()
         info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
         items, key, _ = self._slice(adapter, info.gate.max_eval_items)
-        if not items:
+        scores: dict[str, float] = {}
+        if items:
+            scores, _ = self._score(adapter, version, job.path, info, items, key)
+        _, kept = self._retention(adapter, version, job.path, info)
+        if not items and kept is None:
             return
-        scores, _ = self._score(adapter, version, job.path, info, items, key)
-        ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items), **scores), timeout=60)
+        ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items) or None,
+                                             score_s=round(time.time() - t0, 3), **scores,
+                                             **self._retention_columns(kept)), timeout=60)
         w.report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
                                          scores.get("token_logprob")))

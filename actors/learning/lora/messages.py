@@ -24,6 +24,8 @@ class TrainingSpec:
     paused: bool
     tenant: str | None = None
     """The tenant that owns the adapter (None: made without keys): training turns rotate across tenants."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear learning-rate warm-up (the adapter's own step count, across versions)."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,13 @@ class StepBegun:
     """A rank's answer to a :class:`StepPlan`: the tokens of one pass over each of its items, or the adapter's fault."""
 
     lengths: dict[int, int]
-    """Item id -> L, the tokens of one pass (DPO: chosen + rejected), for the rank's share."""
+    """Item id -> the work of one pass in tokens, 2·L (forward, then backward), for the rank's share."""
     optimizer_bytes: float = 0.0
     """Bytes of optimizer state on the device that offloading would free (0 on a CPU)."""
     fault: str | None = None
     """The adapter's version could not be loaded or its items not encoded: the driver pauses the adapter."""
+    forward_lengths: dict[int, int] = field(default_factory=dict)
+    """Item id -> L, the item's stream tokens (DPO: chosen + rejected): the forward part of ``lengths``."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,10 @@ class RoundDone:
     memory: MemoryUse | None
     optimizer_bytes: float = 0.0
     fault: str | None = None
+    ran_at: float = 0.0
+    """Wall time the first window started."""
+    forward_s: float = 0.0
+    """Of ``ran_s``, the seconds in forward windows; the rest went to backward work."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,29 @@ class ScoreRequest:
     items: tuple[Any, ...]
     answer_field: str
     """SFT: which field of an item is the completion scored ("completion", or "chosen" of an eval-file pair)."""
+
+
+@dataclass(frozen=True)
+class RetentionSetRequest:
+    """Rank 0: the retention set of a prompt file, with the base model's greedy answers and its scores of them
+    (built and cached beside the model on first use: actors/learning/lora/retention.py)."""
+
+    file: str
+    name: str
+    """How reasons call the set ("the shipped set", or the adapter's file as it named it)."""
+
+
+@dataclass(frozen=True)
+class RetentionScoreRequest:
+    """Rank 0: score one version (``path`` None: the base model) on a retention set's answers; each item's
+    (log-likelihood sum, tokens)."""
+
+    adapter: str
+    version: int | None
+    path: str | None
+    lora: LoraSettings
+    items: tuple[Any, ...]
+    """``actors.learning.lora.retention.RetentionItem``s."""
 
 
 # ---- what the ranks and drivers tell the Trainer supervisor (for /v1/status and the metrics) ----------
@@ -216,6 +247,11 @@ class GateDecided:
     win_rate: float | None = None
     clpd: float | None = None
     token_logprob: float | None = None
+    retention: float | None = None
+    """The candidate's retention score (mean log-likelihood per token of the base's answers); None: not scored."""
+    retention_base: float | None = None
+    retention_s: float | None = None
+    """Seconds the retention scoring of this version took (the base's scores are cached)."""
 
 
 TrainerEvent = StepDone | GrantWaited | WorkDropped | StepAbandoned | VersionPublished | VersionScored | GateDecided

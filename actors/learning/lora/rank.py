@@ -36,6 +36,8 @@ from actors.learning.lora.messages import (
     RoundDone,
     RoundPlan,
     SaveVersion,
+    RetentionScoreRequest,
+    RetentionSetRequest,
     ScoreRequest,
     StepBegun,
     StepPlan,
@@ -45,6 +47,7 @@ from actors.learning.messages import MemoryUse
 logger = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 1800.0  # a collective that waits longer than this fails the group (the Trainer restarts it)
+PLACE_EVERY_S = 30.0  # a rank sets its CPU placement again at a micro-step at most this often
 
 
 class GroupFailed(RuntimeError):
@@ -91,6 +94,9 @@ class TrainRank:
         self.weights: dict[int, float] = {}
         self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
         self.offloaded_bytes = 0  # optimizer state moved to host memory by an offload grant
+        self.placement: dict[str, object] | None = None  # where its threads run (training.cpu_placement)
+        self._placed_at = float("-inf")
+        self.retention: Any = None  # RetentionSets: the gate's retention sets (issue 37), built on first use
 
     # ---- the group -------------------------------------------------------------------------------
 
@@ -129,10 +135,12 @@ class TrainRank:
         from actors.learning.versions.files import AdapterFiles
         from actors.models.default_model import model_dir
 
-        # Share the node's cores with its inference engine: as many threads as CPUs granted (at least 1).
-        torch.set_num_threads(max(1, int(self.t.resources_per_worker.get("CPU", 1))))
+        # Share the node's cores with its inference engine: as many threads as CPUs granted (at least 1), where
+        # training.cpu_placement says (placed again before each micro-step: engines start and restart).
+        torch.set_num_threads(self.t.torch_threads or max(1, int(self.t.resources_per_worker.get("CPU", 1))))
         self.files = AdapterFiles(self.cfg, self.namespace)
         self.bank = AdapterBank(model_dir(self.cfg), dtype=self.t.dtype, seed=0)
+        self.placement = self._place()
         ctx = ray.get_runtime_context()
         return RankStarted(rank=self.rank, node_id=self.node_id, pid=os.getpid(), ray_node_id=ctx.get_node_id(),
                            placement_group_id=ctx.get_placement_group_id(), device=self.bank.device,
@@ -140,10 +148,30 @@ class TrainRank:
 
     # ---- one micro-step ----------------------------------------------------------------------------
 
+    def _place(self) -> dict[str, object] | None:
+        """Keep this rank's threads where ``training.cpu_placement`` says, on a CPU host (cpu_placement.py)."""
+        if self.bank is not None and self.bank.device != "cpu":
+            return None
+        from actors.learning.lora import cpu_placement
+
+        now = time.monotonic()
+        if now - self._placed_at < PLACE_EVERY_S:
+            return self.placement
+        self._placed_at = now
+        try:
+            done = cpu_placement.place_trainer(self.t.cpu_placement, priority=self.t.cpu_priority)
+        except Exception as exc:  # a convenience for speed; never a reason to stop training
+            logger.warning("rank %d: CPU placement failed: %s", self.rank, exc)
+            return None
+        if done != self.placement:
+            logger.info("rank %d: CPU placement %s", self.rank, done)
+        return done
+
     def begin_step(self, plan: StepPlan) -> StepBegun:
         """Make the adapter's slot compute from ``plan.target`` and open one windowed pass per item of this share."""
         from actors.learning.lora.windowed_pass import WindowedPass, batch_scales
 
+        self.placement = self._place()
         try:
             self._ensure_model(plan)
             items = plan.items
@@ -160,10 +188,13 @@ class TrainRank:
         except Exception as exc:  # this adapter's version or items: its fault alone
             self.passes = {}
             return StepBegun({}, fault=_fault(exc))
-        return StepBegun({sid: p.length for sid, p in self.passes.items()}, offloadable_bytes(self.opt))
+        return StepBegun({sid: p.work for sid, p in self.passes.items()}, offloadable_bytes(self.opt),
+                         forward_lengths={sid: p.length for sid, p in self.passes.items()})
 
     def run_windows(self, plan: RoundPlan) -> RoundDone:
-        """Run the granted windows in order; a stale one (the planner saw an older state) is skipped."""
+        """Run the granted windows in order, forward and backward work (FlexLLM Alg. 2); a stale one (the planner
+        saw an older state) is skipped. A backward window runs whole (layer, window) units, so an item may end
+        the round a little short of or past the window's end: its ``done`` says where."""
         if plan.offload_optimizer and self.opt is not None:
             # LEMIX Alg. 2 lines 9–11: free the device for this grant; the state comes back for the optimizer step.
             self.offloaded_bytes += move_optimizer_state(self.opt, "cpu")
@@ -172,15 +203,21 @@ class TrainRank:
         mark = memory_mark(self.bank.device)
         t0 = time.time()
         ran = 0
+        forward_s = 0.0
         try:
             for w in plan.windows:
                 p = self.passes.get(w.sample_id)
-                if p is None or w.start != p.done or w.end > p.length:
+                if p is None or w.start != p.done or w.end > p.work:
                     continue
-                p.forward(w.end)
+                if p.done < p.length:
+                    f0 = time.perf_counter()
+                    p.forward(min(w.end, p.length))
+                    forward_s += time.perf_counter() - f0
+                if w.end > p.length:
+                    p.backward(w.end)
                 ran += 1
-                if p.done == p.length:
-                    stats = p.finish()  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
+                if p.complete:
+                    stats = p.stats  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
                     finished[w.sample_id] = ItemLoss(stats.loss, self.weights[w.sample_id])
         except Exception as exc:
             fault = _fault(exc)
@@ -188,7 +225,7 @@ class TrainRank:
         memory = (MemoryUse(ran, max(w.end - w.start for w in plan.windows), memory_added(self.bank.device, mark))
                   if ran else None)
         return RoundDone({sid: p.done for sid, p in self.passes.items()}, finished, ran, elapsed if ran else 0.0,
-                         memory, offloadable_bytes(self.opt), fault)
+                         memory, offloadable_bytes(self.opt), fault, ran_at=t0, forward_s=forward_s if ran else 0.0)
 
     def abandon_step(self) -> None:
         """Drop the micro-step's passes and every gradient not yet applied; the driver keeps the items queued."""
@@ -245,7 +282,8 @@ class TrainRank:
         holds that version's line; the base model is never reloaded."""
         adapter, (version, location) = plan.adapter, plan.target
         path = self.files.local_path(adapter, version, location) if location else None
-        self.model, self.opt = self.bank.train(adapter, plan.spec.lora, version, path, plan.spec.learning_rate)
+        self.model, self.opt = self.bank.train(adapter, plan.spec.lora, version, path, plan.spec.learning_rate,
+                                               plan.spec.warmup_steps)
         if self.loaded != (adapter, version):
             self.loaded = (adapter, version)
             self.micro_done = 0
@@ -300,3 +338,22 @@ class TrainRank:
                 return list(evaluate_preferences(model, tok, items, max_length=self.t.max_length).diffs)
             return list(evaluate_completions(model, tok, items, field=request.answer_field,
                                              max_length=self.t.max_length).per_item)
+
+    def retention_set(self, request: RetentionSetRequest) -> Any:
+        """The gate's retention set of ``request.file``: the base model's greedy answers and its scores of them,
+        built on this rank's base weights once and cached beside the model (actors/learning/lora/retention.py)."""
+        from actors.learning.lora.retention import RetentionSets
+        from actors.models.default_model import model_dir
+
+        if self.retention is None:
+            self.retention = RetentionSets(model_dir(self.cfg), self.cfg.data_path, self.bank.dtype_name)
+        return self.retention.get(request.file, request.name, lambda: self.bank.scoring(None, None),
+                                  self.bank.tokenizer)
+
+    def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]:
+        """Each retention item's (log-likelihood sum, tokens) of the base's answer under the version."""
+        from actors.learning.lora.retention import score_answers
+
+        local = self.files.local_path(request.adapter, request.version, request.path) if request.path else None
+        with self.bank.scoring(request.lora, local) as model:
+            return score_answers(model, self.bank.tokenizer, request.items, max_length=self.t.max_length)

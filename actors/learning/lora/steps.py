@@ -311,6 +311,32 @@ def sft_step(model: Any, tokenizer: Any, batch: Sequence[Any], *, scale: float =
                      per_sample_loss=per_sample.detach().tolist())
 
 
+def completion_token_weights(mask: torch.Tensor, first_tokens: int, weight: float) -> torch.Tensor:
+    """Per-token loss weights over a completion mask [B, T]: ``weight`` on each row's first ``first_tokens``
+    completion tokens, 1 on the rest, 0 off the completion (issue 37: an opening phrase is a few tokens among
+    many content tokens, which dominate the mean loss)."""
+    position = torch.cumsum(mask, dim=1)  # 1 on the first completion token, 2 on the next, ...
+    return mask * torch.where(position <= first_tokens, torch.full_like(mask, weight, dtype=torch.float32),
+                              torch.ones_like(mask, dtype=torch.float32))
+
+
+def sft_step_first_weighted(model: Any, tokenizer: Any, batch: Sequence[Any], *, first_tokens: int, weight: float,
+                            scale: float = 1.0, max_length: int = DEFAULT_MAX_LENGTH) -> StepStats:
+    """:func:`sft_step` with the completion's first ``first_tokens`` tokens weighted ``weight`` in the mean loss
+    (Σ w·NLL / Σ w); ``weight`` 1 is exactly :func:`sft_step`."""
+    texts = [prompted_text(tokenizer, b, "completion") for b in batch]
+    enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
+                 templated=[t.templated for t in texts])
+    with model_mode(model, True):
+        logps = token_logprobs(model, enc)
+    w = completion_token_weights(enc.completion_mask[:, 1:].to(logps.device).float(), first_tokens, weight)
+    per_sample = -(logps * w).sum(1) / w.sum(1).clamp(min=1e-9)
+    loss = -(logps * w).sum() / w.sum().clamp(min=1e-9)
+    (loss * scale).backward()
+    return StepStats(loss=loss.detach().item(), samples=len(batch), tokens=int(enc.attention_mask.sum()),
+                     per_sample_loss=per_sample.detach().tolist())
+
+
 def _dpo_logits(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, max_length: int,
                 grad: bool) -> tuple[torch.Tensor, Encoded]:
     """β·(Δ⁺ − Δ⁻) per pair, Δ = log π_θ(y|x) − log π_ref(y|x), π_ref = the model with its adapter disabled."""

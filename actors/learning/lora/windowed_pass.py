@@ -2,16 +2,21 @@
 
 A trainer rank (``actors/learning/lora/rank.py``) runs :class:`WindowedPass` when the node scheduler grants
 token windows instead of whole samples; it leaves the same gradient as ``sft_step`` / ``dpo_step``
-of ``actors/learning/lora/steps.py`` on the item:
+of ``actors/learning/lora/steps.py`` on the item. A pass is ``2·L`` tokens of work: the item's
+``L`` stream tokens forward, then the same ``L`` backward, and a grant covers any stretch of it:
 
-    p = WindowedPass(model, tok, item, "dpo", beta=spec.beta, scale=1 / batch)  # length = item_length(...)
-    p.forward(window.end)   # once per granted window, in order
-    stats = p.finish()      # after the last: loss, backward sweep, LoRA .grad += scale·∇loss
+    p = WindowedPass(model, tok, item, "dpo", beta=spec.beta, scale=1 / batch)  # p.length = L, p.work = 2·L
+    p.run(window.end)       # once per granted window [p.done, end), in order: forward, then backward
+    p.stats                 # once p.done == p.work: loss; LoRA .grad += scale·∇loss
+
+``forward(end)`` and ``finish()`` (the rest of the backward at once) remain for callers that run a
+pass in one piece.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,11 +57,20 @@ class _Segment:
 
 @dataclass
 class _Piece:
-    """One forward over tokens [a, b) of one segment: its graph is kept until finish() sweeps it backward."""
+    """One forward over tokens [a, b) of one segment, cut at every decoder layer; swept backward layer by layer.
+
+    ``hidden[l]`` is layer l's output in the graph and the detached leaf copy layer l + 1 (or the
+    head) computed from; ``kv[l]`` layer l's new K and V, each with its leaf copy handed to later
+    pieces. So the graph of layer l of this piece depends on nothing but its input leaf
+    ``hidden[l − 1]``, the K/V leaves of earlier pieces at layer l, and the weights: each
+    (layer, piece) is one unit of backward work (FlexLLM Alg. 2 lines 13–21).
+    """
 
     segment: int
+    tokens: int
     logp: torch.Tensor  # Σ log π over the completion targets scored in the piece (part of the graph)
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # (K/V output in the graph, its leaf copy handed to later pieces)
+    hidden: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # per layer: (output in the graph, leaf copy)
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]]  # per layer: [(K/V output in the graph, its leaf copy)]
 
 
 def _item_segments(tokenizer: Any, item: Any, method: str, max_length: int) -> list[tuple[list[int], list[int]]]:
@@ -128,13 +142,39 @@ def _capturing_cache_class() -> type:
     return CapturingCache
 
 
-class WindowedPass:
-    """One training pass over one feedback item, run as consecutive token windows (FlexLLM §6.1).
+def decoder_layers(model: Any) -> Any:
+    """The decoder layers of a (peft-wrapped) causal LM, in order: ``<base>.model.layers`` (Llama, Mistral, Qwen...)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(base).__name__} has no model.layers: the windowed backward cannot cut it by layer")
+    return layers
 
-    The node scheduler (``planners.coserving``) grants fine-tune work as token windows [start, end)
-    of an item's stream of ``length`` tokens; ``forward(end)`` runs one grant and ``finish()``, after
-    the last, applies the loss: the LoRA gradient it accumulates equals that of one full-sequence
-    step (``sft_step`` / ``dpo_step`` on this item alone, same ``scale``) up to float rounding.
+
+def level_weights(model: Any) -> list[float]:
+    """Each backward level's share of a token's backward work, head first, then layers N−1 … 0.
+
+    Weighted by parameters (the backward of a frozen linear layer costs what its forward does,
+    2·params flops a token; attention's context term is small at these lengths): the head is the
+    output embedding (tied or not) and the final norm, a layer everything inside it.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = decoder_layers(model)
+    head = base.get_output_embeddings().weight.numel() + sum(p.numel() for p in base.model.norm.parameters())
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    total = head + sum(per_layer)
+    return [head / total] + [n / total for n in reversed(per_layer)]
+
+
+class WindowedPass:
+    """One training pass over one feedback item, run as token windows across grants (FlexLLM §6.1, Alg. 2).
+
+    The node scheduler (``planners.coserving``) grants fine-tune work as windows [start, end) of the
+    pass's ``work`` = 2·L tokens: [0, L) is the forward over the item's stream of L tokens, [L, 2L)
+    its backward, in token-equivalents (a token's backward through every layer). ``run(end)`` runs
+    one grant. Once ``done == work`` the LoRA gradient it accumulated equals that of one
+    full-sequence step (``sft_step`` / ``dpo_step`` on this item alone, same ``scale``) up to float
+    rounding, and ``stats`` holds the item's loss.
 
     The stream: SFT, the sequence sft_step trains on; DPO, the chosen sequence followed by the
     rejected one, each as dpo_step encodes it (a window crossing the boundary runs as two forwards,
@@ -143,33 +183,41 @@ class WindowedPass:
     reference, processes only its window's tokens.
 
     Forward (Alg. 2 lines 3–11): each window runs with the K/V of the earlier windows as its KV
-    cache (positions continue at ``done``) and keeps its autograd graph. Its new K/V are handed to
-    later windows as *detached leaf copies* that require grad, so a later window's backward leaves
-    ∂loss/∂K, ∂loss/∂V of earlier tokens in those leaves' ``.grad`` (Fig. 8, the KV-gradient
-    accumulation) instead of flowing into a graph that has already been freed.
+    cache (positions continue at ``done``) and keeps its autograd graph, cut at every decoder layer:
+    each layer's output goes on to the next layer as a *detached leaf copy* that requires grad, and
+    so do its new K/V to later windows (Fig. 8). A later window's backward then leaves ∂loss/∂K,
+    ∂loss/∂V of earlier tokens in those leaves' ``.grad`` (the KV-gradient accumulation) instead of
+    flowing into a graph that is freed, and each (layer, window) is a graph of its own.
 
-    Backward (lines 12–21, in ``finish()``): the loss is a function of per-window sums of completion
-    log-probs (SFT: −Σ/n; DPO: −log σ(β·(Δ⁺ − Δ⁻)), only known once both sequences are complete,
-    which is why nothing runs backward before ``finish()``). Its gradient w.r.t. those sums seeds the
-    windows, swept in reverse order: window j backpropagates its log-prob sum together with its K/V
-    outputs weighted by the gradient accumulated on their leaf copies (all later windows are done
-    by then), which fills the LoRA ``.grad`` and the leaf grads of windows before j. Unlike
-    FlexLLM's layer-wise sweep, each window's backward goes through all layers at once.
+    Backward (lines 12–21): the loss is a function of per-window sums of completion log-probs (SFT:
+    −Σ/n; DPO: −log σ(β·(Δ⁺ − Δ⁻)), known once both sequences are complete, so no backward runs
+    before the forward is done). Its gradient w.r.t. those sums seeds the windows. Then, as Alg. 2's
+    two loops, level by level from the top (the head, then layers N−1 … 0), window by window from
+    the last: the head of window j backpropagates its log-prob sum into its top leaf; layer l of
+    window j backpropagates its output (with the gradient its leaf received from the level above)
+    and its K/V outputs (with the gradients their leaves received from later windows at layer l,
+    all done by then), which fills the LoRA ``.grad``, its input leaf's grad, and the K/V leaf grads
+    of earlier windows at layer l. One such (level, window) is the unit a backward grant runs: a
+    unit of a window of t tokens is t·w_level token-equivalents (``level_weights``: by parameters).
+    A grant runs whole units while they fit its tokens, at least one, so it overruns by less than
+    one unit; progress is counted in whole token-equivalents.
 
-    Batch means (what ``scale`` to pass): ``finish()`` adds ``scale · ∇loss_item``. ``dpo_step``'s loss
+    Batch means (what ``scale`` to pass): the pass adds ``scale · ∇loss_item``. ``dpo_step``'s loss
     is a mean over pairs, so ``scale = 1/B`` per item reproduces ``dpo_step`` on a batch of B.
     ``sft_step``'s is a *token* mean over the whole batch, so the batch step is reproduced by
     ``scale = n_i / Σ_j n_j`` (n_i = ``loss_tokens``), not by 1/B unless all items have as many
-    completion tokens; :func:`batch_scales` computes both. ``scale`` is read in ``finish()``, so a
-    trainer may set it after the passes of a micro-batch are built.
+    completion tokens; :func:`batch_scales` computes both. ``scale`` is read when the backward
+    starts, so a trainer may set it after the passes of a micro-batch are built.
 
-    Costs and constraints: the graphs of all windows live until ``finish()`` (activation memory as
-    for the full sequence), and each window's graph keeps its own concatenated copy of the prefix
-    K/V (attention saves its inputs), Σ_j l_j tokens per layer over the pass. The weights must not
-    change between the first ``forward`` and ``finish()``: run ``optimizer_step`` only between
-    passes (an in-place update would also invalidate the saved graphs). LoRA dropout draws fresh
-    noise per window, so with dropout > 0 the pass equals a full step only in distribution.
-    Nothing touches ``.grad`` before ``finish()``: ``abandon()`` after a refused window is free.
+    Costs and constraints: the graphs of all windows live until their units are swept (activation
+    memory as for the full sequence at the forward's end), and each window's graph keeps its own
+    concatenated copy of the prefix K/V (attention saves its inputs), Σ_j l_j tokens per layer over
+    the pass. The weights must not change between the first ``forward`` and the last unit: run
+    ``optimizer_step`` only between passes (an in-place update would also invalidate the saved
+    graphs). LoRA dropout draws fresh noise per window, so with dropout > 0 the pass equals a full
+    step only in distribution. Nothing touches ``.grad`` before the backward starts: ``abandon()``
+    after a refused forward window is free; after that the caller drops the gradients (the rank's
+    ``abandon_step`` zeroes them).
     """
 
     def __init__(self, model: Any, tokenizer: Any, item: Any, method: str, *, beta: float = 0.1,
@@ -183,13 +231,35 @@ class WindowedPass:
                                            torch.tensor(comp[1:], dtype=torch.float32, device=device), offset))
             offset += len(ids)
         self.length: int = offset
+        self.work: int = 2 * offset
         self.loss_tokens: int = sum(int(s.target_mask.sum()) for s in self._segments)
         self.done: int = 0
+        self.stats: WindowStats | None = None
         self._pieces: list[_Piece] = []
+        self._units: list[tuple[int, int]] = []  # backward units still to run: (level, piece), in order
+        self._unit_weights: list[float] = []
+        self._swept = 0.0  # token-equivalents of backward run so far
+        self._seeds: list[torch.Tensor] = []
         self._closed = False
 
+    @property
+    def complete(self) -> bool:
+        return self.done == self.work
+
+    def run(self, end: int) -> None:
+        """Run the work [done, end): forward up to token L, then backward (FlexLLM Alg. 2)."""
+        self._check_open()
+        if not self.done < end <= self.work:
+            raise ValueError(f"run(end={end}) needs {self.done} < end <= {self.work}")
+        if self.done < self.length:
+            self.forward(min(end, self.length))
+        if end > self.length:
+            self.backward(end)
+
+    # ---- forward --------------------------------------------------------------------------------
+
     def forward(self, end: int) -> None:
-        """Forward tokens [done, end) of the stream on top of the earlier windows' KV; keep the graph for finish()."""
+        """Forward tokens [done, end) of the stream on top of the earlier windows' KV; keep the graph for the backward."""
         self._check_open()
         if not self.done < end <= self.length:
             raise ValueError(f"forward(end={end}) needs {self.done} < end <= {self.length}: the item's stream has "
@@ -215,13 +285,31 @@ class WindowedPass:
             seg.ref_logp = ref if seg.ref_logp is None else seg.ref_logp + ref
         past = [(torch.cat(kv[0::2], dim=-2), torch.cat(kv[1::2], dim=-2)) for kv in seg.past]
         cache = _capturing_cache_class()(past)
-        with model_mode(self.model, True):
-            logits = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+        hidden: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+
+        def cut(module: Any, args: Any, output: Any) -> Any:
+            # Layer l's output goes on as a leaf: the graph of each layer ends here (one backward unit each).
+            out = output[0] if isinstance(output, tuple) else output
+            if not out.requires_grad:  # no LoRA weight at or below this layer: nothing to sweep
+                hidden.append((None, out))
+                return output
+            leaf = out.detach().requires_grad_()
+            hidden.append((out, leaf))
+            return (leaf, *output[1:]) if isinstance(output, tuple) else leaf
+
+        handles = [layer.register_forward_hook(cut) for layer in decoder_layers(self.model)]
+        try:
+            with model_mode(self.model, True):
+                logits = self.model(input_ids=ids, position_ids=positions, past_key_values=cache,
+                                    use_cache=True).logits
+        finally:
+            for h in handles:
+                h.remove()
         logp = self._logp_sum(logits, seg, a, b)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         new_past: list[list[torch.Tensor]] = []
         for layer in range(len(cache.new_kv)):
-            leaves = []
+            leaves, pairs = [], []
             for out in cache.new_kv[layer]:
                 # Layer 0's K does not depend on any LoRA weight when k_proj is not adapted: a constant, no leaf.
                 leaf = out.detach().requires_grad_(out.requires_grad)
@@ -229,8 +317,9 @@ class WindowedPass:
                     pairs.append((out, leaf))
                 leaves.append(leaf)
             new_past.append(leaves)
+            kv.append(pairs)
         seg.past = new_past if not seg.past else [old + new for old, new in zip(seg.past, new_past)]
-        self._pieces.append(_Piece(k, logp, pairs))
+        self._pieces.append(_Piece(k, b - a, logp, hidden, kv))
 
     @staticmethod
     def _logp_sum(logits: torch.Tensor, seg: _Segment, a: int, b: int) -> torch.Tensor:
@@ -243,47 +332,101 @@ class WindowedPass:
         logps = lg.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1)
         return (logps * seg.target_mask[a: a + m]).sum()
 
-    def finish(self) -> WindowStats:
-        """Compute the item's loss, sweep the windows backward, add ``scale``·∇loss into the LoRA ``.grad``."""
+    # ---- backward -------------------------------------------------------------------------------
+
+    def backward(self, end: int) -> None:
+        """Sweep backward units until ``end`` − L token-equivalents of backward are done (at least one unit)."""
         self._check_open()
-        if self.done != self.length:
-            raise ValueError(f"finish() needs the whole stream forwarded: {self.done} of {self.length} tokens done")
+        if self.done < self.length:
+            raise ValueError(f"backward needs the whole stream forwarded: {self.done} of {self.length} tokens done")
+        if not self.done < end <= self.work:
+            raise ValueError(f"backward(end={end}) needs {self.done} < end <= {self.work}")
         try:
-            sums = [torch.zeros((), device=self._segments[0].ids.device) for _ in self._segments]
-            for piece in self._pieces:
-                sums[piece.segment] = sums[piece.segment] + piece.logp.detach()
-            sums = [s.requires_grad_() for s in sums]
-            if self.method == "sft":
-                loss = -sums[0] / max(self.loss_tokens, 1)
-                margin = None
-            else:
-                chosen, rejected = self._segments
-                margin = reward_margin(sums[0], sums[1], chosen.ref_logp, rejected.ref_logp, self.beta)
-                loss = pair_losses(margin)
-            seeds = torch.autograd.grad(loss * self.scale, sums)
-            for piece in reversed(self._pieces):
-                tensors, grads = [], []
-                if piece.logp.requires_grad:
-                    tensors.append(piece.logp)
-                    grads.append(seeds[piece.segment])
-                for out, leaf in piece.kv:
-                    if leaf.grad is not None:  # None: no later window attended to it (the last window)
-                        tensors.append(out)
-                        grads.append(leaf.grad)
-                if tensors:
-                    torch.autograd.backward(tensors, grads)
-                piece.logp, piece.kv = piece.logp.detach(), []  # frees this window's graph and leaf grads
-        finally:
+            if not self._seeds:
+                self._begin_backward()
+            target = end - self.length
+            ran = False
+            while self._units:
+                nxt = self._swept + self._unit_weights[0]
+                # Whole units while they fit the grant, and at least enough to move ``done`` on by one token.
+                if ran and nxt > target + 1e-9 and self._progress() > self.done:
+                    break
+                self._run_unit(*self._units.pop(0))
+                self._swept = nxt
+                self._unit_weights.pop(0)
+                ran = True
+            self.done = self._progress()
+        except BaseException:
             self.abandon()
-        loss_value = float(loss.detach())
-        if margin is None:
-            return WindowStats(loss=loss_value, tokens=self.length)
-        return WindowStats(loss=loss_value, tokens=self.length, dpo_loss=loss_value,
-                           reward_margin=float(margin.detach()))
+            raise
+        if self.done == self.work:
+            self._pieces, self._seeds, self._closed = [], [], True
+
+    def finish(self) -> WindowStats:
+        """Run the rest of the backward at once and return the item's stats (the forward must be complete)."""
+        self._check_open()
+        if self.done < self.length:
+            raise ValueError(f"finish() needs the whole stream forwarded: {self.done} of {self.length} tokens done")
+        self.backward(self.work)
+        assert self.stats is not None
+        return self.stats
+
+    def _progress(self) -> int:
+        if not self._units:
+            return self.work
+        return self.length + min(self.length - 1, math.floor(self._swept + 1e-9))
+
+    def _begin_backward(self) -> None:
+        """The loss, its gradient w.r.t. each window's log-prob sum (the seeds), and the backward's units."""
+        sums = [torch.zeros((), device=self._segments[0].ids.device) for _ in self._segments]
+        for piece in self._pieces:
+            sums[piece.segment] = sums[piece.segment] + piece.logp.detach()
+        sums = [x.requires_grad_() for x in sums]
+        if self.method == "sft":
+            loss = -sums[0] / max(self.loss_tokens, 1)
+            margin = None
+        else:
+            chosen, rejected = self._segments
+            margin = reward_margin(sums[0], sums[1], chosen.ref_logp, rejected.ref_logp, self.beta)
+            loss = pair_losses(margin)
+        self._seeds = list(torch.autograd.grad(loss * self.scale, sums))
+        value = float(loss.detach())
+        self.stats = (WindowStats(loss=value, tokens=self.length) if margin is None else
+                      WindowStats(loss=value, tokens=self.length, dpo_loss=value, reward_margin=float(margin.detach())))
+        for seg in self._segments:  # the forward is over: its caches are no longer read
+            seg.past, seg.ref_cache = [], None
+        weights = level_weights(self.model)
+        n = len(self._pieces)
+        self._units = [(level, j) for level in range(len(weights)) for j in reversed(range(n))]
+        self._unit_weights = [self._pieces[j].tokens * weights[level] for level, j in self._units]
+
+    def _run_unit(self, level: int, j: int) -> None:
+        """Level 0 is the head: the window's log-prob sum into its top leaf; level k ≥ 1 is layer N − k."""
+        piece = self._pieces[j]
+        tensors, grads = [], []
+        if level == 0:
+            if piece.logp.requires_grad:
+                tensors.append(piece.logp)
+                grads.append(self._seeds[piece.segment])
+            piece.logp = piece.logp.detach()
+        else:
+            layer = len(piece.hidden) - level
+            out, leaf = piece.hidden[layer]
+            if out is not None and leaf is not None and leaf.grad is not None:  # None: nothing above this window's layer reached it
+                tensors.append(out)
+                grads.append(leaf.grad)
+            for kv_out, kv_leaf in piece.kv[layer]:
+                if kv_leaf.grad is not None:  # None: no later window attended to it (the last window)
+                    tensors.append(kv_out)
+                    grads.append(kv_leaf.grad)
+            piece.hidden[layer] = (None, None)  # frees this unit's graph, its output and its leaf's grad
+            piece.kv[layer] = []
+        if tensors:
+            torch.autograd.backward(tensors, grads)
 
     def abandon(self) -> None:
-        """Drop the graphs and caches without touching any gradient (a window of the pass was refused)."""
-        self._pieces = []
+        """Drop the graphs and caches; gradients already swept into ``.grad`` stay (the caller drops them)."""
+        self._pieces, self._units, self._unit_weights, self._seeds = [], [], [], []
         for seg in self._segments:
             seg.past, seg.ref_cache = [], None
         self._closed = True

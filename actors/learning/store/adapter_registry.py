@@ -55,10 +55,10 @@ class AdapterRegistry(StoreConnection):
                     raise FullUnitExists(f"full unit {other[0]!r} already trains this deployment's model; "
                                          "at most one full_sft/full_dpo unit per deployment")
             db.execute(
-                f"INSERT INTO adapters ({ADAPTER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO adapters ({ADAPTER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (key, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
                  json.dumps(spec.lora.target_modules), spec.lora.dropout, spec.mode, spec.periodic.every_seconds,
-                 spec.periodic.every_samples, None, time.time(), spec.epochs, spec.tenant),
+                 spec.periodic.every_samples, None, time.time(), spec.epochs, spec.tenant, spec.warmup_steps),
             )
             db.execute("UPDATE adapters SET gate = ? WHERE name = ?", (_overrides_json(spec.gate), key))
             return self._adapter_info(db, key)
@@ -79,7 +79,8 @@ class AdapterRegistry(StoreConnection):
                                   for k in fixed])
         with self._tx() as db:
             info = self._adapter_info(db, name)
-            current = info.model_dump(include={"method", "beta", "learning_rate", "lora", "mode", "periodic", "epochs"})
+            current = info.model_dump(include={"method", "beta", "learning_rate", "lora", "mode", "periodic", "epochs",
+                                               "warmup_steps"})
             current["name"] = split_adapter_key(name)[1]  # a spec names the adapter without its tenant
             if "periodic" in changes and isinstance(changes["periodic"], Mapping):
                 changes = {**changes, "periodic": {**current["periodic"], **changes["periodic"]}}
@@ -95,9 +96,9 @@ class AdapterRegistry(StoreConnection):
             if paused is not None and not isinstance(paused, bool):
                 raise InvalidRequest("paused: expected true or false")
             db.execute("UPDATE adapters SET mode = ?, learning_rate = ?, beta = ?, periodic_every_seconds = ?, "
-                       "periodic_every_samples = ?, gate = ?, epochs = ? WHERE name = ?",
+                       "periodic_every_samples = ?, gate = ?, epochs = ?, warmup_steps = ? WHERE name = ?",
                        (spec.mode, spec.learning_rate, spec.beta, spec.periodic.every_seconds,
-                        spec.periodic.every_samples, _overrides_json(gate), spec.epochs, name))
+                        spec.periodic.every_samples, _overrides_json(gate), spec.epochs, spec.warmup_steps, name))
             if paused is False:
                 db.execute("UPDATE adapters SET paused_reason = NULL, rejections_in_row = 0 WHERE name = ?", (name,))
             elif paused is True and info.paused_reason is None:

@@ -178,7 +178,7 @@ class StoreConnection:
 
     def _adapter_info(self, db: sqlite3.Connection, name: str) -> AdapterInfo:
         (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
-         created, epochs, tenant) = self._adapter_row(db, name)
+         created, epochs, tenant, warmup_steps) = self._adapter_row(db, name)
         versions = [version_from_row(row) for row in db.execute(
             f"SELECT {VERSION_COLUMNS} FROM versions WHERE adapter = ? AND published = 1 AND deleted_at IS NULL "
             "ORDER BY version", (name,))]
@@ -192,6 +192,7 @@ class StoreConnection:
             lora=LoraSettings(r=r, alpha=alpha, target_modules=json.loads(targets), dropout=dropout),
             mode=mode, periodic=PeriodicSettings(every_seconds=every_s, every_samples=every_n),
             created_at=created, current_version=current, versions=versions, queued=queued, epochs=epochs,
+            warmup_steps=warmup_steps,
             oldest_queued_at=oldest, last_published_at=max((v.published_at for v in versions), default=None),
             node_versions=dict(db.execute("SELECT node, version FROM node_heads WHERE adapter = ? ORDER BY node",
                                           (name,)).fetchall()),
@@ -223,12 +224,14 @@ class StoreConnection:
 
 def version_from_row(row: tuple) -> VersionInfo:
     (adapter, version, parent, path, created, published, published_at, samples, loss, win, clpd, node, state, reason,
-     score, baseline_version, baseline_score, token_logprob, eval_items, decided_at) = row
+     score, baseline_version, baseline_score, token_logprob, eval_items, decided_at, retention, retention_base,
+     retention_prompts, score_s) = row
     return VersionInfo(adapter=adapter, version=version, parent=parent, path=path, created_at=created,
                        published=bool(published), published_at=published_at, samples_trained=samples,
                        loss=loss, win_rate=win, clpd=clpd, node=node, state=state, reason=reason, score=score,
                        baseline_version=baseline_version, baseline_score=baseline_score, token_logprob=token_logprob,
-                       eval_items=eval_items, decided_at=decided_at)
+                       eval_items=eval_items, decided_at=decided_at, retention=retention,
+                       retention_base=retention_base, retention_prompts=retention_prompts, score_s=score_s)
 
 
 

@@ -174,6 +174,21 @@ class GateOverrides(_Strict):
     held_out_share: float | None = Field(None, ge=0, le=0.5)
     pause_after_rejections: int | None = Field(None, ge=0, le=MAX_COUNT)
     max_eval_items: int | None = Field(None, gt=0, le=MAX_COUNT)
+    retention: bool | None = None
+    retention_file: str | None = Field(
+        None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]*$",
+        description="The adapter's must-not-break prompts: a JSONL file under the app's data_dir (a relative path, "
+                    "no '..'), one {\"prompt\"} or {\"messages\"} per line.")
+    retention_margin: float | None = Field(None, ge=0)
+    thin_evidence: Literal["serve", "wait"] | None = None
+
+    @field_validator("retention_file")
+    @classmethod
+    def _inside_data_dir(cls, v: str | None) -> str | None:
+        # A tenant names a file of the server's: only under data_dir, so no other file can be read.
+        if v is not None and ".." in v.split("/"):
+            raise ValueError("a path relative to the app's data_dir, without '..'")
+        return v
 
     def over(self, defaults: GateSettings) -> GateSettings:
         """The effective settings: these overrides on top of ``defaults``."""
@@ -195,6 +210,9 @@ class AdapterSpec(_Strict):
     periodic: PeriodicSettings = Field(default_factory=PeriodicSettings)
     gate: GateOverrides = Field(default_factory=GateOverrides,
                                 description="This adapter's quality-gate settings; unset fields follow training.gate.")
+    warmup_steps: int = Field(
+        0, ge=0, le=10_000, description="Optimizer steps over which the learning rate rises linearly to "
+                                        "learning_rate (the adapter's own count, kept across versions; 0: none).")
     epochs: int = Field(
         1, ge=1, le=100, description="Passes over each feedback item, each in a different version: an item stays "
                                      "queued until this many published versions trained on it (new items go first).")
@@ -310,6 +328,14 @@ class VersionInfo(BaseModel):
     token_logprob: float | None = Field(None, description="sft: mean log-likelihood per held-out completion token.")
     eval_items: int | None = Field(None, description="Held-out items (or eval_file pairs) the scores are over.")
     decided_at: float | None = Field(None, description="When the gate (or a promotion) decided the state.")
+    retention: float | None = Field(
+        None, description="How well this version keeps the base model's answers to the retention set: mean "
+                          "log-likelihood per answer token (higher is better; the gate rejects a loss of more than "
+                          "gate.retention_margin against retention_base).")
+    retention_base: float | None = Field(None, description="The base model's own score of those answers.")
+    retention_prompts: int | None = Field(None, description="Prompts of the retention set the scores are over.")
+    score_s: float | None = Field(None, description="Seconds the gate spent scoring this version (held-out slice "
+                                                    "and retention set; the base's scores are cached).")
 
 
 class AdapterInfo(AdapterSpec):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 9  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
+SCHEMA_VERSION = 10  # 2: per-node queues and version lines (training.scope per_node); 3: the quality gate; 4: epochs;
 # 5: adapters belong to tenants; 6: full-model training units (methods full_sft, full_dpo); 7: idempotency keys;
-# 8: versions deleted by the retention rule (training.keep_versions); 9: a tenant's adapters keyed tenant/name
+# 8: versions deleted by the retention rule (training.keep_versions); 9: a tenant's adapters keyed tenant/name;
+# 10: the gate's retention scores (how well a version keeps the base model's answers) and scoring seconds
 DB_FILENAME = "feedback.sqlite3"
 RESERVATION_PINS_S = 24 * 3600.0  # how long an unpublished reservation keeps its parent from prune_versions
 IDEMPOTENCY_TTL_S = 24 * 3600.0  # how long a client's Idempotency-Key answers with its first result (as Stripe's)
@@ -30,7 +31,8 @@ CREATE TABLE IF NOT EXISTS adapters (
     promotions_total  INTEGER NOT NULL DEFAULT 0,  -- versions served by the gate or a promotion (a counter)
     rejections_total  INTEGER NOT NULL DEFAULT 0,  -- versions the gate rejected (a counter)
     epochs            INTEGER NOT NULL DEFAULT 1,  -- versions that train on each item before it is consumed
-    tenant            TEXT                         -- the owning tenant, NULL: made without API keys
+    tenant            TEXT,                        -- the owning tenant, NULL: made without API keys
+    warmup_steps      INTEGER NOT NULL DEFAULT 0   -- optimizer steps of linear learning-rate warm-up
 );
 CREATE TABLE IF NOT EXISTS versions (
     adapter           TEXT NOT NULL REFERENCES adapters(name),
@@ -54,6 +56,10 @@ CREATE TABLE IF NOT EXISTS versions (
     eval_items        INTEGER,                   -- how many held-out items the scores are over
     decided_at        REAL,
     deleted_at        REAL,                      -- set by prune_versions: its files are gone, it answers 404
+    retention         REAL,                      -- mean log-likelihood per token of the base's answers to the retention set
+    retention_base    REAL,                      -- the base model's own score of them (the gate compares the two)
+    retention_prompts INTEGER,                   -- prompts of the retention set scored
+    score_s           REAL,                      -- seconds the gate (or the served version's scoring) spent scoring it
     PRIMARY KEY (adapter, version)
 );
 CREATE TABLE IF NOT EXISTS node_heads (          -- per_node scope: the version each node's copy is at
@@ -100,12 +106,12 @@ CREATE INDEX IF NOT EXISTS feedback_epochs ON feedback (adapter, held_out, consu
 
 OLD_METHODS_CHECK = "CHECK (method IN ('sft', 'dpo'))"
 NEW_METHODS_CHECK = "CHECK (method IN ('sft', 'dpo', 'full_sft', 'full_dpo'))"
-UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused", "epochs"})
+UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused", "epochs", "warmup_steps"})
 ADAPTER_COLUMNS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
-                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant")
+                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant, warmup_steps")
 VERSION_COLUMNS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
                  "loss, win_rate, clpd, node, state, reason, score, baseline_version, baseline_score, token_logprob, "
-                 "eval_items, decided_at")
+                 "eval_items, decided_at, retention, retention_base, retention_prompts, score_s")
 # Columns added after schema 1, for databases created by older code: (table, column, type).
 ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"), ("feedback", "messages", "TEXT"),
                   # schema 3: the quality gate
@@ -123,5 +129,9 @@ ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"
                   # schema 5: tenants
                   ("adapters", "tenant", "TEXT"),
                   # schema 8: retention
-                  ("versions", "deleted_at", "REAL"))
+                  ("versions", "deleted_at", "REAL"),
+                  # schema 10: the gate's retention scores
+                  ("versions", "retention", "REAL"), ("versions", "retention_base", "REAL"),
+                  ("versions", "retention_prompts", "INTEGER"), ("versions", "score_s", "REAL"),
+                  ("adapters", "warmup_steps", "INTEGER NOT NULL DEFAULT 0"))
 ITEM_COLUMNS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages"

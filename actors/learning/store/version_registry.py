@@ -94,8 +94,13 @@ class VersionRegistry(StoreConnection):
     def decide_version(self, adapter: str, version: int, *, passed: bool, reason: str, score: float | None = None,
                        baseline_version: int | None = None, baseline_score: float | None = None,
                        win_rate: float | None = None, clpd: float | None = None, token_logprob: float | None = None,
-                       eval_items: int | None = None) -> VersionInfo:
+                       eval_items: int | None = None, retention: float | None = None,
+                       retention_base: float | None = None, retention_prompts: int | None = None,
+                       score_s: float | None = None, counts: bool = True) -> VersionInfo:
         """The quality gate's verdict on a candidate, in one transaction: ``served`` (made current) or ``rejected``.
+
+        ``counts`` False: a version held back for want of held-out evidence (``gate.thin_evidence`` wait), not
+        a rejection of its quality: it does not count toward ``pause_after_rejections``.
 
         A candidate whose parent is no longer the served version (a rollback or a promotion came in
         while it was judged) is rejected as superseded whatever it scored: serving it would undo that
@@ -115,14 +120,16 @@ class VersionRegistry(StoreConnection):
             now = time.time()
             db.execute("UPDATE versions SET state = ?, reason = ?, decided_at = ?, score = ?, baseline_version = ?, "
                        "baseline_score = ?, win_rate = COALESCE(?, win_rate), clpd = COALESCE(?, clpd), "
-                       "token_logprob = COALESCE(?, token_logprob), eval_items = ? WHERE adapter = ? AND version = ?",
+                       "token_logprob = COALESCE(?, token_logprob), eval_items = ?, retention = ?, retention_base = ?, "
+                       "retention_prompts = ?, score_s = ? WHERE adapter = ? AND version = ?",
                        ("served" if passed else "rejected", reason, now, score, baseline_version, baseline_score,
-                        win_rate, clpd, token_logprob, eval_items, adapter, version))
+                        win_rate, clpd, token_logprob, eval_items, retention, retention_base, retention_prompts,
+                        score_s, adapter, version))
             if passed:
                 self._set_current(db, adapter, version, v.node)
                 db.execute("UPDATE adapters SET rejections_in_row = 0, promotions_total = promotions_total + 1 "
                            "WHERE name = ?", (adapter,))
-            elif not superseded:
+            elif not superseded and counts:
                 db.execute("UPDATE adapters SET rejections_in_row = rejections_in_row + 1, "
                            "rejections_total = rejections_total + 1 WHERE name = ?", (adapter,))
                 gate, paused, in_row, _, _ = self._gate_row(db, adapter)
@@ -171,14 +178,20 @@ class VersionRegistry(StoreConnection):
 
     def record_scores(self, adapter: str, version: int, *, score: float | None = None, win_rate: float | None = None,
                       clpd: float | None = None, token_logprob: float | None = None,
-                      eval_items: int | None = None) -> VersionInfo:
-        """Store held-out scores measured for a version outside the gate (the gate off); None keeps a value."""
+                      eval_items: int | None = None, retention: float | None = None,
+                      retention_base: float | None = None, retention_prompts: int | None = None,
+                      score_s: float | None = None) -> VersionInfo:
+        """Store scores measured for a version outside the gate (the gate off); None keeps a value."""
         with self._tx() as db:
             self._version(db, adapter, version)
             db.execute("UPDATE versions SET score = COALESCE(?, score), win_rate = COALESCE(?, win_rate), "
                        "clpd = COALESCE(?, clpd), token_logprob = COALESCE(?, token_logprob), "
-                       "eval_items = COALESCE(?, eval_items) WHERE adapter = ? AND version = ?",
-                       (score, win_rate, clpd, token_logprob, eval_items, adapter, version))
+                       "eval_items = COALESCE(?, eval_items), retention = COALESCE(?, retention), "
+                       "retention_base = COALESCE(?, retention_base), "
+                       "retention_prompts = COALESCE(?, retention_prompts), score_s = COALESCE(?, score_s) "
+                       "WHERE adapter = ? AND version = ?",
+                       (score, win_rate, clpd, token_logprob, eval_items, retention, retention_base,
+                        retention_prompts, score_s, adapter, version))
             return self._version(db, adapter, version)
 
     def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float) -> VersionInfo:

@@ -52,11 +52,17 @@ def test_requests_without_a_known_key_get_401_and_health_stays_open(secure_app):
     assert ok.status_code == 200, ok.text
 
 
-def test_status_and_metrics_need_the_admin_key(secure_app):
+def test_status_needs_the_admin_key_and_a_tenant_reads_only_its_own_metrics(secure_app):
     url = secure_app["url"]
-    for path in ("/v1/status", "/metrics"):
-        _error(httpx.get(url + path, headers=_h(secure_app, "acme")), 403, "admin")
-        assert httpx.get(url + path, headers=_h(secure_app, "admin")).status_code == 200
+    _error(httpx.get(url + "/v1/status", headers=_h(secure_app, "acme")), 403, "admin")
+    assert httpx.get(url + "/v1/status", headers=_h(secure_app, "admin")).status_code == 200
+    own = httpx.get(url + "/metrics", headers=_h(secure_app, "acme"))
+    assert own.status_code == 200
+    # Only the per-tenant series, and only acme's: no node, adapter or engine facts, no other tenant's label.
+    names = {line.split("{")[0].split(" ")[0] for line in own.text.splitlines() if line and not line.startswith("#")}
+    assert all(n.startswith("coserve_tenant_") for n in names), names
+    assert all('tenant="acme"' in line for line in own.text.splitlines() if line and not line.startswith("#"))
+    assert "coserve_node_ready" in httpx.get(url + "/metrics", headers=_h(secure_app, "admin")).text
 
 
 def test_a_tenant_cannot_see_change_train_or_call_another_tenants_adapter(secure_app, beta_served):
