@@ -256,6 +256,30 @@ def cpu_by_process(before: dict[int, tuple[str, float]], after: dict[int, tuple[
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def wait_snapshot(pids: list[int]) -> dict[int, tuple[str, float]]:
+    """Seconds every process in ``pids`` (all its threads) has spent runnable but waiting for a CPU, with its
+    label (``/proc/<pid>/task/*/schedstat``, second field: time on a run queue)."""
+    snap = {}
+    for pid in pids:
+        total = 0
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        snap[pid] = (process_label(pid), total / 1e9)
+    return snap
+
+
+# Appended to a Python client's code: at its end it prints its own CPU seconds and run-queue wait (all threads).
+SELF_SCHEDSTAT = (
+    "\nimport os as _os\n_t = [0, 0]\nfor _x in _os.listdir('/proc/self/task'):\n"
+    "    _a = open(f'/proc/self/task/{_x}/schedstat').read().split(); _t[0] += int(_a[0]); _t[1] += int(_a[1])\n"
+    "print(f'CLIENT SCHEDSTAT run_s={_t[0] / 1e9:.3f} wait_s={_t[1] / 1e9:.3f}')\n"
+)
+
+
 def listening_ports(pids: list[int]) -> dict[int, int]:
     """TCP port -> pid, for the listening sockets of ``pids`` (from /proc/net/tcp{,6})."""
     inodes: dict[str, int] = {}

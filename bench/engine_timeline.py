@@ -197,18 +197,21 @@ def engine_metrics_url(server: Server) -> str:
     return f"{server.url}/metrics"
 
 
-def engine_scrape_before(server: Server) -> dict[str, Any]:
-    """The engine metrics before a replay: ``{"url", "text"}``, or ``{"error"}`` (the replay goes on)."""
+def engine_scrape_before(server: Server, settle: bool = True) -> dict[str, Any]:
+    """The engine metrics before a replay or a burst: ``{"url", "text"}``, or ``{"error"}`` (the run goes on).
+    ``settle``: first wait until what ran before has reached the endpoint (not before the first burst after
+    start, which must meet the system as it started; nothing but its warm-up ran before it)."""
     try:
         url = engine_metrics_url(server)
     except Exception as exc:  # noqa: BLE001 - a missing timeline is reported, not fatal
         return {"error": f"no engine metrics endpoint: {exc}"}
     # What ran just before (the rate runs) must be in this scrape, not counted as the replay's.
-    time.sleep(ENGINE_METRICS_SETTLE_S.get(server.name, 0.0))
+    if settle:
+        time.sleep(ENGINE_METRICS_SETTLE_S.get(server.name, 0.0))
     try:
         return {"url": url, "text": http_text(url)}
     except Exception as exc:  # noqa: BLE001
-        return {"url": url, "error": f"scrape of {url} before the replay failed: {exc}"}
+        return {"url": url, "error": f"scrape of {url} before the run failed: {exc}"}
 
 
 def engine_timeline(server: Server, before: dict[str, Any], finished: int) -> dict[str, Any]:
@@ -227,7 +230,7 @@ def engine_timeline(server: Server, before: dict[str, Any], finished: int) -> di
         try:
             deltas = histogram_deltas(before["text"], http_text(url), TIMELINE_NAMES)
         except Exception as exc:  # noqa: BLE001
-            error = f"scrape of {url} after the replay failed: {exc}"
+            error = f"scrape of {url} after the run failed: {exc}"
             log(f"{server.name}: engine timeline: {error}")
             return {"engine_timeline": None, "engine_timeline_source": url, "engine_timeline_error": error}
         if (deltas.get(e2e) or {}).get("count", 0) >= finished:

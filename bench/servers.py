@@ -277,12 +277,14 @@ def start_plain(flags: list[str], port: int, log_path: Path) -> tuple[Server, di
 
 def start_ours(config: str | Path, port: int, data_dir: Path, work: Path, suffix: str = "", *,
                fresh_data_dir: bool = True, dtype: str | None = None, model: str | None = None,
-               nodes: int | None = None, worker_niceness: int | None = None) -> tuple[Server, dict[str, Any]]:
+               nodes: int | None = None, worker_niceness: int | None = None,
+               request_log: Path | None = None) -> tuple[Server, dict[str, Any]]:
     """Our app as ``make serve`` starts it, from a copy of the Serve config ``config`` on 127.0.0.1:``port``.
 
     ``fresh_data_dir``: a new data_dir ``work/ours-data<suffix>`` with the models linked from ``data_dir``
     (else ``data_dir`` itself); ``dtype``, ``model`` (embedded) and ``nodes`` override the app's args;
-    ``suffix`` (``-round<r>``) names its files and its data_dir, one per round."""
+    ``suffix`` (``-round<r>``) names its files and its data_dir, one per round; ``request_log``: where its
+    replicas and router write each request's stamps (``COSERVE_REQUEST_LOG_DIR``)."""
     import yaml
 
     serve_cfg = yaml.safe_load(Path(config).read_text())
@@ -308,6 +310,10 @@ def start_ours(config: str | Path, port: int, data_dir: Path, work: Path, suffix
     cfg_path = work / f"ours{suffix}-serve-config.yaml"
     cfg_path.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
     env = {**ray_env("ours", worker_niceness), "COSERVE_DATA_DIR": str(data_dir)}
+    if request_log is not None:
+        from actors.serving.request_stages import LOG_DIR_VAR
+
+        env[LOG_DIR_VAR] = str(request_log)
     serve_bin = Path(sys.executable).parent / "serve"
     # As `make serve`: app.serve_env sets the app's Serve settings and execs the rest.
     # --address local: always a fresh Ray instance of our own, never someone else's cluster.

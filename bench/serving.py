@@ -114,7 +114,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
-    comparison_head,
+    SELF_SCHEDSTAT,
     cpu_by_process,
     cpu_snapshot,
     fmt,
@@ -122,12 +122,23 @@ from bench.common import (  # noqa: E402
     log,
     percentile,
     port_free,
-    ratio,
     reserve_port,
-    table_row,
+    wait_snapshot,
 )
-from bench.common import cpu_table as cpu_runs_table  # noqa: E402
 from bench.engine_timeline import engine_scrape_before, engine_timeline, timeline_table  # noqa: E402
+from bench.request_timeline import burst_stages, client_requests, client_summary, server_records  # noqa: E402
+from bench.serving_report import (  # noqa: E402
+    FIRST,
+    burst_table,
+    cpu_table,
+    goals,
+    merge,
+    present,
+    rate_label,
+    rate_table,
+    replay_table,
+    rounds_table,
+)
 from bench.servers import (  # noqa: E402
     QUIET_WINDOW_S,
     RUN_ID,
@@ -150,51 +161,25 @@ BENCH_CLIENT = (
     "    p = argparse.ArgumentParser(prog='vllm.benchmarks.serve')\n"
     "    add_cli_args(p)\n"
     "    main(p.parse_args(sys.argv[1:]))\n"
-)
+) + SELF_SCHEDSTAT
 
 SYSTEMS = ("plain", "ours", "rayllm")
 RAY_SYSTEMS = ("ours", "rayllm")
-RATIOS = (("ours", "plain"), ("ours", "rayllm"), ("rayllm", "plain"))
-
-METRICS = [  # (label, result key, format)
-    ("req/s", "request_throughput", "{:.2f}"),
-    ("output tok/s", "output_throughput", "{:.0f}"),
-    ("TTFT p50 (ms)", "median_ttft_ms", "{:.1f}"),
-    ("TTFT p99 (ms)", "p99_ttft_ms", "{:.1f}"),
-    ("TPOT p50 (ms)", "median_tpot_ms", "{:.2f}"),
-    ("TPOT p99 (ms)", "p99_tpot_ms", "{:.2f}"),
-    ("ITL p50 (ms)", "median_itl_ms", "{:.2f}"),
-    ("ITL p99 (ms)", "p99_itl_ms", "{:.2f}"),
-    ("E2EL p50 (ms)", "median_e2el_ms", "{:.0f}"),
-    ("E2EL p99 (ms)", "p99_e2el_ms", "{:.0f}"),
-]
-REPLAY_METRICS = [  # (label, key, format)
-    # {:.0f}, not {:d}: over an even number of rounds a median count is a float (190.5).
-    ("requests sent", "sent", "{:.0f}"),
-    ("requests done", "requests", "{:.0f}"),
-    ("failures", "failures", "{:.0f}"),
-    ("TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"),
-    ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
-    ("latency p50 (ms)", "latency_p50_ms", "{:.0f}"),
-    ("latency p99 (ms)", "latency_p99_ms", "{:.0f}"),
-    ("replay lag mean (s)", "lag_mean_s", "{:.3f}"),
-    ("replay lag p50 (s)", "lag_p50_s", "{:.3f}"),
-    ("replay lag p99 (s)", "lag_p99_s", "{:.3f}"),
-    ("replay lag max (s)", "lag_max_s", "{:.3f}"),
-]
-# The goals of issue 28 (ratios are ours / the other system).
-GOAL_REPLAY_TTFT_VS_RAYLLM = 1.00     # trace replay TTFT p50 and p99, ours / rayllm, at most
-GOAL_REPLAY_TTFT_VS_PLAIN = 1.50      # trace replay TTFT p50 and p99, ours / plain, at most
-GOAL_SATURATED_REQS_VS_RAYLLM = 1.00  # saturated req/s, ours / rayllm, at least
-GOAL_SUSTAINED_ITL_P50_MS = 0.5       # ours' ITL p50 at the sustained rate, more than: pieces read under 0.5 ms apart arrived in one read, not token by token
 
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_conv_sample.csv"
 
 # ---- the benchmark client ---------------------------------------------------------------------
 
 def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: Path, rate: str,
-               out_dir: Path, tag: str) -> dict[str, Any]:
-    result_name = f"{tag}-rate-{rate}.json"
+               out_dir: Path, tag: str, key: str | None = None, stamps: Path | None = None) -> dict[str, Any]:
+    """One run of vLLM's benchmark client at ``rate`` against ``server``; ``key`` names the run in files and
+    request ids (default the rate: ``first`` is the burst right after start). A burst (rate inf) also gets
+    the engine's own histograms around it (every system) and, with ``stamps`` (ours' request log
+    directory), each request's path through the app (``bench/request_timeline.py``)."""
+    key = key or rate
+    result_name = f"{tag}-rate-{key}.json"
+    prefix = f"{tag}-{key}-"
+    burst = rate == "inf"
     cmd = [
         sys.executable, "-c", BENCH_CLIENT,
         "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
@@ -205,12 +190,17 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--num-warmups", str(args.warmups), "--disable-tqdm",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", result_name,
+        "--save-detailed", "--request-id-prefix", prefix,
     ]
     (out_dir / result_name).unlink(missing_ok=True)
-    log(f"{tag}: benchmark at rate {rate} ({args.num_prompts} prompts), load average {load_average()}")
-    client_log = out_dir / f"{tag}-rate-{rate}.log"
+    # The first burst meets the system as it started: no wait for metrics to settle before it.
+    before = engine_scrape_before(server, settle=key != "first") if burst else None
+    log(f"{tag}: benchmark at rate {rate} ({args.num_prompts} prompts{', ' + key if key != rate else ''}), "
+        f"load average {load_average()}")
+    client_log = out_dir / f"{tag}-rate-{key}.log"
     load_before = load_average()
     cpu_before = cpu_snapshot(server.pids())
+    wait_before = wait_snapshot(server.pids())
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall_before = time.time()
     with open(client_log, "wb") as out:
@@ -225,6 +215,7 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     cpu = cpu_by_process(cpu_before, cpu_snapshot(server.pids()))
+    waits = cpu_by_process(wait_before, wait_snapshot(server.pids()))
     children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.time() - wall_before
     if proc.returncode != 0 or not (out_dir / result_name).exists():
@@ -240,11 +231,24 @@ def run_client(args: argparse.Namespace, server: Server, model: str, model_dir: 
     # The window includes the client's start-up (tokenizer, dataset) and the servers' idle time in it.
     summary["cpu_window_s"] = round(wall, 1)
     summary["cpu_seconds"] = cpu
+    # Time runnable but not running (waiting for a CPU), the servers' processes and the client's own: on a host
+    # whose cores are all busy, who waits says who was squeezed (a client that waits reads its streams late).
+    summary["cpu_wait_seconds"] = waits
+    m = re.search(r"CLIENT SCHEDSTAT run_s=([\d.]+) wait_s=([\d.]+)", client_log.read_text(errors="replace"))
+    if m:
+        summary["client_run_s"], summary["client_wait_s"] = float(m.group(1)), float(m.group(2))
     summary["client_cpu_s"] = round(children_after.ru_utime + children_after.ru_stime
                                     - children_before.ru_utime - children_before.ru_stime, 2)
-    log(f"{tag}: rate {rate}: {summary['completed']} ok, {summary['failed']} failed, "
-        f"{summary['request_throughput']:.2f} req/s, TTFT p50 {summary['median_ttft_ms']:.1f} ms, "
-        f"TPOT p50 {summary['median_tpot_ms']:.2f} ms")
+    clients = client_requests(out_dir / result_name, prefix)
+    summary["streams"] = client_summary(clients)
+    if stamps is not None:
+        summary["stages"] = burst_stages(clients, server_records(stamps))
+    if before is not None:
+        summary.update(engine_timeline(server, before, summary.get("completed") or 0))
+    log(f"{tag}: rate {rate}{' (' + key + ')' if key != rate else ''}: {summary['completed']} ok, "
+        f"{summary['failed']} failed, {summary['request_throughput']:.2f} req/s, TTFT p50 "
+        f"{summary['median_ttft_ms']:.1f} ms, TPOT p50 {summary['median_tpot_ms']:.2f} ms, ITL p50 "
+        f"{summary['median_itl_ms']:.2f} ms, stream pieces p50 {fmt('{:.0f}', summary['streams']['pieces_p50'])}")
     if summary.get("failed"):
         log(f"{tag}: WARNING: {summary['failed']} requests failed (log: {client_log})")
     return summary
@@ -392,6 +396,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in dict.fromkeys(k for r in runs for k in r):  # a note or error only one round has is kept
         # The first run's value may be None where a later run measured something.
         v = next((r[key] for r in runs if r.get(key) is not None), None)
+        if key in ("round", "repeats"):
+            continue  # each run's own, kept in its entry under "repeats"
         if key in ("completed", "failed", "failures"):
             out[key] = sum(r.get(key) or 0 for r in runs)
         elif _is_number(v):
@@ -433,8 +439,8 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
     facts: dict[str, Any] = {"rates": [], "sustained_rate": None, "errors": []}
 
     def suffix_of(rnd: int) -> str:
-        # One round: today's file names; more: every round's logs and results apart.
-        return "" if args.rounds == 1 else f"-round{rnd}"
+        # One round: today's file names; more (or a later round of a split run): every round's files apart.
+        return "" if args.rounds == 1 and args.first_round == 0 else f"-round{args.first_round + rnd}"
 
     def error(system: str, what: str, exc: BaseException) -> None:
         msg = f"{system}: {what} failed: {exc}"
@@ -452,7 +458,8 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
                     server, info = start_ours(args.config, args.port_ours, args.data_dir, work, suffix,
                                               fresh_data_dir=not args.reuse_data_dir, dtype=args.dtype,
                                               model=args.model, nodes=args.nodes,
-                                              worker_niceness=args.ray_worker_niceness)
+                                              worker_niceness=args.ray_worker_niceness,
+                                              request_log=stamps_dir(rnd) if args.stamps else None)
                 else:
                     server, info = start_rayllm(flags, args.port_rayllm, work, suffix,
                                                 lora_config=args.rayllm_lora_config,
@@ -488,6 +495,10 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
         results[system]["ready_s"] = round(ready, 1)
         if suffix:
             results[system].setdefault("ready_s_by_round", []).append(round(ready, 1))
+        if args.first_burst:
+            # As a user meets a system that has just started: a burst as soon as it answers, before any
+            # wait below (our trainer ranks may still be loading, Ray's daemons still busy).
+            bench(system, "inf", 0, rnd, key="first")
         if system == "ours" and not args.measure_while_settling:
             # After "ready" our trainer ranks still load the base model (measured: 4.1 CPU-s, 37% of a core,
             # inside a saturation run on the tiny model): measure the steady state, and report what it took.
@@ -530,25 +541,29 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
             log(f"sustained rate: {facts['sustained_rate']} req/s ({facts['sustained_rate_source']})")
         return facts["sustained_rate"]
 
-    def bench(system: str, rate: str, rep: int, rnd: int = 0) -> None:
+    def stamps_dir(rnd: int) -> Path:
+        return work / f"stamps-ours{suffix_of(rnd)}"
+
+    def bench(system: str, rate: str, rep: int, rnd: int = 0, key: str | None = None) -> None:
         if system not in servers:
             return
         tag = f"{system}{suffix_of(rnd)}" + ("" if args.repeats == 1 else f"-r{rep}")
         try:
-            summary = run_client(args, servers[system], served, model_dir, rate, work, tag)
+            summary = run_client(args, servers[system], served, model_dir, rate, work, tag, key,
+                                 stamps=stamps_dir(rnd) if system == "ours" and args.stamps else None)
         except Exception as exc:  # noqa: BLE001
             error(system, f"benchmark at rate {rate} (repeat {rep}" + (f", round {rnd})" if args.rounds > 1 else ")"),
                   exc)
             return
-        runs[system].setdefault(rate, []).append(summary)
+        summary["round"] = args.first_round + rnd
+        runs[system].setdefault(key or rate, []).append(summary)
 
     def replay(system: str, rnd: int = 0) -> None:
         if system not in servers:
             return
         try:
             summary = run_replay(args, servers[system], work, suffix_of(rnd))
-            if args.rounds > 1:
-                summary["round"] = rnd  # a round whose replay failed is missing from the list
+            summary["round"] = args.first_round + rnd  # a round whose replay failed is missing from the list
             replays[system].append(summary)
         except Exception as exc:  # noqa: BLE001
             error(system, "trace replay" + (f" (round {rnd})" if args.rounds > 1 else ""), exc)
@@ -577,9 +592,9 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
                 # Alternate the order, as --interleave does, so a drift in the machine's load over the
                 # run does not always favour the same system. "auto" resolves in round 0, where plain
                 # (first in --systems) runs first.
-                order = systems if rnd % 2 == 0 else systems[::-1]
-                if args.rounds > 1:
-                    log(f"round {rnd + 1} of {args.rounds}: {', '.join(order)}")
+                order = systems if (args.first_round + rnd) % 2 == 0 else systems[::-1]
+                if args.rounds > 1 or args.first_round:
+                    log(f"round {args.first_round + rnd + 1}: {', '.join(order)}")
                 for system in order:
                     if up(system, rnd):
                         for rep in range(args.repeats):
@@ -612,106 +627,6 @@ def run_all(args, cfg, model_dir: Path, served: str, work: Path) -> tuple[dict[s
         if Path(cfg_file).parent.parent == Path("/tmp/haproxy-serve"):
             shutil.rmtree(Path(cfg_file).parent, ignore_errors=True)  # Ray leaves its node's HAProxy dir
     return results, facts
-
-
-# ---- report -----------------------------------------------------------------------------------
-
-def rate_label(rate: str, sustained: str | None) -> str:
-    if rate == "inf":
-        return "saturation (rate inf)"
-    return f"{rate} req/s" + (" (sustained)" if rate == sustained else "")
-
-
-def _get(results: dict[str, Any], system: str, rate: str, key: str) -> Any:
-    return ((results.get(system) or {}).get("rates") or {}).get(rate, {}).get(key)
-
-
-def present(results: dict[str, Any]) -> list[str]:
-    return [s for s in SYSTEMS if s in results]
-
-
-def rate_table(results: dict[str, Any], rate: str) -> str:
-    systems = present(results)
-    ratios = [(a, b) for a, b in RATIOS if a in systems and b in systems]
-    lines = comparison_head([*systems, *(f"{a}/{b}" for a, b in ratios)])
-    for label, key, f in METRICS:
-        vals = {s: _get(results, s, rate, key) for s in systems}
-        lines.append(table_row([label, *(fmt(f, vals[s]) for s in systems),
-                                *(ratio(vals[a], vals[b]) for a, b in ratios)]))
-    row = ["completed / failed"]
-    for s in systems:
-        c, fl = _get(results, s, rate, "completed"), _get(results, s, rate, "failed")
-        row.append("n/a" if c is None else f"{c} / {fl}")
-    lines.append(table_row(row + [""] * len(ratios)))
-    row = ["load avg (1 min) before / after"]
-    for s in systems:
-        row.append(fmt("{:.1f}", _get(results, s, rate, "load_1min_before")) + " / "
-                   + fmt("{:.1f}", _get(results, s, rate, "load_1min_after")))
-    lines.append(table_row(row + [""] * len(ratios)))
-    return "\n".join(lines)
-
-
-def cpu_table(results: dict[str, Any], rate: str, min_share: float = 0.01) -> str:
-    """Where the CPU time goes during one benchmark: seconds per process, per system (``bench/common.py``)."""
-    return cpu_runs_table({s: (results[s].get("rates") or {}).get(rate) for s in present(results)}, min_share)
-
-
-def replay_table(results: dict[str, Any]) -> str:
-    systems = [s for s in present(results) if results[s].get("replay")]
-    if not systems:
-        return ""
-    ratios = [(a, b) for a, b in RATIOS if a in systems and b in systems]
-    lines = comparison_head([*systems, *(f"{a}/{b}" for a, b in ratios)])
-    for label, key, f in REPLAY_METRICS:
-        vals = {s: results[s]["replay"].get(key) for s in systems}
-        rat = [ratio(vals[a], vals[b]) if key.startswith(("ttft", "latency")) else "" for a, b in ratios]
-        lines.append(table_row([label, *(fmt(f, vals[s]) for s in systems), *rat]))
-    cpu = {s: sum((results[s]["replay"].get("cpu_seconds") or {}).values()) for s in systems}
-    lines.append(table_row(["server CPU s (all processes)", *(f"{cpu[s]:.1f}" for s in systems),
-                            *(ratio(cpu[a], cpu[b]) for a, b in ratios)]))
-    row = ["load avg (1 min) before / after"]
-    for s in systems:
-        rp = results[s]["replay"]
-        row.append(fmt("{:.1f}", rp.get("load_1min_before")) + " / " + fmt("{:.1f}", rp.get("load_1min_after")))
-    lines.append(table_row(row + [""] * len(ratios)))
-    return "\n".join(lines)
-
-
-def goals(results: dict[str, Any], rates: list[str], sustained: str | None) -> list[str]:
-    """The goal lines of issue 28: trace replay TTFT p50 and p99 ours <= rayllm and <= 1.5x plain,
-    saturated req/s ours >= rayllm, and ours' ITL p50 at the sustained rate > 0 (tokens stream one by
-    one: an ITL of 0 means the client got the stream in one piece)."""
-
-    def line(what: str, a: Any, b: Any, op: str, goal: float) -> str:
-        if a is None or not b:
-            return f"- {what}: n/a (missing result)"
-        r = a / b
-        ok = {">=": r >= goal, "<=": r <= goal, ">": r > goal, "<": r < goal}[op]
-        miss = f"MISSED by {abs(r - goal) * 100:.0f} points" if op in (">=", "<=") else "MISSED"
-        return f"- {what} = {r:.2f} (goal {op} {goal:.2f}): " + ("met" if ok else miss)
-
-    def value_line(what: str, v: Any, op: str, goal: float, unit: str) -> str:
-        if v is None:
-            return f"- {what}: n/a (missing result)"
-        ok = {">=": v >= goal, "<=": v <= goal, ">": v > goal, "<": v < goal}[op]
-        return f"- {what} = {v:.2f} {unit} (goal {op} {goal:g} {unit}): " + ("met" if ok else "MISSED")
-
-    out = []
-    replay = {s: (results.get(s) or {}).get("replay") or {} for s in SYSTEMS}
-    if any(replay.values()):
-        for key, what in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99")):
-            tt = {s: replay[s].get(key) for s in SYSTEMS}
-            out.append(line(f"Trace replay {what}, ours/rayllm", tt["ours"], tt["rayllm"], "<=",
-                            GOAL_REPLAY_TTFT_VS_RAYLLM))
-            out.append(line(f"Trace replay {what}, ours/plain", tt["ours"], tt["plain"], "<=",
-                            GOAL_REPLAY_TTFT_VS_PLAIN))
-    if "inf" in rates:
-        tp = {s: _get(results, s, "inf", "request_throughput") for s in SYSTEMS}
-        out.append(line("Saturated req/s, ours/rayllm", tp["ours"], tp["rayllm"], ">=", GOAL_SATURATED_REQS_VS_RAYLLM))
-    if sustained is not None:
-        out.append(value_line(f"ITL p50 at the sustained {sustained} req/s, ours",
-                              _get(results, "ours", sustained, "median_itl_ms"), ">", GOAL_SUSTAINED_ITL_P50_MS, "ms"))
-    return out
 
 
 def main() -> int:
@@ -774,6 +689,18 @@ def main() -> int:
                    help="Without --interleave: run every system alone this many times, in the order of --systems "
                         "in even rounds and reversed in odd ones, each started fresh (ours on a fresh data_dir), "
                         "each round its rates (x --repeats) and its replay; the tables show medians over the rounds.")
+    p.add_argument("--first-round", type=int, default=0,
+                   help="Number the rounds from this one (a run split over several invocations: the order alternates "
+                        "from it, and --merge combines their JSON files).")
+    p.add_argument("--first-burst", action=argparse.BooleanOptionalAction, default=True,
+                   help="A burst (rate inf) as soon as each system answers, before the waits for our trainer and for "
+                        "quiet: the first burst a user meets after start, reported apart (default: on).")
+    p.add_argument("--stamps", action=argparse.BooleanOptionalAction, default=True,
+                   help="Ours writes each request's stamps (COSERVE_REQUEST_LOG_DIR), joined with the client's record "
+                        "into where a burst's time goes (bench/request_timeline.py; default: on).")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="Print the tables of earlier runs' --json files together (medians over all their rounds) "
+                        "instead of running anything.")
     p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
                    help="Trace replay with load_tests/locustfile.py against each system (default: on).")
     p.add_argument("--replay-seconds", type=int, default=90,
@@ -792,6 +719,11 @@ def main() -> int:
     p.add_argument("--bench-timeout", type=float, default=900.0, help="Limit for one benchmark client run.")
     p.add_argument("--work-dir", default=None, help="Logs and raw results (default: a new temp dir).")
     args = p.parse_args()
+    if args.merge:
+        results, setup = merge(args.merge, combine)
+        return report(setup, results, [e for d in args.merge for e in
+                                       (json.loads(Path(d).read_text())["setup"].get("errors") or [])],
+                      args.json_path, None)
     if args.rounds < 1 or args.repeats < 1:
         p.error("--rounds and --repeats must be at least 1")
     if args.interleave and args.rounds > 1:
@@ -870,19 +802,28 @@ def main() -> int:
         sustained = next((r for r in rates if r != "inf"), None)
     setup.update(rates=rates, sustained_rate=sustained, sustained_rate_source=facts.get("sustained_rate_source")
                  or ("--rates" if sustained else None), errors=facts["errors"],
-                 leftovers_killed=facts["leftovers_killed"])
+                 leftovers_killed=facts["leftovers_killed"], first_round=args.first_round,
+                 first_burst=args.first_burst, stamps=args.stamps)
 
+    return report(setup, results, facts["errors"], args.json_path, work)
+
+
+def report(setup: dict[str, Any], results: dict[str, Any], errors: list[str], json_path: str | None,
+           work: Path | None) -> int:
+    """Print every table and the goals (``bench/serving_report.py``), write the JSON; 1 if anything failed."""
+    rates, sustained, rounds = setup["rates"], setup.get("sustained_rate"), setup.get("rounds") or 1
+    replay = setup.get("replay") or {}
     print()
-    print(f"vLLM serving benchmark: random dataset, {args.input_len} in / {args.output_len} out, --ignore-eos, "
-          f"{args.num_prompts} prompts; systems {', '.join(args.systems)}; "
-          f"{'interleaved' if args.interleave else 'sequential'}, "
-          + (f"{args.rounds} rounds (order alternating) x " if args.rounds > 1 else "")
-          + f"{args.repeats} run(s) each (medians); "
+    print(f"vLLM serving benchmark: random dataset, {setup['input_len']} in / {setup['output_len']} out, --ignore-eos, "
+          f"{setup['num_prompts']} prompts; systems {', '.join(setup['systems'])}; "
+          f"{'interleaved' if setup.get('interleave') else 'sequential'}, "
+          + (f"{rounds} rounds (order alternating) x " if rounds > 1 else "")
+          + f"{setup['repeats']} run(s) each (medians); "
           f"{setup['cpus']} CPUs, load average {setup['load_average_start']} (start) / "
-          f"{setup['load_average_end']} (end)")
-    if facts.get("sustained_rate_source"):
-        print(f"Sustained rate {sustained} req/s = {facts['sustained_rate_source']}.")
-    for system in args.systems:
+          f"{setup.get('load_average_end')} (end)")
+    if setup.get("sustained_rate_source"):
+        print(f"Sustained rate {sustained} req/s = {setup['sustained_rate_source']}.")
+    for system in present(results):
         v = (results[system].get("verification") or {})
         if "checks" in v:
             print(f"{system}: {'verified' if v['verified'] else 'NOT verified'}: "
@@ -893,61 +834,57 @@ def main() -> int:
                                for b in v["haproxy_backends"]) or "none found"))
         if results[system].get("engine_omp_binding"):
             print(f"{system}: engine OpenMP binding: {', '.join(results[system]['engine_omp_binding'])}")
-    rate_md, cpu_md = {}, {}
-    for rate in rates:
-        rate_md[rate] = rate_table(results, rate)
-        print()
-        print(f"### {rate_label(rate, sustained)}")
-        print()
-        print(rate_md[rate])
-    for rate in rates:
-        cpu_md[rate] = cpu_table(results, rate)
-        if cpu_md[rate]:
-            print()
-            print(f"### CPU time by process, {rate_label(rate, sustained)} (window includes client start-up)")
-            print()
-            print(cpu_md[rate])
+    keys = [k for k in (FIRST, *rates) if any(k in (results[s].get("rates") or {}) for s in present(results))]
+    rate_md, cpu_md, burst_md = {}, {}, {}
+    for key in keys:
+        rate_md[key] = rate_table(results, key)
+        print(f"\n### {rate_label(key, sustained)}" + (f"; medians of {rounds} rounds" if rounds > 1 else "") + "\n")
+        print(rate_md[key])
+    rounds_md = rounds_table(results, keys)
+    print("\n### Every run (req/s, TTFT p50 ms, ITL p50 ms, stream pieces p50)\n")
+    print(rounds_md)
+    for key in (k for k in keys if k in (FIRST, "inf")):
+        burst_md[key] = burst_table(results, key)
+        if burst_md[key]:
+            print(f"\n### Where the time goes: {rate_label(key, sustained)}\n")
+            print(burst_md[key])
+    for key in keys:
+        cpu_md[key] = cpu_table(results, key)
+        if cpu_md[key]:
+            print(f"\n### CPU time by process, {rate_label(key, sustained)} (window includes client start-up)\n")
+            print(cpu_md[key])
     replay_md = replay_table(results)
     if replay_md:
-        print()
-        print(f"### Trace replay: {args.trace.name}, the {args.replay_requests} requests of its first "
-              f"{args.replay_seconds} s (offset {args.replay_offset_s:g} s) at speed-up {args.trace_speedup:g} "
-              f"(1: real time), all awaited; "
-              f"outputs <= {args.replay_max_output_tokens} tokens, -u {args.replay_users}"
-              + (f"; medians of {args.rounds} rounds (failures: their sum)" if args.rounds > 1 else ""))
-        print()
+        print(f"\n### Trace replay: {Path(str(replay.get('trace'))).name}, the {replay.get('requests')} requests of its "
+              f"first {replay.get('seconds')} s (offset {replay.get('offset_s') or 0:g} s) at speed-up "
+              f"{replay.get('speedup') or 1:g} (1: real time), all awaited; outputs <= {replay.get('max_output_tokens')} "
+              f"tokens, -u {replay.get('users')}"
+              + (f"; medians of {rounds} rounds (failures: their sum)" if rounds > 1 else "") + "\n")
         print(replay_md)
-    elif replay_skipped:
-        print()
-        print(f"Trace replay: {replay_skipped}.")
+    elif replay.get("skipped"):
+        print(f"\nTrace replay: {replay['skipped']}.")
     timeline_md = timeline_table(results, list(SYSTEMS))
     if timeline_md:
-        print()
-        print("### Trace replay: where the time goes (means per request from the engines' own histograms)"
-              + (f"; medians of {args.rounds} rounds" if args.rounds > 1 else ""))
-        print()
+        print("\n### Trace replay: where the time goes (means per request from the engines' own histograms)"
+              + (f"; medians of {rounds} rounds" if rounds > 1 else "") + "\n")
         print(timeline_md)
-    goal_lines = goals(results, rates, sustained)
+    goal_lines = goals(results)
     if goal_lines:
-        print()
-        print("### Goals")
-        print()
+        print("\n### Goals\n")
         print("\n".join(goal_lines))
-    if facts["errors"]:
-        print()
-        print("### Errors")
-        print()
-        print("\n".join(f"- {e.splitlines()[0]}" for e in facts["errors"]))
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(
-            {"setup": setup, "results": results, "tables_markdown": rate_md, "cpu_tables_markdown": cpu_md,
-             "replay_table_markdown": replay_md, "replay_timeline_table_markdown": timeline_md,
-             "goals": goal_lines}, indent=2, default=str))
-        log(f"results written to {args.json_path}")
-    log(f"raw results and server logs in {work}")
-    return 1 if facts["errors"] else 0
-
+    if errors:
+        print("\n### Errors\n")
+        print("\n".join(f"- {e.splitlines()[0]}" for e in errors))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(
+            {"setup": setup, "results": results, "tables_markdown": rate_md, "rounds_table_markdown": rounds_md,
+             "burst_tables_markdown": burst_md, "cpu_tables_markdown": cpu_md, "replay_table_markdown": replay_md,
+             "replay_timeline_table_markdown": timeline_md, "goals": goal_lines}, indent=2, default=str))
+        log(f"results written to {json_path}")
+    if work is not None:
+        log(f"raw results and server logs in {work}")
+    return 1 if errors else 0
 
 if __name__ == "__main__":
     sys.exit(main())

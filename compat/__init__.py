@@ -1,4 +1,4 @@
-"""The one module that reaches into Ray's and DeepSpeed's private names, checked against the versions it names.
+"""The one module that reaches into Ray's, vLLM's and DeepSpeed's private names, checked against the versions it names.
 
 Everything else in ``deployments/`` and ``actors/`` uses public names only (``tests/unit/test_private_reach_ins.py``
 enforces it). Each function here is one private reach-in, named for what it does; :data:`CHECKED_VERSIONS` are
@@ -40,6 +40,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("ray._private.state", "actors"),
     ("ray.train.v2._internal.constants", "is_v2_enabled"),
     ("ray.train.v2._internal.execution.callback", "ControllerCallback"),
+    ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.wait"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._synchronize_tied_weights"),
@@ -49,6 +50,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
 # field: checked in the class's source, since the class itself does not hold them.
 PRIVATE_INSTANCE_ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     ("ray.serve._private.request_router.replica_wrapper", "ReplicaSelection", "_replica"),
+    ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition", "busy_loop_s"),
+    ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition", "last_read"),
+    ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition", "is_reader"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_local_start"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_local_stop"),
     ("deepspeed.runtime.pipe.module", "PipelineModule", "_layer_specs"),
@@ -63,6 +67,38 @@ def installed_versions() -> dict[str, str]:
     import vllm
 
     return {"ray": ray.__version__, "vllm": vllm.__version__, "deepspeed": deepspeed.__version__}
+
+
+# ---- vLLM -----------------------------------------------------------------------------------------
+
+
+def engine_core_waits_without_spinning(poll_s: float) -> bool:
+    """In this process, vLLM's shared-memory queues wait for their writer in sleeps of ``poll_s`` instead of
+    spinning. vLLM's reader (``SpinCondition.wait``) calls ``sched_yield`` in a loop for ``busy_loop_s`` (1 s)
+    after its last read, so a reader waiting for a step of its worker keeps a core busy the whole step; after
+    that second it sleeps until the writer's notification (that path is kept as it is). Readers of every queue
+    from now on; idempotent. False if this vLLM has no such queue (nothing changed)."""
+    import time
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    spin = getattr(shm_broadcast, "SpinCondition", None)
+    if spin is None:
+        return False
+    if getattr(spin, "coserve_poll_s", None) is not None:
+        return True
+
+    class SleepingSpinCondition(spin):  # type: ignore[misc, valid-type]
+        coserve_poll_s = poll_s
+
+        def wait(self, timeout_ms: int | None = None) -> None:
+            if self.is_reader and time.monotonic() <= self.last_read + self.busy_loop_s:
+                time.sleep(self.coserve_poll_s)  # where vLLM would sched_yield and come straight back
+            else:
+                super().wait(timeout_ms)
+
+    shm_broadcast.SpinCondition = SleepingSpinCondition
+    return True
 
 
 # ---- Ray Serve ------------------------------------------------------------------------------------

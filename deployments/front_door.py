@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from actors.serving.request_stages import ACCEPTED_HEADER
 from deployments.guard import error_body
 
 if TYPE_CHECKING:
@@ -125,6 +126,9 @@ class FrontDoor:
             lines += ["stick-table type ipv6 size 64k expire 60s store conn_cur",
                       "tcp-request connection track-sc0 src",
                       f"tcp-request connection reject if {{ sc0_conn_cur gt {self.maxconn_per_source} }}"]
+        # When HAProxy routes the request (its body buffered): the replica's stages start here
+        # (actors/serving/request_stages.py). Set, never passed on from the client.
+        lines.append(f"http-request set-header {ACCEPTED_HEADER} %[date(0,us)]")
         too_large = error_body(413, f"Request body larger than limits.max_body_bytes={self.max_body_bytes}.",
                                "invalid_request_error", "request_too_large")
         if self.max_adapter_bytes <= self.max_body_bytes:

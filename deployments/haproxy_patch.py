@@ -12,7 +12,8 @@ The template has no way to set the rest, and Ray 2.60 has no template path or re
 - ``timeout http-request`` (``HAProxyConfig.timeout_http_request_s`` has no variable), buffering
   the body, a per-source connection cap and a body limit in the HTTP frontend;
 - the stats page (``bind *:``), the Prometheus exporter (``bind :``) and the admin socket
-  (``mode 666 level admin``) are written into the template as they are.
+  (``mode 666 level admin``) are written into the template as they are;
+- a stamp of when the placement router answered, for the replica's request stages.
 
 So :func:`edit_template` rewrites Ray's template text, each edit replacing one exact piece of it
 (an error if that piece is not there exactly once): the frontend's rules are inserted after its
@@ -35,6 +36,7 @@ import logging
 import ray
 
 import compat
+from actors.serving.request_stages import ROUTED_HEADER
 from deployments.front_door import ROUTER_MARKER_HEADER, FrontDoor, FrontDoorError
 
 logger = logging.getLogger("ray.serve")
@@ -52,6 +54,10 @@ _CONFIG_EDITS = (
     ("frontend http_frontend\n    bind {{ config.frontend_host }}:{{ config.frontend_port }}\n",
      "frontend http_frontend\n    bind {{ config.frontend_host }}:{{ config.frontend_port }}\n"
      "{% raw %}{rules}{% endraw %}"),
+    # The placement router answered: stamp it for the replica's request stages (deployments/front_door.py).
+    ("backend {{ backend.name or 'unknown' }}-via-ingress-request-router\n    log global\n",
+     "backend {{ backend.name or 'unknown' }}-via-ingress-request-router\n    log global\n"
+     f"    http-request set-header {ROUTED_HEADER} %[date(0,us)]\n"),
 )
 _LUA_EDITS = (
     ("local function call_router(router, body, truncated_length, session_id, request_id)\n",

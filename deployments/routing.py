@@ -6,9 +6,10 @@ model server replica takes each request, then forwards the request straight to i
 HAProxy's Lua calls ``POST /internal/route`` with the request body):
 
 - :class:`PlacementRouter` is that router deployment. It turns the body into a :class:`Task`
-  (model, exact prompt token count from the model's tokenizer, ``max_tokens``, the request's
-  ``X-Request-Id`` as its id) and asks the model server deployment's handle to choose a replica
-  without sending anything (``DeploymentHandle.choose_replica``).
+  (model, the prompt's token count estimated from its length (:class:`PromptEstimate`: the replica
+  tokenizes it, once), ``max_tokens``, the request's ``X-Request-Id`` as its id) and asks the model
+  server deployment's handle to choose a replica without sending anything
+  (``DeploymentHandle.choose_replica``).
 - :class:`NodeRequestRouter` is the model server deployment's Serve request router
   (``ray.serve.request_router.RequestRouter``). It keeps the configured placement policy from the
   registry and a :class:`RoutingTable` fed by the planner's published snapshot (node facts,
@@ -26,7 +27,8 @@ router parse or tokenize anything. It places a tenant's adapter under the engine
 no ``max_tokens`` at the length the replica will give it (``limits.max_tokens`` for chat).
 
 With one node there is nothing to choose, and the app attaches no router: HAProxy forwards every
-request to the one replica. A request the policy cannot place (an unknown model, no node serving
+request to the one replica. With several nodes of which one takes requests (the others starting or
+replaced), the router answers with it at once, without the policy. A request the policy cannot place (an unknown model, no node serving
 an adapter) goes to any live replica, which answers it (404, or the base model's 503) itself, so a
 client error never becomes HAProxy's routing failure.
 """
@@ -46,6 +48,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 import compat
+from actors.serving import request_stages
 from settings import AppConfig
 from deployments.keys import LOCAL, Principal
 from deployments.front_door import ROUTER_MARKER_HEADER
@@ -117,6 +120,8 @@ class NodeRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if len(candidate_replicas) == 1:
+            return [candidate_replicas]  # one node takes requests now: nothing to decide
         by_node = {r.replica_metadata.get("node_id"): r for r in candidate_replicas}
         task = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if not isinstance(task, Task) or self.policy is None:
@@ -188,6 +193,54 @@ class PromptCounter:
             return 1
 
 
+class PromptEstimate:
+    """The prompt's token count a placement plans with, from the length of its text: the model's tokenizer is
+    measured once, at start (tokens per character of a sample, and what the chat template adds per message and
+    per conversation), not run on every request. The replica's vLLM tokenizes the request anyway; a second,
+    exact count here cost the router a tokenizer pass (and a chat template render) per request, on the path
+    of every request, to plan with a figure that only has to be close."""
+
+    SAMPLE = ("Could you help me plan a short trip? I would like to spend three days in a city by the sea, walk "
+              "a lot, eat well and visit one or two museums. Please suggest a plan for each day, with the places "
+              "to see in the morning and the afternoon, where to have dinner, and how to get around without a "
+              "car. Keep it simple and tell me what to book in advance.")
+
+    def __init__(self, counter: PromptCounter) -> None:
+        self.counter = counter
+        self.per_char = max(1e-3, len(counter.tok(self.SAMPLE).input_ids) / len(self.SAMPLE))
+        self.bos = max(0, len(counter.tok("").input_ids))
+        one = counter.count({"messages": [{"role": "user", "content": self.SAMPLE}]})
+        two = counter.count({"messages": [{"role": "user", "content": self.SAMPLE},
+                                          {"role": "assistant", "content": self.SAMPLE},
+                                          {"role": "user", "content": self.SAMPLE}]})
+        text = self._text_tokens(self.SAMPLE)
+        self.per_message = max(0.0, (two - one - 2 * text) / 2)
+        self.per_chat = max(0.0, one - text - self.per_message)
+
+    def _text_tokens(self, text: str) -> float:
+        return len(text) * self.per_char
+
+    def count(self, body: dict[str, Any]) -> int:
+        try:
+            if "messages" in body:
+                messages = body["messages"] if isinstance(body["messages"], list) else []
+                total = self.per_chat
+                for m in messages:
+                    content = m.get("content") if isinstance(m, dict) else None
+                    if isinstance(content, list):  # OpenAI content parts: their text counts
+                        content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+                    total += self.per_message + self._text_tokens(content if isinstance(content, str) else "")
+                return max(1, round(total))
+            prompt = body.get("prompt")
+            prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+            total = 0.0
+            for p in prompts:
+                total += len(p) if isinstance(p, list) else self.bos + self._text_tokens(p) if isinstance(p, str) else 0
+            return max(1, round(total))
+        except Exception:  # a malformed body: the replica rejects it, the count does not matter
+            return 1
+
+
 @serve.ingress(router_app)
 class PlacementRouter:
     """HAProxy's ingress request router: ``POST /internal/route`` answers which replica takes the request."""
@@ -200,21 +253,27 @@ class PlacementRouter:
         self.cfg = config
         self.keys = KeyRing.load(config.auth.keys_file, config.auth.keys_env, config.data_path)
         self._warned_unmarked = False
-        self.counter = PromptCounter(model_dir(config))
+        self.counter = PromptEstimate(PromptCounter(model_dir(config)))
         compat.start_handle(self.server)
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
+        arrival = time.perf_counter()
         task = None
         principal = self._principal(request.headers)
         if principal is not None:
             task = self._task(await request.body(), request.headers.get("x-request-id"), principal)
+        counted = time.perf_counter()
         try:
             async with compat.choose_replica(self.server, *(() if task is None else (task,))) as chosen:
                 endpoint, replica_id = compat.chosen_http_endpoint(chosen)
                 if endpoint is None:
                     raise HTTPException(503, f"replica {chosen.replica_id} has no HTTP endpoint")
                 host, port = endpoint
+                log = request_stages.request_log()
+                if log is not None:  # a benchmark's request log: this hop's share of the request's time
+                    log.write({"kind": "route", "id": request.headers.get("x-request-id", ""), "arrival": arrival,
+                               "counted": counted, "chosen": time.perf_counter()})
                 return {"host": host, "port": port, "replica_id": replica_id}
         except HTTPException:
             raise

@@ -71,7 +71,7 @@ OWNED_ROUTES = frozenset({"/tokenize", "/detokenize"})  # the model's rights alo
 
 
 class StageStamps:
-    """Pure ASGI, outermost: an inference request's arrival at the replica, and its first body bytes sent
+    """Pure ASGI, outermost: an inference request's arrival at the replica, and the body bytes sent
     (actors/serving/request_stages.py); the layers between stamp their own stages."""
 
     PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -84,14 +84,19 @@ class StageStamps:
         if scope["type"] != "http" or (path[len(root):] if root and path.startswith(root) else path) not in self.PATHS:
             await self.app(scope, receive, send)
             return
-        stamps = request_stages.begin()
+        stamps = request_stages.begin(*request_stages.from_headers(scope.get("headers") or ()))
 
         async def stamped_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.body" and message.get("body"):
-                stamps.mark("first_byte")
+            if message["type"] == "http.response.body":
+                last = not message.get("more_body", False)
+                if message.get("body") or last:
+                    stamps.wrote(last)
             await send(message)
 
-        await self.app(scope, receive, stamped_send)
+        try:
+            await self.app(scope, receive, stamped_send)
+        finally:
+            stamps.finish()
 
 
 @serve.ingress()
@@ -114,9 +119,13 @@ class ModelServer:
                                     self.served_name, config.engine.omp_threads,
                                     adapter_files=AdapterFiles(config, NAMESPACE),
                                     keep_off_engine_cores=(config.engine.device == "cpu"
-                                                           and config.engine.keep_others_off_engine_cores))
+                                                           and config.engine.keep_others_off_engine_cores),
+                                    quiet_engine_core=config.engine.device == "cpu")
         self.learning = LearningRoutes(config, self._ask_planner)
         await self.replica.start()
+        log = request_stages.request_log()
+        if log is not None:  # a benchmark's request log: the event loop's stalls go in too
+            log.watch_loop()
         self.replica.engine.admission = FairAdmission.from_config(config, self.replica.engine)  # engine.admission
         self._prepare_checks()
         ctx = ray.get_runtime_context()

@@ -32,6 +32,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
+from actors.serving import request_stages
 from planners.coserving import EngineIteration
 
 PHASES = ("prefill", "decode")
@@ -84,10 +85,15 @@ LOG = IterationLog()
 """This process's engine steps (one engine per replica process)."""
 
 
-def observe(details: Any) -> None:
-    """Record one iteration from vLLM's ``SchedulerIterationDetails`` (a data-parallel dummy step is skipped)."""
+def observe(details: Any, waiting: int = 0) -> None:
+    """Record one iteration from vLLM's ``SchedulerIterationDetails`` (a data-parallel dummy step is skipped);
+    ``waiting``: the requests it left in the engine's queue (for the request log only)."""
     if details is None or details.is_dummy:
         return
+    log = request_stages.request_log()
+    if log is not None:
+        log.iteration(details.elapsed_ms / 1000.0, details.num_ctx_tokens, details.num_generation_tokens,
+                      details.num_ctx_requests, details.num_generation_requests, waiting)
     LOG.add(details.elapsed_ms / 1000.0, int(details.num_ctx_tokens), int(details.num_generation_requests))
     ITERATION_SECONDS.observe(details.elapsed_ms / 1000.0)
     ITERATION_TOKENS.labels("prefill").observe(details.num_ctx_tokens)

@@ -37,7 +37,7 @@ from actors.serving.engine_weights import (
 )
 from actors.learning.versions.fit import misfit, write_zero_lora
 from actors.learning.lora.targets import module_shapes
-from actors.serving import cpu_affinity, engine_iterations
+from actors.serving import cpu_affinity, engine_iterations, engine_process
 from actors.serving.request_traces import RequestTraces, engine_stats_logger, traced_engine_class
 from actors.learning.messages import FullVersion
 from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, FullSynced, NodeRegistration, NodeReport
@@ -55,9 +55,13 @@ class ModelReplica:
     """One engine on one node. In-process: ``ModelReplica(...)``; as an actor: ``ray.remote(ModelReplica)``."""
 
     def __init__(self, node_id: int, vllm_flags: list[str], served_name: str, omp_threads: int | None = None,
-                 adapter_files: Any = None, keep_off_engine_cores: bool = False) -> None:
+                 adapter_files: Any = None, keep_off_engine_cores: bool = False, quiet_engine_core: bool = False) -> None:
         self.node_id = node_id
         self._keep_off_engine_cores = keep_off_engine_cores
+        if quiet_engine_core:
+            # Read by this app's vLLM plugin in the engine-core process, which inherits this environment
+            # (actors/serving/engine_process.py); one set already (0: a benchmark's comparison) wins.
+            os.environ.setdefault(engine_process.QUIET_VAR, "1")
         self.files = adapter_files  # AdapterFiles: published versions as local directories (None: paths as given)
         self.served_name = served_name
         self._flags = vllm_flags

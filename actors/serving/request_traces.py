@@ -130,17 +130,17 @@ def traced_engine_class() -> type:
             requests: RequestTraces | None = None
             admission: Any = None  # FairAdmission (actors/serving/fair_admission.py); None: straight to vLLM
 
-            async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any,
-                               **kwargs: Any) -> Any:
+            def generate(self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+                # vLLM's own stream (behind the admission queue when there is one), recorded by one generator
+                # around it, not a further pass-through layer (every output of every request passes each layer).
                 if self.admission is not None:  # waits for its turn among the tenants, runs at its priority
                     outputs = self.admission.generate(super().generate, prompt, sampling_params, request_id,
                                                       *args, **kwargs)
                 else:
                     outputs = super().generate(prompt, sampling_params, request_id, *args, **kwargs)
-                if self.requests is not None:
-                    outputs = self.requests.traced(outputs, prompt, sampling_params, request_id)
-                async for out in outputs:
-                    yield out
+                if self.requests is None:
+                    return outputs
+                return self.requests.traced(outputs, prompt, sampling_params, request_id)
 
         _TRACED_ENGINE = TracedEngine
     return _TRACED_ENGINE
@@ -170,10 +170,10 @@ def engine_stats_logger(requests: RequestTraces) -> Any:
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
             if scheduler_stats is not None:
-                engine_iterations.observe(scheduler_stats.iteration_details)
-                self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
                 waiting = int(scheduler_stats.num_waiting_reqs) + int(
                     getattr(scheduler_stats, "num_skipped_waiting_reqs", 0))
+                engine_iterations.observe(scheduler_stats.iteration_details, waiting)
+                self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
                 if waiting > 0:
                     self.steps_with_waiting += 1
                     self.waiting_peak = max(self.waiting_peak, waiting)

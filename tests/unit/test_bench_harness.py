@@ -53,3 +53,38 @@ def test_tables_keep_their_shape() -> None:
         "| plain | other (1 labels) | 0.04 | 0% | 0.040 |",
         "| plain | (benchmark client, not in the total) | 0.50 | 5% | 0.500 |",
     ]
+
+
+def test_rounds_run_apart_merge_into_medians_and_the_goals_name_a_round_that_missed(tmp_path: Path) -> None:
+    """bench/serving.py run one round per invocation: --merge reads their JSON files back as one run."""
+    import json
+
+    from bench.serving import combine
+    from bench.serving_report import goals, merge
+
+    def run(rnd: int, reqs: float, ttft: float, itl: float) -> dict:
+        return {"round": rnd, "request_throughput": reqs, "median_ttft_ms": ttft, "median_itl_ms": itl,
+                "completed": 100, "failed": 0}
+
+    files = []
+    for rnd, ours, rayllm, plain in ((0, (30.0, 1200.0, 9.0), (28.0, 1300.0, 9.5), (34.0, 1000.0)),
+                                     (1, (32.0, 1100.0, 0.002), (30.0, 1500.0, 10.0), (36.0, 900.0))):
+        doc = {"setup": {"rounds": 1, "systems": ["plain", "ours", "rayllm"], "date": str(rnd)},
+               "results": {"ours": {"rates": {"inf": run(rnd, *ours), "first": run(rnd, 20.0, 2000.0, 8.0)},
+                                    "replay": {"round": rnd, "ttft_p50_ms": 150.0 + rnd, "ttft_p99_ms": 600.0}},
+                           "rayllm": {"rates": {"inf": run(rnd, *rayllm)},
+                                      "replay": {"round": rnd, "ttft_p50_ms": 180.0, "ttft_p99_ms": 700.0}},
+                           "plain": {"rates": {"inf": run(rnd, *plain, 8.0)},
+                                     "replay": {"round": rnd, "ttft_p50_ms": 110.0, "ttft_p99_ms": 500.0}}}}
+        files.append(tmp_path / f"r{rnd}.json")
+        files[-1].write_text(json.dumps(doc))
+    results, setup = merge([str(f) for f in files], combine)
+    assert setup["rounds"] == 2 and len(setup["parts"]) == 2
+    inf = results["ours"]["rates"]["inf"]
+    assert inf["request_throughput"] == 31.0 and inf["completed"] == 200 and "round" not in inf
+    assert [r["round"] for r in inf["repeats"]] == [0, 1]
+    assert results["ours"]["replay"]["ttft_p50_ms"] == 150.5
+    lines = goals(results)
+    assert any(line.startswith("- Burst req/s, ours/rayllm = 1.07") and line.endswith("met") for line in lines)
+    itl = next(line for line in lines if line.startswith("- ITL p50 of ours"))
+    assert "MISSED" in itl and "inf round 1" in itl and "first" not in itl.split("MISSED")[1]

@@ -128,6 +128,10 @@ def test_the_rendered_config_is_bounded_by_the_app_s_settings(rendered):
     # The bounds come before Ray's own rules of the frontend, so they apply to every request.
     assert front.index("option http-buffer-request") < front.index(
         next(x for x in front if x.startswith("acl healthcheck")))
+    # HAProxy's stamps for the replica's request stages: when it routes a request, and once the router answered.
+    assert "http-request set-header x-coserve-accepted %[date(0,us)]" in front
+    routed = next(v for k, v in s.items() if k.endswith("-via-ingress-request-router"))
+    assert "http-request set-header x-coserve-routed %[date(0,us)]" in routed
 
 
 def test_stats_exporter_and_socket_are_on_loopback_and_private(rendered):
@@ -295,3 +299,21 @@ def test_the_router_places_a_tenants_adapter_under_its_engine_name_and_caps_the_
     assert task({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}]}).max_tokens == 256
     assert task({"model": "tiny-llama", "prompt": "x"}).max_tokens == 16
     assert task({"model": "tiny-llama", "prompt": "x", "max_tokens": 40}).max_tokens == 40
+
+
+def test_the_router_estimates_a_prompts_tokens_without_tokenizing_it(tmp_path):
+    from actors.models import default_model
+    from deployments.routing import PromptCounter, PromptEstimate
+
+    default_model.build_tokenizer().save_pretrained(tmp_path)
+    exact = PromptCounter(str(tmp_path))
+    estimate = PromptEstimate(exact)
+    bodies = [{"prompt": "The capital of France is"}, {"prompt": ["one", "two three"]}, {"prompt": [1, 2, 3, 4]},
+              {"messages": [{"role": "user", "content": "hello"}]},
+              {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."},
+                            {"role": "assistant", "content": "Red, green, blue."}, {"role": "user", "content": "More?"}]}]
+    counts = [exact.count(body) for body in bodies]
+    exact.tok = None  # measured once at start; a request is never tokenized here
+    for body, count in zip(bodies, counts):
+        assert abs(estimate.count(body) - count) <= max(2, 0.1 * count), body
+    assert estimate.count({"messages": "not a list"}) >= 1 and estimate.count({"prompt": None}) == 1

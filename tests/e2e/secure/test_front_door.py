@@ -205,3 +205,25 @@ def test_nothing_of_the_front_door_listens_beyond_loopback(secure_app):
             outside.append(f"{label} (pid {pid}) listens on {ip}:{port}")
     assert listening, "found no listener at all: the process lookup is broken"
     assert not outside, outside
+
+
+def test_one_node_is_served_without_a_routing_round_trip(secure_app):
+    """The secured app has one node: HAProxy sends its requests straight to the replica, with no call to a
+    placement router on the way (the session app beside it, two nodes, asks its router for each request)."""
+    import re
+
+    from ray import serve
+
+    apps = serve.status().applications
+    assert set(apps[secure_app["name"]].deployments) == {"ModelServer"}
+    assert "PlacementRouter" in apps["coserve"].deployments
+    labels, _ = _serve_processes()
+    haproxy = next(pid for pid, label in labels.items() if label.startswith("haproxy"))
+    argv = open(f"/proc/{haproxy}/cmdline", "rb").read().decode().split("\0")
+    cfg = open(argv[argv.index("-f") + 1]).read()
+    backend_of = {m.group(2): m.group(1) for m in re.finditer(r"acl is_(\S+) path_beg (\S+)", cfg)}
+    routed = set(re.findall(r"set-var\(txn\.ingress_request_router_app\) str\((\S+)\)", cfg))
+    assert backend_of["/sec/"] not in routed and backend_of["/"] in routed, (backend_of, routed)
+    r = httpx.post(f"{secure_app['url']}/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {secure_app['keys']['acme']}"}, timeout=60)
+    assert r.status_code == 200, r.text
