@@ -291,6 +291,8 @@ def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, 
                      "freshness_s": fresh, "unchanged": unchanged, "server": attainment_delta(before, after),
                      "cpu_s": cpu, "probes": probes}
             phases.append(phase)
+            if args.json:  # a run stopped by its timeout keeps the phases it finished
+                write_json(args.json, args, slo, phases, load)
             w = phase["load"]
             log(f"phase {r + 1} {kind}: {w['requests']} requests in {t1 - t0:.0f} s, {w['rate']:.2f} req/s, "
                 f"TTFT p99 {w['ttft_p99_s']:.3f} s, worst gap p99 {w['max_tbt_p99_s']:.3f} s"
@@ -409,6 +411,13 @@ def goals(by: dict[str, list[dict[str, Any]]], fresh: list[float], tbt_s: float)
         print(f"- {label}: {value:.3f} -> {'met' if met else 'NOT met'}")
 
 
+def write_json(path: str, args: argparse.Namespace, slo: dict[str, Any], phases: list[dict[str, Any]],
+               load: StreamLoad) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"args": vars(args), "slo": slo, "phases": phases, "events": EVENTS,
+                                      "runs": sorted(RUNS), "streams": load.streams}, default=str))
+
+
 def merge(paths: list[str]) -> None:
     """One report over the phases of several runs' ``--json`` files, their repeats numbered in turn."""
     phases: list[dict[str, Any]] = []
@@ -506,9 +515,7 @@ def main() -> None:
             server.stop()
     report(phases, args, slo)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "slo": slo, "phases": phases, "events": EVENTS,
-                                               "runs": sorted(RUNS), "streams": load.streams}, default=str))
+        write_json(args.json, args, slo, phases, load)
 
 
 if __name__ == "__main__":
