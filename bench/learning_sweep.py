@@ -493,14 +493,15 @@ def table(paths: Sequence[str]) -> str:
             by = {v["checkpoint"]: v for v in r["versions"] if "checkpoint" in v}
             for n in cps:
                 v = by.get(n)
-                cells.append("" if v is None else f"{v['share']:.0%} / {v['facts']}/{r['facts_base']} / "
-                                                  f"{v['retention'] - r['retention_base']:+.3f}")
+                # the gate's score: past each answer's first 3 tokens (rows before that change kept both)
+                lost = v.get("drop_skip3", r["retention_base"] - v["retention"]) if v else 0.0
+                cells.append("" if v is None else f"{v['share']:.0%} / {v['facts']}/{r['facts_base']} / {-lost:+.3f}")
             f = r.get("first_80")
             cells.append("never" if f is None else f"{f['arrived']}, {f['train_s']:.0f}")
             out.append("| " + " | ".join(cells) + " |")
         out.append(f"\nbase: opening on {sft[0]['base_share']:.0%} of {sft[0]['unseen']} unseen prompts; retention "
                    f"{sft[0]['retention_base']} (mean log-likelihood per token of its own answers); retention "
-                   "column: the change against it")
+                   "column: the change against it past each answer's first 3 tokens (the gate's score)")
     dpo = [r for r in rows if r.get("kind") == "dpo"]
     if dpo:
         head = ["lr", "warm-up", "r/α", "targets", "β", "pairs", "held-out win rate [95% CI]", "base's [95% CI]",
