@@ -104,7 +104,8 @@ def run_sft(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, s
                                                       "retention_base", "score_s", "decided_at", "token_logprob")}
                         row["sent_before"] = sum(1 for t in out["sent"] if t <= (v["published_at"] or 0))
                         if v["state"] == "served" and v["version"] == info["current_version"]:
-                            while served_version(w, url, model) != v["version"] and not stop.is_set():
+                            # until every node serves it (or a newer one: then this one was never measurable)
+                            while (served_version(w, url, model) or 0) < v["version"] and not stop.is_set():
                                 time.sleep(0.1)
                             row["served_at"] = time.time()
                             row["share"] = sum(map(shows, greedy(url, model, unseen, 8))) / len(unseen)

@@ -55,7 +55,8 @@ def test_an_adapter_created_with_only_its_name_gets_the_measured_defaults_of_its
     the client sets is kept, and a PATCH of another field does not bring the default back."""
     client, store, _, _ = harness
     sft = client.post("/v1/adapters", json={"name": "plain", "mode": "off"}).json()
-    assert (sft["learning_rate"], sft["lora"]["target_modules"], sft["lora"]["r"]) == (2e-3, "all-linear", 8), sft
+    assert (sft["learning_rate"], sft["lora"]["target_modules"], sft["lora"]["r"], sft["warmup_steps"]) == (
+        2e-3, "all-linear", 8, 4), sft
     dpo = client.post("/v1/adapters", json={"name": "pref", "method": "dpo", "mode": "off"}).json()
     assert (dpo["learning_rate"], dpo["lora"]["target_modules"]) == (5e-4, ["q_proj", "v_proj"]), dpo
     own = client.post("/v1/adapters", json={"name": "own", "mode": "off", "learning_rate": 1e-4,
