@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import Load, free_port, log, served_base, start_app, stop_app, wait_ready  # noqa: E402
+from bench.common import Load, log, pick_port, served_base, start_app, stop_app, wait_ready  # noqa: E402
 from bench.learning_sweep import DATA, FACTS, PHRASE, hh_pairs, sharegpt, shows, taught, wilson  # noqa: E402
 
 UNSEEN = 20
@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         data_dir = tempfile.mkdtemp(prefix="bench-learning-")
         cfg = app_config(data_dir)
-        port = free_port()
+        # below the ephemeral range: Ray's processes take ephemeral ports while the app starts, and one took
+        # a free_port() before HAProxy bound it (measured: "cannot bind socket (Address already in use)")
+        port = pick_port(18600)
         url = f"http://127.0.0.1:{port}"
         start_app(cfg, port)
     res: dict[str, Any] = {"args": vars(a)}
