@@ -58,8 +58,8 @@ class GateSettings(BaseModel):
     retention_margin: float = Field(
         0.5, ge=0, description="Nats per token of the base model's answers a candidate may lose on the retention set "
                                "and still be served (compared with the base model, not the served version). Measured "
-                               "on the default model: an sft adapter that learned an opening phrase and kept every "
-                               "fact lost 0.15-0.41; one at 20x the default learning rate lost 1.7 or more.")
+                               "on the default model: the default sft adapter that learned an opening phrase lost up "
+                               "to 0.43; versions at 20x the default learning rate lost 1.7 or more.")
     thin_evidence: Literal["serve", "wait"] = Field(
         "serve", description="When the held-out slice is too small to show a drop of margin (one item has no spread): "
                              "serve: judge on the retention check alone; wait: hold the version back (not counted as "
