@@ -37,9 +37,9 @@ def test_committed_changes_answer_2xx_while_the_planner_is_away(harness, mode):
     r = client.post("/v1/adapters", json={"name": "tutor", "method": "sft", "mode": "off"})
     assert r.status_code == 201, r.text
     assert r.json()["model"] == "tiny-llama:tutor"  # the served name comes from the config, not the planner
-    r = client.patch("/v1/adapters/tutor", json={"learning_rate": 0.002})
-    assert r.status_code == 200 and r.json()["learning_rate"] == 0.002, r.text
-    assert store.get_adapter("tutor").learning_rate == 0.002
+    r = client.patch("/v1/adapters/tutor", json={"learning_rate": 0.004})
+    assert r.status_code == 200 and r.json()["learning_rate"] == 0.004, r.text
+    assert store.get_adapter("tutor").learning_rate == 0.004
     v1, v2 = _publish(store, "tutor"), _publish(store, "tutor")
     r = client.post("/v1/adapters/tutor/rollback", json={"version": v1})
     assert r.status_code == 200 and r.json()["current_version"] == v1, r.text
@@ -48,6 +48,23 @@ def test_committed_changes_answer_2xx_while_the_planner_is_away(harness, mode):
     assert store.current_version("tutor").version == v2
     assert planner.calls == 3  # PATCH, rollback and promote each told it (best effort); create needs it not
     assert client.get("/v1/adapters").status_code == 200 and client.get("/v1/adapters/tutor").status_code == 200
+
+
+def test_an_adapter_created_with_only_its_name_gets_the_measured_defaults_of_its_method(harness):
+    """Issue 37: sft defaults to 2e-3 on every linear layer (the sweep's choice); dpo keeps 5e-4 on q,v; a field
+    the client sets is kept, and a PATCH of another field does not bring the default back."""
+    client, store, _, _ = harness
+    sft = client.post("/v1/adapters", json={"name": "plain", "mode": "off"}).json()
+    assert (sft["learning_rate"], sft["lora"]["target_modules"], sft["lora"]["r"], sft["warmup_steps"]) == (
+        2e-3, "all-linear", 8, 4), sft
+    dpo = client.post("/v1/adapters", json={"name": "pref", "method": "dpo", "mode": "off"}).json()
+    assert (dpo["learning_rate"], dpo["lora"]["target_modules"]) == (5e-4, ["q_proj", "v_proj"]), dpo
+    own = client.post("/v1/adapters", json={"name": "own", "mode": "off", "learning_rate": 1e-4,
+                                            "lora": {"r": 4, "target_modules": ["q_proj"]}}).json()
+    assert (own["learning_rate"], own["lora"]["target_modules"]) == (1e-4, ["q_proj"]), own
+    assert client.patch("/v1/adapters/own", json={"epochs": 2}).status_code == 200
+    kept = store.get_adapter("own")
+    assert (kept.learning_rate, kept.lora.target_modules) == (1e-4, ["q_proj"])
 
 
 def test_a_create_whose_reply_was_lost_answers_201_once_and_409_after(harness):
