@@ -87,7 +87,7 @@ def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: in
     percentiles, errors), and the app's SLO block (the stated bounds).
     """
     from bench.common import Load, served_base
-    from bench.freshness import measure_mode
+    from bench.freshness import create_adapter, deliver, probe
 
     base = served_base(url)
     load = Load(url, clients, load_tokens, model=base, stream=True)
@@ -97,13 +97,21 @@ def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: in
         t0 = time.time()
         time.sleep(baseline_s)
         alone = load.window(t0, time.time())
-        res = measure_mode(url, base, "hybrid", items, 5e-3, time.strftime("%H%M%S"))
-        during = load.window(*res["window"])
+        name = f"fresh-hybrid-{time.strftime('%H%M%S')}"
+        model, fresh = f"{base}:{name}", []
+        with httpx.Client(timeout=120) as c:
+            create_adapter(c, url, name, "hybrid", 5e-3, None)
+            deliver(c, url, name, model, "warm up: the adapter is loaded by the trainer", " fine", None)
+            t_first = time.time()
+            for i in range(items):
+                prompt, completion = f"Fact {i}: the code word for day {i} is", f" tulip-{i * 7919 % 1000}."
+                fresh.append(deliver(c, url, name, model, prompt, completion, probe(c, url, model, prompt))[0])
+            during = load.window(t_first, time.time())
+            trainer = (c.get(f"{url}/v1/status").json().get("training") or {}).get("adapters", {}).get(name)
     finally:
         load.stop()
     slo = httpx.get(f"{url}/v1/status", timeout=30).json()["slo"]
-    return {"freshness_s": res["freshness_s"], "alone": alone, "during": during, "slo": slo,
-            "trainer": res.get("trainer")}
+    return {"freshness_s": fresh, "alone": alone, "during": during, "slo": slo, "trainer": trainer}
 
 
 def assert_fresh_within_stated_bounds(res: dict[str, Any], freshness_bound_s: float, slack_s: float = 1.0) -> None:
