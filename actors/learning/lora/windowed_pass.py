@@ -225,7 +225,8 @@ class WindowedPass:
     def __init__(self, model: Any, tokenizer: Any, item: Any, method: str, *, beta: float = 0.1,
                  max_length: int = DEFAULT_MAX_LENGTH, scale: float = 1.0) -> None:
         self.model, self.method, self.beta, self.scale = model, method, float(beta), float(scale)
-        self.label = getattr(item, "label", None) if method == "kto" else None
+        label = item.get("label") if isinstance(item, dict) else getattr(item, "label", None)
+        self.label = label if method == "kto" else None
         if method == "kto" and self.label is None:
             raise ValueError("a kto pass needs a labelled item (label true or false)")
         device = next(model.parameters()).device
