@@ -217,3 +217,54 @@ def test_a_schema_10_store_migrates_keeping_every_item_and_id(tmp_path):
     assert store.add_feedback([{"adapter": "k", "prompt": "p", "completion": "c", "label": False}]) == [4]
     assert [it.label for it in store.take("k", 10)] == [False]
     store.close()
+
+
+def test_the_recorder_pins_the_version_at_admission_and_keeps_the_streamed_text(tmp_path):
+    """A stream's completion names the version served when it was admitted, even when a newer one is served
+    before the stream ends; its text is the concatenated deltas of choice 0, whatever the chunks' cuts."""
+    import asyncio
+    import json as _json
+    from types import SimpleNamespace
+
+    from starlette.responses import StreamingResponse
+
+    from deployments.guard import PRINCIPAL
+    from deployments.keys import Principal
+
+    store = FeedbackStore(tmp_path)
+    cfg = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
+    served = {"tiny-llama:acme/kto": 3}
+
+    async def call_store(call):
+        class Q:
+            def __getattr__(self, name):
+                return SimpleNamespace(remote=lambda *a, **k: asyncio.to_thread(getattr(store, name), *a, **k))
+        return await call(Q())
+
+    recorder = CompletionRecorder(cfg, call_store, served.get, "tiny-llama", lambda: str(tmp_path / "no-model"))
+
+    def sse(delta: dict, finish=None) -> str:
+        return "data: " + _json.dumps({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": delta,
+                                                                          "finish_reason": finish}]}) + "\n\n"
+
+    async def engine():
+        yield sse({"role": "assistant", "content": ""})
+        served["tiny-llama:acme/kto"] = 4  # a newer version is served mid-stream
+        text = sse({"content": "Ro"}) + sse({"content": "me."}, "stop") + "data: [DONE]\n\n"
+        yield text[:17]  # an event cut across chunks
+        yield text[17:]
+
+    async def run():
+        PRINCIPAL.set(Principal(tenant="acme", admin=False, key_id="k"))
+        request = SimpleNamespace(model="tiny-llama:acme/kto", messages=CHAT, model_extra={"store": True},
+                                  temperature=0.0, max_completion_tokens=8)
+        admitted = await recorder.admit(request, "tiny-llama:kto")
+        response = await admitted.record(StreamingResponse(engine(), media_type="text/event-stream"))
+        return [c async for c in response.body_iterator]
+
+    chunks = asyncio.run(run())
+    assert "".join(chunks).endswith("data: [DONE]\n\n")  # passed through untouched
+    done = store.get_completion("chatcmpl-s", "acme")
+    assert (done.output, done.version, done.finish_reason, done.model) == ("Rome.", 3, "stop", "tiny-llama:kto")
+    assert done.params == {"temperature": 0.0, "max_completion_tokens": 8} and done.messages == CHAT
+    store.close()

@@ -44,3 +44,16 @@ def test_dpo_and_kto_share_the_log_ratio():
     pc, pr, rc, rr = (torch.tensor(v) for v in (-5.0, -9.0, -6.0, -7.0))
     assert reward_margin(pc, pr, rc, rr, 0.5).item() == pytest.approx(0.5 * (log_ratio(pc, rc) - log_ratio(pr, rr)).item())
     assert reward_margin(pc, pr, rc, rr, 0.5).item() == pytest.approx(0.5 * ((-5 + 6) - (-9 + 7)))
+
+
+def test_a_kto_score_follows_the_evidence_rule_of_a_mean_of_item_changes():
+    """The gate judges a kto adapter on its signed label log-likelihood with sft's rule: a mean of per-item
+    changes, thin below the items that can show the margin, a measured drop rejected."""
+    from planners.gate import judge
+
+    thin = judge("kto", -2.0, -2.0, 0.05, items=1, baseline_name="v1", item_changes=[0.0])
+    assert thin.passed and thin.thin and "signed label log-likelihood" in thin.reason
+    changes = [0.01, -0.01, 0.02, 0.0] * 25  # 100 items, spread ~0.012: the mean's noise ~0.0025
+    assert not judge("kto", -2.0, -2.0, 0.05, items=100, baseline_name="v1", item_changes=changes).thin
+    dropped = judge("kto", -2.2, -2.0, 0.05, items=100, baseline_name="v1", item_changes=changes)
+    assert not dropped.passed and "more than the margin" in dropped.reason
