@@ -4,7 +4,7 @@ Plain pydantic models and functions, no SQLite: the HTTP layer (``deployments/le
 ``deployments/openapi.py``) validates and documents requests with them, and
 ``actors/learning/store/sqlite.py`` stores and returns them.
 
-Why one module of about 510 lines: these are the store's whole wire vocabulary (specs, items, versions,
+Why one module of about 600 lines: these are the store's whole wire vocabulary (specs, items, versions,
 errors) that the HTTP layer and the store must read alike.
 """
 
