@@ -170,6 +170,9 @@ class CompletionRows(StoreConnection):
             raise InvalidRequest("preferred_over: the id of another stored completion of the same prompt",
                                  param="preferred_over")
         done = self._completion(db, raw["completion_id"], tenant, keep_days)
+        if shape != "correction" and not done.output.strip():
+            raise InvalidRequest(f"completion_id: completion {done.id!r} answered nothing (an empty answer); there "
+                                 "is nothing to rate or prefer", param="completion_id")
         adapter = raw.get("adapter", done.adapter)
         if not isinstance(adapter, str) or not adapter:
             raise InvalidRequest("adapter: the completion was answered by the base model; name the adapter to train",
