@@ -55,6 +55,7 @@ def served(tmp_path):
     store.store_completion(completion("chatcmpl-a", "acme", "acme/kto", 3, "Rome."))
     store.store_completion(completion("chatcmpl-b", "acme", "acme/kto", 3, "Rome is the capital of Italy, a city..."))
     store.store_completion(completion("chatcmpl-x", "beta", None, 0, "Rome."))
+    store.store_completion(completion("chatcmpl-e", "acme", "acme/kto", 3, ""))  # the model answered nothing
     store.store_completion(completion("chatcmpl-o", "acme", "acme/kto", 3, "Paris.",
                                       messages=[{"role": "user", "content": "Capital of France?"}]))
     with TestClient(app) as client:
@@ -139,6 +140,7 @@ def test_the_three_feedback_shapes_by_id(served):
     ({"completion_id": "chatcmpl-a", "rating": "up", "prompt": "x"}, 400, "prompt"),
     ({"completion_id": "chatcmpl-a", "adapter": "sft", "rating": "up"}, 400, None),  # sft takes no labels
     ({"completion_id": 7, "rating": "up"}, 400, "completion_id"),
+    ({"completion_id": "chatcmpl-e", "rating": "down"}, 400, "completion_id"),  # nothing to rate
     ({"completion_id": "chatcmpl-x", "rating": "up"}, 404, None),  # beta's: as absent as a missing one
     ({"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-x"}, 404, None),
     ({"completion_id": "chatcmpl-a", "adapter": "nope", "rating": "up"}, 404, None),
