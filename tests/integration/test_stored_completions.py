@@ -22,11 +22,14 @@ MODEL = "tiny-llama"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
 
+BIAS: dict[str, float] = {}  # filled by the test: the random tiny model (and a random LoRA) can answer nothing
+# printable, and an empty answer is nothing to rate; a bias towards "a" makes every answer non-empty text.
+
+
 def chat(app_url: str, model: str, **extra) -> httpx.Response:
     return httpx.post(f"{app_url}/v1/chat/completions", timeout=60,
-                      # ignore_eos: the random tiny model may answer nothing at once, and an empty answer is no item
                       json={"model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                            **extra})
+                            "logit_bias": BIAS, **extra})
 
 
 def stored(app_url: str, ident: str) -> httpx.Response:
@@ -45,6 +48,9 @@ def test_stored_completions_pin_the_answering_version_and_take_feedback_by_id(ap
     from actors.learning.store.completion_rows import UnknownCompletion
     from actors.models.default_model import ensure
 
+    from transformers import AutoTokenizer
+
+    BIAS[str(AutoTokenizer.from_pretrained(ensure(data_dir)).encode("a", add_special_tokens=False)[-1])] = 100.0
     store = ray.get(planner.feedback_queue.remote())
     name = "thumbs"
     r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
@@ -83,7 +89,7 @@ def test_stored_completions_pin_the_answering_version_and_take_feedback_by_id(ap
     # stream is read; the stored completion still names v1, and holds the streamed text.
     with httpx.stream("POST", f"{app_url}/v1/chat/completions", timeout=60, json={
             "model": f"{MODEL}:{name}", "messages": CHAT, "max_tokens": 24, "temperature": 0, "stream": True,
-            "ignore_eos": True}) as s:
+            "ignore_eos": True, "logit_bias": BIAS}) as s:
         lines = s.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
         v2 = publish(2)
