@@ -50,6 +50,7 @@ from actors.learning.store.models import (
     InvalidRequest,
     KIND_FOR_METHOD,
     StoreError,
+    TrainingQuotaExceeded,
     UnknownAdapter,
     UnknownItem,
     UnknownVersion,
@@ -88,6 +89,8 @@ STORE_ERRORS: dict[type[StoreError], tuple[int, str]] = {
     # A count limit: 403, not 429, whose Retry-After would say that waiting helps; not 409 either, which
     # says the request clashes with one resource (its name) rather than with the tenant's allowance.
     AdapterQuotaExceeded: (403, "permission_error"),
+    # A daily allowance: waiting (until the UTC day ends) does help, so 429 with Retry-After.
+    TrainingQuotaExceeded: (429, "rate_limit_error"),
 }
 
 
@@ -134,7 +137,10 @@ async def _store_error(_: Request, exc: StoreError) -> JSONResponse:
     if not isinstance(cause, StoreError):
         cause = exc
     status, err_type = store_error_status(cause)
-    return error(status, as_seen_by(PRINCIPAL.get(), str(cause)), getattr(cause, "param", None), err_type=err_type)
+    answer = error(status, as_seen_by(PRINCIPAL.get(), str(cause)), getattr(cause, "param", None), err_type=err_type)
+    if isinstance(cause, TrainingQuotaExceeded):
+        answer.headers["Retry-After"] = str(cause.retry_after_s)
+    return answer
 
 
 async def _ray_task_error(request: Request, exc: RayTaskError) -> JSONResponse:
@@ -445,9 +451,10 @@ class LearningRoutes:
 
         engines = await self.ask_planner(lambda p: p.engine_metrics.remote())
         principal = PRINCIPAL.get()
-        if not principal.admin:  # a tenant's key: its own series, nobody else's
-            return Response(render_tenant(engines, principal.tenant or ""), media_type=CONTENT_TYPE_LATEST)
         status = await self.ask_planner(lambda p: p.status.remote())
+        if not principal.admin:  # a tenant's key: its own series, nobody else's
+            return Response(render_tenant(engines, principal.tenant or "", status.get("tenants")),
+                            media_type=CONTENT_TYPE_LATEST)
         adapters = [a.model_dump() for a in await self.call_store(lambda q: q.list_adapters.remote())]
         return Response(render(status, adapters, engines), media_type=CONTENT_TYPE_LATEST)
 
@@ -484,14 +491,27 @@ class LearningRoutes:
             listed = [{**it, "adapter": keys[it["adapter"]]}
                       if isinstance(it, dict) and isinstance(it.get("adapter"), str) else it for it in listed]
             items = listed if isinstance(items, list) else listed[0]
+        tenant, ttl = PRINCIPAL.get().tenant, None
+        refs = None
+        if any(isinstance(it, dict) and "completion_id" in it for it in listed):
+            # Feedback by id: each such item becomes the item it stands for, on the stored prompt (the tenant's own
+            # completions only; another tenant's id is a 404 as a missing one).
+            days = self.cfg.limits.store_completions_days
+            listed, refs = await self.call_store(lambda q: q.resolve_feedback_refs.remote(listed, tenant, days))
+            items = listed if isinstance(items, list) else listed[0]
+        per_day = self.cfg.limits.training_tokens_per_day
+        sizes = None
+        if per_day is not None or self.cfg.training.scope_rules.routes_feedback:
+            # Each item's training tokens, as the trainer cuts them (tokenizing is CPU work: off the event loop).
+            sizes = await asyncio.to_thread(self._sizes, listed)
         nodes = None
         if self.cfg.training.scope_rules.routes_feedback:  # per_node: each node's copy trains on the items placed on it
-            sizes = await asyncio.to_thread(self._sizes, listed)  # tokenizing is CPU work: off the event loop
             nodes = await self.ask_planner(lambda p: p.feedback_nodes.remote(sizes))
-        tenant, ttl = PRINCIPAL.get().tenant, None
         if key is None:
             key, ttl = f"request-{uuid.uuid4().hex}", REQUEST_KEY_TTL_S
-        options: dict[str, Any] = {"idempotency_key": key, "tenant": tenant}
+        options: dict[str, Any] = {"idempotency_key": key, "tenant": tenant, "refs": refs,
+                                   "tokens": None if sizes is None else [s.tokens for s in sizes],
+                                   "tokens_per_day": per_day}
         if ttl is not None:
             options["key_ttl_s"] = ttl
         receipt = await self.call_store(lambda q: q.submit_feedback.remote(items, nodes, **options))

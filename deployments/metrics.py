@@ -22,6 +22,7 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
     reg = CollectorRegistry()
     if engines:
         reg.register(_Families(engine_families(engines)))
+    reg.register(_Families(learning_budget_families(status.get("tenants") or {})))
     node = ("node",)
     ready = Gauge("coserve_node_ready", "1 if the node's replica serves requests", node, registry=reg)
     in_flight = Gauge("coserve_node_in_flight", "requests placed on the node and not finished", node, registry=reg)
@@ -140,12 +141,32 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
 TENANT_PREFIX = "coserve_tenant_"  # the per-tenant series of each replica's fair admission (actors/serving/fair_admission.py)
 
 
-def render_tenant(engines: dict[int, str], tenant: str) -> bytes:
+LEARNING_BUDGET = (("served_tokens", "coserve_tenant_learning_served_tokens",
+                    "Tokens the engines served the tenant (prompt and output), across nodes"),
+                   ("training_tokens", "coserve_tenant_learning_training_tokens",
+                    "Tokens the trainer ran for the tenant's adapters, across nodes"),
+                   ("trainer_seconds", "coserve_tenant_learning_trainer_seconds",
+                    "Seconds the trainer ranks ran windows of the tenant's adapters"))
+
+
+def learning_budget_families(tenants: dict[str, dict[str, Any]], only: str | None = None) -> list[Any]:
+    """Per tenant (``only``: that one), the service its inference and its learning took (Planner.status ``tenants``)."""
+    families = []
+    for key, name, doc in LEARNING_BUDGET:
+        family = CounterMetricFamily(name, doc, labels=("tenant",))
+        for tenant, row in sorted(tenants.items()):
+            if only is None or tenant == only:
+                family.add_metric([tenant], float(row.get(key) or 0))
+        families.append(family)
+    return families
+
+
+def render_tenant(engines: dict[int, str], tenant: str, tenants: dict[str, dict[str, Any]] | None = None) -> bytes:
     """What a tenant's key reads at ``/metrics``: its own ``coserve_tenant_*`` series (served tokens, queue wait,
-    time to first token, per node) and nothing of any other tenant's or of the service's."""
+    time to first token, per node; its learning budget) and nothing of any other tenant's or of the service's."""
     from prometheus_client.metrics_core import Metric
 
-    own = []
+    own = learning_budget_families(tenants or {}, only=tenant)
     for family in engine_families(engines):
         if not family.name.startswith(TENANT_PREFIX):
             continue

@@ -10,7 +10,7 @@ a restarting planner's 503, the 500 with a request id) are added to every operat
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -22,6 +22,7 @@ from actors.learning.store.models import (
     GateOverrides,
     Mode,
     PeriodicSettings,
+    LabelItem,
     PreferenceItem,
     SFTItem,
 )
@@ -71,15 +72,26 @@ class VersionSource(BaseModel):
     gate: bool | None = Field(None, description="false: serve at once, unjudged (admin only).")
 
 
+class CompletionFeedback(BaseModel):
+    """Feedback on a stored completion by its id: exactly one of ``rating``, ``correction``, ``preferred_over``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    completion_id: str = Field(min_length=1, description="The id a chat or completion response carried (stored).")
+    adapter: str | None = Field(None, description="The adapter to train; default the one that answered.")
+    rating: Literal["up", "down"] | None = Field(None, description="A label of the answer (a kto adapter).")
+    correction: str | None = Field(None, min_length=1, description="The right answer to the stored prompt (sft).")
+    preferred_over: str | None = Field(None, min_length=1, description="Another stored completion of the same "
+                                                                        "prompt whose answer is worse (dpo).")
+
+
 class FeedbackBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    items: list[SFTItem | PreferenceItem] = Field(min_length=1)
+    items: list[SFTItem | PreferenceItem | LabelItem | CompletionFeedback] = Field(min_length=1)
 
 
+_ITEM_REFS = [{"$ref": REF.format(model=m)} for m in ("SFTItem", "PreferenceItem", "LabelItem", "CompletionFeedback")]
 FEEDBACK_BODY: dict[str, Any] = {"anyOf": [
-    {"$ref": REF.format(model="SFTItem")}, {"$ref": REF.format(model="PreferenceItem")},
-    {"type": "array", "minItems": 1, "items": {"anyOf": [{"$ref": REF.format(model="SFTItem")},
-                                                         {"$ref": REF.format(model="PreferenceItem")}]}},
+    *_ITEM_REFS, {"type": "array", "minItems": 1, "items": {"anyOf": _ITEM_REFS}},
     {"$ref": REF.format(model="FeedbackBatch")}]}
 
 # (path, method) -> (request body schema, the route's own answers besides 2xx)
@@ -90,7 +102,9 @@ APP_OPERATIONS: dict[tuple[str, str], tuple[dict[str, Any] | None, tuple[int, ..
     ("/v1/adapters/{name}", "patch"): ({"$ref": REF.format(model="AdapterChange")}, (400, 404)),
     ("/v1/adapters/{name}/rollback", "post"): ({"$ref": REF.format(model="VersionChoice")}, (400, 404, 409)),
     ("/v1/adapters/{name}/promote", "post"): ({"$ref": REF.format(model="VersionChoice")}, (400, 404, 409)),
-    ("/v1/feedback", "post"): (FEEDBACK_BODY, (400, 404, 422)),
+    ("/v1/feedback", "post"): (FEEDBACK_BODY, (400, 404, 422, 429)),
+    ("/v1/chat/completions/{completion_id}", "get"): (None, (404,)),
+    ("/v1/chat/completions/{completion_id}", "delete"): (None, (404,)),
 }
 # Upload and download of a version's files (deployments/adapter_files.py): bodies of several types, a query, a tar.
 UPLOAD = ("/v1/adapters/{name}/versions", "post")
@@ -119,13 +133,13 @@ APP_HEADERS: dict[tuple[str, str], list[dict[str, Any]]] = {
         "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS, "pattern": "^[ -~]+$"}}],
 }
 _DOC_MODELS: tuple[type[BaseModel], ...] = (AppError, AdapterSpec, AdapterChange, VersionChoice, FeedbackBatch,
-                                            SFTItem, PreferenceItem, VersionSource)
+                                            SFTItem, PreferenceItem, LabelItem, CompletionFeedback, VersionSource)
 _STATUS_TEXT = {400: "Bad request", 401: "Missing or unknown API key",
                 403: "Not allowed: needs an admin key, or over a count limit (limits.adapters_per_tenant)",
                 404: "Not found (or another tenant's)", 409: "Conflict",
                 413: "Body larger than limits.max_body_bytes (an adapter upload: limits.max_adapter_bytes)",
                 422: "Idempotency-Key sent again with other feedback items",
-                429: "Over the key's rate or concurrency limit", 500: "Internal error (the log has the detail)",
+                429: "Over the key's rate or concurrency limit (feedback: limits.training_tokens_per_day)", 500: "Internal error (the log has the detail)",
                 503: "A part of the service is restarting"}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
 

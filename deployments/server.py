@@ -55,6 +55,7 @@ from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import UNKNOWN, LearningRoutes, adapter_key_for, shown_name
 from deployments.openapi import install_openapi
 from deployments.streams import CoalesceEventStreams
+from deployments.stored_completions import CompletionRecorder
 from actors.serving.messages import NodeRegistration
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,8 @@ class ModelServer:
                                                            and config.engine.keep_others_off_engine_cores),
                                     quiet_engine_core=config.engine.device == "cpu")
         self.learning = LearningRoutes(config, self._ask_planner)
+        self.completions = CompletionRecorder(config, self.learning.call_store, self.replica.served_version,
+                                              self.served_name, lambda: model_dir)
         await self.replica.start()
         log = request_stages.request_log()
         if log is not None:  # a benchmark's request log: the event loop's stalls go in too
@@ -196,11 +199,13 @@ class ModelServer:
             if route.path in GENERATION_ROUTES | OWNED_ROUTES:
                 check = self._check_generation if route.path in GENERATION_ROUTES else self._check_owner
                 app.router.routes.remove(route)  # the same route, with the app's checks before vLLM's function
-                app.add_api_route(route.path, self._checked(route.endpoint, check), methods=list(route.methods),
+                store = self.completions if route.path in GENERATION_ROUTES else None
+                app.add_api_route(route.path, self._checked(route.endpoint, check, store), methods=list(route.methods),
                                   dependencies=route.dependencies, responses=route.responses)
         install_error_handlers(app)
         self._install_routes(app)
         self.learning.install(app)
+        self.completions.install(app)  # GET and DELETE /v1/chat/completions/{id}
         install_openapi(app, guarded=self.keys.enabled, max_lora_rank=self.cfg.engine.max_lora_rank)
         if self.cfg.ingress.stream_batching_ms > 0:
             app.add_middleware(CoalesceEventStreams, interval_s=self.cfg.ingress.stream_batching_ms / 1000)
@@ -268,15 +273,20 @@ class ModelServer:
         models.model_name = lambda lora_request=None: public_model(PRINCIPAL.get(), base, engine_name(lora_request))
 
     @staticmethod
-    def _checked(vllm_route: Callable[..., Awaitable[Any]], check: Callable[[Any], Awaitable[Any]]) -> Any:
+    def _checked(vllm_route: Callable[..., Awaitable[Any]], check: Callable[[Any], Awaitable[Any]],
+                 store: CompletionRecorder | None = None) -> Any:
         """vLLM's route function ``vllm_route``, after ``check(request)``: its refusal (a vLLM ``ErrorResponse``)
-        is the answer, as vLLM answers its own; None lets the request (as ``check`` left it) through."""
+        is the answer, as vLLM answers its own; None lets the request (as ``check`` left it) through. With
+        ``store``, a request to be stored (deployments/stored_completions.py) is pinned here and its answer kept."""
         @functools.wraps(vllm_route)  # FastAPI reads vLLM's signature: the same body model and validation
         async def route(request: Any, raw_request: Any) -> Any:
+            asked = getattr(request, "model", None)
             refused = await check(request)
             if refused is not None:
                 return JSONResponse(content=refused.model_dump(), status_code=refused.error.code)
-            return await vllm_route(request, raw_request)
+            admitted = None if store is None else await store.admit(request, asked)
+            response = await vllm_route(request, raw_request)
+            return response if admitted is None else await admitted.record(response)
         return route
 
     async def _engine_model(self, model: str) -> str | None:

@@ -24,7 +24,11 @@ Statistics, as Locust records them (CSV/HTML):
 
 With ``--feedback-fraction F --feedback-adapter NAME``, a share F of the requests is followed by
 ``POST /v1/feedback`` (an SFT item: the prompt and a fixed answer), recorded as
-``POST /v1/feedback`` (fails unless 202). ``--api-key`` sends a bearer key with every request.
+``POST /v1/feedback`` (fails unless 202). With ``--thumbs-fraction F`` (and ``--feedback-adapter``), a share F of
+the chat requests is sent with ``"store": true`` and followed by a thumbs-up or -down on the completion it was
+served, by its id (``{"completion_id", "adapter", "rating"}``: up when the answer has at most ``--thumbs-max-words``
+words, the goal's simulated user), recorded as ``POST /v1/feedback [thumbs]``; the adapter should be a ``kto``
+one. ``--api-key`` sends a bearer key with every request.
 
 A request fails on a non-200 status, a body without choices, an ``error`` event in the stream, or
 a stream that ends without ``[DONE]``.
@@ -133,6 +137,10 @@ def _options(parser: Any) -> None:
                    help="Share of answered requests followed by a feedback item (SFT: the prompt and the answer).")
     g.add_argument("--feedback-adapter", env_var="FEEDBACK_ADAPTER", default="",
                    help="The adapter that feedback goes to (it must exist); needed with --feedback-fraction.")
+    g.add_argument("--thumbs-fraction", env_var="THUMBS_FRACTION", type=float, default=0.0,
+                   help="Share of chat requests stored (\"store\": true) and rated by their completion id.")
+    g.add_argument("--thumbs-max-words", env_var="THUMBS_MAX_WORDS", type=int, default=25,
+                   help="A served answer of at most this many words gets a thumbs-up, a longer one a thumbs-down.")
     g.add_argument("--replay-log", env_var="REPLAY_LOG", default="",
                    help="Write one JSON line per sent request (scheduled vs. actual send time) here.")
 
@@ -148,6 +156,7 @@ class Arrival:
     chat: bool
     stream: bool
     feedback: bool = False   # followed by a feedback item (--feedback-fraction)
+    thumbs: bool = False     # a stored chat completion, rated by its id (--thumbs-fraction)
     sent_s: float | None = None
 
 
@@ -162,6 +171,7 @@ class Plan:
     timeout_s: float
     replay_log: str
     feedback_adapter: str = ""
+    thumbs_max_words: int = 25
     next_index: int = 0
     in_flight: int = 0
     done: int = 0
@@ -301,11 +311,12 @@ def get_plan(environment: Environment) -> Plan:
                 chat=_spread(i, 0.6180339887498949) < opts.chat_fraction,
                 stream=_spread(i, 0.4142135623730951) < opts.stream_fraction,
                 feedback=bool(opts.feedback_adapter) and _spread(i, 0.7548776662466927) < opts.feedback_fraction,
+                thumbs=bool(opts.feedback_adapter) and _spread(i, 0.5698402909980532) < opts.thumbs_fraction,
             ))
         _plan = Plan(arrivals=arrivals, source=source, model=model, max_model_len=max_len,
                      t0=time.time() + START_DELAY_S, ignore_eos=not opts.no_ignore_eos,
                      timeout_s=opts.request_timeout_s, replay_log=opts.replay_log,
-                     feedback_adapter=opts.feedback_adapter,
+                     feedback_adapter=opts.feedback_adapter, thumbs_max_words=opts.thumbs_max_words,
                      corpus=_corpus(rng), rng=rng)
         span = arrivals[-1].offset_s if arrivals else 0.0
         log.info("replay schedule: %d requests over %.0f s from %s; model %s, max_model_len %d, "
@@ -370,17 +381,33 @@ class OpenAIUser(HttpUser):
         body: dict[str, Any] = {"model": plan.model, "max_tokens": a.output_tokens, "temperature": 0.8}
         if plan.ignore_eos:
             body["ignore_eos"] = True
+        thumbs = a.thumbs and a.chat
         if a.chat:
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+            if thumbs:
+                body["store"] = True
         else:
             path, body["prompt"] = "/v1/completions", text
         if a.stream:
             body["stream"] = True
-            self._streamed(plan, path, body)
+            served = self._streamed(plan, path, body)
         else:
-            self._unary(plan, path, body)
+            served = self._unary(plan, path, body)
         if a.feedback:
             self._feedback(plan, text)
+        if thumbs and served is not None:
+            self._thumbs(plan, *served)
+
+    def _thumbs(self, plan: Plan, completion_id: str, answer: str) -> None:
+        """A thumbs-up or -down on the completion just served, by its id (the store kept it: "store": true)."""
+        rating = "up" if len(answer.split()) <= plan.thumbs_max_words else "down"
+        item = {"completion_id": completion_id, "adapter": plan.feedback_adapter, "rating": rating}
+        with self.client.post("/v1/feedback", json=item, name="POST /v1/feedback [thumbs]", catch_response=True,
+                              timeout=(10, plan.timeout_s)) as resp:
+            if resp.status_code == 202:
+                resp.success()
+            else:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
 
     def _feedback(self, plan: Plan, prompt: str) -> None:
         """One SFT item for the adapter under test; a 202 means the store has it durably."""
@@ -392,12 +419,13 @@ class OpenAIUser(HttpUser):
             else:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
 
-    def _unary(self, plan: Plan, path: str, body: dict[str, Any]) -> None:
+    def _unary(self, plan: Plan, path: str, body: dict[str, Any]) -> tuple[str, str] | None:
+        """Send one request; (its id, choice 0's text) when it succeeded."""
         with self.client.post(path, json=body, name=path, catch_response=True,
                               timeout=(10, plan.timeout_s)) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
-                return
+                return None
             try:
                 data = resp.json()
                 ok = bool(data["choices"]) and data["usage"]["completion_tokens"] > 0
@@ -405,17 +433,21 @@ class OpenAIUser(HttpUser):
                 ok = False
             if ok:
                 resp.success()
-            else:
-                resp.failure(f"response without choices/usage: {resp.text[:300]}")
+                choice = data["choices"][0]
+                return data.get("id", ""), choice.get("text") or (choice.get("message") or {}).get("content") or ""
+            resp.failure(f"response without choices/usage: {resp.text[:300]}")
+            return None
 
-    def _streamed(self, plan: Plan, path: str, body: dict[str, Any]) -> None:
+    def _streamed(self, plan: Plan, path: str, body: dict[str, Any]) -> tuple[str, str] | None:
+        """Send one streamed request, read to the end; (its id, choice 0's text) when it succeeded."""
         name = f"{path} [stream]"
+        ident, text = "", []
         start = time.perf_counter()
         with self.client.post(path, json=body, name=name, stream=True, catch_response=True,
                               timeout=(10, plan.timeout_s)) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
-                return
+                return None
             ttft = None
             chunks = 0
             nbytes = 0
@@ -439,8 +471,11 @@ class OpenAIUser(HttpUser):
                 if "error" in event:
                     error = f"error event: {json.dumps(event['error'])[:300]}"
                     break
+                ident = ident or event.get("id", "")
                 for choice in event.get("choices") or []:
                     piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if piece and choice.get("index", 0) == 0:
+                        text.append(piece)
                     if piece:
                         chunks += 1
                         if ttft is None:
@@ -458,6 +493,8 @@ class OpenAIUser(HttpUser):
                 resp.success()
                 events.request.fire(request_type="TTFT", name=name, response_time=ttft, response_length=0,
                                     exception=None, context={})
+                return ident, "".join(text)
+        return None
 
 
 # ---- the shape ------------------------------------------------------------------------------

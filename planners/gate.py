@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 # The held-out score each training method is gated on: a dpo adapter's win rate on held-out
 # preference pairs (MACE §3.1), an sft adapter's mean log-likelihood per held-out completion token.
-SCORE = {"dpo": "win_rate", "sft": "token_logprob"}
-_LABEL = {"win_rate": "win rate", "token_logprob": "token log-likelihood"}
+# A kto adapter's: the mean over held-out labels of the answer's token log-likelihood, negated for a thumbs-down;
+# like sft's it is a mean of per-item changes, so it takes sft's evidence rule (two standard errors).
+SCORE = {"dpo": "win_rate", "sft": "token_logprob", "kto": "label_logprob"}
+_LABEL = {"win_rate": "win rate", "token_logprob": "token log-likelihood", "label_logprob": "signed label log-likelihood"}
 THIN_EVIDENCE_POLICIES = ("serve", "wait")
 
 

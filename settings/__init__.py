@@ -352,6 +352,12 @@ class LimitsConfig(_ConfigSection):
     max_logprobs: int = Field(20, ge=0, description="Most ``logprobs`` / ``top_logprobs`` per token.")
     feedback_max_items: int = Field(1024, gt=0, description="Items per feedback request.")
     feedback_max_item_bytes: int = Field(32 * 1024, gt=0, description="UTF-8 bytes of text per feedback item.")
+    store_completions_days: float = Field(
+        30.0, gt=0, description="Days a stored completion (\"store\": true, or an adapter's store_completions) is kept "
+                                "and can be read back or given feedback on by its id.")
+    training_tokens_per_day: int | None = Field(
+        None, gt=0, description="Training tokens of feedback each tenant may send per UTC day (null: no cap); over "
+                                "it: 429 with Retry-After until the day ends, and nothing of the batch is stored.")
     requests_per_second: float | None = Field(
         50.0, gt=0, description="Sustained requests per second per API key, on each model server (null: no cap); "
                                 "over it: 429 with Retry-After. Applies when keys are configured.")

@@ -208,7 +208,8 @@ class Planner:
         return self.board.node_replicas()
 
     async def status(self) -> dict[str, Any]:
-        return {**await self.board.status(self.feedback, self.trainer), "tenants": self.tenants.summary()}
+        status = await self.board.status(self.feedback, self.trainer)
+        return {**status, "tenants": learning_budgets(self.tenants.summary(), status.get("training") or {})}
 
     async def node_locations(self) -> list[NodeLocation]:
         """The physical Ray node of each logical node's replica (for co-locating its trainer rank), and
@@ -315,3 +316,14 @@ def find_planner(app_name: str, deployment: str = "ModelServer") -> Any:
         except Exception:
             continue
     raise LookupError(f"no live planner for Serve app {app_name!r} (deployment {deployment!r}); found {names}")
+
+
+def learning_budgets(tenants: dict[str, dict[str, Any]], training: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each tenant's ledger (served and training tokens) with the trainer seconds its adapters took beside it."""
+    out = {t: {**row, "served_tokens": row.get("prompt_tokens", 0) + row.get("output_tokens", 0),
+               "trainer_seconds": 0.0} for t, row in tenants.items()}
+    for adapter, progress in (training.get("adapters") or {}).items():
+        tenant = split_adapter_key(adapter)[0] or LOCAL_TENANT
+        row = out.setdefault(tenant, {"served_tokens": 0, "training_tokens": 0, "trainer_seconds": 0.0})
+        row["trainer_seconds"] = round(row["trainer_seconds"] + float(progress.get("train_s") or 0.0), 3)
+    return out

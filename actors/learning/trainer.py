@@ -81,6 +81,8 @@ class AdapterProgress:
     abandoned_steps: int = 0
     requeued: int = 0
     conflicts: int = 0
+    train_s: float = 0.0  # seconds the trainer ranks ran this adapter's windows (its tenant's learning budget)
+    trained_tokens: int = 0  # tokens through its trained forward passes
     last_published_at: float | None = None
     freshness_s: list[float] = field(default_factory=list)
     win_rate: float | None = None
@@ -336,6 +338,8 @@ class Trainer:
                 a.windows += event.windows
                 a.optimizer_steps += int(event.optimizer_step)
                 a.requeued += event.requeued  # passes CheckEnd sent back for another pass
+                a.train_s += event.seconds
+                a.trained_tokens += event.tokens
             case GrantWaited():
                 a.grants_waited += 1
                 a.grant_wait_s += event.seconds

@@ -325,6 +325,11 @@ class ModelReplica:
         return {m.split(":", 1)[1]: AdapterLoadFailed(version, message)
                 for m, ((version, _), message) in self._load_failed.items()}
 
+    def served_version(self, model_id: str) -> int | None:
+        """The version of ``base:adapter`` this node serves now (None: not loaded); stored completions pin it."""
+        loaded = self._adapters.get(model_id)
+        return None if loaded is None else loaded["version"]
+
     async def load_adapter(self, adapter: str, version: int, path: str) -> dict[str, Any]:
         """Serve ``path`` as version ``version`` of ``base:adapter``; later requests use it.
 

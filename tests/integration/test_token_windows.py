@@ -252,3 +252,36 @@ def test_the_backward_waits_for_the_forward_and_its_levels_are_weighed_by_parame
     assert all(q.grad is None for q in model.parameters())  # no LoRA weight in the head
     p.run(p.done + p.length // 2)
     assert any(q.grad is not None for q in model.parameters()) and not p.complete
+
+
+@pytest.mark.parametrize("label", [True, False], ids=["up", "down"])
+def test_kto_windows_give_the_full_sequence_gradient(model_dir, label):
+    """KTO (an unpaired label) runs windowed as DPO does: the reference with the adapter disabled, the loss of
+    dpo_loss.kto_losses on the completion's log-prob sums, the same gradient as the full-sequence computation."""
+    from actors.learning.dpo_loss import kto_losses
+
+    model, tok = lora_model(model_dir)
+    item = {**ITEM, "label": label}
+    length = wp.item_length(tok, item, "kto")
+    assert length == wp.item_length(tok, ITEM, "sft")  # one sequence: context + the labelled answer
+
+    def full():
+        enc = lt.encode(tok, [item["prompt"]], [item["completion"]])
+        mask = enc.completion_mask[:, 1:]
+        with torch.no_grad(), lt.model_mode(model, False), model.disable_adapter():
+            ref = (lt.token_logprobs(model, enc) * mask).sum(1)
+        with lt.model_mode(model, True):
+            policy = (lt.token_logprobs(model, enc) * mask).sum(1)
+        loss = kto_losses(policy, ref, torch.tensor([label]), 0.1).mean()
+        (loss * 0.7).backward()
+        return loss.item()
+
+    zero_grads(model)
+    want_loss = full()
+    want = grads(model)
+    got_stats, got = step_grads(model, lambda: windowed(model, tok, item, "kto", [5, 17, length], beta=0.1, scale=0.7))
+    assert_same_grads(got, want)
+    assert got_stats.loss == pytest.approx(want_loss, rel=1e-5)
+    assert got_stats.tokens == length
+    with pytest.raises(ValueError, match="labelled"):
+        wp.WindowedPass(model, tok, ITEM, "kto")  # no label: refused, never trained as one

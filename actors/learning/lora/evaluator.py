@@ -171,6 +171,10 @@ class VersionEvaluator:
         if info.method == "dpo":
             ev = preference_eval(per_item)
             return {"score": ev.win_rate, "win_rate": ev.win_rate, "clpd": ev.clpd}, per_item
+        if info.method == "kto":
+            # Each label's signed mean token log-likelihood: up-rated answers should grow likelier, down-rated less.
+            signed = label_scores(items, per_item)
+            return {"score": sum(signed) / max(len(signed), 1)}, per_item
         tokens = completion_eval(per_item)
         return {"score": tokens.token_logprob, "token_logprob": tokens.token_logprob}, per_item
 
@@ -195,7 +199,9 @@ class VersionEvaluator:
             cand, cand_items = self._score(adapter, version, path, info, items, key)
             base, base_items = self._score(adapter, base_version, base_path, info, items, key)
             # SFT: each item's change of its mean token log-likelihood, whose spread is the verdict's noise.
-            changes = ([c[0] / max(c[1], 1) - b[0] / max(b[1], 1) for c, b in zip(cand_items, base_items)]
+            changes = ([c - b for c, b in zip(label_scores(items, cand_items), label_scores(items, base_items))]
+                       if info.method == "kto" else
+                       [c[0] / max(c[1], 1) - b[0] / max(b[1], 1) for c, b in zip(cand_items, base_items)]
                        if info.method == "sft" else [])
             held_out = judge(info.method, cand["score"], base["score"], info.gate.margin, items=len(items),
                              baseline_name=base_name, slice_name=slice_name, item_changes=changes)
@@ -294,3 +300,9 @@ class VersionEvaluator:
                                              **self._retention_columns(kept)), timeout=60)
         w.report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
                                          scores.get("token_logprob")))
+
+
+def label_scores(items: Any, per_item: Any) -> list[float]:
+    """KTO's held-out score per labelled item: its answer's mean token log-likelihood, negated for a thumbs-down
+    (higher is better: a version that makes liked answers likelier and disliked ones less likely scores up)."""
+    return [(1.0 if getattr(it, "label", True) else -1.0) * (s[0] / max(s[1], 1)) for it, s in zip(items, per_item)]

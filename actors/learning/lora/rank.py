@@ -217,7 +217,7 @@ class TrainRank:
                     p.backward(w.end)
                 ran += 1
                 if p.complete:
-                    stats = p.stats  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); SFT: mean token NLL
+                    stats = p.stats  # DPO: −log σ(β·(Δ⁺ − Δ⁻)); KTO: λ − v; SFT: mean token NLL
                     finished[w.sample_id] = ItemLoss(stats.loss, self.weights[w.sample_id])
         except Exception as exc:
             fault = _fault(exc)

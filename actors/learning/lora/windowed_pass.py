@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from actors.learning.dpo_loss import pair_losses, reward_margin
+from actors.learning.dpo_loss import kto_losses, log_ratio, pair_losses, reward_margin
 from actors.learning.lora.steps import DEFAULT_MAX_LENGTH, encode, model_mode, prompted_text
 
-WINDOW_METHODS = ("sft", "dpo")
+WINDOW_METHODS = ("sft", "dpo", "kto")
+REFERENCE_METHODS = ("dpo", "kto")  # those whose loss compares with π_ref (the model with its adapter disabled)
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ class WindowStats:
 
     loss: float  # the item's loss, unscaled (SFT: token mean over its completion; DPO: −log σ(β·(Δ⁺ − Δ⁻)))
     tokens: int  # L, the tokens through the trained forward (DPO: chosen + rejected)
-    dpo_loss: float | None = None  # DPO only: the value to report to the scheduler (MACE §4.1, γ·L_DPO)
-    reward_margin: float | None = None  # DPO only: β·(Δ⁺ − Δ⁻)
+    dpo_loss: float | None = None  # DPO (and KTO): the value to report to the scheduler (MACE §4.1, γ·L_DPO)
+    reward_margin: float | None = None  # DPO: β·(Δ⁺ − Δ⁻); KTO: ±β·Δ, positive when the label's way
 
 
 @dataclass
@@ -77,7 +78,8 @@ def _item_segments(tokenizer: Any, item: Any, method: str, max_length: int) -> l
     """(token ids, completion mask) of each sequence of the stream, exactly as sft_step / dpo_step encode them."""
     if method not in WINDOW_METHODS:
         raise ValueError(f"unknown training method {method!r}; expected one of {WINDOW_METHODS}")
-    texts = [prompted_text(tokenizer, item, f) for f in (("completion",) if method == "sft" else ("chosen", "rejected"))]
+    fields = ("chosen", "rejected") if method == "dpo" else ("completion",)  # KTO: the one labelled answer
+    texts = [prompted_text(tokenizer, item, f) for f in fields]
     enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
                  templated=[t.templated for t in texts])
     out = []
@@ -104,13 +106,13 @@ def batch_scales(tokenizer: Any, items: Sequence[Any], method: str, *, scale: fl
                  max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
     """Per-item ``scale`` for WindowedPasses whose accumulated gradient equals ``sft_step``/``dpo_step`` on ``items``.
 
-    DPO's batch loss is a mean over pairs: every item gets ``scale / B``. SFT's is a token mean over
+    DPO's (and KTO's) batch loss is a mean over items: every item gets ``scale / B``. SFT's is a token mean over
     the whole batch, not a mean of per-item means: item i gets ``scale · n_i / Σ_j n_j`` with n_i its
     completion (loss-bearing) tokens, so ``scale / B`` is right only when all n_i are equal.
     """
     if not items:
         raise ValueError("batch_scales needs at least one item")
-    if method == "dpo":
+    if method in REFERENCE_METHODS:
         _item_segments(tokenizer, items[0], method, max_length)  # validates the method and the fields
         return [scale / len(items)] * len(items)
     counts = [item_loss_tokens(tokenizer, it, method, max_length) for it in items]
@@ -223,6 +225,10 @@ class WindowedPass:
     def __init__(self, model: Any, tokenizer: Any, item: Any, method: str, *, beta: float = 0.1,
                  max_length: int = DEFAULT_MAX_LENGTH, scale: float = 1.0) -> None:
         self.model, self.method, self.beta, self.scale = model, method, float(beta), float(scale)
+        label = item.get("label") if isinstance(item, dict) else getattr(item, "label", None)
+        self.label = label if method == "kto" else None
+        if method == "kto" and self.label is None:
+            raise ValueError("a kto pass needs a labelled item (label true or false)")
         device = next(model.parameters()).device
         self._segments: list[_Segment] = []
         offset = 0
@@ -273,7 +279,7 @@ class WindowedPass:
     def _forward_piece(self, k: int, seg: _Segment, a: int, b: int) -> None:
         ids = seg.ids[a:b].unsqueeze(0)
         positions = torch.arange(a, b, device=ids.device).unsqueeze(0)
-        if self.method == "dpo":
+        if self.method in REFERENCE_METHODS:
             from transformers import DynamicCache
 
             if seg.ref_cache is None:
@@ -385,6 +391,12 @@ class WindowedPass:
         if self.method == "sft":
             loss = -sums[0] / max(self.loss_tokens, 1)
             margin = None
+        elif self.method == "kto":
+            answer = self._segments[0]
+            desirable = torch.tensor(bool(self.label), device=sums[0].device)
+            loss = kto_losses(sums[0], answer.ref_logp, desirable, self.beta)
+            sign = 1.0 if self.label else -1.0
+            margin = sign * self.beta * log_ratio(sums[0], answer.ref_logp)
         else:
             chosen, rejected = self._segments
             margin = reward_margin(sums[0], sums[1], chosen.ref_logp, rejected.ref_logp, self.beta)

@@ -182,10 +182,30 @@ class FeedbackQueue:
 
     async def submit_feedback(self, items: Any, nodes: list[int | None] | None = None, *,
                               idempotency_key: str | None = None, tenant: str | None = None,
-                              key_ttl_s: float = IDEMPOTENCY_TTL_S) -> FeedbackReceipt:
+                              key_ttl_s: float = IDEMPOTENCY_TTL_S, refs: list[Any] | None = None,
+                              tokens: list[int] | None = None, tokens_per_day: int | None = None) -> FeedbackReceipt:
         """``FeedbackStore.submit_feedback``: with a key, a call Ray (or the caller) sends again stores once."""
         return await self._run_and_notify("submit_feedback", items, nodes, idempotency_key=idempotency_key,
-                                          tenant=tenant, key_ttl_s=key_ttl_s)
+                                          tenant=tenant, key_ttl_s=key_ttl_s, refs=refs, tokens=tokens,
+                                          tokens_per_day=tokens_per_day)
+
+    # ---- stored completions (actors/learning/store/completion_rows.py) ----------------------------
+
+    async def store_completion(self, record: Any, keep_days: float | None = None) -> None:
+        return await self._run("store_completion", record, keep_days)
+
+    async def get_completion(self, completion_id: str, tenant: str | None, keep_days: float | None = None) -> Any:
+        return await self._run("get_completion", completion_id, tenant, keep_days)
+
+    @ray.method(max_task_retries=0)  # a resent delete would answer 404 for the caller's own deletion
+    async def delete_completion(self, completion_id: str, tenant: str | None) -> None:
+        return await self._run("delete_completion", completion_id, tenant)
+
+    async def resolve_feedback_refs(self, items: Any, tenant: str | None, keep_days: float | None = None) -> Any:
+        return await self._run("resolve_feedback_refs", items, tenant, keep_days)
+
+    async def training_tokens(self, since: float = 0.0) -> dict[str, int]:
+        return await self._run("training_tokens", since)
 
     async def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = (), node: int | None = None):
         return await self._run("take", adapter, limit, list(exclude_ids), node)

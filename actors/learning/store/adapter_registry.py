@@ -55,10 +55,11 @@ class AdapterRegistry(StoreConnection):
                     raise FullUnitExists(f"full unit {other[0]!r} already trains this deployment's model; "
                                          "at most one full_sft/full_dpo unit per deployment")
             db.execute(
-                f"INSERT INTO adapters ({ADAPTER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO adapters ({ADAPTER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (key, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
                  json.dumps(spec.lora.target_modules), spec.lora.dropout, spec.mode, spec.periodic.every_seconds,
-                 spec.periodic.every_samples, None, time.time(), spec.epochs, spec.tenant, spec.warmup_steps),
+                 spec.periodic.every_samples, None, time.time(), spec.epochs, spec.tenant, spec.warmup_steps,
+                 int(spec.store_completions)),
             )
             db.execute("UPDATE adapters SET gate = ? WHERE name = ?", (_overrides_json(spec.gate), key))
             return self._adapter_info(db, key)

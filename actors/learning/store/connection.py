@@ -30,7 +30,8 @@ from actors.learning.store.models import (
     pydantic_param,
     adapter_key,
 )
-from actors.learning.store.schema import (ADAPTER_COLUMNS, ADDED_COLUMNS, NEW_METHODS_CHECK, OLD_METHODS_CHECK, SCHEMA, VERSION_COLUMNS, DB_FILENAME, SCHEMA_VERSION)
+from actors.learning.store.schema import (ADAPTER_COLUMNS, ADDED_COLUMNS, NEW_METHODS_CHECK, OLD_KINDS_CHECK,
+                                   OLD_METHODS_CHECKS, SCHEMA, VERSION_COLUMNS, DB_FILENAME, SCHEMA_VERSION)
 
 
 class StoreConnection:
@@ -66,6 +67,7 @@ class StoreConnection:
 
     def _migrate(self) -> None:
         self._widen_methods()
+        self._widen_kinds()
         with self._tx() as db:
             found = db.execute("PRAGMA user_version").fetchone()[0]
             if found > SCHEMA_VERSION:
@@ -114,19 +116,50 @@ class StoreConnection:
         table change), its rows and column order kept. Foreign keys are off meanwhile (only outside a
         transaction does the pragma take effect), so dropping the old table deletes nothing that refers to it."""
         row = self._conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'adapters'").fetchone()
-        if row is None or OLD_METHODS_CHECK not in row[0]:
+        old = None if row is None else next((c for c in OLD_METHODS_CHECKS if c in row[0]), None)
+        if old is None:
             return
         self._conn.execute("PRAGMA foreign_keys = OFF")
         try:
             with self._tx() as db:
                 create = re.sub(r"^CREATE TABLE[^(]*\(", "CREATE TABLE adapters_widened (", row[0], count=1)
-                db.execute(create.replace(OLD_METHODS_CHECK, NEW_METHODS_CHECK))
+                db.execute(create.replace(old, NEW_METHODS_CHECK))
                 db.execute("INSERT INTO adapters_widened SELECT * FROM adapters")
                 db.execute("DROP TABLE adapters")
                 db.execute("ALTER TABLE adapters_widened RENAME TO adapters")
                 broken = db.execute("PRAGMA foreign_key_check").fetchall()
                 if broken:
                     raise StoreError(f"{self.path}: widening the adapters table broke references: {broken[:5]}")
+        finally:
+            self._conn.execute("PRAGMA foreign_keys = ON")
+
+    def _widen_kinds(self) -> None:
+        """Schema 11: a feedback table made before unpaired labels (kind 'label', method kto) checks
+        ``kind IN ('sft', 'preference')``; rebuild it as SCHEMA declares it now, in one transaction, every row
+        and id kept (and the AUTOINCREMENT counter, so an id is still never reused), the columns an older
+        table lacks at their defaults. Foreign keys are off meanwhile, as in :meth:`_widen_methods`."""
+        row = self._conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'feedback'").fetchone()
+        if row is None or OLD_KINDS_CHECK not in row[0]:
+            return
+        create = next(s for s in SCHEMA.split(";") if "CREATE TABLE IF NOT EXISTS feedback (" in s)
+        create = create.replace("CREATE TABLE IF NOT EXISTS feedback (", "CREATE TABLE feedback_widened (")
+        self._conn.execute("PRAGMA foreign_keys = OFF")
+        try:
+            with self._tx() as db:
+                old = [r[1] for r in db.execute("PRAGMA table_info(feedback)")]
+                db.execute(create)
+                new = {r[1] for r in db.execute("PRAGMA table_info(feedback_widened)")}
+                cols = ", ".join(c for c in old if c in new)
+                db.execute(f"INSERT INTO feedback_widened ({cols}) SELECT {cols} FROM feedback")
+                seq = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'feedback'").fetchone()
+                db.execute("DROP TABLE feedback")
+                db.execute("ALTER TABLE feedback_widened RENAME TO feedback")
+                if seq is not None:
+                    db.execute("DELETE FROM sqlite_sequence WHERE name IN ('feedback', 'feedback_widened')")
+                    db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('feedback', ?)", (seq[0],))
+                broken = db.execute("PRAGMA foreign_key_check").fetchall()
+                if broken:
+                    raise StoreError(f"{self.path}: widening the feedback table broke references: {broken[:5]}")
         finally:
             self._conn.execute("PRAGMA foreign_keys = ON")
 
@@ -178,7 +211,7 @@ class StoreConnection:
 
     def _adapter_info(self, db: sqlite3.Connection, name: str) -> AdapterInfo:
         (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
-         created, epochs, tenant, warmup_steps) = self._adapter_row(db, name)
+         created, epochs, tenant, warmup_steps, store_completions) = self._adapter_row(db, name)
         versions = [version_from_row(row) for row in db.execute(
             f"SELECT {VERSION_COLUMNS} FROM versions WHERE adapter = ? AND published = 1 AND deleted_at IS NULL "
             "ORDER BY version", (name,))]
@@ -187,6 +220,13 @@ class StoreConnection:
             "AND consumed_by_version IS NULL", (name,)).fetchone()
         held_out = db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ? AND held_out = 1", (name,)).fetchone()[0]
         gate, paused, in_row, promotions, rejections = self._gate_row(db, name)
+        # Staleness: of the trained items whose answering version is known, those answered by the version the
+        # training started from (the consuming version's parent; 0 and NULL both the base model) are on-policy.
+        on_policy, off_policy = db.execute(
+            "SELECT COALESCE(SUM(f.answered_version = COALESCE(v.parent, 0)), 0), "
+            "COALESCE(SUM(f.answered_version != COALESCE(v.parent, 0)), 0) FROM feedback f "
+            "JOIN versions v ON v.adapter = f.adapter AND v.version = f.consumed_by_version "
+            "WHERE f.adapter = ? AND f.answered_version IS NOT NULL", (name,)).fetchone()
         return AdapterInfo(
             name=name, tenant=tenant, method=method, beta=beta, learning_rate=lr,
             lora=LoraSettings(r=r, alpha=alpha, target_modules=json.loads(targets), dropout=dropout),
@@ -197,7 +237,9 @@ class StoreConnection:
             node_versions=dict(db.execute("SELECT node, version FROM node_heads WHERE adapter = ? ORDER BY node",
                                           (name,)).fetchall()),
             gate=gate.over(self.gate_defaults), held_out=held_out, rejections_in_row=in_row, paused_reason=paused,
-            promotions=promotions, rejections=rejections,
+            promotions=promotions, rejections=rejections, store_completions=bool(store_completions),
+            trained_on_policy=on_policy, trained_off_policy=off_policy,
+            on_policy_share=None if on_policy + off_policy == 0 else on_policy / (on_policy + off_policy),
         )
 
     def _gate_row(self, db: sqlite3.Connection, name: str) -> tuple[GateOverrides, str | None, int, int, int]:

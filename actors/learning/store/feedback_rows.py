@@ -17,8 +17,10 @@ from actors.learning.store.models import (
     KIND_FOR_METHOD,
     KIND_NAMES,
     METHOD_TAKES,
+    LabelItem,
     PreferenceItem,
     SFTItem,
+    TrainingQuotaExceeded,
     UnknownAdapter,
     UnknownItem,
     idempotency_key_problem,
@@ -47,7 +49,9 @@ class FeedbackRows(StoreConnection):
 
     def submit_feedback(self, items: Sequence[Mapping[str, Any]] | Mapping[str, Any],
                         nodes: Sequence[int | None] | None = None, *, idempotency_key: str | None = None,
-                        tenant: str | None = None, key_ttl_s: float = IDEMPOTENCY_TTL_S) -> FeedbackReceipt:
+                        tenant: str | None = None, key_ttl_s: float = IDEMPOTENCY_TTL_S,
+                        refs: Sequence[Any] | None = None, tokens: Sequence[int] | None = None,
+                        tokens_per_day: int | None = None) -> FeedbackReceipt:
         """:meth:`add_feedback` that stores each ``idempotency_key`` once per ``tenant`` (None: local mode).
 
         The key and the ids it got are written in the same transaction as the items. The same key
@@ -56,12 +60,21 @@ class FeedbackRows(StoreConnection):
         it raises :class:`IdempotencyKeyReused` (422). A request that failed stored no key, so its
         retry runs afresh. Expired keys are deleted here, with each keyed batch. ``nodes`` are not
         part of the comparison: a retry may be placed elsewhere, and the first placement stands.
+
+        ``refs``: per item, the stored completion it was given on (``CompletionRows.resolve_feedback_refs``), whose
+        answering version the row keeps. ``tokens``: per item, its training tokens, kept with the ``tenant``;
+        with ``tokens_per_day``, a batch that would take the tenant's tokens since the UTC day began past it raises
+        :class:`TrainingQuotaExceeded` (429) and stores nothing (counted in the insert's transaction).
         """
         parsed = validate_feedback(items, self.max_item_bytes, self.max_batch_items)
         if nodes is None:
             nodes = [None] * len(parsed)
         if len(nodes) != len(parsed):
             raise InvalidRequest(f"nodes: {len(nodes)} given for {len(parsed)} items")
+        refs = list(refs) if refs else [None] * len(parsed)
+        counts = list(tokens) if tokens else [None] * len(parsed)
+        if len(refs) != len(parsed) or len(counts) != len(parsed):
+            raise InvalidRequest(f"refs/tokens: not one per item of {len(parsed)}")
         if idempotency_key is not None and (problem := idempotency_key_problem(idempotency_key)):
             raise InvalidRequest(problem)
         scope = tenant or ""  # '' is no tenant name (TENANT_NAME_RE), so local mode has a scope of its own
@@ -78,15 +91,38 @@ class FeedbackRows(StoreConnection):
                             f"Idempotency-Key {idempotency_key!r} was used in the last {key_ttl_s / 3600:g} h for "
                             "other feedback items; a retry must send the same items, a new request a new key")
                     return FeedbackReceipt(json.loads(row[1]), replayed=True)
-            ids = self._insert_feedback(db, parsed, nodes, now)
+            if tokens_per_day is not None:
+                self._check_quota(db, tenant, sum(c or 0 for c in counts), tokens_per_day, now)
+            ids = self._insert_feedback(db, parsed, nodes, now, refs=refs, tokens=counts, tenant=tenant)
             if idempotency_key is not None:
                 db.execute("INSERT INTO idempotency_keys (tenant, key, fingerprint, ids, created_at, expires_at) "
                            "VALUES (?,?,?,?,?,?)", (scope, idempotency_key, fingerprint, json.dumps(ids), now,
                                                     now + key_ttl_s))
             return FeedbackReceipt(ids)
 
-    def _insert_feedback(self, db: sqlite3.Connection, parsed: Sequence[SFTItem | PreferenceItem],
-                         nodes: Sequence[int | None], now: float) -> list[int]:
+    def _check_quota(self, db: sqlite3.Connection, tenant: str | None, wanted: int, per_day: int, now: float) -> None:
+        day = now - now % 86400.0  # the UTC day
+        used = db.execute("SELECT COALESCE(SUM(tokens), 0) FROM feedback WHERE tenant IS ? AND created_at >= ?",
+                          (tenant, day)).fetchone()[0]
+        if used + wanted > per_day:
+            who = f"tenant {tenant!r}" if tenant else "this deployment"
+            raise TrainingQuotaExceeded(
+                f"{who} sent {used} training tokens of feedback today; these {wanted} would pass "
+                f"limits.training_tokens_per_day={per_day}. Nothing was stored; the allowance starts again at "
+                "00:00 UTC", retry_after_s=max(1, int(day + 86400.0 - now) + 1))
+
+    def training_tokens(self, since: float = 0.0) -> dict[str, int]:
+        """Training tokens of the feedback each tenant sent since ``since`` ('' local mode)."""
+        with self._tx(write=False) as db:
+            rows = db.execute("SELECT COALESCE(tenant, ''), COALESCE(SUM(tokens), 0) FROM feedback "
+                              "WHERE created_at >= ? GROUP BY COALESCE(tenant, '')", (since,)).fetchall()
+        return dict(rows)
+
+    def _insert_feedback(self, db: sqlite3.Connection, parsed: Sequence[SFTItem | PreferenceItem | LabelItem],
+                         nodes: Sequence[int | None], now: float, *, refs: Sequence[Any] = (),
+                         tokens: Sequence[int | None] = (), tenant: str | None = None) -> list[int]:
+        refs = list(refs) or [None] * len(parsed)
+        tokens = list(tokens) or [None] * len(parsed)
         self._check_adapters(db, parsed)
         # The held-out slice is assigned here, once, by each item's number within its adapter.
         names = {it.adapter for it in parsed}
@@ -95,13 +131,15 @@ class FeedbackRows(StoreConnection):
         share = {a: unit_kind(self._adapter_row(db, a)[1]).held_out_share(
                      self._gate_overrides(db, a).over(self.gate_defaults).held_out_share) for a in names}
         ids = []
-        for item, node in zip(parsed, nodes):
+        for item, node, ref, count in zip(parsed, nodes, refs, tokens):
             cur = db.execute(
                 "INSERT INTO feedback (adapter, kind, prompt, completion, chosen, rejected, created_at, node, "
-                "messages) VALUES (?,?,?,?,?,?,?,?,?)",
+                "messages, label, completion_id, answered_version, tenant, tokens) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (item.adapter, item.kind, item.prompt or "", getattr(item, "completion", None),
                  getattr(item, "chosen", None), getattr(item, "rejected", None), now, node,
-                 item.messages_json()),
+                 item.messages_json(), None if item.kind != "label" else int(item.label),
+                 None if ref is None else ref.completion_id, None if ref is None else ref.answered_version,
+                 tenant, count),
             )
             ids.append(cur.lastrowid)
             seen[item.adapter] += 1

@@ -4,7 +4,7 @@ Plain pydantic models and functions, no SQLite: the HTTP layer (``deployments/le
 ``deployments/openapi.py``) validates and documents requests with them, and
 ``actors/learning/store/sqlite.py`` stores and returns them.
 
-Why one module of about 510 lines: these are the store's whole wire vocabulary (specs, items, versions,
+Why one module of about 600 lines: these are the store's whole wire vocabulary (specs, items, versions,
 errors) that the HTTP layer and the store must read alike.
 """
 
@@ -29,18 +29,22 @@ DEFAULT_MAX_ITEM_BYTES = 32 * 1024
 DEFAULT_MAX_BATCH_ITEMS = 1024
 MAX_IDEMPOTENCY_KEY_CHARS = 255  # as Stripe's: room for a UUID or a client's own request id, not for a payload
 
-Method = Literal["sft", "dpo", "full_sft", "full_dpo"]
+Method = Literal["sft", "dpo", "kto", "full_sft", "full_dpo"]
 Mode = Literal["hybrid", "sync", "periodic", "off"]
-Kind = Literal["sft", "preference"]
+Kind = Literal["sft", "preference", "label"]
 VersionState = Literal["candidate", "served", "rejected", "rolled_back"]
 # Which feedback kind each training method consumes. A DPO adapter takes only preference pairs:
 # an SFT sample has no rejected answer to contrast, and one loss per adapter keeps the queue,
 # the grant budget and the reported loss of a version meaningful. An SFT adapter takes only SFT samples.
 # A full unit (full_sft, full_dpo) trains every weight of the served model itself, through the same feedback.
-KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference", "full_sft": "sft", "full_dpo": "preference"}
+# A KTO adapter (Ethayarajh et al. 2024) takes unpaired labels: one answer marked desirable (up) or not (down).
+KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference", "kto": "label", "full_sft": "sft",
+                                   "full_dpo": "preference"}
 METHOD_TAKES = {"dpo": "preference pairs (prompt, chosen, rejected)", "sft": "SFT samples (prompt, completion)",
-          "full_dpo": "preference pairs (prompt, chosen, rejected)", "full_sft": "SFT samples (prompt, completion)"}
-KIND_NAMES = {"sft": "an SFT sample", "preference": "a preference pair"}
+                "kto": "labels (prompt, completion, label up/down; or completion_id and rating)",
+                "full_dpo": "preference pairs (prompt, chosen, rejected)", "full_sft": "SFT samples (prompt, completion)"}
+KIND_NAMES = {"sft": "an SFT sample", "preference": "a preference pair", "label": "a label (rating)"}
+RATINGS = {"up": True, "down": False}
 
 
 def adapter_key(tenant: str | None, name: str) -> str:
@@ -107,6 +111,20 @@ class UnknownItem(StoreError):
 
 class AdapterQuotaExceeded(StoreError):
     """The owning tenant has ``limits.adapters_per_tenant`` adapters already (HTTP 403: waiting does not help)."""
+
+
+class TrainingQuotaExceeded(StoreError):
+    """The tenant's feedback today would pass ``limits.training_tokens_per_day`` (HTTP 429, Retry-After: the
+    seconds until the next UTC day, when the allowance starts again)."""
+
+    param = "items"
+
+    def __init__(self, message: str, retry_after_s: int):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray as itself, with its Retry-After
+        return (type(self), (str(self), self.retry_after_s))
 
 
 class IdempotencyKeyReused(StoreError):
@@ -250,6 +268,9 @@ class AdapterSpec(_Strict):
     epochs: int = Field(
         1, ge=1, le=100, description="Passes over each feedback item, each in a different version: an item stays "
                                      "queued until this many published versions trained on it (new items go first).")
+    store_completions: bool = Field(
+        False, description="Store every chat or completion request to this adapter, as \"store\": true does, so "
+                           "that feedback can name its completion_id.")
 
     @model_validator(mode="after")
     def _periodic_has_trigger(self) -> AdapterSpec:
@@ -310,6 +331,22 @@ class SFTItem(_Prompted):
     @property
     def kind(self) -> Kind:
         return "sft"
+
+    def texts(self) -> tuple[str, ...]:
+        return (*self.context_texts(), self.completion)
+
+
+class LabelItem(_Prompted):
+    """One unpaired label (KTO): ``completion`` answered the context well (``label`` true: a thumbs-up) or not."""
+
+    completion: str = Field(min_length=1)
+    label: bool
+
+    _nonblank = field_validator("completion")(_text)
+
+    @property
+    def kind(self) -> Kind:
+        return "label"
 
     def texts(self) -> tuple[str, ...]:
         return (*self.context_texts(), self.completion)
@@ -397,6 +434,12 @@ class AdapterInfo(AdapterSpec):
         None, description="Why training is paused (too many rejections in a row, or a PATCH); None: not paused.")
     promotions: int = Field(0, description="Versions served by the gate or a promotion, since creation.")
     rejections: int = Field(0, description="Versions the gate rejected, since creation.")
+    trained_on_policy: int = Field(
+        0, description="Trained items whose answer came from the version the training started from (on-policy).")
+    trained_off_policy: int = Field(
+        0, description="Trained items whose answer came from another version (older, or the base): off-policy.")
+    on_policy_share: float | None = Field(
+        None, description="trained_on_policy over both; null until an item whose answering version is known trained.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,14 +489,15 @@ class FeedbackItem:
     rejected: str | None
     created_at: float
     messages: tuple[dict[str, str], ...] | None = None
+    label: bool | None = None  # kind 'label': True a thumbs-up (desirable), False a thumbs-down
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> FeedbackItem:
-        """From the columns of ``_ITEM_COLS`` (a chat item stores '' as its prompt and its turns as JSON)."""
-        (id_, adapter, kind, prompt, completion, chosen, rejected, created_at, messages) = row
+        """From the columns of ``ITEM_COLUMNS`` (a chat item stores '' as its prompt and its turns as JSON)."""
+        (id_, adapter, kind, prompt, completion, chosen, rejected, created_at, messages, label) = row
         turns = None if messages is None else tuple(json.loads(messages))
         return cls(id_, adapter, kind, prompt if turns is None else None, completion, chosen, rejected,
-                   created_at, turns)
+                   created_at, turns, None if label is None else bool(label))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,7 +518,7 @@ def idempotency_key_problem(key: str) -> str | None:
 def validate_feedback(
     items: Sequence[Mapping[str, Any]] | Mapping[str, Any], max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
     max_items: int = DEFAULT_MAX_BATCH_ITEMS,
-) -> list[SFTItem | PreferenceItem]:
+) -> list[SFTItem | PreferenceItem | LabelItem]:
     """Validate every item of a batch; raise :class:`InvalidRequest` listing each bad item by index."""
     if isinstance(items, Mapping):
         items = [items]
@@ -495,12 +539,14 @@ def validate_feedback(
     return parsed
 
 
-def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceItem:
+def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceItem | LabelItem:
     if isinstance(raw, BaseModel):
         raw = raw.model_dump()
     if not isinstance(raw, Mapping):
         raise InvalidRequest(f"{where}: expected an object, got {type(raw).__name__}")
     raw = _split_final_answer(raw)
+    if "label" in raw:
+        return _sized(_validated(LabelItem, raw, where), where, max_bytes)
     is_sft = "completion" in raw
     is_pref = "chosen" in raw or "rejected" in raw
     if is_sft and is_pref:
@@ -508,11 +554,18 @@ def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceIte
                              "(preference pair), not both")
     if not (is_sft or is_pref):
         raise InvalidRequest(f"{where}: needs completion (SFT sample) or chosen and rejected (preference pair)")
-    model = SFTItem if is_sft else PreferenceItem
+    return _sized(_validated(SFTItem if is_sft else PreferenceItem, raw, where), where, max_bytes)
+
+
+def _validated(model: type[_Prompted], raw: Mapping[str, Any], where: str) -> Any:
     try:
-        item = model.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as e:
         raise InvalidRequest([pydantic_error(where, err) for err in e.errors()]) from None
+
+
+def _sized(item: Any, where: str, max_bytes: int) -> Any:
+    """``item``, unless its text is over ``max_bytes`` or not valid Unicode (:class:`InvalidRequest`)."""
     size = 0
     for name, text in zip(_text_fields(item), item.texts()):
         try:
@@ -528,7 +581,7 @@ def _text_fields(item: SFTItem | PreferenceItem) -> tuple[str, ...]:
     """The names of ``item.texts()``, in order, for error messages."""
     context = ("prompt",) if item.messages is None else tuple(f"messages[{i}].content"
                                                                for i in range(len(item.messages)))
-    return (*context, "completion") if item.kind == "sft" else (*context, "chosen", "rejected")
+    return (*context, "completion") if item.kind in ("sft", "label") else (*context, "chosen", "rejected")
 
 
 def _split_final_answer(raw: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -43,13 +43,15 @@ promote or rollback), and each method is one transaction that keeps them. So the
 object with one connection and one lock; only its source is split by table, each part a base
 class of it: ``schema.py`` (tables and migrations' column list), ``connection.py`` (the connection,
 transactions, migrations and the row reads every part shares), ``adapter_registry.py`` (adapters),
-``feedback_rows.py`` (the queue and idempotency keys) and ``version_registry.py`` (versions and
+``feedback_rows.py`` (the queue and idempotency keys), ``completion_rows.py`` (stored completions and
+feedback by completion id) and ``version_registry.py`` (versions and
 retention). What it accepts and returns is in ``actors/learning/store/models.py``.
 """
 
 from __future__ import annotations
 
 from actors.learning.store.adapter_registry import AdapterRegistry
+from actors.learning.store.completion_rows import CompletionRows
 from actors.learning.store.feedback_rows import FeedbackRows
 from actors.learning.store.schema import DB_FILENAME, IDEMPOTENCY_TTL_S, RESERVATION_PINS_S, SCHEMA_VERSION, UPDATABLE
 from actors.learning.store.version_registry import VersionRegistry
@@ -57,7 +59,7 @@ from actors.learning.store.version_registry import VersionRegistry
 __all__ = ["DB_FILENAME", "FeedbackStore", "IDEMPOTENCY_TTL_S", "RESERVATION_PINS_S", "SCHEMA_VERSION", "UPDATABLE"]
 
 
-class FeedbackStore(AdapterRegistry, FeedbackRows, VersionRegistry):
+class FeedbackStore(AdapterRegistry, FeedbackRows, CompletionRows, VersionRegistry):
     """The feedback queue and adapter registry in ``<data_dir>/feedback.sqlite3``; every method is synchronous.
 
     Its constructor is :class:`~actors.learning.store.connection.StoreConnection`'s: it opens and migrates the file.

@@ -50,11 +50,11 @@ class UnitKind(ABC):
 
 
 class LoraAdapter(UnitKind):
-    """A LoRA adapter (methods sft, dpo): loaded beside the base model, one per tenant's need."""
+    """A LoRA adapter (methods sft, dpo, kto): loaded beside the base model, one per tenant's need."""
 
     name = "adapter"
-    methods = frozenset({"sft", "dpo"})
-    methods_named = "sft/dpo"
+    methods = frozenset({"sft", "dpo", "kto"})
+    methods_named = "sft/dpo/kto"
     replaces_base_model = False
     trained_by_lora_ranks = True
     uses_lora_settings = True
