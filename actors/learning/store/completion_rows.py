@@ -162,7 +162,7 @@ class CompletionRows(StoreConnection):
                                  "(another completion_id) with completion_id", param="rating")
         shape = shapes[0]
         value = raw[shape]
-        if shape == "rating" and value not in RATINGS:
+        if shape == "rating" and (not isinstance(value, str) or value not in RATINGS):
             raise InvalidRequest("rating: must be \"up\" or \"down\"", param="rating")
         if shape == "correction" and (not isinstance(value, str) or not value.strip()):
             raise InvalidRequest("correction: a non-blank text is required", param="correction")
