@@ -267,10 +267,11 @@ class NodeCoServing:
                                "samples": [int(w.sample_id) for w in windows],  # in the scheduler's order
                                "decoding": sum(r.output_tokens > 0 for r in reqs),
                                "prefilling": sum(r.output_tokens == 0 for r in reqs), "reason": reason,
-                               "forward_cost_factor": round(self.forward_cost.factor, 4),
-                               "backward_cost_factor": round(self.backward_cost.factor, 4),
-                               "iteration_factor": round(self.interference.iteration_factor, 4),
-                               "interference": round(self.interference.interference, 4)})
+                               # Unrounded: a reader refits the budget from them, and rounding moves it a token.
+                               "forward_cost_factor": self.forward_cost.factor,
+                               "backward_cost_factor": self.backward_cost.factor,
+                               "iteration_factor": self.interference.iteration_factor,
+                               "interference": self.interference.interference})
         if not windows:
             g["refused"] += 1
             return
@@ -307,8 +308,8 @@ class NodeCoServing:
                 "threshold_bytes": g.threshold(), "ratio": round(g.ratio(), 4), "waiting_since": self.memory_wait_since},
             # The live refit of t_ft: the factors on the profile's forward and backward terms, and how far the
             # recent grants' modelled time was from the measured one ((modelled − measured) / measured).
-            "window_cost": {"forward_factor": round(self.forward_cost.factor, 4),
-                            "backward_factor": round(self.backward_cost.factor, 4),
+            "window_cost": {"forward_factor": self.forward_cost.factor,
+                            "backward_factor": self.backward_cost.factor,
                             "grants_measured": len(w.samples), "median_error": _rounded(w.median_error()),
                             "median_abs_error": _rounded(w.median_abs_error())},
             # Each grant against FlexLLM §6.2's prediction: the worst time between tokens beside it against
