@@ -189,6 +189,14 @@ def run_dpo(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, s
     served = next((v for v in info["versions"] if v["version"] == info["current_version"]), None)
     out["served"] = served and {k: served.get(k) for k in ("version", "path", "win_rate", "retention",
                                                           "retention_base", "eval_items")}
+    # what the gate saw: pairs trained up to the served version, and each version's verdict
+    published = [v for v in info["versions"] if v["state"]]
+    out["pairs_trained"] = sum(v["samples_trained"] or 0 for v in published
+                               if served and v["version"] <= served["version"])
+    out["pairs_trained_all"] = sum(v["samples_trained"] or 0 for v in published)
+    out["queued_left"] = info["queued"]
+    out["verdicts"] = [{k: v.get(k) for k in ("version", "state", "reason", "score", "baseline_score", "eval_items",
+                                               "retention", "score_s")} for v in published]
     return out
 
 
@@ -265,13 +273,25 @@ def report(res: dict[str, Any]) -> str:
     if dpo:
         w = dpo.get("win")
         s = dpo.get("served") or {}
-        out += ["", "| DPO (defaults) | pairs | trained in (s) | served | held-out win rate [95% CI] | base's [95% CI] | "
+        out += ["", "| DPO (defaults) | pairs trained | settled in (s) | served | held-out win rate [95% CI] | base's [95% CI] | "
                 "pairs won / lost vs base | facts kept | retention (base) |", "|---|---|---|---|---|---|---|---|---|"]
         if w:
-            out.append(f"| {res['args']['dpo_name']} | {res['args']['pairs']} | {dpo['trained_s']} | v{s.get('version')} "
+            out.append(f"| {res['args']['dpo_name']} | {dpo.get('pairs_trained')} of {res['args']['pairs']} sent "
+                       f"| {dpo['trained_s']} | v{s.get('version')} "
                        f"| {w['tuned']:.3f} [{w['tuned_ci'][0]:.3f}, {w['tuned_ci'][1]:.3f}] on {w['pairs']} | "
                        f"{w['base']:.3f} [{w['base_ci'][0]:.3f}, {w['base_ci'][1]:.3f}] | {w['gained']} / {w['lost']} "
                        f"| {dpo['facts']}/{nf} | {s.get('retention')} ({s.get('retention_base')}) |")
+        states = [v["state"] for v in dpo.get("verdicts", [])]
+        out.append(f"\npairs trained: {dpo.get('pairs_trained')} up to the served version, "
+                   f"{dpo.get('pairs_trained_all')} in all, {dpo.get('queued_left')} still queued; versions: "
+                   + ", ".join(f"{states.count(k)} {k}" for k in ("served", "rejected", "candidate") if k in states))
+        secs = [v["score_s"] for v in dpo.get("verdicts", []) if v.get("score_s") is not None]
+        if secs:
+            out.append(f"gate scoring s per version: min {min(secs)}, median {sorted(secs)[len(secs) // 2]}, "
+                       f"max {max(secs)}")
+        out += [f"- v{v['version']} {v['state']}: {(v['reason'] or '')[:300]}" for v in dpo.get("verdicts", [])
+                if v["state"] == "rejected" or v is (dpo.get("verdicts") or [None])[-1]]
+        if w:
             goals.append(("DPO: held-out win rate vs the base on >= 100 pairs, no fact lost",
                           f"{w['tuned']:.3f} vs {w['base']:.3f} on {w['pairs']}; facts {dpo['facts']}/{nf}",
                           w["pairs"] >= 100 and dpo["facts"] == nf))
