@@ -370,9 +370,13 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             ray.shutdown()
+    if a.json:  # the app's figures first: the win-rate scoring below takes minutes and may hit a caller's timeout
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     if "dpo" in res and res["dpo"].get("served"):
         from bench.common import real_model_config
 
+        log(f"dpo: {res['dpo'].get('pairs_trained')} pairs trained, served v{res['dpo']['served']['version']}, facts "
+            f"{res['dpo']['facts']}/{len(res['facts'])}; load {res['load']}; scoring the win rate on {a.eval_pairs} pairs")
         model_dir = real_model_config({})["model"]["path"]
         res["dpo"]["win"] = dpo_win_rate(model_dir, res["dpo"]["served"]["path"], a.eval_pairs)
     print(report(res))
