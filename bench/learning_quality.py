@@ -208,9 +208,14 @@ def dpo_win_rate(model_dir: str, adapter_path: str | None, pairs: int) -> dict[s
     from actors.learning.lora.steps import load_lora_model
     from actors.learning.store.models import LoraSettings
 
+    from actors.models.devices import training_dtype
+
     torch.set_num_threads(2)
     test = hh_pairs("test", pairs)
-    model, tok = load_lora_model(model_dir, LoraSettings(), adapter_dir=adapter_path, device="cpu")
+    # the rank's dtype ("auto": bf16 on this CPU), as the gate and bench/learning_sweep.py score; float32 did not
+    # finish 120 pairs twice in 4.5 minutes (bf16: 200 pairs in about 100 s) and its base answers 9 facts, not 11
+    dtype = getattr(torch, training_dtype("auto", "cpu"))
+    model, tok = load_lora_model(model_dir, LoraSettings(), adapter_dir=adapter_path, device="cpu", dtype=dtype)
     with model.disable_adapter():
         base = evaluate_preferences(model, tok, test)
     tuned = evaluate_preferences(model, tok, test) if adapter_path else base
