@@ -220,11 +220,12 @@ def wait_trained(c: httpx.Client, url: str, name: str, model: str, settle_s: flo
 
 
 def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: list[str], facts: list[Any],
-            t_start: float) -> dict[str, Any]:
+            t_start: float, res: dict[str, Any]) -> dict[str, Any]:
     from bench.learning_quality import facts_ok, greedy
 
     model = f"{base}:{a.name}"
     out: dict[str, Any] = {"batches": []}
+    res["kto"] = out  # written after every batch: a run cut short keeps its curve
     with httpx.Client(timeout=60) as c:
         r = c.post(f"{url}/v1/adapters", json={"name": a.name, "method": "kto"})
         r.raise_for_status()
@@ -243,9 +244,13 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
                 break
             t0 = time.time()
             batch = rate[sent:sent + a.batch]
-            answers = rate_batch(url, model, batch, a.rate_tokens)
+            # Until the adapter has a served version the base model answers, and the thumbs name the adapter.
+            by_base = not c.get(f"{url}/v1/adapters/{a.name}").json()["current_version"]
+            answers = rate_batch(url, base if by_base else model, batch, a.rate_tokens)
             t_rated = time.time()
-            items = [{"completion_id": x["id"], "rating": rating(x["text"])} for x in answers]
+            # An empty answer cannot be rated (the API's 400): the user skips it.
+            items = [{"completion_id": x["id"], "rating": rating(x["text"]), **({"adapter": a.name} if by_base else {})}
+                     for x in answers if x["text"].strip()]
             fr = c.post(f"{url}/v1/feedback", json={"items": items})
             fr.raise_for_status()
             sent += len(batch)
@@ -257,8 +262,7 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
             row: dict[str, Any] = {
                 "labels": sent, "served": served, "rated": {**length_of([x["text"] for x in answers]),
                                                             "up": sum(i["rating"] == "up" for i in items), "n": len(items),
-                                                            "versions": sorted({x["version"] for x in answers},
-                                                                               key=lambda v: (v is None, v or 0)),
+                                                            "by_base": by_base,
                                                             "p50_s": round(sorted(x["s"] for x in answers)[len(answers) // 2], 2)},
                 "verdicts": [{k: v.get(k) for k in ("version", "state", "reason", "samples_trained", "retention",
                                                     "retention_base")} for v in new],
@@ -270,6 +274,8 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
             row["s"] = round(time.time() - t0, 1)
             row["at_s"] = round(time.time() - t_start, 1)
             out["batches"].append(row)
+            if a.json:
+                Path(a.json).write_text(json.dumps(res, indent=1, default=str))
             states = {}
             for v in new:
                 states[v["state"]] = states.get(v["state"], 0) + 1
@@ -291,9 +297,9 @@ def app_report(res: dict[str, Any]) -> str:
     run = res["kto"]
     lines = [f"kto adapter at its defaults: {run['spec']}", "",
              "| labels sent | served version | probe mean words (change) | probe <= 25 words | facts kept | "
-             "rated batch: mean words, up | gate's verdicts on the new versions | rate / train+gate / probe s |",
-             "|---|---|---|---|---|---|---|---|",
-             f"| 0 | base | {base['mean_words']} | {base['short_share']:.0%} | {nf}/{nf} | | | |"]
+             "rated batch: mean words, up | gate's verdicts on the new versions | rate / train+gate / probe s | s since start |",
+             "|---|---|---|---|---|---|---|---|---|",
+             f"| 0 | base | {base['mean_words']} | {base['short_share']:.0%} | {nf}/{nf} | | | | {res['ready_s']} |"]
     for b in run["batches"]:
         states: dict[str, int] = {}
         for v in b["verdicts"]:
@@ -305,7 +311,7 @@ def app_report(res: dict[str, Any]) -> str:
         lines.append(f"| {b['labels']} | v{b['served']} | {b['probe']['mean_words']} ({ch:+.0%}) | "
                      f"{b['probe']['short_share']:.0%} | {b['facts']}/{nf} | {b['rated']['mean_words']}, "
                      f"{b['rated']['up']}/{b['rated']['n']} | "
-                     f"{verdict} | {b['rate_s']} / {b['train_s']} / {probe_s:.1f} |")
+                     f"{verdict} | {b['rate_s']} / {b['train_s']} / {probe_s:.1f} | {b['at_s']} |")
     rows = run["batches"]
     best = min(rows, key=lambda b: b["probe"]["mean_words"], default=None)
     hit = next((b for b in rows if b["probe"]["mean_words"] <= (1 - GOAL_DROP) * base["mean_words"]), None)
@@ -346,7 +352,7 @@ def app(a: argparse.Namespace) -> int:
         res["facts"] = [f for f, ok in zip(FACTS, right) if ok]
         res["base_probe"] = length_of(greedy(url, base, probe, a.probe_tokens))
         log(f"base: {len(res['facts'])}/{len(FACTS)} facts, probe {res['base_probe']} ({res['ready_s']} s to ready)")
-        res["kto"] = run_app(url, base, a, probe, rate, res["facts"], t_start)
+        run_app(url, base, a, probe, rate, res["facts"], t_start, res)
     finally:
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1, default=str))
