@@ -143,7 +143,9 @@ def run_direct(h: Any, a: argparse.Namespace, probe: list[str], rate: list[str])
                 g["lr"] = a.lr * min(1.0, (steps + 1) / a.warmup) if a.warmup > 0 else a.lr
             t0 = time.time()
             for item in batch:
-                p = WindowedPass(model, h.tok, item, "kto", beta=a.beta, scale=1 / len(batch))
+                # λ_D (the paper's desirable weight) as the pass's scale: the up item's loss λ_D·(1 − σ(·)) scaled
+                weight = a.desirable_weight if item["label"] else 1.0
+                p = WindowedPass(model, h.tok, item, "kto", beta=a.beta, scale=weight / len(batch))
                 p.forward(p.length)
                 p.finish()
             optimizer_step(model, opt)
@@ -156,7 +158,8 @@ def run_direct(h: Any, a: argparse.Namespace, probe: list[str], rate: list[str])
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     h.bank.forget(name)
-    return {"config": {"lr": a.lr, "targets": a.targets, "warmup": a.warmup, "beta": a.beta}, "rows": rows}
+    return {"config": {"lr": a.lr, "targets": a.targets, "warmup": a.warmup, "beta": a.beta,
+                       "desirable_weight": a.desirable_weight}, "rows": rows}
 
 
 def direct(a: argparse.Namespace) -> int:
@@ -173,13 +176,13 @@ def direct(a: argparse.Namespace) -> int:
         out["configs"].append(run_direct(h, c, probe, rate))
     lines = [f"base: probe mean {base['mean_words']} words, {base['short_share']:.0%} <= {SHORT_WORDS}; "
              f"facts {len(h.facts)}/{len(FACTS)}", "",
-             "| lr | targets | warm-up | labels | steps | rated: mean words / up | probe mean words (change) | "
-             f"probe <= {SHORT_WORDS} words | facts kept | train s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| lr | targets | warm-up | λ_D | labels | steps | rated: mean words / up | probe mean words (change) | "
+             f"probe <= {SHORT_WORDS} words | facts kept | train s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cfg in out["configs"]:
         k = cfg["config"]
         for r in cfg["rows"]:
             ch = r["probe"]["mean_words"] / base["mean_words"] - 1
-            lines.append(f"| {k['lr']:g} | {k['targets']} | {k['warmup']} | {r['labels']} | {r['steps']} | "
+            lines.append(f"| {k['lr']:g} | {k['targets']} | {k['warmup']} | {k['desirable_weight']:g} | {r['labels']} | {r['steps']} | "
                          f"{r['rated']['mean_words']} / {r['rated']['up']} | {r['probe']['mean_words']} ({ch:+.0%}) | "
                          f"{r['probe']['short_share']:.0%} | {r['facts']}/{len(h.facts)} | {r['train_s']} |")
     print("\n".join(lines))
@@ -335,6 +338,12 @@ def app(a: argparse.Namespace) -> int:
     from bench.common import pick_port, served_base, start_app, stop_app, wait_ready
     from bench.learning_quality import app_config, facts_ok, greedy
 
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:  # `timeout`'s SIGTERM: leave through the finally that stops the app
+        raise SystemExit(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     probe, rate = split_prompts(a.probe, a.labels, a.seed)
     t_start = time.time()
     url = a.url
@@ -386,12 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--targets", default="q_proj,v_proj", help="kto's default; or all-linear")
     d.add_argument("--warmup", type=int, default=0)
     d.add_argument("--beta", type=float, default=0.1)
+    d.add_argument("--desirable-weight", type=float, default=1.0,
+                   help="λ_D, an up label's weight (the live trainer's is 1; the paper balances λ_D·n_D against n_U)")
     d.add_argument("--threads", type=int, default=2)
     d.add_argument("--grid", help='JSON list of overrides, one configuration each: [{}, {"lr": 2e-3}]')
     s = sub.choices["app"]
     s.add_argument("--url", help="a running app; default: start configs/default.yaml's here, fresh data_dir")
     s.add_argument("--name", default="brief")
-    s.add_argument("--settle-s", type=float, default=600.0, help="longest wait for a batch to be trained")
+    s.add_argument("--settle-s", type=float, default=300.0, help="longest wait for a batch to be trained")
     s.add_argument("--budget-s", type=float, default=1080.0, help="start no batch that would end past this")
     a = p.parse_args(argv)
     if not DATA.is_dir():
