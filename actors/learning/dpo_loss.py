@@ -8,6 +8,17 @@ KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimiz
 labelled desirable or undesirable, r = log π_θ(y|x) − log π_ref(y|x) (the same implicit reward as DPO's Δ),
 z₀ the reference point (the policy's KL from the reference, not differentiated), and
 v = λ_D·σ(β·(r − z₀)) for a desirable answer, λ_U·σ(β·(z₀ − r)) for an undesirable one; loss = λ_y − v.
+
+The reference point z₀ = KL(π_θ(y'|x) ‖ π_ref(y'|x)). The paper (§4.1, the implementation notes beside Eq. 8)
+estimates it per batch of m labelled examples from *mismatched* pairs: each prompt x_i with another example's
+answer y_j, ẑ₀ = max(0, (1/m)·Σ_i log π_θ(y_j|x_i)/π_ref(y_j|x_i)), not back-propagated; TRL's KTOTrainer does
+the same by cycling the batch's completions by one (``KL_completion_ids``) and clamping the detached mean at 0.
+The live trainer here passes z₀ = 0, the estimate's lower clamp: it trains a token-windowed pass over one item
+at a time (``WindowedPass``), which has no other item's answer to mismatch with, and a mismatched forward would
+double each item's policy and reference work. With z₀ = 0 a fresh adapter (r = 0) has exactly the paper's loss
+(ẑ₀ is 0 there too); as the policy drifts, an upward drift on every answer is no longer charged against the
+desirable ones' gain, so the gate's held-out label score (and the retention set) are what bound it.
+``kto_losses`` takes any z₀ (a tensor or a float) for a caller that estimates it.
 """
 
 from __future__ import annotations
