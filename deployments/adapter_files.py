@@ -45,6 +45,7 @@ from actors.learning.versions.layout import download_version, is_uri
 from actors.models.default_model import model_path
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error
+from deployments.request_rules import shown_name
 
 if TYPE_CHECKING:
     from deployments.learning import LearningRoutes
@@ -199,7 +200,6 @@ class AdapterFileRoutes:
     def _version_json(self, version: VersionInfo) -> dict[str, Any]:
         """A version as the adapter routes show one: the adapter by the caller's name for it; a tenant's without
         its ``path`` and with server paths cut from its reason."""
-        from deployments.learning import shown_name
 
         principal = PRINCIPAL.get()
         shown = version.model_copy(update={"adapter": shown_name(principal, version.adapter),

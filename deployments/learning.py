@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from typing import Any, Awaitable, Callable
@@ -35,11 +34,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from settings import AppConfig
 from actors.models.default_model import model_path
 from actors.serving.engine_args import served_model_name
-from deployments.keys import Principal
 from actors.learning.lora.targets import lora_targetable_modules, short_names, unknown_targets
 from actors.learning.store.models import (
     ADAPTER_KEY_RE,
-    ADAPTER_NAME_RE,
     ALL_LINEAR,
     AdapterExists,
     AdapterInfo,
@@ -58,17 +55,16 @@ from actors.learning.store.models import (
     idempotency_key_problem,
     pydantic_error,
     pydantic_param,
-    split_adapter_key,
 )
 from actors.learning.store.unit_kind import unit_kind
 from deployments.adapter_files import AdapterFileRoutes
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
+from deployments.request_rules import UNKNOWN, adapter_key_for, as_seen_by, shown_name
 from planners.types import NewFeedback
 
 logger = logging.getLogger("ray.serve")
 
-UNKNOWN = object()  # the owner of an adapter that does not exist
 # How long a route waits for the planner to act on a change the store has already committed (load a
 # rolled-back version, note a PATCH). Past it, or with the planner away, the route answers the
 # committed state anyway: a restarted planner reloads every adapter's current version from the store.
@@ -92,34 +88,6 @@ STORE_ERRORS: dict[type[StoreError], tuple[int, str]] = {
     # A daily allowance: waiting (until the UTC day ends) does help, so 429 with Retry-After.
     TrainingQuotaExceeded: (429, "rate_limit_error"),
 }
-
-
-def adapter_key_for(principal: Principal, name: str) -> str | None:
-    """The store's key of the adapter a request of ``principal`` names ``name``. An admin (and local mode) names
-    keys: ``acme/support``, or the bare name of an adapter without a tenant or of the admin's own. A tenant names
-    its own adapters by their bare names: acme's ``support`` is the key ``acme/support``. None: a name that
-    cannot be one of the tenant's (one with a '/', say): as absent as any other tenant's."""
-    if principal.admin:
-        return name
-    if principal.tenant is None or not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
-        return None
-    return adapter_key(principal.tenant, name)
-
-
-def shown_name(principal: Principal, key: str) -> str:
-    """The name ``principal`` knows the adapter keyed ``key`` by: a tenant its own by their bare names, an admin
-    (and local mode) by the key (the inverse of :func:`adapter_key_for`)."""
-    if principal.admin:
-        return key
-    tenant, name = split_adapter_key(key)
-    return name if tenant is not None and tenant == principal.tenant else key
-
-
-def as_seen_by(principal: Principal, text: str) -> str:
-    """``text`` (a store error's message) as ``principal`` reads it: a tenant's own keys without the tenant."""
-    if principal.admin or not principal.tenant:
-        return text
-    return re.sub(rf"(?<![a-z0-9_-]){re.escape(principal.tenant)}/", "", text)
 
 
 def store_error_status(exc: StoreError) -> tuple[int, str]:
@@ -189,7 +157,7 @@ class LearningRoutes:
         """Each item's adapter and tokens, for the planner to place it as a training task (LEMIX Eq. 1–3)."""
         if self._counter is None:
             from actors.models.default_model import model_dir
-            from deployments.routing import PromptCounter
+            from deployments.prompt_tokens import PromptCounter
 
             self._counter = PromptCounter(model_dir(self.cfg))
         return [NewFeedback(it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None,

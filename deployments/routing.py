@@ -53,7 +53,8 @@ from settings import AppConfig
 from deployments.keys import LOCAL, Principal
 from deployments.front_door import ROUTER_MARKER_HEADER
 from deployments.guard import bearer_token
-from deployments.learning import adapter_key_for
+from deployments.prompt_tokens import PromptCounter
+from deployments.request_rules import default_output_tokens, engine_model_name
 from planners import registry
 from planners.routing import RoutingTable
 from planners.types import Task
@@ -146,51 +147,6 @@ class NodeRequestRouter(RequestRouter):
 
 
 router_app = FastAPI()
-
-
-class PromptCounter:
-    """The prompt's token count as the engine will see it (the model's own tokenizer and chat template)."""
-
-    def __init__(self, model_dir: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-
-    def count(self, body: dict[str, Any]) -> int:
-        try:
-            if "messages" in body:
-                ids = self.tok.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True)
-                # transformers 5 returns a BatchEncoding (a Mapping, not a dict): its length is its key count.
-                return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-            prompt = body.get("prompt")
-            prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-            total = 0
-            for p in prompts:
-                total += len(p) if isinstance(p, list) else len(self.tok(p).input_ids) if isinstance(p, str) else 0
-            return max(1, total)
-        except Exception:  # a malformed body: the replica rejects it, the count does not matter
-            return 1
-
-    def feedback_tokens(self, item: Any, max_length: int) -> int:
-        """ℓ of a feedback item's training task: the tokens of one pass over it, each sequence cut at
-        ``max_length`` as the trainer cuts it: context + completion (SFT), context + chosen and context +
-        rejected (DPO). The context is rendered as a request's is; a malformed item counts 1 (the store
-        rejects it)."""
-        try:
-            if not isinstance(item, dict):
-                return 1
-            messages = item.get("messages")
-            answers = [item[k] for k in ("completion", "chosen", "rejected") if isinstance(item.get(k), str)]
-            if isinstance(messages, list) and messages and not answers and isinstance(messages[-1], dict) \
-                    and messages[-1].get("role") == "assistant":  # OpenAI's fine-tuning shape
-                answers, messages = [str(messages[-1].get("content") or "")], messages[:-1]
-            body = {"messages": messages} if isinstance(messages, list) else {"prompt": str(item.get("prompt") or "")}
-            context = self.count(body)
-            if not answers:
-                return min(max_length, context)
-            return sum(min(max_length, context + len(self.tok(a).input_ids)) for a in answers)
-        except Exception:
-            return 1
 
 
 class PromptEstimate:
@@ -309,19 +265,9 @@ class PlacementRouter:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         prompt_tokens = self.counter.count(body)
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            # As the replica sets it (deployments/server.py default_max_tokens): 16 for completions, for chat
-            # limits.max_tokens; neither past the room the prompt leaves.
+            # The length the replica gives it, within the room the prompt leaves (as vLLM's get_max_tokens).
             room = max(1, self.cfg.model.max_model_len - prompt_tokens)
-            max_tokens = min(room, self.cfg.limits.max_tokens, *(() if "messages" in body else (16,)))
-        return Task(task_id=request_id or "", kind="inference", model=self._engine_model(body["model"], principal),
+            max_tokens = min(room, default_output_tokens("messages" in body, self.cfg.limits.max_tokens,
+                                                         self.cfg.model.max_model_len))
+        return Task(task_id=request_id or "", kind="inference", model=engine_model_name(principal, body["model"]),
                     prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=time.time())
-
-    def _engine_model(self, model: str, principal: Principal) -> str:
-        """The engine's name of the model a request names: a tenant's ``base:support`` is ``base:acme/support``,
-        the adapter the planner's placement knows. A name the principal may not use stays as sent: placement
-        treats it as unknown, and the replica answers 404."""
-        base, sep, name = model.partition(":")
-        if not sep or principal.tenant is None and not principal.admin:
-            return model
-        key = adapter_key_for(principal, name)
-        return model if key is None else f"{base}:{key}"

@@ -52,7 +52,15 @@ from settings import AppConfig
 from actors.serving.engine_args import engine_flags, served_model_name
 from deployments.guard import PRINCIPAL, RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
-from deployments.learning import UNKNOWN, LearningRoutes, adapter_key_for, shown_name
+from deployments.learning import LearningRoutes
+from deployments.request_rules import (
+    UNKNOWN,
+    default_max_tokens,
+    default_output_tokens,
+    engine_model_for,
+    public_model,
+    shown_name,
+)
 from deployments.openapi import install_openapi
 from deployments.streams import CoalesceEventStreams
 from deployments.stored_completions import CompletionRecorder
@@ -267,8 +275,8 @@ class ModelServer:
         for kind in ("openai_serving_completion", "openai_serving_chat"):
             serving = getattr(state, kind, None)
             defaults = (getattr(serving, "default_sampling_params", None) or {}) if serving is not None else {}
-            self._default_caps[kind] = min(limits.max_tokens, self.replica.max_model_len,
-                                           defaults.get("max_tokens") or limits.max_tokens)
+            self._default_caps[kind] = default_output_tokens(kind == "openai_serving_chat", limits.max_tokens,
+                                                             self.replica.max_model_len, defaults.get("max_tokens"))
         base, engine_name = self.served_name, models.model_name
         models.model_name = lambda lora_request=None: public_model(PRINCIPAL.get(), base, engine_name(lora_request))
 
@@ -357,52 +365,6 @@ def refusal(request: Any, limits: Any) -> str | None:
         if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limits.max_logprobs:
             return f"{field}={value} is outside 0..limits.max_logprobs={limits.max_logprobs}."
     return None
-
-
-async def engine_model_for(principal: Any, model: str, base: str, owner: Callable[[str], Awaitable[Any]],
-                           served: Any) -> str | None:
-    """The engine's name for the model ``principal`` names ``model`` in a request, or None where that is an
-    adapter the principal may not use or this node does not serve: the request then gets the 404 vLLM gives a
-    model it does not have, whether the adapter is another tenant's or none at all. A tenant names its own
-    adapters by their bare names (acme's ``base:support`` is the engine's ``base:acme/support``); an admin
-    names keys. ``owner(key)``: the owning tenant or UNKNOWN (LearningRoutes.owner); ``served``: the
-    engine's LoRA names (vLLM's ``lora_requests``)."""
-    if not model.startswith(base + ":"):
-        return model
-    key = adapter_key_for(principal, model[len(base) + 1:])
-    found = UNKNOWN if key is None else await owner(key)
-    if found is UNKNOWN:
-        # Not in the store: an operator's adapter (the admin may call it; vLLM answers), or none at all.
-        return model if principal.admin else None
-    if not principal.may_use(found):
-        return None
-    return f"{base}:{key}" if f"{base}:{key}" in served else None
-
-
-def public_model(principal: Any, base: str, model: str) -> str:
-    """The model id ``principal`` knows the engine's ``model`` by: ``base:support`` for tenant acme's
-    ``base:acme/support``; the admin (and local mode) the engine's own name."""
-    if not model.startswith(base + ":"):
-        return model
-    return f"{base}:{shown_name(principal, model[len(base) + 1:])}"
-
-
-def default_max_tokens(request: Any, cap: int) -> None:
-    """Give a chat or completion request that names no output length ``cap`` as its length.
-
-    vLLM's own default for chat is the room the prompt leaves in the context: a client that sends no
-    ``max_tokens`` (or a null one) must not hold the engine for a whole context. A completion's is 16 (vLLM
-    fills an absent or null one with it before this runs), capped here too where ``cap`` is less. A length the
-    client names is left as it is (over limits.max_tokens it is a 400). Set before vLLM sees the request: its
-    ``get_max_tokens`` then takes the least of this and the room the prompt leaves."""
-    fields = type(request).model_fields
-    if "max_completion_tokens" in fields:  # chat; its max_tokens is deprecated, the older name of the same
-        if request.max_completion_tokens is None and request.max_tokens is None:
-            request.max_completion_tokens = cap
-    elif "max_tokens" in fields:
-        default = fields["max_tokens"].default
-        if request.max_tokens is None or (request.max_tokens == default and default > cap):
-            request.max_tokens = cap
 
 
 def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.server import default_max_tokens
+from deployments.request_rules import default_max_tokens
 
 chat_protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol", reason="vLLM is not installed")
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: E402
@@ -51,3 +51,19 @@ def test_a_completion_keeps_vllms_16_unless_the_limit_is_lower():
     named = completion(max_tokens=5)
     default_max_tokens(named, 4)
     assert named.max_tokens == 5  # over the limit: the caller's 400
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_router_plans_with_the_length_the_replica_gives():
+    from deployments.request_rules import default_output_tokens
+
+    assert default_output_tokens(True, 256, 2048) == 256  # chat: limits.max_tokens
+    assert default_output_tokens(False, 256, 2048) == 16  # completion: vLLM's and OpenAI's 16
+    assert default_output_tokens(False, 8, 2048) == 8  # never past the limit
+    assert default_output_tokens(True, 256, 2048, model_default=100) == 100  # the generation config's, if less
+    assert default_output_tokens(True, 4096, 1024) == 1024  # never past the context
+    # What the replica sets (the same rule) is what vLLM then runs, for both kinds, explicit nulls included.
+    for request, is_chat in ((chat(), True), (chat(max_tokens=None), True), (completion(), False),
+                             (completion(max_tokens=None), False)):
+        default_max_tokens(request, default_output_tokens(is_chat, 256, 1024))
+        assert engine_max_tokens(request, prompt_tokens=3) == (256 if is_chat else 16)

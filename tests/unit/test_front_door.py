@@ -284,7 +284,6 @@ def test_the_router_places_a_tenants_adapter_under_its_engine_name_and_caps_the_
 
     cfg = load({"model": {"embedded": "tiny-llama", "max_model_len": 2048}, "limits": {"max_tokens": 256}})
     router = SimpleNamespace(cfg=cfg, counter=SimpleNamespace(count=lambda body: 100))
-    router._engine_model = lambda model, who: PlacementRouter._engine_model(router, model, who)
     acme = Principal("acme", False, "k")
 
     def task(body: dict, who: Any = acme) -> Any:
@@ -303,7 +302,8 @@ def test_the_router_places_a_tenants_adapter_under_its_engine_name_and_caps_the_
 
 def test_the_router_estimates_a_prompts_tokens_without_tokenizing_it(tmp_path):
     from actors.models import default_model
-    from deployments.routing import PromptCounter, PromptEstimate
+    from deployments.prompt_tokens import PromptCounter
+    from deployments.routing import PromptEstimate
 
     default_model.build_tokenizer().save_pretrained(tmp_path)
     exact = PromptCounter(str(tmp_path))

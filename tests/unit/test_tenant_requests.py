@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from deployments.keys import LOCAL, Principal
-from deployments.learning import UNKNOWN, adapter_key_for, as_seen_by, shown_name
-from deployments.server import engine_model_for, public_model
+from deployments.request_rules import UNKNOWN, adapter_key_for, as_seen_by, engine_model_for, public_model, shown_name
 
 ACME = Principal("acme", False, "k-acme")
 BETA = Principal("beta", False, "k-beta")
