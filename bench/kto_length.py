@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import log  # noqa: E402
 from bench.learning_sweep import DATA, FACTS  # noqa: E402
 
 SHORT_WORDS = 25  # the simulated user's rule: "up" for an answer of at most this many words
@@ -287,12 +288,6 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
                 f"short, facts {row['facts']}/{len(facts)}; versions {states}; {row['s']} s")
         out["after"] = c.get(f"{url}/v1/adapters/{a.name}").json()
     return out
-
-
-def log(msg: str) -> None:
-    from bench.common import log as common_log
-
-    common_log(msg)
 
 
 def app_report(res: dict[str, Any]) -> str:
