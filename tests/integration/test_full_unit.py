@@ -10,6 +10,8 @@ import pytest
 from tests.helpers import serve_test_app
 
 READY_S = 300
+# Measured here: 77 s from feedback to v1 on a loaded 2-core box; the CI machine is slower (it missed 180 s once).
+TRAIN_DEADLINE_S = 360
 PROMPT = "Q: sky color?\nA:"
 ITEMS = [{"adapter": "whole", "prompt": PROMPT, "completion": " blue sky blue"},
          {"adapter": "whole", "prompt": "Q: pet?\nA:", "completion": " cat cat cat"}] * 2
@@ -82,16 +84,21 @@ def test_a_full_unit_trains_in_the_nodes_bundles_while_serving_and_rolls_back(ur
     seen: dict[str, int] = {}
     answered = 0
     info = {}
-    while time.time() - t0 < 180:
+    phases: list[tuple[float, str]] = []  # (seconds since feedback, the loop's state): the failure message's timeline
+    while time.time() - t0 < TRAIN_DEADLINE_S:
         seen.update(_stage_bundles(group))
         assert _greedy(url) is not None  # the replica keeps answering 200 while its node trains
         answered += 1
         info = httpx.get(f"{url}/v1/adapters/whole", timeout=30).json()
         if info["current_version"] == 1:
             break
-        time.sleep(0.5)
+        full = (httpx.get(f"{url}/v1/status", timeout=30).json().get("training") or {}).get("full") or {}
+        state = f"{full.get('state')} train_s={full.get('train_s')}"
+        if not phases or phases[-1][1] != state:
+            phases.append((round(time.time() - t0, 1), state))
+        time.sleep(1.0)
     else:
-        pytest.fail(f"no version within 180 s: {info}")
+        pytest.fail(f"no version within {TRAIN_DEADLINE_S} s; the loop's states: {phases}; the unit: {info}")
     trained_s = time.time() - t0
     seen.update(_stage_bundles(group))  # the stages stay up: they hold the weights the next version starts from
     assert sorted(seen.values()) == [0, 1], seen  # two stage actors, in bundles 0 and 1 of the replica's group
@@ -118,5 +125,5 @@ def test_a_full_unit_trains_in_the_nodes_bundles_while_serving_and_rolls_back(ur
     assert _greedy(url) == before
     back = httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"][0]["full_version"]
     assert back["version"] is None and back["sync_s"] > 0, back
-    print(f"trained and served v1 in {trained_s:.1f} s; sync {full['sync_s']} s; "
+    print(f"trained and served v1 in {trained_s:.1f} s (states {phases}); sync {full['sync_s']} s; "
           f"publish -> served {progress['publish_to_served_s']} s; before {before!r} after {after!r}")
