@@ -23,8 +23,7 @@ from planners.offline.devices import DeviceSet, ExecutionPlan, Plan, Stage, Tens
 from planners.offline.engine_sim import EPS
 from planners.offline.job import JobGraph
 from planners.offline.job_sim import JobSimulator
-from planners.offline.search import (GreedyStages, MaxStages, MinStages, StagePlanner, fastest_plan,
-                                     select_greedy, select_max, select_min)
+from planners.offline.search import (GreedyStages, MaxStages, MinStages, StagePlanner, even_split, select_greedy, select_max, select_min)
 from planners.registry import register
 
 StageChoice = tuple[ExecutionPlan, ...]
@@ -74,17 +73,7 @@ def select_keep(sim: JobSimulator, preemption: bool = True) -> StageChoice:
     free = sim.devices.count - _used(stage)
     cands = [m for m in sim.unfinished() if m not in stage]
     cands = [m for m in cands if m in sim.ready({*stage, *cands})]
-    for k in range(min(len(cands), free), 0, -1):
-        share = [free // k + (1 if i < free % k else 0) for i in range(k)]
-        trial = dict(stage)
-        for m, s in zip(cands[:k], share):
-            p = fastest_plan(sim, trial, m, s)
-            if p is None:
-                break
-            trial[m] = p
-        else:
-            stage = trial
-            break
+    stage = even_split(sim, stage, cands, free)
     if not stage:
         return select_max(sim)
     return _ordered(sim, _grow(sim, stage, preemption))

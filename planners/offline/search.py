@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Sequence
 
 
@@ -97,6 +97,17 @@ def select_min(sim: JobSimulator, preemption: bool = True) -> tuple[ExecutionPla
     for m in sim.unfinished():
         if m not in fixed and m in sim.ready({*fixed, *cands}):
             cands.append(m)
+    stage = even_split(sim, fixed, cands, free)
+    return tuple(stage[m] for m in sim.order if m in stage)
+
+
+def even_split(sim: JobSimulator, fixed: Mapping[str, ExecutionPlan], cands: Sequence[str],
+               free: int) -> dict[str, ExecutionPlan]:
+    """``fixed`` plus the first k of ``cands``, each on its fastest plan within an even share of ``free`` devices.
+
+    k starts at min(candidates, free devices) and shrinks until every chosen model fits its share
+    (the first models get the remainder); ``fixed`` alone when not even one fits (SamuLLM §5's Min).
+    """
     for k in range(min(len(cands), free), 0, -1):
         share = [free // k + (1 if i < free % k else 0) for i in range(k)]
         stage = dict(fixed)
@@ -106,8 +117,8 @@ def select_min(sim: JobSimulator, preemption: bool = True) -> tuple[ExecutionPla
                 break
             stage[m] = p
         else:
-            return tuple(stage[m] for m in sim.order if m in stage)
-    return tuple(fixed[m] for m in sim.order if m in fixed)
+            return stage
+    return dict(fixed)
 
 
 Selector = Callable[[JobSimulator, bool], Sequence[ExecutionPlan]]
