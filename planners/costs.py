@@ -470,8 +470,9 @@ def fit_stage_latency(rows: Sequence[Mapping[str, Any]]) -> StageLatency:
     """Fit Δ = C·(η·ℓ² + β·ℓ) + γ from rows ``{"batch_size", "tokens", "seconds"}`` (LEMIX §IV-A), robustly
     (training steps measured beside a running engine have slowed outliers: ``fit_linear``)."""
     r = _rows(rows, ("batch_size", "tokens", "seconds"))
-    c, l = r["batch_size"], r["tokens"]
-    coefs, q = fit_linear({"C*l^2": c * l * l, "C*l": c * l, "1": np.ones_like(l)}, r["seconds"], robust=True)
+    c, length = r["batch_size"], r["tokens"]
+    coefs, q = fit_linear({"C*l^2": c * length * length, "C*l": c * length, "1": np.ones_like(length)}, r["seconds"],
+                          robust=True)
     return StageLatency(coefs["C*l^2"], coefs["C*l"], coefs["1"], q)
 
 

@@ -219,7 +219,7 @@ def pack_devices(devices: DeviceSet, sizes: Sequence[int], taken: set[int],
         free = [d for d in range(devices.count) if d not in taken]
         want = set(prefer[i]) if prefer else set()
 
-        def score(g: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+        def score(g: tuple[int, ...], free: list[int] = free, want: set[int] = want) -> tuple[int, int, tuple[int, ...]]:
             broken = sum(1 for d in g for e in free if e not in g and devices.links is not None
                          and devices.linked(d, e))
             return -len(want.intersection(g)), broken, g
