@@ -119,7 +119,7 @@ class Admitted:
             finish_reason=finish if isinstance(finish, str) else None, prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"), params=self.params, created_at=time.time())
         days = self.recorder.cfg.limits.store_completions_days
-        await self.recorder.call_store(lambda q: q.store_completion.remote(record, days))
+        await self.recorder.call_store(lambda store: store.store_completion.remote(record, days))
 
 
 def _choice_text(body: dict[str, Any]) -> str:
@@ -170,7 +170,7 @@ class CompletionRecorder:
         read_at, flag = self._flags.get(adapter, (-1e9, False))
         if now - read_at > STORE_FLAG_TTL_S:
             try:
-                info = await self.call_store(lambda q: q.get_adapter.remote(adapter))
+                info = await self.call_store(lambda store: store.get_adapter.remote(adapter))
                 flag = bool(info.store_completions)
             except Exception:  # an operator's adapter the store does not know: stored only on request
                 flag = False
@@ -198,12 +198,12 @@ class CompletionRecorder:
 
     async def show(self, completion_id: str) -> Response:
         tenant, days = PRINCIPAL.get().tenant, self.cfg.limits.store_completions_days
-        done = await self.call_store(lambda q: q.get_completion.remote(completion_id, tenant, days))
+        done = await self.call_store(lambda store: store.get_completion.remote(completion_id, tenant, days))
         return JSONResponse(openai_shape(done))
 
     async def delete(self, completion_id: str) -> Response:
         tenant = PRINCIPAL.get().tenant
-        await self.call_store(lambda q: q.delete_completion.remote(completion_id, tenant))
+        await self.call_store(lambda store: store.delete_completion.remote(completion_id, tenant))
         return JSONResponse({"object": f"{'chat.completion' if completion_id.startswith('chatcmpl') else 'text_completion'}"
                                        ".deleted", "id": completion_id, "deleted": True})
 

@@ -10,24 +10,24 @@ import pytest
 
 from actors.learning.versions.layout import ADAPTER_FILES, META_FILE, OPTIMIZER_FILE, upload_version, write_version_files
 from settings import load
-from actors.learning.store.actor import FeedbackQueue
+from actors.learning.store.actor import FeedbackStore
 from actors.learning.store.models import UnknownVersion
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.sqlite import FeedbackDatabase
 
 NO_GATE = {"enabled": False, "held_out_share": 0.0}
 
 
-def _publish(store: FeedbackStore, name: str, node: int | None = None, gated: bool | None = None) -> int:
+def _publish(store: FeedbackDatabase, name: str, node: int | None = None, gated: bool | None = None) -> int:
     v = store.reserve_version(name, node)
     return store.publish_version(name, v.version, f"/nowhere/{name}/v{v.version}", [], 1, 0.5, gated=gated).version
 
 
-def _listed(store: FeedbackStore, name: str) -> list[int]:
+def _listed(store: FeedbackDatabase, name: str) -> list[int]:
     return [v.version for v in store.get_adapter(name).versions]
 
 
 def test_the_newest_versions_and_every_needed_one_are_kept(tmp_path):
-    store = FeedbackStore(tmp_path, gate_defaults=NO_GATE, keep_versions=3)
+    store = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE, keep_versions=3)
     store.create_adapter({"name": "acme", "method": "dpo"})
     for _ in range(6):
         _publish(store, "acme")
@@ -60,11 +60,11 @@ def test_the_newest_versions_and_every_needed_one_are_kept(tmp_path):
     store._conn.execute("UPDATE versions SET created_at = created_at - 2 * 86400 WHERE version = 11")
     assert store.prune_versions("acme", keep=1) == [7]  # a day later it is a crashed trainer's: v7 goes
     # keep_versions null: nothing is ever deleted.
-    assert FeedbackStore(tmp_path, keep_versions=None).prune_versions("acme") == []
+    assert FeedbackDatabase(tmp_path, keep_versions=None).prune_versions("acme") == []
 
 
 def test_each_nodes_served_copy_is_kept(tmp_path):
-    store = FeedbackStore(tmp_path, gate_defaults=NO_GATE, keep_versions=1)
+    store = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE, keep_versions=1)
     store.create_adapter({"name": "acme", "method": "dpo"})
     n0 = _publish(store, "acme", node=0)
     n1 = [_publish(store, "acme", node=1) for _ in range(3)]
@@ -86,7 +86,7 @@ def test_the_store_actor_deletes_old_versions_files_and_keeps_optimizer_state_wh
     shared = tmp_path / "shared"
     cfg = load({"data_dir": str(tmp_path / "data"), "storage": {"adapters_uri": shared.as_uri() if on_uri else None},
                 "training": {"keep_versions": 2, "gate": NO_GATE}})
-    queue = FeedbackQueue(cfg)
+    queue = FeedbackStore(cfg)
     store = queue.store
 
     def publish(**gate: bool) -> Path:

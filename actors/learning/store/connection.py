@@ -35,7 +35,7 @@ from actors.learning.store.schema import (ADAPTER_COLUMNS, ADDED_COLUMNS, NEW_ME
 
 
 class StoreConnection:
-    """One SQLite file opened, migrated and guarded by a lock; the base of every part of :class:`FeedbackStore`."""
+    """One SQLite file opened, migrated and guarded by a lock; the base of every part of :class:`FeedbackDatabase`."""
 
     def __init__(self, data_dir: str | Path, *, filename: str = DB_FILENAME,
                  max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES, max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,

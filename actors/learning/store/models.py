@@ -14,11 +14,14 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from settings import ADMIN_TENANT, MAX_COUNT, GateSettings
+
+# Feedback as a client sent it (one item or a list; each a JSON object), before validate_feedback checks it.
+RawItems: TypeAlias = Sequence[Mapping[str, Any]] | Mapping[str, Any]
 
 ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 TENANT_NAME_RE = ADAPTER_NAME_RE  # deployments/keys.py's TENANT_RE: the same shape
@@ -466,6 +469,57 @@ class ServedState:
 
     change: int
     adapters: dict[str, ServedAdapter]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionWritten:
+    """A version as a write left it, and the store's served-change number after that write: the planner serves
+    the write once it has followed that number (``Planner.load_adapter``)."""
+
+    info: VersionInfo
+    served_change: int
+
+
+@dataclass(frozen=True, slots=True)
+class VersionScores:
+    """What the gate (or a scoring of a version served without it) measured; None: not measured."""
+
+    score: float | None = None
+    win_rate: float | None = None
+    clpd: float | None = None
+    token_logprob: float | None = None
+    eval_items: int | None = None
+    retention: float | None = None
+    retention_base: float | None = None
+    retention_prompts: int | None = None
+    score_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VersionVerdict:
+    """The quality gate's verdict on a candidate: served (``passed``) or rejected, why, and against what.
+
+    ``counts`` False: held back for want of evidence, not a rejection of its quality (no count toward a pause)."""
+
+    passed: bool
+    reason: str
+    scores: VersionScores = VersionScores()
+    baseline_version: int | None = None
+    baseline_score: float | None = None
+    counts: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class UploadMeta:
+    """What an uploaded version's ``meta.json`` says of where it came from (``POST /v1/adapters/{name}/versions``)."""
+
+    source: str
+    base_model_name_or_path: str | None
+    r: int | None
+    lora_alpha: float | None
+    modules: list[str]
+    uploaded_by: str | None
+    uploaded: bool = True
 
 
 @dataclass(frozen=True, slots=True)
