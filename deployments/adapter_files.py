@@ -30,7 +30,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError
 
-from actors.learning.store.models import Conflict, UnknownVersion, UploadMeta, VersionInfo
+from actors.learning.store.models import Conflict, UnknownVersion
+from actors.learning.store.records import UploadMeta, VersionInfo
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.versions.adapter_upload import (
     ADAPTER_FILES,

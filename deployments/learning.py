@@ -39,7 +39,6 @@ from actors.learning.store.models import (
     ADAPTER_KEY_RE,
     ALL_LINEAR,
     AdapterExists,
-    AdapterInfo,
     AdapterQuotaExceeded,
     AdapterSpec,
     Conflict,
@@ -52,10 +51,11 @@ from actors.learning.store.models import (
     UnknownItem,
     UnknownVersion,
     adapter_key,
-    idempotency_key_problem,
     pydantic_error,
     pydantic_param,
 )
+from actors.learning.store.feedback_items import idempotency_key_problem
+from actors.learning.store.records import AdapterInfo
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.schema import IDEMPOTENCY_TTL_S
 from deployments.adapter_files import AdapterFileRoutes

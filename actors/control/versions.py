@@ -19,7 +19,7 @@ from settings import AppConfig
 from actors.control.messages import AdapterLoaded
 from actors.control.nodes import NodeRecord
 from actors.learning.messages import FullVersion
-from actors.learning.store.models import ServedState
+from actors.learning.store.records import ServedState
 from actors.learning.store.unit_kind import unit_kind
 from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, AdapterVersion, FullSynced
 

@@ -6,7 +6,8 @@ import sqlite3
 
 import pytest
 
-from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict, is_held_out
+from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict
+from actors.learning.store.feedback_items import is_held_out
 from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackDatabase
 from deployments.metrics import render
 from planners.gate import decide, judge, judge_retention

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import ray
 
 from settings import AppConfig
-from actors.learning.store.models import FeedbackItem
+from actors.learning.store.records import FeedbackItem
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.lora.evaluator import VersionEvaluator
 from actors.learning.lora.messages import (

@@ -13,7 +13,8 @@ import ray
 
 from actors.learning.lora.messages import (GateDecided, RetentionScoreRequest, RetentionSetRequest, ScoreRequest,
                                            TrainerEvent, VersionScored)
-from actors.learning.store.models import AdapterInfo, VersionConflict, VersionScores, VersionVerdict
+from actors.learning.store.models import VersionConflict
+from actors.learning.store.records import AdapterInfo, VersionScores, VersionVerdict
 from settings import TrainingConfig
 
 

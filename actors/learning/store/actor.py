@@ -47,9 +47,19 @@ from actors.learning.versions.layout import (
 )
 from settings import AppConfig
 from actors.learning.store.completion_rows import FeedbackRef, StoredCompletion
-from actors.learning.store.models import (AdapterInfo, AdapterSpec, FeedbackItem, FeedbackReceipt, GateSettings,
-                                          RawItems, ServedState, UploadMeta, VersionInfo, VersionScores,
-                                          VersionVerdict, VersionWritten)
+from actors.learning.store.models import AdapterSpec, GateSettings
+from actors.learning.store.feedback_items import RawItems
+from actors.learning.store.records import (
+    AdapterInfo,
+    FeedbackItem,
+    FeedbackReceipt,
+    ServedState,
+    UploadMeta,
+    VersionInfo,
+    VersionScores,
+    VersionVerdict,
+    VersionWritten,
+)
 from actors.learning.store.sqlite import IDEMPOTENCY_TTL_S, FeedbackDatabase
 
 logger = logging.getLogger(__name__)

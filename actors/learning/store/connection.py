@@ -14,7 +14,6 @@ from typing import Any, Self
 from pydantic import BaseModel, ValidationError
 
 from actors.learning.store.models import (
-    AdapterInfo,
     DEFAULT_MAX_BATCH_ITEMS,
     DEFAULT_MAX_ITEM_BYTES,
     GateOverrides,
@@ -25,11 +24,11 @@ from actors.learning.store.models import (
     StoreError,
     UnknownAdapter,
     UnknownVersion,
-    VersionInfo,
     pydantic_error,
     pydantic_param,
     adapter_key,
 )
+from actors.learning.store.records import AdapterInfo, VersionInfo
 from actors.learning.store.schema import (ADAPTER_COLUMNS, ADDED_COLUMNS, NEW_METHODS_CHECK, OLD_KINDS_CHECK,
                                    OLD_METHODS_CHECKS, SCHEMA, VERSION_COLUMNS, DB_FILENAME, SCHEMA_VERSION)
 

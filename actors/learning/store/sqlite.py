@@ -45,7 +45,7 @@ class of it: ``schema.py`` (tables and migrations' column list), ``connection.py
 transactions, migrations and the row reads every part shares), ``adapter_registry.py`` (adapters),
 ``feedback_rows.py`` (the queue and idempotency keys), ``completion_rows.py`` (stored completions and
 feedback by completion id) and ``version_registry.py`` (versions and
-retention). What it accepts and returns is in ``actors/learning/store/models.py``.
+retention). What it accepts is in ``models.py`` and ``feedback_items.py``, what it returns in ``records.py``.
 """
 
 from __future__ import annotations

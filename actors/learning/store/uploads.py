@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-from actors.learning.store.models import UploadMeta, VersionInfo
+from actors.learning.store.records import UploadMeta, VersionInfo
 from actors.learning.store.sqlite import FeedbackDatabase
 from actors.learning.versions.layout import (
     ADAPTER_FILES,

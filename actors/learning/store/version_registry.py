@@ -8,15 +8,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from actors.learning.store.models import (
-    AdapterInfo,
-    GateOverrides,
-    InvalidRequest,
-    ServedAdapter,
-    ServedVersion,
-    VersionConflict,
-    VersionInfo,
-)
+from actors.learning.store.models import GateOverrides, InvalidRequest, VersionConflict
+from actors.learning.store.records import AdapterInfo, ServedAdapter, ServedVersion, VersionInfo
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.connection import StoreConnection, version_from_row
 from actors.learning.store.schema import VERSION_COLUMNS, RESERVATION_PINS_S
