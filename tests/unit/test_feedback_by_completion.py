@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from actors.learning.store.completion_rows import StoredCompletion, UnknownCompletion
+from actors.learning.store.completion_rows import ChatMessage, SamplingParams, StoredCompletion, UnknownCompletion
 from actors.learning.store.sqlite import FeedbackDatabase
 from deployments.keys import KeyRing, digest
 from deployments.stored_completions import CompletionRecorder
@@ -30,7 +30,8 @@ def completion(ident: str, tenant: str, adapter: str | None, version: int | None
                messages: list | None = None, age_s: float = 0.0) -> StoredCompletion:
     turns = CHAT if messages is None else messages
     return StoredCompletion(ident, tenant, "chat.completion", f"tiny-llama:{adapter}", adapter, version,
-                            f"<rendered>{turns[-1]['content']}", turns, output, "stop", 7, 3, {"temperature": 0.0},
+                            f"<rendered>{turns[-1]['content']}", tuple(ChatMessage(**t) for t in turns), output, "stop", 7, 3,
+                            SamplingParams(temperature=0.0),
                             time.time() - age_s)
 
 
@@ -268,5 +269,5 @@ def test_the_recorder_pins_the_version_at_admission_and_keeps_the_streamed_text(
     assert "".join(chunks).endswith("data: [DONE]\n\n")  # passed through untouched
     done = store.get_completion("chatcmpl-s", "acme")
     assert (done.output, done.version, done.finish_reason, done.model) == ("Rome.", 3, "stop", "tiny-llama:kto")
-    assert done.params == {"temperature": 0.0, "max_completion_tokens": 8} and done.messages == CHAT
+    assert done.params.given() == {"temperature": 0.0, "max_completion_tokens": 8} and done.turns() == CHAT
     store.close()
