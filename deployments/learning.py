@@ -369,7 +369,8 @@ class LearningRoutes:
 
     async def list_adapters(self) -> JSONResponse:
         principal = PRINCIPAL.get()
-        adapters = [a for a in await self.call_store(lambda store: store.list_adapters.remote()) if principal.may_use(a.tenant)]
+        adapters = [a for a in await self.call_store(lambda store: store.list_adapters.remote())
+                    if principal.may_use(a.tenant)]
         return JSONResponse({"object": "list", "data": [self._adapter_json(i) for i in adapters]})
 
     async def show_adapter(self, name: str) -> Response:
@@ -405,7 +406,8 @@ class LearningRoutes:
             raise BadRequest("`version` (a positive integer) is required.", "version")
         if isinstance(body, dict) and set(body) != {"version"}:
             raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
-        info = await self.call_store(lambda store: (store.rollback if how == "rollback" else store.promote).remote(name, version))
+        info = await self.call_store(
+            lambda store: (store.rollback if how == "rollback" else store.promote).remote(name, version))
         # From here on the change is committed: the answer is the stored state, whatever the planner does.
         # The target's path and node come with the answer (versions are immutable once published).
         target = next((v for v in info.versions if v.version == version), None)

@@ -226,11 +226,11 @@ class PipelineTrainer:
         return [data if i in (0, last) else None for i in range(len(self.stages))]
 
     def _train_batch_on_all(self, batches: list[TokenBatch], mode: str) -> float:
-        """One optimizer step over ``batches`` on every stage at once (no scheduler); its loss, as stage 0 reports it."""
+        """One optimizer step over ``batches`` on every stage at once (no scheduler); its loss, as stage 0 has it."""
         return ray.get([st.train_batch.remote(data, mode) for st, data in zip(self.stages, self._data_for(batches))])[0]
 
     def _logps_on_all(self, batches: list[TokenBatch]) -> list[float]:
-        """Sequence log-probs of every row of ``batches`` (no grad), from the one stage that computes them (the last)."""
+        """Sequence log-probs of every row of ``batches`` (no grad), from the stage that computes them (the last)."""
         rows = ray.get([st.logps.remote(data, len(batches)) for st, data in zip(self.stages, self._data_for(batches))])
         return next(r for r in rows if r is not None)
 

@@ -20,8 +20,9 @@ the planner. Per micro-step it:
 5. every ``steps_per_version`` optimizer steps, or when the adapter's queue is empty, publishes:
    ``reserve_version`` → rank 0 saves (atomic) and makes the files readable from every node →
    ``publish_version`` (one store transaction that marks the items consumed and answers the store's
-   served-change number) → ``Planner.load_adapter``, which waits until the planner has followed that number; with the gate on, the version is a candidate that the gate
-   (``evaluator.py``) scores on rank 0 between steps and the store decides in one transaction.
+   served-change number) → ``Planner.load_adapter``, which waits until the planner has followed that
+   number; with the gate on, the version is a candidate that the gate (``evaluator.py``) scores on
+   rank 0 between steps and the store decides in one transaction.
 
 Faults stay with their adapter: a rank that cannot load an adapter's version, encode its items,
 run its windows, save or score it answers with the fault (or its call raises it), and the driver
@@ -152,8 +153,8 @@ class LoraDriver:
         self.not_before: dict[str, float] = {}  # adapter -> when to pick it again (after a fault)
         self.evaluator = VersionEvaluator(
             self.store, line, self.t, cfg.data_path, eval_file, rank_zero=self,
-            spec_changed=lambda adapter: self.specs.pop(adapter, None), load_on_replicas=self.load_on_replicas, report=lambda adapter, event: self.report(adapter, event),
-            warn=lambda where, exc: self.warn(where, exc))
+            spec_changed=lambda adapter: self.specs.pop(adapter, None), load_on_replicas=self.load_on_replicas,
+            report=lambda adapter, event: self.report(adapter, event), warn=lambda where, exc: self.warn(where, exc))
         self._adopted_at = 0.0
         self._resume_gate()
 

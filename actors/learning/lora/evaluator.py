@@ -251,7 +251,8 @@ class VersionEvaluator:
 
     # ---- the retention check ---------------------------------------------------------------------
 
-    def _retention(self, adapter: str, version: int, path: str | None, info: AdapterInfo) -> tuple[Any, RetentionScores | None]:
+    def _retention(self, adapter: str, version: int, path: str | None,
+                   info: AdapterInfo) -> tuple[Any, RetentionScores | None]:
         """The retention verdict of a version and its scores; (None, None) with ``gate.retention`` off.
 
         The set (the base model's answers and its scores of them) is built on rank 0 at its first use

@@ -262,7 +262,7 @@ class FeedbackStore:
 
     async def publish_version(self, adapter: str, version: int, path: str, item_ids: Iterable[int],
                               samples_trained: int, loss: float | None, *, gated: bool | None = None) -> VersionWritten:
-        """Publish a reserved version in one transaction (``FeedbackDatabase.publish_version``), then apply retention."""
+        """Publish a reserved version in one transaction (``FeedbackDatabase.publish_version``), then retention."""
         ids = list(item_ids)
         written = await self._write_version(lambda: self.db.publish_version(
             adapter, version, path, ids, samples_trained, loss, gated=gated))
@@ -322,7 +322,7 @@ class FeedbackStore:
         return await self._in_thread(self.db.get_version, adapter, version)
 
     async def prune_versions(self, adapter: str) -> list[int]:
-        """Apply ``training.keep_versions`` to ``adapter``: the versions deleted now (``FeedbackDatabase.prune_versions``).
+        """Apply ``training.keep_versions`` to ``adapter``: those deleted now (``FeedbackDatabase.prune_versions``).
 
         Their files go after the rows are marked (so a crash leaves files, never a listed version without
         them), with any left by an earlier crash, and this node's cached copies of URI-kept versions. The
