@@ -330,7 +330,7 @@ def main() -> None:
         "replica": lambda: kill_replica("faults"),
         "rank": lambda: kill_rank("faults-trainer"),
         "planner": lambda: kill_planner("faults"),
-        "store": lambda: kill_named("faults-feedback"),
+        "store": lambda: kill_named("faults-store"),
         "app": lambda: (serve.delete("faults"), deploy()),
     }
     results = []
@@ -339,7 +339,7 @@ def main() -> None:
         with Prober(url, model, adapter, headers, a.probe_period) as prober:
             for target in a.drills.split(","):
                 r = drill(target, kills[target], prober, url=url, headers=headers, model=model, adapter=adapter,
-                          store_name="faults-feedback", adapters_root=data / "adapters")
+                          store_name="faults-store", adapters_root=data / "adapters")
                 results.append(r)
                 print(json.dumps(asdict(r)), flush=True)
     finally:

@@ -122,7 +122,8 @@ def chat_sampled(model: Any, tok: Any, prompts: Sequence[str], max_new_tokens: i
 def run_direct(h: Any, a: argparse.Namespace, probe: list[str], rate: list[str]) -> dict[str, Any]:
     from actors.learning.lora.steps import optimizer_step
     from actors.learning.lora.windowed_pass import WindowedPass
-    from actors.learning.store.models import LoraSettings, is_held_out
+    from actors.learning.store.models import LoraSettings
+    from actors.learning.store.feedback_items import is_held_out
     from bench.learning_sweep import chat_greedy, facts_right
 
     lora = LoraSettings(target_modules=a.targets if a.targets == "all-linear" else a.targets.split(","))

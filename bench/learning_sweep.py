@@ -272,7 +272,8 @@ def run_sft(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
 
     from actors.learning.lora.alignment import evaluate_completions
     from actors.learning.lora.steps import optimizer_step
-    from actors.learning.store.models import LoraSettings, is_held_out
+    from actors.learning.store.models import LoraSettings
+    from actors.learning.store.feedback_items import is_held_out
     from planners.gate import item_spread, judge
 
     rows = sharegpt(a.items + a.unseen, seed=a.seed)

@@ -30,7 +30,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError
 
-from actors.learning.store.models import Conflict, UnknownVersion, VersionInfo
+from actors.learning.store.models import Conflict, UnknownVersion
+from actors.learning.store.records import UploadMeta, VersionInfo
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.versions.adapter_upload import (
     ADAPTER_FILES,
@@ -74,7 +75,7 @@ class AdapterFileRoutes:
         """Check a PEFT LoRA adapter against the served base and publish it as the adapter's next version; 201."""
         principal = PRINCIPAL.get()
         key = await self.routes.resolve(name)
-        info = await self.routes.call_store(lambda q: q.get_adapter.remote(key))
+        info = await self.routes.call_store(lambda store: store.get_adapter.remote(key))
         kind = unit_kind(info.method)
         if not kind.trained_by_lora_ranks:
             raise BadRequest(f"{name!r} is a {kind.name} unit ({info.method}): only LoRA adapters take uploaded "
@@ -107,9 +108,9 @@ class AdapterFileRoutes:
         except AdapterRejected as exc:
             text = str(exc) if principal.admin else self.routes.without_paths(str(exc))
             return error(exc.status, text, exc.param, err_type="invalid_request_error")
-        meta = {"uploaded": True, "source": "body" if source is None else source.split("?", 1)[0],
-                "base_model_name_or_path": checked.base_model, "r": checked.rank, "lora_alpha": checked.alpha,
-                "modules": list(checked.modules), "uploaded_by": principal.tenant}
+        meta = UploadMeta(source="body" if source is None else source.split("?", 1)[0],
+                          base_model_name_or_path=checked.base_model, r=checked.rank, lora_alpha=checked.alpha,
+                          modules=list(checked.modules), uploaded_by=principal.tenant)
         note = "; ".join(("uploaded", *checked.notes))
         version = await self._add(key, checked.files, meta, gate, note)
         if version.state == "served":
@@ -186,13 +187,13 @@ class AdapterFileRoutes:
                            self.routes.base, type(exc).__name__, exc)
             return None
 
-    async def _add(self, key: str, files: dict[str, bytes], meta: dict[str, Any], gate: bool | None,
+    async def _add(self, key: str, files: dict[str, bytes], meta: UploadMeta, gate: bool | None,
                    note: str) -> VersionInfo:
         """Publish on the store's actor, once: a resent upload could publish twice, so a store that died
         meanwhile is a 503 that says how to find out whether it was stored."""
         try:
             return await self.routes.call_store_once(
-                lambda q: q.add_version.remote(key, files, meta, gated=gate, note=note))
+                lambda store: store.add_version.remote(key, files, meta, gated=gate, note=note))
         except RayActorError:
             raise ServiceUnavailable("The feedback store restarted during the upload; GET the adapter to see whether "
                                      "the version was stored, and send it again if not.") from None
@@ -215,18 +216,18 @@ class AdapterFileRoutes:
         if not version.isdigit() or not 1 <= int(version) < 2**63:
             raise BadRequest(f"version {version!r}: a positive integer", "version")
         number = int(version)
-        info = await self.routes.call_store(lambda q: q.get_adapter.remote(key))
+        info = await self.routes.call_store(lambda store: store.get_adapter.remote(key))
         kind = unit_kind(info.method)
         if not kind.trained_by_lora_ranks:
             raise BadRequest(f"{name!r} is a {kind.name} unit ({info.method}): only a LoRA adapter's versions are "
                              "downloaded here", "name")
-        found = await self.routes.call_store(lambda q: q.get_version.remote(key, number))
+        found = await self.routes.call_store(lambda store: store.get_version.remote(key, number))
         if not found.published or not found.path:
             raise UnknownVersion(f"adapter {name!r} has no published version {number}")
         if is_uri(found.path):
             files = await asyncio.to_thread(download_version, found.path)
         else:
-            files = await self.routes.call_store(lambda q: q.read_version.remote(found.path))
+            files = await self.routes.call_store(lambda store: store.read_version.remote(found.path))
         tar = as_tar({n: files[n] for n in ADAPTER_FILES})
         filename = f"{name.replace('/', '-')}-v{number}.tar"
         return Response(tar, media_type="application/x-tar",

@@ -39,7 +39,6 @@ from actors.learning.store.models import (
     ADAPTER_KEY_RE,
     ALL_LINEAR,
     AdapterExists,
-    AdapterInfo,
     AdapterQuotaExceeded,
     AdapterSpec,
     Conflict,
@@ -52,11 +51,13 @@ from actors.learning.store.models import (
     UnknownItem,
     UnknownVersion,
     adapter_key,
-    idempotency_key_problem,
     pydantic_error,
     pydantic_param,
 )
+from actors.learning.store.feedback_items import idempotency_key_problem
+from actors.learning.store.records import AdapterInfo
 from actors.learning.store.unit_kind import unit_kind
+from actors.learning.store.schema import IDEMPOTENCY_TTL_S
 from deployments.adapter_files import AdapterFileRoutes
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
@@ -146,7 +147,7 @@ class LearningRoutes:
         # The base model's id, as the planner and the replicas derive it, without asking the planner.
         self.base = served_model_name(cfg, model_path(cfg))
         self.planner_timeout_s = PLANNER_AFTER_COMMIT_TIMEOUT_S
-        self._feedback = None
+        self._store = None
         self._owners: dict[str, str | None] = {}  # adapter key -> tenant (None: made without keys)
         # Server paths a tenant must not read in a reason (a version that failed to load names its files).
         roots = {str(cfg.data_path), str(model_path(cfg)), cfg.storage.adapters_uri or ""}
@@ -184,13 +185,13 @@ class LearningRoutes:
     async def call_store(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """``call(store)`` on the feedback store's actor, looked up again once if it was restarted."""
         for attempt in range(2):
-            if self._feedback is None:
-                self._feedback = await self._find_store()
+            if self._store is None:
+                self._store = await self._find_store()
             try:
-                return await call(self._feedback)
+                return await call(self._store)
             except RayActorError:
                 # The store is restarting (Ray restarts it on the same node with the same database).
-                self._feedback = None
+                self._store = None
                 if attempt == 1:
                     raise ServiceUnavailable("The feedback store is restarting; retry in a few seconds.") from None
         raise AssertionError("unreachable")
@@ -198,12 +199,12 @@ class LearningRoutes:
     async def call_store_once(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """``call(store)`` on the feedback store's actor once, never resent (a resent write could apply twice):
         a store that died meanwhile forgets the handle and raises ``RayActorError`` for the caller to answer."""
-        if self._feedback is None:
-            self._feedback = await self._find_store()
+        if self._store is None:
+            self._store = await self._find_store()
         try:
-            return await call(self._feedback)
+            return await call(self._store)
         except RayActorError:
-            self._feedback = None
+            self._store = None
             raise
 
     async def _find_store(self) -> Any:
@@ -214,9 +215,9 @@ class LearningRoutes:
         from actors.control.planner import NAMESPACE
 
         try:
-            return await asyncio.to_thread(ray.get_actor, self.cfg.feedback_actor_name, namespace=NAMESPACE)
+            return await asyncio.to_thread(ray.get_actor, self.cfg.store_actor_name, namespace=NAMESPACE)
         except ValueError:
-            return await self.ask_planner(lambda p: p.feedback_queue.remote())
+            return await self.ask_planner(lambda p: p.feedback_store.remote())
 
     async def owner(self, adapter: str) -> str | None | object:
         """The tenant that owns the adapter keyed ``adapter`` (None: made without keys), or :data:`UNKNOWN`."""
@@ -225,7 +226,7 @@ class LearningRoutes:
         if not ADAPTER_KEY_RE.match(adapter):
             return UNKNOWN
         try:
-            owner = await self.call_store(lambda q: q.adapter_tenant.remote(adapter))
+            owner = await self.call_store(lambda store: store.adapter_tenant.remote(adapter))
         except (UnknownAdapter, RayTaskError) as exc:
             # Ray re-raises the store's error as a RayTaskError that carries it as ``cause``.
             if not isinstance(getattr(exc, "cause", exc), UnknownAdapter):
@@ -349,17 +350,17 @@ class LearningRoutes:
         request's adapter, committed before the store died, and the answer is 201."""
         calls = 0
 
-        def create(q: Any) -> Any:
+        def create(store: Any) -> Any:
             nonlocal calls
             calls += 1
-            return q.create_adapter.remote(spec)
+            return store.create_adapter.remote(spec)
 
         try:
             return await self.call_store(create)
         except (AdapterExists, RayTaskError) as exc:
             if calls < 2 or not isinstance(getattr(exc, "cause", exc), AdapterExists):
                 raise
-            info = await self.call_store(lambda q: q.get_adapter.remote(key))
+            info = await self.call_store(lambda store: store.get_adapter.remote(key))
             # The stored gate is the effective one; the stored name is the key (its tenant's and name's).
             fields = set(AdapterSpec.model_fields) - {"gate", "name"}
             if info.model_dump(include=fields) != spec.model_dump(include=fields) or time.time() - info.created_at > 60:
@@ -368,12 +369,13 @@ class LearningRoutes:
 
     async def list_adapters(self) -> JSONResponse:
         principal = PRINCIPAL.get()
-        adapters = [a for a in await self.call_store(lambda q: q.list_adapters.remote()) if principal.may_use(a.tenant)]
+        adapters = [a for a in await self.call_store(lambda store: store.list_adapters.remote())
+                    if principal.may_use(a.tenant)]
         return JSONResponse({"object": "list", "data": [self._adapter_json(i) for i in adapters]})
 
     async def show_adapter(self, name: str) -> Response:
         key = await self.resolve(name)
-        info = await self.call_store(lambda q: q.get_adapter.remote(key))
+        info = await self.call_store(lambda store: store.get_adapter.remote(key))
         return JSONResponse(self._adapter_json(info))
 
     async def update_adapter(self, name: str, request: Request) -> Response:
@@ -382,7 +384,7 @@ class LearningRoutes:
         body = await json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object.")
-        info = await self.call_store(lambda q: q.update_adapter.remote(key, body))
+        info = await self.call_store(lambda store: store.update_adapter.remote(key, body))
         await self.tell_planner(f"PATCH of adapter {key!r}", lambda p: p.adapter_changed.remote(key))
         return JSONResponse(self._adapter_json(info))
 
@@ -404,7 +406,8 @@ class LearningRoutes:
             raise BadRequest("`version` (a positive integer) is required.", "version")
         if isinstance(body, dict) and set(body) != {"version"}:
             raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
-        info = await self.call_store(lambda q: (q.rollback if how == "rollback" else q.promote).remote(name, version))
+        info = await self.call_store(
+            lambda store: (store.rollback if how == "rollback" else store.promote).remote(name, version))
         # From here on the change is committed: the answer is the stored state, whatever the planner does.
         # The target's path and node come with the answer (versions are immutable once published).
         target = next((v for v in info.versions if v.version == version), None)
@@ -423,7 +426,7 @@ class LearningRoutes:
         if not principal.admin:  # a tenant's key: its own series, nobody else's
             return Response(render_tenant(engines, principal.tenant or "", status.get("tenants")),
                             media_type=CONTENT_TYPE_LATEST)
-        adapters = [a.model_dump() for a in await self.call_store(lambda q: q.list_adapters.remote())]
+        adapters = [a.model_dump() for a in await self.call_store(lambda store: store.list_adapters.remote())]
         return Response(render(status, adapters, engines), media_type=CONTENT_TYPE_LATEST)
 
     async def feedback(self, request: Request) -> Response:
@@ -465,7 +468,7 @@ class LearningRoutes:
             # Feedback by id: each such item becomes the item it stands for, on the stored prompt (the tenant's own
             # completions only; another tenant's id is a 404 as a missing one).
             days = self.cfg.limits.store_completions_days
-            listed, refs = await self.call_store(lambda q: q.resolve_feedback_refs.remote(listed, tenant, days))
+            listed, refs = await self.call_store(lambda store: store.resolve_feedback_refs.remote(listed, tenant, days))
             items = listed if isinstance(items, list) else listed[0]
         per_day = self.cfg.limits.training_tokens_per_day
         sizes = None
@@ -477,12 +480,10 @@ class LearningRoutes:
             nodes = await self.ask_planner(lambda p: p.feedback_nodes.remote(sizes))
         if key is None:
             key, ttl = f"request-{uuid.uuid4().hex}", REQUEST_KEY_TTL_S
-        options: dict[str, Any] = {"idempotency_key": key, "tenant": tenant, "refs": refs,
-                                   "tokens": None if sizes is None else [s.tokens for s in sizes],
-                                   "tokens_per_day": per_day}
-        if ttl is not None:
-            options["key_ttl_s"] = ttl
-        receipt = await self.call_store(lambda q: q.submit_feedback.remote(items, nodes, **options))
+        tokens = None if sizes is None else [s.tokens for s in sizes]
+        receipt = await self.call_store(lambda store: store.submit_feedback.remote(
+            items, nodes, idempotency_key=key, tenant=tenant, key_ttl_s=IDEMPOTENCY_TTL_S if ttl is None else ttl,
+            refs=refs, tokens=tokens, tokens_per_day=per_day))
         # Only a client's own key is a replay the client asked for; a request key replays Ray's resend.
         replayed = {"Idempotent-Replayed": "true"} if receipt.replayed and ttl is None else None
         return JSONResponse({"ids": receipt.ids, "accepted": len(receipt.ids)}, status_code=202, headers=replayed)

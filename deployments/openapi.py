@@ -16,16 +16,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.learning.store.models import (
-    MAX_IDEMPOTENCY_KEY_CHARS,
-    AdapterSpec,
-    GateOverrides,
-    Mode,
-    PeriodicSettings,
-    LabelItem,
-    PreferenceItem,
-    SFTItem,
-)
+from actors.learning.store.models import MAX_IDEMPOTENCY_KEY_CHARS, AdapterSpec, GateOverrides, Mode, PeriodicSettings
+from actors.learning.store.feedback_items import LabelItem, PreferenceItem, SFTItem
 from deployments.guard import PUBLIC_PATHS
 
 REF = "#/components/schemas/{model}"

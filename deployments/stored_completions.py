@@ -26,14 +26,11 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
-from actors.learning.store.completion_rows import StoredCompletion
+from actors.learning.store.completion_rows import ChatMessage, SamplingParams, StoredCompletion
 from deployments.guard import PRINCIPAL
 
 logger = logging.getLogger("ray.serve")
 
-# The sampling parameters kept with a stored completion (those a request set; unset ones are not stored).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "n", "seed",
-                   "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs")
 STORE_FLAG_TTL_S = 10.0  # how long an adapter's store_completions flag is trusted before it is read again
 
 
@@ -46,28 +43,21 @@ def _text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def chat_turns(messages: Any) -> list[dict[str, str]]:
-    """A chat request's messages as plain {role, content} turns (what feedback on it trains on)."""
+def chat_turns(messages: Any) -> tuple[ChatMessage, ...]:
+    """A chat request's messages as plain (role, content) turns (what feedback on it trains on)."""
     turns = []
     for m in messages or []:
         m = m if isinstance(m, dict) else (m.model_dump() if hasattr(m, "model_dump") else dict(m))
-        turns.append({"role": str(m.get("role")), "content": _text(m.get("content"))})
-    return turns
+        turns.append(ChatMessage(str(m.get("role")), _text(m.get("content"))))
+    return tuple(turns)
 
 
 @dataclass
 class Admitted:
-    """A request admitted to be stored: what is known before the engine answers."""
+    """A request admitted to be stored: the record as known before the engine answers."""
 
     recorder: "CompletionRecorder"
-    tenant: str
-    object: str
-    model: str
-    adapter: str | None
-    version: int | None
-    prompt: str
-    messages: list[dict[str, str]] | None
-    params: dict[str, Any]
+    request: StoredCompletion  # StoredCompletion.admitted: no id or answer yet
 
     async def record(self, response: Any) -> Any:
         """``response`` (vLLM's) unchanged; its answer stored once complete (a refusal stores nothing)."""
@@ -113,13 +103,10 @@ class Admitted:
     async def _store(self, ident: Any, output: str, finish: Any, usage: dict[str, Any]) -> None:
         if not isinstance(ident, str) or not ident:
             return
-        record = StoredCompletion(
-            id=ident, tenant=self.tenant, object=self.object, model=self.model, adapter=self.adapter,
-            version=self.version, prompt=self.prompt, messages=self.messages, output=output,
-            finish_reason=finish if isinstance(finish, str) else None, prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage.get("completion_tokens"), params=self.params, created_at=time.time())
+        record = self.request.answered(ident, output, finish if isinstance(finish, str) else None,
+                                       usage.get("prompt_tokens"), usage.get("completion_tokens"), time.time())
         days = self.recorder.cfg.limits.store_completions_days
-        await self.recorder.call_store(lambda q: q.store_completion.remote(record, days))
+        await self.recorder.call_store(lambda store: store.store_completion.remote(record, days))
 
 
 def _choice_text(body: dict[str, Any]) -> str:
@@ -156,37 +143,39 @@ class CompletionRecorder:
             return None
         version = self.served_version(model) if adapter is not None else 0
         chat = hasattr(request, "messages")
-        params = {f: getattr(request, f) for f in SAMPLING_FIELDS if getattr(request, f, None) is not None}
+        params = SamplingParams.of(request)
         if chat:
             turns = chat_turns(request.messages)
             prompt = await asyncio.to_thread(self._render, turns)
         else:
             turns, prompt = None, request.prompt if isinstance(request.prompt, str) else json.dumps(request.prompt)
-        return Admitted(self, PRINCIPAL.get().tenant or "", "chat.completion" if chat else "text_completion",
-                        public_model, adapter, version, prompt, turns, params)
+        return Admitted(self, StoredCompletion.admitted(
+            PRINCIPAL.get().tenant or "", "chat.completion" if chat else "text_completion", public_model, adapter,
+            version, prompt, turns, params))
 
     async def _adapter_stores(self, adapter: str) -> bool:
         now = time.monotonic()
         read_at, flag = self._flags.get(adapter, (-1e9, False))
         if now - read_at > STORE_FLAG_TTL_S:
             try:
-                info = await self.call_store(lambda q: q.get_adapter.remote(adapter))
+                info = await self.call_store(lambda store: store.get_adapter.remote(adapter))
                 flag = bool(info.store_completions)
             except Exception:  # an operator's adapter the store does not know: stored only on request
                 flag = False
             self._flags[adapter] = (now, flag)
         return flag
 
-    def _render(self, turns: list[dict[str, str]]) -> str:
+    def _render(self, turns: tuple[ChatMessage, ...]) -> str:
         """The chat as the engine's prompt: the model's chat template with the generation prompt, as vLLM renders it."""
         try:
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
 
                 self._tokenizer = AutoTokenizer.from_pretrained(self._model_dir())
-            return self._tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            plain = [{"role": t.role, "content": t.content} for t in turns]
+            return self._tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
         except Exception:  # a model without a chat template: the turns themselves
-            return json.dumps(turns)
+            return json.dumps([{"role": t.role, "content": t.content} for t in turns])
 
     # ---- routes ----------------------------------------------------------------------------------
 
@@ -198,12 +187,12 @@ class CompletionRecorder:
 
     async def show(self, completion_id: str) -> Response:
         tenant, days = PRINCIPAL.get().tenant, self.cfg.limits.store_completions_days
-        done = await self.call_store(lambda q: q.get_completion.remote(completion_id, tenant, days))
+        done = await self.call_store(lambda store: store.get_completion.remote(completion_id, tenant, days))
         return JSONResponse(openai_shape(done))
 
     async def delete(self, completion_id: str) -> Response:
         tenant = PRINCIPAL.get().tenant
-        await self.call_store(lambda q: q.delete_completion.remote(completion_id, tenant))
+        await self.call_store(lambda store: store.delete_completion.remote(completion_id, tenant))
         return JSONResponse({"object": f"{'chat.completion' if completion_id.startswith('chatcmpl') else 'text_completion'}"
                                        ".deleted", "id": completion_id, "deleted": True})
 
@@ -221,5 +210,5 @@ def openai_shape(done: StoredCompletion) -> dict[str, Any]:
         choice["text"] = done.output
     return {"id": done.id, "object": done.object, "created": int(done.created_at), "model": done.model,
             "choices": [choice], "usage": usage, "metadata": {}, "request_id": done.id,
-            "coserve": {"adapter_version": done.version, "prompt": done.prompt, "messages": done.messages,
-                        "sampling": done.params}}
+            "coserve": {"adapter_version": done.version, "prompt": done.prompt, "messages": done.turns(),
+                        "sampling": done.params.given()}}

@@ -495,8 +495,8 @@ class AppConfig(_ConfigSection):
         return Path(os.environ.get("COSERVE_DATA_DIR") or self.data_dir).expanduser().resolve()
 
     @property
-    def feedback_actor_name(self) -> str:
-        return f"{self.name}-feedback"
+    def store_actor_name(self) -> str:
+        return f"{self.name}-store"
 
     @property
     def trainer_actor_name(self) -> str:

@@ -47,13 +47,13 @@ class TrainingGrants:
     def _views(self) -> tuple[NodeView, ...]:
         return self.registry.views()
 
-    async def feedback_nodes(self, items: list[NewFeedback], feedback: Any) -> list[int | None]:
+    async def feedback_nodes(self, items: list[NewFeedback], store: Any) -> list[int | None]:
         """per_node scope: the node whose copy trains on each new feedback item, in item order.
 
         Each item is a training task placed by the training placement: LEMIX's best Eq. 3 score
         (Eq. 1–3), the shortest queue for the other policies (``planners/placement/training.py``).
         """
-        queued = {} if self.training.has_eq4 else await feedback.queued_by_node.remote()
+        queued = {} if self.training.has_eq4 else await store.queued_by_node.remote()
         return self.training.place_feedback(items, self._views(), queued, time.time())
 
     def adapter_changed(self, adapter: str) -> None:
@@ -61,7 +61,7 @@ class TrainingGrants:
         for key in [k for k in self._retraining if k[0] == adapter]:
             del self._retraining[key]
 
-    async def grant(self, request: GrantRequest, feedback: Any) -> Grant:
+    async def grant(self, request: GrantRequest, store: Any) -> Grant:
         """Which token windows may the trainer on ``request.node_id`` run now for its unfinished samples?
 
         The trainer owns its samples' progress and sends it with each request (``SampleProgress``:
@@ -79,7 +79,7 @@ class TrainingGrants:
         goes back, and the trainer checks for a stop or a changed adapter before it asks again.
         """
         deadline = time.time() + GRANT_HOLD_S
-        grant = await self._grant_now(request, feedback)
+        grant = await self._grant_now(request, store)
         again = GrantRequest(request.node_id, request.adapter, request.mode, request.samples, None,
                              request.optimizer_bytes)  # what ran is counted once
         reported = self.registry.reported
@@ -93,10 +93,10 @@ class TrainingGrants:
                                            timeout=min(left, max(grant.wait_s, self.cfg.planner.grant_recheck_s)))
                 except asyncio.TimeoutError:
                     pass
-            grant = await self._grant_now(again, feedback)
+            grant = await self._grant_now(again, store)
         return grant
 
-    async def _grant_now(self, request: GrantRequest, feedback: Any) -> Grant:
+    async def _grant_now(self, request: GrantRequest, store: Any) -> Grant:
         """One decision on ``request`` with the node's facts as they are now (see :meth:`grant`)."""
         node_id, adapter, mode = request.node_id, request.adapter, request.mode
         node = self.nodes[node_id]
@@ -111,7 +111,7 @@ class TrainingGrants:
             windows, reason, offload, wait_s = co.check_memory(request, windows, reason, node.facts,
                                                                self.cost_model.memory.weight_bytes, now)
         else:
-            windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now, feedback)
+            windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now, store)
         co.record_answer(adapter, mode, windows, reason, budget, node.facts, now)
         if not windows:
             return Grant((), wait_s, reason)
@@ -150,16 +150,16 @@ class TrainingGrants:
         self.training.granted(step, node_id, now)
 
     async def _retraining_windows(self, node: NodeRecord, adapter: str, mode: str, queue: list[FineTuneSample],
-                                  now: float, feedback: Any) -> tuple[Any, str, int]:
+                                  now: float, store: Any) -> tuple[Any, str, int]:
         from planners.retraining import RetrainingView, make_policy
 
         policy = self._retraining.get((adapter, mode))
         if policy is None:
             # An adapter's own periodic settings win over the shared retraining params.
-            own = (await feedback.get_adapter.remote(adapter)).periodic.model_dump() if mode == "periodic" else None
+            own = (await store.get_adapter.remote(adapter)).periodic.model_dump() if mode == "periodic" else None
             policy = make_policy(mode, self.cfg.training.retraining_params, own)
             self._retraining[(adapter, mode)] = policy
-        queued, oldest = (await feedback.queue_summary.remote()).get(adapter, (0, None))
+        queued, oldest = (await store.queue_summary.remote()).get(adapter, (0, None))
         wanted = len(queue)
         tokens = sum(s.remaining for s in queue)
         # LEMIX Eq. 4, the placement's verdict: the wanted step (C samples of ℓ tokens) on this node now,

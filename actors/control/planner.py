@@ -23,7 +23,8 @@ it composes and calls on its event loop:
 - :class:`VersionAssignments` (``versions.py``): the planner follows the feedback store's served
   versions (a long poll on the store's served-change number; the store is the one record of what is
   served) and hands each node's to its replica as an :class:`AdapterAssignment` (another long poll);
-  :meth:`load_adapter` reads the store at once and returns when the nodes confirm.
+  :meth:`load_adapter` waits until the follow has seen a write's served-change number, then returns when
+  the nodes confirm.
 - :class:`Policies` (``policies.py``): the placement policy, its training instance and the SLOs in
   force, switched live by :meth:`set_policies`. Under ``placement: separate`` only its training
   nodes take trainer ranks (:meth:`node_locations`).
@@ -83,7 +84,7 @@ class Planner:
         self.board = StatusBoard(config, self.registry, self.in_force, served_name, str(model_dir), cost_model_note)
         self.tenants = tenant_ledger(config)  # each tenant's inference and training service, across nodes
         self._started = False
-        self.feedback = None
+        self.store = None
         self.trainer = None
 
     def policies(self) -> PlannerConfig:
@@ -115,24 +116,24 @@ class Planner:
         self._started = True
         self.versions.start()
         self.registry.start()
-        await self._start_feedback()
+        await self._start_store()
         asyncio.get_running_loop().create_task(self.registry.watch_replicas())
-        asyncio.get_running_loop().create_task(self.versions.follow_store(self.feedback))
+        asyncio.get_running_loop().create_task(self.versions.follow_store(self.store))
         if self.cfg.training.enabled:
             self._start_trainer()
 
-    async def _start_feedback(self) -> None:
+    async def _start_store(self) -> None:
         """The feedback store: found if it runs (a restarted planner, a redeploy), else started.
 
         It is detached, so it outlives this planner: the ingress keeps accepting feedback while Serve
         recreates a planner that died. A store started with other settings (another data_dir or
         limits) is replaced; one left behind by a deleted app stays until the next deploy or Ray stops.
         """
-        from actors.learning.store.actor import FeedbackQueue, settings_key
+        from actors.learning.store.actor import FeedbackStore, settings_key
 
         def find_or_start() -> Any:
-            return ray.remote(FeedbackQueue).options(
-                name=self.cfg.feedback_actor_name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+            return ray.remote(FeedbackStore).options(
+                name=self.cfg.store_actor_name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                 num_cpus=0, max_restarts=-1, max_concurrency=1000,
                 # Reads and idempotent writes are resent to a restarted store; create_adapter and the keyless
                 # add_feedback opt out per method, and feedback is keyed (actors/learning/store/actor.py's docstring).
@@ -143,21 +144,21 @@ class Planner:
             ).remote(self.cfg)
 
         wanted = settings_key(self.cfg)
-        self.feedback = find_or_start()
+        self.store = find_or_start()
         for _ in range(100):
             try:
-                if await self.feedback.settings_key.remote() == wanted:
+                if await self.store.settings_key.remote() == wanted:
                     break
-                logger.warning("feedback store %s runs with other settings: replacing it", self.cfg.feedback_actor_name)
-                ray.kill(self.feedback, no_restart=True)
+                logger.warning("feedback store %s runs with other settings: replacing it", self.cfg.store_actor_name)
+                ray.kill(self.store, no_restart=True)
             except RayActorError:
                 pass  # the replaced one is going away; its name is freed in a moment
             await asyncio.sleep(0.2)
-            self.feedback = find_or_start()
+            self.store = find_or_start()
         else:
-            raise RuntimeError(f"could not start the feedback store {self.cfg.feedback_actor_name}")
+            raise RuntimeError(f"could not start the feedback store {self.cfg.store_actor_name}")
         # After a restart of the app, every adapter serves its current published version again.
-        self.versions.restore(await self.feedback.served_versions.remote(-1, 0.0))
+        self.versions.restore(await self.store.served_versions.remote(-1, 0.0))
 
     def _start_trainer(self) -> None:
         from actors.learning.trainer import Trainer
@@ -208,7 +209,7 @@ class Planner:
         return self.board.node_replicas()
 
     async def status(self) -> dict[str, Any]:
-        status = await self.board.status(self.feedback, self.trainer)
+        status = await self.board.status(self.store, self.trainer)
         return {**status, "tenants": learning_budgets(self.tenants.summary(), status.get("training") or {})}
 
     async def node_locations(self) -> list[NodeLocation]:
@@ -216,9 +217,9 @@ class Planner:
         whether the node trains (every node, except those ``placement: separate`` keeps for inference)."""
         return self.board.node_locations()
 
-    async def feedback_queue(self) -> Any:
+    async def feedback_store(self) -> Any:
         await self.start()
-        return self.feedback
+        return self.store
 
     async def recent_traces(self) -> list[ExecutionTrace]:
         return self.registry.recent_traces()
@@ -228,7 +229,7 @@ class Planner:
     async def feedback_nodes(self, items: list[NewFeedback]) -> list[int | None]:
         """per_node scope: the node whose copy trains on each new feedback item, in item order (LEMIX Eq. 1–3)."""
         await self.start()
-        return await self.grants.feedback_nodes(items, self.feedback)
+        return await self.grants.feedback_nodes(items, self.store)
 
     def adapter_changed(self, adapter: str) -> None:
         """The adapter's training settings changed: build its retraining policy afresh at the next grant."""
@@ -238,7 +239,7 @@ class Planner:
         """Which token windows may the trainer on ``request.node_id`` run now for its unfinished samples?
         (:meth:`TrainingGrants.grant` says how it is decided, and why a refused request waits here.)"""
         await self.start()
-        return await self.grants.grant(request, self.feedback)
+        return await self.grants.grant(request, self.store)
 
     async def windows_ran(self, run: WindowsRan) -> None:
         """The trainer ran its last grant's windows: measured against the prediction (``TrainingGrants.windows_ran``)."""
@@ -264,14 +265,16 @@ class Planner:
         """A replica serves ``loaded`` (adapter -> version) and computes with ``full`` as of assignment ``epoch``;
         ``failed``: versions it could not load. Their adapters pause (in the store, with the error), once per
         version; the other adapters are served and trained as before."""
-        await self.versions.loaded(node_id, epoch, loaded, full, failed, self.feedback)
+        await self.versions.loaded(node_id, epoch, loaded, full, failed, self.store)
 
-    async def load_adapter(self, adapter: str, node_ids: list[int] | None = None) -> AdapterLoaded:
+    async def load_adapter(self, adapter: str, node_ids: list[int] | None = None,
+                           served_change: int | None = None) -> AdapterLoaded:
         """The adapter's served version changed in the store (a publish, a gate verdict, a rollback or a
-        promote): serve what the store says now on the given nodes (default: all); returns when the ready
-        ones serve it (:meth:`VersionAssignments.load_adapter`)."""
+        promote): returns when the ready nodes among ``node_ids`` (default: all) serve what the store says.
+        ``served_change``: the store's served-change number the write answered; the planner waits until it
+        has followed it, reading nothing (:meth:`VersionAssignments.load_adapter`)."""
         await self.start()
-        return await self.versions.load_adapter(adapter, node_ids, self.feedback)
+        return await self.versions.load_adapter(adapter, node_ids, self.store, served_change)
 
     async def load_full(self, full: FullVersion | None) -> list[int]:
         """Every node computes with ``full`` from now on (None: the model the engines started with, a rollback

@@ -75,9 +75,9 @@ class StatusBoard:
         return [NodeLocation(n.node_id, n.ray_node_id, n.state, n.placement_group_id, n.node_id in trains)
                 for n in self.nodes]
 
-    async def status(self, feedback: Any, trainer: Any) -> dict[str, Any]:
+    async def status(self, store: Any, trainer: Any) -> dict[str, Any]:
         """``/v1/status``: the nodes, the policies and SLOs in force, the training waits (from the store
-        ``feedback``) and the trainer's own status."""
+        ``store``) and the trainer's own status."""
         now = time.time()
         training = self.policies.training
         return {
@@ -121,19 +121,19 @@ class StatusBoard:
             # The SLOs in force (derived from the profile unless configured) and what the profile says of them.
             "slo": self.policies.slo.as_json(),
             # Per adapter with queued feedback: how long its oldest item has waited, and why.
-            "training_waits": await self._training_waits(now, feedback),
+            "training_waits": await self._training_waits(now, store),
             "ready_nodes": sum(n.state == "ready" for n in self.nodes),
             "traces_seen": self.registry.traces_seen,
             "training": await self._trainer_status(trainer),
         }
 
-    async def _training_waits(self, now: float, feedback: Any) -> dict[str, dict[str, Any]]:
+    async def _training_waits(self, now: float, store: Any) -> dict[str, dict[str, Any]]:
         """Adapter -> its queued items, the age of the oldest, and why it waits (the last grant answer, or its state)."""
-        if feedback is None:
+        if store is None:
             return {}
         try:
-            summary = await asyncio.wait_for(feedback.queue_summary.remote(), timeout=5)
-            adapters = {a.name: a for a in await asyncio.wait_for(feedback.list_adapters.remote(), timeout=5)}
+            summary = await asyncio.wait_for(store.queue_summary.remote(), timeout=5)
+            adapters = {a.name: a for a in await asyncio.wait_for(store.list_adapters.remote(), timeout=5)}
         except Exception as exc:  # the store restarting: the rest of the status still answers
             logger.warning("training waits: %s", exc)
             return {}

@@ -4,8 +4,9 @@ The feedback store is the one record of what is served (``actors/learning/store/
 follow its served versions (a long poll on its served-change number) and nobody pushes a copy. Each change raises
 the assignment epoch; each node's replica long-polls its :class:`AdapterAssignment` and confirms the epoch it
 serves, with the versions it could not load (their adapters pause in the store). Under ``training.scope:
-per_node`` each node serves its own copy's version. ``load_adapter`` and ``load_full`` read or set the state at
-once and return when the ready nodes confirm. Plain Python on the planner actor's event loop.
+per_node`` each node serves its own copy's version. ``load_adapter`` waits until the follow has seen a write's
+served-change number (or reads the store at once, given none) and ``load_full`` sets the state; both return when the
+ready nodes confirm. Plain Python on the planner actor's event loop.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from settings import AppConfig
 from actors.control.messages import AdapterLoaded
 from actors.control.nodes import NodeRecord
 from actors.learning.messages import FullVersion
-from actors.learning.store.models import ServedState
+from actors.learning.store.records import ServedState
 from actors.learning.store.unit_kind import unit_kind
 from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, AdapterVersion, FullSynced
 
@@ -71,9 +72,9 @@ class VersionAssignments:
         return self.current(node_id)
 
     async def loaded(self, node_id: int, epoch: int, loaded: dict[str, int], full: FullSynced | None,
-                     failed: dict[str, AdapterLoadFailed] | None, feedback: Any) -> None:
+                     failed: dict[str, AdapterLoadFailed] | None, store: Any) -> None:
         """A replica serves ``loaded`` (adapter -> version) and computes with ``full`` as of assignment ``epoch``;
-        ``failed``: versions it could not load. Their adapters pause (in the store ``feedback``, with the error),
+        ``failed``: versions it could not load. Their adapters pause (in the store ``store``, with the error),
         once per version; the other adapters are served and trained as before."""
         node = self.nodes[node_id]
         for name, why in (failed or {}).items():
@@ -83,7 +84,7 @@ class VersionAssignments:
             reason = f"node {node_id} could not serve version {why.version}: {why.message}"[:1000]
             logger.warning("adapter %s paused: %s", name, reason)
             try:
-                await feedback.pause_adapter.remote(name, reason)
+                await store.pause_adapter.remote(name, reason)
             except Exception as exc:  # the store away: the node reports it again with its next confirmation
                 self._pause_reported.pop(name, None)
                 logger.warning("could not pause %s: %s", name, exc)
@@ -126,12 +127,12 @@ class VersionAssignments:
 
     # ---- what is served: the store says, the planner follows ------------------------------------------------
 
-    async def follow_store(self, feedback: Any) -> None:
+    async def follow_store(self, store: Any) -> None:
         """Follow the store's served versions (a long poll on its served-change number) and hand every change to
         the replicas: the feedback store is the one record of what is served, and nobody pushes a copy."""
         while True:
             try:
-                state = await feedback.served_versions.remote(self._followed, FOLLOW_WAIT_S)
+                state = await store.served_versions.remote(self._followed, FOLLOW_WAIT_S)
             except Exception as exc:  # the store restarting: look again in a moment
                 logger.warning("following the store's served versions: %s", exc)
                 await asyncio.sleep(1.0)
@@ -161,21 +162,33 @@ class VersionAssignments:
                     change.setdefault(nid, {})[name] = want
         return change
 
-    async def load_adapter(self, adapter: str, node_ids: list[int] | None, feedback: Any) -> AdapterLoaded:
-        """Serve what the store ``feedback`` says of ``adapter`` now on the given nodes (default: all); returns
-        when the ready ones serve it.
+    async def load_adapter(self, adapter: str, node_ids: list[int] | None, store: Any,
+                           served_change: int | None = None) -> AdapterLoaded:
+        """Return when the ready nodes among ``node_ids`` (default: all) serve what the store says of ``adapter``.
 
-        The store's long poll (:meth:`follow_store`) brings every change anyway; this call only reads the
-        store at once and waits for the nodes, for a caller that wants to know when its change is served.
-        Under one lock with the follow, so reads that land in any order leave the nodes serving the store's
-        latest state: a trainer's late publish cannot undo a rollback that committed after it.
+        With ``served_change`` (the store's served-change number its write answered: a publish or a gate
+        verdict), nothing is read: the store's long poll (:meth:`follow_store`) brings the change anyway, so
+        this waits until the follow has applied that number, then for the nodes. Without it (a rollback or a
+        promotion through the API), it reads the store at once, under one lock with the follow, so reads that
+        land in any order leave the nodes serving the store's latest state: a late publish cannot undo a
+        rollback that committed after it.
         """
         scope = sorted(set(node_ids) if node_ids is not None else {n.node_id for n in self.nodes})
-        async with self._store_sync:
-            state = await feedback.served_versions.remote(-1, 0.0)
-            change = self._served_change(state, {adapter}, scope)
-            # The follow may have applied the change already: either way, wait for the epoch that holds it.
-            epoch = self._apply(change) if change else self._epoch
+        if served_change is not None:
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self._followed >= served_change),
+                                           timeout=CONFIRM_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    logger.error("the store's served change %d not followed within %.0fs", served_change,
+                                 CONFIRM_TIMEOUT_S)
+            epoch = self._epoch  # the follow applied the change in this epoch or before
+        else:
+            async with self._store_sync:
+                state = await store.served_versions.remote(-1, 0.0)
+                change = self._served_change(state, {adapter}, scope)
+                # The follow may have applied the change already: either way, wait for the epoch that holds it.
+                epoch = self._apply(change) if change else self._epoch
         nodes = await self._confirm(epoch, {nid: {} for nid in scope})
         served = {self._published[nid].get(adapter) for nid in scope}
         return AdapterLoaded(f"{self.served_name}:{adapter}", max((v.version for v in served if v), default=None),

@@ -161,7 +161,7 @@ class Trainer:
                     self._full_thread is None or not self._full_thread.is_alive()):
                 from actors.learning.full.loop import FullUnitLoop
 
-                store = ray.get_actor(self.cfg.feedback_actor_name, namespace=self.namespace)
+                store = ray.get_actor(self.cfg.store_actor_name, namespace=self.namespace)
                 self.full = FullUnitLoop(self.cfg, self.planner, store, self._stop, self._error)
                 self._full_thread = threading.Thread(target=self.full.run, name="full-unit", daemon=True)
                 self._full_thread.start()
@@ -249,7 +249,7 @@ class Trainer:
                 ray.get([a.join.remote(host, port) for a in ranks], timeout=JOIN_TIMEOUT_S)
             for started in ray.get([a.start.remote() for a in ranks], timeout=PLACE_TIMEOUT_S):
                 self._rank_started(started)
-            store = ray.get_actor(self.cfg.feedback_actor_name, namespace=self.namespace)
+            store = ray.get_actor(self.cfg.store_actor_name, namespace=self.namespace)
             lanes = t.scope_rules.lanes(ranks, node_of_rank)
             drivers = [LoraDriver(self.cfg, lane_ranks, lane_nodes, line, store=store, planner=self.planner,
                                   eval_file=self.eval_file, should_stop=lambda: self._stop.is_set() or ended.is_set(),

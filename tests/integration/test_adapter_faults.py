@@ -46,10 +46,10 @@ def _version_for_another_model(tmp, adapters_root, adapter: str, version: int):
 def url(ray_cluster, app_url, tmp_path_factory) -> str:
     from ray import serve
 
-    from actors.learning.store.sqlite import FeedbackStore
+    from actors.learning.store.sqlite import FeedbackDatabase
 
     data = tmp_path_factory.mktemp("faults-data")
-    with FeedbackStore(data) as store:
+    with FeedbackDatabase(data) as store:
         store.create_adapter({"name": "oldmodel", "method": "sft", "mode": "sync", "lora": {"r": 4, "alpha": 8},
                               "gate": NO_GATE})
         v = store.reserve_version("oldmodel")

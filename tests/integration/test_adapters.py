@@ -35,7 +35,7 @@ def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_
     from actors.models.default_model import ensure
 
     model_dir = ensure(data_dir)
-    store = ray.get(planner.feedback_queue.remote())
+    store = ray.get(planner.feedback_store.remote())
     name = "loaded"
     ray.get(store.create_adapter.remote({"name": name, "method": "sft", "gate": {"enabled": False}}))
     base_text = greedy(app_url, MODEL).json()["choices"][0]["text"]
@@ -44,7 +44,7 @@ def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_
     def publish(seed: int) -> tuple[int, str]:
         v = ray.get(store.reserve_version.remote(name)).version
         path = str(make_adapter(model_dir, tmp_path / f"{name}-v{v}", seed=seed))
-        assert ray.get(store.publish_version.remote(name, v, path, [], 1, 0.0)).state == "served"
+        assert ray.get(store.publish_version.remote(name, v, path, [], 1, 0.0)).info.state == "served"
         return v, path
 
     v1, p1 = publish(1)
@@ -96,7 +96,7 @@ def test_what_nodes_serve_always_agrees_with_the_store(app_url, planner, data_di
 
     from actors.models.default_model import ensure
 
-    store = ray.get(planner.feedback_queue.remote())
+    store = ray.get(planner.feedback_store.remote())
     name = "races"
     ray.get(store.create_adapter.remote({"name": name, "method": "sft", "mode": "off", "gate": {"enabled": False}}))
     path = str(make_adapter(ensure(data_dir), tmp_path / name, seed=3))

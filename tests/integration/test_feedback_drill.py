@@ -1,6 +1,6 @@
 """Fault drill: the feedback store actor is killed while keyed batches are in flight; resends store each once.
 
-The real FeedbackQueue actor, with the options the planner gives it (restarts, task retries), over
+The real FeedbackStore actor, with the options the planner gives it (restarts, task retries), over
 a real SQLite file: a client sends a batch with an Idempotency-Key, the actor is killed a moment
 later (before, during or after the batch's transaction), and the client sends the same request
 again until it is answered, as an OpenAI client or HAProxy would. Then the same request once more,
@@ -25,14 +25,14 @@ KILL_AFTER_S = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05)
 @pytest.fixture
 def store_actor(ray_cluster, tmp_path):
     from settings import load
-    from actors.learning.store.actor import FeedbackQueue
+    from actors.learning.store.actor import FeedbackStore
 
     ray = ray_cluster
     cfg = load({"name": f"drill-{uuid.uuid4().hex[:8]}", "data_dir": str(tmp_path),
                 "training": {"gate": {"enabled": False, "held_out_share": 0.0}}})
-    # As actors/control/planner.py's _start_feedback makes it (not detached: it goes with the test).
-    actor = ray.remote(FeedbackQueue).options(
-        name=cfg.feedback_actor_name, namespace="coserve", num_cpus=0, max_restarts=-1, max_task_retries=3,
+    # As actors/control/planner.py's _start_store makes it (not detached: it goes with the test).
+    actor = ray.remote(FeedbackStore).options(
+        name=cfg.store_actor_name, namespace="coserve", num_cpus=0, max_restarts=-1, max_task_retries=3,
         max_concurrency=1000).remote(cfg)
     ray.get(actor.create_adapter.remote({"name": ADAPTER, "method": "sft", "mode": "off"}), timeout=60)
     yield actor, cfg

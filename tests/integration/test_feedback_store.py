@@ -24,7 +24,7 @@ from actors.learning.store.models import (
     UnknownVersion,
     VersionConflict,
 )
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.sqlite import FeedbackDatabase
 
 ROOT = Path(__file__).resolve().parents[2]
 # These tests are about the queue and the version mechanics: no held-out slice, every publish
@@ -42,7 +42,7 @@ def sample(adapter: str = "tutor", i: int = 0) -> dict:
 
 @pytest.fixture
 def store(tmp_path):
-    s = FeedbackStore(tmp_path, gate_defaults=NO_GATE)
+    s = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE)
     s.create_adapter({"name": "acme", "method": "dpo", "beta": 0.1, "learning_rate": 5e-4,
                       "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, "mode": "hybrid"})
     s.create_adapter({"name": "tutor", "method": "sft"})
@@ -76,7 +76,7 @@ def test_adapters_create_get_list_and_duplicates(store):
 
 
 def test_a_tenant_owns_at_most_its_allowance_of_adapters(tmp_path):
-    s = FeedbackStore(tmp_path, gate_defaults=NO_GATE, max_adapters_per_tenant=2)
+    s = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE, max_adapters_per_tenant=2)
     for name in ("a1", "a2"):
         s.create_adapter({"name": name, "tenant": "acme"})
     with pytest.raises(AdapterQuotaExceeded) as e:
@@ -91,7 +91,7 @@ def test_a_tenant_owns_at_most_its_allowance_of_adapters(tmp_path):
         s.create_adapter({"name": "a1", "tenant": "acme"})
     assert sorted(a.name for a in s.list_adapters()) == ["acme/a1", "acme/a2", "beta/b1", "n1", "n2"]  # keys
     s.close()
-    assert FeedbackStore(tmp_path, max_adapters_per_tenant=None).create_adapter({"name": "a3", "tenant": "acme"})
+    assert FeedbackDatabase(tmp_path, max_adapters_per_tenant=None).create_adapter({"name": "a3", "tenant": "acme"})
 
 
 def test_update_changes_training_settings_only(store):
@@ -172,7 +172,7 @@ def test_failure_inside_the_transaction_rolls_back_the_whole_batch(store):
     assert store.add_feedback([pair()])  # the connection is usable afterwards
 
 
-def _rows(store: FeedbackStore, table: str = "feedback") -> int:
+def _rows(store: FeedbackDatabase, table: str = "feedback") -> int:
     return store._conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
 
 
@@ -321,7 +321,7 @@ def test_record_eval_is_shown_with_the_version(store):
 
 
 def test_concurrent_writers_threads_and_processes_share_the_file(store, tmp_path):
-    other = FeedbackStore(tmp_path, gate_defaults=NO_GATE)  # a second connection, as another process would have
+    other = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE)  # a second connection, as another process would have
     errors = []
 
     def writer(s, k):
@@ -342,9 +342,9 @@ def test_concurrent_writers_threads_and_processes_share_the_file(store, tmp_path
 
 _CRASHING_WRITER = r"""
 import json, sys, time
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.sqlite import FeedbackDatabase
 
-store = FeedbackStore(sys.argv[1], gate_defaults={"held_out_share": 0.0})
+store = FeedbackDatabase(sys.argv[1], gate_defaults={"held_out_share": 0.0})
 acked = store.add_feedback([{"adapter": "acme", "prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(3)])
 print("ACK " + json.dumps(acked), flush=True)
 
@@ -383,7 +383,7 @@ def test_sigkill_in_the_middle_of_a_batch_keeps_acked_items_and_no_partial_batch
         if proc.poll() is None:
             proc.kill()
     store.close()
-    reopened = FeedbackStore(tmp_path, gate_defaults=NO_GATE)
+    reopened = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE)
     assert [it.id for it in reopened.take("acme", 1000)] == acked
     assert reopened.queued("acme") == 3
     assert reopened.add_feedback([pair()])  # the write lock died with the process
@@ -457,7 +457,7 @@ def test_a_schema_1_database_is_migrated_in_place(tmp_path):
         PRAGMA user_version = 1;
     """)
     db.close()
-    s = FeedbackStore(tmp_path)
+    s = FeedbackDatabase(tmp_path)
     info = s.get_adapter("old")
     assert (info.current_version, info.queued, info.versions[0].node, info.node_versions) == (1, 1, None, {})
     assert [it.prompt for it in s.take("old", 5)] == ["p"]
@@ -489,8 +489,8 @@ def test_a_schema_5_database_keeps_its_adapters_and_takes_full_units(tmp_path):
         PRAGMA user_version = 1;
     """)
     db.close()
-    FeedbackStore(tmp_path).close()  # migrated to schema 5's columns first, then widened; again: nothing to do
-    s = FeedbackStore(tmp_path, gate_defaults=NO_GATE)
+    FeedbackDatabase(tmp_path).close()  # migrated to schema 5's columns first, then widened; again: nothing to do
+    s = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE)
     info = s.get_adapter("old")
     assert (info.method, info.current_version, info.queued, info.versions[0].path) == ("dpo", 1, 1, "/x/v1")
     assert s.create_adapter({"name": "whole", "method": "full_sft", "mode": "sync"}).method == "full_sft"

@@ -124,7 +124,7 @@ def cfg(app_config):
 
 @pytest.fixture(scope="module")
 def store(ray_cluster, cfg):
-    return ray_cluster.get_actor(cfg.feedback_actor_name, namespace="coserve")
+    return ray_cluster.get_actor(cfg.store_actor_name, namespace="coserve")
 
 
 # ---- SFT: fresh versions are served within seconds; the completion gets likelier --------------

@@ -51,7 +51,7 @@ def test_stored_completions_pin_the_answering_version_and_take_feedback_by_id(ap
     from transformers import AutoTokenizer
 
     BIAS[str(AutoTokenizer.from_pretrained(ensure(data_dir)).encode("a", add_special_tokens=False)[-1])] = 100.0
-    store = ray.get(planner.feedback_queue.remote())
+    store = ray.get(planner.feedback_store.remote())
     name = "thumbs"
     r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
         "name": name, "method": "kto", "mode": "off", "store_completions": True, "gate": {"enabled": False}})
@@ -62,7 +62,7 @@ def test_stored_completions_pin_the_answering_version_and_take_feedback_by_id(ap
     def publish(seed: int) -> int:
         v = ray.get(store.reserve_version.remote(name)).version
         path = str(make_adapter(ensure(data_dir), tmp_path / f"{name}-v{v}", seed=seed))
-        assert ray.get(store.publish_version.remote(name, v, path, [], 1, 0.0)).state == "served"
+        assert ray.get(store.publish_version.remote(name, v, path, [], 1, 0.0)).info.state == "served"
         ray.get(planner.load_adapter.remote(name))
         return v
 

@@ -10,24 +10,25 @@ import pytest
 
 from actors.learning.versions.layout import ADAPTER_FILES, META_FILE, OPTIMIZER_FILE, upload_version, write_version_files
 from settings import load
-from actors.learning.store.actor import FeedbackQueue
+from actors.learning.store.actor import FeedbackStore
+from actors.learning.store.records import VersionVerdict
 from actors.learning.store.models import UnknownVersion
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.sqlite import FeedbackDatabase
 
 NO_GATE = {"enabled": False, "held_out_share": 0.0}
 
 
-def _publish(store: FeedbackStore, name: str, node: int | None = None, gated: bool | None = None) -> int:
+def _publish(store: FeedbackDatabase, name: str, node: int | None = None, gated: bool | None = None) -> int:
     v = store.reserve_version(name, node)
     return store.publish_version(name, v.version, f"/nowhere/{name}/v{v.version}", [], 1, 0.5, gated=gated).version
 
 
-def _listed(store: FeedbackStore, name: str) -> list[int]:
+def _listed(store: FeedbackDatabase, name: str) -> list[int]:
     return [v.version for v in store.get_adapter(name).versions]
 
 
 def test_the_newest_versions_and_every_needed_one_are_kept(tmp_path):
-    store = FeedbackStore(tmp_path, gate_defaults=NO_GATE, keep_versions=3)
+    store = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE, keep_versions=3)
     store.create_adapter({"name": "acme", "method": "dpo"})
     for _ in range(6):
         _publish(store, "acme")
@@ -60,11 +61,11 @@ def test_the_newest_versions_and_every_needed_one_are_kept(tmp_path):
     store._conn.execute("UPDATE versions SET created_at = created_at - 2 * 86400 WHERE version = 11")
     assert store.prune_versions("acme", keep=1) == [7]  # a day later it is a crashed trainer's: v7 goes
     # keep_versions null: nothing is ever deleted.
-    assert FeedbackStore(tmp_path, keep_versions=None).prune_versions("acme") == []
+    assert FeedbackDatabase(tmp_path, keep_versions=None).prune_versions("acme") == []
 
 
 def test_each_nodes_served_copy_is_kept(tmp_path):
-    store = FeedbackStore(tmp_path, gate_defaults=NO_GATE, keep_versions=1)
+    store = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE, keep_versions=1)
     store.create_adapter({"name": "acme", "method": "dpo"})
     n0 = _publish(store, "acme", node=0)
     n1 = [_publish(store, "acme", node=1) for _ in range(3)]
@@ -86,8 +87,8 @@ def test_the_store_actor_deletes_old_versions_files_and_keeps_optimizer_state_wh
     shared = tmp_path / "shared"
     cfg = load({"data_dir": str(tmp_path / "data"), "storage": {"adapters_uri": shared.as_uri() if on_uri else None},
                 "training": {"keep_versions": 2, "gate": NO_GATE}})
-    queue = FeedbackQueue(cfg)
-    store = queue.store
+    actor = FeedbackStore(cfg)
+    store = actor.db
 
     def publish(**gate: bool) -> Path:
         v = store.reserve_version("tutor")
@@ -96,9 +97,9 @@ def test_the_store_actor_deletes_old_versions_files_and_keeps_optimizer_state_wh
             location = upload_version(shared.as_uri(), "tutor", v.version, local)
             path = shared / "tutor" / f"v{v.version}"
         else:
-            path = write_version_files(queue.adapters_root, "tutor", v.version, _files(v.version))
+            path = write_version_files(actor.adapters_root, "tutor", v.version, _files(v.version))
             location = str(path)
-        asyncio.run(queue.publish_version("tutor", v.version, location, [], 1, 0.5, **gate))
+        asyncio.run(actor.publish_version("tutor", v.version, location, [], 1, 0.5, **gate))
         return path
 
     store.create_adapter({"name": "tutor", "method": "sft"})
@@ -109,26 +110,26 @@ def test_the_store_actor_deletes_old_versions_files_and_keeps_optimizer_state_wh
     assert store.deleted_version_paths("tutor") == {}  # their rows no longer name files
 
     # Rolled back to v4, then v6 published from it: v4 is neither among the newest two nor current any more.
-    asyncio.run(queue.rollback("tutor", 4))
+    asyncio.run(actor.rollback("tutor", 4))
     sixth = publish()
     assert [p.exists() for p in (*paths[3:], sixth)] == [False, True, True]
     assert [(p / OPTIMIZER_FILE).exists() for p in (paths[4], sixth)] == [False, True]
     with pytest.raises(UnknownVersion):
-        asyncio.run(queue.rollback("tutor", 4))
+        asyncio.run(actor.rollback("tutor", 4))
 
     # A crash between marking and removing leaves files: the next prune removes them.
     store.prune_versions("tutor", keep=1)
     assert paths[4].exists() and store.deleted_version_paths("tutor") == {5: str(paths[4]) if not on_uri
                                                                           else shared.as_uri() + "/tutor/v5"}
-    asyncio.run(queue.prune_versions("tutor"))
+    asyncio.run(actor.prune_versions("tutor"))
     assert not paths[4].exists() and sixth.exists() and store.deleted_version_paths("tutor") == {}
 
     # Candidates are kept until the gate decides; a verdict prunes too.
     seventh, eighth = publish(gated=True), publish(gated=True)
     assert sixth.exists() and (seventh / OPTIMIZER_FILE).exists() and (eighth / OPTIMIZER_FILE).exists()
-    asyncio.run(queue.decide_version("tutor", 8, passed=True, reason="better"))
+    asyncio.run(actor.decide_version("tutor", 8, VersionVerdict(True, "better")))
     assert not sixth.exists()  # the verdict pruned: v6 is no longer served, and v8 and v7 are the newest two
     assert (seventh / OPTIMIZER_FILE).exists()  # v7 still waits for its verdict
-    assert asyncio.run(queue.decide_version("tutor", 7, passed=True, reason="better")).state == "rejected"  # superseded
+    assert asyncio.run(actor.decide_version("tutor", 7, VersionVerdict(True, "better"))).info.state == "rejected"  # superseded
     assert seventh.exists() and not (seventh / OPTIMIZER_FILE).exists() and (eighth / OPTIMIZER_FILE).exists()
     assert [v.version for v in store.get_adapter("tutor").versions] == [7, 8]

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from ray.exceptions import RayActorError
 
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.sqlite import FeedbackDatabase
 from deployments.guard import RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.keys import KeyRing
@@ -45,11 +45,11 @@ class _Method:
 
 
 class FakeStoreActor:
-    """Stands in for the FeedbackQueue actor handle: ``q.<method>.remote(...)`` runs the real store's method
+    """Stands in for the FeedbackStore actor handle: ``q.<method>.remote(...)`` runs the real store's method
     in a thread; a name in ``die_after`` makes its next call commit and then fail as if the actor died before
     replying, one in ``die_before`` makes it fail before it runs."""
 
-    def __init__(self, store: FeedbackStore) -> None:
+    def __init__(self, store: FeedbackDatabase) -> None:
         self.store = store
         self.adapters_root = store.path.parent / "adapters"  # as the actor's data_dir/adapters
         self.die_after: set[str] = set()
@@ -100,7 +100,7 @@ class Planner:
         return None
 
 
-def guarded_learning_app(cfg: AppConfig, store: FeedbackStore, *, planner: Planner | None = None,
+def guarded_learning_app(cfg: AppConfig, store: FeedbackDatabase, *, planner: Planner | None = None,
                          keys: KeyRing | None = None, limits: LimitsConfig | None = None,
                          planner_timeout_s: float = 0.2, lora_parts: Sequence[str] = TINY_LORA_PARTS,
                          openapi: bool = False) -> tuple[FastAPI, FakeStoreActor, Planner]:

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from safetensors.numpy import save as save_safetensors
 
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.sqlite import FeedbackDatabase
 from actors.learning.versions.adapter_upload import (
     MAX_MEMBERS,
     AdapterRejected,
@@ -278,7 +278,7 @@ KEYS = {"k-admin": "admin", "k-acme": "acme", "k-beta": "beta"}
 def app(tmp_path):
     cfg = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}, "engine": {"max_lora_rank": 8},
                 "limits": {"max_adapter_bytes": 2**20, "max_body_bytes": 64 * 1024}})
-    store = FeedbackStore(tmp_path, gate_defaults={"enabled": True, "held_out_share": 0.0})
+    store = FeedbackDatabase(tmp_path, gate_defaults={"enabled": True, "held_out_share": 0.0})
     keys = KeyRing({digest(k): t for k, t in KEYS.items()})
     application, _, _ = guarded_learning_app(cfg, store, keys=keys)
     with TestClient(application) as client:
@@ -293,7 +293,7 @@ def _as(key: str, **headers: str) -> dict[str, str]:
 TAR = {"Content-Type": "application/x-tar"}
 
 
-def _nothing_stored(store: FeedbackStore, root: Path) -> None:
+def _nothing_stored(store: FeedbackDatabase, root: Path) -> None:
     with sqlite3.connect(store.path) as db:
         assert db.execute("SELECT COUNT(*) FROM versions").fetchone()[0] == 0  # no row, no reserved number
     adapters = root / "adapters"

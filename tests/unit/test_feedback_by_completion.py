@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from actors.learning.store.completion_rows import StoredCompletion, UnknownCompletion
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.completion_rows import ChatMessage, SamplingParams, StoredCompletion, UnknownCompletion
+from actors.learning.store.sqlite import FeedbackDatabase
 from deployments.keys import KeyRing, digest
 from deployments.stored_completions import CompletionRecorder
 from settings import load
@@ -30,13 +30,14 @@ def completion(ident: str, tenant: str, adapter: str | None, version: int | None
                messages: list | None = None, age_s: float = 0.0) -> StoredCompletion:
     turns = CHAT if messages is None else messages
     return StoredCompletion(ident, tenant, "chat.completion", f"tiny-llama:{adapter}", adapter, version,
-                            f"<rendered>{turns[-1]['content']}", turns, output, "stop", 7, 3, {"temperature": 0.0},
+                            f"<rendered>{turns[-1]['content']}", tuple(ChatMessage(**t) for t in turns), output, "stop", 7, 3,
+                            SamplingParams(temperature=0.0),
                             time.time() - age_s)
 
 
 def harness(tmp_path: Path, limits: dict | None = None):
     cfg = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}, "limits": limits or {}})
-    store = FeedbackStore(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
+    store = FeedbackDatabase(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
     app, actor, _ = guarded_learning_app(cfg, store, keys=KeyRing({digest(k): t for k, t in KEYS.items()}))
 
     async def call_store(call):
@@ -63,7 +64,7 @@ def served(tmp_path):
     store.close()
 
 
-def rows(store: FeedbackStore) -> list[tuple]:
+def rows(store: FeedbackDatabase) -> list[tuple]:
     with sqlite3.connect(store.path) as db:
         return db.execute("SELECT adapter, kind, completion, chosen, rejected, label, completion_id, "
                           "answered_version, tenant, messages FROM feedback ORDER BY id").fetchall()
@@ -93,7 +94,7 @@ def test_a_stored_completion_reads_back_in_openais_shape_to_its_own_tenant_only(
 
 
 def test_retention_ages_completions_out(tmp_path):
-    store = FeedbackStore(tmp_path)
+    store = FeedbackDatabase(tmp_path)
     store.store_completion(completion("chatcmpl-old", "acme", None, 0, "x", age_s=3 * 86400))
     store.store_completion(completion("chatcmpl-new", "acme", None, 0, "y"))
     with pytest.raises(UnknownCompletion):
@@ -213,7 +214,7 @@ def test_a_schema_10_store_migrates_keeping_every_item_and_id(tmp_path):
     db.execute("PRAGMA user_version = 10")
     db.commit()
     db.close()
-    store = FeedbackStore(tmp_path)
+    store = FeedbackDatabase(tmp_path)
     assert [it.id for it in store.take("a", 10)] == [1, 2]
     store.create_adapter({"name": "k", "method": "kto"})
     assert store.add_feedback([{"adapter": "k", "prompt": "p", "completion": "c", "label": False}]) == [4]
@@ -233,7 +234,7 @@ def test_the_recorder_pins_the_version_at_admission_and_keeps_the_streamed_text(
     from deployments.guard import PRINCIPAL
     from deployments.keys import Principal
 
-    store = FeedbackStore(tmp_path)
+    store = FeedbackDatabase(tmp_path)
     cfg = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
     served = {"tiny-llama:acme/kto": 3}
 
@@ -268,5 +269,5 @@ def test_the_recorder_pins_the_version_at_admission_and_keeps_the_streamed_text(
     assert "".join(chunks).endswith("data: [DONE]\n\n")  # passed through untouched
     done = store.get_completion("chatcmpl-s", "acme")
     assert (done.output, done.version, done.finish_reason, done.model) == ("Rome.", 3, "stop", "tiny-llama:kto")
-    assert done.params == {"temperature": 0.0, "max_completion_tokens": 8} and done.messages == CHAT
+    assert done.params.given() == {"temperature": 0.0, "max_completion_tokens": 8} and done.turns() == CHAT
     store.close()

@@ -6,8 +6,9 @@ import sqlite3
 
 import pytest
 
-from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict, is_held_out
-from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackStore
+from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict
+from actors.learning.store.feedback_items import is_held_out
+from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackDatabase
 from deployments.metrics import render
 from planners.gate import decide, judge, judge_retention
 
@@ -18,13 +19,13 @@ def pair(i: int, adapter: str = "acme") -> dict:
 
 @pytest.fixture
 def store(tmp_path):
-    s = FeedbackStore(tmp_path, gate_defaults={"held_out_share": 0.25, "pause_after_rejections": 2})
+    s = FeedbackDatabase(tmp_path, gate_defaults={"held_out_share": 0.25, "pause_after_rejections": 2})
     s.create_adapter({"name": "acme", "method": "dpo"})
     yield s
     s.close()
 
 
-def publish(store: FeedbackStore, adapter: str = "acme", items: list[int] | None = None):
+def publish(store: FeedbackDatabase, adapter: str = "acme", items: list[int] | None = None):
     v = store.reserve_version(adapter)
     return store.publish_version(adapter, v.version, f"/a/v{v.version}", items or [], 4, 0.5)
 
@@ -54,7 +55,7 @@ def test_held_out_items_are_never_handed_out_for_training_and_survive_a_restart(
     # Publishing a version that trained on everything else leaves the queue empty, the slice whole.
     publish(store, items=trained)
     store.close()
-    reopened = FeedbackStore(tmp_path, gate_defaults={"held_out_share": 0.5})  # a new default changes no old item
+    reopened = FeedbackDatabase(tmp_path, gate_defaults={"held_out_share": 0.5})  # a new default changes no old item
     assert [it.id for it in reopened.held_out_items("acme", 100)] == held
     assert reopened.get_adapter("acme").queued == 0
     reopened.close()
@@ -263,7 +264,7 @@ def test_a_schema_2_database_gets_version_states_and_the_gate_columns(tmp_path):
         PRAGMA user_version = 2;
     """)
     db.close()
-    s = FeedbackStore(tmp_path)
+    s = FeedbackDatabase(tmp_path)
     info = s.get_adapter("old")  # v2 was rolled back from (it is newer than the current v1)
     assert [(v.version, v.state) for v in info.versions] == [(1, "served"), (2, "rolled_back")]
     assert (info.queued, info.held_out, info.paused_reason, info.gate.enabled) == (1, 0, None, True)

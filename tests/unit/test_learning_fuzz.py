@@ -24,7 +24,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 
 from settings import load  # noqa: E402
-from actors.learning.store.sqlite import FeedbackStore  # noqa: E402
+from actors.learning.store.sqlite import FeedbackDatabase  # noqa: E402
 from tests.unit.learning_app import guarded_learning_app  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -32,7 +32,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 DATA = tempfile.mkdtemp(prefix="coserve-fuzz-")  # schemathesis parametrizes at collection, from a built app
-STORE = FeedbackStore(DATA, gate_defaults={"enabled": False, "held_out_share": 0.0})
+STORE = FeedbackDatabase(DATA, gate_defaults={"enabled": False, "held_out_share": 0.0})
 
 
 def _app() -> FastAPI:

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from settings import AppConfig, load
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.sqlite import FeedbackDatabase
 from deployments.learning import LearningRoutes
 from tests.unit.learning_app import TINY_LORA_PARTS, Planner, guarded_learning_app
 
@@ -17,7 +17,7 @@ from tests.unit.learning_app import TINY_LORA_PARTS, Planner, guarded_learning_a
 @pytest.fixture
 def harness(tmp_path):
     cfg: AppConfig = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
-    store = FeedbackStore(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
+    store = FeedbackDatabase(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
     # As the model server runs the routes: behind the guard, here in local mode (no keys).
     app, actor, planner = guarded_learning_app(cfg, store, lora_parts=(*TINY_LORA_PARTS, "mlp.up_proj"))
     with TestClient(app) as client:
@@ -25,7 +25,7 @@ def harness(tmp_path):
     store.close()
 
 
-def _publish(store: FeedbackStore, name: str) -> int:
+def _publish(store: FeedbackDatabase, name: str) -> int:
     v = store.reserve_version(name)
     return store.publish_version(name, v.version, f"/adapters/{name}/v{v.version}", [], 1, 0.5).version
 
@@ -141,7 +141,7 @@ def tenants(tmp_path):
     from deployments.keys import KeyRing, digest
 
     cfg: AppConfig = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
-    store = FeedbackStore(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
+    store = FeedbackDatabase(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
     app, _, _ = guarded_learning_app(cfg, store, keys=KeyRing({digest(k): t for t, k in KEYS.items()}),
                                      limits=LimitsConfig(requests_per_second=None, max_concurrent=None))
     with TestClient(app) as client:

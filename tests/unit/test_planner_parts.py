@@ -13,7 +13,7 @@ from actors.control.nodes import NodeRecord, NodeRegistry
 from actors.control.policies import Policies, checked_slos
 from actors.control.versions import VersionAssignments
 from actors.learning.messages import FullVersion
-from actors.learning.store.models import ServedAdapter, ServedState, ServedVersion
+from actors.learning.store.records import ServedAdapter, ServedState, ServedVersion
 from actors.serving.messages import AdapterVersion, NodeRegistration, NodeReport
 from planners.costs import default_cost_model
 from planners.types import ExecutionTrace

@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from actors.learning.store.models import AdapterExists, adapter_key, split_adapter_key
-from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackStore
+from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackDatabase
 from actors.learning.versions.layout import adapter_dir, version_dir
 
 NO_GATE = {"enabled": False, "held_out_share": 0.0}
@@ -23,7 +23,7 @@ def test_keys_scope_a_tenants_names_and_leave_the_others_bare():
 
 
 def test_two_tenants_each_own_support_and_neither_learns_of_the_other(tmp_path):
-    with FeedbackStore(tmp_path, gate_defaults=NO_GATE, max_adapters_per_tenant=2) as s:
+    with FeedbackDatabase(tmp_path, gate_defaults=NO_GATE, max_adapters_per_tenant=2) as s:
         assert s.create_adapter({"name": "support", "tenant": "beta"}).name == "beta/support"
         # Not a 409 (which would tell acme that some tenant has a "support").
         assert s.create_adapter({"name": "support", "tenant": "acme"}).name == "acme/support"
@@ -92,7 +92,7 @@ def test_a_schema_8_store_is_migrated_in_place_to_tenant_keys(tmp_path):
     db.commit()
     db.close()
 
-    s = FeedbackStore(tmp_path, gate_defaults=NO_GATE)
+    s = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE)
     assert sorted(a.name for a in s.list_adapters()) == ["acme/support", "beta/beta-secret", "local", "ops"]
     acme = s.get_adapter("acme/support")
     assert (acme.tenant, acme.current_version, acme.queued) == ("acme", 1, 2)
@@ -108,7 +108,7 @@ def test_a_schema_8_store_is_migrated_in_place_to_tenant_keys(tmp_path):
     v = s.reserve_version("acme/support")
     assert s.publish_version("acme/support", v.version, "/data/adapters/@acme/support/v2", [], 1, 0.1).version == 2
     s.close()
-    with FeedbackStore(tmp_path, gate_defaults=NO_GATE) as again:  # a second open finds nothing to migrate
+    with FeedbackDatabase(tmp_path, gate_defaults=NO_GATE) as again:  # a second open finds nothing to migrate
         assert sorted(a.name for a in again.list_adapters()) == [
             "acme/support", "beta/beta-secret", "beta/support", "local", "ops"]
 

@@ -29,7 +29,8 @@ from typing import Any, Callable
 import ray
 
 from settings import AppConfig
-from actors.learning.store.models import FeedbackItem, VersionConflict
+from actors.learning.store.models import VersionConflict
+from actors.learning.store.records import FeedbackItem
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.full.messages import PipelineSettings, TrainingSample
 from planners.retraining import RetrainingPolicy, RetrainingView, make_policy

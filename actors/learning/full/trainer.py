@@ -145,7 +145,7 @@ class PipelineTrainer:
             batches = [self._micro_batch(samples, idx[m:m + s.micro_batch], method, ref)
                        for m in range(0, per_step, s.micro_batch)]
             if self.node is None:
-                losses.append(self._run_all("train_batch", batches, MODES[method])[0])
+                losses.append(self._train_batch_on_all(batches, MODES[method]))
             else:
                 losses.append(self._scheduled_step(batches))
         margin = self.reward_margin(samples, ref) if ref is not None else None
@@ -163,7 +163,7 @@ class PipelineTrainer:
         batches = [self._micro_batch(samples, list(range(i, min(i + mb, len(samples)))), "full_dpo", None)
                    for i in range(0, len(samples), mb)]
         if self.node is None:
-            rows = next(r for r in self._run_all("logps", batches, len(batches)) if r is not None)
+            rows = self._logps_on_all(batches)
         else:
             ids = [self._task_id("score") for _ in batches]
             for task_id, b in zip(ids, batches):
@@ -220,12 +220,19 @@ class PipelineTrainer:
 
     # -------------------------------------------------------------------- helpers
 
-    def _run_all(self, call: str, batches: list[TokenBatch], *args: Any) -> list[Any]:
-        """Call ``call`` on every stage at once; only the first and the last stage need the data."""
-        data = ray.put(batches)
-        last = len(self.stages) - 1
-        return ray.get([getattr(st, call).remote(data if i in (0, last) else None, *args)
-                        for i, st in enumerate(self.stages)])
+    def _data_for(self, batches: list[TokenBatch]) -> list[Any]:
+        """Each stage's copy of ``batches`` (one object in Ray's store): only the first and the last stage need it."""
+        data, last = ray.put(batches), len(self.stages) - 1
+        return [data if i in (0, last) else None for i in range(len(self.stages))]
+
+    def _train_batch_on_all(self, batches: list[TokenBatch], mode: str) -> float:
+        """One optimizer step over ``batches`` on every stage at once (no scheduler); its loss, as stage 0 has it."""
+        return ray.get([st.train_batch.remote(data, mode) for st, data in zip(self.stages, self._data_for(batches))])[0]
+
+    def _logps_on_all(self, batches: list[TokenBatch]) -> list[float]:
+        """Sequence log-probs of every row of ``batches`` (no grad), from the stage that computes them (the last)."""
+        rows = ray.get([st.logps.remote(data, len(batches)) for st, data in zip(self.stages, self._data_for(batches))])
+        return next(r for r in rows if r is not None)
 
     @property
     def tokenizer(self) -> Any:

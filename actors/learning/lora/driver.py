@@ -19,9 +19,10 @@ the planner. Per micro-step it:
    micro-steps the ranks all-reduce their gradients and step their optimizers;
 5. every ``steps_per_version`` optimizer steps, or when the adapter's queue is empty, publishes:
    ``reserve_version`` → rank 0 saves (atomic) and makes the files readable from every node →
-   ``publish_version`` (one store transaction that marks the items consumed) →
-   ``Planner.load_adapter``; with the gate on, the version is a candidate that the gate
-   (``evaluator.py``) scores on rank 0 between steps and the store decides in one transaction.
+   ``publish_version`` (one store transaction that marks the items consumed and answers the store's
+   served-change number) → ``Planner.load_adapter``, which waits until the planner has followed that
+   number; with the gate on, the version is a candidate that the gate (``evaluator.py``) scores on
+   rank 0 between steps and the store decides in one transaction.
 
 Faults stay with their adapter: a rank that cannot load an adapter's version, encode its items,
 run its windows, save or score it answers with the fault (or its call raises it), and the driver
@@ -44,7 +45,7 @@ from typing import Any, Callable
 import ray
 
 from settings import AppConfig
-from actors.learning.store.models import FeedbackItem
+from actors.learning.store.records import FeedbackItem
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.lora.evaluator import VersionEvaluator
 from actors.learning.lora.messages import (
@@ -150,7 +151,10 @@ class LoraDriver:
         self.store_changes = -1  # the store's change number as of the last idle wait (-1: look at once)
         self.turns = TrainingTurns()
         self.not_before: dict[str, float] = {}  # adapter -> when to pick it again (after a fault)
-        self.evaluator = VersionEvaluator(self, eval_file)
+        self.evaluator = VersionEvaluator(
+            self.store, line, self.t, cfg.data_path, eval_file, rank_zero=self,
+            spec_changed=lambda adapter: self.specs.pop(adapter, None), load_on_replicas=self.load_on_replicas,
+            report=lambda adapter, event: self.report(adapter, event), warn=lambda where, exc: self.warn(where, exc))
         self._adopted_at = 0.0
         self._resume_gate()
 
@@ -507,13 +511,13 @@ class LoraDriver:
             return None, None, False
         created = list(self.held_created)
         names = ("reserve_s", "save_s", "publish_s", "load_s")
-        if published.state == "candidate":
+        if published.info.state == "candidate":
             # The gate is on: not served until the evaluator passes it (it loads it on the replicas then).
             now = time.time()
             breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
             self.report(adapter, VersionPublished(v.version, now, now - t0, breakdown, candidate=True))
             return v.version, path, True
-        self.load_on_replicas(adapter)
+        self.load_on_replicas(adapter, published.served_change)
         now = time.time()
         marks.append(now)
         breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
@@ -521,12 +525,12 @@ class LoraDriver:
                                                tuple(round(now - c, 3) for c in created)))
         return v.version, path, False
 
-    def load_on_replicas(self, adapter: str) -> None:
-        """The store serves a new version of ``adapter``: wait until the replicas serve what the store says (the
-        planner follows the store anyway; waiting here makes the freshness figures mean "served")."""
+    def load_on_replicas(self, adapter: str, served_change: int) -> None:
+        """The store serves a new version of ``adapter`` as of its ``served_change``: wait until the replicas serve
+        it (the planner follows the store anyway; waiting here makes the freshness figures mean "served")."""
         try:
             nodes = self.t.scope_rules.serving_nodes(self.node_id)  # per_node: only this node serves its copy
-            ray.get(self.planner.load_adapter.remote(adapter, nodes), timeout=LOAD_TIMEOUT_S)
+            ray.get(self.planner.load_adapter.remote(adapter, nodes, served_change), timeout=LOAD_TIMEOUT_S)
         except Exception as exc:  # published in the store; the planner restores it on restart
             self.warn("load_adapter", exc)
 

@@ -6,12 +6,26 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Protocol
 
 import ray
 
 from actors.learning.lora.messages import (GateDecided, RetentionScoreRequest, RetentionSetRequest, ScoreRequest,
-                                           VersionScored)
+                                           TrainerEvent, VersionScored)
+from actors.learning.store.models import VersionConflict
+from actors.learning.store.records import AdapterInfo, VersionScores, VersionVerdict
+from settings import TrainingConfig
+
+
+class RankZero(Protocol):
+    """Scoring on rank 0's model (the LoRA driver sends these to its rank 0, between its steps)."""
+
+    def score(self, request: ScoreRequest) -> list[Any]: ...
+
+    def retention_set(self, request: RetentionSetRequest) -> Any: ...
+
+    def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]: ...
 
 
 @dataclass(frozen=True)
@@ -63,8 +77,16 @@ class VersionEvaluator:
     MAX_ATTEMPTS = 3  # a candidate whose scoring fails this often is rejected with the error as its reason
     MAX_CACHED = 256
 
-    def __init__(self, worker: Any, eval_file: str | None) -> None:
-        self.worker, self.t = worker, worker.t  # the LoraDriver: its store, planner, and rank 0 to score on
+    def __init__(self, store: Any, line: int | None, training: TrainingConfig, data_path: Path,
+                 eval_file: str | None, *, rank_zero: RankZero, spec_changed: Callable[[str], None],
+                 load_on_replicas: Callable[[str, int], None], report: Callable[[str, TrainerEvent], None],
+                 warn: Callable[[str, BaseException | str], None]) -> None:
+        """``store``: the feedback store's actor handle; ``line``: the driver's queue partition (a node under
+        per_node); ``spec_changed``: a verdict may have paused the adapter (the driver reads its spec again);
+        ``load_on_replicas``: wait until the replicas serve a passed candidate (its served-change number)."""
+        self.store, self.line, self.t, self.data_path = store, line, training, data_path
+        self.rank_zero, self.spec_changed, self.load_on_replicas = rank_zero, spec_changed, load_on_replicas
+        self.report, self.warn = report, warn
         self.eval_file = eval_file
         self._file_pairs: list[dict[str, str]] | None = None
         self._candidates: deque[EvalJob] = deque()
@@ -105,7 +127,7 @@ class VersionEvaluator:
             self._gate(job)
         except Exception as exc:
             job.attempts += 1
-            self.worker.warn("gate", exc)
+            self.warn("gate", exc)
             if job.attempts < self.MAX_ATTEMPTS:
                 job.not_before = time.time() + 2.0  # e.g. the store actor restarting
                 self._candidates.appendleft(job)
@@ -117,7 +139,7 @@ class VersionEvaluator:
         try:
             self._score_served(job)
         except Exception as exc:
-            self.worker.warn("evaluate", exc)
+            self.warn("evaluate", exc)
 
     # ---- what is scored, and how --------------------------------------------------------------------
 
@@ -129,13 +151,13 @@ class VersionEvaluator:
                 self._file_pairs = read_preference_jsonl(self.eval_file, limit=self.t.eval_pairs,
                                                          max_text_bytes=4 * self.t.max_length)
             except Exception as exc:
-                self.worker.warn("eval_file", exc)
+                self.warn("eval_file", exc)
                 self._file_pairs = []
         return self._file_pairs or []
 
     def _slice(self, adapter: str, max_items: int) -> tuple[list[Any], str, str]:
         """(items, a key naming exactly these items, how to call them in a reason); no items: nothing to score on."""
-        items = ray.get(self.worker.store.held_out_items.remote(adapter, max_items), timeout=60)
+        items = ray.get(self.store.held_out_items.remote(adapter, max_items), timeout=60)
         if items:
             return items, "held-out:" + ",".join(str(it.id) for it in items), "held-out items"
         pairs = self._eval_file_pairs()
@@ -143,7 +165,7 @@ class VersionEvaluator:
             return pairs, "eval-file", f"pairs of training.eval_file {os.path.basename(self.eval_file)}"
         return [], "", ""
 
-    def _score(self, adapter: str, version: int | None, path: str | None, info: Any, items: list[Any],
+    def _score(self, adapter: str, version: int | None, path: str | None, info: AdapterInfo, items: list[Any],
                key: str) -> tuple[dict[str, float], list[Any]]:
         """Held-out scores of one version (``path`` None: the base model) on ``items``, and each item's own score.
 
@@ -163,7 +185,7 @@ class VersionEvaluator:
         missing = [(i, it) for i, it in zip(ids, items) if i not in cached]
         if missing:
             # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
-            found = self.worker.score(ScoreRequest(adapter, version, path, info.lora, info.method,
+            found = self.rank_zero.score(ScoreRequest(adapter, version, path, info.lora, info.method,
                                                    tuple(it for _, it in missing),
                                                    "completion" if held_out else "chosen"))
             cached.update(zip((i for i, _ in missing), found))
@@ -181,14 +203,12 @@ class VersionEvaluator:
     # ---- the gate --------------------------------------------------------------------------------
 
     def _gate(self, job: EvalJob) -> None:
-        from actors.learning.store.models import VersionConflict
         from planners.gate import decide, judge
 
-        w = self.worker
         adapter, version, path = job.adapter, job.version, job.path
         t0 = time.time()
-        info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
-        current = ray.get(w.store.current_version.remote(adapter, w.line), timeout=60)
+        info: AdapterInfo = ray.get(self.store.get_adapter.remote(adapter), timeout=60)
+        current = ray.get(self.store.current_version.remote(adapter, self.line), timeout=60)
         base_version, base_path = (current.version, current.path) if current is not None else (None, None)
         base_name = "the base model" if current is None else f"v{current.version}"
         items, key, slice_name = self._slice(adapter, info.gate.max_eval_items)
@@ -209,30 +229,30 @@ class VersionEvaluator:
         verdict = decide(held_out, retention_verdict, info.gate.thin_evidence)
         score_s = round(time.time() - t0, 3)
         try:
-            decided = ray.get(w.store.decide_version.remote(
-                adapter, version, passed=verdict.passed, reason=verdict.reason, score=cand.get("score"),
-                baseline_version=base_version if items else None, baseline_score=base.get("score"),
-                win_rate=cand.get("win_rate"), clpd=cand.get("clpd"), token_logprob=cand.get("token_logprob"),
-                eval_items=len(items) or None, counts=verdict.counts, score_s=score_s,
-                **self._retention_columns(kept)), timeout=60)
+            scores = _version_scores(cand, len(items), score_s, kept)
+            written = ray.get(self.store.decide_version.remote(adapter, version, VersionVerdict(
+                verdict.passed, verdict.reason, scores, baseline_version=base_version if items else None,
+                baseline_score=base.get("score"), counts=verdict.counts)), timeout=60)
         except VersionConflict as exc:  # promoted (or otherwise decided) through the API meanwhile
-            w.warn("gate", exc)
+            self.warn("gate", exc)
             return
-        w.specs.pop(adapter, None)  # a pause the verdict caused takes effect at the next plan
+        decided = written.info
+        self.spec_changed(adapter)  # a pause the verdict caused takes effect at the next plan
         freshness: list[float] = []
         if decided.state == "served":
-            w.load_on_replicas(adapter)
+            self.load_on_replicas(adapter, written.served_change)
             now = time.time()
             freshness = [round(now - c, 3) for c in job.created]
-        w.report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,
-                                       decided.baseline_version, time.time() - t0, time.time(), tuple(freshness),
-                                       cand.get("win_rate"), cand.get("clpd"), cand.get("token_logprob"),
-                                       kept.score if kept else None, kept.base if kept else None,
-                                       kept.seconds if kept else None))
+        self.report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,
+                                         decided.baseline_version, time.time() - t0, time.time(), tuple(freshness),
+                                         cand.get("win_rate"), cand.get("clpd"), cand.get("token_logprob"),
+                                         kept.score if kept else None, kept.base if kept else None,
+                                         kept.seconds if kept else None))
 
     # ---- the retention check ---------------------------------------------------------------------
 
-    def _retention(self, adapter: str, version: int, path: str | None, info: Any) -> tuple[Any, RetentionScores | None]:
+    def _retention(self, adapter: str, version: int, path: str | None,
+                   info: AdapterInfo) -> tuple[Any, RetentionScores | None]:
         """The retention verdict of a version and its scores; (None, None) with ``gate.retention`` off.
 
         The set (the base model's answers and its scores of them) is built on rank 0 at its first use
@@ -247,47 +267,39 @@ class VersionEvaluator:
         if not gate.retention:
             return None, None
         t0 = time.time()
-        file = resolve(gate.retention_file, self.worker.cfg.data_path)
+        file = resolve(gate.retention_file, self.data_path)
         name = "the shipped retention set" if gate.retention_file is None else f"gate.retention_file {gate.retention_file}"
         try:
             read_prompts(file)  # the adapter's own file: its fault, named in the reason, before rank 0 is asked
         except (OSError, ValueError, KeyError, TypeError) as exc:
             why = "not found under data_dir" if isinstance(exc, FileNotFoundError) else f"{type(exc).__name__}: {exc}"
             return Verdict(False, f"retention: {name}: {why}"[:500]), None
-        rs = self.worker.retention_set(RetentionSetRequest(str(file), name))
+        rs = self.rank_zero.retention_set(RetentionSetRequest(str(file), name))
         cache_key = (adapter, version, "retention:" + rs.fingerprint)
         if cache_key not in self._scores and len(self._scores) >= self.MAX_CACHED:
             self._scores.clear()
         cached = self._scores.setdefault(cache_key, {})
         if not cached:
-            found = self.worker.score_retention(RetentionScoreRequest(adapter, version, path, info.lora, rs.items))
+            found = self.rank_zero.score_retention(RetentionScoreRequest(adapter, version, path, info.lora, rs.items))
             cached.update(enumerate(found))
         score = token_mean([cached[i] for i in range(len(rs.items))])
         kept = RetentionScores(score, rs.base_score, len(rs.items), round(time.time() - t0, 3))
         return judge_retention(score, rs.base_score, gate.retention_margin, prompts=len(rs.items), set_name=rs.name), kept
 
-    @staticmethod
-    def _retention_columns(kept: RetentionScores | None) -> dict[str, Any]:
-        if kept is None:
-            return {}
-        return {"retention": kept.score, "retention_base": kept.base, "retention_prompts": kept.prompts}
-
     def _give_up(self, job: EvalJob, exc: BaseException) -> None:
         """Scoring failed again and again: reject the candidate, with the error as the reason (not served unproven)."""
         try:
-            ray.get(self.worker.store.decide_version.remote(
-                job.adapter, job.version, passed=False,
-                reason=f"the gate could not score it: {type(exc).__name__}: {str(exc)[:300]}"), timeout=60)
+            ray.get(self.store.decide_version.remote(job.adapter, job.version, VersionVerdict(
+                False, f"the gate could not score it: {type(exc).__name__}: {str(exc)[:300]}")), timeout=60)
         except Exception as again:
-            self.worker.warn("gate", again)
+            self.warn("gate", again)
 
     def _score_served(self, job: EvalJob) -> None:
         """Held-out and retention scores of a version served without the gate (the gate off), for the API and the
         metrics: every served version's retention is shown, gated or not."""
-        w = self.worker
         adapter, version = job.adapter, job.version
         t0 = time.time()
-        info = ray.get(w.store.get_adapter.remote(adapter), timeout=60)
+        info: AdapterInfo = ray.get(self.store.get_adapter.remote(adapter), timeout=60)
         items, key, _ = self._slice(adapter, info.gate.max_eval_items)
         scores: dict[str, float] = {}
         if items:
@@ -295,11 +307,20 @@ class VersionEvaluator:
         _, kept = self._retention(adapter, version, job.path, info)
         if not items and kept is None:
             return
-        ray.get(w.store.record_scores.remote(adapter, version, eval_items=len(items) or None,
-                                             score_s=round(time.time() - t0, 3), **scores,
-                                             **self._retention_columns(kept)), timeout=60)
-        w.report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
-                                         scores.get("token_logprob")))
+        measured = _version_scores(scores, len(items), round(time.time() - t0, 3), kept)
+        ray.get(self.store.record_scores.remote(adapter, version, measured), timeout=60)
+        self.report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
+                                           scores.get("token_logprob")))
+
+
+def _version_scores(held_out: dict[str, float], items: int, seconds: float,
+                    kept: RetentionScores | None) -> VersionScores:
+    """What the store records of a scoring: the held-out scores over ``items``, the retention check's, the seconds."""
+    return VersionScores(score=held_out.get("score"), win_rate=held_out.get("win_rate"), clpd=held_out.get("clpd"),
+                         token_logprob=held_out.get("token_logprob"), eval_items=items or None, score_s=seconds,
+                         retention=None if kept is None else kept.score,
+                         retention_base=None if kept is None else kept.base,
+                         retention_prompts=None if kept is None else kept.prompts)
 
 
 def label_scores(items: Any, per_item: Any) -> list[float]:

@@ -38,7 +38,7 @@ class StepPlan:
     target: tuple[int | None, str | None]
     """The adapter's current version and where its files are (None, None: a fresh LoRA)."""
     items: tuple[Any, ...]
-    """The micro-step's feedback items (``actors.learning.store.models.FeedbackItem``)."""
+    """The micro-step's feedback items (``actors.learning.store.records.FeedbackItem``)."""
     last_of_queue: bool = False
     """No more items wait: apply the gradients and publish after this step."""
     requeued: dict[int, PassVerdict] = field(default_factory=dict)

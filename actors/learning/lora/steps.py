@@ -382,7 +382,7 @@ def save_adapter_version(model: Any, optimizer: torch.optim.Optimizer | None, ro
 
     Everything goes into a temporary sibling directory, every file and the directory are fsynced,
     then one ``os.rename`` makes the version visible: a reader sees the whole version or none.
-    Raises FileExistsError if the version exists (numbers come from FeedbackStore.reserve_version).
+    Raises FileExistsError if the version exists (numbers come from FeedbackDatabase.reserve_version).
     """
     final = version_dir(root, adapter_name, version)
     final.parent.mkdir(parents=True, exist_ok=True)

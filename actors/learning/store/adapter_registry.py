@@ -10,7 +10,6 @@ from typing import Any
 from actors.learning.store.models import (
     AdapterExists,
     AdapterQuotaExceeded,
-    AdapterInfo,
     AdapterSpec,
     FullUnitExists,
     GateOverrides,
@@ -20,6 +19,7 @@ from actors.learning.store.models import (
     adapter_key,
     split_adapter_key,
 )
+from actors.learning.store.records import AdapterInfo
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.connection import StoreConnection, validate_as
 from actors.learning.store.schema import ADAPTER_COLUMNS, UPDATABLE

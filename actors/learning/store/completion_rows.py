@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from actors.learning.store.connection import StoreConnection
@@ -29,6 +29,43 @@ class UnknownCompletion(UnknownItem):
 
 
 @dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One turn of a stored chat request, as plain text (the text parts of OpenAI's content list joined)."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """The sampling parameters a stored request set, by OpenAI's names; None: the request did not set it."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+
+    @classmethod
+    def of(cls, request: Any) -> SamplingParams:
+        """Those of an OpenAI request object (vLLM's ``ChatCompletionRequest`` or ``CompletionRequest``)."""
+        return cls(**{f.name: getattr(request, f.name, None) for f in fields(cls)})
+
+    def given(self) -> dict[str, Any]:
+        """The parameters set, as JSON (what is stored and shown: unset ones are left out)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
 class StoredCompletion:
     """One stored completion as the store keeps it (the HTTP layer shapes it as OpenAI's object)."""
 
@@ -39,19 +76,36 @@ class StoredCompletion:
     adapter: str | None
     version: int | None
     prompt: str
-    messages: list[dict[str, Any]] | None
+    messages: tuple[ChatMessage, ...] | None
     output: str
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
-    params: dict[str, Any]
+    params: SamplingParams
     created_at: float
+
+    @classmethod
+    def admitted(cls, tenant: str, object: str, model: str, adapter: str | None, version: int | None, prompt: str,
+                 messages: tuple[ChatMessage, ...] | None, params: SamplingParams) -> StoredCompletion:
+        """What is known of a request when it is admitted; :meth:`answered` adds the engine's answer."""
+        return cls("", tenant, object, model, adapter, version, prompt, messages, "", None, None, None, params, 0.0)
+
+    def answered(self, completion_id: str, output: str, finish_reason: str | None, prompt_tokens: int | None,
+                 completion_tokens: int | None, at: float) -> StoredCompletion:
+        """This admitted request with the engine's answer: the record to store."""
+        return replace(self, id=completion_id, output=output, finish_reason=finish_reason,
+                       prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, created_at=at)
+
+    def turns(self) -> list[dict[str, str]] | None:
+        """The chat turns as JSON (a feedback item's ``messages``, the stored column, the API's answer)."""
+        return None if self.messages is None else [asdict(m) for m in self.messages]
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> StoredCompletion:
         (id_, tenant, obj, model, adapter, version, prompt, messages, output, finish, pt, ct, params, created) = row
-        return cls(id_, tenant, obj, model, adapter, version, prompt, None if messages is None else json.loads(messages),
-                   output, finish, pt, ct, json.loads(params), created)
+        turns = None if messages is None else tuple(ChatMessage(**m) for m in json.loads(messages))
+        return cls(id_, tenant, obj, model, adapter, version, prompt, turns, output, finish, pt, ct,
+                   SamplingParams(**json.loads(params)), created)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +128,9 @@ class CompletionRows(StoreConnection):
             db.execute(
                 f"INSERT OR REPLACE INTO completions ({COMPLETION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (record.id, record.tenant, record.object, record.model, record.adapter, record.version, record.prompt,
-                 None if record.messages is None else json.dumps(record.messages), record.output,
+                 None if record.messages is None else json.dumps(record.turns()), record.output,
                  record.finish_reason, record.prompt_tokens, record.completion_tokens,
-                 json.dumps(record.params, sort_keys=True), record.created_at))
+                 json.dumps(record.params.given(), sort_keys=True), record.created_at))
 
     def get_completion(self, completion_id: str, tenant: str | None, keep_days: float | None = None) -> StoredCompletion:
         """The stored completion ``completion_id`` of ``tenant`` (None: local mode); :class:`UnknownCompletion`
@@ -177,7 +231,7 @@ class CompletionRows(StoreConnection):
         if not isinstance(adapter, str) or not adapter:
             raise InvalidRequest("adapter: the completion was answered by the base model; name the adapter to train",
                                  param="adapter")
-        context: dict[str, Any] = ({"messages": done.messages} if done.messages is not None
+        context: dict[str, Any] = ({"messages": done.turns()} if done.messages is not None
                                    else {"prompt": done.prompt})
         item: dict[str, Any] = {"adapter": adapter, **context}
         if shape == "rating":

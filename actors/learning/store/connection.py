@@ -14,7 +14,6 @@ from typing import Any, Self
 from pydantic import BaseModel, ValidationError
 
 from actors.learning.store.models import (
-    AdapterInfo,
     DEFAULT_MAX_BATCH_ITEMS,
     DEFAULT_MAX_ITEM_BYTES,
     GateOverrides,
@@ -25,17 +24,17 @@ from actors.learning.store.models import (
     StoreError,
     UnknownAdapter,
     UnknownVersion,
-    VersionInfo,
     pydantic_error,
     pydantic_param,
     adapter_key,
 )
+from actors.learning.store.records import AdapterInfo, VersionInfo
 from actors.learning.store.schema import (ADAPTER_COLUMNS, ADDED_COLUMNS, NEW_METHODS_CHECK, OLD_KINDS_CHECK,
                                    OLD_METHODS_CHECKS, SCHEMA, VERSION_COLUMNS, DB_FILENAME, SCHEMA_VERSION)
 
 
 class StoreConnection:
-    """One SQLite file opened, migrated and guarded by a lock; the base of every part of :class:`FeedbackStore`."""
+    """One SQLite file opened, migrated and guarded by a lock; the base of every part of :class:`FeedbackDatabase`."""
 
     def __init__(self, data_dir: str | Path, *, filename: str = DB_FILENAME,
                  max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES, max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,

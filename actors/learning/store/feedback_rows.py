@@ -10,23 +10,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from actors.learning.store.models import (
-    FeedbackItem,
-    FeedbackReceipt,
     IdempotencyKeyReused,
     InvalidRequest,
     KIND_FOR_METHOD,
     KIND_NAMES,
     METHOD_TAKES,
-    LabelItem,
-    PreferenceItem,
-    SFTItem,
     TrainingQuotaExceeded,
     UnknownAdapter,
     UnknownItem,
+)
+from actors.learning.store.feedback_items import (
+    LabelItem,
+    PreferenceItem,
+    SFTItem,
     idempotency_key_problem,
     is_held_out,
     validate_feedback,
 )
+from actors.learning.store.records import FeedbackItem, FeedbackReceipt
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.connection import StoreConnection
 from actors.learning.store.schema import ITEM_COLUMNS, IDEMPOTENCY_TTL_S

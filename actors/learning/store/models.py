@@ -1,22 +1,18 @@
-"""What the feedback store accepts and returns: adapter specs, feedback items, version records, errors, validation.
+"""What an adapter is made of and how the store refuses: names, adapter specs, errors (each with its HTTP status).
 
-Plain pydantic models and functions, no SQLite: the HTTP layer (``deployments/learning.py``,
-``deployments/openapi.py``) validates and documents requests with them, and
-``actors/learning/store/sqlite.py`` stores and returns them.
-
-Why one module of about 600 lines: these are the store's whole wire vocabulary (specs, items, versions,
-errors) that the HTTP layer and the store must read alike.
+Plain pydantic models, no SQLite: the HTTP layer (``deployments/learning.py``, ``deployments/openapi.py``)
+validates and documents requests with them, and ``actors/learning/store/sqlite.py`` stores them. A feedback item's
+shapes and the validation of a batch are in ``feedback_items.py``; what the store hands out (versions, adapters,
+served state, queued items) is in ``records.py``.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from settings import ADMIN_TENANT, MAX_COUNT, GateSettings
 
@@ -137,7 +133,7 @@ class IdempotencyKeyReused(StoreError):
 # Validated inputs.
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # No inf/NaN: they would be stored, then fail to encode as JSON in every later answer. strict: no coercion,
     # so a JSON string "8" or "0.1" (or a float 8.0 for an integer, 1 or "true" for a boolean) is a client error
     # naming its field, never a number or a flag (an integer is still taken where a float is meant).
@@ -147,7 +143,7 @@ class _Strict(BaseModel):
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
 
 
-class LoraSettings(_Strict):
+class LoraSettings(StrictModel):
     r: int = Field(8, ge=1, le=256,
                    description="LoRA rank, an integer (must not exceed the engine's max_lora_rank).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
@@ -179,12 +175,12 @@ class LoraSettings(_Strict):
         return v
 
 
-class PeriodicSettings(_Strict):
+class PeriodicSettings(StrictModel):
     every_seconds: float | None = Field(60.0, gt=0, description="Train every T seconds (Ekya-like).")
     every_samples: int | None = Field(None, gt=0, le=MAX_COUNT, description="... or as soon as K samples are queued.")
 
 
-class GateOverrides(_Strict):
+class GateOverrides(StrictModel):
     """An adapter's own gate settings; a field left null follows the app's default (``training.gate``)."""
 
     enabled: bool | None = None
@@ -224,7 +220,7 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class AdapterSpec(_Strict):
+class AdapterSpec(StrictModel):
     """What ``POST /v1/adapters`` takes."""
 
     @model_validator(mode="before")
@@ -280,321 +276,6 @@ class AdapterSpec(_Strict):
         return self
 
 
-def _text(v: str) -> str:
-    if not v.strip():
-        raise ValueError("must not be blank")
-    return v
-
-
-class ChatTurn(_Strict):
-    """One message of a conversation, as in OpenAI's chat and fine-tuning formats."""
-
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(min_length=1)
-
-
-class _Prompted(_Strict):
-    """An item's context: a raw ``prompt`` text, or chat ``messages`` that the trainer renders with
-    the served model's chat template, so that what is trained is what is served."""
-
-    adapter: str = Field(min_length=1)
-    prompt: str | None = Field(None, min_length=1)
-    messages: list[ChatTurn] | None = Field(None, min_length=1, max_length=256)
-
-    @model_validator(mode="after")
-    def _one_context(self) -> _Prompted:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt (raw text) or messages (a chat), not both or neither")
-        if self.messages is not None and self.messages[-1].role == "assistant":
-            raise ValueError("messages must end with a user (or system) turn; the answer goes in "
-                             "completion, or chosen and rejected")
-        return self
-
-    @field_validator("prompt")
-    @classmethod
-    def _nonblank_prompt(cls, v: str | None) -> str | None:
-        return v if v is None else _text(v)
-
-    def context_texts(self) -> tuple[str, ...]:
-        return (self.prompt,) if self.prompt is not None else tuple(m.content for m in self.messages or ())
-
-    def messages_json(self) -> str | None:
-        return None if self.messages is None else json.dumps([m.model_dump() for m in self.messages])
-
-
-class SFTItem(_Prompted):
-    """One supervised sample: train the adapter to answer the context with ``completion``."""
-
-    completion: str = Field(min_length=1)
-
-    _nonblank = field_validator("completion")(_text)
-
-    @property
-    def kind(self) -> Kind:
-        return "sft"
-
-    def texts(self) -> tuple[str, ...]:
-        return (*self.context_texts(), self.completion)
-
-
-class LabelItem(_Prompted):
-    """One unpaired label (KTO): ``completion`` answered the context well (``label`` true: a thumbs-up) or not."""
-
-    completion: str = Field(min_length=1)
-    label: bool
-
-    _nonblank = field_validator("completion")(_text)
-
-    @property
-    def kind(self) -> Kind:
-        return "label"
-
-    def texts(self) -> tuple[str, ...]:
-        return (*self.context_texts(), self.completion)
-
-
-class PreferenceItem(_Prompted):
-    """One preference pair: ``chosen`` is the better answer to the context than ``rejected``."""
-
-    chosen: str = Field(min_length=1)
-    rejected: str = Field(min_length=1)
-
-    _nonblank = field_validator("chosen", "rejected")(_text)
-
-    @property
-    def kind(self) -> Kind:
-        return "preference"
-
-    def texts(self) -> tuple[str, ...]:
-        return (*self.context_texts(), self.chosen, self.rejected)
-
-
-# ----------------------------------------------------------------------------------------------
-# Records handed out.
-
-
-class VersionInfo(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    adapter: str
-    version: int
-    parent: int | None = Field(description="The current version when this one was reserved (its starting weights).")
-    path: str | None
-    created_at: float
-    published: bool
-    published_at: float | None
-    samples_trained: int | None
-    loss: float | None
-    win_rate: float | None = Field(description="dpo: held-out win rate (MACE §3.1) of this version.")
-    clpd: float | None = Field(description="dpo: held-out CLPD, mean log π(chosen) - log π(rejected).")
-    node: int | None = Field(None, description="per_node scope: the node whose copy this version is; None: synced.")
-    state: VersionState | None = Field(
-        None, description="candidate (waiting for the quality gate), served (passed it, or promoted; the one "
-                          "served now is current_version), rejected (kept, never served unless promoted), "
-                          "rolled_back (was served until a rollback or promotion went back past it); None: reserved.")
-    reason: str | None = Field(None, description="Why the version is in its state, e.g. the gate's comparison.")
-    score: float | None = Field(None, description="The gated score: win_rate (dpo) or token_logprob (sft).")
-    baseline_version: int | None = Field(
-        None, description="The version the gate compared with (None with a baseline_score: the base model).")
-    baseline_score: float | None = Field(None, description="That version's score on the same held-out items.")
-    token_logprob: float | None = Field(None, description="sft: mean log-likelihood per held-out completion token.")
-    eval_items: int | None = Field(None, description="Held-out items (or eval_file pairs) the scores are over.")
-    decided_at: float | None = Field(None, description="When the gate (or a promotion) decided the state.")
-    retention: float | None = Field(
-        None, description="How well this version keeps the base model's answers to the retention set: mean "
-                          "log-likelihood per answer token (higher is better; the gate rejects a loss of more than "
-                          "gate.retention_margin against retention_base).")
-    retention_base: float | None = Field(None, description="The base model's own score of those answers.")
-    retention_prompts: int | None = Field(None, description="Prompts of the retention set the scores are over.")
-    score_s: float | None = Field(None, description="Seconds the gate spent scoring this version (held-out slice "
-                                                    "and retention set; the base's scores are cached).")
-
-
-class AdapterInfo(AdapterSpec):
-    """An adapter with its state, the shape of ``GET /v1/adapters/{name}``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(pattern=ADAPTER_KEY_RE.pattern,
-                      description="The store's key (adapter_key): tenant/name for a tenant's adapter. The HTTP layer "
-                                  "shows a tenant its own adapters by their bare names.")
-
-    created_at: float
-    current_version: int | None
-    versions: list[VersionInfo] = Field(description="Published versions in every state, oldest first.")
-    queued: int = Field(description="Feedback items no published version has trained on yet (held-out ones excluded).")
-    oldest_queued_at: float | None
-    last_published_at: float | None
-    node_versions: dict[int, int] = Field(
-        default_factory=dict, description="per_node scope: the version each node serves; empty when synced.")
-    gate: GateSettings = Field(default_factory=GateSettings,
-                               description="The quality-gate settings in effect: the adapter's own over training.gate.")
-    held_out: int = Field(0, description="Feedback items kept out of training as the adapter's held-out slice.")
-    rejections_in_row: int = Field(0, description="Versions the gate rejected since the last one it served.")
-    paused_reason: str | None = Field(
-        None, description="Why training is paused (too many rejections in a row, or a PATCH); None: not paused.")
-    promotions: int = Field(0, description="Versions served by the gate or a promotion, since creation.")
-    rejections: int = Field(0, description="Versions the gate rejected, since creation.")
-    trained_on_policy: int = Field(
-        0, description="Trained items whose answer came from the version the training started from (on-policy).")
-    trained_off_policy: int = Field(
-        0, description="Trained items whose answer came from another version (older, or the base): off-policy.")
-    on_policy_share: float | None = Field(
-        None, description="trained_on_policy over both; null until an item whose answering version is known trained.")
-
-
-@dataclass(frozen=True, slots=True)
-class ServedVersion:
-    """A version a node must serve, and where its files are."""
-
-    version: int
-    path: str
-
-
-@dataclass(frozen=True, slots=True)
-class ServedAdapter:
-    """What the store says an adapter serves: its current version (synced) and each node's (per_node)."""
-
-    method: str
-    current: ServedVersion | None
-    nodes: dict[int, ServedVersion]
-
-
-@dataclass(frozen=True, slots=True)
-class ServedState:
-    """Every adapter's served versions as of the store's served-change number ``change`` (the planner follows it)."""
-
-    change: int
-    adapters: dict[str, ServedAdapter]
-
-
-@dataclass(frozen=True, slots=True)
-class FeedbackReceipt:
-    """What storing a feedback batch gave: the ids in item order, and whether they are the stored answer
-    of an earlier request with the same idempotency key (then nothing new was stored)."""
-
-    ids: list[int]
-    replayed: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class FeedbackItem:
-    """A stored feedback row as the trainer sees it."""
-
-    id: int
-    adapter: str
-    kind: Kind
-    prompt: str | None  # None when the context is chat messages
-    completion: str | None
-    chosen: str | None
-    rejected: str | None
-    created_at: float
-    messages: tuple[dict[str, str], ...] | None = None
-    label: bool | None = None  # kind 'label': True a thumbs-up (desirable), False a thumbs-down
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> FeedbackItem:
-        """From the columns of ``ITEM_COLUMNS`` (a chat item stores '' as its prompt and its turns as JSON)."""
-        (id_, adapter, kind, prompt, completion, chosen, rejected, created_at, messages, label) = row
-        turns = None if messages is None else tuple(json.loads(messages))
-        return cls(id_, adapter, kind, prompt if turns is None else None, completion, chosen, rejected,
-                   created_at, turns, None if label is None else bool(label))
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation of feedback batches (pure: no database).
-
-
-def idempotency_key_problem(key: str) -> str | None:
-    """Why ``key`` cannot be an ``Idempotency-Key`` (None: it can): 1 to 255 printable ASCII characters."""
-    if not isinstance(key, str) or not key:
-        return "Idempotency-Key: must not be empty"
-    if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
-        return f"Idempotency-Key: {len(key)} characters, at most {MAX_IDEMPOTENCY_KEY_CHARS}"
-    if not all(" " <= c <= "~" for c in key):
-        return "Idempotency-Key: only printable ASCII characters"
-    return None
-
-
-def validate_feedback(
-    items: Sequence[Mapping[str, Any]] | Mapping[str, Any], max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
-    max_items: int = DEFAULT_MAX_BATCH_ITEMS,
-) -> list[SFTItem | PreferenceItem | LabelItem]:
-    """Validate every item of a batch; raise :class:`InvalidRequest` listing each bad item by index."""
-    if isinstance(items, Mapping):
-        items = [items]
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-        raise InvalidRequest("items: expected a list of feedback items")
-    if not items:
-        raise InvalidRequest("items: the list is empty")
-    if len(items) > max_items:
-        raise InvalidRequest(f"items: {len(items)} items, at most {max_items} per request")
-    parsed, errors = [], []
-    for i, raw in enumerate(items):
-        try:
-            parsed.append(_parse_item(raw, f"items[{i}]", max_item_bytes))
-        except InvalidRequest as e:
-            errors.extend(e.errors)
-    if errors:
-        raise InvalidRequest(errors)
-    return parsed
-
-
-def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceItem | LabelItem:
-    if isinstance(raw, BaseModel):
-        raw = raw.model_dump()
-    if not isinstance(raw, Mapping):
-        raise InvalidRequest(f"{where}: expected an object, got {type(raw).__name__}")
-    raw = _split_final_answer(raw)
-    if "label" in raw:
-        return _sized(_validated(LabelItem, raw, where), where, max_bytes)
-    is_sft = "completion" in raw
-    is_pref = "chosen" in raw or "rejected" in raw
-    if is_sft and is_pref:
-        raise InvalidRequest(f"{where}: give either completion (SFT sample) or chosen and rejected "
-                             "(preference pair), not both")
-    if not (is_sft or is_pref):
-        raise InvalidRequest(f"{where}: needs completion (SFT sample) or chosen and rejected (preference pair)")
-    return _sized(_validated(SFTItem if is_sft else PreferenceItem, raw, where), where, max_bytes)
-
-
-def _validated(model: type[_Prompted], raw: Mapping[str, Any], where: str) -> Any:
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        raise InvalidRequest([pydantic_error(where, err) for err in e.errors()]) from None
-
-
-def _sized(item: Any, where: str, max_bytes: int) -> Any:
-    """``item``, unless its text is over ``max_bytes`` or not valid Unicode (:class:`InvalidRequest`)."""
-    size = 0
-    for name, text in zip(_text_fields(item), item.texts()):
-        try:
-            size += len(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise InvalidRequest(f"{where}.{name}: not valid Unicode text (lone surrogate)") from None
-    if size > max_bytes:
-        raise InvalidRequest(f"{where}: {size} bytes of text, more than the limit of {max_bytes}")
-    return item
-
-
-def _text_fields(item: SFTItem | PreferenceItem) -> tuple[str, ...]:
-    """The names of ``item.texts()``, in order, for error messages."""
-    context = ("prompt",) if item.messages is None else tuple(f"messages[{i}].content"
-                                                               for i in range(len(item.messages)))
-    return (*context, "completion") if item.kind in ("sft", "label") else (*context, "chosen", "rejected")
-
-
-def _split_final_answer(raw: Mapping[str, Any]) -> Mapping[str, Any]:
-    """OpenAI's fine-tuning shape (``messages`` ending with the assistant's answer, no ``completion``)
-    becomes ``messages`` + ``completion``."""
-    msgs = raw.get("messages")
-    if ("completion" in raw or "chosen" in raw or "rejected" in raw or not isinstance(msgs, list) or len(msgs) < 2
-            or not isinstance(msgs[-1], Mapping) or msgs[-1].get("role") != "assistant"):
-        return raw
-    return {**raw, "messages": msgs[:-1], "completion": msgs[-1].get("content")}
-
-
 def pydantic_param(err: Mapping[str, Any]) -> str | None:
     """The dotted field an error is about (``lora.r``), the OpenAI error's ``param``; None for the whole body."""
     parts = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
@@ -611,20 +292,3 @@ def pydantic_error(where: str, err: Mapping[str, Any]) -> str:
     elif err.get("type") == "extra_forbidden":
         msg = "unknown field"
     return f"{where}{loc}: {msg}"
-
-
-# ----------------------------------------------------------------------------------------------
-# The held-out slice.
-
-_GOLDEN = (5 ** 0.5 - 1) / 2
-
-
-def is_held_out(n: int, share: float) -> bool:
-    """Whether an adapter's ``n``-th feedback item (1-based) belongs to its held-out slice.
-
-    The fractional parts of n·φ (a Weyl sequence) spread evenly over [0, 1) in every prefix, so any
-    run of items holds out close to ``share`` of them, with no period that a client's batches could
-    line up with; with a share up to 0.2 the first four items are always trained. It depends only on
-    n, so the assignment is the same after a restart (and it is stored with the item anyway).
-    """
-    return share > 0 and (n * _GOLDEN) % 1.0 < share

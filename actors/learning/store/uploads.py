@@ -13,11 +13,11 @@ written are removed, so nothing of the upload is listed or left behind.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-from actors.learning.store.models import VersionInfo
-from actors.learning.store.sqlite import FeedbackStore
+from actors.learning.store.records import UploadMeta, VersionInfo
+from actors.learning.store.sqlite import FeedbackDatabase
 from actors.learning.versions.layout import (
     ADAPTER_FILES,
     META_FILE,
@@ -29,8 +29,8 @@ from actors.learning.versions.layout import (
 )
 
 
-def add_uploaded_version(store: FeedbackStore, adapters_root: str | Path, uri: str | None, adapter: str,
-                         files: dict[str, bytes], meta: dict[str, Any], *, gated: bool | None,
+def add_uploaded_version(store: FeedbackDatabase, adapters_root: str | Path, uri: str | None, adapter: str,
+                         files: dict[str, bytes], meta: UploadMeta, *, gated: bool | None,
                          note: str | None = None) -> VersionInfo:
     """Reserve the next version of ``adapter``, write ``files`` (the adapter's two) with ``meta`` as its meta.json
     under ``adapters_root`` (or at ``uri``), and publish it; ``gated`` None: the adapter's gate decides."""
@@ -38,7 +38,7 @@ def add_uploaded_version(store: FeedbackStore, adapters_root: str | Path, uri: s
         raise ValueError(f"an uploaded version is {ADAPTER_FILES}, not {sorted(files)}")
     reserved = store.reserve_version(adapter)
     version = reserved.version
-    content = {**files, META_FILE: json.dumps({**meta, "parent": reserved.parent, "samples_trained": 0},
+    content = {**files, META_FILE: json.dumps({**asdict(meta), "parent": reserved.parent, "samples_trained": 0},
                                               indent=2, sort_keys=True).encode()}
     # Where the files go, known before they are written, so a half-written upload is removed too.
     path = (f"{uri.rstrip('/')}/{adapter_dir(adapter)}/v{version}" if uri

@@ -8,15 +8,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from actors.learning.store.models import (
-    AdapterInfo,
-    GateOverrides,
-    InvalidRequest,
-    ServedAdapter,
-    ServedVersion,
-    VersionConflict,
-    VersionInfo,
-)
+from actors.learning.store.models import GateOverrides, InvalidRequest, VersionConflict
+from actors.learning.store.records import AdapterInfo, ServedAdapter, ServedVersion, VersionInfo
 from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.connection import StoreConnection, version_from_row
 from actors.learning.store.schema import VERSION_COLUMNS, RESERVATION_PINS_S
@@ -273,7 +266,7 @@ class VersionRegistry(StoreConnection):
         publish, or the trainer reload from it; a reservation older than a day is taken for a crashed one). A deleted row stays, marked ``deleted_at``, so its number
         is never handed out again and the items it consumed still name it; it is no longer listed, and
         rollback, promote and get_version answer 404 for it. Its files are the caller's to remove
-        (:meth:`deleted_version_paths`, then :meth:`forget_version_paths`): the FeedbackQueue actor does both.
+        (:meth:`deleted_version_paths`, then :meth:`forget_version_paths`): the FeedbackStore actor does both.
         """
         keep = self.keep_versions if keep is None else keep
         if keep is None:

@@ -39,8 +39,8 @@ class AdapterFiles:
 
     def __init__(self, cfg: AppConfig, namespace: str, store: Any = None) -> None:
         self.uri = cfg.storage.adapters_uri
-        self._store = store  # the FeedbackQueue actor handle (looked up by name when first needed)
-        self._store_name, self._namespace = cfg.feedback_actor_name, namespace
+        self._store = store  # the FeedbackStore actor handle (looked up by name when first needed)
+        self._store_name, self._namespace = cfg.store_actor_name, namespace
         self.cache_root = cfg.data_path / CACHE_DIRNAME
         self.node_id = ray.get_runtime_context().get_node_id()
         self._store_at: tuple[str, str] | None = None  # (store's Ray node id, its adapters root)

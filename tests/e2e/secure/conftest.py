@@ -51,7 +51,7 @@ def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
     import ray
 
     try:  # the detached feedback store outlives its app (README "When an actor dies")
-        ray.kill(ray.get_actor("coserve-sec-feedback", namespace="coserve"), no_restart=True)
+        ray.kill(ray.get_actor("coserve-sec-store", namespace="coserve"), no_restart=True)
     except ValueError:
         pass
 

@@ -34,7 +34,7 @@ def drilled(secure_app, served_adapter) -> dict:
                     f"training={status['training']} node={status['nodes'][0]}")
     with Prober(url, BASE, ADAPTER, headers, period=0.5) as prober:
         yield {"url": url, "headers": headers, "prober": prober, "name": secure_app["name"],
-               "store": "coserve-sec-feedback", "trainer": "coserve-sec-trainer",
+               "store": "coserve-sec-store", "trainer": "coserve-sec-trainer",
                "adapters_root": secure_app["data_dir"] / "adapters"}
 
 
