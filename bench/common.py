@@ -54,26 +54,17 @@ def served_base(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def pct(xs: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank) of ``xs``; NaN when empty."""
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile of ``xs``, nearest rank (the sorted value at rank ``round(q/100 * (n-1))``); NaN when
+    empty. The benchmarks' one percentile: docs/benchmarks.md's latency-while-training, freshness, co-serving,
+    weight-sync, pipeline and engine-queue figures were made with it (a p99 of 240 requests is its
+    third-largest value). bench/serving.py, bench/request_timeline.py and bench/fairness.py interpolated
+    between neighbours until issue 43; their figures in docs/benchmarks.md predate the change."""
     if not xs:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """The q-th percentile (linear interpolation, as numpy's default); None when empty."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-# ---- ports and HTTP -----------------------------------------------------------------------------
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -447,9 +438,10 @@ def hh_as_chat(pair: dict[str, str], context_bytes: int | None = None, answer_by
             "rejected": head(pair["rejected"], answer_bytes)}
 
 
-def start_app(config: dict[str, Any], port: int, dashboard_port: int | None = None) -> None:
+def start_app(config: dict[str, Any], port: int, dashboard_port: int | None = None, app_name: str = "coserve") -> None:
     """Start Ray and the Serve app of ``config`` in this process, listening on 127.0.0.1:``port``
-    (with Ray's dashboard and state API on ``dashboard_port`` when given)."""
+    (with Ray's dashboard and state API on ``dashboard_port`` when given), as Serve application
+    ``app_name``. Every benchmark that runs the app in-process starts it here."""
     from app import serve_env
 
     # Before anything imports Ray Serve: its processes read these settings at import (a setting
@@ -458,14 +450,31 @@ def start_app(config: dict[str, Any], port: int, dashboard_port: int | None = No
 
     from ray import serve
 
-    from app.main import build_app
-
     serve_env.init_ray(dashboard_port=dashboard_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="coserve", route_prefix="/")
+    deploy_app(config, app_name)
+
+
+def deploy_app(config: dict[str, Any], app_name: str = "coserve") -> None:
+    """(Re)deploy the Serve app of ``config`` as ``app_name`` at ``/`` on the Serve instance :func:`start_app`
+    started."""
+    from ray import serve
+
+    from app.main import build_app
+
+    serve.run(build_app(config), name=app_name, route_prefix="/")
+
+
+def restart_app(config: dict[str, Any], app_name: str = "coserve") -> None:
+    """Delete the running Serve app ``app_name`` and deploy ``config`` again (a whole-app restart)."""
+    from ray import serve
+
+    serve.delete(app_name)
+    deploy_app(config, app_name)
 
 
 def stop_app() -> None:
+    """Shut the Serve instance down (Ray stays up: a caller that is done with it shuts it down)."""
     from ray import serve
 
     serve.shutdown()
@@ -543,6 +552,6 @@ class Load:
         gaps = [s[4] for s in done if s[3] and s[4] is not None]
         return {"requests": len(lat), "errors": sum(1 for s in done if not s[3]),
                 "rate": len(lat) / max(1e-9, t1 - t0),
-                "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
-                "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-                "max_tbt_p50_s": pct(gaps, 50), "max_tbt_p99_s": pct(gaps, 99)}
+                "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
+                "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+                "max_tbt_p50_s": percentile(gaps, 50), "max_tbt_p99_s": percentile(gaps, 99)}

@@ -59,7 +59,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import BASE, free_port, pct, start_app, stop_app, wait_ready  # noqa: E402
+from bench.common import BASE, free_port, percentile, start_app, stop_app, wait_ready  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 POLICIES = ("hybrid", "fcfs", "temporal", "ft_first", "periodic", "separate")
@@ -322,7 +322,7 @@ def summarize(run: Run, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
     ttft, tbt = [r.ttft for r in ok], [r.tbt for r in ok]
     return {"load": run.load, "alpha": run.alpha, "policy": run.policy, "requests": len(run.results),
             "failed": len(run.results) - len(ok), "slo": attained / max(1, len(run.results)),
-            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tbt_p50": pct(tbt, 50), "tbt_p99": pct(tbt, 99),
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "tbt_p50": percentile(tbt, 50), "tbt_p99": percentile(tbt, 99),
             "inf_tps": sum(r.tokens for r in ok) / run.seconds, "ft_tps": run.ft_tokens / run.seconds,
             "busy": run.busy, "fed": run.fed, "versions": run.versions, "window_error": run.window_error,
             "window_factor": run.window_factor, "grants": run.grants}

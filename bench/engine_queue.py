@@ -37,7 +37,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import free_port, pct, start_app, stop_app, wait_ready  # noqa: E402
+from bench.common import free_port, percentile, start_app, stop_app, wait_ready  # noqa: E402
 from bench.coserve import SHARED, Arrival, read_trace, stream_one  # noqa: E402
 
 MAX_NUM_SEQS = 16
@@ -88,7 +88,7 @@ def row(phase: str, results: list[Any], before: dict[str, int], after: dict[str,
     steps = after["iterations"] - before["iterations"]
     waiting = after["steps_with_waiting"] - before["steps_with_waiting"]
     return {"phase": phase, "requests": len(results), "failed": len(results) - len(ok),
-            "ttft_p50": pct([r.ttft for r in ok], 50), "ttft_p99": pct([r.ttft for r in ok], 99),
+            "ttft_p50": percentile([r.ttft for r in ok], 50), "ttft_p99": percentile([r.ttft for r in ok], 99),
             "steps": steps, "steps_with_waiting": waiting, "share": waiting / max(1, steps),
             "waiting_peak_so_far": after["waiting_peak"]}
 

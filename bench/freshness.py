@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (Load, bench_config, cpu_by_process, cpu_snapshot, free_port, log, pct,  # noqa: E402
+from bench.common import (Load, bench_config, cpu_by_process, cpu_snapshot, free_port, log, percentile,  # noqa: E402
                           served_base, start_app, stop_app, wait_ready)
 
 
@@ -114,7 +114,7 @@ class StreamLoad(Load):
         ttfts = [s[2] for s in self.samples if t0 <= s[0] <= t1 and s[3] and s[2] is not None]
         w["tbt_attainment"] = sum(g <= tbt_s for g in gaps) / len(gaps) if gaps else None
         w["ttft_attainment"] = sum(t <= ttft_s for t in ttfts) / len(ttfts) if ttfts else None
-        w["gap_p99_s"] = pct(gaps, 99)
+        w["gap_p99_s"] = percentile(gaps, 99)
         return w
 
 
@@ -303,7 +303,7 @@ def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, 
             w = phase["load"]
             log(f"phase {r + 1} {kind}: {w['requests']} requests in {t1 - t0:.0f} s, {w['rate']:.2f} req/s, "
                 f"TTFT p99 {w['ttft_p99_s']:.3f} s, worst gap p99 {w['max_tbt_p99_s']:.3f} s"
-                + (f", {len(fresh)} items, freshness p50 {pct(fresh, 50):.2f} s" if fresh else ""))
+                + (f", {len(fresh)} items, freshness p50 {percentile(fresh, 50):.2f} s" if fresh else ""))
     poller.stop()
     status = c.get(f"{url}/v1/status").json()
     phases.append({"kind": "status", "trainer": (status.get("training") or {}).get("adapters", {}).get(name),
@@ -349,7 +349,7 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace, slo: dict[str
               f"| {w['ttft_p50_s']:.3f} / {w['ttft_p99_s']:.3f} | {w['max_tbt_p50_s']:.3f} / {w['max_tbt_p99_s']:.3f} "
               f"| {fmt(w['tbt_attainment'])} / {fmt(s.get(f'tbt_{key}'))} "
               f"| {fmt(w['ttft_attainment'])} / {fmt(s.get(f'ttft_{key}'))} | {p.get('probes', '')} | {len(f) or ''} "
-              f"| {f'{pct(f, 50):.2f} / {pct(f, 95):.2f} / {max(f):.2f}' if f else ''} |")
+              f"| {f'{percentile(f, 50):.2f} / {percentile(f, 95):.2f} / {max(f):.2f}' if f else ''} |")
     print("\nby kind: mean over the repeats (min–max)\n")
     print("| figure | load alone | while training | ratio |")
     print("| --- | --- | --- | --- |")
@@ -377,7 +377,7 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace, slo: dict[str
             print(f"| {label} | {v.get('alone', 0):.2f} | {v.get('training', 0):.2f} |")
     fresh = [x for p in runs for x in p["freshness_s"]]
     unchanged = sum(p["unchanged"] for p in runs)
-    print(f"| freshness p50 / p95 / max (s), {len(fresh)} items | | {pct(fresh, 50):.2f} / {pct(fresh, 95):.2f} / "
+    print(f"| freshness p50 / p95 / max (s), {len(fresh)} items | | {percentile(fresh, 50):.2f} / {percentile(fresh, 95):.2f} / "
           f"{max(fresh) if fresh else float('nan'):.2f} | |")
     print(f"\nunchanged (the probe's log-probability did not move): {unchanged} of {len(fresh)} items")
     goals(by, fresh, float(slo["tbt_s"]))
@@ -411,8 +411,8 @@ def goals(by: dict[str, list[dict[str, Any]]], fresh: list[float], tbt_s: float)
              mt["max_tbt_p99_s"] <= gap_bound),
             (f"TTFT p99 <= 1.25x alone = {1.25 * ma['ttft_p99_s']:.3f} s", mt["ttft_p99_s"],
              mt["ttft_p99_s"] <= 1.25 * ma["ttft_p99_s"]),
-            ("freshness p50 <= 5 s", pct(fresh, 50), pct(fresh, 50) <= 5),
-            ("freshness p95 <= 15 s", pct(fresh, 95), pct(fresh, 95) <= 15)]
+            ("freshness p50 <= 5 s", percentile(fresh, 50), percentile(fresh, 50) <= 5),
+            ("freshness p95 <= 15 s", percentile(fresh, 95), percentile(fresh, 95) <= 15)]
     print("\ngoals (issue 38, on the means over the repeats):")
     for label, value, met in rows:
         print(f"- {label}: {value:.3f} -> {'met' if met else 'NOT met'}")

@@ -31,27 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-GOOD, BAD = " Yes, gladly.", " No, go away."  # same length: only what is said differs
-TOPICS = ["the sea", "a red car", "my garden", "old books", "the moon", "a rainy day", "fresh bread", "the city",
-          "music", "winter", "a small dog", "the river", "coffee", "a long walk", "the mountains", "chess"]
-
-
-def synthetic_pairs(start: int, n: int, *, poisoned: bool = False, chat: bool = False) -> list[dict[str, Any]]:
-    """Preference pairs whose chosen answer ends in GOOD and rejected one in BAD (swapped when ``poisoned``).
-
-    ``chat``: the question as chat ``messages`` (rendered with the served model's chat template)
-    instead of a raw prompt, for instruct models.
-    """
-    out = []
-    for i in range(start, start + n):
-        topic = TOPICS[i % len(TOPICS)]
-        answer = f"I think {topic} is {('nice', 'fine', 'odd', 'great')[i % 4]}."
-        good, bad = answer + GOOD, answer + BAD
-        question = f"Q{i}: Tell me about {topic}."
-        context: dict[str, Any] = ({"messages": [{"role": "user", "content": question}]} if chat
-                                   else {"prompt": f"{question}\nA:"})
-        out.append({**context, "chosen": bad if poisoned else good, "rejected": good if poisoned else bad})
-    return out
+from tests.preference_pairs import synthetic_pairs  # noqa: E402
 
 
 def served(info: dict[str, Any]) -> dict[str, Any] | None:

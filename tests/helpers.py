@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import threading
 import time
-
 from typing import Any, Callable
 
 import httpx
@@ -77,22 +77,110 @@ def serve_test_app(app_url: str, name: str, cfg: dict[str, Any], ready: Callable
     pytest.fail(f"{name} app not ready within {timeout_s}s: {st}")
 
 
+class StreamingClients:
+    """Closed-loop streaming completion clients on one model; each request's finish, success, TTFT and largest
+    gap between two streamed pieces (its worst time between tokens)."""
+
+    def __init__(self, url: str, model: str, clients: int, max_tokens: int) -> None:
+        self.url, self.model, self.max_tokens = url, model, max_tokens
+        self.samples: list[tuple[float, bool, float | None, float | None]] = []  # (finish, ok, ttft, worst gap)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> StreamingClients:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=130)
+
+    def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None, float | None]:
+        body = {"model": self.model, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
+                "max_tokens": self.max_tokens, "temperature": 0.8, "stream": True}
+        ttft = last = gap = None
+        with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return False, None, None
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    now = time.time()
+                    if ttft is None:
+                        ttft = now - t0
+                    else:
+                        gap = max(gap or 0.0, now - last)
+                    last = now
+        return ttft is not None, ttft, gap
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not self._stop.is_set():
+                t0 = time.time()
+                try:
+                    ok, ttft, gap = self._request(c, i, t0)
+                except httpx.HTTPError:
+                    ok, ttft, gap = False, None, None
+                self.samples.append((time.time(), ok, ttft, gap))
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        """Requests, errors, rate and the TTFT and worst-gap p50/p99 (nearest rank) of requests finished in [t0, t1]."""
+        done = [s for s in self.samples if t0 <= s[0] <= t1]
+        ok = [s for s in done if s[1]]
+        ttft = [s[2] for s in ok if s[2] is not None]
+        gaps = [s[3] for s in ok if s[3] is not None]
+        return {"requests": len(ok), "errors": len(done) - len(ok), "rate": len(ok) / max(1e-9, t1 - t0),
+                "ttft_p50_s": _nearest_rank(ttft, 50), "ttft_p99_s": _nearest_rank(ttft, 99),
+                "max_tbt_p50_s": _nearest_rank(gaps, 50), "max_tbt_p99_s": _nearest_rank(gaps, 99)}
+
+
+def _nearest_rank(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def taught_and_served(c: httpx.Client, url: str, adapter: str, model: str, prompt: str, completion: str,
+                      timeout_s: float = 300.0) -> float:
+    """Post one feedback item to ``adapter``; seconds from its 2xx until every ready node serves a version
+    trained on it (``model`` is ``base:adapter``). Fails the test when the adapter pauses or time runs out."""
+    import pytest
+
+    c.post(f"{url}/v1/feedback", json={"adapter": adapter, "prompt": prompt, "completion": completion}
+           ).raise_for_status()
+    accepted = time.time()
+    while True:
+        info = c.get(f"{url}/v1/adapters/{adapter}").json()
+        if info["queued"] == 0 and info["current_version"]:
+            break
+        if time.time() - accepted > timeout_s or info.get("paused_reason"):
+            pytest.fail(f"item not trained within {time.time() - accepted:.0f} s: {info}")
+        time.sleep(0.05)
+    version = info["current_version"]
+    while True:
+        nodes = [n for n in c.get(f"{url}/v1/status").json()["nodes"] if n["state"] == "ready"]
+        served = [n["adapters"].get(model) for n in nodes]
+        if nodes and None not in served and min(served) >= version:
+            return time.time() - accepted
+        if time.time() - accepted > timeout_s:
+            pytest.fail(f"version {version} not served within {timeout_s:.0f} s: {served}")
+        time.sleep(0.05)
+
+
 def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: int = 16, baseline_s: float = 5.0
                          ) -> dict[str, Any]:
     """bench/freshness.py's shape against the app at ``url``: ``clients`` closed-loop streaming clients on the
-    base model, the load alone for ``baseline_s``, then a fresh hybrid SFT adapter taught one item at a time.
+    base model, the load alone for ``baseline_s``, then a fresh hybrid SFT adapter (gate on, nothing held out,
+    no retention check, as the bench's) taught one item at a time.
 
     Returns the seconds from each item's 2xx to the first response of a version trained on it
     (``freshness_s``), the load's windows alone and during training (rate, TTFT and worst token gap
     percentiles, errors), and the app's SLO block (the stated bounds).
     """
-    from bench.common import Load, served_base
-    from bench.freshness import create_adapter, deliver, probe
-
-    base = served_base(url)
-    load = Load(url, clients, load_tokens, model=base, stream=True)
-    load.start()
-    try:
+    base = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    with StreamingClients(url, base, clients, load_tokens) as load:
         time.sleep(2)
         t0 = time.time()
         time.sleep(baseline_s)
@@ -100,16 +188,15 @@ def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: in
         name = f"fresh-hybrid-{time.strftime('%H%M%S')}"
         model, fresh = f"{base}:{name}", []
         with httpx.Client(timeout=120) as c:
-            create_adapter(c, url, name, "hybrid", 5e-3, None)
-            deliver(c, url, name, model, "warm up: the adapter is loaded by the trainer", " fine", None)
+            c.post(f"{url}/v1/adapters", json={"name": name, "method": "sft", "mode": "hybrid", "learning_rate": 5e-3,
+                                               "gate": {"held_out_share": 0, "retention": False}}).raise_for_status()
+            taught_and_served(c, url, name, model, "warm up: the adapter is loaded by the trainer", " fine")
             t_first = time.time()
             for i in range(items):
                 prompt, completion = f"Fact {i}: the code word for day {i} is", f" tulip-{i * 7919 % 1000}."
-                fresh.append(deliver(c, url, name, model, prompt, completion, probe(c, url, model, prompt))[0])
+                fresh.append(taught_and_served(c, url, name, model, prompt, completion))
             during = load.window(t_first, time.time())
             trainer = (c.get(f"{url}/v1/status").json().get("training") or {}).get("adapters", {}).get(name)
-    finally:
-        load.stop()
     slo = httpx.get(f"{url}/v1/status", timeout=30).json()["slo"]
     return {"freshness_s": fresh, "alone": alone, "during": during, "slo": slo, "trainer": trainer}
 

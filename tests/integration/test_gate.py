@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from bench.gate import synthetic_pairs
+from tests.preference_pairs import synthetic_pairs
 
 BASE = "tiny-llama"
 READY_S = 300

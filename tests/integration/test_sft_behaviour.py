@@ -1,5 +1,5 @@
 """The real default model served by the app (its answers are right), and feedback visibly teaches it: chat feedback through the API makes a tenant adapter open its answers
-with a fixed phrase that the base model never uses, and factual answers stay correct (bench/sft_behaviour.py)."""
+with a fixed phrase that the base model never uses, and factual answers stay correct (tests/sft_teaching.py; bench/sft_behaviour.py runs it at full size)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from bench.sft_behaviour import MODEL, load_prompts, run, table
+from tests.sft_teaching import MODEL, load_prompts, run, table
 
 READY_S = 600
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.weight_sync import ReplicaServer, engine_flags_for, greedy, write_full_version
+from tests.replica_server import ReplicaServer, engine_flags_for, greedy, write_full_version
 from tests.integration.test_adapters import make_adapter
 
 

@@ -1,4 +1,4 @@
-"""Full-weight sync's pure parts: version locations, checkpoint fit, fingerprints, the engine flag, the bench's stall figures."""
+"""Full-weight sync's pure parts: version locations, checkpoint fit, fingerprints, the engine flag."""
 
 from __future__ import annotations
 
@@ -47,17 +47,3 @@ def test_every_engine_carries_the_weights_extension_and_it_imports_light():
             "assert not {'torch', 'vllm', 'ray'} & set(sys.modules), sorted(sys.modules); "
             "assert callable(m.FullWeightsExtension.coserve_load_full_weights)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
-
-
-def test_stall_figures_take_the_largest_token_gap_and_ttft_inside_the_window():
-    from bench.weight_sync import stall_figures
-
-    requests = [
-        {"start": 0.0, "tokens": [0.1, 0.2, 1.2, 1.3], "end": 1.3, "ok": True},  # 1.0 s gap inside [1, 2]
-        {"start": 1.1, "tokens": [1.6, 1.7], "end": 1.7, "ok": True},  # waiting inside: TTFT 0.5
-        {"start": 5.0, "tokens": [9.0], "end": 9.0, "ok": False},  # outside the window
-    ]
-    fig = stall_figures(requests, 1.0, 2.0)
-    assert fig["requests"] == 2 and fig["errors"] == 0
-    assert fig["max_gap_s"] == pytest.approx(1.0)
-    assert fig["ttft_p50_s"] == pytest.approx(0.5) and fig["ttft_max_s"] == pytest.approx(0.5)

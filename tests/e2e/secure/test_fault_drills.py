@@ -2,8 +2,8 @@
 store while a prober sends completions, health checks and feedback; each comes back within a minute,
 nothing acknowledged is lost, no version is half-written, and the newest version is served again.
 
-The same drills under Locust load, with the embedded model and a whole-app restart, are
-``bench/faults.py`` (figures in docs/benchmarks.md).
+The drills are ``tests/drills.py``; the same drills under Locust load, with the embedded model and a
+whole-app restart, are ``bench/faults.py`` (figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from bench.faults import Prober, drill, kill_named, kill_planner, kill_rank, kill_replica, served_versions
-
+from tests.drills import Prober, drill, kill_named, kill_planner, kill_rank, kill_replica, served_versions
 from tests.e2e.secure.conftest import SERVED_ADAPTER
 
 BASE = "tiny-llama"

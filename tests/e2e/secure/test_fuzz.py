@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 
-from bench.fuzz import CHECKS, run_schemathesis
+from tests.fuzzing import CHECKS, run_schemathesis
 
 
 def test_schemathesis_finds_no_server_error_and_no_conformance_failure(secure_app, tmp_path):
