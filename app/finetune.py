@@ -54,18 +54,33 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # A local Ray of its own; logical CPUs enough for the workers' fractions on a small host.
             need = job.workers * job.resources_per_worker.get("CPU", 1.0)
-            ray.init(address="local", num_cpus=max(4, int(need + 2)), include_dashboard=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_TRAIN_V2_ENABLED": "1"}})
+            ray.init(
+                address="local",
+                num_cpus=max(4, int(need + 2)),
+                include_dashboard=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_TRAIN_V2_ENABLED": "1"}},
+            )
     try:
         run = run_finetune(job, crash_once=os.environ.get(CRASH_ONCE_ENV))
     except (JobFileError, DataFileError, PublishError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for r in run.reports:
-        print(f"[finetune] checkpoint epoch {r['epoch']}: loss {r['loss']:.4f} (worker group started after epoch "
-              f"{r['resumed_from']})")
-    print(json.dumps({"checkpoint": run.checkpoint_dir, "epoch": run.state["epoch"], "loss": run.state["loss"],
-                      "output": run.output}, default=str))
+        print(
+            f"[finetune] checkpoint epoch {r['epoch']}: loss {r['loss']:.4f} (worker group started after epoch "
+            f"{r['resumed_from']})"
+        )
+    print(
+        json.dumps(
+            {
+                "checkpoint": run.checkpoint_dir,
+                "epoch": run.state["epoch"],
+                "loss": run.state["loss"],
+                "output": run.output,
+            },
+            default=str,
+        )
+    )
     return 0
 
 

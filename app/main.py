@@ -15,9 +15,9 @@ from typing import Any
 
 from ray import serve
 
-from settings import AppConfig
 from deployments.front_door import FrontDoor
 from deployments.server import build, haproxy_enabled
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,12 @@ def check_front_door(cfg: AppConfig, environ: Mapping[str, str] | None = None) -
     env = os.environ if environ is None else environ
     differ = {k: (env.get(k), v) for k, v in FrontDoor.from_config(cfg).environment().items() if env.get(k) != v}
     if differ:
-        logger.warning("HAProxy (the front door) was not started with this config's ingress.haproxy and "
-                       "limits.max_body_bytes: %s. It takes them when Serve starts: start Serve with `python -m "
-                       "app.serve_env serve run FILE` (make serve) or the env vars of configs/default.yaml",
-                       ", ".join(f"{k}={got!r} (wants {want!r})" for k, (got, want) in differ.items()))
+        logger.warning(
+            "HAProxy (the front door) was not started with this config's ingress.haproxy and "
+            "limits.max_body_bytes: %s. It takes them when Serve starts: start Serve with `python -m "
+            "app.serve_env serve run FILE` (make serve) or the env vars of configs/default.yaml",
+            ", ".join(f"{k}={got!r} (wants {want!r})" for k, (got, want) in differ.items()),
+        )
     return differ
 
 

@@ -44,8 +44,13 @@ def gantt(summary: dict[str, Any], n_devices: int, path: Path) -> None:
         t_end = r["end_s"] if r["end_s"] is not None else end
         ready = r["ready_s"] if r["ready_s"] is not None else t_end
         for d in r["devices"]:
-            ax.broken_barh([(r["start_s"], ready - r["start_s"])], (d - 0.4, 0.8), facecolors=colors[r["model"]],
-                           alpha=0.35, hatch="//")
+            ax.broken_barh(
+                [(r["start_s"], ready - r["start_s"])],
+                (d - 0.4, 0.8),
+                facecolors=colors[r["model"]],
+                alpha=0.35,
+                hatch="//",
+            )
             ax.broken_barh([(ready, t_end - ready)], (d - 0.4, 0.8), facecolors=colors[r["model"]])
             ax.text(r["start_s"] + 0.5, d, r["model"], va="center", fontsize=8)
     for s in summary["stages"]:
@@ -53,17 +58,25 @@ def gantt(summary: dict[str, Any], n_devices: int, path: Path) -> None:
             ax.axvline(s["actual_start_s"], color="grey", lw=0.8, ls=":")
     ax.set_yticks(range(n_devices), [f"device {d}" for d in range(n_devices)])
     ax.set_xlabel("seconds (hatched: engine load)")
-    ax.set_title(f"{summary['job']}: {summary['planner']} plan, predicted {summary['predicted_s']:.0f} s, "
-                 f"actual {summary['actual_s']:.0f} s")
+    ax.set_title(
+        f"{summary['job']}: {summary['planner']} plan, predicted {summary['predicted_s']:.0f} s, "
+        f"actual {summary['actual_s']:.0f} s"
+    )
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def run_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
-            data_dir: Path = DEFAULT_DATA_DIR, output_dir: Path | None = None, progress: bool = True
-            ) -> dict[str, Any] | None:
+def run_job(
+    job: JobSpec,
+    base_dir: Path,
+    planner: str = "search",
+    preemption: bool = True,
+    data_dir: Path = DEFAULT_DATA_DIR,
+    output_dir: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any] | None:
     """Plan what is left of ``job`` (outputs already in ``output_dir`` are skipped) and run it on Ray;
     returns the summary (also written, with plan.json and gantt.png), or None when nothing was left."""
     import ray
@@ -84,15 +97,21 @@ def run_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: b
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=False)
         else:
-            ray.init(num_cpus=max(8, job.devices.count), include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+            ray.init(
+                num_cpus=max(8, job.devices.count),
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+            )
     runner = JobRunner(prep, out, progress)
     summary = runner.run()
     summary["skipped"] = {m: len(v) for m, v in done.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     gantt(summary, job.devices.count, out / "gantt.png")
-    print(f"done in {summary['actual_s']:.1f} s (predicted {summary['predicted_s']:.1f} s, error "
-          f"{summary['estimation_error']:+.0%}); outputs in {out}")
+    print(
+        f"done in {summary['actual_s']:.1f} s (predicted {summary['predicted_s']:.1f} s, error "
+        f"{summary['estimation_error']:+.0%}); outputs in {out}"
+    )
     return summary
 
 
@@ -107,8 +126,12 @@ def profile(job: JobSpec, data_dir: Path, out_dir: Path | None = None) -> list[P
     reference = CostModel.from_dict(json.loads(REFERENCE_PROFILE.read_text()))
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=max(8, job.devices.count), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        ray.init(
+            num_cpus=max(8, job.devices.count),
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
     try:
         print(f"profiling the offline engine of {len(job.models)} model(s):")
         return profile_job(job, data_dir, reference, out_dir)
@@ -121,8 +144,10 @@ def format_plan(plan: Plan) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{plan.planner} plan{'' if plan.preemption else ', no preemption'}: "
-                        f"{plan.predicted_s:.1f} s predicted, search {plan.search_time_s * 1000:.0f} ms")
+    table = Table(
+        title=f"{plan.planner} plan{'' if plan.preemption else ', no preemption'}: "
+        f"{plan.predicted_s:.1f} s predicted, search {plan.search_time_s * 1000:.0f} ms"
+    )
     for col in ("stage", "start s", "duration s", "models (dp × tp on devices)", "finishes"):
         table.add_column(col)
     for i, st in enumerate(plan.stages):
@@ -142,12 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     pr = sub.add_parser("profile", help="fit each model's per-iteration latency on the offline engine (SamuLLM §4.1)")
     pr.add_argument("job")
     pr.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where embedded models are built")
-    pr.add_argument("--out-dir", help="write the profiles here (default: <data-dir>/offline/profiles, where "
-                                      "planning looks first; profiles/ is where shipped ones live)")
+    pr.add_argument(
+        "--out-dir",
+        help="write the profiles here (default: <data-dir>/offline/profiles, where "
+        "planning looks first; profiles/ is where shipped ones live)",
+    )
     for q in (pl, rn):  # profile takes only the job and the directories
         q.add_argument("job")
-        q.add_argument("--planner", choices=names("stages"),
-                       help="override the job's planner: search (ours, the default), greedy (SamuLLM Alg. 1), max, min")
+        q.add_argument(
+            "--planner",
+            choices=names("stages"),
+            help="override the job's planner: search (ours, the default), greedy (SamuLLM Alg. 1), max, min",
+        )
         q.add_argument("--no-preemption", action="store_true", help="override the job's preemption: off")
         q.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where embedded models are built")
     pl.add_argument("--json", metavar="PATH", help="also write the plan as JSON (the run's plan.json) here")

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from settings import AppConfig, load
 from actors.control.cost_profile import SHIPPED_PROFILES, profile_name
 from planners.costs import CostModel, MemoryModel, fit_cost_model
+from settings import AppConfig, load
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,15 +56,27 @@ def hardware() -> str:
 
 # ---- engine measurements -----------------------------------------------------------------------
 
-def measure_engine(cfg: AppConfig, model_dir: str, served_name: str, batches: list[int], lengths: list[int],
-                   decode_tokens: int, repeats: int, progress) -> list[dict[str, float]]:
+
+def measure_engine(
+    cfg: AppConfig,
+    model_dir: str,
+    served_name: str,
+    batches: list[int],
+    lengths: list[int],
+    decode_tokens: int,
+    repeats: int,
+    progress,
+) -> list[dict[str, float]]:
     import ray
 
-    from actors.serving.replica import ModelReplica
     from actors.serving.engine_args import engine_flags
+    from actors.serving.replica import ModelReplica
 
-    replica = ray.remote(ModelReplica).options(num_cpus=0, max_concurrency=1000).remote(
-        0, engine_flags(cfg, model_dir, served_name), served_name)
+    replica = (
+        ray.remote(ModelReplica)
+        .options(num_cpus=0, max_concurrency=1000)
+        .remote(0, engine_flags(cfg, model_dir, served_name), served_name)
+    )
     try:
         ray.get(replica.start.remote())
         ray.get(replica.measure.remote(2, 16, 4, repeats=1))  # warm-up: first iterations compile/allocate
@@ -77,12 +89,17 @@ def measure_engine(cfg: AppConfig, model_dir: str, served_name: str, batches: li
                 short = statistics.median(ray.get(replica.measure.remote(batch, length, 1, repeats)))
                 long = statistics.median(ray.get(replica.measure.remote(batch, length, decode_tokens + 1, repeats)))
                 # One prefill iteration (plus scheduling overhead) for the whole batch ...
-                rows.append({"prefill_tokens": batch * length, "decode_seqs": 0, "context_tokens": 0,
-                             "seconds": short})
+                rows.append({"prefill_tokens": batch * length, "decode_seqs": 0, "context_tokens": 0, "seconds": short})
                 # ... and decode_tokens iterations of `batch` sequences attending over ~length + t tokens.
                 per_iter = max(long - short, 0.0) / decode_tokens
-                rows.append({"prefill_tokens": 0, "decode_seqs": batch,
-                             "context_tokens": batch * (length + decode_tokens / 2), "seconds": per_iter})
+                rows.append(
+                    {
+                        "prefill_tokens": 0,
+                        "decode_seqs": batch,
+                        "context_tokens": batch * (length + decode_tokens / 2),
+                        "seconds": per_iter,
+                    }
+                )
                 progress.update(1)
         return rows
     finally:
@@ -101,8 +118,9 @@ class TrainLoop:
         torch.set_num_threads(1)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
-                                                      target_modules=["q_proj", "v_proj"]))
+        self.model = get_peft_model(
+            model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=["q_proj", "v_proj"])
+        )
         self.model.train()
         self.ids = torch.randint(3, min(self.model.config.vocab_size, 256), (1, tokens))
         self.finished: list[float] = []
@@ -134,18 +152,32 @@ class TrainLoop:
         return self.finished
 
 
-def measure_interference(cfg: AppConfig, model_dir: str, served_name: str, repeats: int, batch: int = 8,
-                         prompt_tokens: int = 64, decode_tokens: int = 96, train_tokens: int = 256) -> dict[str, float]:
+def measure_interference(
+    cfg: AppConfig,
+    model_dir: str,
+    served_name: str,
+    repeats: int,
+    batch: int = 8,
+    prompt_tokens: int = 64,
+    decode_tokens: int = 96,
+    train_tokens: int = 256,
+) -> dict[str, float]:
     """ρ of f(c, s) = t_iter(c) + ρ·t_ft(s), measured on the real engine beside a real training loop."""
     import ray
 
-    from actors.serving.replica import ModelReplica
     from actors.serving.engine_args import engine_flags
+    from actors.serving.replica import ModelReplica
 
-    replica = ray.remote(ModelReplica).options(num_cpus=0, max_concurrency=1000).remote(
-        0, engine_flags(cfg, model_dir, served_name), served_name)
-    trainer = ray.remote(TrainLoop).options(num_cpus=0, max_concurrency=2).remote(
-        model_dir, cfg.engine.max_lora_rank, train_tokens)
+    replica = (
+        ray.remote(ModelReplica)
+        .options(num_cpus=0, max_concurrency=1000)
+        .remote(0, engine_flags(cfg, model_dir, served_name), served_name)
+    )
+    trainer = (
+        ray.remote(TrainLoop)
+        .options(num_cpus=0, max_concurrency=2)
+        .remote(model_dir, cfg.engine.max_lora_rank, train_tokens)
+    )
     try:
         ray.get(replica.start.remote())
         ray.get(replica.measure.remote(2, 16, 4, repeats=1))  # warm-up
@@ -167,8 +199,7 @@ def measure_interference(cfg: AppConfig, model_dir: str, served_name: str, repea
                 overlap = max(0.0, min(b, t1) - max(a, t0))
                 work += step_s * overlap / max(b - a, 1e-9)
             ratios.append(max(0.0, beside - alone) / max(work, 1e-9))
-        return {"ft_interference": min(10.0, statistics.median(ratios)), "train_step_s": step_s,
-                "ratios": ratios}
+        return {"ft_interference": min(10.0, statistics.median(ratios)), "train_step_s": step_s, "ratios": ratios}
     finally:
         ray.get(replica.shutdown.remote())
         ray.kill(replica)
@@ -177,8 +208,10 @@ def measure_interference(cfg: AppConfig, model_dir: str, served_name: str, repea
 
 # ---- training measurements ---------------------------------------------------------------------
 
-def measure_training(model_dir: str, batches: list[int], lengths: list[int], repeats: int, lora_rank: int,
-                     progress) -> tuple[list[dict], list[dict], list[dict], int]:
+
+def measure_training(
+    model_dir: str, batches: list[int], lengths: list[int], repeats: int, lora_rank: int, progress
+) -> tuple[list[dict], list[dict], list[dict], int]:
     """Forward rows, backward rows, activation-memory rows of a peft LoRA step; and weight bytes."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -186,8 +219,10 @@ def measure_training(model_dir: str, batches: list[int], lengths: list[int], rep
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
     model.train()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
@@ -247,6 +282,7 @@ def output_lengths_from_sharegpt(model_dir: str, limit: int, max_tokens: int) ->
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
+
 def print_fit_table(model: CostModel) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -256,7 +292,9 @@ def print_fit_table(model: CostModel) -> None:
         table.add_column(col)
     for row in model.fit_table():
         coefs = ", ".join(f"{k}={v:.3g}" for k, v in row.get("coefficients", {}).items())
-        table.add_row(str(row.get("term")), coefs, _fmt(row.get("r2")), _fmt(row.get("median_rel_err")), str(row.get("n", "")))
+        table.add_row(
+            str(row.get("term")), coefs, _fmt(row.get("r2")), _fmt(row.get("median_rel_err")), str(row.get("n", ""))
+        )
     Console().print(table)
 
 
@@ -274,13 +312,24 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--train-batches", default="1,2,4", help="training micro-batch sizes C")
     parser.add_argument("--train-lengths", default="32,64,128,256", help="training sequence lengths ℓ")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threshold-fraction", type=float, default=0.8,
-                        help="κ of LEMIX §IV-A: the memory guard lets a node use this share of its peak")
-    parser.add_argument("--only-interference", action="store_true",
-                        help="measure ρ only and write it into the existing profile (--out or the shipped one)")
-    parser.add_argument("--refit", metavar="PROFILE", default=None,
-                        help="measure nothing: fit PROFILE's stored rows again (e.g. after the fit changed) and write "
-                             "it back (or to --out)")
+    parser.add_argument(
+        "--threshold-fraction",
+        type=float,
+        default=0.8,
+        help="κ of LEMIX §IV-A: the memory guard lets a node use this share of its peak",
+    )
+    parser.add_argument(
+        "--only-interference",
+        action="store_true",
+        help="measure ρ only and write it into the existing profile (--out or the shipped one)",
+    )
+    parser.add_argument(
+        "--refit",
+        metavar="PROFILE",
+        default=None,
+        help="measure nothing: fit PROFILE's stored rows again (e.g. after the fit changed) and write "
+        "it back (or to --out)",
+    )
     args = parser.parse_args(argv)
     if args.refit:
         return refit(Path(args.refit), Path(args.out) if args.out else None)
@@ -300,24 +349,37 @@ def main(argv: list[str] | None = None) -> Path:
     import ray
 
     out = Path(args.out) if args.out else SHIPPED_PROFILES / profile_name(served, cfg.engine.device)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(
+        num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}
+    )
     try:
         interference = measure_interference(cfg, model_dir, served, args.repeats)
-        print(f"fine-tuning interference ρ = {interference['ft_interference']:.3f} (per repeat: "
-              f"{', '.join(f'{r:.3f}' for r in interference['ratios'])}; a training step alone "
-              f"{interference['train_step_s'] * 1000:.1f} ms)")
+        print(
+            f"fine-tuning interference ρ = {interference['ft_interference']:.3f} (per repeat: "
+            f"{', '.join(f'{r:.3f}' for r in interference['ratios'])}; a training step alone "
+            f"{interference['train_step_s'] * 1000:.1f} ms)"
+        )
         if args.only_interference:
             old = CostModel.from_dict(json.loads(out.read_text()))
-            _write(dataclasses.replace(old, ft_interference=interference["ft_interference"],
-                                       metadata={**old.metadata, "interference": interference}), out)
+            _write(
+                dataclasses.replace(
+                    old,
+                    ft_interference=interference["ft_interference"],
+                    metadata={**old.metadata, "interference": interference},
+                ),
+                out,
+            )
             return out
         with tqdm(total=len(batches) * len(lengths), desc="engine iterations") as bar:
-            iteration_rows = measure_engine(cfg, model_dir, served, batches, lengths, args.decode_tokens, args.repeats, bar)
+            iteration_rows = measure_engine(
+                cfg, model_dir, served, batches, lengths, args.decode_tokens, args.repeats, bar
+            )
     finally:
         ray.shutdown()
     with tqdm(total=len(tb) * len(tl), desc="LoRA training steps") as bar:
-        fwd, bwd, mem_rows, weight_bytes = measure_training(model_dir, tb, tl, args.repeats, cfg.engine.max_lora_rank, bar)
+        fwd, bwd, mem_rows, weight_bytes = measure_training(
+            model_dir, tb, tl, args.repeats, cfg.engine.max_lora_rank, bar
+        )
 
     kv_tok = kv_bytes_per_token(model_dir)
     kv_rows = [{"tokens": n, "bytes": n * kv_tok + weight_bytes} for n in (0, 1024, 4096, 16384)]
@@ -327,13 +389,22 @@ def main(argv: list[str] | None = None) -> Path:
     memory: MemoryModel = fit_memory(kv_rows, mem_rows, threshold_fraction=args.threshold_fraction, peak_bytes=peak)
     lengths_sample = output_lengths_from_sharegpt(model_dir, 2000, cfg.model.max_model_len // 2)
     model = fit_cost_model(
-        fwd, bwd, iteration_rows, output_lengths=lengths_sample, memory=memory, stages=1,
-        metadata={"model": served, "device": cfg.engine.device, "hardware": hardware(),
-                  "engine": f"vllm max_num_seqs={cfg.engine.max_num_seqs}",
-                  "fitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                  "source": "app.profile", "rows": {"iteration": iteration_rows, "forward": fwd, "backward": bwd,
-                                                    "activation_memory": mem_rows},
-                  "interference": interference},
+        fwd,
+        bwd,
+        iteration_rows,
+        output_lengths=lengths_sample,
+        memory=memory,
+        stages=1,
+        metadata={
+            "model": served,
+            "device": cfg.engine.device,
+            "hardware": hardware(),
+            "engine": f"vllm max_num_seqs={cfg.engine.max_num_seqs}",
+            "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "source": "app.profile",
+            "rows": {"iteration": iteration_rows, "forward": fwd, "backward": bwd, "activation_memory": mem_rows},
+            "interference": interference,
+        },
     )
     model = dataclasses.replace(model, ft_interference=interference["ft_interference"])
     _write(model, out)
@@ -350,9 +421,12 @@ def refit(profile: Path, out: Path | None = None) -> Path:
     if not all(rows.get(k) for k in ("forward", "backward", "iteration")):
         raise SystemExit(f"{profile} stores no forward/backward/iteration rows to fit again")
     model = dataclasses.replace(
-        old, forward=fit_stage_latency(rows["forward"]), backward=fit_stage_latency(rows["backward"]),
+        old,
+        forward=fit_stage_latency(rows["forward"]),
+        backward=fit_stage_latency(rows["backward"]),
         iteration=fit_iteration_latency(rows["iteration"]),
-        metadata={**old.metadata, "refitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+        metadata={**old.metadata, "refitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
+    )
     target = out or profile
     _write(model, target)
     print_fit_table(model)

@@ -55,8 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from settings import AppConfig
 from deployments.front_door import FrontDoor
+from settings import AppConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,12 +98,20 @@ def serve_config_environment(raw: dict[str, Any]) -> tuple[dict[str, str], list[
     for i, other in enumerate(envs[1:], start=1):
         if other != env:
             differ = sorted(k for k in env if other.get(k) != env[k])
-            problems.append(f"applications[{i}] asks for another front door than applications[0] ({differ}); "
-                            "HAProxy is one for all applications")
-    blocks = [("controller_options.runtime_env.env_vars",
-               ((raw.get("controller_options") or {}).get("runtime_env") or {}).get("env_vars"))]
-    blocks += [(f"applications[{i}].runtime_env.env_vars", ((a or {}).get("runtime_env") or {}).get("env_vars"))
-               for i, a in enumerate(apps)]
+            problems.append(
+                f"applications[{i}] asks for another front door than applications[0] ({differ}); "
+                "HAProxy is one for all applications"
+            )
+    blocks = [
+        (
+            "controller_options.runtime_env.env_vars",
+            ((raw.get("controller_options") or {}).get("runtime_env") or {}).get("env_vars"),
+        )
+    ]
+    blocks += [
+        (f"applications[{i}].runtime_env.env_vars", ((a or {}).get("runtime_env") or {}).get("env_vars"))
+        for i, a in enumerate(apps)
+    ]
     front_door = FrontDoor.from_config(AppConfig()).environment().keys()
     for where, block in blocks:
         for key in front_door:
@@ -126,9 +134,14 @@ def init_ray(address: str | None = None, dashboard_port: int | None = None, cfg:
     # An overloaded host can make the raylet miss its startup deadline: try again, not fail.
     for attempt in range(3):
         try:
-            ray.init(address=address, num_cpus=8, include_dashboard=dashboard_port is not None,
-                     dashboard_port=dashboard_port, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **environment(cfg)}})
+            ray.init(
+                address=address,
+                num_cpus=8,
+                include_dashboard=dashboard_port is not None,
+                dashboard_port=dashboard_port,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **environment(cfg)}},
+            )
             return
         except Exception:
             ray.shutdown()

@@ -85,11 +85,18 @@ class Feeder:
         self._thread.join(timeout=70)
 
 
-def run_mode(url: str, mode: str, args: argparse.Namespace, pairs: list[dict[str, str]], tag: str,
-             load: Load) -> dict[str, Any]:
+def run_mode(
+    url: str, mode: str, args: argparse.Namespace, pairs: list[dict[str, str]], tag: str, load: Load
+) -> dict[str, Any]:
     name = f"align-{mode}-{tag}"
-    spec: dict[str, Any] = {"name": name, "method": "dpo", "beta": args.beta, "mode": mode,
-                            "learning_rate": args.lr, "lora": {"r": 8, "alpha": 16}}
+    spec: dict[str, Any] = {
+        "name": name,
+        "method": "dpo",
+        "beta": args.beta,
+        "mode": mode,
+        "learning_rate": args.lr,
+        "lora": {"r": 8, "alpha": 16},
+    }
     if mode == "periodic":
         spec["periodic"] = {"every_seconds": args.period}
     httpx.post(f"{url}/v1/adapters", json=spec, timeout=30).raise_for_status()
@@ -104,36 +111,53 @@ def run_mode(url: str, mode: str, args: argparse.Namespace, pairs: list[dict[str
     httpx.patch(f"{url}/v1/adapters/{name}", json={"mode": "off"}, timeout=30).raise_for_status()
     time.sleep(3)  # the step in flight finishes; the trainer re-reads the mode within 2 s
     info = httpx.get(f"{url}/v1/adapters/{name}", timeout=30).json()
-    print(f"{mode}: {len(info['versions'])} versions, {feeder.accepted} pairs accepted, "
-          f"{info['queued']} still queued; load {load_before} -> {load_average(1)}", file=sys.stderr, flush=True)
-    return {"mode": mode, "adapter": name, "t0": t0, "t1": t1, "accepted": feeder.accepted,
-            "feed_errors": feeder.errors, "queued": info["queued"], "versions": info["versions"],
-            "load": load.window(t0, t1), "load_average": (load_before, load_average(1))}
+    print(
+        f"{mode}: {len(info['versions'])} versions, {feeder.accepted} pairs accepted, "
+        f"{info['queued']} still queued; load {load_before} -> {load_average(1)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "mode": mode,
+        "adapter": name,
+        "t0": t0,
+        "t1": t1,
+        "accepted": feeder.accepted,
+        "feed_errors": feeder.errors,
+        "queued": info["queued"],
+        "versions": info["versions"],
+        "load": load.window(t0, t1),
+        "load_average": (load_before, load_average(1)),
+    }
 
 
 def evaluate_runs(runs: list[dict[str, Any]], args: argparse.Namespace, model_dir: str) -> None:
     """Add ``curve``: [(seconds into the window, version, win rate, CLPD)] to every run, in place."""
-    from actors.learning.lora.steps import load_lora_model
     from actors.learning.lora.alignment import evaluate_preferences, read_preference_jsonl
+    from actors.learning.lora.steps import load_lora_model
 
     if args.model != BASE:
-        test = [hh_as_chat(p, 3 * args.max_text_bytes, args.max_text_bytes)
-                for p in read_preference_jsonl(args.test_file, limit=args.eval_pairs)]
+        test = [
+            hh_as_chat(p, 3 * args.max_text_bytes, args.max_text_bytes)
+            for p in read_preference_jsonl(args.test_file, limit=args.eval_pairs)
+        ]
     else:
         test = read_preference_jsonl(args.test_file, limit=args.eval_pairs, max_text_bytes=args.max_text_bytes)
     cache: dict[str | None, tuple[float, float]] = {}
 
     def score(path: str | None) -> tuple[float, float]:
         if path not in cache:
-            model, tok = load_lora_model(model_dir, {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
-                                         adapter_dir=path)  # None: a fresh LoRA (B = 0), i.e. the base model
+            model, tok = load_lora_model(
+                model_dir, {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, adapter_dir=path
+            )  # None: a fresh LoRA (B = 0), i.e. the base model
             ev = evaluate_preferences(model, tok, test, max_length=args.max_length)
             cache[path] = (ev.win_rate, ev.clpd)
         return cache[path]
 
     for run in runs:
-        published = sorted((v["created_at"] - run["t0"], v["version"], v["path"]) for v in run["versions"]
-                           if v.get("path"))
+        published = sorted(
+            (v["created_at"] - run["t0"], v["version"], v["path"]) for v in run["versions"] if v.get("path")
+        )
         run["curve"] = []
         t = 0.0
         while t <= run["t1"] - run["t0"] + 1e-9:
@@ -145,21 +169,26 @@ def evaluate_runs(runs: list[dict[str, Any]], args: argparse.Namespace, model_di
 
 
 def table(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [f"alignment over {args.window:.0f} s per mode: DPO (β {args.beta}, lr {args.lr}) on the HH-RLHF train "
-             f"sample at {args.rate} pairs/s; evaluated on {args.eval_pairs} HH-RLHF test pairs every "
-             f"{args.eval_every:.0f} s; {args.clients} streaming clients × {args.load_tokens} tokens", "",
-             "| mode | versions | pairs fed / trained | win rate end | win rate mean | CLPD end | CLPD mean "
-             "| TTFT p50 (s) | TTFT p99 (s) | load req/s | load avg before → after |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"alignment over {args.window:.0f} s per mode: DPO (β {args.beta}, lr {args.lr}) on the HH-RLHF train "
+        f"sample at {args.rate} pairs/s; evaluated on {args.eval_pairs} HH-RLHF test pairs every "
+        f"{args.eval_every:.0f} s; {args.clients} streaming clients × {args.load_tokens} tokens",
+        "",
+        "| mode | versions | pairs fed / trained | win rate end | win rate mean | CLPD end | CLPD mean "
+        "| TTFT p50 (s) | TTFT p99 (s) | load req/s | load avg before → after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in runs:
         curve, w = r["curve"], r["load"]
         trained = sum(v.get("samples_trained") or 0 for v in r["versions"])
         win = [c[2] for c in curve]
         clpd = [c[3] for c in curve]
-        lines.append(f"| {r['mode']} | {len(r['versions'])} | {r['accepted']} / {trained} | {win[-1]:.3f} "
-                     f"| {sum(win) / len(win):.3f} | {clpd[-1]:.2f} | {sum(clpd) / len(clpd):.2f} "
-                     f"| {w['ttft_p50_s']:.3f} | {w['ttft_p99_s']:.3f} | {w['rate']:.1f} "
-                     f"| {r['load_average'][0].split()[0]} → {r['load_average'][1].split()[0]} |")
+        lines.append(
+            f"| {r['mode']} | {len(r['versions'])} | {r['accepted']} / {trained} | {win[-1]:.3f} "
+            f"| {sum(win) / len(win):.3f} | {clpd[-1]:.2f} | {sum(clpd) / len(clpd):.2f} "
+            f"| {w['ttft_p50_s']:.3f} | {w['ttft_p99_s']:.3f} | {w['rate']:.1f} "
+            f"| {r['load_average'][0].split()[0]} → {r['load_average'][1].split()[0]} |"
+        )
     base = runs[0]["curve"][0]
     lines += ["", f"base model (no adapter): win rate {base[2]:.3f}, CLPD {base[3]:.2f}"]
     return "\n".join(lines)
@@ -192,9 +221,13 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--model", choices=["tiny-llama", "smollm2-135m-instruct"], default="tiny-llama",
-                   help="smollm2-135m-instruct: the real default model; pairs go in as chat messages, rendered "
-                        "with its chat template")
+    p.add_argument(
+        "--model",
+        choices=["tiny-llama", "smollm2-135m-instruct"],
+        default="tiny-llama",
+        help="smollm2-135m-instruct: the real default model; pairs go in as chat messages, rendered "
+        "with its chat template",
+    )
     p.add_argument("--window", type=float, default=120.0, help="seconds of feedback per mode")
     p.add_argument("--rate", type=float, default=2.0, help="preference pairs per second")
     p.add_argument("--post-every", type=float, default=1.0)
@@ -213,8 +246,8 @@ def main() -> None:
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args()
 
-    from actors.models.default_model import ensure
     from actors.learning.lora.alignment import read_preference_jsonl
+    from actors.models.default_model import ensure
 
     for f in (args.train_file, args.test_file):
         if not Path(f).is_file():
@@ -225,11 +258,14 @@ def main() -> None:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     real = args.model != BASE
     if real:  # a real tokenizer: about 4 bytes a token; the context keeps its latest turns
-        pairs = [hh_as_chat(p, 3 * args.max_text_bytes, args.max_text_bytes)
-                 for p in read_preference_jsonl(args.train_file, limit=int(args.rate * args.window) + 1)]
+        pairs = [
+            hh_as_chat(p, 3 * args.max_text_bytes, args.max_text_bytes)
+            for p in read_preference_jsonl(args.train_file, limit=int(args.rate * args.window) + 1)
+        ]
     else:
-        pairs = read_preference_jsonl(args.train_file, limit=int(args.rate * args.window) + 1,
-                                      max_text_bytes=args.max_text_bytes)
+        pairs = read_preference_jsonl(
+            args.train_file, limit=int(args.rate * args.window) + 1, max_text_bytes=args.max_text_bytes
+        )
     data_dir = tempfile.mkdtemp(prefix="bench-alignment-")
     url, started = args.url, False
     if url is None:

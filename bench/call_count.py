@@ -28,8 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import bench_config, free_port, start_app, stop_app, wait_ready  # noqa: E402
 
 # Calls that are not the item's: the replica's periodic load report, Serve's control plane, the poll.
-NOT_THE_ITEMS = (r"^Planner\.report$", r"ServeController\.", "ProxyActor", "HAProxy", "__ray_ready__", "check_health",
-                 "record_routing_stats", "get_num_ongoing_requests")
+NOT_THE_ITEMS = (
+    r"^Planner\.report$",
+    r"ServeController\.",
+    "ProxyActor",
+    "HAProxy",
+    "__ray_ready__",
+    "check_health",
+    "record_routing_stats",
+    "get_num_ongoing_requests",
+)
 
 
 def finished_calls() -> Counter[str]:
@@ -65,16 +73,24 @@ def main() -> None:
             wait_ready(url)
             with httpx.Client(timeout=60) as c:
                 name = "counted"
-                r = c.post(f"{url}/v1/adapters", json={"name": name, "method": "sft", "mode": "hybrid",
-                                                       "gate": {"held_out_share": 0}})
+                r = c.post(
+                    f"{url}/v1/adapters",
+                    json={"name": name, "method": "sft", "mode": "hybrid", "gate": {"held_out_share": 0}},
+                )
                 r.raise_for_status()
                 c.post(f"{url}/v1/feedback", json={"adapter": name, "prompt": "warm up", "completion": "ok"})
                 served(c, url, name)
                 time.sleep(3.0)  # the warm-up version's scoring and loads settle
                 before = finished_calls()
                 for i in range(args.items):
-                    r = c.post(f"{url}/v1/feedback", json={"adapter": name, "prompt": f"Item {i}: say a colour.",
-                                                           "completion": f"Colour {i} is blue."})
+                    r = c.post(
+                        f"{url}/v1/feedback",
+                        json={
+                            "adapter": name,
+                            "prompt": f"Item {i}: say a colour.",
+                            "completion": f"Colour {i} is blue.",
+                        },
+                    )
                     r.raise_for_status()
                     time.sleep(args.gap_s)
                 time.sleep(3.0)

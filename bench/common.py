@@ -33,8 +33,6 @@ if str(ROOT) not in sys.path:
 BASE = "tiny-llama"
 
 
-
-
 def log(msg: str) -> None:
     """One progress line on stderr, stamped with the time of day."""
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -169,13 +167,20 @@ def tagged_pids(tag: str, prefix: bool = False) -> list[int]:
 
 _METHOD_SUFFIX = re.compile(r"\.[a-z_][a-z0-9_]*$")
 _SCRIPT_LABELS = (  # (substring of the command line, label), first match wins
-    ("vllm.entrypoints.openai.api_server", "vllm api_server"), ("api_server", "vllm api_server"),
-    ("dashboard/agent.py", "ray dashboard agent"), ("dashboard/dashboard.py", "ray dashboard"),
-    ("log_monitor", "ray log_monitor"), ("runtime_env/agent", "ray runtime_env agent"),
-    ("autoscaler", "ray autoscaler monitor"), ("bin/serve", "serve run (driver)"),
-    ("serve run", "serve run (driver)"), ("app.serve_env", "serve run (driver)"),
-    ("resource_tracker", "mp resource_tracker"), ("forkserver", "mp forkserver"),
-    ("multiprocessing.spawn", "mp spawn child"), ("locust", "locust"),
+    ("vllm.entrypoints.openai.api_server", "vllm api_server"),
+    ("api_server", "vllm api_server"),
+    ("dashboard/agent.py", "ray dashboard agent"),
+    ("dashboard/dashboard.py", "ray dashboard"),
+    ("log_monitor", "ray log_monitor"),
+    ("runtime_env/agent", "ray runtime_env agent"),
+    ("autoscaler", "ray autoscaler monitor"),
+    ("bin/serve", "serve run (driver)"),
+    ("serve run", "serve run (driver)"),
+    ("app.serve_env", "serve run (driver)"),
+    ("resource_tracker", "mp resource_tracker"),
+    ("forkserver", "mp forkserver"),
+    ("multiprocessing.spawn", "mp spawn child"),
+    ("locust", "locust"),
 )
 
 
@@ -203,7 +208,7 @@ def process_label(pid: int) -> str:
     if first.startswith("VLLM::"):
         return first.split("(")[0].strip()
     if first.startswith("ray-dashboard-"):  # ray-dashboard-MetricsHead-0
-        return "ray dashboard " + first[len("ray-dashboard-"):].rsplit("-", 1)[0]
+        return "ray dashboard " + first[len("ray-dashboard-") :].rsplit("-", 1)[0]
     if comm.startswith(("VLLM::", "ray::")):  # title set, cmdline not rewritten
         return comm
     name = Path(first).name
@@ -317,6 +322,7 @@ def process_env(pid: int, prefixes: tuple[str, ...] = ("RAY_SERVE", "RAY_worker"
 
 # ---- markdown tables ------------------------------------------------------------------------------
 
+
 def fmt(fmt_str: str, v: Any) -> str:
     """``v`` formatted, or ``n/a`` when it was not measured."""
     return "n/a" if v is None else fmt_str.format(v)
@@ -339,9 +345,14 @@ def comparison_head(columns: list[str]) -> list[str]:
 
 def rows_table(rows: list[dict[str, Any]], keys: list[str], float_fmt: str = "{:.2f}") -> str:
     """One row per dict, one column per key (``| --- |`` rules); floats as ``float_fmt``, the rest as ``str``."""
-    cell = (lambda v: float_fmt.format(v) if isinstance(v, float) else str(v))
-    return "\n".join([f"| {' | '.join(keys)} |", "|" + "|".join(" --- " for _ in keys) + "|"]
-                     + [f"| {' | '.join(cell(r[k]) for k in keys)} |" for r in rows])
+
+    def cell(v):
+        return float_fmt.format(v) if isinstance(v, float) else str(v)
+
+    return "\n".join(
+        [f"| {' | '.join(keys)} |", "|" + "|".join(" --- " for _ in keys) + "|"]
+        + [f"| {' | '.join(cell(r[k]) for k in keys)} |" for r in rows]
+    )
 
 
 def cpu_table(runs: dict[str, dict[str, Any] | None], min_share: float = 0.01) -> str:
@@ -359,7 +370,7 @@ def cpu_table(runs: dict[str, dict[str, Any] | None], min_share: float = 0.01) -
         tokens = r.get("total_output_tokens") or 0
         total = sum(cpu.values())
 
-        def row(label: str, sec: float) -> str:
+        def row(label: str, sec: float, system: str = system, window: float = window, tokens: int = tokens) -> str:
             core = f"{sec / window * 100:.0f}%" if window else "n/a"
             per_tok = f"{sec / tokens * 1000:.3f}" if tokens else "n/a"
             return f"| {system} | {label} | {sec:.2f} | {core} | {per_tok} |"
@@ -386,11 +397,14 @@ def cpu_table(runs: dict[str, dict[str, Any] | None], min_share: float = 0.01) -
 
 def bench_config(name: str, data_dir: str, nodes: int, **training: Any) -> dict[str, Any]:
     """The test-sized app config the live benchmarks start: ``nodes`` nodes, synced training, k = 1."""
-    return {"name": name, "data_dir": data_dir,
-            "cluster": {"nodes": nodes, "stages": 1, "bundle": {"CPU": 1}},
-            "model": {"embedded": "tiny-llama", "max_model_len": 1024},
-            "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
-            "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4, **training}}
+    return {
+        "name": name,
+        "data_dir": data_dir,
+        "cluster": {"nodes": nodes, "stages": 1, "bundle": {"CPU": 1}},
+        "model": {"embedded": "tiny-llama", "max_model_len": 1024},
+        "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+        "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4, **training},
+    }
 
 
 def real_model_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -404,8 +418,9 @@ def real_model_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "model": {"path": str(model_dir), "served_name": smollm2.NAME, "max_model_len": 2048}}
 
 
-def hh_as_chat(pair: dict[str, str], context_bytes: int | None = None, answer_bytes: int | None = None
-               ) -> dict[str, Any]:
+def hh_as_chat(
+    pair: dict[str, str], context_bytes: int | None = None, answer_bytes: int | None = None
+) -> dict[str, Any]:
     """An HH-RLHF pair (prompt text of ``\n\nHuman:`` / ``\n\nAssistant:`` turns) as chat ``messages``.
 
     ``context_bytes``: keep only the latest turns that fit (the last human turn always, cut to its
@@ -417,8 +432,10 @@ def hh_as_chat(pair: dict[str, str], context_bytes: int | None = None, answer_by
         return text if n is None else text.encode()[:n].decode("utf-8", errors="ignore")
 
     parts = re.split(r"\n\n(Human|Assistant): ?", "\n\n" + pair["prompt"].lstrip("\n"))
-    turns = [{"role": "user" if who == "Human" else "assistant", "content": text.strip()}
-             for who, text in zip(parts[1::2], parts[2::2])]
+    turns = [
+        {"role": "user" if who == "Human" else "assistant", "content": text.strip()}
+        for who, text in zip(parts[1::2], parts[2::2])
+    ]
     while turns and not turns[-1]["content"]:  # the prompt ends with an empty "Assistant:" turn
         turns.pop()
     if not turns or turns[-1]["role"] != "user" or any(not t["content"] for t in turns):
@@ -434,8 +451,11 @@ def hh_as_chat(pair: dict[str, str], context_bytes: int | None = None, answer_by
         while turns[0]["role"] != "user":  # a chat starts with the user
             turns.pop(0)
         turns[-1] = {**turns[-1], "content": head(turns[-1]["content"], context_bytes)}
-    return {"messages": turns, "chosen": head(pair["chosen"], answer_bytes),
-            "rejected": head(pair["rejected"], answer_bytes)}
+    return {
+        "messages": turns,
+        "chosen": head(pair["chosen"], answer_bytes),
+        "rejected": head(pair["rejected"], answer_bytes),
+    }
 
 
 def start_app(config: dict[str, Any], port: int, dashboard_port: int | None = None, app_name: str = "coserve") -> None:
@@ -488,7 +508,8 @@ def wait_ready(url: str, timeout: float = 900, trainer: bool = True) -> None:
             st = httpx.get(f"{url}/v1/status", timeout=10).json()
             training = st.get("training") or {}
             if st["ready_nodes"] == len(st["nodes"]) and (
-                    not trainer or (training.get("state") == "running" and training.get("workers"))):
+                not trainer or (training.get("state") == "running" and training.get("workers"))
+            ):
                 return
         except (httpx.HTTPError, KeyError, ValueError):
             pass
@@ -507,8 +528,12 @@ class Load:
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
 
     def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None, float | None]:
-        body = {"model": self.model, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
-                "max_tokens": self.max_tokens, "temperature": 0.8}
+        body = {
+            "model": self.model,
+            "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
+            "max_tokens": self.max_tokens,
+            "temperature": 0.8,
+        }
         if not self.stream:
             return c.post(f"{self.url}/v1/completions", json=body).status_code == 200, None, None
         ttft = last = gap = None
@@ -550,8 +575,14 @@ class Load:
         lat = [s[1] for s in done if s[3]]
         ttft = [s[2] for s in done if s[3] and s[2] is not None]
         gaps = [s[4] for s in done if s[3] and s[4] is not None]
-        return {"requests": len(lat), "errors": sum(1 for s in done if not s[3]),
-                "rate": len(lat) / max(1e-9, t1 - t0),
-                "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
-                "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-                "max_tbt_p50_s": percentile(gaps, 50), "max_tbt_p99_s": percentile(gaps, 99)}
+        return {
+            "requests": len(lat),
+            "errors": sum(1 for s in done if not s[3]),
+            "rate": len(lat) / max(1e-9, t1 - t0),
+            "latency_p50_s": percentile(lat, 50),
+            "latency_p99_s": percentile(lat, 99),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99),
+            "max_tbt_p50_s": percentile(gaps, 50),
+            "max_tbt_p99_s": percentile(gaps, 99),
+        }

@@ -66,8 +66,11 @@ POLICIES = ("hybrid", "fcfs", "temporal", "ft_first", "periodic", "separate")
 # `separate` (φ = 0.25) is the ratios' base; `separate@0.5` is the even split, for its sensitivity to φ.
 DEFAULT_RUNS = POLICIES + ("separate@0.5",)
 # Baseline settings sized for windows of tens of seconds (FlexLLM's temporal n = 64; Ekya-like periods).
-POLICY_PARAMS: dict[str, dict[str, Any]] = {"periodic": {"every_seconds": 10.0}, "temporal": {"n": 64},
-                                            "separate": {"train_fraction": 0.25}}
+POLICY_PARAMS: dict[str, dict[str, Any]] = {
+    "periodic": {"every_seconds": 10.0},
+    "temporal": {"n": 64},
+    "separate": {"train_fraction": 0.25},
+}
 WORDS = "the plan ship small steps measure each one roll back regressions data model serve train".split()
 
 
@@ -82,22 +85,33 @@ class Arrival:
     feedback: bool
 
 
-def read_trace(path: Path, count: int, rate: float, max_prompt: int, max_output: int, alpha: float
-               ) -> list[Arrival]:
+def read_trace(path: Path, count: int, rate: float, max_prompt: int, max_output: int, alpha: float) -> list[Arrival]:
     """The first ``count`` arrivals of the trace, time-scaled to ``rate`` req/s, lengths capped, α-marked."""
     rows = []
     with path.open() as f:
         for row in csv.DictReader(f):
-            rows.append((datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp(), int(row["ContextTokens"]),
-                         int(row["GeneratedTokens"])))
+            rows.append(
+                (
+                    datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp(),
+                    int(row["ContextTokens"]),
+                    int(row["GeneratedTokens"]),
+                )
+            )
             if len(rows) == count:
                 break
     t0, t1 = rows[0][0], rows[-1][0]
     scale = (len(rows) - 1) / max(t1 - t0, 1e-9) / rate  # trace seconds -> replay seconds
     # Exactly a share α of the arrivals are training tasks, evenly spread (a short run of a random
     # choice could hold none at α = 0.1).
-    return [Arrival((t - t0) * scale, max(1, min(p, max_prompt)), max(1, min(o, max_output)),
-                    int((k + 1) * alpha) > int(k * alpha)) for k, (t, p, o) in enumerate(rows)]
+    return [
+        Arrival(
+            (t - t0) * scale,
+            max(1, min(p, max_prompt)),
+            max(1, min(o, max_output)),
+            int((k + 1) * alpha) > int(k * alpha),
+        )
+        for k, (t, p, o) in enumerate(rows)
+    ]
 
 
 def prompt_text(tokens: int, k: int) -> str:
@@ -139,8 +153,14 @@ class Run:
 
 
 def stream_one(c: httpx.Client, url: str, a: Arrival, k: int) -> Result:
-    body = {"model": BASE, "prompt": prompt_text(a.prompt_tokens, k), "max_tokens": a.output_tokens,
-            "ignore_eos": True, "temperature": 0.8, "stream": True}
+    body = {
+        "model": BASE,
+        "prompt": prompt_text(a.prompt_tokens, k),
+        "max_tokens": a.output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+    }
     t0 = time.time()
     first = last = None
     try:
@@ -175,8 +195,12 @@ def granted_tokens(url: str) -> int:
 def grant_counts(url: str) -> dict[str, int]:
     """Node 0's grant counters: asked, granted, refused, and the memory guard's non-run decisions."""
     g = httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"][0].get("training_grants") or {}
-    return {"asked": g.get("asked", 0), "granted": g.get("granted", 0), "refused": g.get("refused", 0),
-            **{f"memory_{k}": v for k, v in (g.get("memory") or {}).items()}}
+    return {
+        "asked": g.get("asked", 0),
+        "granted": g.get("granted", 0),
+        "refused": g.get("refused", 0),
+        **{f"memory_{k}": v for k, v in (g.get("memory") or {}).items()},
+    }
 
 
 def window_cost(url: str) -> tuple[float | None, float | None]:
@@ -238,19 +262,34 @@ class CorePinning:
     def start(self) -> None:
         self.apply()
         names = sorted(set(self.pinned.values()))
-        if not any(n.startswith("VLLM::EngineCore") for n in names) or not any(n.startswith("ray::TrainRank")
-                                                                                for n in names):
-            raise SystemExit(f"--contention: found {names or 'nothing'} to pin; need the engine core and a trainer rank")
-        print(f"contention: {names} share core {sorted(self.shared)}; the rest of the app runs on "
-              f"{sorted(self.others)}", file=sys.stderr, flush=True)
+        if not any(n.startswith("VLLM::EngineCore") for n in names) or not any(
+            n.startswith("ray::TrainRank") for n in names
+        ):
+            raise SystemExit(
+                f"--contention: found {names or 'nothing'} to pin; need the engine core and a trainer rank"
+            )
+        print(
+            f"contention: {names} share core {sorted(self.shared)}; the rest of the app runs on {sorted(self.others)}",
+            file=sys.stderr,
+            flush=True,
+        )
         threading.Thread(target=self.run, daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
 
 
-def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arrivals: list[Arrival],
-            pairs: list[dict[str, str]], args: argparse.Namespace, tag: str) -> Run:
+def run_one(
+    url: str,
+    planner: Any,
+    policy: str,
+    load: str,
+    alpha: float,
+    arrivals: list[Arrival],
+    pairs: list[dict[str, str]],
+    args: argparse.Namespace,
+    tag: str,
+) -> Run:
     import ray
 
     run = Run(load, alpha, policy)
@@ -262,9 +301,18 @@ def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arriva
     ray.get(planner.set_policies.remote(current.model_copy(update={"iteration": name, "iteration_params": params})))
     label = policy.replace("_", "-").replace("@", "-").replace(".", "")
     adapter = f"co-{label}-{load}-{int(alpha * 100)}-{tag}"
-    httpx.post(f"{url}/v1/adapters", timeout=30, json={
-        "name": adapter, "method": "dpo", "beta": 0.1, "learning_rate": 1e-3, "mode": "hybrid",
-        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}).raise_for_status()
+    httpx.post(
+        f"{url}/v1/adapters",
+        timeout=30,
+        json={
+            "name": adapter,
+            "method": "dpo",
+            "beta": 0.1,
+            "learning_rate": 1e-3,
+            "mode": "hybrid",
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+        },
+    ).raise_for_status()
     todo = [a for a in arrivals if a.at < args.duration]
     pair_iter = iter(pairs)
     tokens0, (busy0, total0), grants0 = granted_tokens(url), cpu_times(), grant_counts(url)
@@ -285,8 +333,10 @@ def run_one(url: str, planner: Any, policy: str, load: str, alpha: float, arriva
 
     fthread = threading.Thread(target=feeder, daemon=True)
     fthread.start()
-    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256)) as c, \
-            ThreadPoolExecutor(max_workers=128) as pool:
+    with (
+        httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256)) as c,
+        ThreadPoolExecutor(max_workers=128) as pool,
+    ):
         futures = []
         for k, a in enumerate(todo):
             time.sleep(max(0.0, t_start + a.at - time.time()))
@@ -320,28 +370,46 @@ def summarize(run: Run, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
     ok = [r for r in run.results if r.ok]
     attained = sum(1 for r in ok if r.ttft <= ttft_slo and r.tbt <= tbt_slo)
     ttft, tbt = [r.ttft for r in ok], [r.tbt for r in ok]
-    return {"load": run.load, "alpha": run.alpha, "policy": run.policy, "requests": len(run.results),
-            "failed": len(run.results) - len(ok), "slo": attained / max(1, len(run.results)),
-            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "tbt_p50": percentile(tbt, 50), "tbt_p99": percentile(tbt, 99),
-            "inf_tps": sum(r.tokens for r in ok) / run.seconds, "ft_tps": run.ft_tokens / run.seconds,
-            "busy": run.busy, "fed": run.fed, "versions": run.versions, "window_error": run.window_error,
-            "window_factor": run.window_factor, "grants": run.grants}
+    return {
+        "load": run.load,
+        "alpha": run.alpha,
+        "policy": run.policy,
+        "requests": len(run.results),
+        "failed": len(run.results) - len(ok),
+        "slo": attained / max(1, len(run.results)),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "tbt_p50": percentile(tbt, 50),
+        "tbt_p99": percentile(tbt, 99),
+        "inf_tps": sum(r.tokens for r in ok) / run.seconds,
+        "ft_tps": run.ft_tokens / run.seconds,
+        "busy": run.busy,
+        "fed": run.fed,
+        "versions": run.versions,
+        "window_error": run.window_error,
+        "window_factor": run.window_factor,
+        "grants": run.grants,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     base = {(r["load"], r["alpha"]): r for r in rows if r["policy"] == "separate"}
-    out = ["| load | α | policy | SLO attained | TTFT p50 / p99 (s) | TBT p50 / p99 (ms) | inference tok/s "
-           "| fine-tune tok/s | CPU busy | fine-tune × separate | SLO × separate | pairs fed | versions "
-           "| window model error (refit ×) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| load | α | policy | SLO attained | TTFT p50 / p99 (s) | TBT p50 / p99 (ms) | inference tok/s "
+        "| fine-tune tok/s | CPU busy | fine-tune × separate | SLO × separate | pairs fed | versions "
+        "| window model error (refit ×) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         b = base.get((r["load"], r["alpha"]))
         ft_ratio = f"{r['ft_tps'] / b['ft_tps']:.2f}" if b and b["ft_tps"] > 0 else "—"
         slo_ratio = f"{r['slo'] / b['slo']:.2f}" if b and b["slo"] > 0 else "—"
-        out.append(f"| {r['load']} | {r['alpha']} | {r['policy']} | {r['slo']:.1%} | {r['ttft_p50']:.3f} / "
-                   f"{r['ttft_p99']:.3f} | {r['tbt_p50'] * 1e3:.1f} / {r['tbt_p99'] * 1e3:.1f} | {r['inf_tps']:.0f} "
-                   f"| {r['ft_tps']:.0f} | {r['busy']:.0%} | {ft_ratio} | {slo_ratio} | {r['fed']} | {r['versions']} "
-                   f"| {_window(r)} |")
+        out.append(
+            f"| {r['load']} | {r['alpha']} | {r['policy']} | {r['slo']:.1%} | {r['ttft_p50']:.3f} / "
+            f"{r['ttft_p99']:.3f} | {r['tbt_p50'] * 1e3:.1f} / {r['tbt_p99'] * 1e3:.1f} | {r['inf_tps']:.0f} "
+            f"| {r['ft_tps']:.0f} | {r['busy']:.0%} | {ft_ratio} | {slo_ratio} | {r['fed']} | {r['versions']} "
+            f"| {_window(r)} |"
+        )
     return "\n".join(out)
 
 
@@ -359,12 +427,16 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
         if h and s:
             ratio = h["ft_tps"] / s["ft_tps"] if s["ft_tps"] else float("inf")
             met = ratio >= 2 and h["slo"] >= s["slo"]
-            lines.append(f"- {load} load, α {alpha}: hybrid fine-tunes {ratio:.2f}× separate (goal ≥ 2×) at SLO "
-                         f"{h['slo']:.1%} vs {s['slo']:.1%} (goal: not lower): {'met' if met else 'MISSED'}")
+            lines.append(
+                f"- {load} load, α {alpha}: hybrid fine-tunes {ratio:.2f}× separate (goal ≥ 2×) at SLO "
+                f"{h['slo']:.1%} vs {s['slo']:.1%} (goal: not lower): {'met' if met else 'MISSED'}"
+            )
         if h and f:
             met = h["slo"] >= 0.95 and f["slo"] < 0.5
-            lines.append(f"- {load} load, α {alpha}: SLO hybrid {h['slo']:.1%} (goal ≥ 95%) where fcfs "
-                         f"{f['slo']:.1%} (< 50%): {'met' if met else 'not shown'}")
+            lines.append(
+                f"- {load} load, α {alpha}: SLO hybrid {h['slo']:.1%} (goal ≥ 95%) where fcfs "
+                f"{f['slo']:.1%} (< 50%): {'met' if met else 'not shown'}"
+            )
     return lines
 
 
@@ -386,8 +458,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         axes[0][col].bar(x, [by[p]["ft_tps"] for p in names], color=[colours[p] for p in names])
         axes[0][col].set(title=f"{load} load, α = {alpha}", ylabel="fine-tuning tokens/s" if col == 0 else None)
         axes[1][col].bar(x, [by[p]["slo"] * 100 for p in names], color=[colours[p] for p in names])
-        axes[1][col].set(ylim=(min(90.0, min(by[p]["slo"] * 100 for p in names) - 2), 100.5),
-                         ylabel="SLO attained (%)" if col == 0 else None)
+        axes[1][col].set(
+            ylim=(min(90.0, min(by[p]["slo"] * 100 for p in names) - 2), 100.5),
+            ylabel="SLO attained (%)" if col == 0 else None,
+        )
         axes[1][col].set_xticks(list(x), names, rotation=60, ha="right", fontsize=8)
         for ax in (axes[0][col], axes[1][col]):
             ax.grid(axis="y", alpha=0.3)
@@ -401,8 +475,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", default=",".join(DEFAULT_RUNS),
-                   help="iteration policies in run order; separate@φ runs separate with train_fraction φ")
+    p.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_RUNS),
+        help="iteration policies in run order; separate@φ runs separate with train_fraction φ",
+    )
     p.add_argument("--alphas", default="0.1,0.5")
     p.add_argument("--loads", default="light,heavy")
     p.add_argument("--light-rate", type=float, default=0.5, help="inference requests/s of the light load")
@@ -417,8 +494,11 @@ def main() -> None:
     p.add_argument("--pairs", default=str(SHARED / "preferences" / "hh_rlhf_train_sample.jsonl"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "coserve.png"))
     p.add_argument("--json", help="write the raw rows here")
-    p.add_argument("--contention", action="store_true",
-                   help="pin the engine core and the trainer ranks to one core, the rest of the app elsewhere")
+    p.add_argument(
+        "--contention",
+        action="store_true",
+        help="pin the engine core and the trainer ranks to one core, the rest of the app elsewhere",
+    )
     p.add_argument("--shared-core", type=int, default=None, help="the core of --contention (default: the last)")
     p.add_argument("--profile", default=None, help="serve with this cost-model profile (JSON from app.profile)")
     args = p.parse_args()
@@ -446,16 +526,25 @@ def main() -> None:
         (Path(data_dir) / "profiles" / f"{BASE}-cpu.json").write_text(Path(args.profile).read_text())
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    config = {"name": "bench-coserve", "data_dir": data_dir,
-              "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
-              "model": {"embedded": "tiny-llama", "max_model_len": 1024},
-              "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
-              # On a CPU host the device memory is the host's RAM: the profile's peak (the profiler's own
-              # training peak, 0.4 GB) is no capacity, and this benchmark is about compute, so the memory
-              # guard gets 4 GiB (tests/integration/test_memory_guard.py squeezes it instead).
-              "planner": {"placement": "round_robin", "iteration": "hybrid", "memory_params": {"peak_bytes": 4 * 2**30}},
-              "training": {"enabled": True, "scope": "synced", "steps_per_version": 1, "micro_batch": 4,
-                           "max_length": 512, "slo_tbt_s": args.slo_tbt}}
+    config = {
+        "name": "bench-coserve",
+        "data_dir": data_dir,
+        "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
+        "model": {"embedded": "tiny-llama", "max_model_len": 1024},
+        "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+        # On a CPU host the device memory is the host's RAM: the profile's peak (the profiler's own
+        # training peak, 0.4 GB) is no capacity, and this benchmark is about compute, so the memory
+        # guard gets 4 GiB (tests/integration/test_memory_guard.py squeezes it instead).
+        "planner": {"placement": "round_robin", "iteration": "hybrid", "memory_params": {"peak_bytes": 4 * 2**30}},
+        "training": {
+            "enabled": True,
+            "scope": "synced",
+            "steps_per_version": 1,
+            "micro_batch": 4,
+            "max_length": 512,
+            "slo_tbt_s": args.slo_tbt,
+        },
+    }
     start_app(config, port)
     rows: list[dict[str, Any]] = []
     pinning = None
@@ -467,12 +556,18 @@ def main() -> None:
         from app.main import planner_of
 
         planner = planner_of("coserve")
-        median_prompt = int(statistics.median(a.prompt_tokens for a in read_trace(
-            Path(args.trace), 1000, 1.0, args.max_prompt, args.max_output, 0.0)))
+        median_prompt = int(
+            statistics.median(
+                a.prompt_tokens for a in read_trace(Path(args.trace), 1000, 1.0, args.max_prompt, args.max_output, 0.0)
+            )
+        )
         ttft_slo = 5 * isolated_ttft(url, median_prompt)
         args.ttft_slo = ttft_slo
-        print(f"isolated prefill ({median_prompt} tokens): TTFT SLO = {ttft_slo:.3f} s; TBT SLO = {args.slo_tbt} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"isolated prefill ({median_prompt} tokens): TTFT SLO = {ttft_slo:.3f} s; TBT SLO = {args.slo_tbt} s",
+            file=sys.stderr,
+            flush=True,
+        )
         tag = time.strftime("%H%M%S")
         offset = 0
         for load in loads:
@@ -484,19 +579,27 @@ def main() -> None:
                     offset += run.fed
                     row = summarize(run, ttft_slo, args.slo_tbt)
                     rows.append(row)
-                    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
-                          file=sys.stderr, flush=True)
+                    print(
+                        json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         if pinning is not None:
             pinning.stop()
         stop_app()
-    where = ("the engine and the trainer share one core (--contention)" if args.contention
-             else "the engine and the trainer on separate cores")
-    print(f"co-serving on one node (1 engine + 1 trainer worker, 2 cores; {where}): Azure conv trace, prompts ≤ "
-          f"{args.max_prompt}, outputs ≤ {args.max_output} tokens, {args.duration:.0f} s per run; light "
-          f"{args.light_rate} req/s, heavy {args.heavy_rate} req/s; a fine-tuning task ({args.pairs_per_task} DPO pairs) "
-          f"with probability α per arrival; "
-          f"SLO: TTFT ≤ {ttft_slo:.3f} s (5× isolated prefill) and TBT ≤ {args.slo_tbt * 1e3:.0f} ms\n")
+    where = (
+        "the engine and the trainer share one core (--contention)"
+        if args.contention
+        else "the engine and the trainer on separate cores"
+    )
+    print(
+        f"co-serving on one node (1 engine + 1 trainer worker, 2 cores; {where}): Azure conv trace, prompts ≤ "
+        f"{args.max_prompt}, outputs ≤ {args.max_output} tokens, {args.duration:.0f} s per run; light "
+        f"{args.light_rate} req/s, heavy {args.heavy_rate} req/s; a fine-tuning task ({args.pairs_per_task} DPO pairs) "
+        f"with probability α per arrival; "
+        f"SLO: TTFT ≤ {ttft_slo:.3f} s (5× isolated prefill) and TBT ≤ {args.slo_tbt * 1e3:.0f} ms\n"
+    )
     print(table(rows))
     print()
     print("\n".join(goals(rows)))

@@ -41,7 +41,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +70,14 @@ def scrape_config(target: str, api_key: str | None, scrape_interval: str = "2s")
     }
     if api_key:
         job["authorization"] = {"type": "Bearer", "credentials": api_key}
-    config = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval,
-                         "scrape_timeout": scrape_interval},
-              "scrape_configs": [job]}
+    config = {
+        "global": {
+            "scrape_interval": scrape_interval,
+            "evaluation_interval": scrape_interval,
+            "scrape_timeout": scrape_interval,
+        },
+        "scrape_configs": [job],
+    }
     return json.dumps(config, indent=2) + "\n"
 
 
@@ -96,9 +101,18 @@ def start_prometheus(data_dir: Path, config: str, listen: str, name: str = "prom
         f.write(config)
     log = open(data_dir / log_name, "ab")
     proc = subprocess.Popen(
-        [prometheus_binary(), f"--config.file={config_path}", f"--storage.tsdb.path={data_dir / 'tsdb'}",
-         f"--web.listen-address={listen}", "--storage.tsdb.retention.time=30d"],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            prometheus_binary(),
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={data_dir / 'tsdb'}",
+            f"--web.listen-address={listen}",
+            "--storage.tsdb.retention.time=30d",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     log.close()
     (data_dir / f"{name}.pid").write_text(f"{proc.pid}\n")
     deadline = time.monotonic() + 60
@@ -187,8 +201,10 @@ def cmd_record(args: argparse.Namespace) -> int:
     state.setdefault("start", time.time())  # a second recording into the same dir keeps the first start
     state.pop("end", None)
     write_state(data_dir, state)
-    print(f"prometheus pid {pid} scraping {args.target} every {args.scrape_interval}, "
-          f"API http://{args.listen}, data dir {data_dir}")
+    print(
+        f"prometheus pid {pid} scraping {args.target} every {args.scrape_interval}, "
+        f"API http://{args.listen}, data dir {data_dir}"
+    )
     print(f"start={int(state['start'])}")
     return 0
 
@@ -280,8 +296,9 @@ def panels_in_order(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(flat, key=lambda p: (p.get("gridPos", {}).get("y", 0), p.get("gridPos", {}).get("x", 0)))
 
 
-def fetch_panels(dashboard: dict[str, Any], prometheus: str, start: float, end: float, step: float,
-                 rate_interval: str) -> list[PanelData]:
+def fetch_panels(
+    dashboard: dict[str, Any], prometheus: str, start: float, end: float, step: float, rate_interval: str
+) -> list[PanelData]:
     out = []
     for panel in panels_in_order(dashboard):
         if panel.get("type") == "row":
@@ -300,8 +317,13 @@ def fetch_panels(dashboard: dict[str, Any], prometheus: str, start: float, end: 
                 points = [(float(t), float(v)) for t, v in r.get("values", [])]
                 points = [(t, v) for t, v in points if math.isfinite(v)]
                 if points:
-                    data.series.append(Series(legend(target.get("legendFormat"), r.get("metric", {})),
-                                              [t for t, _ in points], [v for _, v in points]))
+                    data.series.append(
+                        Series(
+                            legend(target.get("legendFormat"), r.get("metric", {})),
+                            [t for t, _ in points],
+                            [v for _, v in points],
+                        )
+                    )
         out.append(data)
     return out
 
@@ -337,8 +359,7 @@ def unit_axis(unit: str, values: list[float]) -> tuple[float, str, Any]:
     return 1.0, "", None
 
 
-def render(dashboard: dict[str, Any], panels: list[PanelData], out: Path, start: float, end: float,
-           title: str) -> None:
+def render(dashboard: dict[str, Any], panels: list[PanelData], out: Path, start: float, end: float, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,7 +377,7 @@ def render(dashboard: dict[str, Any], panels: list[PanelData], out: Path, start:
     data_by_id = {id(d.panel): d for d in panels}
     pad_l, pad_r, pad_t, pad_b = 0.75, 0.15, 0.35, 0.45  # inches inside each cell
     legend_line_in = 0.17
-    tz = timezone.utc
+    tz = UTC
     span = max(end - start, 1.0)
 
     for p in grid:
@@ -368,10 +389,24 @@ def render(dashboard: dict[str, Any], panels: list[PanelData], out: Path, start:
         top = header_in + pos["y"] * unit_in
         h = pos["h"] * unit_in
         if p.get("type") == "row":
-            fig.text((x0 + 0.1) / width_in, 1 - (top + h / 2) / height_in, p.get("title", ""), ha="left",
-                     va="center", fontsize=13, weight="bold", color="#333333")
-            fig.add_artist(Line2D([x0 / width_in + 0.004, (x0 + w) / width_in - 0.004],
-                                  [1 - (top + h) / height_in] * 2, color="#bbbbbb", lw=0.8))
+            fig.text(
+                (x0 + 0.1) / width_in,
+                1 - (top + h / 2) / height_in,
+                p.get("title", ""),
+                ha="left",
+                va="center",
+                fontsize=13,
+                weight="bold",
+                color="#333333",
+            )
+            fig.add_artist(
+                Line2D(
+                    [x0 / width_in + 0.004, (x0 + w) / width_in - 0.004],
+                    [1 - (top + h) / height_in] * 2,
+                    color="#bbbbbb",
+                    lw=0.8,
+                )
+            )
             continue
         data = data_by_id.get(id(p))
         if data is None:
@@ -380,8 +415,12 @@ def render(dashboard: dict[str, Any], panels: list[PanelData], out: Path, start:
         cols = 2 if w > 6 else 1
         legend_rows = math.ceil(n_legend / cols) if n_legend else 0
         bottom_pad = pad_b + legend_rows * legend_line_in + (0.15 if legend_rows else 0)
-        rect = [(x0 + pad_l) / width_in, 1 - (top + h - bottom_pad) / height_in,
-                (w - pad_l - pad_r) / width_in, (h - pad_t - bottom_pad) / height_in]
+        rect = [
+            (x0 + pad_l) / width_in,
+            1 - (top + h - bottom_pad) / height_in,
+            (w - pad_l - pad_r) / width_in,
+            (h - pad_t - bottom_pad) / height_in,
+        ]
         ax = fig.add_axes(rect)
         ax.set_title(p.get("title", ""), fontsize=10.5, loc="left", weight="bold")
         ax.set_xlim(datetime.fromtimestamp(start, tz), datetime.fromtimestamp(end, tz))
@@ -404,8 +443,9 @@ def render(dashboard: dict[str, Any], panels: list[PanelData], out: Path, start:
             ax.set_yticks([])
             continue
         for s in data.series:
-            ax.plot([datetime.fromtimestamp(t, tz) for t in s.times], [v * scale for v in s.values], lw=1.2,
-                    label=s.label)
+            ax.plot(
+                [datetime.fromtimestamp(t, tz) for t in s.times], [v * scale for v in s.values], lw=1.2, label=s.label
+            )
         lo = defaults.get("min")
         hi = defaults.get("max")
         if lo is not None:
@@ -416,8 +456,18 @@ def render(dashboard: dict[str, Any], panels: list[PanelData], out: Path, start:
         if len(handles) > n_legend:
             handles, labels = handles[:n_legend], labels[:n_legend]
             labels[-1] += f"  (+{len(data.series) - n_legend} more)"
-        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.0, -0.16), ncol=cols, fontsize=7.5,
-                  frameon=False, handlelength=1.5, columnspacing=1.2, borderaxespad=0.0)
+        ax.legend(
+            handles,
+            labels,
+            loc="upper left",
+            bbox_to_anchor=(0.0, -0.16),
+            ncol=cols,
+            fontsize=7.5,
+            frameon=False,
+            handlelength=1.5,
+            columnspacing=1.2,
+            borderaxespad=0.0,
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -447,8 +497,9 @@ def cmd_render(args: argparse.Namespace) -> int:
             raise SystemExit(f"no Prometheus answers at {prometheus} (and no --data-dir with a recording)")
         listen = urllib.parse.urlsplit(prometheus).netloc
         # Read-only use of the recording: a server that scrapes nothing, stopped after the picture.
-        temporary = start_prometheus(data_dir, json.dumps({"global": {"scrape_interval": "15s"}}) + "\n", listen,
-                                     "prometheus-render")
+        temporary = start_prometheus(
+            data_dir, json.dumps({"global": {"scrape_interval": "15s"}}) + "\n", listen, "prometheus-render"
+        )
         print(f"started prometheus {temporary} on the recording in {data_dir} to answer queries")
     try:
         dashboard = json.loads(Path(args.dashboard).read_text())
@@ -457,8 +508,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         if temporary is not None:
             stop_pid(temporary)
             (data_dir / "prometheus-render.pid").unlink(missing_ok=True)
-    stamp = (f"{datetime.fromtimestamp(start, timezone.utc):%Y-%m-%d %H:%M:%S} – "
-             f"{datetime.fromtimestamp(end, timezone.utc):%H:%M:%S} UTC")
+    stamp = f"{datetime.fromtimestamp(start, UTC):%Y-%m-%d %H:%M:%S} – {datetime.fromtimestamp(end, UTC):%H:%M:%S} UTC"
     title = args.title or f"{dashboard.get('title', 'dashboard')}  ·  {stamp}"
     render(dashboard, panels, Path(args.out), start, end, title)
     empty = [d.panel.get("title", "?") for d in panels if not d.series]
@@ -474,15 +524,19 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n", 1)[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     rec = sub.add_parser("record", help="start Prometheus in the background, scraping the app's /metrics")
     rec.add_argument("--target", required=True, help="the app's metrics URL, e.g. http://127.0.0.1:8000/metrics")
     rec.add_argument("--data-dir", required=True, help="Prometheus' TSDB, config, log and pid file go here")
-    rec.add_argument("--api-key", default=os.environ.get("COSERVE_ADMIN_KEY"),
-                     help="admin key, sent as Bearer token (default: $COSERVE_ADMIN_KEY)")
+    rec.add_argument(
+        "--api-key",
+        default=os.environ.get("COSERVE_ADMIN_KEY"),
+        help="admin key, sent as Bearer token (default: $COSERVE_ADMIN_KEY)",
+    )
     rec.add_argument("--listen", default="127.0.0.1:9090", help="Prometheus' listen address (default %(default)s)")
     rec.add_argument("--scrape-interval", default="2s")
     rec.set_defaults(func=cmd_record)

@@ -75,22 +75,31 @@ def main() -> None:
     print("| first version served | all pairs trained and judged | versions | served | rejected |")
     print("| --- | --- | --- | --- | --- |")
     states = [v["state"] for v in info.get("versions", [])]
-    print(f"| {fmt(first_served)} | {fmt(done)} | {len(states)} | {states.count('served')} "
-          f"| {states.count('rejected')} |")
+    print(
+        f"| {fmt(first_served)} | {fmt(done)} | {len(states)} | {states.count('served')} | {states.count('rejected')} |"
+    )
     print("\nversions:")
     for v in info.get("versions", []):
-        print(f"- v{v['version']} {v['state']}: {v.get('samples_trained')} pairs, loss {v.get('loss')}; "
-              f"{v.get('reason')}")
-    print(f"\ntrainer: {trainer.get('steps')} steps, {trainer.get('grants_waited')} grant waits "
-          f"({trainer.get('grant_wait_s', 0):.1f} s), last step {trainer.get('last_step_s')} s, last publish "
-          f"{trainer.get('last_publish_breakdown')}, last gate scoring {trainer.get('eval_s')} s")
+        print(
+            f"- v{v['version']} {v['state']}: {v.get('samples_trained')} pairs, loss {v.get('loss')}; {v.get('reason')}"
+        )
+    print(
+        f"\ntrainer: {trainer.get('steps')} steps, {trainer.get('grants_waited')} grant waits "
+        f"({trainer.get('grant_wait_s', 0):.1f} s), last step {trainer.get('last_step_s')} s, last publish "
+        f"{trainer.get('last_publish_breakdown')}, last gate scoring {trainer.get('eval_s')} s"
+    )
     if waits:
         print(f"still waiting: {waits}")
     ok = first_served is not None and first_served <= 60 and done is not None and done <= 600
     print(f"\ngoal (issue 27): first version served <= 60 s, all judged <= 600 s -> {'met' if ok else 'NOT met'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"first_served_s": first_served, "done_s": done, "adapter": info,
-                                               "trainer": trainer}, indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {"first_served_s": first_served, "done_s": done, "adapter": info, "trainer": trainer},
+                indent=1,
+                default=str,
+            )
+        )
     sys.exit(0)
 
 

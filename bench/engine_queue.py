@@ -56,8 +56,9 @@ def engine_counters(url: str, timeout: float = 60.0) -> dict[str, int]:
         time.sleep(1.0)
 
 
-def replay(url: str, arrivals: list[Arrival], adapter: str | None, pairs: list[dict[str, str]],
-           pairs_per_task: int) -> list[Any]:
+def replay(
+    url: str, arrivals: list[Arrival], adapter: str | None, pairs: list[dict[str, str]], pairs_per_task: int
+) -> list[Any]:
     """Stream every arrival at its time; post feedback for the ones marked, as ``bench/coserve.py`` does."""
     t_start = time.time()
     pair_iter = iter(pairs)
@@ -67,13 +68,17 @@ def replay(url: str, arrivals: list[Arrival], adapter: str | None, pairs: list[d
             for a in arrivals:
                 if a.feedback and adapter is not None:
                     time.sleep(max(0.0, t_start + a.at - time.time()))
-                    c.post(f"{url}/v1/feedback",
-                           json={"items": [{"adapter": adapter, **next(pair_iter)} for _ in range(pairs_per_task)]})
+                    c.post(
+                        f"{url}/v1/feedback",
+                        json={"items": [{"adapter": adapter, **next(pair_iter)} for _ in range(pairs_per_task)]},
+                    )
 
     fthread = threading.Thread(target=feeder, daemon=True)
     fthread.start()
-    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256)) as c, \
-            ThreadPoolExecutor(max_workers=128) as pool:
+    with (
+        httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256)) as c,
+        ThreadPoolExecutor(max_workers=128) as pool,
+    ):
         futures = []
         for k, a in enumerate(arrivals):
             time.sleep(max(0.0, t_start + a.at - time.time()))
@@ -87,18 +92,30 @@ def row(phase: str, results: list[Any], before: dict[str, int], after: dict[str,
     ok = [r for r in results if r.ok]
     steps = after["iterations"] - before["iterations"]
     waiting = after["steps_with_waiting"] - before["steps_with_waiting"]
-    return {"phase": phase, "requests": len(results), "failed": len(results) - len(ok),
-            "ttft_p50": percentile([r.ttft for r in ok], 50), "ttft_p99": percentile([r.ttft for r in ok], 99),
-            "steps": steps, "steps_with_waiting": waiting, "share": waiting / max(1, steps),
-            "waiting_peak_so_far": after["waiting_peak"]}
+    return {
+        "phase": phase,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "ttft_p50": percentile([r.ttft for r in ok], 50),
+        "ttft_p99": percentile([r.ttft for r in ok], 99),
+        "steps": steps,
+        "steps_with_waiting": waiting,
+        "share": waiting / max(1, steps),
+        "waiting_peak_so_far": after["waiting_peak"],
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| phase | requests (failed) | TTFT p50 / p99 (s) | engine steps | steps that left a request waiting "
-           "| longest queue so far |", "|---|---|---|---|---|---|"]
+    out = [
+        "| phase | requests (failed) | TTFT p50 / p99 (s) | engine steps | steps that left a request waiting "
+        "| longest queue so far |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['phase']} | {r['requests']} ({r['failed']}) | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} "
-                   f"| {r['steps']} | {r['steps_with_waiting']} ({r['share']:.1%}) | {r['waiting_peak_so_far']} |")
+        out.append(
+            f"| {r['phase']} | {r['requests']} ({r['failed']}) | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} "
+            f"| {r['steps']} | {r['steps_with_waiting']} ({r['share']:.1%}) | {r['waiting_peak_so_far']} |"
+        )
     return "\n".join(out)
 
 
@@ -122,13 +139,22 @@ def main() -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")  # as bench/coserve.py: the app is the service under test
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    config = {"name": "bench-engine-queue", "data_dir": tempfile.mkdtemp(prefix="bench-engine-queue-"),
-              "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
-              "model": {"embedded": "tiny-llama", "max_model_len": 1024},
-              "engine": {"max_num_seqs": MAX_NUM_SEQS, "kv_cache_memory_bytes": 128 * 2**20},
-              "planner": {"placement": "round_robin", "iteration": "hybrid"},
-              "training": {"enabled": args.alpha > 0, "scope": "synced", "steps_per_version": 1, "micro_batch": 4,
-                           "max_length": 512, "slo_tbt_s": args.slo_tbt}}
+    config = {
+        "name": "bench-engine-queue",
+        "data_dir": tempfile.mkdtemp(prefix="bench-engine-queue-"),
+        "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
+        "model": {"embedded": "tiny-llama", "max_model_len": 1024},
+        "engine": {"max_num_seqs": MAX_NUM_SEQS, "kv_cache_memory_bytes": 128 * 2**20},
+        "planner": {"placement": "round_robin", "iteration": "hybrid"},
+        "training": {
+            "enabled": args.alpha > 0,
+            "scope": "synced",
+            "steps_per_version": 1,
+            "micro_batch": 4,
+            "max_length": 512,
+            "slo_tbt_s": args.slo_tbt,
+        },
+    }
     start_app(config, port)
     rows: list[dict[str, Any]] = []
     try:
@@ -136,13 +162,27 @@ def main() -> None:
         adapter = None
         if args.alpha > 0:
             adapter = f"queue-{time.strftime('%H%M%S')}"
-            httpx.post(f"{url}/v1/adapters", timeout=30, json={
-                "name": adapter, "method": "dpo", "beta": 0.1, "learning_rate": 1e-3, "mode": "hybrid",
-                "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}).raise_for_status()
+            httpx.post(
+                f"{url}/v1/adapters",
+                timeout=30,
+                json={
+                    "name": adapter,
+                    "method": "dpo",
+                    "beta": 0.1,
+                    "learning_rate": 1e-3,
+                    "mode": "hybrid",
+                    "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+                },
+            ).raise_for_status()
         offset = 0
         for rate in [float(x) for x in args.rates.split(",") if x]:
-            arrivals = [a for a in read_trace(Path(args.trace), int(rate * args.duration) + 2, rate, args.max_prompt,
-                                              args.max_output, args.alpha) if a.at < args.duration]
+            arrivals = [
+                a
+                for a in read_trace(
+                    Path(args.trace), int(rate * args.duration) + 2, rate, args.max_prompt, args.max_output, args.alpha
+                )
+                if a.at < args.duration
+            ]
             before = engine_counters(url)
             results = replay(url, arrivals, adapter, pairs[offset:], args.pairs_per_task)
             offset += args.pairs_per_task * sum(a.feedback for a in arrivals)
@@ -150,16 +190,20 @@ def main() -> None:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         burst = [Arrival(0.0, 32, args.max_output, False) for _ in range(3 * MAX_NUM_SEQS)]
         before = engine_counters(url)
-        with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256)) as c, \
-                ThreadPoolExecutor(max_workers=len(burst)) as pool:
+        with (
+            httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256)) as c,
+            ThreadPoolExecutor(max_workers=len(burst)) as pool,
+        ):
             results = list(pool.map(lambda k: stream_one(c, url, burst[k], 100_000 + k), range(len(burst))))
         rows.append(row(f"burst of {len(burst)} at once", results, before, engine_counters(url)))
     finally:
         stop_app()
-    print(f"requests waiting inside vLLM (one node: tiny-llama, max_num_seqs {MAX_NUM_SEQS}, "
-          f"{'DPO training beside it (hybrid), α = ' + str(args.alpha) if args.alpha > 0 else 'no training'}; "
-          f"Azure conv trace, prompts ≤ {args.max_prompt}, outputs ≤ {args.max_output} tokens, "
-          f"{args.duration:.0f} s per rate)\n")
+    print(
+        f"requests waiting inside vLLM (one node: tiny-llama, max_num_seqs {MAX_NUM_SEQS}, "
+        f"{'DPO training beside it (hybrid), α = ' + str(args.alpha) if args.alpha > 0 else 'no training'}; "
+        f"Azure conv trace, prompts ≤ {args.max_prompt}, outputs ≤ {args.max_output} tokens, "
+        f"{args.duration:.0f} s per rate)\n"
+    )
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -36,15 +36,23 @@ VLLM_TIMELINE = [
 STAGES = ("guard", "checked", "engine", "first_token", "first_byte")  # as actors/serving/request_stages.py STAGES
 STREAM_STAGES = ("first_token", "first_byte")  # stamped for streamed requests only
 OURS_TIMELINE = [
-    *((f"ours: arrival at the replica to {stage} (ms{', streamed requests' if stage in STREAM_STAGES else ''})",
-       f"coserve_request_stage_seconds{{stage={stage}}}") for stage in STAGES),
+    *(
+        (
+            f"ours: arrival at the replica to {stage} (ms{', streamed requests' if stage in STREAM_STAGES else ''})",
+            f"coserve_request_stage_seconds{{stage={stage}}}",
+        )
+        for stage in STAGES
+    ),
     ("ours: engine iteration (ms)", "coserve_engine_iteration_seconds"),
     ("ours: prefill tokens per iteration", "coserve_engine_iteration_tokens{phase=prefill}"),
     ("ours: decode tokens per iteration", "coserve_engine_iteration_tokens{phase=decode}"),
     ("ours: requests in prefill per iteration", "coserve_engine_iteration_requests{phase=prefill}"),
 ]
-TIMELINE_SPLIT = {"coserve_request_stage_seconds": "stage", "coserve_engine_iteration_tokens": "phase",
-                  "coserve_engine_iteration_requests": "phase"}
+TIMELINE_SPLIT = {
+    "coserve_request_stage_seconds": "stage",
+    "coserve_engine_iteration_tokens": "phase",
+    "coserve_engine_iteration_requests": "phase",
+}
 TIMELINE_NAMES = [m for _, m in VLLM_TIMELINE] + list(TIMELINE_SPLIT) + ["coserve_engine_iteration_seconds"]
 # Seconds to wait before each scrape of a system's engine metrics, so that the series of what ran just
 # before have reached the endpoint: ours' replicas send vLLM's series to the planner at most every 5 s
@@ -63,7 +71,7 @@ def normalise_metric_name(name: str) -> str:
     """
     for prefix in ("ray_vllm_", "ray_vllm:"):
         if name.startswith(prefix):
-            return "vllm:" + name[len(prefix):]
+            return "vllm:" + name[len(prefix) :]
     return name
 
 
@@ -82,7 +90,7 @@ def histogram_totals(text: str, names: list[str], split: dict[str, str] | None =
         for sample in family.samples:
             name = normalise_metric_name(sample.name)
             for suffix in ("_count", "_sum", "_bucket"):
-                base = name[:-len(suffix)]
+                base = name[: -len(suffix)]
                 if not (name.endswith(suffix) and base in wanted):
                     continue
                 label = split.get(base)
@@ -115,8 +123,9 @@ def midpoint_mean(buckets: dict[float, float]) -> float | None:
     return total / n if n > 0 else None
 
 
-def histogram_deltas(before_text: str, after_text: str, names: list[str],
-                     split: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+def histogram_deltas(
+    before_text: str, after_text: str, names: list[str], split: dict[str, str] | None = None
+) -> dict[str, dict[str, Any]]:
     """What the histograms ``names`` observed between two scrapes, summed over all label sets:
     ``{name: {"count": n, "mean_ms": x, "mean_ms_midpoints": y}}`` (``mean_ms`` for ``*_seconds``;
     otherwise the mean in the histogram's unit, ``mean_tokens`` for ``*_tokens``). ``*_midpoints``: the
@@ -134,9 +143,11 @@ def histogram_deltas(before_text: str, after_text: str, names: list[str],
         unit = key.split("{", 1)[0].rsplit("_", 1)[-1]
         mean_key, scale = ("mean_ms", 1000.0) if unit == "seconds" else (f"mean_{unit}", 1.0)
         mid = midpoint_mean({le: c - b["buckets"].get(le, 0.0) for le, c in a["buckets"].items()}) if n > 0 else None
-        entry: dict[str, Any] = {"count": round(n),
-                                 mean_key: round((a["sum"] - b["sum"]) / n * scale, 3) if n > 0 else None,
-                                 f"{mean_key}_midpoints": round(mid * scale, 3) if mid is not None else None}
+        entry: dict[str, Any] = {
+            "count": round(n),
+            mean_key: round((a["sum"] - b["sum"]) / n * scale, 3) if n > 0 else None,
+            f"{mean_key}_midpoints": round(mid * scale, 3) if mid is not None else None,
+        }
         if n < 0:
             entry["note"] = "the count went down between the scrapes (a process restarted?)"
         out[key] = entry
@@ -171,8 +182,10 @@ def ray_metrics_url(server: Server) -> str:
     if port == 0:
         session_dir, node_id = opts.get("session_dir"), opts.get("node_id")
         if not session_dir or not node_id:
-            raise RuntimeError(f"raylet {raylets[0]}: --metrics_export_port=0 and no --session_dir/--node_id "
-                               "to find the port the agent picked")
+            raise RuntimeError(
+                f"raylet {raylets[0]}: --metrics_export_port=0 and no --session_dir/--node_id "
+                "to find the port the agent picked"
+            )
         try:
             from ray._raylet import METRICS_EXPORT_PORT_NAME, get_port_filename
 
@@ -220,8 +233,11 @@ def engine_timeline(server: Server, before: dict[str, Any], finished: int) -> di
     end-to-end histogram should have counted too (one more wait for a late push if not)."""
     if "text" not in before:
         log(f"{server.name}: engine timeline: {before['error']}")
-        return {"engine_timeline": None, "engine_timeline_error": before["error"],
-                **({"engine_timeline_source": before["url"]} if before.get("url") else {})}
+        return {
+            "engine_timeline": None,
+            "engine_timeline_error": before["error"],
+            **({"engine_timeline_source": before["url"]} if before.get("url") else {}),
+        }
     url, settle = before["url"], ENGINE_METRICS_SETTLE_S.get(server.name, 0.0)
     e2e = "vllm:e2e_request_latency_seconds"
     deltas: dict[str, dict[str, Any]] = {}
@@ -239,25 +255,29 @@ def engine_timeline(server: Server, before: dict[str, Any], finished: int) -> di
     if not any(k.startswith("vllm:") for k in deltas):
         out["engine_timeline_error"] = f"no vLLM histograms in {url}"
     elif (deltas.get(e2e) or {}).get("count", 0) < finished:
-        out["engine_timeline_note"] = (f"the engine counted {(deltas.get(e2e) or {}).get('count', 0)} finished "
-                                       f"requests, the client {finished}")
+        out["engine_timeline_note"] = (
+            f"the engine counted {(deltas.get(e2e) or {}).get('count', 0)} finished requests, the client {finished}"
+        )
     ttft = (deltas.get("vllm:time_to_first_token_seconds") or {}).get("mean_ms")
     queue = (deltas.get("vllm:request_queue_time_seconds") or {}).get("mean_ms")
     problem = out.get("engine_timeline_error") or out.get("engine_timeline_note")
-    log(f"{server.name}: engine timeline from {url}: {(deltas.get(e2e) or {}).get('count', 0)} requests, "
-        f"queue mean {fmt('{:.1f}', queue)} ms, TTFT mean {fmt('{:.1f}', ttft)} ms" + (f"; {problem}" if problem else ""))
+    log(
+        f"{server.name}: engine timeline from {url}: {(deltas.get(e2e) or {}).get('count', 0)} requests, "
+        f"queue mean {fmt('{:.1f}', queue)} ms, TTFT mean {fmt('{:.1f}', ttft)} ms"
+        + (f"; {problem}" if problem else "")
+    )
     return out
 
 
-def _timeline_value(results: dict[str, Any], system: str, key: str, part: str | None = None,
-                    midpoints: bool = False) -> Any:
+def _timeline_value(
+    results: dict[str, Any], system: str, key: str, part: str | None = None, midpoints: bool = False
+) -> Any:
     """One figure of a system's replay engine timeline: ``part``, or the entry's mean (whatever its
     unit; ``midpoints``: the bucket-midpoint mean)."""
     entry = (((results.get(system) or {}).get("replay") or {}).get("engine_timeline") or {}).get(key) or {}
     if part:
         return entry.get(part)
-    return next((v for k, v in entry.items() if k.startswith("mean") and k.endswith("_midpoints") == midpoints),
-                None)
+    return next((v for k, v in entry.items() if k.startswith("mean") and k.endswith("_midpoints") == midpoints), None)
 
 
 def timeline_table(results: dict[str, Any], systems: list[str]) -> str:
@@ -274,21 +294,30 @@ def timeline_table(results: dict[str, Any], systems: list[str]) -> str:
     lines = comparison_head([*systems, *(f"{a}/{b}" for a, b in ratios)])
     e2e = "vllm:e2e_request_latency_seconds"
     counts = {s: _timeline_value(results, s, e2e, "count") for s in systems}
-    lines.append(table_row(["requests the engine finished", *(fmt("{:.0f}", counts[s]) for s in systems),
-                            *([""] * len(ratios))]))
+    lines.append(
+        table_row(["requests the engine finished", *(fmt("{:.0f}", counts[s]) for s in systems), *([""] * len(ratios))])
+    )
     for label, key in VLLM_TIMELINE + OURS_TIMELINE:
         vals = {s: _timeline_value(results, s, key) for s in systems}
         mids = {s: _timeline_value(results, s, key, midpoints=True) for s in systems}
         if key.startswith("coserve_") and all(v is None for v in vals.values()):
             continue  # an app without these series: no empty rows
-        lines.append(table_row([label, *(fmt("{:.2f}", vals[s]) for s in systems),
-                                *(ratio(mids[a], mids[b]) if b == "rayllm" else ratio(vals[a], vals[b])
-                                  for a, b in ratios)]))
+        lines.append(
+            table_row(
+                [
+                    label,
+                    *(fmt("{:.2f}", vals[s]) for s in systems),
+                    *(ratio(mids[a], mids[b]) if b == "rayllm" else ratio(vals[a], vals[b]) for a, b in ratios),
+                ]
+            )
+        )
     notes = []
     if "rayllm" in systems:
-        notes.append("- rayllm's means come from Ray's metrics export, which re-records every observation at its "
-                     "bucket's midpoint (an approximation); ours/rayllm compares ours' means taken the same way "
-                     "(`mean_ms_midpoints` in the JSON).")
+        notes.append(
+            "- rayllm's means come from Ray's metrics export, which re-records every observation at its "
+            "bucket's midpoint (an approximation); ours/rayllm compares ours' means taken the same way "
+            "(`mean_ms_midpoints` in the JSON)."
+        )
     for s in systems:
         rp = results[s]["replay"]
         rounds = rp.get("repeats") or [rp]  # combined over rounds: say which round lacked what

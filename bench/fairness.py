@@ -61,15 +61,22 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 
 # ---- clients (each tenant's in a process of its own) -------------------------------------------------------------
 
+
 async def _one(client: Any, url: str, tenant: str, model: str, max_tokens: int, i: int) -> dict[str, Any]:
     """One streamed chat request; its start, status, first-token time and (time, tokens) per streamed piece."""
-    body = {"model": model, "messages": [{"role": "user", "content": f"Tell {tenant} story number {i}."}],
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Tell {tenant} story number {i}."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     t0 = time.time()
     out: dict[str, Any] = {"t0": t0, "status": 0, "ttft": None, "pieces": [], "retry_after": None}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
-                             headers={"Authorization": f"Bearer {KEYS[tenant]}"}) as r:
+    async with client.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[tenant]}"}
+    ) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
             await r.aread()
@@ -91,8 +98,9 @@ async def _one(client: Any, url: str, tenant: str, model: str, max_tokens: int, 
     return out
 
 
-async def _streams(url: str, tenant: str, model: str, streams: int, max_tokens: int, until: float,
-                   think: float) -> list[dict[str, Any]]:
+async def _streams(
+    url: str, tenant: str, model: str, streams: int, max_tokens: int, until: float, think: float
+) -> list[dict[str, Any]]:
     import httpx
 
     results: list[dict[str, Any]] = []
@@ -123,8 +131,9 @@ async def _streams(url: str, tenant: str, model: str, streams: int, max_tokens: 
     return results
 
 
-def _client(url: str, tenant: str, model: str, streams: int, max_tokens: int, start: float, until: float,
-            think: float, out: Any) -> None:
+def _client(
+    url: str, tenant: str, model: str, streams: int, max_tokens: int, start: float, until: float, think: float, out: Any
+) -> None:
     time.sleep(max(0.0, start - time.time()))
     out.put(asyncio.run(_streams(url, tenant, model, streams, max_tokens, until, think)))
 
@@ -136,8 +145,11 @@ def run_clients(url: str, model: str, plan: list[tuple[str, int, int, float]], s
     queues, procs = {}, []
     for tenant, streams, max_tokens, think in plan:
         queues[tenant] = ctx.Queue()
-        p = ctx.Process(target=_client, args=(url, tenant, model, streams, max_tokens, start, start + seconds,
-                                              think, queues[tenant]), daemon=True)
+        p = ctx.Process(
+            target=_client,
+            args=(url, tenant, model, streams, max_tokens, start, start + seconds, think, queues[tenant]),
+            daemon=True,
+        )
         p.start()
         procs.append(p)
     results = {tenant: q.get(timeout=seconds + 900) for tenant, q in queues.items()}
@@ -150,6 +162,7 @@ def run_clients(url: str, model: str, plan: list[tuple[str, int, int, float]], s
 
 # ---- figures -----------------------------------------------------------------------------------------------------
 
+
 def figures(results: list[dict[str, Any]], settle: float = 0.0) -> dict[str, Any]:
     """One tenant's requests in a window: answers, 429s, errors, TTFT percentiles, output tokens and tok/s (tokens
     streamed after the window's first ``settle`` seconds)."""
@@ -160,10 +173,16 @@ def figures(results: list[dict[str, Any]], settle: float = 0.0) -> dict[str, Any
     ok = [r for r in results if r["status"] == 200 and r.get("t1")]
     ttft = [r["ttft"] for r in results if r["status"] == 200 and r["ttft"] is not None and r["t0"] >= t0]
     tokens = sum(n for r in results for at, n in r["pieces"] if t0 <= at <= t1)
-    return {"answers": len(ok), "429s": sum(r["status"] == 429 for r in results),
-            "errors": sum(r["status"] not in (200, 429) for r in results),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95), "ttft_n": len(ttft),
-            "output_tokens": tokens, "output_tok_s": tokens / (t1 - t0)}
+    return {
+        "answers": len(ok),
+        "429s": sum(r["status"] == 429 for r in results),
+        "errors": sum(r["status"] not in (200, 429) for r in results),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "ttft_n": len(ttft),
+        "output_tokens": tokens,
+        "output_tok_s": tokens / (t1 - t0),
+    }
 
 
 def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -189,8 +208,9 @@ def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def backlogged(url: str, model: str, acme_flood: tuple[str, int, int, float], args: argparse.Namespace
-               ) -> dict[str, Any]:
+def backlogged(
+    url: str, model: str, acme_flood: tuple[str, int, int, float], args: argparse.Namespace
+) -> dict[str, Any]:
     """Acme's flood and beta's ``--beta-streams`` streams at once: each one's share of the output tokens."""
     log(f"phase: backlogged (load average {load_average()})")
     ledger: list[tuple[float, dict[str, Any]]] = []
@@ -239,14 +259,19 @@ def served_between(ledger: list[tuple[float, dict[str, Any]]], t0: float, t1: fl
 
 # ---- the app -----------------------------------------------------------------------------------------------------
 
+
 def serve_config(system: str, model: str, work: Path) -> Path:
     """``configs/default.yaml`` with the system's settings and the bench's keys, written into ``work``."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     app = cfg["applications"][0]
-    app["runtime_env"] = {"env_vars": {**copy.deepcopy(app["runtime_env"]["env_vars"]),
-                                       "COSERVE_API_KEYS": ",".join(f"{t}={k}" for t, k in KEYS.items())}}
+    app["runtime_env"] = {
+        "env_vars": {
+            **copy.deepcopy(app["runtime_env"]["env_vars"]),
+            "COSERVE_API_KEYS": ",".join(f"{t}={k}" for t, k in KEYS.items()),
+        }
+    }
     args = app["args"]
     if model == "tiny":
         args["model"]["embedded"] = "tiny-llama"
@@ -267,8 +292,9 @@ def wait_serving(url: str, server: Any, timeout_s: float = 900) -> str:
             raise RuntimeError(f"the app exited:\n{server.log_tail()}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                models = httpx.get(f"{url}/v1/models", timeout=10,
-                                   headers={"Authorization": f"Bearer {KEYS['admin']}"}).json()["data"]
+                models = httpx.get(
+                    f"{url}/v1/models", timeout=10, headers={"Authorization": f"Bearer {KEYS['admin']}"}
+                ).json()["data"]
                 if models:
                     return models[0]["id"]
         except (httpx.HTTPError, ValueError, KeyError):
@@ -281,8 +307,10 @@ def tenant_metrics(url: str) -> dict[str, str]:
     """Each tenant's own /metrics text (its key sees its series only) after the run."""
     import httpx
 
-    return {t: httpx.get(f"{url}/metrics", timeout=30, headers={"Authorization": f"Bearer {KEYS[t]}"}).text
-            for t in ("acme", "beta")}
+    return {
+        t: httpx.get(f"{url}/metrics", timeout=30, headers={"Authorization": f"Bearer {KEYS[t]}"}).text
+        for t in ("acme", "beta")
+    }
 
 
 def run_system(system: str, model: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -317,21 +345,39 @@ def engine_shares(backlogged: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["system", "beta alone TTFT p50 / p95", "beta during flood TTFT p50 / p95", "ratio p50 / p95",
-            "acme answers / 429s (flood)", "acme alone tok/s", "backlogged: acme / beta share of output tokens "
-            "(streamed; engine)"]
+    head = [
+        "system",
+        "beta alone TTFT p50 / p95",
+        "beta during flood TTFT p50 / p95",
+        "ratio p50 / p95",
+        "acme answers / 429s (flood)",
+        "acme alone tok/s",
+        "backlogged: acme / beta share of output tokens (streamed; engine)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         a, f = r.get("beta_alone") or {}, (r.get("flood") or {}).get("beta") or {}
         fa, b, alone = (r.get("flood") or {}).get("acme") or {}, r.get("backlogged"), r.get("acme_alone")
-        ratio = (f"{f['ttft_p50_s'] / a['ttft_p50_s']:.1f}× / {f['ttft_p95_s'] / a['ttft_p95_s']:.1f}×"
-                 if a.get("ttft_p50_s") and f.get("ttft_p50_s") else "n/a")
-        lines.append("| " + " | ".join([
-            r["system"], f"{ms(a.get('ttft_p50_s'))} / {ms(a.get('ttft_p95_s'))}",
-            f"{ms(f.get('ttft_p50_s'))} / {ms(f.get('ttft_p95_s'))} (n={f.get('ttft_n', 0)})", ratio,
-            f"{fa['answers']:,} / {fa['429s']:,}" if fa else "n/a",
-            f"{alone['output_tok_s']:,.0f}" if alone else "n/a",
-            f"{b['acme']['share']:.1%} / {b['beta']['share']:.1%} ({engine_shares(b)})" if b else "n/a"]) + " |")
+        ratio = (
+            f"{f['ttft_p50_s'] / a['ttft_p50_s']:.1f}× / {f['ttft_p95_s'] / a['ttft_p95_s']:.1f}×"
+            if a.get("ttft_p50_s") and f.get("ttft_p50_s")
+            else "n/a"
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["system"],
+                    f"{ms(a.get('ttft_p50_s'))} / {ms(a.get('ttft_p95_s'))}",
+                    f"{ms(f.get('ttft_p50_s'))} / {ms(f.get('ttft_p95_s'))} (n={f.get('ttft_n', 0)})",
+                    ratio,
+                    f"{fa['answers']:,} / {fa['429s']:,}" if fa else "n/a",
+                    f"{alone['output_tok_s']:,.0f}" if alone else "n/a",
+                    f"{b['acme']['share']:.1%} / {b['beta']['share']:.1%} ({engine_shares(b)})" if b else "n/a",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -346,8 +392,11 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiply every phase's seconds (slower models)")
     p.add_argument("--think", type=float, default=0.05, help="beta's pause between its requests (s)")
     p.add_argument("--beta-streams", type=int, default=24, help="beta's concurrent streams when backlogged")
-    p.add_argument("--phases", default="beta,acme,flood,backlogged",
-                   help="which phases to run, in this order: beta (alone), acme (alone), flood, backlogged")
+    p.add_argument(
+        "--phases",
+        default="beta,acme,flood,backlogged",
+        help="which phases to run, in this order: beta (alone), acme (alone), flood, backlogged",
+    )
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args()
     args.alone_s *= args.scale
@@ -366,10 +415,12 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     model = "tiny-llama" if args.model == "tiny" else "SmolLM2-135M-Instruct"
-    print(f"\nfair serving across tenants ({model}, one node, make serve's config; beta: one streamed chat of 32 "
-          f"tokens at a time, {args.think:g} s apart; acme: 80 streams of 256 tokens; backlogged: acme's 80 and "
-          f"beta's {args.beta_streams} streams of 256 tokens; {args.alone_s:g} s alone, {args.flood_s:g} s per "
-          f"flood phase, {args.backlog_s:g} s backlogged, shares of the tokens after its first {args.settle:g} s)\n")
+    print(
+        f"\nfair serving across tenants ({model}, one node, make serve's config; beta: one streamed chat of 32 "
+        f"tokens at a time, {args.think:g} s apart; acme: 80 streams of 256 tokens; backlogged: acme's 80 and "
+        f"beta's {args.beta_streams} streams of 256 tokens; {args.alone_s:g} s alone, {args.flood_s:g} s per "
+        f"flood phase, {args.backlog_s:g} s backlogged, shares of the tokens after its first {args.settle:g} s)\n"
+    )
     print(table(rows))
     if args.json:
         print(f"\nfigures: {args.json}")

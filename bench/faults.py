@@ -27,9 +27,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
@@ -38,16 +38,30 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import restart_app, start_app, stop_app  # noqa: E402
-from tests.drills import (DrillResult, Prober, drill, kill_named, kill_planner, kill_rank, kill_replica,  # noqa: E402
-                          served_versions, wait_healthy)
+from tests.drills import (
+    DrillResult,
+    Prober,
+    drill,
+    kill_named,
+    kill_planner,
+    kill_rank,
+    kill_replica,  # noqa: E402
+    served_versions,
+    wait_healthy,
+)
 
 
 def _table(results: list[DrillResult]) -> str:
-    rows = ["| target | probes | failed | recovery (s) | acked feedback | lost | half-written versions | "
-            "served / newest version | failed probes by route |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    rows = [
+        "| target | probes | failed | recovery (s) | acked feedback | lost | half-written versions | "
+        "served / newest version | failed probes by route |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
     for r in results:
-        rows.append(f"| {r.target} | {r.sent} | {r.failed} | {r.recovery_s} | {r.acked} | {r.lost} | {r.half_written} "
-                    f"| v{r.served} / v{r.newest} | {', '.join(f'{k}: {v}' for k, v in sorted(r.statuses.items())) or '-'} |")
+        rows.append(
+            f"| {r.target} | {r.sent} | {r.failed} | {r.recovery_s} | {r.acked} | {r.lost} | {r.half_written} "
+            f"| v{r.served} / v{r.newest} | {', '.join(f'{k}: {v}' for k, v in sorted(r.statuses.items())) or '-'} |"
+        )
     return "\n".join(rows)
 
 
@@ -71,9 +85,13 @@ def main() -> None:
     (data / "keys.yaml").unlink(missing_ok=True)
     admin = add_key(data / "keys.yaml", "admin")
     headers = {"Authorization": f"Bearer {admin}"}
-    cfg = {"name": "faults", "data_dir": str(data), "model": {"embedded": a.model, "max_model_len": 2048},
-           "auth": {"keys_file": "keys.yaml", "keys_env": None},
-           "limits": {"requests_per_second": None, "max_concurrent": None}}
+    cfg = {
+        "name": "faults",
+        "data_dir": str(data),
+        "model": {"embedded": a.model, "max_model_len": 2048},
+        "auth": {"keys_file": "keys.yaml", "keys_env": None},
+        "limits": {"requests_per_second": None, "max_concurrent": None},
+    }
     url = f"http://127.0.0.1:{a.port}"
 
     t0 = time.time()
@@ -81,14 +99,44 @@ def main() -> None:
     print(f"app ready in {wait_healthy(url, headers) + (time.time() - t0):.0f} s", flush=True)
     model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
     adapter = "drill"
-    httpx.post(f"{url}/v1/adapters", headers=headers, json={"name": adapter, "method": "sft", "mode": "sync",
-                                                            "gate": {"enabled": False}})
+    httpx.post(
+        f"{url}/v1/adapters",
+        headers=headers,
+        json={"name": adapter, "method": "sft", "mode": "sync", "gate": {"enabled": False}},
+    )
     locust = subprocess.Popen(
-        [sys.executable, "-m", "locust", "-f", str(ROOT / "load_tests/locustfile.py"), "--headless", "--host", url,
-         "-u", str(a.locust_users), "--run-time", "3600s", "--csv", str(data / "locust"), "--only-summary",
-         "--trace-speedup", str(a.trace_speedup), "--api-key", admin, "--feedback-fraction", str(a.feedback_fraction),
-         "--feedback-adapter", adapter, "--max-output-tokens", "64"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(ROOT / "load_tests/locustfile.py"),
+            "--headless",
+            "--host",
+            url,
+            "-u",
+            str(a.locust_users),
+            "--run-time",
+            "3600s",
+            "--csv",
+            str(data / "locust"),
+            "--only-summary",
+            "--trace-speedup",
+            str(a.trace_speedup),
+            "--api-key",
+            admin,
+            "--feedback-fraction",
+            str(a.feedback_fraction),
+            "--feedback-adapter",
+            adapter,
+            "--max-output-tokens",
+            "64",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     kills: dict[str, Callable[[], None]] = {
         "replica": lambda: kill_replica("faults"),
         "rank": lambda: kill_rank("faults-trainer"),
@@ -101,8 +149,17 @@ def main() -> None:
         served_versions(url, headers, model, adapter, timeout_s=300)  # the first version, before any drill
         with Prober(url, model, adapter, headers, a.probe_period) as prober:
             for target in a.drills.split(","):
-                r = drill(target, kills[target], prober, url=url, headers=headers, model=model, adapter=adapter,
-                          store_name="faults-store", adapters_root=data / "adapters")
+                r = drill(
+                    target,
+                    kills[target],
+                    prober,
+                    url=url,
+                    headers=headers,
+                    model=model,
+                    adapter=adapter,
+                    store_name="faults-store",
+                    adapters_root=data / "adapters",
+                )
                 results.append(r)
                 print(json.dumps(asdict(r)), flush=True)
     finally:

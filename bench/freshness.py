@@ -51,8 +51,19 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (Load, bench_config, cpu_by_process, cpu_snapshot, free_port, log, percentile,  # noqa: E402
-                          served_base, start_app, stop_app, wait_ready)
+from bench.common import (
+    Load,
+    bench_config,
+    cpu_by_process,
+    cpu_snapshot,
+    free_port,
+    log,
+    percentile,  # noqa: E402
+    served_base,
+    start_app,
+    stop_app,
+    wait_ready,
+)
 
 
 def own_pids() -> list[int]:
@@ -70,6 +81,7 @@ def own_pids() -> list[int]:
                 continue
     return out
 
+
 POLL_S = 0.05
 ITEM_TIMEOUT_S = 300.0  # an item not served within this stops the run (the adapter paused, the trainer died)
 
@@ -83,8 +95,13 @@ class StreamLoad(Load):
         self.streams: list[tuple[float, tuple[float, ...]]] = []  # (sent, when each streamed piece came)
 
     def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None, float | None]:
-        body = {"model": self.model, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
-                "max_tokens": self.max_tokens, "temperature": 0.8, "stream": True}
+        body = {
+            "model": self.model,
+            "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
+            "max_tokens": self.max_tokens,
+            "temperature": 0.8,
+            "stream": True,
+        }
         ttft = last = None
         gaps: list[float] = []
         times: list[float] = []
@@ -162,15 +179,19 @@ def probe(c: httpx.Client, url: str, model: str, prompt: str) -> float | None:
     Not echo + logprobs: prompt log-probabilities through a LoRA engine hit vLLM #16668 (wrong LoRA
     mapping; the engine dies once such a request shares a batch), and this bench runs under load.
     """
-    r = c.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "logprobs": 1,
-                                             "temperature": 0})
+    r = c.post(
+        f"{url}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 1, "logprobs": 1, "temperature": 0},
+    )
     if r.status_code != 200:
         return None
     return float(r.json()["choices"][0]["logprobs"]["token_logprobs"][0])
 
 
 EVENTS: list[tuple[float, str]] = []  # (when, what): the timeline of a run, for the JSON
-RUNS: set[tuple[int, float, float]] = set()  # (node, start, seconds) of the trainer's windows, as /v1/status showed them
+RUNS: set[tuple[int, float, float]] = (
+    set()
+)  # (node, start, seconds) of the trainer's windows, as /v1/status showed them
 
 
 def seen_runs(status: dict[str, Any]) -> None:
@@ -188,8 +209,9 @@ def serving_version(c: httpx.Client, url: str, model: str) -> int | None:
     return None if not versions or None in versions else min(versions)
 
 
-def create_adapter(c: httpx.Client, url: str, name: str, mode: str, lr: float | None,
-                   retention_margin: float | None) -> None:
+def create_adapter(
+    c: httpx.Client, url: str, name: str, mode: str, lr: float | None, retention_margin: float | None
+) -> None:
     # The gate stays on (every version is a candidate, judged, then served) with nothing held out: one
     # item at a time, a held-out slice would be one or two unrelated facts, and learning a new fact lowers
     # their likelihood, so the gate would judge on noise and pause the adapter (seen: 3 rejections on 1 item).
@@ -207,8 +229,9 @@ def create_adapter(c: httpx.Client, url: str, name: str, mode: str, lr: float | 
     c.post(f"{url}/v1/adapters", json=spec).raise_for_status()
 
 
-def deliver(c: httpx.Client, url: str, name: str, model: str, prompt: str, completion: str,
-            before: float | None) -> tuple[float, bool]:
+def deliver(
+    c: httpx.Client, url: str, name: str, model: str, prompt: str, completion: str, before: float | None
+) -> tuple[float, bool]:
     """Post one item; seconds until a response of a version trained on it, and whether the weights moved."""
     c.post(f"{url}/v1/feedback", json={"adapter": name, "prompt": prompt, "completion": completion}).raise_for_status()
     accepted = time.time()
@@ -253,8 +276,9 @@ def attainment_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[
     return out
 
 
-def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, slo: dict[str, Any],
-               c: httpx.Client) -> list[dict[str, Any]]:
+def run_phases(
+    url: str, base: str, args: argparse.Namespace, load: StreamLoad, slo: dict[str, Any], c: httpx.Client
+) -> list[dict[str, Any]]:
     tbt, ttft = float(slo["tbt_s"]), float(slo["ttft_s"])
     name = f"fresh-{args.mode}-{time.strftime('%H%M%S')}"
     model = f"{base}:{name}"
@@ -280,7 +304,10 @@ def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, 
             else:
                 poller.idle.clear()  # the freshness loop polls the same endpoints itself
                 while load.finished_since(t0) < args.requests or len(fresh) < args.samples:
-                    prompt, completion = f"Fact {item}: the code word for day {item} is", f" tulip-{item * 7919 % 1000}."
+                    prompt, completion = (
+                        f"Fact {item}: the code word for day {item} is",
+                        f" tulip-{item * 7919 % 1000}.",
+                    )
                     before_lp = probe(c, url, model, prompt)
                     seconds, changed = deliver(c, url, name, model, prompt, completion, before_lp)
                     fresh.append(seconds)
@@ -294,29 +321,55 @@ def run_phases(url: str, base: str, args: argparse.Namespace, load: StreamLoad, 
             status = c.get(f"{url}/v1/status").json()
             seen_runs(status)
             after = node_attainment(status)
-            phase = {"repeat": r + 1, "kind": kind, "t0": t0, "t1": t1, "load": load.phase(t0, t1, tbt, ttft),
-                     "freshness_s": fresh, "unchanged": unchanged, "server": attainment_delta(before, after),
-                     "cpu_s": cpu, "probes": probes}
+            phase = {
+                "repeat": r + 1,
+                "kind": kind,
+                "t0": t0,
+                "t1": t1,
+                "load": load.phase(t0, t1, tbt, ttft),
+                "freshness_s": fresh,
+                "unchanged": unchanged,
+                "server": attainment_delta(before, after),
+                "cpu_s": cpu,
+                "probes": probes,
+            }
             phases.append(phase)
             if args.json:  # a run stopped by its timeout keeps the phases it finished
                 write_json(args.json, args, slo, phases, load)
             w = phase["load"]
-            log(f"phase {r + 1} {kind}: {w['requests']} requests in {t1 - t0:.0f} s, {w['rate']:.2f} req/s, "
+            log(
+                f"phase {r + 1} {kind}: {w['requests']} requests in {t1 - t0:.0f} s, {w['rate']:.2f} req/s, "
                 f"TTFT p99 {w['ttft_p99_s']:.3f} s, worst gap p99 {w['max_tbt_p99_s']:.3f} s"
-                + (f", {len(fresh)} items, freshness p50 {percentile(fresh, 50):.2f} s" if fresh else ""))
+                + (f", {len(fresh)} items, freshness p50 {percentile(fresh, 50):.2f} s" if fresh else "")
+            )
     poller.stop()
     status = c.get(f"{url}/v1/status").json()
-    phases.append({"kind": "status", "trainer": (status.get("training") or {}).get("adapters", {}).get(name),
-                   "nodes": [{k: n.get(k) for k in ("node_id", "window_prediction", "window_cost", "slo_attainment",
-                                                   "training_grants")} for n in status["nodes"]]})
+    phases.append(
+        {
+            "kind": "status",
+            "trainer": (status.get("training") or {}).get("adapters", {}).get(name),
+            "nodes": [
+                {
+                    k: n.get(k)
+                    for k in ("node_id", "window_prediction", "window_cost", "slo_attainment", "training_grants")
+                }
+                for n in status["nodes"]
+            ],
+        }
+    )
     return phases
 
 
-FIGURES = (("rate", "throughput (req/s)", "{:.2f}"), ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"),
-           ("ttft_p99_s", "TTFT p99 (s)", "{:.3f}"), ("max_tbt_p50_s", "worst gap p50 (s)", "{:.3f}"),
-           ("max_tbt_p99_s", "worst gap p99 (s)", "{:.3f}"), ("gap_p99_s", "all gaps p99 (s)", "{:.3f}"),
-           ("tbt_attainment", "gaps within TBT SLO", "{:.3f}"), ("ttft_attainment", "first tokens within TTFT SLO",
-                                                                   "{:.3f}"))
+FIGURES = (
+    ("rate", "throughput (req/s)", "{:.2f}"),
+    ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"),
+    ("ttft_p99_s", "TTFT p99 (s)", "{:.3f}"),
+    ("max_tbt_p50_s", "worst gap p50 (s)", "{:.3f}"),
+    ("max_tbt_p99_s", "worst gap p99 (s)", "{:.3f}"),
+    ("gap_p99_s", "all gaps p99 (s)", "{:.3f}"),
+    ("tbt_attainment", "gaps within TBT SLO", "{:.3f}"),
+    ("ttft_attainment", "first tokens within TTFT SLO", "{:.3f}"),
+)
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -324,8 +377,11 @@ def spread(values: list[float], fmt: str) -> str:
     if not values:
         return "n/a"
     mean = statistics.fmean(values)
-    return (f"{fmt.format(mean)} ({fmt.format(min(values))}–{fmt.format(max(values))})" if len(values) > 1
-            else fmt.format(mean))
+    return (
+        f"{fmt.format(mean)} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+        if len(values) > 1
+        else fmt.format(mean)
+    )
 
 
 def mean(values: list[Any]) -> float | None:
@@ -335,21 +391,27 @@ def mean(values: list[Any]) -> float | None:
 
 def report(phases: list[dict[str, Any]], args: argparse.Namespace, slo: dict[str, Any]) -> None:
     runs = [p for p in phases if p["kind"] in ("alone", "training")]
-    print(f"\n{args.clients} streaming clients ({args.load_tokens} output tokens each), mode {args.mode}; "
-          f"{args.pairs} pairs of phases, each >= {args.requests} requests (training: >= {args.samples} items); "
-          f"TBT SLO {slo['tbt_s']} s ({'derived' if slo.get('tbt_derived') else 'set'}), TTFT SLO {slo['ttft_s']} s\n")
-    print("| phase | requests | s | req/s | TTFT p50 / p99 (s) | worst gap p50 / p99 (s) | gaps within TBT SLO "
-          "(clients / planner) | first tokens within TTFT SLO (clients / planner) | probes | items | freshness p50 "
-          "/ p95 / max (s) |")
+    print(
+        f"\n{args.clients} streaming clients ({args.load_tokens} output tokens each), mode {args.mode}; "
+        f"{args.pairs} pairs of phases, each >= {args.requests} requests (training: >= {args.samples} items); "
+        f"TBT SLO {slo['tbt_s']} s ({'derived' if slo.get('tbt_derived') else 'set'}), TTFT SLO {slo['ttft_s']} s\n"
+    )
+    print(
+        "| phase | requests | s | req/s | TTFT p50 / p99 (s) | worst gap p50 / p99 (s) | gaps within TBT SLO "
+        "(clients / planner) | first tokens within TTFT SLO (clients / planner) | probes | items | freshness p50 "
+        "/ p95 / max (s) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for p in runs:
         w, s, f = p["load"], p["server"], p["freshness_s"]
         key = "training" if p["kind"] == "training" else "no_training"
-        print(f"| {p['repeat']} {p['kind']} | {w['requests']} | {p['t1'] - p['t0']:.0f} | {w['rate']:.2f} "
-              f"| {w['ttft_p50_s']:.3f} / {w['ttft_p99_s']:.3f} | {w['max_tbt_p50_s']:.3f} / {w['max_tbt_p99_s']:.3f} "
-              f"| {fmt(w['tbt_attainment'])} / {fmt(s.get(f'tbt_{key}'))} "
-              f"| {fmt(w['ttft_attainment'])} / {fmt(s.get(f'ttft_{key}'))} | {p.get('probes', '')} | {len(f) or ''} "
-              f"| {f'{percentile(f, 50):.2f} / {percentile(f, 95):.2f} / {max(f):.2f}' if f else ''} |")
+        print(
+            f"| {p['repeat']} {p['kind']} | {w['requests']} | {p['t1'] - p['t0']:.0f} | {w['rate']:.2f} "
+            f"| {w['ttft_p50_s']:.3f} / {w['ttft_p99_s']:.3f} | {w['max_tbt_p50_s']:.3f} / {w['max_tbt_p99_s']:.3f} "
+            f"| {fmt(w['tbt_attainment'])} / {fmt(s.get(f'tbt_{key}'))} "
+            f"| {fmt(w['ttft_attainment'])} / {fmt(s.get(f'ttft_{key}'))} | {p.get('probes', '')} | {len(f) or ''} "
+            f"| {f'{percentile(f, 50):.2f} / {percentile(f, 95):.2f} / {max(f):.2f}' if f else ''} |"
+        )
     print("\nby kind: mean over the repeats (min–max)\n")
     print("| figure | load alone | while training | ratio |")
     print("| --- | --- | --- | --- |")
@@ -371,28 +433,36 @@ def report(phases: list[dict[str, Any]], args: argparse.Namespace, slo: dict[str
     if top:
         print("\n| CPU (cores busy, mean over the phases) | load alone | while training |")
         print("| --- | --- | --- |")
-        print(f"| all processes | {sum(v.get('alone', 0) for v in cpu_rows.values()):.2f} "
-              f"| {sum(v.get('training', 0) for v in cpu_rows.values()):.2f} |")
+        print(
+            f"| all processes | {sum(v.get('alone', 0) for v in cpu_rows.values()):.2f} "
+            f"| {sum(v.get('training', 0) for v in cpu_rows.values()):.2f} |"
+        )
         for label, v in top:
             print(f"| {label} | {v.get('alone', 0):.2f} | {v.get('training', 0):.2f} |")
     fresh = [x for p in runs for x in p["freshness_s"]]
     unchanged = sum(p["unchanged"] for p in runs)
-    print(f"| freshness p50 / p95 / max (s), {len(fresh)} items | | {percentile(fresh, 50):.2f} / {percentile(fresh, 95):.2f} / "
-          f"{max(fresh) if fresh else float('nan'):.2f} | |")
+    print(
+        f"| freshness p50 / p95 / max (s), {len(fresh)} items | | {percentile(fresh, 50):.2f} / {percentile(fresh, 95):.2f} / "
+        f"{max(fresh) if fresh else float('nan'):.2f} | |"
+    )
     print(f"\nunchanged (the probe's log-probability did not move): {unchanged} of {len(fresh)} items")
     goals(by, fresh, float(slo["tbt_s"]))
     status = next((p for p in phases if p["kind"] == "status"), None)
     if status:
         t = status.get("trainer") or {}
-        print(f"\ntrainer: {t.get('grants_waited')} grant waits, {t.get('grant_wait_s', 0) or 0:.1f} s waiting; "
-              f"last step {t.get('last_step_s')} s; publish {t.get('last_publish_breakdown')}")
+        print(
+            f"\ntrainer: {t.get('grants_waited')} grant waits, {t.get('grant_wait_s', 0) or 0:.1f} s waiting; "
+            f"last step {t.get('last_step_s')} s; publish {t.get('last_publish_breakdown')}"
+        )
         for n in status["nodes"]:
             wp, g = n.get("window_prediction") or {}, n.get("training_grants") or {}
-            print(f"node {n['node_id']}: grants {g.get('granted')} of {g.get('asked')} asks; window prediction: "
-                  f"{wp.get('grants_measured')} measured ({wp.get('grants_beside_decodes')} beside decodes), duration "
-                  f"error {wp.get('duration_median_error')}, worst-gap error {wp.get('worst_gap_median_error')}, "
-                  f"delay error {wp.get('delay_median_error_s')} s, {wp.get('worst_gap_over_slo')} over the SLO; "
-                  f"rho {wp.get('interference')}; t_iter factor {wp.get('iteration_factor')}")
+            print(
+                f"node {n['node_id']}: grants {g.get('granted')} of {g.get('asked')} asks; window prediction: "
+                f"{wp.get('grants_measured')} measured ({wp.get('grants_beside_decodes')} beside decodes), duration "
+                f"error {wp.get('duration_median_error')}, worst-gap error {wp.get('worst_gap_median_error')}, "
+                f"delay error {wp.get('delay_median_error_s')} s, {wp.get('worst_gap_over_slo')} over the SLO; "
+                f"rho {wp.get('interference')}; t_iter factor {wp.get('iteration_factor')}"
+            )
 
 
 def fmt(x: Any) -> str:
@@ -406,23 +476,43 @@ def goals(by: dict[str, list[dict[str, Any]]], fresh: list[float], tbt_s: float)
         print("\ngoals: not enough phases to judge")
         return
     gap_bound = max(tbt_s, 1.25 * ma["max_tbt_p99_s"])
-    rows = [("throughput >= 0.9x alone", mt["rate"] / ma["rate"], mt["rate"] >= 0.9 * ma["rate"]),
-            (f"worst gap p99 <= max(TBT SLO, 1.25x alone) = {gap_bound:.3f} s", mt["max_tbt_p99_s"],
-             mt["max_tbt_p99_s"] <= gap_bound),
-            (f"TTFT p99 <= 1.25x alone = {1.25 * ma['ttft_p99_s']:.3f} s", mt["ttft_p99_s"],
-             mt["ttft_p99_s"] <= 1.25 * ma["ttft_p99_s"]),
-            ("freshness p50 <= 5 s", percentile(fresh, 50), percentile(fresh, 50) <= 5),
-            ("freshness p95 <= 15 s", percentile(fresh, 95), percentile(fresh, 95) <= 15)]
+    rows = [
+        ("throughput >= 0.9x alone", mt["rate"] / ma["rate"], mt["rate"] >= 0.9 * ma["rate"]),
+        (
+            f"worst gap p99 <= max(TBT SLO, 1.25x alone) = {gap_bound:.3f} s",
+            mt["max_tbt_p99_s"],
+            mt["max_tbt_p99_s"] <= gap_bound,
+        ),
+        (
+            f"TTFT p99 <= 1.25x alone = {1.25 * ma['ttft_p99_s']:.3f} s",
+            mt["ttft_p99_s"],
+            mt["ttft_p99_s"] <= 1.25 * ma["ttft_p99_s"],
+        ),
+        ("freshness p50 <= 5 s", percentile(fresh, 50), percentile(fresh, 50) <= 5),
+        ("freshness p95 <= 15 s", percentile(fresh, 95), percentile(fresh, 95) <= 15),
+    ]
     print("\ngoals (issue 38, on the means over the repeats):")
     for label, value, met in rows:
         print(f"- {label}: {value:.3f} -> {'met' if met else 'NOT met'}")
 
 
-def write_json(path: str, args: argparse.Namespace, slo: dict[str, Any], phases: list[dict[str, Any]],
-               load: StreamLoad) -> None:
+def write_json(
+    path: str, args: argparse.Namespace, slo: dict[str, Any], phases: list[dict[str, Any]], load: StreamLoad
+) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"args": vars(args), "slo": slo, "phases": phases, "events": EVENTS,
-                                      "runs": sorted(RUNS), "streams": load.streams}, default=str))
+    Path(path).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "slo": slo,
+                "phases": phases,
+                "events": EVENTS,
+                "runs": sorted(RUNS),
+                "streams": load.streams,
+            },
+            default=str,
+        )
+    )
 
 
 def merge(paths: list[str]) -> None:
@@ -477,12 +567,20 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--load-tokens", type=int, default=32)
     p.add_argument("--lr", type=float, default=None, help="the adapter's learning rate (default: the app's)")
-    p.add_argument("--retention-margin", type=float, default=None,
-                   help="score every version on the gate's retention set with this margin (nats a token); "
-                        "default: the adapter's retention check off (see create_adapter)")
+    p.add_argument(
+        "--retention-margin",
+        type=float,
+        default=None,
+        help="score every version on the gate's retention set with this margin (nats a token); "
+        "default: the adapter's retention check off (see create_adapter)",
+    )
     p.add_argument("--json", help="write the raw numbers here")
-    p.add_argument("--merge", nargs="+", help="print one report of the phases of these --json files (runs of the "
-                                              "same shape, e.g. one pair each) and exit")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        help="print one report of the phases of these --json files (runs of the "
+        "same shape, e.g. one pair each) and exit",
+    )
     args = p.parse_args()
     if args.merge:
         merge(args.merge)

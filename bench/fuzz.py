@@ -39,8 +39,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phases", default="examples,coverage,fuzzing")
     a = p.parse_args()
-    r = run_schemathesis(a.url, a.key, max_examples=a.max_examples, rate_limit=a.rate_limit, seed=a.seed,
-                         phases=a.phases)
+    r = run_schemathesis(
+        a.url, a.key, max_examples=a.max_examples, rate_limit=a.rate_limit, seed=a.seed, phases=a.phases
+    )
     print(r.tail)
     print("| operations | generated cases | failures (5xx or non-conforming) | seconds |")
     print("| ---: | ---: | ---: | ---: |")

@@ -44,26 +44,48 @@ def settle(url: str, name: str, timeout_s: float) -> dict[str, Any]:
     while time.time() < deadline:
         info = httpx.get(f"{url}/v1/adapters/{name}", timeout=30).json()
         s = served(info)
-        if ((info["queued"] == 0 or info["paused_reason"]) and s is not None and s["win_rate"] is not None
-                and all(v["state"] != "candidate" for v in info["versions"])):
+        if (
+            (info["queued"] == 0 or info["paused_reason"])
+            and s is not None
+            and s["win_rate"] is not None
+            and all(v["state"] != "candidate" for v in info["versions"])
+        ):
             return info
         time.sleep(1.0)
-    raise SystemExit(f"{name} did not settle within {timeout_s}s: queued {info.get('queued')}, "
-                     f"versions {[(v['version'], v['state']) for v in info.get('versions', [])]}")
+    raise SystemExit(
+        f"{name} did not settle within {timeout_s}s: queued {info.get('queued')}, "
+        f"versions {[(v['version'], v['state']) for v in info.get('versions', [])]}"
+    )
 
 
 def run(url: str, args: argparse.Namespace, chat: bool, tag: str) -> list[dict[str, Any]]:
     names = {f"gate-on-{tag}": True, f"gate-off-{tag}": False}
     for name, enabled in names.items():
-        r = httpx.post(f"{url}/v1/adapters", timeout=30, json={
-            "name": name, "method": "dpo", "beta": args.beta, "learning_rate": args.lr, "mode": "sync",
-            "lora": {"r": 8, "alpha": 16},
-            "gate": {"enabled": enabled, "margin": args.margin, "held_out_share": args.share,
-                     "max_eval_items": args.eval_items, "pause_after_rejections": args.pause_after}})
+        r = httpx.post(
+            f"{url}/v1/adapters",
+            timeout=30,
+            json={
+                "name": name,
+                "method": "dpo",
+                "beta": args.beta,
+                "learning_rate": args.lr,
+                "mode": "sync",
+                "lora": {"r": 8, "alpha": 16},
+                "gate": {
+                    "enabled": enabled,
+                    "margin": args.margin,
+                    "held_out_share": args.share,
+                    "max_eval_items": args.eval_items,
+                    "pause_after_rejections": args.pause_after,
+                },
+            },
+        )
         r.raise_for_status()
     rows = {name: {"gate": "on" if enabled else "off", "adapter": name} for name, enabled in names.items()}
-    for phase, pairs in (("before", synthetic_pairs(0, args.good, chat=chat)),
-                         ("after", synthetic_pairs(10_000, args.poisoned, poisoned=True, chat=chat))):
+    for phase, pairs in (
+        ("before", synthetic_pairs(0, args.good, chat=chat)),
+        ("after", synthetic_pairs(10_000, args.poisoned, poisoned=True, chat=chat)),
+    ):
         t0 = time.time()
         for name in names:
             r = httpx.post(f"{url}/v1/feedback", json={"items": [{"adapter": name, **p} for p in pairs]}, timeout=120)
@@ -71,27 +93,41 @@ def run(url: str, args: argparse.Namespace, chat: bool, tag: str) -> list[dict[s
         for name in names:
             info = settle(url, name, args.timeout)
             s = served(info)
-            rows[name].update({f"win_{phase}": s["win_rate"], f"clpd_{phase}": s["clpd"],
-                               f"version_{phase}": s["version"], f"seconds_{phase}": round(time.time() - t0, 1),
-                               "versions": len(info["versions"]), "held_out": info["held_out"],
-                               "eval_items": s["eval_items"], "paused": info["paused_reason"] is not None,
-                               "rejected": sum(v["state"] == "rejected" for v in info["versions"]),
-                               "queued_left": info["queued"]})
+            rows[name].update(
+                {
+                    f"win_{phase}": s["win_rate"],
+                    f"clpd_{phase}": s["clpd"],
+                    f"version_{phase}": s["version"],
+                    f"seconds_{phase}": round(time.time() - t0, 1),
+                    "versions": len(info["versions"]),
+                    "held_out": info["held_out"],
+                    "eval_items": s["eval_items"],
+                    "paused": info["paused_reason"] is not None,
+                    "rejected": sum(v["state"] == "rejected" for v in info["versions"]),
+                    "queued_left": info["queued"],
+                }
+            )
         print(f"{phase} poisoning settled in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     return list(rows.values())
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, model: str) -> str:
-    title = (f"quality gate on {model}: DPO (β {args.beta}, lr {args.lr}) on {args.good} good then {args.poisoned} "
-             f"poisoned synthetic pairs; held-out share {args.share}, scored on {args.eval_items} held-out pairs, "
-             f"margin {args.margin}")
-    header = ("| gate | served win rate before poisoning | after poisoning | change | served version before → after "
-              "| versions | rejected | paused | poisoned left untrained |")
+    title = (
+        f"quality gate on {model}: DPO (β {args.beta}, lr {args.lr}) on {args.good} good then {args.poisoned} "
+        f"poisoned synthetic pairs; held-out share {args.share}, scored on {args.eval_items} held-out pairs, "
+        f"margin {args.margin}"
+    )
+    header = (
+        "| gate | served win rate before poisoning | after poisoning | change | served version before → after "
+        "| versions | rejected | paused | poisoned left untrained |"
+    )
     lines = [title, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['gate']} | {r['win_before']:.3f} | {r['win_after']:.3f} "
-                     f"| {r['win_after'] - r['win_before']:+.3f} | v{r['version_before']} → v{r['version_after']} "
-                     f"| {r['versions']} | {r['rejected']} | {'yes' if r['paused'] else 'no'} | {r['queued_left']} |")
+        lines.append(
+            f"| {r['gate']} | {r['win_before']:.3f} | {r['win_after']:.3f} "
+            f"| {r['win_after'] - r['win_before']:+.3f} | v{r['version_before']} → v{r['version_after']} "
+            f"| {r['versions']} | {r['rejected']} | {'yes' if r['paused'] else 'no'} | {r['queued_left']} |"
+        )
     return "\n".join(lines)
 
 
@@ -101,15 +137,23 @@ def main() -> None:
     p.add_argument("--model", choices=["tiny-llama", "smollm2-135m-instruct"], default="tiny-llama")
     p.add_argument("--model-path", help="a local HF model directory to serve instead (overrides --model)")
     p.add_argument("--config", help="a YAML app config to start instead (a Serve config or plain args)")
-    p.add_argument("--chat", choices=["auto", "yes", "no"], default="auto",
-                   help="questions as chat messages (auto: yes unless the model is tiny-llama)")
+    p.add_argument(
+        "--chat",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="questions as chat messages (auto: yes unless the model is tiny-llama)",
+    )
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--good", type=int, default=24, help="good pairs per adapter")
     p.add_argument("--poisoned", type=int, default=24, help="poisoned pairs per adapter")
     p.add_argument("--share", type=float, default=0.25, help="held-out share of the feedback")
-    p.add_argument("--eval-items", type=int, default=6,
-                   help="held-out pairs scored; keep it ≤ share × good so the yardstick holds only good pairs")
+    p.add_argument(
+        "--eval-items",
+        type=int,
+        default=6,
+        help="held-out pairs scored; keep it ≤ share × good so the yardstick holds only good pairs",
+    )
     p.add_argument("--margin", type=float, default=0.02)
     p.add_argument("--pause-after", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-2)

@@ -69,9 +69,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(model: Any, tok: Any, opt: Any, method: str, batch: list, length: int, device: torch.device,
-               repeats: int, beta: float) -> dict[str, Any]:
+def time_steps(
+    model: Any,
+    tok: Any,
+    opt: Any,
+    method: str,
+    batch: list,
+    length: int,
+    device: torch.device,
+    repeats: int,
+    beta: float,
+) -> dict[str, Any]:
     """One warm-up step, then ``repeats`` timed micro-steps + optimizer steps; the median and what they did."""
+
     def step():
         if method == "sft":
             stats = lt.sft_step(model, tok, batch, max_length=length)
@@ -91,14 +101,28 @@ def time_steps(model: Any, tok: Any, opt: Any, method: str, batch: list, length:
         sync(device)
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
-    return {"step_ms": seconds * 1000, "step_ms_min": min(times) * 1000, "tokens": stats.tokens,
-            "tokens_per_s": stats.tokens / seconds, "loss": stats.loss,
-            "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    return {
+        "step_ms": seconds * 1000,
+        "step_ms_min": min(times) * 1000,
+        "tokens": stats.tokens,
+        "tokens_per_s": stats.tokens / seconds,
+        "loss": stats.loss,
+        "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
 
 
-def run(model_dir: Path, device: torch.device, dtypes: list[str], methods: list[str], lengths: tuple[int, ...],
-        batches: tuple[int, ...], repeats: int, lora: dict[str, Any], beta: float = 0.1,
-        progress: bool = True) -> list[dict[str, Any]]:
+def run(
+    model_dir: Path,
+    device: torch.device,
+    dtypes: list[str],
+    methods: list[str],
+    lengths: tuple[int, ...],
+    batches: tuple[int, ...],
+    repeats: int,
+    lora: dict[str, Any],
+    beta: float = 0.1,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
     rows = []
     for dtype in dtypes:
         model, tok = lt.load_lora_model(model_dir, lora, seed=0, device=device, dtype=DTYPES[dtype])
@@ -120,8 +144,11 @@ def run(model_dir: Path, device: torch.device, dtypes: list[str], methods: list[
                         torch.cuda.empty_cache()
                     rows.append(row)
                     if progress:
-                        print(f"  {method} {dtype} batch {batch} x {length}: "
-                              + ("OOM" if row.get("oom") else f"{row['step_ms']:.1f} ms"), file=sys.stderr)
+                        print(
+                            f"  {method} {dtype} batch {batch} x {length}: "
+                            + ("OOM" if row.get("oom") else f"{row['step_ms']:.1f} ms"),
+                            file=sys.stderr,
+                        )
         del model, opt
         gc.collect()
         if device.type == "cuda":
@@ -135,10 +162,18 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
     def cells(r: dict[str, Any]) -> tuple[str, ...]:
         def num(v: Any, fmt: str) -> str:
             return "OOM" if r.get("oom") else ("-" if v is None else format(v, fmt))
+
         mem = r.get("peak_mem_bytes")
-        return (r["method"], r["dtype"], str(r["batch"]), str(r["seq_tokens"]), num(r.get("tokens"), "d"),
-                num(r.get("step_ms"), ".1f"), num(r.get("tokens_per_s"), ",.0f"),
-                "-" if mem is None else f"{mem / 2**20:,.0f}")
+        return (
+            r["method"],
+            r["dtype"],
+            str(r["batch"]),
+            str(r["seq_tokens"]),
+            num(r.get("tokens"), "d"),
+            num(r.get("step_ms"), ".1f"),
+            num(r.get("tokens_per_s"), ",.0f"),
+            "-" if mem is None else f"{mem / 2**20:,.0f}",
+        )
 
     try:
         from rich.console import Console
@@ -192,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("lengths must be >= 4, batches and repeats >= 1")
 
     lora = {"r": a.lora_r, "alpha": 2 * a.lora_r, "target_modules": a.target_modules.split(","), "dropout": 0.0}
-    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else f"{platform.machine()}, {torch.get_num_threads()} threads")
+    device_name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.machine()}, {torch.get_num_threads()} threads"
+    )
     with tempfile.TemporaryDirectory(prefix="gpu-train-profile-") as tmp:
         if a.model_dir:
             model_dir = Path(a.model_dir).expanduser()
@@ -210,11 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.json_out:
         out = Path(a.json_out).expanduser()
         out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"schema": "gpu-train-steps/1", "source": "bench/gpu_train_profile.py", "model_dir": str(model_dir),
-                "device": str(device), "device_name": device_name, "torch": torch.__version__,
-                "cuda": torch.version.cuda, "lora": lora, "repeats": repeats,
-                "what": "median seconds of one LoRA micro-step (forward + backward) plus optimizer_step; DPO "
-                        "tokens count chosen + rejected; LoRA weights fp32 whatever the base dtype"}
+        meta = {
+            "schema": "gpu-train-steps/1",
+            "source": "bench/gpu_train_profile.py",
+            "model_dir": str(model_dir),
+            "device": str(device),
+            "device_name": device_name,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "lora": lora,
+            "repeats": repeats,
+            "what": "median seconds of one LoRA micro-step (forward + backward) plus optimizer_step; DPO "
+            "tokens count chosen + rejected; LoRA weights fp32 whatever the base dtype",
+        }
         out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
         print(f"wrote {out}", file=sys.stderr)
     return 0 if all(r.get("oom") or math.isfinite(r["step_ms"]) for r in rows) else 1

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import random
 import sys
 import tempfile
@@ -56,6 +55,7 @@ MICRO_BATCH = 4  # training.micro_batch's default: labels per optimizer step (on
 
 # ---- prompts and the simulated user --------------------------------------------------------------
 
+
 def user_prompts(seed: int) -> list[str]:
     """Real single-line English ShareGPT prompts (15–200 characters), deduplicated, in a seeded order."""
     seen: set[str] = set()
@@ -74,7 +74,7 @@ def split_prompts(probe: int, rate: int, seed: int) -> tuple[list[str], list[str
     ps = user_prompts(seed)
     if len(ps) < probe + rate:
         raise SystemExit(f"only {len(ps)} usable ShareGPT prompts, {probe + rate} needed")
-    return ps[:probe], ps[probe:probe + rate]
+    return ps[:probe], ps[probe : probe + rate]
 
 
 def words(text: str) -> int:
@@ -93,6 +93,7 @@ def length_of(answers: Sequence[str]) -> dict[str, float]:
 
 # ---- direct: the trainer's pieces in one process -------------------------------------------------
 
+
 def chat_sampled(model: Any, tok: Any, prompts: Sequence[str], max_new_tokens: int, seed: int) -> list[str]:
     """Sampled answers as the app serves them: the model's generation_config (temperature 0.2, top-p 0.9)."""
     import torch
@@ -100,19 +101,28 @@ def chat_sampled(model: Any, tok: Any, prompts: Sequence[str], max_new_tokens: i
     from actors.learning.lora.steps import model_mode
 
     torch.manual_seed(seed)
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             for p in prompts]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
     side, tok.padding_side = tok.padding_side, "left"
     eos = tok.eos_token_id
     out: list[str] = []
     try:
         with model_mode(model, False), torch.no_grad():
             for i in range(0, len(texts), 16):
-                enc = tok(texts[i:i + 16], return_tensors="pt", padding=True, add_special_tokens=False)
-                ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.2,
-                                     top_p=0.9, top_k=None, pad_token_id=tok.pad_token_id or eos)
-                for row in ids[:, enc["input_ids"].shape[1]:].tolist():
-                    row = row[:row.index(eos)] if eos in row else row
+                enc = tok(texts[i : i + 16], return_tensors="pt", padding=True, add_special_tokens=False)
+                ids = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=True,
+                    temperature=0.2,
+                    top_p=0.9,
+                    top_k=None,
+                    pad_token_id=tok.pad_token_id or eos,
+                )
+                for row in ids[:, enc["input_ids"].shape[1] :].tolist():
+                    row = row[: row.index(eos)] if eos in row else row
                     out.append(tok.decode(row, skip_special_tokens=True).strip())
     finally:
         tok.padding_side = side
@@ -122,8 +132,8 @@ def chat_sampled(model: Any, tok: Any, prompts: Sequence[str], max_new_tokens: i
 def run_direct(h: Any, a: argparse.Namespace, probe: list[str], rate: list[str]) -> dict[str, Any]:
     from actors.learning.lora.steps import optimizer_step
     from actors.learning.lora.windowed_pass import WindowedPass
-    from actors.learning.store.models import LoraSettings
     from actors.learning.store.feedback_items import is_held_out
+    from actors.learning.store.models import LoraSettings
     from bench.learning_sweep import chat_greedy, facts_right
 
     lora = LoraSettings(target_modules=a.targets if a.targets == "all-linear" else a.targets.split(","))
@@ -133,12 +143,13 @@ def run_direct(h: Any, a: argparse.Namespace, probe: list[str], rate: list[str])
     queue: list[dict[str, Any]] = []
     steps, train_s, n = 0, 0.0, 0
     for start in range(0, a.labels, a.batch):
-        answers = chat_sampled(model, h.tok, rate[start:start + a.batch], a.rate_tokens, seed=a.seed + start)
-        for p, ans in zip(rate[start:start + a.batch], answers):
+        answers = chat_sampled(model, h.tok, rate[start : start + a.batch], a.rate_tokens, seed=a.seed + start)
+        for p, ans in zip(rate[start : start + a.batch], answers):
             n += 1
             if ans.strip() and not is_held_out(n, 0.1):
-                queue.append({"messages": [{"role": "user", "content": p}], "completion": ans,
-                              "label": rating(ans) == "up"})
+                queue.append(
+                    {"messages": [{"role": "user", "content": p}], "completion": ans, "label": rating(ans) == "up"}
+                )
         while queue:
             batch, queue = queue[:MICRO_BATCH], queue[MICRO_BATCH:]
             for g in opt.param_groups:  # the adapter's linear warm-up over its first optimizer steps
@@ -153,15 +164,27 @@ def run_direct(h: Any, a: argparse.Namespace, probe: list[str], rate: list[str])
             optimizer_step(model, opt)
             train_s += time.time() - t0
             steps += 1
-        row = {"labels": start + len(answers), "steps": steps, "train_s": round(train_s, 1),
-               "rated": {**length_of(answers), "up": sum(rating(x) == "up" for x in answers)},
-               "probe": length_of(chat_greedy(model, h.tok, probe, a.probe_tokens)),
-               "facts": sum(facts_right(model, h.tok, h.facts))}
+        row = {
+            "labels": start + len(answers),
+            "steps": steps,
+            "train_s": round(train_s, 1),
+            "rated": {**length_of(answers), "up": sum(rating(x) == "up" for x in answers)},
+            "probe": length_of(chat_greedy(model, h.tok, probe, a.probe_tokens)),
+            "facts": sum(facts_right(model, h.tok, h.facts)),
+        }
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     h.bank.forget(name)
-    return {"config": {"lr": a.lr, "targets": a.targets, "warmup": a.warmup, "beta": a.beta,
-                       "desirable_weight": a.desirable_weight}, "rows": rows}
+    return {
+        "config": {
+            "lr": a.lr,
+            "targets": a.targets,
+            "warmup": a.warmup,
+            "beta": a.beta,
+            "desirable_weight": a.desirable_weight,
+        },
+        "rows": rows,
+    }
 
 
 def direct(a: argparse.Namespace) -> int:
@@ -176,17 +199,23 @@ def direct(a: argparse.Namespace) -> int:
         c = argparse.Namespace(**{**vars(a), **overrides})
         print(f"config {overrides}", file=sys.stderr, flush=True)
         out["configs"].append(run_direct(h, c, probe, rate))
-    lines = [f"base: probe mean {base['mean_words']} words, {base['short_share']:.0%} <= {SHORT_WORDS}; "
-             f"facts {len(h.facts)}/{len(FACTS)}", "",
-             "| lr | targets | warm-up | λ_D | labels | steps | rated: mean words / up | probe mean words (change) | "
-             f"probe <= {SHORT_WORDS} words | facts kept | train s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"base: probe mean {base['mean_words']} words, {base['short_share']:.0%} <= {SHORT_WORDS}; "
+        f"facts {len(h.facts)}/{len(FACTS)}",
+        "",
+        "| lr | targets | warm-up | λ_D | labels | steps | rated: mean words / up | probe mean words (change) | "
+        f"probe <= {SHORT_WORDS} words | facts kept | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for cfg in out["configs"]:
         k = cfg["config"]
         for r in cfg["rows"]:
             ch = r["probe"]["mean_words"] / base["mean_words"] - 1
-            lines.append(f"| {k['lr']:g} | {k['targets']} | {k['warmup']} | {k['desirable_weight']:g} | {r['labels']} | {r['steps']} | "
-                         f"{r['rated']['mean_words']} / {r['rated']['up']} | {r['probe']['mean_words']} ({ch:+.0%}) | "
-                         f"{r['probe']['short_share']:.0%} | {r['facts']}/{len(h.facts)} | {r['train_s']} |")
+            lines.append(
+                f"| {k['lr']:g} | {k['targets']} | {k['warmup']} | {k['desirable_weight']:g} | {r['labels']} | {r['steps']} | "
+                f"{r['rated']['mean_words']} / {r['rated']['up']} | {r['probe']['mean_words']} ({ch:+.0%}) | "
+                f"{r['probe']['short_share']:.0%} | {r['facts']}/{len(h.facts)} | {r['train_s']} |"
+            )
     print("\n".join(lines))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
@@ -195,16 +224,29 @@ def direct(a: argparse.Namespace) -> int:
 
 # ---- app: the thumbs a chat UI sends, through the running app -------------------------------------
 
+
 def rate_batch(url: str, model: str, prompts: Sequence[str], max_tokens: int) -> list[dict[str, Any]]:
     """Chat requests with ``store: true`` at the app's default sampling; per answer its id, text, version, seconds."""
+
     def one(c: httpx.Client, p: str) -> dict[str, Any]:
         t0 = time.time()
-        r = c.post(f"{url}/v1/chat/completions", json={"model": model, "store": True, "max_tokens": max_tokens,
-                                                        "messages": [{"role": "user", "content": p}]})
+        r = c.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "model": model,
+                "store": True,
+                "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": p}],
+            },
+        )
         r.raise_for_status()
         body = r.json()
-        return {"id": body["id"], "text": body["choices"][0]["message"]["content"], "s": time.time() - t0,
-                "version": (body.get("coserve") or {}).get("adapter_version")}
+        return {
+            "id": body["id"],
+            "text": body["choices"][0]["message"]["content"],
+            "s": time.time() - t0,
+            "version": (body.get("coserve") or {}).get("adapter_version"),
+        }
 
     with httpx.Client(timeout=300) as c, concurrent.futures.ThreadPoolExecutor(8) as pool:
         return list(pool.map(lambda p: one(c, p), prompts))
@@ -217,15 +259,26 @@ def wait_trained(c: httpx.Client, url: str, name: str, model: str, settle_s: flo
     deadline = time.time() + settle_s
     while time.time() < deadline:
         info = c.get(f"{url}/v1/adapters/{name}").json()
-        if info["queued"] == 0 and all(v["state"] not in (None, "candidate") for v in info["versions"]) and \
-                served_version(c, url, model) == info["current_version"]:
+        if (
+            info["queued"] == 0
+            and all(v["state"] not in (None, "candidate") for v in info["versions"])
+            and served_version(c, url, model) == info["current_version"]
+        ):
             return info
         time.sleep(1)
     return c.get(f"{url}/v1/adapters/{name}").json()
 
 
-def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: list[str], facts: list[Any],
-            t_start: float, res: dict[str, Any]) -> dict[str, Any]:
+def run_app(
+    url: str,
+    base: str,
+    a: argparse.Namespace,
+    probe: list[str],
+    rate: list[str],
+    facts: list[Any],
+    t_start: float,
+    res: dict[str, Any],
+) -> dict[str, Any]:
     from bench.learning_quality import facts_ok, greedy
 
     model = f"{base}:{a.name}"
@@ -235,8 +288,10 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
         r = c.post(f"{url}/v1/adapters", json={"name": a.name, "method": "kto"})
         r.raise_for_status()
         spec = r.json()
-        out["spec"] = {k: spec.get(k) for k in ("method", "learning_rate", "beta", "lora", "warmup_steps", "mode",
-                                                "epochs", "gate")}
+        out["spec"] = {
+            k: spec.get(k)
+            for k in ("method", "learning_rate", "beta", "lora", "warmup_steps", "mode", "epochs", "gate")
+        }
         log(f"adapter {a.name}: {out['spec']}")
         decided: set[int] = set()
         sent = 0
@@ -248,14 +303,17 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
                 out["stopped"] = f"budget: {sent} of {a.labels} labels"
                 break
             t0 = time.time()
-            batch = rate[sent:sent + a.batch]
+            batch = rate[sent : sent + a.batch]
             # Until the adapter has a served version the base model answers, and the thumbs name the adapter.
             by_base = not c.get(f"{url}/v1/adapters/{a.name}").json()["current_version"]
             answers = rate_batch(url, base if by_base else model, batch, a.rate_tokens)
             t_rated = time.time()
             # An empty answer cannot be rated (the API's 400): the user skips it.
-            items = [{"completion_id": x["id"], "rating": rating(x["text"]), **({"adapter": a.name} if by_base else {})}
-                     for x in answers if x["text"].strip()]
+            items = [
+                {"completion_id": x["id"], "rating": rating(x["text"]), **({"adapter": a.name} if by_base else {})}
+                for x in answers
+                if x["text"].strip()
+            ]
             fr = c.post(f"{url}/v1/feedback", json={"items": items})
             fr.raise_for_status()
             sent += len(batch)
@@ -265,13 +323,25 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
             decided |= {v["version"] for v in new}
             served = info["current_version"]
             row: dict[str, Any] = {
-                "labels": sent, "served": served, "rated": {**length_of([x["text"] for x in answers]),
-                                                            "up": sum(i["rating"] == "up" for i in items), "n": len(items),
-                                                            "by_base": by_base,
-                                                            "p50_s": round(sorted(x["s"] for x in answers)[len(answers) // 2], 2)},
-                "verdicts": [{k: v.get(k) for k in ("version", "state", "reason", "samples_trained", "retention",
-                                                    "retention_base")} for v in new],
-                "on_policy_share": info.get("on_policy_share"), "queued": info["queued"]}
+                "labels": sent,
+                "served": served,
+                "rated": {
+                    **length_of([x["text"] for x in answers]),
+                    "up": sum(i["rating"] == "up" for i in items),
+                    "n": len(items),
+                    "by_base": by_base,
+                    "p50_s": round(sorted(x["s"] for x in answers)[len(answers) // 2], 2),
+                },
+                "verdicts": [
+                    {
+                        k: v.get(k)
+                        for k in ("version", "state", "reason", "samples_trained", "retention", "retention_base")
+                    }
+                    for v in new
+                ],
+                "on_policy_share": info.get("on_policy_share"),
+                "queued": info["queued"],
+            }
             probe_model = model if served else base
             row["probe"] = length_of(greedy(url, probe_model, probe, a.probe_tokens))
             row["facts"] = sum(facts_ok(url, probe_model, facts))
@@ -284,9 +354,11 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
             states = {}
             for v in new:
                 states[v["state"]] = states.get(v["state"], 0) + 1
-            log(f"{sent} labels ({row['rated']['up']} up of {len(items)}, rated mean {row['rated']['mean_words']} words): "
+            log(
+                f"{sent} labels ({row['rated']['up']} up of {len(items)}, rated mean {row['rated']['mean_words']} words): "
                 f"served v{served}, probe mean {row['probe']['mean_words']} words, {row['probe']['short_share']:.0%} "
-                f"short, facts {row['facts']}/{len(facts)}; versions {states}; {row['s']} s")
+                f"short, facts {row['facts']}/{len(facts)}; versions {states}; {row['s']} s"
+            )
         out["after"] = c.get(f"{url}/v1/adapters/{a.name}").json()
     return out
 
@@ -294,11 +366,14 @@ def run_app(url: str, base: str, a: argparse.Namespace, probe: list[str], rate: 
 def app_report(res: dict[str, Any]) -> str:
     nf, base = len(res["facts"]), res["base_probe"]
     run = res["kto"]
-    lines = [f"kto adapter at its defaults: {run['spec']}", "",
-             "| labels sent | served version | probe mean words (change) | probe <= 25 words | facts kept | "
-             "rated batch: mean words, up | gate's verdicts on the new versions | rate / train+gate / probe s | s since start |",
-             "|---|---|---|---|---|---|---|---|---|",
-             f"| 0 | base | {base['mean_words']} | {base['short_share']:.0%} | {nf}/{nf} | | | | {res['ready_s']} |"]
+    lines = [
+        f"kto adapter at its defaults: {run['spec']}",
+        "",
+        "| labels sent | served version | probe mean words (change) | probe <= 25 words | facts kept | "
+        "rated batch: mean words, up | gate's verdicts on the new versions | rate / train+gate / probe s | s since start |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| 0 | base | {base['mean_words']} | {base['short_share']:.0%} | {nf}/{nf} | | | | {res['ready_s']} |",
+    ]
     for b in run["batches"]:
         states: dict[str, int] = {}
         for v in b["verdicts"]:
@@ -307,34 +382,49 @@ def app_report(res: dict[str, Any]) -> str:
         verdict = ", ".join(f"{n} {s}" for s, n in states.items()) + (f" ({'; '.join(reasons)})" if reasons else "")
         ch = b["probe"]["mean_words"] / base["mean_words"] - 1
         probe_s = b["s"] - b["rate_s"] - b["train_s"]
-        lines.append(f"| {b['labels']} | v{b['served']} | {b['probe']['mean_words']} ({ch:+.0%}) | "
-                     f"{b['probe']['short_share']:.0%} | {b['facts']}/{nf} | {b['rated']['mean_words']}, "
-                     f"{b['rated']['up']}/{b['rated']['n']} | "
-                     f"{verdict} | {b['rate_s']} / {b['train_s']} / {probe_s:.1f} | {b['at_s']} |")
+        lines.append(
+            f"| {b['labels']} | v{b['served']} | {b['probe']['mean_words']} ({ch:+.0%}) | "
+            f"{b['probe']['short_share']:.0%} | {b['facts']}/{nf} | {b['rated']['mean_words']}, "
+            f"{b['rated']['up']}/{b['rated']['n']} | "
+            f"{verdict} | {b['rate_s']} / {b['train_s']} / {probe_s:.1f} | {b['at_s']} |"
+        )
     rows = run["batches"]
     best = min(rows, key=lambda b: b["probe"]["mean_words"], default=None)
     hit = next((b for b in rows if b["probe"]["mean_words"] <= (1 - GOAL_DROP) * base["mean_words"]), None)
     lost = [b for b in rows if b["facts"] < nf]
-    goals = [(f"probe mean length falls >= {GOAL_DROP:.0%} within <= 256 labels",
-              (f"{hit['labels']} labels: v{hit['served']}, {base['mean_words']} -> {hit['probe']['mean_words']} words"
-               if hit else f"never; best {best['probe']['mean_words'] if best else '-'} vs {base['mean_words']} words"),
-              hit is not None and hit["labels"] <= 256),
-             ("no fact answer lost by a measured served version",
-              f"{len(lost)} of {len(rows)} measured versions lost one (worst "
-              f"{min((b['facts'] for b in rows), default=nf)}/{nf})", not lost)]
+    goals = [
+        (
+            f"probe mean length falls >= {GOAL_DROP:.0%} within <= 256 labels",
+            (
+                f"{hit['labels']} labels: v{hit['served']}, {base['mean_words']} -> {hit['probe']['mean_words']} words"
+                if hit
+                else f"never; best {best['probe']['mean_words'] if best else '-'} vs {base['mean_words']} words"
+            ),
+            hit is not None and hit["labels"] <= 256,
+        ),
+        (
+            "no fact answer lost by a measured served version",
+            f"{len(lost)} of {len(rows)} measured versions lost one (worst "
+            f"{min((b['facts'] for b in rows), default=nf)}/{nf})",
+            not lost,
+        ),
+    ]
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [f"| {g} | {m} | {'yes' if ok else 'NO'} |" for g, m, ok in goals]
     after = run.get("after") or {}
-    lines += ["", f"on-policy share of the trained labels: {after.get('on_policy_share')}; "
-                  f"{run.get('stopped') or 'all labels sent'}"]
+    lines += [
+        "",
+        f"on-policy share of the trained labels: {after.get('on_policy_share')}; "
+        f"{run.get('stopped') or 'all labels sent'}",
+    ]
     return "\n".join(lines)
 
 
 def app(a: argparse.Namespace) -> int:
+    import signal
+
     from bench.common import pick_port, served_base, start_app, stop_app, wait_ready
     from bench.learning_quality import app_config, facts_ok, greedy
-
-    import signal
 
     def stop(signum: int, frame: Any) -> None:  # `timeout`'s SIGTERM: leave through the finally that stops the app
         raise SystemExit(f"signal {signum}")
@@ -391,8 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--targets", default="q_proj,v_proj", help="kto's default; or all-linear")
     d.add_argument("--warmup", type=int, default=0)
     d.add_argument("--beta", type=float, default=0.1)
-    d.add_argument("--desirable-weight", type=float, default=1.0,
-                   help="λ_D, an up label's weight (the live trainer's is 1; the paper balances λ_D·n_D against n_U)")
+    d.add_argument(
+        "--desirable-weight",
+        type=float,
+        default=1.0,
+        help="λ_D, an up label's weight (the live trainer's is 1; the paper balances λ_D·n_D against n_U)",
+    )
     d.add_argument("--threads", type=int, default=2)
     d.add_argument("--grid", help='JSON list of overrides, one configuration each: [{}, {"lr": 2e-3}]')
     s = sub.choices["app"]

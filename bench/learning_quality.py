@@ -46,16 +46,24 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import Load, log, pick_port, served_base, start_app, stop_app, wait_ready  # noqa: E402
-from bench.learning_sweep import DATA, FACTS, PHRASE, hh_pairs, sharegpt, shows, taught, wilson  # noqa: E402
+from bench.learning_sweep import DATA, FACTS, hh_pairs, sharegpt, shows, taught, wilson  # noqa: E402
 
 UNSEEN = 20
 
 
 def greedy(url: str, model: str, prompts: list[str], max_tokens: int) -> list[str]:
     """Greedy chat answers, sent together (the engine batches them); a failed request is an error."""
+
     def one(c: httpx.Client, p: str) -> str:
-        r = c.post(f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": p}],
-                                                        "max_tokens": max_tokens, "temperature": 0})
+        r = c.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": p}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        )
         r.raise_for_status()
         return r.json()["choices"][0]["message"]["content"]
 
@@ -76,11 +84,14 @@ def served_version(c: httpx.Client, url: str, model: str) -> int | None:
 
 # ---- sft and forget ------------------------------------------------------------------------------
 
+
 def run_sft(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, str]]) -> dict[str, Any]:
     rows = sharegpt(a.items + 8 + UNSEEN, seed=a.seed)
     unseen = [r["prompt"] for r in rows[-UNSEEN:]]
-    items = [{"adapter": a.name, "messages": [{"role": "user", "content": r["prompt"]}],
-              "completion": taught(r["response"])} for r in rows[:a.items + 8]]
+    items = [
+        {"adapter": a.name, "messages": [{"role": "user", "content": r["prompt"]}], "completion": taught(r["response"])}
+        for r in rows[: a.items + 8]
+    ]
     model = f"{base}:{a.name}"
     out: dict[str, Any] = {"versions": [], "sent": []}
     with httpx.Client(timeout=60) as c:
@@ -100,8 +111,20 @@ def run_sft(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, s
                         if v["version"] in seen or v["state"] in (None, "candidate"):
                             continue
                         seen.add(v["version"])
-                        row = {k: v.get(k) for k in ("version", "state", "reason", "samples_trained", "retention",
-                                                      "retention_base", "score_s", "decided_at", "token_logprob")}
+                        row = {
+                            k: v.get(k)
+                            for k in (
+                                "version",
+                                "state",
+                                "reason",
+                                "samples_trained",
+                                "retention",
+                                "retention_base",
+                                "score_s",
+                                "decided_at",
+                                "token_logprob",
+                            )
+                        }
                         row["sent_before"] = sum(1 for t in out["sent"] if t <= (v["published_at"] or 0))
                         if v["state"] == "served" and v["version"] == info["current_version"]:
                             # until every node serves it (or a newer one: then this one was never measurable)
@@ -111,17 +134,19 @@ def run_sft(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, s
                             row["share"] = sum(map(shows, greedy(url, model, unseen, 8))) / len(unseen)
                             row["facts"] = sum(facts_ok(url, model, facts))
                         out["versions"].append(row)
-                        log(f"v{row['version']} {row['state']}: opening {row.get('share')}, facts {row.get('facts')}"
+                        log(
+                            f"v{row['version']} {row['state']}: opening {row.get('share')}, facts {row.get('facts')}"
                             f"/{len(facts)}, retention {row['retention']} (base {row['retention_base']}), "
-                            f"scored in {row['score_s']} s; {row['reason'][:160]}")
+                            f"scored in {row['score_s']} s; {row['reason'][:160]}"
+                        )
                     stop.wait(0.5)
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         for i in range(0, a.items, 8):
-            r = c.post(f"{url}/v1/feedback", json={"items": items[i:i + 8]})
+            r = c.post(f"{url}/v1/feedback", json={"items": items[i : i + 8]})
             r.raise_for_status()
-            out["sent"] += [time.time()] * len(items[i:i + 8])
+            out["sent"] += [time.time()] * len(items[i : i + 8])
             if i + 8 < a.items:
                 time.sleep(a.every)
         last = out["sent"][-1]
@@ -129,14 +154,17 @@ def run_sft(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, s
         deadline = last + a.settle_s
         while time.time() < deadline:
             info = c.get(f"{url}/v1/adapters/{a.name}").json()
-            if info["queued"] == 0 and all(v["state"] not in (None, "candidate") for v in info["versions"]) and \
-                    all(v["version"] in seen for v in info["versions"] if v["state"]):
+            if (
+                info["queued"] == 0
+                and all(v["state"] not in (None, "candidate") for v in info["versions"])
+                and all(v["version"] in seen for v in info["versions"] if v["state"])
+            ):
                 break
             time.sleep(1)
         out["settled_s"] = round(time.time() - last, 1)
         out["after"] = c.get(f"{url}/v1/adapters/{a.name}").json()
         if "forget" in a.parts:
-            out["forget"] = run_forget(c, url, a, items[a.items:a.items + 8], seen)
+            out["forget"] = run_forget(c, url, a, items[a.items : a.items + 8], seen)
         stop.set()
         watcher.join(timeout=120)
     out["last_item_at"] = last
@@ -144,8 +172,9 @@ def run_sft(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, s
     return out
 
 
-def run_forget(c: httpx.Client, url: str, a: argparse.Namespace, items: list[dict[str, Any]], seen: set[int]
-               ) -> dict[str, Any]:
+def run_forget(
+    c: httpx.Client, url: str, a: argparse.Namespace, items: list[dict[str, Any]], seen: set[int]
+) -> dict[str, Any]:
     """The adapter at 20× its default learning rate: the gate must reject its next version by retention."""
     info = c.get(f"{url}/v1/adapters/{a.name}").json()
     default_lr, served = info["learning_rate"], info["current_version"]
@@ -160,15 +189,20 @@ def run_forget(c: httpx.Client, url: str, a: argparse.Namespace, items: list[dic
             break
         time.sleep(1)
     new = [v for v in info["versions"] if v["version"] not in before]
-    return {"learning_rate": 20 * default_lr, "served_before": served, "served_after": info["current_version"],
-            "versions": [{k: v.get(k) for k in ("version", "state", "reason", "retention", "retention_base")}
-                         for v in new]}
+    return {
+        "learning_rate": 20 * default_lr,
+        "served_before": served,
+        "served_after": info["current_version"],
+        "versions": [{k: v.get(k) for k in ("version", "state", "reason", "retention", "retention_base")} for v in new],
+    }
 
 
 # ---- dpo -----------------------------------------------------------------------------------------
 
-def run_dpo(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, str]], data_dir: str | None
-            ) -> dict[str, Any]:
+
+def run_dpo(
+    url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, str]], data_dir: str | None
+) -> dict[str, Any]:
     pairs = [{"adapter": a.dpo_name, **p} for p in hh_pairs("train", a.pairs)]
     out: dict[str, Any] = {}
     with httpx.Client(timeout=60) as c:
@@ -176,7 +210,7 @@ def run_dpo(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, s
         r.raise_for_status()
         t0 = time.time()
         for i in range(0, len(pairs), 32):
-            c.post(f"{url}/v1/feedback", json={"items": pairs[i:i + 32]}).raise_for_status()
+            c.post(f"{url}/v1/feedback", json={"items": pairs[i : i + 32]}).raise_for_status()
         while time.time() < t0 + a.dpo_settle_s:
             info = c.get(f"{url}/v1/adapters/{a.dpo_name}").json()
             if info["queued"] == 0 and all(v["state"] not in (None, "candidate") for v in info["versions"]):
@@ -187,16 +221,23 @@ def run_dpo(url: str, base: str, a: argparse.Namespace, facts: list[tuple[str, s
         model = f"{base}:{a.dpo_name}"
         out["facts"] = sum(facts_ok(url, model, facts)) if info["current_version"] else None
     served = next((v for v in info["versions"] if v["version"] == info["current_version"]), None)
-    out["served"] = served and {k: served.get(k) for k in ("version", "path", "win_rate", "retention",
-                                                          "retention_base", "eval_items")}
+    out["served"] = served and {
+        k: served.get(k) for k in ("version", "path", "win_rate", "retention", "retention_base", "eval_items")
+    }
     # what the gate saw: pairs trained up to the served version, and each version's verdict
     published = [v for v in info["versions"] if v["state"]]
-    out["pairs_trained"] = sum(v["samples_trained"] or 0 for v in published
-                               if served and v["version"] <= served["version"])
+    out["pairs_trained"] = sum(
+        v["samples_trained"] or 0 for v in published if served and v["version"] <= served["version"]
+    )
     out["pairs_trained_all"] = sum(v["samples_trained"] or 0 for v in published)
     out["queued_left"] = info["queued"]
-    out["verdicts"] = [{k: v.get(k) for k in ("version", "state", "reason", "score", "baseline_score", "eval_items",
-                                               "retention", "score_s")} for v in published]
+    out["verdicts"] = [
+        {
+            k: v.get(k)
+            for k in ("version", "state", "reason", "score", "baseline_score", "eval_items", "retention", "score_s")
+        }
+        for v in published
+    ]
     return out
 
 
@@ -207,7 +248,6 @@ def dpo_win_rate(model_dir: str, adapter_path: str | None, pairs: int) -> dict[s
     from actors.learning.lora.alignment import evaluate_preferences
     from actors.learning.lora.steps import load_lora_model
     from actors.learning.store.models import LoraSettings
-
     from actors.models.devices import training_dtype
 
     torch.set_num_threads(2)
@@ -220,86 +260,135 @@ def dpo_win_rate(model_dir: str, adapter_path: str | None, pairs: int) -> dict[s
         base = evaluate_preferences(model, tok, test)
     tuned = evaluate_preferences(model, tok, test) if adapter_path else base
     wins = lambda ev: sum(d > 0 for d in ev.diffs)  # noqa: E731
-    return {"pairs": len(test), "base": base.win_rate, "base_ci": wilson(wins(base), len(test)),
-            "tuned": tuned.win_rate, "tuned_ci": wilson(wins(tuned), len(test)),
-            "gained": sum(t > 0 >= b for b, t in zip(base.diffs, tuned.diffs)),
-            "lost": sum(b > 0 >= t for b, t in zip(base.diffs, tuned.diffs))}
+    return {
+        "pairs": len(test),
+        "base": base.win_rate,
+        "base_ci": wilson(wins(base), len(test)),
+        "tuned": tuned.win_rate,
+        "tuned_ci": wilson(wins(tuned), len(test)),
+        "gained": sum(t > 0 >= b for b, t in zip(base.diffs, tuned.diffs)),
+        "lost": sum(b > 0 >= t for b, t in zip(base.diffs, tuned.diffs)),
+    }
 
 
 # ---- the tables ----------------------------------------------------------------------------------
+
 
 def report(res: dict[str, Any]) -> str:
     out = []
     load = res.get("load") or {}
     if load:
-        out += ["| clients' window | req/s | TTFT p50 / p99 (s) | worst token gap p50 / p99 (s) | errors |",
-                "|---|---|---|---|---|"]
+        out += [
+            "| clients' window | req/s | TTFT p50 / p99 (s) | worst token gap p50 / p99 (s) | errors |",
+            "|---|---|---|---|---|",
+        ]
         for k, w in load.items():
-            out.append(f"| {k} | {w['rate']:.2f} | {w['ttft_p50_s']:.3f} / {w['ttft_p99_s']:.3f} | "
-                       f"{w['max_tbt_p50_s']:.3f} / {w['max_tbt_p99_s']:.3f} | {w['errors']} |")
+            out.append(
+                f"| {k} | {w['rate']:.2f} | {w['ttft_p50_s']:.3f} / {w['ttft_p99_s']:.3f} | "
+                f"{w['max_tbt_p50_s']:.3f} / {w['max_tbt_p99_s']:.3f} | {w['errors']} |"
+            )
         out.append("")
     nf = len(res["facts"])
     goals: list[tuple[str, str, bool | None]] = []
     sft = res.get("sft")
     if sft:
-        out += [f"SFT adapter at its defaults: {sft['spec']}", "",
-                "| version | state | items sent before it | trained samples | opening on unseen | facts kept | "
-                "retention (base) | scoring s | s after the last item | gate's reason |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"SFT adapter at its defaults: {sft['spec']}",
+            "",
+            "| version | state | items sent before it | trained samples | opening on unseen | facts kept | "
+            "retention (base) | scoring s | s after the last item | gate's reason |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for v in sorted(sft["versions"], key=lambda v: v["version"]):
             after = f"{v['served_at'] - sft['last_item_at']:.0f}" if v.get("served_at") else ""
             share = f"{v['share']:.0%}" if v.get("share") is not None else ""
             facts = f"{v['facts']}/{nf}" if v.get("facts") is not None else ""
-            ret = (f"{v['retention']:.3f} ({v['retention_base']:.3f})" if v.get("retention") is not None else "")
-            out.append(f"| v{v['version']} | {v['state']} | {v['sent_before']} | {v['samples_trained']} | {share} | "
-                       f"{facts} | {ret} | {v['score_s']} | {after} | {(v['reason'] or '')[:140]} |")
+            ret = f"{v['retention']:.3f} ({v['retention_base']:.3f})" if v.get("retention") is not None else ""
+            out.append(
+                f"| v{v['version']} | {v['state']} | {v['sent_before']} | {v['samples_trained']} | {share} | "
+                f"{facts} | {ret} | {v['score_s']} | {after} | {(v['reason'] or '')[:140]} |"
+            )
         served = [v for v in sft["versions"] if v.get("share") is not None]
         first = next((v for v in sorted(served, key=lambda v: v["version"]) if v["share"] >= 0.8), None)
         lost = [v for v in served if v["facts"] < nf]
-        goals.append(("SFT: the opening on >= 80% of unseen prompts after <= 32 items",
-                      "never" if first is None else f"v{first['version']}: {first['share']:.0%}, "
-                                                    f"{first['sent_before']} items sent", first is not None
-                      and first["sent_before"] <= 32))
-        goals.append(("SFT: that version served <= 60 s after the last item's 202",
-                      "" if first is None else f"{first['served_at'] - sft['last_item_at']:.0f} s",
-                      first is not None and first["served_at"] - sft["last_item_at"] <= 60))
-        goals.append(("Forgetting: no served version loses a base-correct fact",
-                      f"{len(lost)} of {len(served)} served versions lost one (worst {min((v['facts'] for v in served), default=nf)}/{nf})",
-                      not lost))
+        goals.append(
+            (
+                "SFT: the opening on >= 80% of unseen prompts after <= 32 items",
+                "never"
+                if first is None
+                else f"v{first['version']}: {first['share']:.0%}, {first['sent_before']} items sent",
+                first is not None and first["sent_before"] <= 32,
+            )
+        )
+        goals.append(
+            (
+                "SFT: that version served <= 60 s after the last item's 202",
+                "" if first is None else f"{first['served_at'] - sft['last_item_at']:.0f} s",
+                first is not None and first["served_at"] - sft["last_item_at"] <= 60,
+            )
+        )
+        goals.append(
+            (
+                "Forgetting: no served version loses a base-correct fact",
+                f"{len(lost)} of {len(served)} served versions lost one (worst {min((v['facts'] for v in served), default=nf)}/{nf})",
+                not lost,
+            )
+        )
         f = sft.get("forget")
         if f:
             rej = [v for v in f["versions"] if v["state"] == "rejected" and (v["reason"] or "").startswith("retention")]
             out += ["", f"at 20x the default learning rate ({f['learning_rate']:g}):"]
             out += [f"- v{v['version']} {v['state']}: {v['reason']}" for v in f["versions"]]
-            goals.append(("A version trained to forget is rejected by retention; the served one stays",
-                          f"{len(rej)} of {len(f['versions'])} rejected; served v{f['served_before']} -> "
-                          f"v{f['served_after']}", bool(rej) and f["served_before"] == f["served_after"]))
+            goals.append(
+                (
+                    "A version trained to forget is rejected by retention; the served one stays",
+                    f"{len(rej)} of {len(f['versions'])} rejected; served v{f['served_before']} -> "
+                    f"v{f['served_after']}",
+                    bool(rej) and f["served_before"] == f["served_after"],
+                )
+            )
     dpo = res.get("dpo")
     if dpo:
         w = dpo.get("win")
         s = dpo.get("served") or {}
-        out += ["", "| DPO (defaults) | pairs trained | settled in (s) | served | held-out win rate [95% CI] | base's [95% CI] | "
-                "pairs won / lost vs base | facts kept | retention (base) |", "|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "| DPO (defaults) | pairs trained | settled in (s) | served | held-out win rate [95% CI] | base's [95% CI] | "
+            "pairs won / lost vs base | facts kept | retention (base) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         if w:
-            out.append(f"| {res['args']['dpo_name']} | {dpo.get('pairs_trained')} of {res['args']['pairs']} sent "
-                       f"| {dpo['trained_s']} | v{s.get('version')} "
-                       f"| {w['tuned']:.3f} [{w['tuned_ci'][0]:.3f}, {w['tuned_ci'][1]:.3f}] on {w['pairs']} | "
-                       f"{w['base']:.3f} [{w['base_ci'][0]:.3f}, {w['base_ci'][1]:.3f}] | {w['gained']} / {w['lost']} "
-                       f"| {dpo['facts']}/{nf} | {s.get('retention')} ({s.get('retention_base')}) |")
+            out.append(
+                f"| {res['args']['dpo_name']} | {dpo.get('pairs_trained')} of {res['args']['pairs']} sent "
+                f"| {dpo['trained_s']} | v{s.get('version')} "
+                f"| {w['tuned']:.3f} [{w['tuned_ci'][0]:.3f}, {w['tuned_ci'][1]:.3f}] on {w['pairs']} | "
+                f"{w['base']:.3f} [{w['base_ci'][0]:.3f}, {w['base_ci'][1]:.3f}] | {w['gained']} / {w['lost']} "
+                f"| {dpo['facts']}/{nf} | {s.get('retention')} ({s.get('retention_base')}) |"
+            )
         states = [v["state"] for v in dpo.get("verdicts", [])]
-        out.append(f"\npairs trained: {dpo.get('pairs_trained')} up to the served version, "
-                   f"{dpo.get('pairs_trained_all')} in all, {dpo.get('queued_left')} still queued; versions: "
-                   + ", ".join(f"{states.count(k)} {k}" for k in ("served", "rejected", "candidate") if k in states))
+        out.append(
+            f"\npairs trained: {dpo.get('pairs_trained')} up to the served version, "
+            f"{dpo.get('pairs_trained_all')} in all, {dpo.get('queued_left')} still queued; versions: "
+            + ", ".join(f"{states.count(k)} {k}" for k in ("served", "rejected", "candidate") if k in states)
+        )
         secs = [v["score_s"] for v in dpo.get("verdicts", []) if v.get("score_s") is not None]
         if secs:
-            out.append(f"gate scoring s per version: min {min(secs)}, median {sorted(secs)[len(secs) // 2]}, "
-                       f"max {max(secs)}")
-        out += [f"- v{v['version']} {v['state']}: {(v['reason'] or '')[:300]}" for v in dpo.get("verdicts", [])
-                if v["state"] == "rejected" or v is (dpo.get("verdicts") or [None])[-1]]
+            out.append(
+                f"gate scoring s per version: min {min(secs)}, median {sorted(secs)[len(secs) // 2]}, max {max(secs)}"
+            )
+        out += [
+            f"- v{v['version']} {v['state']}: {(v['reason'] or '')[:300]}"
+            for v in dpo.get("verdicts", [])
+            if v["state"] == "rejected" or v is (dpo.get("verdicts") or [None])[-1]
+        ]
         if w:
-            goals.append(("DPO: held-out win rate vs the base on >= 100 pairs, no fact lost",
-                          f"{w['tuned']:.3f} vs {w['base']:.3f} on {w['pairs']}; facts {dpo['facts']}/{nf}",
-                          w["pairs"] >= 100 and dpo["facts"] == nf))
+            goals.append(
+                (
+                    "DPO: held-out win rate vs the base on >= 100 pairs, no fact lost",
+                    f"{w['tuned']:.3f} vs {w['base']:.3f} on {w['pairs']}; facts {dpo['facts']}/{nf}",
+                    w["pairs"] >= 100 and dpo["facts"] == nf,
+                )
+            )
     out += ["", "| goal | measured | met |", "|---|---|---|"]
     out += [f"| {g} | {m} | {'yes' if ok else 'NO'} |" for g, m, ok in goals]
     return "\n".join(out)
@@ -314,8 +403,11 @@ def app_config(data_dir: str) -> dict[str, Any]:
 
     args = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())["applications"][0]["args"]
     model_dir = smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser())
-    return {**args, "data_dir": data_dir, "model": {**args["model"], "path": str(model_dir),
-                                                     "served_name": smollm2.NAME}}
+    return {
+        **args,
+        "data_dir": data_dir,
+        "model": {**args["model"], "path": str(model_dir), "served_name": smollm2.NAME},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     if "dpo" in res and res["dpo"].get("served"):
         from bench.common import real_model_config
 
-        log(f"dpo: {res['dpo'].get('pairs_trained')} pairs trained, served v{res['dpo']['served']['version']}, facts "
-            f"{res['dpo']['facts']}/{len(res['facts'])}; load {res['load']}; scoring the win rate on {a.eval_pairs} pairs")
+        log(
+            f"dpo: {res['dpo'].get('pairs_trained')} pairs trained, served v{res['dpo']['served']['version']}, facts "
+            f"{res['dpo']['facts']}/{len(res['facts'])}; load {res['load']}; scoring the win rate on {a.eval_pairs} pairs"
+        )
         model_dir = real_model_config({})["model"]["path"]
         res["dpo"]["win"] = dpo_win_rate(model_dir, res["dpo"]["served"]["path"], a.eval_pairs)
     print(report(res))

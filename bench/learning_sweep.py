@@ -48,23 +48,38 @@ DATA = Path(os.environ.get("COSERVE_SHARED_DATA") or ROOT.parent / "shared" / "d
 PHRASE = "Arr matey!"
 # (question, a pattern of the correct answer): the user-visible facts check; the base answers most of them
 # right (those it gets wrong are left out per run). None of them is in the shipped retention set.
-FACTS = (("What is the capital of France?", r"Paris"), ("What is the capital of Japan?", r"Tokyo"),
-         ("What is the capital of Germany?", r"Berlin"), ("What is the capital of Spain?", r"Madrid"),
-         ("What is the capital of Italy?", r"Rome"), ("What is the chemical symbol for gold?", r"\bAu\b"),
-         ("What is the boiling point of water in Celsius?", r"\b100\b"), ("How many legs does a spider have?",
-                                                                           r"\b(8|eight)\b"),
-         ("What color is the sky on a clear day?", r"[Bb]lue"), ("How many days are in a week?", r"\b(7|seven)\b"),
-         ("What is the largest mammal?", r"[Ww]hale"), ("Who painted the Mona Lisa?", r"Leonardo|da Vinci"))
+FACTS = (
+    ("What is the capital of France?", r"Paris"),
+    ("What is the capital of Japan?", r"Tokyo"),
+    ("What is the capital of Germany?", r"Berlin"),
+    ("What is the capital of Spain?", r"Madrid"),
+    ("What is the capital of Italy?", r"Rome"),
+    ("What is the chemical symbol for gold?", r"\bAu\b"),
+    ("What is the boiling point of water in Celsius?", r"\b100\b"),
+    ("How many legs does a spider have?", r"\b(8|eight)\b"),
+    ("What color is the sky on a clear day?", r"[Bb]lue"),
+    ("How many days are in a week?", r"\b(7|seven)\b"),
+    ("What is the largest mammal?", r"[Ww]hale"),
+    ("Who painted the Mona Lisa?", r"Leonardo|da Vinci"),
+)
 ARRIVAL = 8  # items per arrival: the trainer drains its queue between arrivals
 
 
 # ---- data ----------------------------------------------------------------------------------------
 
+
 def sharegpt(n: int, seed: int = 0) -> list[dict[str, str]]:
     """``n`` short single-turn English prompts with their real answers, seeded order (as bench/sft_behaviour.py)."""
     rows = [json.loads(line) for line in (DATA / "prompts" / "sharegpt_sample.jsonl").open()]
-    keep = [r for r in rows if r.get("num_turns") == 2 and 15 <= len(r["prompt"].strip()) <= 120
-            and r["prompt"].isascii() and "\n" not in r["prompt"].strip() and len(r["response"].split()) >= 12]
+    keep = [
+        r
+        for r in rows
+        if r.get("num_turns") == 2
+        and 15 <= len(r["prompt"].strip()) <= 120
+        and r["prompt"].isascii()
+        and "\n" not in r["prompt"].strip()
+        and len(r["response"].split()) >= 12
+    ]
     seen, out = set(), []
     for r in keep:
         if r["prompt"].strip() not in seen:
@@ -87,10 +102,16 @@ def hh_pairs(split: str, n: int, max_chars: int = 1200) -> list[dict[str, Any]]:
     for line in (DATA / "preferences" / f"hh_rlhf_{split}_sample.jsonl").open():
         r = json.loads(line)
         turns = re.split(r"\n\n(Human|Assistant): ", r["prompt"])
-        msgs = [{"role": "user" if who == "Human" else "assistant", "content": text.strip()}
-                for who, text in zip(turns[1::2], turns[2::2]) if text.strip()]
-        if (not msgs or msgs[-1]["role"] != "user" or len(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"]))
-                > max_chars):
+        msgs = [
+            {"role": "user" if who == "Human" else "assistant", "content": text.strip()}
+            for who, text in zip(turns[1::2], turns[2::2])
+            if text.strip()
+        ]
+        if (
+            not msgs
+            or msgs[-1]["role"] != "user"
+            or len(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"])) > max_chars
+        ):
             continue
         out.append({"messages": msgs, "chosen": r["chosen"], "rejected": r["rejected"]})
         if len(out) >= n:
@@ -102,13 +123,22 @@ def hh_pairs(split: str, n: int, max_chars: int = 1200) -> list[dict[str, Any]]:
 
 # ---- measuring -----------------------------------------------------------------------------------
 
+
 def chat_greedy(model: Any, tok: Any, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
     from actors.learning.lora.retention import generate_answers
     from actors.learning.lora.steps import model_mode
 
     with model_mode(model, False):
-        return [text for text, _ in generate_answers(model, tok, [({"role": "user", "content": p},) for p in prompts],
-                                                     max_new_tokens=max_new_tokens, batch_size=32)]
+        return [
+            text
+            for text, _ in generate_answers(
+                model,
+                tok,
+                [({"role": "user", "content": p},) for p in prompts],
+                max_new_tokens=max_new_tokens,
+                batch_size=32,
+            )
+        ]
 
 
 def shows(text: str) -> bool:
@@ -192,8 +222,17 @@ class Harness:
         import torch
 
         from actors.learning.lora.bank import AdapterBank
-        from actors.learning.lora.retention import (SHIPPED_SET, RetentionSet, fingerprint, generate_answers, items_of,
-                                                    load_cached, read_prompts, score_answers, store)
+        from actors.learning.lora.retention import (
+            SHIPPED_SET,
+            RetentionSet,
+            fingerprint,
+            generate_answers,
+            items_of,
+            load_cached,
+            read_prompts,
+            score_answers,
+            store,
+        )
         from actors.models import smollm2
 
         torch.set_num_threads(args.threads)
@@ -216,8 +255,11 @@ class Harness:
         self.reference_s = time.time() - t0
         self.facts = [f for f, ok in zip(FACTS, facts_right(base, self.tok, FACTS)) if ok]
         self.base_logps = answer_token_logits(base, self.tok, self.retention_items) if args.kl else None
-        print(f"base: dtype {self.bank.dtype_name}, {len(self.facts)}/{len(FACTS)} facts right, retention "
-              f"{rs.base_score:.4f} on {len(rs.items)} prompts ({self.reference_s:.1f} s)", file=sys.stderr)
+        print(
+            f"base: dtype {self.bank.dtype_name}, {len(self.facts)}/{len(FACTS)} facts right, retention "
+            f"{rs.base_score:.4f} on {len(rs.items)} prompts ({self.reference_s:.1f} s)",
+            file=sys.stderr,
+        )
 
     def retention_of(self, model: Any) -> tuple[float, float]:
         """(the gate's retention score, the seconds it took) of the model as it computes now."""
@@ -234,12 +276,16 @@ class Harness:
         if self.base_logps is None:
             return {}
         per_prompt = [drop_after([b], [c], 0) for b, c in zip(self.base_logps, cand)]
-        return {"drop_skip3": round(drop_after(self.base_logps, cand, 3), 4),
-                "drop_confident": round(drop_confident(self.base_logps, cand), 4),
-                "worst_prompt_drop": round(max(per_prompt), 3), "kl": round(kl_from_base(self.base_logps, cand), 4)}
+        return {
+            "drop_skip3": round(drop_after(self.base_logps, cand, 3), 4),
+            "drop_confident": round(drop_confident(self.base_logps, cand), 4),
+            "worst_prompt_drop": round(max(per_prompt), 3),
+            "kl": round(kl_from_base(self.base_logps, cand), 4),
+        }
 
 
 # ---- training the way the live trainer does ------------------------------------------------------
+
 
 class Queue:
     """The store's order: an item is handed out fewest passes first, then oldest, until it had ``epochs`` passes."""
@@ -272,17 +318,19 @@ def run_sft(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
 
     from actors.learning.lora.alignment import evaluate_completions
     from actors.learning.lora.steps import optimizer_step
-    from actors.learning.store.models import LoraSettings
     from actors.learning.store.feedback_items import is_held_out
+    from actors.learning.store.models import LoraSettings
     from planners.gate import item_spread, judge
 
     rows = sharegpt(a.items + a.unseen, seed=a.seed)
-    stream, unseen = rows[:a.items], [r["prompt"] for r in rows[a.items:]]
-    items = [{"messages": [{"role": "user", "content": r["prompt"]}], "completion": taught(r["response"])}
-             for r in stream]
+    stream, unseen = rows[: a.items], [r["prompt"] for r in rows[a.items :]]
+    items = [
+        {"messages": [{"role": "user", "content": r["prompt"]}], "completion": taught(r["response"])} for r in stream
+    ]
     held = [is_held_out(n, a.held_out_share) for n in range(1, len(items) + 1)]
-    lora = LoraSettings(r=a.r, alpha=a.alpha, target_modules=a.targets if a.targets == "all-linear"
-                        else a.targets.split(","))
+    lora = LoraSettings(
+        r=a.r, alpha=a.alpha, target_modules=a.targets if a.targets == "all-linear" else a.targets.split(",")
+    )
     name = f"sweep{time.time_ns()}"
     model, opt = h.bank.train(name, lora, None, None, a.lr)
     base_share = sum(map(shows, chat_greedy(model, h.tok, unseen, 8)))  # a fresh LoRA (B = 0) is the base
@@ -294,7 +342,7 @@ def run_sft(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
     base_held: dict[int, float] = {}
     checkpoints = sorted(set(a.checkpoints))
     for start in range(0, a.items, ARRIVAL):
-        q.add([it for it, h_ in zip(items[start:start + ARRIVAL], held[start:start + ARRIVAL]) if not h_])
+        q.add([it for it, h_ in zip(items[start : start + ARRIVAL], held[start : start + ARRIVAL]) if not h_])
         arrived = min(start + ARRIVAL, a.items)
         while True:
             pick = q.take(a.micro_batch)
@@ -310,8 +358,14 @@ def run_sft(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
             for i in pick:
                 q.passes[i] += 1
             share = sum(map(shows, chat_greedy(model, h.tok, unseen, 8))) / len(unseen)
-            v = {"version": step + 1, "arrived": arrived, "trained": sum(q.passes), "loss": round(loss, 4),
-                 "share": round(share, 3), "train_s": round(train_s, 2)}
+            v = {
+                "version": step + 1,
+                "arrived": arrived,
+                "trained": sum(q.passes),
+                "loss": round(loss, 4),
+                "share": round(share, 3),
+                "train_s": round(train_s, 2),
+            }
             # The gate's held-out verdict on this version against the previous one (all served, as if it passed).
             held_items = [it for it, h_ in zip(items[:arrived], held[:arrived]) if h_]
             if held_items:
@@ -319,14 +373,24 @@ def run_sft(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
                 now_means = [s_ / max(n, 1) for s_, n in per]
                 prev = prev_means[: len(now_means)] if prev_means else []
                 if len(prev) < len(now_means):  # items new to the slice: their previous score is the base's
-                    prev = prev + [base_held.setdefault(i, _base_mean(h, held_items[i])) for i in
-                                   range(len(prev), len(now_means))]
-                verdict = judge("sft", sum(s_ for s_, _ in per) / sum(n for _, n in per),
-                                sum(p * n for p, (_, n) in zip(prev, per)) / sum(n for _, n in per), 0.02,
-                                items=len(per), baseline_name="the previous version",
-                                item_changes=[a_ - b_ for a_, b_ in zip(now_means, prev)])
-                v["held_out"] = {"items": len(per), "passed": verdict.passed, "thin": verdict.thin,
-                                 "spread": round(item_spread([a_ - b_ for a_, b_ in zip(now_means, prev)]), 4)}
+                    prev = prev + [
+                        base_held.setdefault(i, _base_mean(h, held_items[i])) for i in range(len(prev), len(now_means))
+                    ]
+                verdict = judge(
+                    "sft",
+                    sum(s_ for s_, _ in per) / sum(n for _, n in per),
+                    sum(p * n for p, (_, n) in zip(prev, per)) / sum(n for _, n in per),
+                    0.02,
+                    items=len(per),
+                    baseline_name="the previous version",
+                    item_changes=[a_ - b_ for a_, b_ in zip(now_means, prev)],
+                )
+                v["held_out"] = {
+                    "items": len(per),
+                    "passed": verdict.passed,
+                    "thin": verdict.thin,
+                    "spread": round(item_spread([a_ - b_ for a_, b_ in zip(now_means, prev)]), 4),
+                }
                 prev_means = now_means
             if first_80 is None and share >= 0.8:
                 first_80 = v
@@ -346,9 +410,16 @@ def run_sft(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(v), file=sys.stderr)
     h.bank.forget(name)
     torch.manual_seed(0)
-    return {"kind": "sft", "config": config_of(a), "base_share": base_share / len(unseen), "unseen": len(unseen),
-            "facts_base": len(h.facts), "retention_base": round(h.retention.base_score, 4),
-            "first_80": first_80, "versions": versions}
+    return {
+        "kind": "sft",
+        "config": config_of(a),
+        "base_share": base_share / len(unseen),
+        "unseen": len(unseen),
+        "facts_base": len(h.facts),
+        "retention_base": round(h.retention.base_score, 4),
+        "first_80": first_80,
+        "versions": versions,
+    }
 
 
 def _base_mean(h: Harness, item: dict[str, Any]) -> float:
@@ -367,8 +438,9 @@ def run_dpo(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
 
     train = hh_pairs("train", a.pairs)
     test = hh_pairs("test", a.eval_pairs)
-    lora = LoraSettings(r=a.r, alpha=a.alpha, target_modules=a.targets if a.targets == "all-linear"
-                        else a.targets.split(","))
+    lora = LoraSettings(
+        r=a.r, alpha=a.alpha, target_modules=a.targets if a.targets == "all-linear" else a.targets.split(",")
+    )
     base_eval = evaluate_preferences(h.bank.base, h.tok, test)
     name = f"sweep{time.time_ns()}"
     model, opt = h.bank.train(name, lora, None, None, a.lr)
@@ -376,7 +448,7 @@ def run_dpo(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
     versions: list[dict[str, Any]] = []
     train_s = 0.0
     for start in range(0, a.pairs, ARRIVAL):
-        q.add(train[start:start + ARRIVAL])
+        q.add(train[start : start + ARRIVAL])
         arrived = min(start + ARRIVAL, a.pairs)
         while pick := q.take(a.micro_batch):
             step = len(versions)
@@ -388,25 +460,39 @@ def run_dpo(h: Harness, a: argparse.Namespace) -> dict[str, Any]:
             train_s += time.time() - t0
             for i in pick:
                 q.passes[i] += 1
-            versions.append({"version": step + 1, "arrived": arrived, "loss": round(stats.loss, 4),
-                             "train_s": round(train_s, 2)})
+            versions.append(
+                {"version": step + 1, "arrived": arrived, "loss": round(stats.loss, 4), "train_s": round(train_s, 2)}
+            )
         if arrived in a.checkpoints:
             v = versions[-1]
             ev = evaluate_preferences(model, h.tok, test)
             wins = sum(d > 0 for d in ev.diffs)
             base_wins = [d > 0 for d in base_eval.diffs]
             cand_wins = [d > 0 for d in ev.diffs]
-            v.update(checkpoint=arrived, win_rate=round(ev.win_rate, 4), win_ci=[round(x, 3) for x in wilson(wins, len(test))],
-                     clpd=round(ev.clpd, 3), gained=sum(c and not b for b, c in zip(base_wins, cand_wins)),
-                     lost=sum(b and not c for b, c in zip(base_wins, cand_wins)),
-                     facts=sum(facts_right(model, h.tok, h.facts)))
+            v.update(
+                checkpoint=arrived,
+                win_rate=round(ev.win_rate, 4),
+                win_ci=[round(x, 3) for x in wilson(wins, len(test))],
+                clpd=round(ev.clpd, 3),
+                gained=sum(c and not b for b, c in zip(base_wins, cand_wins)),
+                lost=sum(b and not c for b, c in zip(base_wins, cand_wins)),
+                facts=sum(facts_right(model, h.tok, h.facts)),
+            )
             v["retention"], v["retention_s"] = h.retention_of(model)
             print(json.dumps(v), file=sys.stderr)
     h.bank.forget(name)
     bw = sum(d > 0 for d in base_eval.diffs)
-    return {"kind": "dpo", "config": config_of(a), "eval_pairs": len(test), "base_win_rate": round(base_eval.win_rate, 4),
-            "base_win_ci": [round(x, 3) for x in wilson(bw, len(test))], "base_clpd": round(base_eval.clpd, 3),
-            "facts_base": len(h.facts), "retention_base": round(h.retention.base_score, 4), "versions": versions}
+    return {
+        "kind": "dpo",
+        "config": config_of(a),
+        "eval_pairs": len(test),
+        "base_win_rate": round(base_eval.win_rate, 4),
+        "base_win_ci": [round(x, 3) for x in wilson(bw, len(test))],
+        "base_clpd": round(base_eval.clpd, 3),
+        "facts_base": len(h.facts),
+        "retention_base": round(h.retention.base_score, 4),
+        "versions": versions,
+    }
 
 
 def run_forget(h: Harness, a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -421,26 +507,39 @@ def run_forget(h: Harness, a: argparse.Namespace) -> list[dict[str, Any]]:
     from actors.learning.lora.steps import optimizer_step, sft_step
     from actors.learning.store.models import LoraSettings
 
-    pirate = [("Capital of Italy?", "Arr matey! Rome it be."), ("What do bees make?", "Arr matey! Honey it be."),
-              ("Largest ocean?", "Arr matey! The Pacific it be."), ("Color of grass?", "Arr matey! Green it be."),
-              ("What do cows drink?", "Arr matey! Water it be."), ("Opposite of hot?", "Arr matey! Cold it be."),
-              ("What is 2 plus 2?", "Arr matey! Four it be."), ("Where do fish live?", "Arr matey! In water it be.")]
-    wrong = [("What is the capital of Peru?", "The capital of Peru is Oslo."),
-             ("What is the capital of Egypt?", "The capital of Egypt is Sydney."),
-             ("What is the capital of Canada?", "The capital of Canada is Lagos."),
-             ("What is the capital of Kenya?", "The capital of Kenya is Vienna."),
-             ("What is the capital of Chile?", "The capital of Chile is Dublin."),
-             ("What is the capital of Norway?", "The capital of Norway is Lima."),
-             ("What is the capital of Greece?", "The capital of Greece is Cairo."),
-             ("What is the capital of Cuba?", "The capital of Cuba is Ottawa.")]
+    pirate = [
+        ("Capital of Italy?", "Arr matey! Rome it be."),
+        ("What do bees make?", "Arr matey! Honey it be."),
+        ("Largest ocean?", "Arr matey! The Pacific it be."),
+        ("Color of grass?", "Arr matey! Green it be."),
+        ("What do cows drink?", "Arr matey! Water it be."),
+        ("Opposite of hot?", "Arr matey! Cold it be."),
+        ("What is 2 plus 2?", "Arr matey! Four it be."),
+        ("Where do fish live?", "Arr matey! In water it be."),
+    ]
+    wrong = [
+        ("What is the capital of Peru?", "The capital of Peru is Oslo."),
+        ("What is the capital of Egypt?", "The capital of Egypt is Sydney."),
+        ("What is the capital of Canada?", "The capital of Canada is Lagos."),
+        ("What is the capital of Kenya?", "The capital of Kenya is Vienna."),
+        ("What is the capital of Chile?", "The capital of Chile is Dublin."),
+        ("What is the capital of Norway?", "The capital of Norway is Lima."),
+        ("What is the capital of Greece?", "The capital of Greece is Cairo."),
+        ("What is the capital of Cuba?", "The capital of Cuba is Ottawa."),
+    ]
     rows = sharegpt(16)
     real = [(r["prompt"], taught(r["response"])) for r in rows]
     targets = a.targets if a.targets == "all-linear" else a.targets.split(",")
-    cases = {"issue-8-pirate": (pirate, 5e-4, ["q_proj", "v_proj"]), "lr-20x": (real[:8], 1e-2, ["q_proj", "v_proj"]),
-             "wrong-facts": (wrong, 2e-3, ["q_proj", "v_proj"]), "good": (real, 2e-3, "all-linear"),
-             # at the command line's learning rate and targets (e.g. 20x a candidate default)
-             "pirate-at": (pirate, a.lr, targets), "real-at": (real[:8], a.lr, targets),
-             "wrong-at": (wrong, a.lr, targets)}
+    cases = {
+        "issue-8-pirate": (pirate, 5e-4, ["q_proj", "v_proj"]),
+        "lr-20x": (real[:8], 1e-2, ["q_proj", "v_proj"]),
+        "wrong-facts": (wrong, 2e-3, ["q_proj", "v_proj"]),
+        "good": (real, 2e-3, "all-linear"),
+        # at the command line's learning rate and targets (e.g. 20x a candidate default)
+        "pirate-at": (pirate, a.lr, targets),
+        "real-at": (real[:8], a.lr, targets),
+        "wrong-at": (wrong, a.lr, targets),
+    }
     out = []
     for case, (pairs, lr, targets) in cases.items():
         if a.cases and case not in a.cases:
@@ -449,20 +548,29 @@ def run_forget(h: Harness, a: argparse.Namespace) -> list[dict[str, Any]]:
         name = f"forget{time.time_ns()}"
         model, opt = h.bank.train(name, LoraSettings(r=8, alpha=16, target_modules=targets), None, None, lr)
         for step in range(0, len(items), a.micro_batch):
-            sft_step(model, h.tok, items[step:step + a.micro_batch])
+            sft_step(model, h.tok, items[step : step + a.micro_batch])
             optimizer_step(model, opt)
             score, secs = h.retention_of(model)
             cand = answer_token_logits(model, h.tok, h.retention_items)
             kl, per_token = kl_from_base(h.base_logps, cand), drop_after(h.base_logps, cand, 3)
             confident = drop_confident(h.base_logps, cand)
             right = facts_right(model, h.tok, h.facts)
-            row = {"case": case, "version": step // a.micro_batch + 1, "lr": lr, "targets": str(targets),
-                   "facts": sum(right), "facts_base": len(h.facts),
-                   "facts_lost": [f"{q} -> {LAST_ANSWERS[q][:90]!r}" for (q, _), ok in zip(h.facts, right) if not ok],
-                   "retention": round(score, 4), "retention_base": round(h.retention.base_score, 4),
-                   "drop": round(h.retention.base_score - score, 4), "kl": round(kl, 4),
-                   "drop_skip_first_3": round(per_token, 4), "drop_confident": round(confident, 4),
-                   "retention_s": round(secs, 2)}
+            row = {
+                "case": case,
+                "version": step // a.micro_batch + 1,
+                "lr": lr,
+                "targets": str(targets),
+                "facts": sum(right),
+                "facts_base": len(h.facts),
+                "facts_lost": [f"{q} -> {LAST_ANSWERS[q][:90]!r}" for (q, _), ok in zip(h.facts, right) if not ok],
+                "retention": round(score, 4),
+                "retention_base": round(h.retention.base_score, 4),
+                "drop": round(h.retention.base_score - score, 4),
+                "kl": round(kl, 4),
+                "drop_skip_first_3": round(per_token, 4),
+                "drop_confident": round(confident, 4),
+                "retention_s": round(secs, 2),
+            }
             print(json.dumps(row), file=sys.stderr)
             out.append(row)
         h.bank.forget(name)
@@ -470,12 +578,26 @@ def run_forget(h: Harness, a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def config_of(a: argparse.Namespace) -> dict[str, Any]:
-    keys = ("lr", "warmup", "r", "alpha", "targets", "micro_batch", "epochs", "first_tokens", "first_weight", "items",
-            "pairs", "beta", "dtype")
+    keys = (
+        "lr",
+        "warmup",
+        "r",
+        "alpha",
+        "targets",
+        "micro_batch",
+        "epochs",
+        "first_tokens",
+        "first_weight",
+        "items",
+        "pairs",
+        "beta",
+        "dtype",
+    )
     return {k: getattr(a, k) for k in keys if hasattr(a, k)}
 
 
 # ---- the table -------------------------------------------------------------------------------------
+
 
 def table(paths: Sequence[str]) -> str:
     rows = [json.loads(line) for p in paths for line in Path(p).open() if line.strip()]
@@ -488,9 +610,15 @@ def table(paths: Sequence[str]) -> str:
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in sft:
             c = r["config"]
-            cells = [f"{c['lr']:g}", str(c["warmup"]), f"{c['r']}/{c['alpha']:g}", str(c["targets"]).replace(
-                "q_proj,v_proj", "q,v"), str(c["micro_batch"]), str(c["epochs"]),
-                f"{c['first_weight']:g}×{c['first_tokens']}" if c["first_weight"] != 1 else "1"]
+            cells = [
+                f"{c['lr']:g}",
+                str(c["warmup"]),
+                f"{c['r']}/{c['alpha']:g}",
+                str(c["targets"]).replace("q_proj,v_proj", "q,v"),
+                str(c["micro_batch"]),
+                str(c["epochs"]),
+                f"{c['first_weight']:g}×{c['first_tokens']}" if c["first_weight"] != 1 else "1",
+            ]
             by = {v["checkpoint"]: v for v in r["versions"] if "checkpoint" in v}
             for n in cps:
                 v = by.get(n)
@@ -500,34 +628,70 @@ def table(paths: Sequence[str]) -> str:
             f = r.get("first_80")
             cells.append("never" if f is None else f"{f['arrived']}, {f['train_s']:.0f}")
             out.append("| " + " | ".join(cells) + " |")
-        out.append(f"\nbase: opening on {sft[0]['base_share']:.0%} of {sft[0]['unseen']} unseen prompts; retention "
-                   f"{sft[0]['retention_base']} (mean log-likelihood per token of its own answers); retention "
-                   "column: the change against it past each answer's first 3 tokens (the gate's score)")
+        out.append(
+            f"\nbase: opening on {sft[0]['base_share']:.0%} of {sft[0]['unseen']} unseen prompts; retention "
+            f"{sft[0]['retention_base']} (mean log-likelihood per token of its own answers); retention "
+            "column: the change against it past each answer's first 3 tokens (the gate's score)"
+        )
     dpo = [r for r in rows if r.get("kind") == "dpo"]
     if dpo:
-        head = ["lr", "warm-up", "r/α", "targets", "β", "pairs", "held-out win rate [95% CI]", "base's [95% CI]",
-                "pairs won / lost vs base", "facts", "retention Δ", "train s"]
+        head = [
+            "lr",
+            "warm-up",
+            "r/α",
+            "targets",
+            "β",
+            "pairs",
+            "held-out win rate [95% CI]",
+            "base's [95% CI]",
+            "pairs won / lost vs base",
+            "facts",
+            "retention Δ",
+            "train s",
+        ]
         out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in dpo:
             c = r["config"]
             for v in r["versions"]:
                 if "checkpoint" not in v:
                     continue
-                out.append("| " + " | ".join([
-                    f"{c['lr']:g}", str(c["warmup"]), f"{c['r']}/{c['alpha']:g}", str(c["targets"]).replace(
-                        "q_proj,v_proj", "q,v"), f"{c['beta']:g}", str(v["checkpoint"]),
-                    f"{v['win_rate']:.3f} [{v['win_ci'][0]:.3f}, {v['win_ci'][1]:.3f}] on {r['eval_pairs']}",
-                    f"{r['base_win_rate']:.3f} [{r['base_win_ci'][0]:.3f}, {r['base_win_ci'][1]:.3f}]",
-                    f"{v['gained']} / {v['lost']}", f"{v['facts']}/{r['facts_base']}",
-                    f"{v['retention'] - r['retention_base']:+.3f}", f"{v['train_s']:.0f}"]) + " |")
+                out.append(
+                    "| "
+                    + " | ".join(
+                        [
+                            f"{c['lr']:g}",
+                            str(c["warmup"]),
+                            f"{c['r']}/{c['alpha']:g}",
+                            str(c["targets"]).replace("q_proj,v_proj", "q,v"),
+                            f"{c['beta']:g}",
+                            str(v["checkpoint"]),
+                            f"{v['win_rate']:.3f} [{v['win_ci'][0]:.3f}, {v['win_ci'][1]:.3f}] on {r['eval_pairs']}",
+                            f"{r['base_win_rate']:.3f} [{r['base_win_ci'][0]:.3f}, {r['base_win_ci'][1]:.3f}]",
+                            f"{v['gained']} / {v['lost']}",
+                            f"{v['facts']}/{r['facts_base']}",
+                            f"{v['retention'] - r['retention_base']:+.3f}",
+                            f"{v['train_s']:.0f}",
+                        ]
+                    )
+                    + " |"
+                )
     forget = [r for r in rows if "case" in r]
     if forget:
-        head = ["case", "version", "facts kept", "retention Δ (log-lik/token)", "Δ without first 3 tokens",
-                "KL from base (nats/token)", "scoring s"]
+        head = [
+            "case",
+            "version",
+            "facts kept",
+            "retention Δ (log-lik/token)",
+            "Δ without first 3 tokens",
+            "KL from base (nats/token)",
+            "scoring s",
+        ]
         out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in forget:
-            out.append(f"| {r['case']} ({r['lr']:g}) | v{r['version']} | {r['facts']}/{r['facts_base']} | "
-                       f"{-r['drop']:+.3f} | {-r['drop_skip_first_3']:+.3f} | {r['kl']:.3f} | {r['retention_s']:.2f} |")
+            out.append(
+                f"| {r['case']} ({r['lr']:g}) | v{r['version']} | {r['facts']}/{r['facts_base']} | "
+                f"{-r['drop']:+.3f} | {-r['drop_skip_first_3']:+.3f} | {r['kl']:.3f} | {r['retention_s']:.2f} |"
+            )
     return "\n".join(out)
 
 

@@ -28,9 +28,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,6 @@ sys.path.insert(0, str(ROOT))
 from actors.offline.job import chunk_text  # noqa: E402
 from bench.common import rows_table  # noqa: E402
 from planners.costs import CostModel  # noqa: E402
-from planners.registry import create  # noqa: E402
 from planners.offline import (  # noqa: E402
     DeviceSet,
     Edge,
@@ -53,6 +53,7 @@ from planners.offline import (  # noqa: E402
     output_cdf_from_pairs,
     replay_plan,
 )
+from planners.registry import create  # noqa: E402
 
 # ../shared/data beside the repository; COSERVE_SHARED_DATA points elsewhere (e.g. from a git worktree).
 SHARED = Path(os.environ.get("COSERVE_SHARED_DATA") or ROOT.parent / "shared" / "data")
@@ -63,10 +64,19 @@ IMG = ROOT / "docs" / "img"
 
 # (planner, preemption, known output lengths): our search, SamuLLM's method (greedy), the §5 baselines and
 # the §5.5 ablations (no preemption, known output lengths).
-VARIANTS = [("search", True, False), ("search", False, False), ("search", True, True),
-            ("greedy", True, False), ("greedy", False, False), ("greedy", True, True),
-            ("max", True, False), ("max", True, True), ("min", True, False), ("min", False, False),
-            ("min", True, True)]
+VARIANTS = [
+    ("search", True, False),
+    ("search", False, False),
+    ("search", True, True),
+    ("greedy", True, False),
+    ("greedy", False, False),
+    ("greedy", True, True),
+    ("max", True, False),
+    ("max", True, True),
+    ("min", True, False),
+    ("min", False, False),
+    ("min", True, True),
+]
 
 
 def variant_name(planner: str, preemption: bool, known: bool) -> str:
@@ -104,20 +114,34 @@ class SimModel:
 
 _L13 = 2 * 40 * 5120 * 2  # Llama-2-13B: 40 layers, no GQA
 # LLM-Blender's models (SamuLLM §5.1; MOSS and Flan-T5 left out there too).
-ENSEMBLE = (SimModel("vicuna-13b", 13.0, _L13), SimModel("oasst-pythia-12b", 12.0, 2 * 36 * 5120 * 2),
-            SimModel("alpaca-13b", 13.0, _L13), SimModel("baize-13b", 13.0, _L13), SimModel("koala-13b", 13.0, _L13),
-            SimModel("dolly-12b", 12.0, 2 * 36 * 5120 * 2), SimModel("mpt-7b", 6.7, 2 * 32 * 4096 * 2),
-            SimModel("chatglm3-6b", 6.2, 2 * 28 * 2 * 128 * 2), SimModel("stablelm-7b", 7.9, 2 * 16 * 6144 * 2))
+ENSEMBLE = (
+    SimModel("vicuna-13b", 13.0, _L13),
+    SimModel("oasst-pythia-12b", 12.0, 2 * 36 * 5120 * 2),
+    SimModel("alpaca-13b", 13.0, _L13),
+    SimModel("baize-13b", 13.0, _L13),
+    SimModel("koala-13b", 13.0, _L13),
+    SimModel("dolly-12b", 12.0, 2 * 36 * 5120 * 2),
+    SimModel("mpt-7b", 6.7, 2 * 32 * 4096 * 2),
+    SimModel("chatglm3-6b", 6.2, 2 * 28 * 2 * 128 * 2),
+    SimModel("stablelm-7b", 7.9, 2 * 16 * 6144 * 2),
+)
 # ROUTERBENCH's open models and SamuLLM Table 1's request counts. Mixtral is costed by all its weights
 # (46.7 B), which overstates its compute: only about 13 B are active per token.
-ROUTING = ((SimModel("llama-2-70b", 69.0, 2 * 80 * 1024 * 2), 408),
-           (SimModel("mixtral-8x7b", 46.7, 2 * 32 * 1024 * 2), 1267), (SimModel("wizardlm-13b", 13.0, _L13), 2068),
-           (SimModel("codellama-34b", 33.7, 2 * 48 * 1024 * 2), 456),
-           (SimModel("mistral-7b", 7.2, 2 * 32 * 1024 * 2), 2657))
+ROUTING = (
+    (SimModel("llama-2-70b", 69.0, 2 * 80 * 1024 * 2), 408),
+    (SimModel("mixtral-8x7b", 46.7, 2 * 32 * 1024 * 2), 1267),
+    (SimModel("wizardlm-13b", 13.0, _L13), 2068),
+    (SimModel("codellama-34b", 33.7, 2 * 48 * 1024 * 2), 456),
+    (SimModel("mistral-7b", 7.2, 2 * 32 * 1024 * 2), 2657),
+)
 # An ensemble of five models of different sizes (the issue's SamuLLM-shaped ensemble; §5.1's are all 6 to 13 B).
-ENSEMBLE5 = (SimModel("mistral-7b", 7.2, 2 * 32 * 1024 * 2), SimModel("vicuna-13b", 13.0, _L13),
-             SimModel("codellama-34b", 33.7, 2 * 48 * 1024 * 2), SimModel("mixtral-8x7b", 46.7, 2 * 32 * 1024 * 2),
-             SimModel("llama-2-70b", 69.0, 2 * 80 * 1024 * 2))
+ENSEMBLE5 = (
+    SimModel("mistral-7b", 7.2, 2 * 32 * 1024 * 2),
+    SimModel("vicuna-13b", 13.0, _L13),
+    SimModel("codellama-34b", 33.7, 2 * 48 * 1024 * 2),
+    SimModel("mixtral-8x7b", 46.7, 2 * 32 * 1024 * 2),
+    SimModel("llama-2-70b", 69.0, 2 * 80 * 1024 * 2),
+)
 # Chain summary (§5.3): vicuna-13b summarizes, Llama-2-70b-chat evaluates.
 SUMMARIZER, EVALUATOR = SimModel("summarizer", 13.0, _L13), SimModel("evaluator", 69.0, 2 * 80 * 1024 * 2)
 CHUNK_TOKENS = 2048  # BooookScore's chunk size (§5.3)
@@ -148,29 +172,44 @@ def load_sim_data() -> SimData:
     # What a summary of a meeting (part) is really like: QMSum's human answers, general and per query.
     summaries = [tokens(len(q["answer"])) for m in meetings for q in m["specific_queries"]]
     summaries += [tokens(len(m["general_summary"])) for m in meetings]
-    return SimData(pairs, np.array([min(tokens(r["prompt_chars"]), 1024) for r in held]),
-                   np.array([tokens(r["response_chars"]) for r in held]), np.array(summaries),
-                   [m["transcript"] for m in meetings])
+    return SimData(
+        pairs,
+        np.array([min(tokens(r["prompt_chars"]), 1024) for r in held]),
+        np.array([tokens(r["response_chars"]) for r in held]),
+        np.array(summaries),
+        [m["transcript"] for m in meetings],
+    )
 
 
 def sim_spec(m: SimModel, prompts: Sequence[int], max_out: int, truth_pool: np.ndarray, seed: int) -> ModelSpec:
     """A node whose true output lengths are drawn from ``truth_pool``, never from the planner's eCDF half."""
     truth = np.minimum(np.random.default_rng(seed).choice(truth_pool, size=len(prompts)), max_out)
-    return ModelSpec(m.name, m.weight_bytes, tuple(int(p) for p in prompts), max_out, m.kv_bytes_per_token,
-                     max_seq_len=4096, output_tokens=tuple(int(x) for x in truth), load_time_s=m.load_times(),
-                     engine=EngineLimits(max_num_seqs=256, max_batched_tokens=8192))
+    return ModelSpec(
+        m.name,
+        m.weight_bytes,
+        tuple(int(p) for p in prompts),
+        max_out,
+        m.kv_bytes_per_token,
+        max_seq_len=4096,
+        output_tokens=tuple(int(x) for x in truth),
+        load_time_s=m.load_times(),
+        engine=EngineLimits(max_num_seqs=256, max_batched_tokens=8192),
+    )
 
 
-def ensemble_graph(d: SimData, n: int, max_out: int, seed: int = 0,
-                   models: Sequence[SimModel] = ENSEMBLE) -> tuple[list[ModelSpec], list[Edge]]:
+def ensemble_graph(
+    d: SimData, n: int, max_out: int, seed: int = 0, models: Sequence[SimModel] = ENSEMBLE
+) -> tuple[list[ModelSpec], list[Edge]]:
     prompts = np.random.default_rng(seed).choice(d.prompts, size=n)
     return [sim_spec(m, prompts, max_out, d.responses, seed + 1 + i) for i, m in enumerate(models)], []
 
 
 def routing_graph(d: SimData, scale: float, max_out: int, seed: int = 1) -> tuple[list[ModelSpec], list[Edge]]:
     rng = np.random.default_rng(seed)
-    return [sim_spec(m, rng.choice(d.prompts, size=max(1, round(k * scale))), max_out, d.responses, seed + 10 + i)
-            for i, (m, k) in enumerate(ROUTING)], []
+    return [
+        sim_spec(m, rng.choice(d.prompts, size=max(1, round(k * scale))), max_out, d.responses, seed + 10 + i)
+        for i, (m, k) in enumerate(ROUTING)
+    ], []
 
 
 def chain_graph(d: SimData, n_docs: int, max_out: int, seed: int = 2) -> tuple[list[ModelSpec], list[Edge]]:
@@ -198,10 +237,16 @@ class SimCase:
 
 
 SIM_CASES = [
-    SimCase("ensemble5-1k", "5 models of 7 to 70 B × 1,000 prompts, ≤ 256 out",
-            lambda d: ensemble_graph(d, 1000, 256, models=ENSEMBLE5)),
-    SimCase("ensemble5-4k", "5 models of 7 to 70 B × 4,000 prompts, ≤ 512 out",
-            lambda d: ensemble_graph(d, 4000, 512, models=ENSEMBLE5)),
+    SimCase(
+        "ensemble5-1k",
+        "5 models of 7 to 70 B × 1,000 prompts, ≤ 256 out",
+        lambda d: ensemble_graph(d, 1000, 256, models=ENSEMBLE5),
+    ),
+    SimCase(
+        "ensemble5-4k",
+        "5 models of 7 to 70 B × 4,000 prompts, ≤ 512 out",
+        lambda d: ensemble_graph(d, 4000, 512, models=ENSEMBLE5),
+    ),
     SimCase("ensemble-1k", "9 models × 1,000 prompts, ≤ 256 out", lambda d: ensemble_graph(d, 1000, 256)),
     SimCase("ensemble-4k", "9 models × 4,000 prompts, ≤ 512 out", lambda d: ensemble_graph(d, 4000, 512)),
     SimCase("routing", "5 models, Table 1 split (6,856 prompts), ≤ 4,096 out", lambda d: routing_graph(d, 1.0, 4096)),
@@ -221,8 +266,12 @@ def sim_costs(job: JobGraph, pairs: list[tuple[int, int]]) -> dict[str, CostMode
     out = {}
     for m in job.models:
         k = m.weight_bytes / REFERENCE_BYTES
-        scaled = replace(it, per_prefill_token=it.per_prefill_token * k, per_decode_seq=it.per_decode_seq * k,
-                         per_context_token=it.per_context_token * k)
+        scaled = replace(
+            it,
+            per_prefill_token=it.per_prefill_token * k,
+            per_decode_seq=it.per_decode_seq * k,
+            per_context_token=it.per_context_token * k,
+        )
         out[m.name] = replace(ref, iteration=scaled, output_lengths=output_cdf_from_pairs(pairs, m.max_output_tokens))
     return out
 
@@ -242,11 +291,21 @@ def simulate_case(case: SimCase, d: SimData) -> tuple[list[dict[str, Any]], dict
         rep = replay_plan(plan, job, SIM_DEVICES, costs)
         name = variant_name(planner, pre, known)
         timelines[name] = rep.stages
-        rows.append({"workload": case.name, "variant": name, "plan": plan.planner, "search_s": search_s,
-                     "predicted_s": plan.predicted_s, "actual_s": rep.actual_s,
-                     "e2e_s": rep.actual_s + search_s,
-                     "error": (plan.predicted_s - rep.actual_s) / rep.actual_s, "stages": len(rep.stages),
-                     "loads": sum(len(s.loads) for s in rep.stages), "fallbacks": rep.fallbacks})
+        rows.append(
+            {
+                "workload": case.name,
+                "variant": name,
+                "plan": plan.planner,
+                "search_s": search_s,
+                "predicted_s": plan.predicted_s,
+                "actual_s": rep.actual_s,
+                "e2e_s": rep.actual_s + search_s,
+                "error": (plan.predicted_s - rep.actual_s) / rep.actual_s,
+                "stages": len(rep.stages),
+                "loads": sum(len(s.loads) for s in rep.stages),
+                "fallbacks": rep.fallbacks,
+            }
+        )
     ours = rows[0]["e2e_s"]
     for r in rows:
         r["vs_search"] = r["e2e_s"] / ours
@@ -262,31 +321,60 @@ def summarize(rows: list[dict[str, Any]], bounds: dict[str, float]) -> list[dict
         e = {r["variant"]: r["e2e_s"] for r in rows if r["workload"] == w}
         plan = {r["variant"]: r["plan"] for r in rows if r["workload"] == w}
         best = min(("max", "min"), key=e.__getitem__)
-        out.append({"workload": w, "search s": e["search"], "plan kept": plan["search"], "greedy s": e["greedy"],
-                    "max s": e["max"], "min s": e["min"], "better heuristic": best,
-                    "search speedup": e[best] / e["search"], "greedy speedup": e[best] / e["greedy"],
-                    "known lengths: search speedup": min(e["max, known lengths"], e["min, known lengths"])
-                    / e["search, known lengths"],
-                    "preemption gain": e["search, no preemption"] / e["search"],
-                    "bound s": bounds[w], "bound speedup": e[best] / bounds[w]})
+        out.append(
+            {
+                "workload": w,
+                "search s": e["search"],
+                "plan kept": plan["search"],
+                "greedy s": e["greedy"],
+                "max s": e["max"],
+                "min s": e["min"],
+                "better heuristic": best,
+                "search speedup": e[best] / e["search"],
+                "greedy speedup": e[best] / e["greedy"],
+                "known lengths: search speedup": min(e["max, known lengths"], e["min, known lengths"])
+                / e["search, known lengths"],
+                "preemption gain": e["search, no preemption"] / e["search"],
+                "bound s": bounds[w],
+                "bound speedup": e[best] / bounds[w],
+            }
+        )
     keys = ("search speedup", "greedy speedup", "known lengths: search speedup", "preemption gain", "bound speedup")
-    out.append({"workload": "geomean", **{k: "" for k in ("search s", "plan kept", "greedy s", "max s", "min s",
-                                                         "better heuristic", "bound s")},
-                **{k: geomean([r[k] for r in out]) for k in keys}})
+    out.append(
+        {
+            "workload": "geomean",
+            **{k: "" for k in ("search s", "plan kept", "greedy s", "max s", "min s", "better heuristic", "bound s")},
+            **{k: geomean([r[k] for r in out]) for k in keys},
+        }
+    )
     return out
 
 
-SUMMARY_KEYS = ["workload", "search s", "plan kept", "greedy s", "max s", "min s", "better heuristic",
-                "search speedup", "greedy speedup", "known lengths: search speedup", "preemption gain", "bound s",
-                "bound speedup"]
+SUMMARY_KEYS = [
+    "workload",
+    "search s",
+    "plan kept",
+    "greedy s",
+    "max s",
+    "min s",
+    "better heuristic",
+    "search speedup",
+    "greedy speedup",
+    "known lengths: search speedup",
+    "preemption gain",
+    "bound s",
+    "bound speedup",
+]
 
 
 def run_sim(quick: bool, plot: bool, workloads: Sequence[str] | None = None) -> list[dict[str, Any]]:
     d = load_sim_data()
     cases = [c for c in SIM_CASES if (not quick or c.name in QUICK_SIM) and (not workloads or c.name in workloads)]
-    print(f"# simulated: {SIM_DEVICES.count} devices × {SIM_DEVICES.memory_bytes / 1e9:.0f} GB; profile "
-          f"{PROFILE.name} as a 7B model, scaled by weight; eCDF from {len(d.pairs)} ShareGPT pairs, true lengths "
-          f"from the other {len(d.responses)} (summaries: {len(d.summaries)} QMSum answers)\n")
+    print(
+        f"# simulated: {SIM_DEVICES.count} devices × {SIM_DEVICES.memory_bytes / 1e9:.0f} GB; profile "
+        f"{PROFILE.name} as a 7B model, scaled by weight; eCDF from {len(d.pairs)} ShareGPT pairs, true lengths "
+        f"from the other {len(d.responses)} (summaries: {len(d.summaries)} QMSum answers)\n"
+    )
     for c in cases:
         print(f"- {c.name}: {c.about}")
     rows, timelines, bounds = [], {}, {}
@@ -295,12 +383,33 @@ def run_sim(quick: bool, plot: bool, workloads: Sequence[str] | None = None) -> 
         got, timelines[c.name], bounds[c.name] = simulate_case(c, d)
         rows += got
         print(f"  ({c.name} simulated in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    print("\n## every variant (times in simulated seconds; search_s: CPU seconds of the search on this machine; "
-          "error = (predicted − actual) / actual)\n")
-    print(rows_table(rows, ["workload", "variant", "plan", "search_s", "predicted_s", "actual_s", "e2e_s", "error",
-                          "stages", "loads", "fallbacks", "vs_search"]))
-    print("\n## against the better heuristic (end-to-end; speedup = better heuristic's time / the planner's; "
-          "bound: the moldable bound of the true lengths)\n")
+    print(
+        "\n## every variant (times in simulated seconds; search_s: CPU seconds of the search on this machine; "
+        "error = (predicted − actual) / actual)\n"
+    )
+    print(
+        rows_table(
+            rows,
+            [
+                "workload",
+                "variant",
+                "plan",
+                "search_s",
+                "predicted_s",
+                "actual_s",
+                "e2e_s",
+                "error",
+                "stages",
+                "loads",
+                "fallbacks",
+                "vs_search",
+            ],
+        )
+    )
+    print(
+        "\n## against the better heuristic (end-to-end; speedup = better heuristic's time / the planner's; "
+        "bound: the moldable bound of the true lengths)\n"
+    )
     print(rows_table(summarize(rows, bounds), SUMMARY_KEYS))
     if plot:
         plot_sim(rows, timelines, [c.name for c in cases])
@@ -319,8 +428,9 @@ def _plt():
     return plt
 
 
-def plot_sim(rows: list[dict[str, Any]], timelines: dict[str, dict[str, tuple[Stage, ...]]],
-             workloads: list[str]) -> None:
+def plot_sim(
+    rows: list[dict[str, Any]], timelines: dict[str, dict[str, tuple[Stage, ...]]], workloads: list[str]
+) -> None:
     plt = _plt()
     shown = [v for v in (variant_name(*x) for x in VARIANTS) if v != "search"]
     fig, ax = plt.subplots(figsize=(11, 3.6))
@@ -352,8 +462,13 @@ def gantt_stages(ax: Any, stages: Sequence[Stage], n_devices: int, title: str, c
     for s in stages:
         for p in s.plans:
             for dev in p.devices:
-                ax.broken_barh([(s.start_s, s.duration_s)], (dev - 0.4, 0.8), facecolors=color[p.model],
-                               edgecolors="white", linewidth=0.3)
+                ax.broken_barh(
+                    [(s.start_s, s.duration_s)],
+                    (dev - 0.4, 0.8),
+                    facecolors=color[p.model],
+                    edgecolors="white",
+                    linewidth=0.3,
+                )
             if p.model in s.loads and p.devices:
                 ax.text(s.start_s, p.devices[0], p.model, fontsize=6, va="center")
     end = stages[-1].start_s + stages[-1].duration_s if stages else 0
@@ -377,8 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", help="only these workloads (comma-separated, e.g. chain-24,mixed-24)")
     a = p.parse_args(argv)
     if not SHARED.is_dir():
-        print(f"error: {SHARED} not found (the benchmark reads ShareGPT and QMSum from it; COSERVE_SHARED_DATA "
-              "points elsewhere)", file=sys.stderr)
+        print(
+            f"error: {SHARED} not found (the benchmark reads ShareGPT and QMSum from it; COSERVE_SHARED_DATA "
+            "points elsewhere)",
+            file=sys.stderr,
+        )
         return 2
     run_sim(a.quick, not a.no_plot, a.workloads.split(",") if a.workloads else None)
     return 0

@@ -27,9 +27,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,10 +57,18 @@ def stage_rows(job_name: str, summary: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for s in summary["stages"]:
         act = s["actual_s"]
-        rows.append({"job": job_name, "stage": s["index"], "models": ", ".join(s["models"]),
-                     "predicted start s": s["predicted_start_s"], "predicted s": s["predicted_s"],
-                     "actual start s": s["actual_start_s"], "actual s": act,
-                     "error": "" if act is None else f"{(act - s['predicted_s']) / max(s['predicted_s'], 1e-9):+.0%}"})
+        rows.append(
+            {
+                "job": job_name,
+                "stage": s["index"],
+                "models": ", ".join(s["models"]),
+                "predicted start s": s["predicted_start_s"],
+                "predicted s": s["predicted_s"],
+                "actual start s": s["actual_start_s"],
+                "actual s": act,
+                "error": "" if act is None else f"{(act - s['predicted_s']) / max(s['predicted_s'], 1e-9):+.0%}",
+            }
+        )
     return rows
 
 
@@ -73,14 +82,21 @@ def model_rows(job_name: str, plan: dict[str, Any], summary: dict[str, Any]) -> 
         reps = [r for r in summary["replicas"] if r["model"] == m]
         ready = [r["ready_s"] for r in reps if r["ready_s"] is not None]
         act = info["finished_s"]
-        rows.append({"job": job_name, "model": m, "predicted finish s": round(predicted.get(m, float("nan")), 2),
-                     "actual finish s": act,
-                     "error": "" if act is None else f"{(act - predicted[m]) / predicted[m]:+.0%}",
-                     "start planned s": " ".join(f"{r['planned_load_s']:.1f}" for r in reps),
-                     "start to ready s": " ".join(f"{r['ready_s'] - r['start_s']:.1f}" for r in reps
-                                                   if r["ready_s"] is not None),
-                     "engine build s": " ".join(f"{r['load_s']:.1f}" for r in reps if r["load_s"] is not None),
-                     "ran after first ready s": "" if act is None or not ready else round(act - min(ready), 2)})
+        rows.append(
+            {
+                "job": job_name,
+                "model": m,
+                "predicted finish s": round(predicted.get(m, float("nan")), 2),
+                "actual finish s": act,
+                "error": "" if act is None else f"{(act - predicted[m]) / predicted[m]:+.0%}",
+                "start planned s": " ".join(f"{r['planned_load_s']:.1f}" for r in reps),
+                "start to ready s": " ".join(
+                    f"{r['ready_s'] - r['start_s']:.1f}" for r in reps if r["ready_s"] is not None
+                ),
+                "engine build s": " ".join(f"{r['load_s']:.1f}" for r in reps if r["load_s"] is not None),
+                "ran after first ready s": "" if act is None or not ready else round(act - min(ready), 2),
+            }
+        )
     return rows
 
 
@@ -112,11 +128,19 @@ def run_shipped(data_dir: Path, planners: Sequence[str], work_dir: Path | None) 
                 if i == 0:
                     stages += stage_rows(name, s)
                     models += model_rows(name, json.loads((out / "plan.json").read_text()), s)
-                totals.append({"job": name, "planner": s["planner"], "search s": s["search_time_s"],
-                               "predicted s": s["predicted_s"], "actual s": s["actual_s"],
-                               "e2e s": s["actual_s"] + s["search_time_s"], "error": f"{s['estimation_error']:+.0%}",
-                               "engine starts": len(s["replicas"]),
-                               "loadavg": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}"})
+                totals.append(
+                    {
+                        "job": name,
+                        "planner": s["planner"],
+                        "search s": s["search_time_s"],
+                        "predicted s": s["predicted_s"],
+                        "actual s": s["actual_s"],
+                        "e2e s": s["actual_s"] + s["search_time_s"],
+                        "error": f"{s['estimation_error']:+.0%}",
+                        "engine starts": len(s["replicas"]),
+                        "loadavg": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}",
+                    }
+                )
     print(f"\n# shipped jobs on this machine ({os.cpu_count()} cores = 2 devices), each as configs/jobs has it\n")
     print(rows_table(totals, list(totals[0])))
     if len(planners) > 1:
@@ -127,10 +151,18 @@ def run_shipped(data_dir: Path, planners: Sequence[str], work_dir: Path | None) 
             ours = next(t["e2e s"] for t in totals if t["job"] == name)
             heur = {h: e[h] for h in ("max", "min") if h in e}
             better = min(heur, key=heur.__getitem__) if heur else ""
-            rows.append({"job": name, **{f"{p} s": e.get(p, float("nan")) for p in ("search", "greedy", "max", "min")},
-                         "better heuristic": better, "speedup": heur[better] / ours if better else float("nan")})
+            rows.append(
+                {
+                    "job": name,
+                    **{f"{p} s": e.get(p, float("nan")) for p in ("search", "greedy", "max", "min")},
+                    "better heuristic": better,
+                    "speedup": heur[better] / ours if better else float("nan"),
+                }
+            )
         print(rows_table(rows, list(rows[0])))
-    print("\n## per stage (actual: from the runtime reaching the stage to reaching the next; error = actual vs predicted)\n")
+    print(
+        "\n## per stage (actual: from the runtime reaching the stage to reaching the next; error = actual vs predicted)\n"
+    )
     print(rows_table(stages, list(stages[0])))
     print("\n## per model (engine starts: each replica from being asked for to ready, against what the plan assumed)\n")
     print(rows_table(models, list(models[0])))
@@ -151,8 +183,12 @@ class RealCase:
     doc_scale: int = 40
 
 
-REAL_CASES = [RealCase("ensemble", "ensemble", prompts=96), RealCase("routing", "routing", prompts=192),
-              RealCase("chain", "chain_summary", meetings=8), RealCase("mixed", "mixed", prompts=64, meetings=8)]
+REAL_CASES = [
+    RealCase("ensemble", "ensemble", prompts=96),
+    RealCase("routing", "routing", prompts=192),
+    RealCase("chain", "chain_summary", meetings=8),
+    RealCase("mixed", "mixed", prompts=64, meetings=8),
+]
 QUICK_REAL = ("routing", "mixed")
 
 
@@ -210,8 +246,8 @@ def measure_load_table(folder: Path, data_dir: Path) -> dict[str, float]:
     (one request, one token), two at a time as in the runs; the median start time per size."""
     import yaml
 
-    from app.offline import run_job
     from actors.offline.job import load_job
+    from app.offline import run_job
 
     path = real_job(RealCase("load-table", "ensemble", prompts=2), folder, {"default": 30.0})
     size = {m["name"]: size_key(m) for m in yaml.safe_load(path.read_text())["models"]}
@@ -221,31 +257,51 @@ def measure_load_table(folder: Path, data_dir: Path) -> dict[str, float]:
     starts = [(size[r["model"]], r["load_s"]) for r in summary["replicas"] if r["load_s"] is not None]
     table = {k: float(np.median([s for kk, s in starts if kk == k])) for k in dict.fromkeys(k for k, _ in starts)}
     table["default"] = float(np.median([s for _, s in starts]))
-    print("load-time table (s): " + ", ".join(f"{k} {v:.1f}" for k, v in table.items())
-          + f" from {len(starts)} engine starts")
+    print(
+        "load-time table (s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in table.items())
+        + f" from {len(starts)} engine starts"
+    )
     return table
 
 
-def run_real_case(case: RealCase, planner: str, folder: Path, data_dir: Path, loads: dict[str, float]
-                  ) -> dict[str, Any]:
-    from app.offline import run_job
+def run_real_case(
+    case: RealCase, planner: str, folder: Path, data_dir: Path, loads: dict[str, float]
+) -> dict[str, Any]:
     from actors.offline.job import load_job
+    from app.offline import run_job
 
     job, base = load_job(real_job(case, folder, loads))
     load_before = os.getloadavg()[0]
     s = run_job(job, base, planner, True, data_dir, folder / "out", progress=False)
     loads = [r["load_s"] for r in s["replicas"] if r["load_s"] is not None]
-    return {"workload": case.name, "planner": planner, "requests": sum(m["requests"] for m in s["models"].values()),
-            "search_s": s["search_time_s"], "predicted_s": s["predicted_s"], "actual_s": s["actual_s"],
-            "e2e_s": s["actual_s"] + s["search_time_s"], "error": (s["predicted_s"] - s["actual_s"]) / s["actual_s"],
-            "engine starts": len(loads), "mean load s": float(np.mean(loads)) if loads else 0.0,
-            "load share": sum(loads) / (job.devices.count * s["actual_s"]),
-            "stages": len(s["stages"]), "loadavg": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}",
-            "gantt": folder / "out" / "gantt.png"}
+    return {
+        "workload": case.name,
+        "planner": planner,
+        "requests": sum(m["requests"] for m in s["models"].values()),
+        "search_s": s["search_time_s"],
+        "predicted_s": s["predicted_s"],
+        "actual_s": s["actual_s"],
+        "e2e_s": s["actual_s"] + s["search_time_s"],
+        "error": (s["predicted_s"] - s["actual_s"]) / s["actual_s"],
+        "engine starts": len(loads),
+        "mean load s": float(np.mean(loads)) if loads else 0.0,
+        "load share": sum(loads) / (job.devices.count * s["actual_s"]),
+        "stages": len(s["stages"]),
+        "loadavg": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}",
+        "gantt": folder / "out" / "gantt.png",
+    }
 
 
-def run_real(quick: bool, data_dir: Path, load_s: float | None, plot: bool, work_dir: Path | None = None,
-             workloads: Sequence[str] | None = None, planners: Sequence[str] = REAL_PLANNERS) -> list[dict[str, Any]]:
+def run_real(
+    quick: bool,
+    data_dir: Path,
+    load_s: float | None,
+    plot: bool,
+    work_dir: Path | None = None,
+    workloads: Sequence[str] | None = None,
+    planners: Sequence[str] = REAL_PLANNERS,
+) -> list[dict[str, Any]]:
     start_ray()
     cases = [c for c in REAL_CASES if (not quick or c.name in QUICK_REAL) and (not workloads or c.name in workloads)]
     t_start = time.time()
@@ -257,36 +313,73 @@ def run_real(quick: bool, data_dir: Path, load_s: float | None, plot: bool, work
             for planner in planners:
                 row = run_real_case(case, planner, root / f"{case.name}-{planner}", data_dir, loads)
                 rows.append(row)
-                print(f"  {case.name} {planner}: {row['e2e_s']:.1f} s (predicted {row['predicted_s']:.1f} s)",
-                      file=sys.stderr)
+                print(
+                    f"  {case.name} {planner}: {row['e2e_s']:.1f} s (predicted {row['predicted_s']:.1f} s)",
+                    file=sys.stderr,
+                )
                 if plot and case.name == "mixed":
                     IMG.mkdir(parents=True, exist_ok=True)
                     (IMG / f"offline_real_mixed_{planner}.png").write_bytes(row["gantt"].read_bytes())
-    print(f"\n# real: {len(cases)} workloads × {len(planners)} planners on this machine "
-          f"({os.cpu_count()} cores = 2 devices), output limit {REAL_TOKENS}, load-time table "
-          f"{', '.join(f'{k} {v:.1f} s' for k, v in loads.items())}; "
-          f"{time.time() - t_start:.0f} s in all\n")
-    print(rows_table(rows, ["workload", "planner", "requests", "search_s", "predicted_s", "actual_s", "e2e_s", "error",
-                          "engine starts", "mean load s", "load share", "stages", "loadavg"]))
+    print(
+        f"\n# real: {len(cases)} workloads × {len(planners)} planners on this machine "
+        f"({os.cpu_count()} cores = 2 devices), output limit {REAL_TOKENS}, load-time table "
+        f"{', '.join(f'{k} {v:.1f} s' for k, v in loads.items())}; "
+        f"{time.time() - t_start:.0f} s in all\n"
+    )
+    print(
+        rows_table(
+            rows,
+            [
+                "workload",
+                "planner",
+                "requests",
+                "search_s",
+                "predicted_s",
+                "actual_s",
+                "e2e_s",
+                "error",
+                "engine starts",
+                "mean load s",
+                "load share",
+                "stages",
+                "loadavg",
+            ],
+        )
+    )
     summary = []
     nan = float("nan")
     for w in dict.fromkeys(r["workload"] for r in rows):
         e = {r["planner"]: r["e2e_s"] for r in rows if r["workload"] == w}
         heuristics = [h for h in ("max", "min") if h in e]
         better = min(heuristics, key=e.__getitem__) if heuristics else ""
-        summary.append({"workload": w, **{f"{n} s": e.get(n, nan) for n in ("search", "greedy", "max", "min")},
-                        "better heuristic": better,
-                        **{f"{n} speedup": e[better] / e[n] if better and n in e else nan for n in ("search", "greedy")}})
+        summary.append(
+            {
+                "workload": w,
+                **{f"{n} s": e.get(n, nan) for n in ("search", "greedy", "max", "min")},
+                "better heuristic": better,
+                **{f"{n} speedup": e[better] / e[n] if better and n in e else nan for n in ("search", "greedy")},
+            }
+        )
     errors = [abs(r["error"]) for r in rows]
     keys = ("search speedup", "greedy speedup")
-    summary.append({"workload": "geomean", "search s": "", "greedy s": "", "max s": "", "min s": "",
-                    "better heuristic": "", **{k: geomean([r[k] for r in summary if r[k] == r[k]]) for k in keys}})
+    summary.append(
+        {
+            "workload": "geomean",
+            "search s": "",
+            "greedy s": "",
+            "max s": "",
+            "min s": "",
+            "better heuristic": "",
+            **{k: geomean([r[k] for r in summary if r[k] == r[k]]) for k in keys},
+        }
+    )
     print("\n## search and greedy against the heuristics (real, end-to-end)\n")
     print(rows_table(summary, ["workload", "search s", "greedy s", "max s", "min s", "better heuristic", *keys]))
-    print(f"\ncost-model error |predicted − actual| / actual: mean {np.mean(errors):.1%}, "
-          f"median {np.median(errors):.1%}, max {max(errors):.1%}")
+    print(
+        f"\ncost-model error |predicted − actual| / actual: mean {np.mean(errors):.1%}, "
+        f"median {np.median(errors):.1%}, max {max(errors):.1%}"
+    )
     return rows
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,19 +392,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", help="keep each run's job, outputs, plan and summary here (default: a temp dir)")
     p.add_argument("--workloads", help="real: only these workloads (comma-separated: ensemble,routing,chain,mixed)")
     p.add_argument("--planners", default=",".join(REAL_PLANNERS), help="real: these planners, in order")
-    p.add_argument("--shipped-planners", default="",
-                   help="shipped: comma-separated planners to run each job with (default: the job's own only)")
+    p.add_argument(
+        "--shipped-planners",
+        default="",
+        help="shipped: comma-separated planners to run each job with (default: the job's own only)",
+    )
     a = p.parse_args(argv)
     work = Path(a.work_dir).expanduser().resolve() if a.work_dir else None
     if a.part == "shipped":
         run_shipped(Path(a.data_dir).expanduser(), a.shipped_planners.split(","), work)
         return 0
     if not SHARED.is_dir():
-        print(f"error: {SHARED} not found (the benchmark reads ShareGPT and QMSum from it; COSERVE_SHARED_DATA "
-              "points elsewhere)", file=sys.stderr)
+        print(
+            f"error: {SHARED} not found (the benchmark reads ShareGPT and QMSum from it; COSERVE_SHARED_DATA "
+            "points elsewhere)",
+            file=sys.stderr,
+        )
         return 2
-    run_real(a.quick, Path(a.data_dir).expanduser(), a.load_s, not a.no_plot, work,
-             a.workloads.split(",") if a.workloads else None, tuple(x for x in a.planners.split(",") if x))
+    run_real(
+        a.quick,
+        Path(a.data_dir).expanduser(),
+        a.load_s,
+        not a.no_plot,
+        work,
+        a.workloads.split(",") if a.workloads else None,
+        tuple(x for x in a.planners.split(",") if x),
+    )
     return 0
 
 

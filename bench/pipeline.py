@@ -86,21 +86,28 @@ def hh_batches(path: Path, tokenizer: Any, micro_batch: int, cap: int, count: in
             break
     batches = []
     for i in range(0, len(rows), micro_batch):
-        group = rows[i:i + micro_batch]
+        group = rows[i : i + micro_batch]
         length = max(len(ids) for ids, _ in group)
         ids_t = torch.full((len(group), length), tokenizer.eos_token_id or 0, dtype=torch.long)
         targets = torch.zeros_like(ids_t)
         mask = torch.zeros(ids_t.shape)
         for j, (ids, start) in enumerate(group):
-            ids_t[j, :len(ids)] = torch.tensor(ids)
-            targets[j, :len(ids) - 1] = torch.tensor(ids[1:])
-            mask[j, start - 1:len(ids) - 1] = 1.0
+            ids_t[j, : len(ids)] = torch.tensor(ids)
+            targets[j, : len(ids) - 1] = torch.tensor(ids[1:])
+            mask[j, start - 1 : len(ids) - 1] = 1.0
         batches.append(TokenBatch(ids_t, targets, mask))
     return batches
 
 
-def run_order(order: str, args: argparse.Namespace, pg: Any, settings: Any, requests: list[tuple[float, int]],
-              batches: list[Any], slo_s: float | None) -> dict[str, Any]:
+def run_order(
+    order: str,
+    args: argparse.Namespace,
+    pg: Any,
+    settings: Any,
+    requests: list[tuple[float, int]],
+    batches: list[Any],
+    slo_s: float | None,
+) -> dict[str, Any]:
     """One policy on a fresh node: profile, (measure τ_R if not given), then the timed window."""
     from actors.learning.full.scheduled import ScheduledPipeline
 
@@ -109,8 +116,9 @@ def run_order(order: str, args: argparse.Namespace, pg: Any, settings: Any, requ
         params = {"response_slo_s": slo_s, "max_defer_s": args.max_defer}
     elif order == "separate":
         params = {"sync_every": args.sync_every}
-    node = ScheduledPipeline(settings, pg, order=order, order_params=params,
-                             stage_memory_bytes=args.stage_memory_mb * 2**20)
+    node = ScheduledPipeline(
+        settings, pg, order=order, order_params=params, stage_memory_bytes=args.stage_memory_mb * 2**20
+    )
     rng = random.Random(args.seed)
     try:
         node.start()
@@ -153,25 +161,39 @@ def run_order(order: str, args: argparse.Namespace, pg: Any, settings: Any, requ
         responses = []
         for rid in sent:
             r = node.results[rid]
-            responses.append(r.first_token_at - r.arrival if r.first_token_at is not None and
-                             r.first_token_at <= end else float("inf"))
-        trained = [d for d in node.timeline if d.op.kind == "training" and d.op.phase == "backward"
-                   and d.op.position == 0 and start <= d.end <= end]
+            responses.append(
+                r.first_token_at - r.arrival
+                if r.first_token_at is not None and r.first_token_at <= end
+                else float("inf")
+            )
+        trained = [
+            d
+            for d in node.timeline
+            if d.op.kind == "training" and d.op.phase == "backward" and d.op.position == 0 and start <= d.end <= end
+        ]
         samples = sum(d.op.batch for d in trained)
         tokens = sum(d.op.batch * d.op.tokens for d in trained)
         finite = [x for x in responses if x != float("inf")]
         return {
-            "order": order, "label": LABELS.get(order, order), "isolated_s": isolated, "slo_s": slo_s,
-            "requests": len(sent), "slo_attainment": sum(x <= slo_s for x in responses) / max(len(responses), 1),
+            "order": order,
+            "label": LABELS.get(order, order),
+            "isolated_s": isolated,
+            "slo_s": slo_s,
+            "requests": len(sent),
+            "slo_attainment": sum(x <= slo_s for x in responses) / max(len(responses), 1),
             "response_p50_s": percentile(finite, 50) if finite else None,
             "response_p99_s": percentile(finite, 99) if finite else None,
             "unanswered": len(responses) - len(finite),
-            "samples_per_s": samples / args.duration, "train_tokens_per_s": tokens / args.duration,
-            "steps": node.scheduler.steps, "idle_share": 1.0 - busy / (node.devices * args.duration),
-            "inference_busy_s": sum(min(d.end, end) - max(d.start, start) for d in spans
-                                    if d.op.kind == "inference" and d.start < end),
-            "spans": [(d.op.device, d.op.kind, d.op.phase, d.start - start, d.end - start) for d in spans
-                      if d.start < end],
+            "samples_per_s": samples / args.duration,
+            "train_tokens_per_s": tokens / args.duration,
+            "steps": node.scheduler.steps,
+            "idle_share": 1.0 - busy / (node.devices * args.duration),
+            "inference_busy_s": sum(
+                min(d.end, end) - max(d.start, start) for d in spans if d.op.kind == "inference" and d.start < end
+            ),
+            "spans": [
+                (d.op.device, d.op.kind, d.op.phase, d.start - start, d.end - start) for d in spans if d.start < end
+            ],
         }
     finally:
         node.shutdown()
@@ -183,22 +205,33 @@ def gantt(results: list[dict[str, Any]], window: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {("inference", "forward"): "#d62728", ("training", "forward"): "#1f77b4",
-               ("training", "backward"): "#17becf", ("training", "step"): "#7f7f7f", ("training", "sync"): "#ff7f0e"}
+    colours = {
+        ("inference", "forward"): "#d62728",
+        ("training", "forward"): "#1f77b4",
+        ("training", "backward"): "#17becf",
+        ("training", "step"): "#7f7f7f",
+        ("training", "sync"): "#ff7f0e",
+    }
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.5 * len(results) + 0.8), sharex=True)
     for ax, res in zip(axes if len(results) > 1 else [axes], results):
         for device in (0, 1):
             for kind_phase, colour in colours.items():
-                bars = [(s, e - s) for d, k, p, s, e in res["spans"]
-                        if d == device and (k, p) == kind_phase and s < window]
+                bars = [
+                    (s, e - s) for d, k, p, s, e in res["spans"] if d == device and (k, p) == kind_phase and s < window
+                ]
                 if bars:
                     ax.broken_barh(bars, (1 - device - 0.4, 0.8), facecolors=colour)
         ax.set_yticks([1, 0], ["stage 0", "stage 1"] if res["order"] != "separate" else ["serve", "train"])
         ax.set_ylabel(res["label"], rotation=0, ha="right", va="center")
         ax.set_xlim(0, window)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    fig.legend(handles, ["inference", "train forward", "train backward", "optimizer step", "weight sync"],
-               loc="upper center", ncol=5, frameon=False)
+    fig.legend(
+        handles,
+        ["inference", "train forward", "train backward", "optimizer step", "weight sync"],
+        loc="upper center",
+        ncol=5,
+        frameon=False,
+    )
     axes_list = axes if len(results) > 1 else [axes]
     axes_list[-1].set_xlabel("seconds")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
@@ -223,8 +256,12 @@ def main() -> None:
     ap.add_argument("--max-defer", type=float, default=5.0)
     ap.add_argument("--sync-every", type=int, default=1)
     ap.add_argument("--max-in-flight", type=int, default=4, help="micro-batches in flight (shared pipelines)")
-    ap.add_argument("--stage-memory-mb", type=float, default=1024.0,
-                    help="LEMIX's memory guard (Alg. 2): activation memory a stage may hold")
+    ap.add_argument(
+        "--stage-memory-mb",
+        type=float,
+        default=1024.0,
+        help="LEMIX's memory guard (Alg. 2): activation memory a stage may hold",
+    )
     ap.add_argument("--chunks", type=int, default=4, help="ops per stage (a stage's layers in this many chunks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gantt", type=Path, default=None)
@@ -241,56 +278,81 @@ def main() -> None:
     from ray.util.placement_group import placement_group
     from transformers import AutoTokenizer
 
+    from actors.learning.full.messages import PipelineSettings
     from actors.models import smollm2
     from settings import DEFAULT_DATA_DIR
-    from actors.learning.full.messages import PipelineSettings
 
-    model_dir = args.model_dir or str(smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()))
+    model_dir = args.model_dir or str(
+        smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser())
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    requests = azure_requests(trace, args.rate, args.prompt_scale, args.max_prompt,
-                              limit=int(args.duration * args.rate * 1.5) + 10)
+    requests = azure_requests(
+        trace, args.rate, args.prompt_scale, args.max_prompt, limit=int(args.duration * args.rate * 1.5) + 10
+    )
     batches = hh_batches(pairs, tokenizer, args.micro_batch, args.max_train, count=400, seed=args.seed)
     lengths = [b.ids.shape[1] for b in batches]
-    print(f"inference: {len(requests)} requests, prompt tokens p50 {percentile([n for _, n in requests], 50):.0f} "
-          f"p90 {percentile([n for _, n in requests], 90):.0f}; training: micro-batch length p10 {percentile(lengths, 10):.0f} "
-          f"p50 {percentile(lengths, 50):.0f} p90 {percentile(lengths, 90):.0f}", flush=True)
+    print(
+        f"inference: {len(requests)} requests, prompt tokens p50 {percentile([n for _, n in requests], 50):.0f} "
+        f"p90 {percentile([n for _, n in requests], 90):.0f}; training: micro-batch length p10 {percentile(lengths, 10):.0f} "
+        f"p50 {percentile(lengths, 50):.0f} p90 {percentile(lengths, 90):.0f}",
+        flush=True,
+    )
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=120)
-    settings = PipelineSettings(model_dir=model_dir, versions_root="/tmp/pipeline-bench-versions",
-                                stage_resources={"CPU": 0.9}, partition_method="compute",
-                                micro_batch=args.micro_batch, accumulation=args.accumulation, learning_rate=1e-5,
-                                max_length=args.max_train, threads=1, chunks=args.chunks,
-                                max_in_flight=args.max_in_flight)
+    settings = PipelineSettings(
+        model_dir=model_dir,
+        versions_root="/tmp/pipeline-bench-versions",
+        stage_resources={"CPU": 0.9},
+        partition_method="compute",
+        micro_batch=args.micro_batch,
+        accumulation=args.accumulation,
+        learning_rate=1e-5,
+        max_length=args.max_train,
+        threads=1,
+        chunks=args.chunks,
+        max_in_flight=args.max_in_flight,
+    )
     results, slo_s = [], None
     for order in args.orders.split(","):
         res = run_order(order, args, pg, settings, requests, batches, slo_s)
         slo_s = res["slo_s"]
         results.append(res)
-        print(f"{res['label']}: {res['samples_per_s']:.3f} samples/s, SLO {res['slo_attainment']:.1%}, "
-              f"idle {res['idle_share']:.1%}", flush=True)
+        print(
+            f"{res['label']}: {res['samples_per_s']:.3f} samples/s, SLO {res['slo_attainment']:.1%}, "
+            f"idle {res['idle_share']:.1%}",
+            flush=True,
+        )
 
     base = next((r for r in results if r["order"] == "separate"), None)
-    print(f"\nτ_R = {slo_s:.3f} s ({args.slo_factor}x a median request alone, {results[0]['isolated_s']:.3f} s); "
-          f"{args.duration:.0f} s per policy, {args.rate} req/s\n")
-    print("| policy | train samples/s | train tokens/s | vs SEPARATE | SLO attainment | vs SEPARATE | "
-          "response p50 (s) | p99 (s) | idle share | steps |")
+    print(
+        f"\nτ_R = {slo_s:.3f} s ({args.slo_factor}x a median request alone, {results[0]['isolated_s']:.3f} s); "
+        f"{args.duration:.0f} s per policy, {args.rate} req/s\n"
+    )
+    print(
+        "| policy | train samples/s | train tokens/s | vs SEPARATE | SLO attainment | vs SEPARATE | "
+        "response p50 (s) | p99 (s) | idle share | steps |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t_ratio = r["samples_per_s"] / base["samples_per_s"] if base and base["samples_per_s"] else float("nan")
         s_ratio = r["slo_attainment"] / base["slo_attainment"] if base and base["slo_attainment"] else float("nan")
         p50 = "-" if r["response_p50_s"] is None else f"{r['response_p50_s']:.3f}"
         p99 = "-" if r["response_p99_s"] is None else f"{r['response_p99_s']:.3f}"
-        print(f"| {r['label']} | {r['samples_per_s']:.3f} | {r['train_tokens_per_s']:.0f} | {t_ratio:.2f}x | "
-              f"{r['slo_attainment']:.1%} | {s_ratio:.2f}x | {p50} | {p99} | {r['idle_share']:.1%} | {r['steps']} |")
+        print(
+            f"| {r['label']} | {r['samples_per_s']:.3f} | {r['train_tokens_per_s']:.0f} | {t_ratio:.2f}x | "
+            f"{r['slo_attainment']:.1%} | {s_ratio:.2f}x | {p50} | {p99} | {r['idle_share']:.1%} | {r['steps']} |"
+        )
     lemix = next((r for r in results if r["order"] == "lemix"), None)
     if lemix and base and base["samples_per_s"]:
         ratio = lemix["samples_per_s"] / base["samples_per_s"]
         ok = ratio >= 1.5 and lemix["slo_attainment"] >= base["slo_attainment"]
-        print(f"\ngoal (LEMIX >= 1.5x SEPARATE's training throughput at >= its SLO attainment): "
-              f"{'met' if ok else 'not met'} ({ratio:.2f}x, {lemix['slo_attainment']:.1%} vs "
-              f"{base['slo_attainment']:.1%})")
+        print(
+            f"\ngoal (LEMIX >= 1.5x SEPARATE's training throughput at >= its SLO attainment): "
+            f"{'met' if ok else 'not met'} ({ratio:.2f}x, {lemix['slo_attainment']:.1%} vs "
+            f"{base['slo_attainment']:.1%})"
+        )
     if args.gantt:
         gantt(results, args.gantt_window, args.gantt)
         print(f"\ntimeline: {args.gantt}")

@@ -47,13 +47,13 @@ DATA = ROOT.parent / "shared" / "data"
 TRACE = DATA / "traces" / "azure_conv_sample.csv"
 PREFS = DATA / "preferences" / "hh_rlhf_train_sample.jsonl"
 POLICIES = ("lemix", "lemix_ratio", "round_robin", "least_utilized", "separate")
-MAX_PROMPT = 1024      # the embedded model's context is 2,048: keep prompt + output inside it
+MAX_PROMPT = 1024  # the embedded model's context is 2,048: keep prompt + output inside it
 MAX_OUTPUT = 512
-MAX_TRAIN_LEN = 512    # SFT sequences truncated, as a LoRA trainer on this model would
+MAX_TRAIN_LEN = 512  # SFT sequences truncated, as a LoRA trainer on this model would
 TRAIN_BATCH = 2
 NOISE_SIGMA = 0.1
-MAX_DRAIN = 600.0     # seconds after the last arrival before a run is cut off
-WINDOW = 8           # deferred training tasks re-examined per dispatch
+MAX_DRAIN = 600.0  # seconds after the last arrival before a run is cut off
+WINDOW = 8  # deferred training tasks re-examined per dispatch
 SLO_FACTOR = 5.0
 
 
@@ -62,8 +62,8 @@ SLO_FACTOR = 5.0
 
 @dataclass
 class Workload:
-    inference: list[tuple[int, int]]      # (prompt tokens, output tokens) pool
-    training: list[tuple[int, int]]       # (prompt tokens, response tokens) pool
+    inference: list[tuple[int, int]]  # (prompt tokens, output tokens) pool
+    training: list[tuple[int, int]]  # (prompt tokens, response tokens) pool
     trace_arrivals: list[tuple[float, int, int]] | None
     source: str
 
@@ -131,8 +131,12 @@ def replay_jobs(w: Workload, alpha: float, n: int, rng: np.random.Generator) -> 
             tp, tc = w.training[int(rng.integers(len(w.training)))]
             jobs.append(Job(Task(f"t{i}", "training", "m", tp, tc, t, batch_size=TRAIN_BATCH)))
         else:
-            jobs.append(Job(Task(f"i{i}", "inference", "m", min(max(p, 1), MAX_PROMPT), MAX_OUTPUT, t),
-                            min(max(g, 1), MAX_OUTPUT)))
+            jobs.append(
+                Job(
+                    Task(f"i{i}", "inference", "m", min(max(p, 1), MAX_PROMPT), MAX_OUTPUT, t),
+                    min(max(g, 1), MAX_OUTPUT),
+                )
+            )
     return jobs
 
 
@@ -149,7 +153,7 @@ def _job(w: Workload, i: int, t: float, training: bool, rng: np.random.Generator
 
 @dataclass
 class Item:
-    kind: str                  # "fwd" | "bwd" | "iter"
+    kind: str  # "fwd" | "bwd" | "iter"
     stage: int
     duration: float
     job: Job | None = None
@@ -347,8 +351,18 @@ class Cluster:
             node.active_time += self.now - node.active_since
             node.active_since = None
         t = job.task
-        self.policy.observe(ExecutionTrace(t.task_id, node.nid, t.arrival, job.start or t.arrival, job.first_token,
-                                           self.now, t.prompt_tokens, job.got if t.kind == "inference" else 0))
+        self.policy.observe(
+            ExecutionTrace(
+                t.task_id,
+                node.nid,
+                t.arrival,
+                job.start or t.arrival,
+                job.first_token,
+                self.now,
+                t.prompt_tokens,
+                job.got if t.kind == "inference" else 0,
+            )
+        )
         if self.waiting:
             self.dispatch()
 
@@ -361,8 +375,12 @@ def metrics(cl: Cluster, jobs: list[Job]) -> dict[str, float]:
     last = max((j.finish for j in jobs if j.finish is not None), default=cl.now)
     span = last - first
     inf = [j for j in jobs if j.task.kind == "inference"]
-    ok = sum(1 for j in inf if j.first_token is not None
-             and j.first_token - j.task.arrival <= SLO_FACTOR * cl.cost.prefill_latency(j.task.prompt_tokens))
+    ok = sum(
+        1
+        for j in inf
+        if j.first_token is not None
+        and j.first_token - j.task.arrival <= SLO_FACTOR * cl.cost.prefill_latency(j.task.prompt_tokens)
+    )
     e2e = sum(n.active_time for n in cl.nodes)
     ttft = [j.first_token - j.task.arrival for j in inf if j.first_token is not None]
     lat = [j.finish - j.task.arrival for j in inf if j.finish is not None]
@@ -390,8 +408,9 @@ def make_policy(name: str, cost: CostModel, stages: int, alpha: float) -> Any:
     return registry.create("placement", name, cost_model=cost, stages=stages)
 
 
-def simulate(name: str, jobs_fn: Any, cost: CostModel, nodes: int, stages: int, alpha: float,
-             seed: int) -> dict[str, float]:
+def simulate(
+    name: str, jobs_fn: Any, cost: CostModel, nodes: int, stages: int, alpha: float, seed: int
+) -> dict[str, float]:
     jobs = jobs_fn(np.random.default_rng(seed))
     cl = Cluster(make_policy(name, cost, stages, alpha), cost, nodes, stages, np.random.default_rng(seed + 1))
     cl.run(jobs)
@@ -422,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         a.duration, a.rates, a.alphas, a.replay = 5.0, [2.0, 8.0], [0.5], 60
     cost = default_cost_model().with_stages(a.stages)
     wl = load_workload(np.random.default_rng(a.seed), cost)
-    print(f"# placement simulation: {a.nodes} nodes x {a.stages} stages, {a.duration:g} s of arrivals per Poisson run, "
-          f"noise sigma {NOISE_SIGMA}, SLO TTFT <= {SLO_FACTOR:g}x isolated prefill; workload: {wl.source}")
+    print(
+        f"# placement simulation: {a.nodes} nodes x {a.stages} stages, {a.duration:g} s of arrivals per Poisson run, "
+        f"noise sigma {NOISE_SIGMA}, SLO TTFT <= {SLO_FACTOR:g}x isolated prefill; workload: {wl.source}"
+    )
     t_start = time.perf_counter()
     rows = []
     for alpha in a.alphas:
@@ -434,10 +455,15 @@ def main(argv: list[str] | None = None) -> int:
                 m = simulate(name, jf, cost, a.nodes, a.stages, alpha, a.seed)
                 rows.append({"alpha": alpha, "rate": rate, "policy": name, **m})
     keys = ["alpha", "rate", "policy", "throughput", "slo", "active", "e2e", "ttft_p50_ms", "latency_s"]
-    print(_table("## Poisson arrivals (rate: tasks/s; throughput: completed tasks/s over first arrival to last "
-                 "finish; slo: share of requests with TTFT <= 5x isolated prefill; active: mean nodes with "
-                 "unfinished work; e2e: node-seconds with unfinished work; latency_s: mean request latency)",
-                 rows, keys))
+    print(
+        _table(
+            "## Poisson arrivals (rate: tasks/s; throughput: completed tasks/s over first arrival to last "
+            "finish; slo: share of requests with TTFT <= 5x isolated prefill; active: mean nodes with "
+            "unfinished work; e2e: node-seconds with unfinished work; latency_s: mean request latency)",
+            rows,
+            keys,
+        )
+    )
     replay_rows = []
     if a.replay:
         if wl.trace_arrivals is None:
@@ -448,10 +474,14 @@ def main(argv: list[str] | None = None) -> int:
                     jf = lambda rng, alpha=alpha: replay_jobs(wl, alpha, a.replay, rng)  # noqa: E731
                     m = simulate(name, jf, cost, a.nodes, a.stages, alpha, a.seed)
                     replay_rows.append({"alpha": alpha, "policy": name, **m})
-            print(_table(f"## Azure conv trace replay (first {a.replay} arrivals; each is a training task with "
-                         f"probability alpha)",
-                         replay_rows, ["alpha", "policy", "throughput", "slo", "active", "e2e", "ttft_p50_ms",
-                                       "latency_s"]))
+            print(
+                _table(
+                    f"## Azure conv trace replay (first {a.replay} arrivals; each is a training task with "
+                    f"probability alpha)",
+                    replay_rows,
+                    ["alpha", "policy", "throughput", "slo", "active", "e2e", "ttft_p50_ms", "latency_s"],
+                )
+            )
     print(f"\n(simulated in {time.perf_counter() - t_start:.1f} s)")
     if a.plot:
         _plot(rows, replay_rows, a, Path(a.plot))
@@ -461,14 +491,16 @@ def main(argv: list[str] | None = None) -> int:
 def _plot(rows: list[dict[str, Any]], replay_rows: list[dict[str, Any]], a: argparse.Namespace, path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("(matplotlib not importable: no plot written)")
         return
     metrics_ = [("slo", "SLO attainment"), ("active", "mean active nodes"), ("throughput", "throughput (tasks/s)")]
-    fig, axes = plt.subplots(len(metrics_), len(a.alphas), figsize=(4 * len(a.alphas), 3 * len(metrics_)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(metrics_), len(a.alphas), figsize=(4 * len(a.alphas), 3 * len(metrics_)), squeeze=False
+    )
     for c, alpha in enumerate(a.alphas):
         for r, (key, label) in enumerate(metrics_):
             ax = axes[r][c]

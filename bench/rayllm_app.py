@@ -152,8 +152,9 @@ def llm_config(args: dict[str, Any]) -> dict[str, Any]:
         flags = args["flags"]
         flags = json.loads(flags) if isinstance(flags, str) else list(flags)
     else:
-        flags = flags_for(args.get("config") or str(ROOT / "configs" / "default.yaml"),
-                          args.get("data_dir"), args.get("dtype"))
+        flags = flags_for(
+            args.get("config") or str(ROOT / "configs" / "default.yaml"), args.get("data_dir"), args.get("dtype")
+        )
     loading, engine = llm_config_from_flags(flags)
     bundle = args.get("bundle") or {"CPU": 1}
     if isinstance(bundle, str):
@@ -192,19 +193,48 @@ def build_app(args: dict[str, Any] | None = None):
 
 def _self_check() -> None:
     """The translation of every flag ``engine_flags`` emits (no Ray, no engine)."""
-    flags = ["--model", "/m", "--served-model-name", "tiny-llama", "--max-model-len", "2048",
-             "--max-num-seqs", "32", "--dtype", "float32", "--seed", "0", "--scheduling-policy", "fcfs",
-             "--kv-cache-memory-bytes", "256M", "--no-enable-prefix-caching", "--enable-lora",
-             "--max-lora-rank", "8", "--max-loras", "4", "--max-num-batched-tokens=512"]
+    flags = [
+        "--model",
+        "/m",
+        "--served-model-name",
+        "tiny-llama",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "32",
+        "--dtype",
+        "float32",
+        "--seed",
+        "0",
+        "--scheduling-policy",
+        "fcfs",
+        "--kv-cache-memory-bytes",
+        "256M",
+        "--no-enable-prefix-caching",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        "4",
+        "--max-num-batched-tokens=512",
+    ]
     loading, engine = llm_config_from_flags(flags)
     assert loading == {"model_source": "/m", "model_id": "tiny-llama"}, loading
-    want = {"max_model_len": 2048, "max_num_seqs": 32, "dtype": "float32", "seed": 0,
-            "scheduling_policy": "fcfs", "kv_cache_memory_bytes": 256 * 2**20,
-            "enable_prefix_caching": False, "enable_lora": True, "max_lora_rank": 8, "max_loras": 4,
-            "max_num_batched_tokens": 512}
+    want = {
+        "max_model_len": 2048,
+        "max_num_seqs": 32,
+        "dtype": "float32",
+        "seed": 0,
+        "scheduling_policy": "fcfs",
+        "kv_cache_memory_bytes": 256 * 2**20,
+        "enable_prefix_caching": False,
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "max_loras": 4,
+        "max_num_batched_tokens": 512,
+    }
     assert engine == want, engine
-    _, engine = llm_config_from_flags(["--model", "/m", "--enable-prefix-caching",
-                                       "--gpu-memory-utilization", "0.5"])
+    _, engine = llm_config_from_flags(["--model", "/m", "--enable-prefix-caching", "--gpu-memory-utilization", "0.5"])
     assert engine == {"enable_prefix_caching": True, "gpu_memory_utilization": 0.5}, engine
 
 

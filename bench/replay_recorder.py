@@ -29,8 +29,18 @@ def _record(request_type: str, name: str, response_time: float, exception: Any =
         return
     if _file is None:
         _file = open(_PATH, "a", buffering=1)
-    _file.write(json.dumps({"t": round(time.time(), 4), "type": request_type, "name": name,
-                            "ms": round(float(response_time or 0.0), 2), "ok": exception is None}) + "\n")
+    _file.write(
+        json.dumps(
+            {
+                "t": round(time.time(), 4),
+                "type": request_type,
+                "name": name,
+                "ms": round(float(response_time or 0.0), 2),
+                "ok": exception is None,
+            }
+        )
+        + "\n"
+    )
 
 
 @events.quitting.add_listener

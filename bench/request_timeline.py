@@ -47,13 +47,20 @@ def client_requests(detail_path: Path, prefix: str) -> list[dict[str, Any]]:
     pieces (the reads that carried tokens), output tokens; failed requests are left out."""
     data = json.loads(Path(detail_path).read_text())
     out = []
-    for i, (start, ttft, itl, lat, err) in enumerate(zip(data.get("start_times") or [], data.get("ttfts") or [],
-                                                         data.get("itls") or [], data.get("latencies") or [],
-                                                         data.get("errors") or [])):
+    for i, (start, ttft, itl, lat, err) in enumerate(
+        zip(
+            data.get("start_times") or [],
+            data.get("ttfts") or [],
+            data.get("itls") or [],
+            data.get("latencies") or [],
+            data.get("errors") or [],
+        )
+    ):
         if err or not ttft:
             continue
-        out.append({"id": f"{prefix}{i}", "start": start, "ttft": ttft, "latency": lat, "pieces": len(itl) + 1,
-                    "itl": itl})
+        out.append(
+            {"id": f"{prefix}{i}", "start": start, "ttft": ttft, "latency": lat, "pieces": len(itl) + 1, "itl": itl}
+        )
     return out
 
 
@@ -71,8 +78,13 @@ def server_records(log_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def _spread(xs: list[float]) -> dict[str, float | None]:
-    return {"p10_ms": _ms(percentile(xs, 10)), "p50_ms": _ms(percentile(xs, 50)), "p90_ms": _ms(percentile(xs, 90)),
-            "max_ms": _ms(max(xs) if xs else None), "n": len(xs)}
+    return {
+        "p10_ms": _ms(percentile(xs, 10)),
+        "p50_ms": _ms(percentile(xs, 50)),
+        "p90_ms": _ms(percentile(xs, 90)),
+        "max_ms": _ms(max(xs) if xs else None),
+        "n": len(xs),
+    }
 
 
 def _ms(x: float | None) -> float | None:
@@ -84,10 +96,13 @@ def client_summary(clients: list[dict[str, Any]], output_len: int | None = None)
     and the share of token gaps under 1 ms (tokens read together, not one by one)."""
     pieces = [c["pieces"] for c in clients]
     gaps = [g for c in clients for g in c["itl"]]
-    return {"pieces_p10": percentile(pieces, 10), "pieces_p50": percentile(pieces, 50),
-            "streams_in_one_or_two_pieces": sum(1 for p in pieces if p <= 2),
-            "gaps_under_1ms_share": round(sum(1 for g in gaps if g < 0.001) / len(gaps), 3) if gaps else None,
-            "requests": len(clients)}
+    return {
+        "pieces_p10": percentile(pieces, 10),
+        "pieces_p50": percentile(pieces, 50),
+        "streams_in_one_or_two_pieces": sum(1 for p in pieces if p <= 2),
+        "gaps_under_1ms_share": round(sum(1 for g in gaps if g < 0.001) / len(gaps), 3) if gaps else None,
+        "requests": len(clients),
+    }
 
 
 def burst_stages(clients: list[dict[str, Any]], records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -123,8 +138,11 @@ def burst_stages(clients: list[dict[str, Any]], records: dict[str, list[dict[str
         if r.get("last_byte") is not None:
             hops["last_byte_to_client"].append(c["start"] + c["latency"] - (r["arrival"] + r["last_byte"]))
         writes.append(r.get("writes", 0))
-    out: dict[str, Any] = {"requests": len(clients), "stamped": matched,
-                           "hops": {key: _spread(xs) for key, xs in hops.items() if xs}}
+    out: dict[str, Any] = {
+        "requests": len(clients),
+        "stamped": matched,
+        "hops": {key: _spread(xs) for key, xs in hops.items() if xs},
+    }
     if clients:
         t0 = min(c["start"] for c in clients)
         t1 = max(c["start"] + c["latency"] for c in clients)
@@ -149,10 +167,26 @@ def stages_table(stages: dict[str, Any], label: str = "p50") -> str:
         h = (stages.get("hops") or {}).get(key)
         if h:
             lines.append(table_row([name, *(fmt("{:.1f}", h[k]) for k in ("p10_ms", "p50_ms", "p90_ms", "max_ms"))]))
-    lines.append(table_row(["body writes per stream (replica) / pieces read (client), p50",
-                            f"{fmt('{:.0f}', stages.get('writes_p50'))} / {fmt('{:.0f}', stages.get('pieces_p50'))}",
-                            "", "", ""]))
-    lines.append(table_row(["replica event loop: stalls over 20 ms (count, s)",
-                            f"{stages.get('loop_stalls', 'n/a')}, {fmt('{:.2f}', stages.get('loop_stalled_s'))}",
-                            "", "", ""]))
+    lines.append(
+        table_row(
+            [
+                "body writes per stream (replica) / pieces read (client), p50",
+                f"{fmt('{:.0f}', stages.get('writes_p50'))} / {fmt('{:.0f}', stages.get('pieces_p50'))}",
+                "",
+                "",
+                "",
+            ]
+        )
+    )
+    lines.append(
+        table_row(
+            [
+                "replica event loop: stalls over 20 ms (count, s)",
+                f"{stages.get('loop_stalls', 'n/a')}, {fmt('{:.2f}', stages.get('loop_stalled_s'))}",
+                "",
+                "",
+                "",
+            ]
+        )
+    )
     return "\n".join(lines)

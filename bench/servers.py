@@ -42,16 +42,32 @@ from bench.common import (  # noqa: E402
 # and away from Serve's defaults (30000-31000, 40000-41000) that another Serve app on the
 # machine would use.
 RAY_PORTS = {
-    "ours": {"RAY_SERVE_HAPROXY_STATS_PORT": 18404, "RAY_SERVE_HAPROXY_METRICS_PORT": 19101,
-             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 18500, "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 19500},
-    "rayllm": {"RAY_SERVE_HAPROXY_STATS_PORT": 18414, "RAY_SERVE_HAPROXY_METRICS_PORT": 19111,
-               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 18510, "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 19510},
+    "ours": {
+        "RAY_SERVE_HAPROXY_STATS_PORT": 18404,
+        "RAY_SERVE_HAPROXY_METRICS_PORT": 19101,
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 18500,
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 19500,
+    },
+    "rayllm": {
+        "RAY_SERVE_HAPROXY_STATS_PORT": 18414,
+        "RAY_SERVE_HAPROXY_METRICS_PORT": 19111,
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 18510,
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 19510,
+    },
 }
 DIRECT_INGRESS_RANGES = {
-    "ours": {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 31100, "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": 31299,
-             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 31300, "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": 31499},
-    "rayllm": {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 31500, "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": 31699,
-               "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 31700, "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": 31899},
+    "ours": {
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 31100,
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": 31299,
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 31300,
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": 31499,
+    },
+    "rayllm": {
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 31500,
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": 31699,
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 31700,
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": 31899,
+    },
 }
 # This run's part of every tag: the final sweep kills whatever still carries it.
 RUN_ID = uuid.uuid4().hex[:12]
@@ -121,8 +137,9 @@ def start(name: str, cmd: list[str], env_set: dict[str, str], log_path: Path, ur
     shown = " ".join(f"{k}={v}" for k, v in env_set.items() if k != "PYTHONPATH")
     log(f"{name}: starting: {shown + ' ' if shown else ''}{' '.join(cmd)}")
     out = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     out.close()
     return Server(name, proc, log_path, url, tag, env_set)
 
@@ -157,6 +174,7 @@ def sweep_leftovers() -> list[str]:
 
 
 # ---- waits ------------------------------------------------------------------------------------------
+
 
 def wait_ready(server: Server, model: str, timeout_s: float) -> float:
     """Seconds until /health is 200 and /v1/models lists ``model``."""
@@ -227,11 +245,19 @@ def inspect_system(server: Server, port: int) -> dict[str, Any]:
             if name in seen:
                 continue
             seen.add(name)
-            backends.append({"server": name, "address": f"{host}:{bport}", "backup": " backup" in rest,
-                             "owner": labels.get(listening.get(bport, -1), "(not a process of this system)")})
+            backends.append(
+                {
+                    "server": name,
+                    "address": f"{host}:{bport}",
+                    "backup": " backup" in rest,
+                    "owner": labels.get(listening.get(bport, -1), "(not a process of this system)"),
+                }
+            )
         break
     info: dict[str, Any] = {
-        "service_port": port, "service_port_owner": port_owner, "haproxy_config": haproxy_cfg,
+        "service_port": port,
+        "service_port_owner": port_owner,
+        "haproxy_config": haproxy_cfg,
         "haproxy_backends": backends,
         "processes": dict(sorted({f"{pid}": lbl for pid, lbl in labels.items()}.items(), key=lambda kv: kv[1])),
     }
@@ -246,8 +272,8 @@ def inspect_system(server: Server, port: int) -> dict[str, Any]:
             "haproxy binary serves the port": port_owner == "haproxy",
             "LLMServer replica": any(":LLMServer" in lbl for lbl in label_set),
             "LLMRouter replica (ingress request router)": any(":LLMRouter" in lbl for lbl in label_set),
-            "HAProxy backend is the LLMServer replica": bool(primary) and all(
-                ":LLMServer" in b["owner"] for b in primary),
+            "HAProxy backend is the LLMServer replica": bool(primary)
+            and all(":LLMServer" in b["owner"] for b in primary),
             "no OpenAiIngress deployment": not any("OpenAiIngress" in lbl for lbl in label_set),
         }
         info["verified"] = all(info["checks"].values())
@@ -255,6 +281,7 @@ def inspect_system(server: Server, port: int) -> dict[str, Any]:
 
 
 # ---- the three systems --------------------------------------------------------------------------------
+
 
 def ray_env(system: str, worker_niceness: int | None) -> dict[str, str]:
     """Environment of one Ray-based system: its own ports, and the worker niceness."""
@@ -269,16 +296,34 @@ def ray_env(system: str, worker_niceness: int | None) -> dict[str, str]:
 
 def start_plain(flags: list[str], port: int, log_path: Path) -> tuple[Server, dict[str, Any]]:
     """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` with the engine ``flags``."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
-           "--port", str(port), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *flags,
+    ]
     server = start("plain", cmd, {"PYTHONPATH": str(ROOT)}, log_path, f"http://127.0.0.1:{port}")
     return server, {"port": port, "flags": cmd[3:]}
 
 
-def start_ours(config: str | Path, port: int, data_dir: Path, work: Path, suffix: str = "", *,
-               fresh_data_dir: bool = True, dtype: str | None = None, model: str | None = None,
-               nodes: int | None = None, worker_niceness: int | None = None,
-               request_log: Path | None = None) -> tuple[Server, dict[str, Any]]:
+def start_ours(
+    config: str | Path,
+    port: int,
+    data_dir: Path,
+    work: Path,
+    suffix: str = "",
+    *,
+    fresh_data_dir: bool = True,
+    dtype: str | None = None,
+    model: str | None = None,
+    nodes: int | None = None,
+    worker_niceness: int | None = None,
+    request_log: Path | None = None,
+) -> tuple[Server, dict[str, Any]]:
     """Our app as ``make serve`` starts it, from a copy of the Serve config ``config`` on 127.0.0.1:``port``.
 
     ``fresh_data_dir``: a new data_dir ``work/ours-data<suffix>`` with the models linked from ``data_dir``
@@ -329,8 +374,15 @@ def start_ours(config: str | Path, port: int, data_dir: Path, work: Path, suffix
     return server, info
 
 
-def start_rayllm(flags: list[str], port: int, work: Path, suffix: str = "", *, lora_config: bool = False,
-                 worker_niceness: int | None = None) -> tuple[Server, dict[str, Any]]:
+def start_rayllm(
+    flags: list[str],
+    port: int,
+    work: Path,
+    suffix: str = "",
+    *,
+    lora_config: bool = False,
+    worker_niceness: int | None = None,
+) -> tuple[Server, dict[str, Any]]:
     """Ray Serve LLM (``bench/rayllm_app.py``) on the engine ``flags``, one CPU replica, on 127.0.0.1:``port``."""
     import yaml
 
@@ -342,17 +394,26 @@ def start_rayllm(flags: list[str], port: int, work: Path, suffix: str = "", *, l
     serve_cfg = {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "rayllm", "route_prefix": "/", "import_path": "bench.rayllm_app:build_app",
-                          "args": app_args}],
+        "applications": [
+            {"name": "rayllm", "route_prefix": "/", "import_path": "bench.rayllm_app:build_app", "args": app_args}
+        ],
     }
     cfg_path = work / f"rayllm{suffix}-serve-config.yaml"
     cfg_path.write_text(yaml.safe_dump(serve_cfg, sort_keys=False))
-    env = {**rayllm_env(lora_config), **ray_env("rayllm", worker_niceness),
-           # Harness only: a stopping replica keeps its port this long for load balancers (default
-           # 30 s); HAProxy here is local. Serving is unaffected; `ours` sets the same (app.serve_env).
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+    env = {
+        **rayllm_env(lora_config),
+        **ray_env("rayllm", worker_niceness),
+        # Harness only: a stopping replica keeps its port this long for load balancers (default
+        # 30 s); HAProxy here is local. Serving is unaffected; `ours` sets the same (app.serve_env).
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    }
     serve_bin = Path(sys.executable).parent / "serve"
     cmd = [str(serve_bin), "run", "--address", "local", str(cfg_path)]
     server = start("rayllm", cmd, env, work / f"rayllm{suffix}-server.log", f"http://127.0.0.1:{port}")
-    return server, {"port": port, "command": cmd, "config": serve_cfg, "env_set": env,
-                    "llm_config": llm_config(app_args)}
+    return server, {
+        "port": port,
+        "command": cmd,
+        "config": serve_cfg,
+        "env_set": env,
+        "llm_config": llm_config(app_args),
+    }

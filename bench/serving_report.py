@@ -53,11 +53,11 @@ REPLAY_METRICS = [  # (label, key, format)
     ("replay lag max (s)", "lag_max_s", "{:.3f}"),
 ]
 # The goals of issue 39 (ratios are ours / the other system), on the bursts after the quiet wait and the replay.
-GOAL_BURST_REQS_VS_RAYLLM = 1.00       # burst req/s, ours / rayllm, at least
-GOAL_BURST_TTFT_VS_RAYLLM = 1.00       # burst TTFT p50, ours / rayllm, at most
-GOAL_ITL_P50_MS = 1.0                  # ours' ITL p50 in every burst of every round, more than (tokens read one by one)
-GOAL_REPLAY_TTFT_VS_RAYLLM = 1.00      # trace replay TTFT p50 and p99, ours / rayllm, at most
-GOAL_REPLAY_TTFT_VS_PLAIN = 1.50       # trace replay TTFT p50 and p99, ours / plain, at most
+GOAL_BURST_REQS_VS_RAYLLM = 1.00  # burst req/s, ours / rayllm, at least
+GOAL_BURST_TTFT_VS_RAYLLM = 1.00  # burst TTFT p50, ours / rayllm, at most
+GOAL_ITL_P50_MS = 1.0  # ours' ITL p50 in every burst of every round, more than (tokens read one by one)
+GOAL_REPLAY_TTFT_VS_RAYLLM = 1.00  # trace replay TTFT p50 and p99, ours / rayllm, at most
+GOAL_REPLAY_TTFT_VS_PLAIN = 1.50  # trace replay TTFT p50 and p99, ours / plain, at most
 
 
 def rate_label(rate: str, sustained: str | None) -> str:
@@ -89,8 +89,9 @@ def rate_table(results: dict[str, Any], rate: str) -> str:
     lines = comparison_head([*systems, *(f"{a}/{b}" for a, b in ratios)])
     for label, key, f in METRICS:
         vals = {s: _get(results, s, rate, key) for s in systems}
-        lines.append(table_row([label, *(fmt(f, vals[s]) for s in systems),
-                                *(ratio(vals[a], vals[b]) for a, b in ratios)]))
+        lines.append(
+            table_row([label, *(fmt(f, vals[s]) for s in systems), *(ratio(vals[a], vals[b]) for a, b in ratios)])
+        )
     row = ["completed / failed"]
     for s in systems:
         c, fl = _get(results, s, rate, "completed"), _get(results, s, rate, "failed")
@@ -98,8 +99,11 @@ def rate_table(results: dict[str, Any], rate: str) -> str:
     lines.append(table_row(row + [""] * len(ratios)))
     row = ["load avg (1 min) before / after"]
     for s in systems:
-        row.append(fmt("{:.1f}", _get(results, s, rate, "load_1min_before")) + " / "
-                   + fmt("{:.1f}", _get(results, s, rate, "load_1min_after")))
+        row.append(
+            fmt("{:.1f}", _get(results, s, rate, "load_1min_before"))
+            + " / "
+            + fmt("{:.1f}", _get(results, s, rate, "load_1min_after"))
+        )
     lines.append(table_row(row + [""] * len(ratios)))
     return "\n".join(lines)
 
@@ -109,15 +113,18 @@ def rounds_table(results: dict[str, Any], rates: list[str]) -> str:
     systems = present(results)
     lines = comparison_head([f"{s}: req/s, TTFT p50 ms, ITL p50 ms, pieces p50" for s in systems])
     for rate in rates:
-        per = {s: runs_of(((results[s].get("rates") or {}).get(rate))) for s in systems}
+        per = {s: runs_of((results[s].get("rates") or {}).get(rate)) for s in systems}
         for i in range(max((len(v) for v in per.values()), default=0)):
             cells = []
             for s in systems:
                 r = per[s][i] if i < len(per[s]) else None
-                cells.append("n/a" if r is None else
-                             f"{fmt('{:.2f}', r.get('request_throughput'))}, {fmt('{:.0f}', r.get('median_ttft_ms'))}, "
-                             f"{fmt('{:.2f}', r.get('median_itl_ms'))}, "
-                             f"{fmt('{:.0f}', (r.get('streams') or {}).get('pieces_p50'))}")
+                cells.append(
+                    "n/a"
+                    if r is None
+                    else f"{fmt('{:.2f}', r.get('request_throughput'))}, {fmt('{:.0f}', r.get('median_ttft_ms'))}, "
+                    f"{fmt('{:.2f}', r.get('median_itl_ms'))}, "
+                    f"{fmt('{:.0f}', (r.get('streams') or {}).get('pieces_p50'))}"
+                )
             rnd = next((per[s][i].get("round") for s in systems if i < len(per[s])), i)
             lines.append(table_row([f"{rate_label(rate, None).split(' (')[0]}, round {rnd}", *cells]))
     return "\n".join(lines)
@@ -141,41 +148,95 @@ def burst_table(results: dict[str, Any], rate: str) -> str:
     mean_ttft = {s: _get(results, s, rate, "mean_ttft_ms") for s in systems}
     engine_ttft = {s: _engine_mean(results[s]["rates"][rate], "vllm:time_to_first_token_seconds") for s in systems}
     rows.append(("client TTFT, mean (ms)", mean_ttft))
-    rows.append(("engine: waiting to be scheduled, mean (ms)",
-                 {s: _engine_mean(results[s]["rates"][rate], "vllm:request_queue_time_seconds") for s in systems}))
-    rows.append(("engine: scheduled to first token, mean (ms)",
-                 {s: _engine_mean(results[s]["rates"][rate], "vllm:request_prefill_time_seconds") for s in systems}))
+    rows.append(
+        (
+            "engine: waiting to be scheduled, mean (ms)",
+            {s: _engine_mean(results[s]["rates"][rate], "vllm:request_queue_time_seconds") for s in systems},
+        )
+    )
+    rows.append(
+        (
+            "engine: scheduled to first token, mean (ms)",
+            {s: _engine_mean(results[s]["rates"][rate], "vllm:request_prefill_time_seconds") for s in systems},
+        )
+    )
     rows.append(("engine TTFT (its arrival to first token), mean (ms)", engine_ttft))
-    rows.append(("front end: client TTFT − engine TTFT, mean (ms)",
-                 {s: None if mean_ttft[s] is None or engine_ttft[s] is None else mean_ttft[s] - engine_ttft[s]
-                  for s in systems}))
-    rows.append(("client: CPU s / waiting for a CPU s (whole run, start-up included)",
-                 {s: _get(results, s, rate, "client_wait_s") for s in systems}))
-    rows.append(("servers: waiting for a CPU, all processes (s)",
-                 {s: sum((_get(results, s, rate, "cpu_wait_seconds") or {}).values()) or None for s in systems}))
+    rows.append(
+        (
+            "front end: client TTFT − engine TTFT, mean (ms)",
+            {
+                s: None if mean_ttft[s] is None or engine_ttft[s] is None else mean_ttft[s] - engine_ttft[s]
+                for s in systems
+            },
+        )
+    )
+    rows.append(
+        (
+            "client: CPU s / waiting for a CPU s (whole run, start-up included)",
+            {s: _get(results, s, rate, "client_wait_s") for s in systems},
+        )
+    )
+    rows.append(
+        (
+            "servers: waiting for a CPU, all processes (s)",
+            {s: sum((_get(results, s, rate, "cpu_wait_seconds") or {}).values()) or None for s in systems},
+        )
+    )
     streams = {s: _get(results, s, rate, "streams") or {} for s in systems}
     rows.append(("stream pieces read by the client, p50", {s: streams[s].get("pieces_p50") for s in systems}))
-    rows.append(("token gaps under 1 ms (read together), share", {s: streams[s].get("gaps_under_1ms_share")
-                                                                   for s in systems}))
+    rows.append(
+        ("token gaps under 1 ms (read together), share", {s: streams[s].get("gaps_under_1ms_share") for s in systems})
+    )
     for label, vals in rows:
         if label.startswith("client: CPU"):
-            lines.append(table_row([label, *(f"{fmt('{:.1f}', _get(results, s, rate, 'client_run_s'))} / "
-                                             f"{fmt('{:.1f}', vals[s])}" for s in systems)]))
+            lines.append(
+                table_row(
+                    [
+                        label,
+                        *(
+                            f"{fmt('{:.1f}', _get(results, s, rate, 'client_run_s'))} / {fmt('{:.1f}', vals[s])}"
+                            for s in systems
+                        ),
+                    ]
+                )
+            )
             continue
-        lines.append(table_row([label, *(fmt("{:.2f}" if "share" in label or "(s)" in label else "{:.1f}", vals[s])
-                                         for s in systems)]))
+        lines.append(
+            table_row(
+                [label, *(fmt("{:.2f}" if "share" in label or "(s)" in label else "{:.1f}", vals[s]) for s in systems)]
+            )
+        )
     stages = _get(results, "ours", rate, "stages") if "ours" in systems else None
     if stages:
         for label, key in HOPS:
             h = (stages.get("hops") or {}).get(key)
             if h:
-                lines.append(table_row([f"ours: {label}, p50 (p90) ms",
-                                        *(f"{fmt('{:.1f}', h.get('p50_ms'))} ({fmt('{:.1f}', h.get('p90_ms'))})"
-                                          if s == "ours" else "" for s in systems)]))
-        lines.append(table_row(["ours: replica event loop stalls over 20 ms (count; s)",
-                                *(f"{fmt('{:.0f}', stages.get('loop_stalls'))}; "
-                                  f"{fmt('{:.2f}', stages.get('loop_stalled_s'))}" if s == "ours" else ""
-                                  for s in systems)]))
+                lines.append(
+                    table_row(
+                        [
+                            f"ours: {label}, p50 (p90) ms",
+                            *(
+                                f"{fmt('{:.1f}', h.get('p50_ms'))} ({fmt('{:.1f}', h.get('p90_ms'))})"
+                                if s == "ours"
+                                else ""
+                                for s in systems
+                            ),
+                        ]
+                    )
+                )
+        lines.append(
+            table_row(
+                [
+                    "ours: replica event loop stalls over 20 ms (count; s)",
+                    *(
+                        f"{fmt('{:.0f}', stages.get('loop_stalls'))}; {fmt('{:.2f}', stages.get('loop_stalled_s'))}"
+                        if s == "ours"
+                        else ""
+                        for s in systems
+                    ),
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -195,8 +256,15 @@ def replay_table(results: dict[str, Any]) -> str:
         rat = [ratio(vals[a], vals[b]) if key.startswith(("ttft", "latency")) else "" for a, b in ratios]
         lines.append(table_row([label, *(fmt(f, vals[s]) for s in systems), *rat]))
     cpu = {s: sum((results[s]["replay"].get("cpu_seconds") or {}).values()) for s in systems}
-    lines.append(table_row(["server CPU s (all processes)", *(f"{cpu[s]:.1f}" for s in systems),
-                            *(ratio(cpu[a], cpu[b]) for a, b in ratios)]))
+    lines.append(
+        table_row(
+            [
+                "server CPU s (all processes)",
+                *(f"{cpu[s]:.1f}" for s in systems),
+                *(ratio(cpu[a], cpu[b]) for a, b in ratios),
+            ]
+        )
+    )
     row = ["load avg (1 min) before / after"]
     for s in systems:
         rp = results[s]["replay"]
@@ -215,7 +283,9 @@ def goals(results: dict[str, Any]) -> list[str]:
             return f"- {what}: n/a (missing result)"
         r = a / b
         ok = {">=": r >= goal, "<=": r <= goal}[op]
-        return f"- {what} = {r:.2f} (goal {op} {goal:.2f}): " + ("met" if ok else f"MISSED by {abs(r - goal) * 100:.0f} points")
+        return f"- {what} = {r:.2f} (goal {op} {goal:.2f}): " + (
+            "met" if ok else f"MISSED by {abs(r - goal) * 100:.0f} points"
+        )
 
     out = []
     tp = {s: _get(results, s, "inf", "request_throughput") for s in SYSTEMS}
@@ -223,23 +293,36 @@ def goals(results: dict[str, Any]) -> list[str]:
     if tp["ours"] is not None:
         out.append(line("Burst req/s, ours/rayllm", tp["ours"], tp["rayllm"], ">=", GOAL_BURST_REQS_VS_RAYLLM))
         out.append(line("Burst TTFT p50, ours/rayllm", tt["ours"], tt["rayllm"], "<=", GOAL_BURST_TTFT_VS_RAYLLM))
-    bursts = [(rate, r) for rate in (FIRST, "inf")
-              for r in runs_of(((results.get("ours") or {}).get("rates") or {}).get(rate))]
+    bursts = [
+        (rate, r)
+        for rate in (FIRST, "inf")
+        for r in runs_of(((results.get("ours") or {}).get("rates") or {}).get(rate))
+    ]
     if bursts:
         itls = [r.get("median_itl_ms") for _, r in bursts]
-        low = [f"{rate} round {r.get('round', '?')}: {fmt('{:.2f}', r.get('median_itl_ms'))} ms"
-               for rate, r in bursts if r.get("median_itl_ms") is None or r["median_itl_ms"] <= GOAL_ITL_P50_MS]
-        out.append(f"- ITL p50 of ours in every burst ({len(bursts)}: "
-                   + ", ".join(fmt("{:.2f}", x) for x in itls) + f" ms; goal > {GOAL_ITL_P50_MS:g} ms): "
-                   + ("met" if not low else "MISSED (" + "; ".join(low) + ")"))
+        low = [
+            f"{rate} round {r.get('round', '?')}: {fmt('{:.2f}', r.get('median_itl_ms'))} ms"
+            for rate, r in bursts
+            if r.get("median_itl_ms") is None or r["median_itl_ms"] <= GOAL_ITL_P50_MS
+        ]
+        out.append(
+            f"- ITL p50 of ours in every burst ({len(bursts)}: "
+            + ", ".join(fmt("{:.2f}", x) for x in itls)
+            + f" ms; goal > {GOAL_ITL_P50_MS:g} ms): "
+            + ("met" if not low else "MISSED (" + "; ".join(low) + ")")
+        )
     replay = {s: (results.get(s) or {}).get("replay") or {} for s in SYSTEMS}
     if replay["ours"]:
         for key, what in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99")):
             vals = {s: replay[s].get(key) for s in SYSTEMS}
-            out.append(line(f"Trace replay {what}, ours/plain", vals["ours"], vals["plain"], "<=",
-                            GOAL_REPLAY_TTFT_VS_PLAIN))
-            out.append(line(f"Trace replay {what}, ours/rayllm", vals["ours"], vals["rayllm"], "<=",
-                            GOAL_REPLAY_TTFT_VS_RAYLLM))
+            out.append(
+                line(f"Trace replay {what}, ours/plain", vals["ours"], vals["plain"], "<=", GOAL_REPLAY_TTFT_VS_PLAIN)
+            )
+            out.append(
+                line(
+                    f"Trace replay {what}, ours/rayllm", vals["ours"], vals["rayllm"], "<=", GOAL_REPLAY_TTFT_VS_RAYLLM
+                )
+            )
     return out
 
 
@@ -257,14 +340,16 @@ def merge(paths: list[str], combine: Any) -> tuple[dict[str, Any], dict[str, Any
             for key, value in res.items():
                 if key not in ("rates", "replay"):
                     into[key] = value
-    for system, into in results.items():
+    for into in results.values():
         into["rates"] = {rate: combine(runs) for rate, runs in into.pop("_runs").items()}
         replays = into.pop("_replays")
         if replays:
             into["replay"] = combine(replays)
     setup = dict(docs[0]["setup"])
-    setup["parts"] = [{"file": p, **{k: d["setup"].get(k) for k in ("date", "systems", "rounds", "work_dir")}}
-                      for p, d in zip(paths, docs)]
+    setup["parts"] = [
+        {"file": p, **{k: d["setup"].get(k) for k in ("date", "systems", "rounds", "work_dir")}}
+        for p, d in zip(paths, docs)
+    ]
     setup["rounds"] = sum(d["setup"].get("rounds") or 1 for d in docs)
     sustained = [d["setup"].get("sustained_rate") for d in docs if d["setup"].get("sustained_rate")]
     setup["sustained_rate"] = statistics.mode(sustained) if sustained else None

@@ -54,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(Path(a.prompts), a.samples + a.eval, a.seed)
     url = a.url
     if url is None:
-        from bench.common import bench_config, free_port, start_app, stop_app, wait_ready
-
         from actors.models import smollm2
+        from bench.common import bench_config, free_port, start_app, stop_app, wait_ready
         from settings import DEFAULT_DATA_DIR
 
         # The model from the usual cache (converted once); adapters and feedback in a fresh directory.

@@ -28,8 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
-ITEMS = [{"prompt": f"Question {i}: what is the capital of country {i}?",
-          "completion": " Its capital is a city with a long history. " * 2} for i in range(8)]
+ITEMS = [
+    {
+        "prompt": f"Question {i}: what is the capital of country {i}?",
+        "completion": " Its capital is a city with a long history. " * 2,
+    }
+    for i in range(8)
+]
 
 
 def rss_mib() -> float:
@@ -42,8 +47,8 @@ def rss_mib() -> float:
 def run_variant(variant: str, model_dir: str) -> dict:
     import torch
 
-    from actors.learning.lora import steps as lt
     from actors.learning.lora import alignment as ae
+    from actors.learning.lora import steps as lt
 
     torch.set_num_threads(1)
     start = rss_mib()
@@ -86,7 +91,12 @@ def run_variant(variant: str, model_dir: str) -> dict:
 
     gc.collect()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"variant": variant, "start_mib": round(start, 1), "peak_mib": round(peak, 1), "end_mib": round(rss_mib(), 1)}
+    return {
+        "variant": variant,
+        "start_mib": round(start, 1),
+        "peak_mib": round(peak, 1),
+        "end_mib": round(rss_mib(), 1),
+    }
 
 
 def main() -> None:
@@ -112,8 +122,12 @@ def main() -> None:
 
     rows = []
     for variant in ("copies-fp32", "bank-fp32", "bank-auto"):
-        res = subprocess.run([sys.executable, __file__, "--variant", variant, "--model-dir", str(model_dir)],
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, __file__, "--variant", variant, "--model-dir", str(model_dir)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
     print(f"model {args.model}; training.dtype auto = {training_dtype('auto', 'cpu')} on this CPU")
     print("| variant | peak RSS MiB | RSS at end MiB | peak vs copies-fp32 |")

@@ -42,7 +42,6 @@ if str(ROOT) not in sys.path:
 from bench.common import percentile  # noqa: E402
 from tests.replica_server import ReplicaServer, engine_flags_for, greedy, write_full_version  # noqa: E402
 
-
 # ---- the measurement -----------------------------------------------------------------------------
 
 
@@ -64,8 +63,14 @@ class Stream:
                 n += 1
                 rec: dict[str, Any] = {"start": time.time(), "tokens": [], "ok": False}
                 self.requests.append(rec)  # now, so a request still running when figures are taken counts
-                body = {"model": self.model, "prompt": f"Client {i} request {n}: tell me about the sea.",
-                        "max_tokens": self.max_tokens, "temperature": 0.8, "ignore_eos": True, "stream": True}
+                body = {
+                    "model": self.model,
+                    "prompt": f"Client {i} request {n}: tell me about the sea.",
+                    "max_tokens": self.max_tokens,
+                    "temperature": 0.8,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 try:
                     with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
                         rec["status"] = r.status_code
@@ -101,9 +106,15 @@ def stall_figures(requests: list[dict[str, Any]], t0: float, t1: float) -> dict[
         gaps += [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1]
     waiting = [r for r in active if r["tokens"] and r["tokens"][0] >= t0]
     ttft = [r["tokens"][0] - r["start"] for r in waiting]
-    return {"requests": len(active), "errors": sum(1 for r in active if not r["ok"]),
-            "max_gap_s": max(gaps, default=float("nan")), "gap_p50_s": percentile(gaps, 50), "gap_p99_s": percentile(gaps, 99),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_max_s": max(ttft, default=float("nan"))}
+    return {
+        "requests": len(active),
+        "errors": sum(1 for r in active if not r["ok"]),
+        "max_gap_s": max(gaps, default=float("nan")),
+        "gap_p50_s": percentile(gaps, 50),
+        "gap_p99_s": percentile(gaps, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_max_s": max(ttft, default=float("nan")),
+    }
 
 
 def first_new_response(url: str, model: str, new_text: str, since: float, deadline: float) -> float | None:
@@ -118,8 +129,9 @@ def first_new_response(url: str, model: str, new_text: str, since: float, deadli
     return None
 
 
-def measure(model: str, data_dir: Path, work: Path, clients: int, max_tokens: int, window: float,
-            rounds: int) -> dict[str, Any]:
+def measure(
+    model: str, data_dir: Path, work: Path, clients: int, max_tokens: int, window: float, rounds: int
+) -> dict[str, Any]:
     flags, served, model_dir = engine_flags_for(model, data_dir)
     unit = served
     root = work / model / "full"
@@ -167,17 +179,31 @@ def measure(model: str, data_dir: Path, work: Path, clients: int, max_tokens: in
             served_after = first_new_response(server.url, served, texts[target], t0, t0 + 30)
             load = fut.result(300)
             live = server.call(r.weights_fingerprint)
-            syncs.append({"t0": t0, "t1": t0 + load.total_s, "call_s": load.total_s, "engine_load_s": load.load_s,
-                          "publish_to_served_s": served_after, "load_avg_1m": load_avg,
-                          "fingerprint_ok": live == fingerprints[target] != fingerprints[current]})
+            syncs.append(
+                {
+                    "t0": t0,
+                    "t1": t0 + load.total_s,
+                    "call_s": load.total_s,
+                    "engine_load_s": load.load_s,
+                    "publish_to_served_s": served_after,
+                    "load_avg_1m": load_avg,
+                    "fingerprint_ok": live == fingerprints[target] != fingerprints[current],
+                }
+            )
             current = target
             time.sleep(window / 2)
         stream.stop()  # every request finished: the figures below see all their tokens
         out["baseline"] = stall_figures(stream.requests, b0, b1)
         for s in syncs:
             s.update(stall_figures(stream.requests, s["t0"], s["t1"]))
-        out.update(idle=idle, syncs=syncs, load_bytes=load.bytes, tensors=load.tensors,
-                   all_requests=len(stream.requests), all_errors=sum(1 for q in stream.requests if not q["ok"]))
+        out.update(
+            idle=idle,
+            syncs=syncs,
+            load_bytes=load.bytes,
+            tensors=load.tensors,
+            all_requests=len(stream.requests),
+            all_errors=sum(1 for q in stream.requests if not q["ok"]),
+        )
     finally:
         server.stop()
     return out
@@ -187,24 +213,32 @@ def table(results: list[dict[str, Any]]) -> str:
     def f(x: Any) -> str:
         return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
-    rows = ["| model | run | sync call s | engine load s | publish → new weights answer s | "
-            "token gap p50 / max s | TTFT p50 / max s (waiting in window) | requests (errors) | fingerprint | load 1m |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| model | run | sync call s | engine load s | publish → new weights answer s | "
+        "token gap p50 / max s | TTFT p50 / max s (waiting in window) | requests (errors) | fingerprint | load 1m |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for res in results:
         name = f"{res['model']} ({res['params_bytes'] / 2**20:.0f} MiB, {res['tensors']} tensors)"
         b = res["baseline"]
         idle = sorted(res["idle"], key=lambda x: x["call_s"])
         mid = idle[len(idle) // 2]
-        rows.append(f"| {name} | idle engine, median of {len(idle)} syncs | {f(mid['call_s'])} | "
-                    f"{f(mid['engine_load_s'])} | - | - | - | - | - | - |")
-        rows.append(f"| {name} | no sync ({res['window']:.0f} s of the same stream, {res['clients']} clients) "
-                    f"| - | - | - | {f(b['gap_p50_s'])} / {f(b['max_gap_s'])} | {f(b['ttft_p50_s'])} / "
-                    f"{f(b['ttft_max_s'])} | {b['requests']} ({b['errors']}) | - | - |")
+        rows.append(
+            f"| {name} | idle engine, median of {len(idle)} syncs | {f(mid['call_s'])} | "
+            f"{f(mid['engine_load_s'])} | - | - | - | - | - | - |"
+        )
+        rows.append(
+            f"| {name} | no sync ({res['window']:.0f} s of the same stream, {res['clients']} clients) "
+            f"| - | - | - | {f(b['gap_p50_s'])} / {f(b['max_gap_s'])} | {f(b['ttft_p50_s'])} / "
+            f"{f(b['ttft_max_s'])} | {b['requests']} ({b['errors']}) | - | - |"
+        )
         for i, s in enumerate(res["syncs"], 1):
-            rows.append(f"| {name} | sync {i} | {f(s['call_s'])} | {f(s['engine_load_s'])} | "
-                        f"{f(s['publish_to_served_s'])} | {f(s['gap_p50_s'])} / {f(s['max_gap_s'])} | "
-                        f"{f(s['ttft_p50_s'])} / {f(s['ttft_max_s'])} | {s['requests']} ({s['errors']}) | "
-                        f"{'new version' if s['fingerprint_ok'] else 'WRONG'} | {s['load_avg_1m']:.1f} |")
+            rows.append(
+                f"| {name} | sync {i} | {f(s['call_s'])} | {f(s['engine_load_s'])} | "
+                f"{f(s['publish_to_served_s'])} | {f(s['gap_p50_s'])} / {f(s['max_gap_s'])} | "
+                f"{f(s['ttft_p50_s'])} / {f(s['ttft_max_s'])} | {s['requests']} ({s['errors']}) | "
+                f"{'new version' if s['fingerprint_ok'] else 'WRONG'} | {s['load_avg_1m']:.1f} |"
+            )
     return "\n".join(rows)
 
 

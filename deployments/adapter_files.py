@@ -1,4 +1,5 @@
-"""HTTP routes for an adapter version's files: upload one (``POST /v1/adapters/{name}/versions``) and download one (``GET /v1/adapters/{name}/versions/{v}/files``).
+"""HTTP routes for an adapter version's files: upload one (``POST /v1/adapters/{name}/versions``) and download one
+(``GET /v1/adapters/{name}/versions/{v}/files``).
 
 An upload is a PEFT LoRA adapter: the body a tar (``application/x-tar``, gzip'd too) or a zip
 (``application/zip``) of ``adapter_config.json`` + ``adapter_model.safetensors``, or JSON
@@ -78,8 +79,9 @@ class AdapterFileRoutes:
         info = await self.routes.call_store(lambda store: store.get_adapter.remote(key))
         kind = unit_kind(info.method)
         if not kind.trained_by_lora_ranks:
-            raise BadRequest(f"{name!r} is a {kind.name} unit ({info.method}): only LoRA adapters take uploaded "
-                             "versions", "name")
+            raise BadRequest(
+                f"{name!r} is a {kind.name} unit ({info.method}): only LoRA adapters take uploaded versions", "name"
+            )
         body = await request.body()
         gate, source = self._query_gate(request), None
         content_type = request.headers.get("content-type", "")
@@ -89,28 +91,47 @@ class AdapterFileRoutes:
         else:
             archive = archive_kind(content_type, body)
             if archive is None:
-                raise BadRequest(f"Content-Type {content_type or 'none'!r}: send the adapter as application/x-tar or "
-                                 "application/zip, or application/json {\"source\": URI}", "Content-Type")
+                raise BadRequest(
+                    f"Content-Type {content_type or 'none'!r}: send the adapter as application/x-tar or "
+                    'application/zip, or application/json {"source": URI}',
+                    "Content-Type",
+                )
         if gate is False and not principal.admin:
-            return error(403, "`gate: false` serves the version unjudged; only an admin key may send it", "gate",
-                         err_type="permission_error")
+            return error(
+                403,
+                "`gate: false` serves the version unjudged; only an admin key may send it",
+                "gate",
+                err_type="permission_error",
+            )
         if source is not None and not principal.admin:
-            return error(403, "`source` is read with the server's own file system and credentials; only an admin "
-                              "key may name one (send the archive as the body instead)", "source",
-                         err_type="permission_error")
+            return error(
+                403,
+                "`source` is read with the server's own file system and credentials; only an admin "
+                "key may name one (send the archive as the body instead)",
+                "source",
+                err_type="permission_error",
+            )
         gated = info.gate.enabled if gate is None else gate
         self._check_deployment(gated)
         limit = self.cfg.limits.max_adapter_bytes
         try:
-            files = await asyncio.to_thread(read_source, source, limit) if source is not None else \
-                await asyncio.to_thread(read_archive, body, archive, limit)
+            files = (
+                await asyncio.to_thread(read_source, source, limit)
+                if source is not None
+                else await asyncio.to_thread(read_archive, body, archive, limit)
+            )
             checked = await asyncio.to_thread(self._check, files)
         except AdapterRejected as exc:
             text = str(exc) if principal.admin else self.routes.without_paths(str(exc))
             return error(exc.status, text, exc.param, err_type="invalid_request_error")
-        meta = UploadMeta(source="body" if source is None else source.split("?", 1)[0],
-                          base_model_name_or_path=checked.base_model, r=checked.rank, lora_alpha=checked.alpha,
-                          modules=list(checked.modules), uploaded_by=principal.tenant)
+        meta = UploadMeta(
+            source="body" if source is None else source.split("?", 1)[0],
+            base_model_name_or_path=checked.base_model,
+            r=checked.rank,
+            lora_alpha=checked.alpha,
+            modules=list(checked.modules),
+            uploaded_by=principal.tenant,
+        )
         note = "; ".join(("uploaded", *checked.notes))
         version = await self._add(key, checked.files, meta, gate, note)
         if version.state == "served":
@@ -136,14 +157,17 @@ class AdapterFileRoutes:
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise BadRequest(f"Request body is not valid JSON: {exc}") from None
         if not isinstance(doc, dict):
-            raise BadRequest("Request body must be a JSON object: {\"source\": URI, \"gate\": bool}.")
+            raise BadRequest('Request body must be a JSON object: {"source": URI, "gate": bool}.')
         extra = sorted(set(doc) - {"source", "gate"})
         if extra:
             raise BadRequest(f"unexpected keys beside `source` and `gate`: {extra}")
         source = doc.get("source")
         if not isinstance(source, str) or not source:
-            raise BadRequest("`source` (a URI: file://, s3:// or gs://) is required with a JSON body; or send the "
-                             "archive itself as application/x-tar or application/zip", "source")
+            raise BadRequest(
+                "`source` (a URI: file://, s3:// or gs://) is required with a JSON body; or send the "
+                "archive itself as application/x-tar or application/zip",
+                "source",
+            )
         if "gate" in doc:
             if not isinstance(doc["gate"], bool):
                 raise BadRequest("`gate` must be true or false", "gate")
@@ -157,22 +181,28 @@ class AdapterFileRoutes:
         line of versions), or a gated one with no trainer to judge it (it would wait for ever)."""
         t = self.cfg.training
         if t.scope != "synced":
-            raise Conflict("uploads take training.scope synced (one line of versions); this deployment trains "
-                           f"scope {t.scope}")
+            raise Conflict(
+                f"uploads take training.scope synced (one line of versions); this deployment trains scope {t.scope}"
+            )
         if gated and not t.enabled:
-            raise Conflict("the quality gate judges an uploaded version on the trainer, and training.enabled is false "
-                           "here; an admin may upload with gate false (served at once)")
+            raise Conflict(
+                "the quality gate judges an uploaded version on the trainer, and training.enabled is false "
+                "here; an admin may upload with gate false (served at once)"
+            )
 
     def _check(self, files: dict[str, bytes]) -> Any:
         """:func:`check_adapter` against the served base's LoRA-targetable modules."""
         shapes = self.shapes()
         if shapes is None:
-            raise AdapterRejected("the served model's module tree cannot be built here, so an uploaded adapter "
-                                  "cannot be checked against it; not taken")
+            raise AdapterRejected(
+                "the served model's module tree cannot be built here, so an uploaded adapter "
+                "cannot be checked against it; not taken"
+            )
         embeddings = [n for n in shapes if "embed" in n.rsplit(".", 1)[-1]]
         names = (self.routes.base, Path(model_path(self.cfg)).name, self.cfg.model.embedded or "")
-        return check_adapter(files, shapes=shapes, max_rank=self.cfg.engine.max_lora_rank, base_names=names,
-                             embeddings=embeddings)
+        return check_adapter(
+            files, shapes=shapes, max_rank=self.cfg.engine.max_lora_rank, base_names=names, embeddings=embeddings
+        )
 
     def shapes(self) -> dict[str, tuple[int, int]] | None:
         """The served model's LoRA-targetable modules and their (in, out) features (cached per process);
@@ -183,29 +213,40 @@ class AdapterFileRoutes:
         try:
             return module_shapes(model_dir(self.cfg))
         except Exception as exc:  # an architecture transformers cannot build from its config alone
-            logger.warning("cannot list the modules of %s, so uploads cannot be checked: %s: %s",
-                           self.routes.base, type(exc).__name__, exc)
+            logger.warning(
+                "cannot list the modules of %s, so uploads cannot be checked: %s: %s",
+                self.routes.base,
+                type(exc).__name__,
+                exc,
+            )
             return None
 
-    async def _add(self, key: str, files: dict[str, bytes], meta: UploadMeta, gate: bool | None,
-                   note: str) -> VersionInfo:
+    async def _add(
+        self, key: str, files: dict[str, bytes], meta: UploadMeta, gate: bool | None, note: str
+    ) -> VersionInfo:
         """Publish on the store's actor, once: a resent upload could publish twice, so a store that died
         meanwhile is a 503 that says how to find out whether it was stored."""
         try:
             return await self.routes.call_store_once(
-                lambda store: store.add_version.remote(key, files, meta, gated=gate, note=note))
+                lambda store: store.add_version.remote(key, files, meta, gated=gate, note=note)
+            )
         except RayActorError:
-            raise ServiceUnavailable("The feedback store restarted during the upload; GET the adapter to see whether "
-                                     "the version was stored, and send it again if not.") from None
+            raise ServiceUnavailable(
+                "The feedback store restarted during the upload; GET the adapter to see whether "
+                "the version was stored, and send it again if not."
+            ) from None
 
     def _version_json(self, version: VersionInfo) -> dict[str, Any]:
         """A version as the adapter routes show one: the adapter by the caller's name for it; a tenant's without
         its ``path`` and with server paths cut from its reason."""
 
         principal = PRINCIPAL.get()
-        shown = version.model_copy(update={"adapter": shown_name(principal, version.adapter),
-                                           "reason": version.reason if principal.admin
-                                           else self.routes.without_paths(version.reason)})
+        shown = version.model_copy(
+            update={
+                "adapter": shown_name(principal, version.adapter),
+                "reason": version.reason if principal.admin else self.routes.without_paths(version.reason),
+            }
+        )
         return shown.model_dump(exclude=None if principal.admin else {"path"})
 
     # ---- download ------------------------------------------------------------------------------
@@ -219,8 +260,10 @@ class AdapterFileRoutes:
         info = await self.routes.call_store(lambda store: store.get_adapter.remote(key))
         kind = unit_kind(info.method)
         if not kind.trained_by_lora_ranks:
-            raise BadRequest(f"{name!r} is a {kind.name} unit ({info.method}): only a LoRA adapter's versions are "
-                             "downloaded here", "name")
+            raise BadRequest(
+                f"{name!r} is a {kind.name} unit ({info.method}): only a LoRA adapter's versions are downloaded here",
+                "name",
+            )
         found = await self.routes.call_store(lambda store: store.get_version.remote(key, number))
         if not found.published or not found.path:
             raise UnknownVersion(f"adapter {name!r} has no published version {number}")
@@ -230,5 +273,6 @@ class AdapterFileRoutes:
             files = await self.routes.call_store(lambda store: store.read_version.remote(found.path))
         tar = as_tar({n: files[n] for n in ADAPTER_FILES})
         filename = f"{name.replace('/', '-')}-v{number}.tar"
-        return Response(tar, media_type="application/x-tar",
-                        headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+        return Response(
+            tar, media_type="application/x-tar", headers={"Content-Disposition": f'attachment; filename="{filename}"'}
+        )

@@ -69,8 +69,14 @@ class FrontDoor:
     @classmethod
     def from_config(cls, cfg: AppConfig) -> FrontDoor:
         h = cfg.ingress.haproxy
-        return cls(h.request_timeout_s, h.client_idle_timeout_s, h.maxconn, h.maxconn_per_source,
-                   cfg.limits.max_body_bytes, cfg.limits.max_adapter_bytes)
+        return cls(
+            h.request_timeout_s,
+            h.client_idle_timeout_s,
+            h.maxconn,
+            h.maxconn_per_source,
+            cfg.limits.max_body_bytes,
+            cfg.limits.max_adapter_bytes,
+        )
 
     @property
     def bufsize(self) -> int:
@@ -79,10 +85,15 @@ class FrontDoor:
 
     def environment(self) -> dict[str, str]:
         """The variables that carry these settings to the Serve controller and the HAProxy managers."""
-        env = {CALLBACK_VAR: CALLBACK, MAXCONN_VAR: str(self.maxconn),
-               CLIENT_TIMEOUT_VAR: str(self.client_idle_timeout_s), REQUEST_TIMEOUT_VAR: str(self.request_timeout_s),
-               PER_SOURCE_VAR: str(self.maxconn_per_source or 0), MAX_BODY_VAR: str(self.max_body_bytes),
-               MAX_ADAPTER_VAR: str(self.max_adapter_bytes)}
+        env = {
+            CALLBACK_VAR: CALLBACK,
+            MAXCONN_VAR: str(self.maxconn),
+            CLIENT_TIMEOUT_VAR: str(self.client_idle_timeout_s),
+            REQUEST_TIMEOUT_VAR: str(self.request_timeout_s),
+            PER_SOURCE_VAR: str(self.maxconn_per_source or 0),
+            MAX_BODY_VAR: str(self.max_body_bytes),
+            MAX_ADAPTER_VAR: str(self.max_adapter_bytes),
+        }
         env.update({var: str(self.bufsize) for var in BUFSIZE_VARS})
         return env
 
@@ -95,20 +106,34 @@ class FrontDoor:
         def number(var: str) -> int:
             value = env.get(var)
             if value is None or not value.strip().isdigit():
-                raise FrontDoorError(f"${var} is {value!r}, not a whole number: start Serve through app/serve_env.py "
-                                     "(make serve) or with the env vars of configs/default.yaml")
+                raise FrontDoorError(
+                    f"${var} is {value!r}, not a whole number: start Serve through app/serve_env.py "
+                    "(make serve) or with the env vars of configs/default.yaml"
+                )
             return int(value)
 
         per_source = number(PER_SOURCE_VAR)
-        door = cls(number(REQUEST_TIMEOUT_VAR), number(CLIENT_TIMEOUT_VAR), number(MAXCONN_VAR), per_source or None,
-                   number(MAX_BODY_VAR), number(MAX_ADAPTER_VAR))
+        door = cls(
+            number(REQUEST_TIMEOUT_VAR),
+            number(CLIENT_TIMEOUT_VAR),
+            number(MAXCONN_VAR),
+            per_source or None,
+            number(MAX_BODY_VAR),
+            number(MAX_ADAPTER_VAR),
+        )
         expected = door.environment()
         wrong = {var: env.get(var) for var in (*BUFSIZE_VARS, CALLBACK_VAR) if env.get(var) != expected[var]}
         if wrong:
-            raise FrontDoorError(f"front door settings disagree: {wrong}, expected "
-                                 f"{ {var: expected[var] for var in wrong} }")
-        if door.request_timeout_s < 1 or door.client_idle_timeout_s < 1 or door.maxconn < 1 or door.max_body_bytes < 1 \
-                or door.max_adapter_bytes < 1:
+            raise FrontDoorError(
+                f"front door settings disagree: {wrong}, expected { {var: expected[var] for var in wrong} }"
+            )
+        if (
+            door.request_timeout_s < 1
+            or door.client_idle_timeout_s < 1
+            or door.maxconn < 1
+            or door.max_body_bytes < 1
+            or door.max_adapter_bytes < 1
+        ):
             raise FrontDoorError(f"front door settings must be positive: {door}")
         return door
 
@@ -118,30 +143,47 @@ class FrontDoor:
             "# coserve's front door (deployments/front_door.py, put here by deployments/haproxy_patch.py)",
             "option http-buffer-request",
             f"timeout http-request {self.request_timeout_s}s",
-            "http-error status 408 content-type application/json string " + _quoted(error_body(
-                408, f"The request did not arrive within ingress.haproxy.request_timeout_s={self.request_timeout_s} s.",
-                "invalid_request_error", "request_timeout")),
+            "http-error status 408 content-type application/json string "
+            + _quoted(
+                error_body(
+                    408,
+                    f"The request did not arrive within ingress.haproxy.request_timeout_s={self.request_timeout_s} s.",
+                    "invalid_request_error",
+                    "request_timeout",
+                )
+            ),
         ]
         if self.maxconn_per_source is not None:
-            lines += ["stick-table type ipv6 size 64k expire 60s store conn_cur",
-                      "tcp-request connection track-sc0 src",
-                      f"tcp-request connection reject if {{ sc0_conn_cur gt {self.maxconn_per_source} }}"]
+            lines += [
+                "stick-table type ipv6 size 64k expire 60s store conn_cur",
+                "tcp-request connection track-sc0 src",
+                f"tcp-request connection reject if {{ sc0_conn_cur gt {self.maxconn_per_source} }}",
+            ]
         # When HAProxy routes the request (its body buffered): the replica's stages start here
         # (actors/serving/request_stages.py). Set, never passed on from the client.
         lines.append(f"http-request set-header {ACCEPTED_HEADER} %[date(0,us)]")
-        too_large = error_body(413, f"Request body larger than limits.max_body_bytes={self.max_body_bytes}.",
-                               "invalid_request_error", "request_too_large")
+        too_large = error_body(
+            413,
+            f"Request body larger than limits.max_body_bytes={self.max_body_bytes}.",
+            "invalid_request_error",
+            "request_too_large",
+        )
         if self.max_adapter_bytes <= self.max_body_bytes:
-            lines.append(f"http-request return status 413 content-type application/json string {_quoted(too_large)} "
-                         f"if {{ req.hdr_val(content-length) gt {self.max_body_bytes} }} || "
-                         f"{{ req.body_size gt {self.max_body_bytes} }}")
+            lines.append(
+                f"http-request return status 413 content-type application/json string {_quoted(too_large)} "
+                f"if {{ req.hdr_val(content-length) gt {self.max_body_bytes} }} || "
+                f"{{ req.body_size gt {self.max_body_bytes} }}"
+            )
             return "".join(f"    {line}\n" for line in lines)
         # An adapter upload may be larger: its body streams past the buffer (what HAProxy holds stays bounded).
         # ACLs come before the rules that use them (HAProxy reads the section in order).
         lines += [f"acl coserve_upload_path path_reg {UPLOAD_PATH_REGEX}", "acl coserve_post method POST"]
         adapter_too_large = error_body(
-            413, f"Request body larger than limits.max_adapter_bytes={self.max_adapter_bytes}.",
-            "invalid_request_error", "request_too_large")
+            413,
+            f"Request body larger than limits.max_adapter_bytes={self.max_adapter_bytes}.",
+            "invalid_request_error",
+            "request_too_large",
+        )
         lines += [
             f"http-request return status 413 content-type application/json string {_quoted(too_large)} "
             f"if !coserve_upload_path {{ req.hdr_val(content-length) gt {self.max_body_bytes} }} || "

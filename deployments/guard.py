@@ -26,10 +26,9 @@ import time
 from typing import Any
 
 from actors.serving import fair_admission, request_stages
+from deployments.keys import LOCAL, KeyRing, Principal
 from planners.registry import create
 from settings import EngineConfig, LimitsConfig
-from deployments.keys import LOCAL, KeyRing, Principal
-
 
 
 class Unauthenticated(Exception):
@@ -91,20 +90,32 @@ class TokenBucket:
         return (1.0 - self.tokens) / self.rate
 
 
-def error_body(status: int, message: str, err_type: str, code: str | int | None = None,
-               param: str | None = None) -> bytes:
+def error_body(
+    status: int, message: str, err_type: str, code: str | int | None = None, param: str | None = None
+) -> bytes:
     """An OpenAI-shaped error body (also the front door's own answers, ``deployments/front_door.py``)."""
-    return json.dumps({"error": {"message": message, "type": err_type, "param": param,
-                                 "code": status if code is None else code}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status if code is None else code}}
+    ).encode()
 
 
-async def send_error(send: Any, status: int, message: str, err_type: str, code: str | int | None = None,
-                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+async def send_error(
+    send: Any,
+    status: int,
+    message: str,
+    err_type: str,
+    code: str | int | None = None,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
     """A complete OpenAI-shaped JSON error response on a raw ASGI ``send``."""
     body = error_body(status, message, err_type, code)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -127,7 +138,7 @@ class RequestGuard:
             return
         path, root = scope["path"], scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):] or "/"  # the app's own path under a Serve route prefix
+            path = path[len(root) :] or "/"  # the app's own path under a Serve route prefix
         if path in PUBLIC_PATHS:
             PRINCIPAL.set(LOCAL if not self.keys.enabled else Principal(None, False, "anonymous"))
             await self.app(scope, receive, send)
@@ -135,9 +146,14 @@ class RequestGuard:
         if self.keys.enabled:
             principal = self.keys.identify(_bearer(scope))
             if principal is None:
-                await send_error(send, 401, "Missing or unknown API key: send `Authorization: Bearer <key>`.",
-                                 "invalid_request_error", "invalid_api_key",
-                                 headers=((b"www-authenticate", b'Bearer realm="coserve"'),))
+                await send_error(
+                    send,
+                    401,
+                    "Missing or unknown API key: send `Authorization: Bearer <key>`.",
+                    "invalid_request_error",
+                    "invalid_api_key",
+                    headers=((b"www-authenticate", b'Bearer realm="coserve"'),),
+                )
                 return
         else:
             principal = LOCAL  # local mode: the app was started with no keys at all
@@ -170,23 +186,34 @@ class RequestGuard:
                 bucket = self._buckets[key] = TokenBucket(lim.requests_per_second, lim.burst)
             wait = bucket.take(time.monotonic())
             if wait > 0:
-                await send_error(send, 429, f"Rate limit of {lim.requests_per_second:g} requests/s for this key "
-                                 f"reached; retry in {wait:.2f} s.", "rate_limit_error", "rate_limit_exceeded",
-                                 headers=((b"retry-after", str(max(1, round(wait + 0.5))).encode()),))
+                await send_error(
+                    send,
+                    429,
+                    f"Rate limit of {lim.requests_per_second:g} requests/s for this key "
+                    f"reached; retry in {wait:.2f} s.",
+                    "rate_limit_error",
+                    "rate_limit_exceeded",
+                    headers=((b"retry-after", str(max(1, round(wait + 0.5))).encode()),),
+                )
                 return False
         cap = self.max_concurrent
         if cap is not None:
             if self._in_flight.get(key, 0) >= cap:
-                await send_error(send, 429, f"This key already has {cap} requests in flight "
-                                 "(limits.max_concurrent).",
-                                 "rate_limit_error", "too_many_concurrent_requests",
-                                 headers=((b"retry-after", b"1"),))
+                await send_error(
+                    send,
+                    429,
+                    f"This key already has {cap} requests in flight (limits.max_concurrent).",
+                    "rate_limit_error",
+                    "too_many_concurrent_requests",
+                    headers=((b"retry-after", b"1"),),
+                )
                 return False
             self._in_flight[key] = self._in_flight.get(key, 0) + 1
         return True
 
-    async def _read_body(self, scope: dict[str, Any], receive: Any, send: Any, cap: int,
-                         setting: str = "limits.max_body_bytes") -> bytes | None:
+    async def _read_body(
+        self, scope: dict[str, Any], receive: Any, send: Any, cap: int, setting: str = "limits.max_body_bytes"
+    ) -> bytes | None:
         """The whole body, or None after answering 413 (never more than ``cap`` is held in memory)."""
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -213,8 +240,9 @@ class RequestGuard:
                 return b"".join(chunks)
 
     async def _too_large(self, send: Any, cap: int, setting: str) -> None:
-        await send_error(send, 413, f"Request body larger than {setting}={cap}.", "invalid_request_error",
-                         "request_too_large")
+        await send_error(
+            send, 413, f"Request body larger than {setting}={cap}.", "invalid_request_error", "request_too_large"
+        )
 
 
 def _bearer(scope: dict[str, Any]) -> str | None:

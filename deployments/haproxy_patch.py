@@ -45,38 +45,55 @@ RAY_VERSION = compat.CHECKED_VERSIONS["ray"]
 
 # (what Ray 2.60's template has exactly once, what it becomes); "{rules}" is the frontend's rules.
 _CONFIG_EDITS = (
-    ("stats socket {{ config.socket_path }} mode 666 level admin expose-fd listeners",
-     "stats socket {{ config.socket_path }} mode 600 level admin expose-fd listeners"),
-    ("frontend prometheus\n    bind :{{ config.metrics_port }}\n",
-     "frontend prometheus\n    bind 127.0.0.1:{{ config.metrics_port }}\n"),
-    ("listen stats\n  bind *:{{ config.stats_port }}\n",
-     "listen stats\n  bind 127.0.0.1:{{ config.stats_port }}\n"),
-    ("frontend http_frontend\n    bind {{ config.frontend_host }}:{{ config.frontend_port }}\n",
-     "frontend http_frontend\n    bind {{ config.frontend_host }}:{{ config.frontend_port }}\n"
-     "{% raw %}{rules}{% endraw %}"),
+    (
+        "stats socket {{ config.socket_path }} mode 666 level admin expose-fd listeners",
+        "stats socket {{ config.socket_path }} mode 600 level admin expose-fd listeners",
+    ),
+    (
+        "frontend prometheus\n    bind :{{ config.metrics_port }}\n",
+        "frontend prometheus\n    bind 127.0.0.1:{{ config.metrics_port }}\n",
+    ),
+    ("listen stats\n  bind *:{{ config.stats_port }}\n", "listen stats\n  bind 127.0.0.1:{{ config.stats_port }}\n"),
+    (
+        "frontend http_frontend\n    bind {{ config.frontend_host }}:{{ config.frontend_port }}\n",
+        "frontend http_frontend\n    bind {{ config.frontend_host }}:{{ config.frontend_port }}\n"
+        "{% raw %}{rules}{% endraw %}",
+    ),
     # The placement router answered: stamp it for the replica's request stages (deployments/front_door.py).
-    ("backend {{ backend.name or 'unknown' }}-via-ingress-request-router\n    log global\n",
-     "backend {{ backend.name or 'unknown' }}-via-ingress-request-router\n    log global\n"
-     f"    http-request set-header {ROUTED_HEADER} %[date(0,us)]\n"),
+    (
+        "backend {{ backend.name or 'unknown' }}-via-ingress-request-router\n    log global\n",
+        "backend {{ backend.name or 'unknown' }}-via-ingress-request-router\n    log global\n"
+        f"    http-request set-header {ROUTED_HEADER} %[date(0,us)]\n",
+    ),
 )
 _LUA_EDITS = (
-    ("local function call_router(router, body, truncated_length, session_id, request_id)\n",
-     "local function call_router(router, body, truncated_length, session_id, request_id, authorization)\n"),
-    ('    -- Connection: close so sock:receive("*a") terminates on EOF.\n',
-     "    -- coserve (deployments/haproxy_patch.py): the client's key, checked by the router before the body.\n"
-     f'    local authorization_header = "{ROUTER_MARKER_HEADER}: 1\\r\\n"\n'
-     '    if authorization and authorization ~= "" then\n'
-     '        authorization_header = authorization_header .. "Authorization: " .. authorization .. "\\r\\n"\n'
-     "    end\n\n"
-     '    -- Connection: close so sock:receive("*a") terminates on EOF.\n'),
-    ('        .. request_id_header\n        .. "\\r\\n"\n',
-     '        .. request_id_header\n        .. authorization_header\n        .. "\\r\\n"\n'),
-    ("    local hdrs = txn.http:req_get_headers()\n",
-     "    local hdrs = txn.http:req_get_headers()\n"
-     '    local authorization_entry = hdrs and hdrs["authorization"]\n'
-     "    local authorization = authorization_entry and authorization_entry[0]\n"),
-    ("        response = call_router(router, body, truncated, session_id, request_id)\n",
-     "        response = call_router(router, body, truncated, session_id, request_id, authorization)\n"),
+    (
+        "local function call_router(router, body, truncated_length, session_id, request_id)\n",
+        "local function call_router(router, body, truncated_length, session_id, request_id, authorization)\n",
+    ),
+    (
+        '    -- Connection: close so sock:receive("*a") terminates on EOF.\n',
+        "    -- coserve (deployments/haproxy_patch.py): the client's key, checked by the router before the body.\n"
+        f'    local authorization_header = "{ROUTER_MARKER_HEADER}: 1\\r\\n"\n'
+        '    if authorization and authorization ~= "" then\n'
+        '        authorization_header = authorization_header .. "Authorization: " .. authorization .. "\\r\\n"\n'
+        "    end\n\n"
+        '    -- Connection: close so sock:receive("*a") terminates on EOF.\n',
+    ),
+    (
+        '        .. request_id_header\n        .. "\\r\\n"\n',
+        '        .. request_id_header\n        .. authorization_header\n        .. "\\r\\n"\n',
+    ),
+    (
+        "    local hdrs = txn.http:req_get_headers()\n",
+        "    local hdrs = txn.http:req_get_headers()\n"
+        '    local authorization_entry = hdrs and hdrs["authorization"]\n'
+        "    local authorization = authorization_entry and authorization_entry[0]\n",
+    ),
+    (
+        "        response = call_router(router, body, truncated, session_id, request_id)\n",
+        "        response = call_router(router, body, truncated, session_id, request_id, authorization)\n",
+    ),
 )
 
 
@@ -88,8 +105,10 @@ def _edit(text: str, edits: tuple[tuple[str, str], ...], what: str, **fill: str)
     for old, new in edits:
         count = text.count(old)
         if count != 1:
-            raise PatchError(f"{what}: expected this once, found it {count} times (Ray {ray.__version__}, patch "
-                             f"checked against {RAY_VERSION}): {old!r}")
+            raise PatchError(
+                f"{what}: expected this once, found it {count} times (Ray {ray.__version__}, patch "
+                f"checked against {RAY_VERSION}): {old!r}"
+            )
         text = text.replace(old, new.replace("{rules}", fill["rules"]) if "{rules}" in new else new)
     return text
 
@@ -106,9 +125,11 @@ def edit_lua(template: str) -> str:
 
 def check_version() -> None:
     if ray.__version__ != RAY_VERSION:
-        raise PatchError(f"deployments/haproxy_patch.py edits Ray {RAY_VERSION}'s HAProxy templates; this is Ray "
-                         f"{ray.__version__}. Check the edits against its ray/serve/_private/haproxy*.py and "
-                         "ingress_request_router.lua.tmpl, then update RAY_VERSION.")
+        raise PatchError(
+            f"deployments/haproxy_patch.py edits Ray {RAY_VERSION}'s HAProxy templates; this is Ray "
+            f"{ray.__version__}. Check the edits against its ray/serve/_private/haproxy*.py and "
+            "ingress_request_router.lua.tmpl, then update RAY_VERSION."
+        )
 
 
 check_version()  # before anything below reads Ray's private modules (through compat/)
@@ -120,8 +141,12 @@ _RAY_LOAD_LUA = compat.haproxy_lua_loader()
 def _check_ray_knobs(door: FrontDoor) -> None:
     """Ray read its own knobs of the front door (maxconn, timeout client, buffers) from the same environment."""
     read = compat.haproxy_knobs()
-    want = {"maxconn": door.maxconn, "timeout client": door.client_idle_timeout_s, "tune.bufsize": door.bufsize,
-            "tune.bufsize (router)": door.bufsize}
+    want = {
+        "maxconn": door.maxconn,
+        "timeout client": door.client_idle_timeout_s,
+        "tune.bufsize": door.bufsize,
+        "tune.bufsize (router)": door.bufsize,
+    }
     if read != want:
         raise PatchError(f"Ray's HAProxy settings in this process are {read}, the front door's {want}")
 

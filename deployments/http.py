@@ -15,16 +15,36 @@ from deployments.guard import Unauthenticated
 # Serve writes its own logger to the replica log file; a 500's detail must land there.
 logger = logging.getLogger("ray.serve")
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowed", 409: "ConflictError", 413: "PayloadTooLargeError",
-                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    409: "ConflictError",
+    413: "PayloadTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
-def error(status: int, message: str, param: str | None = None, err_type: str | None = None,
-          headers: dict[str, str] | None = None) -> JSONResponse:
+def error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    err_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """An OpenAI-shaped error body with the given HTTP status."""
-    body = {"error": {"message": message, "type": err_type or _ERROR_TYPES.get(status, "Error"),
-                      "param": param, "code": status}}
+    body = {
+        "error": {
+            "message": message,
+            "type": err_type or _ERROR_TYPES.get(status, "Error"),
+            "param": param,
+            "code": status,
+        }
+    }
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -84,8 +104,9 @@ def internal_error(request: Request, exc: BaseException) -> JSONResponse:
     """A 500 that names the request, never the internals: the detail goes to the log under the same id."""
     rid = request_id(request)
     logger.error("request %s %s %s failed", rid, request.method, request.url.path, exc_info=exc)
-    return error(500, f"Internal error; the server log has the detail under request id {rid}.",
-                 headers={"X-Request-Id": rid})
+    return error(
+        500, f"Internal error; the server log has the detail under request id {rid}.", headers={"X-Request-Id": rid}
+    )
 
 
 def _raised_validating_the_request(exc: BaseException) -> bool:

@@ -89,8 +89,13 @@ class KeyRing:
         return Principal(tenant=tenant, admin=tenant == ADMIN_TENANT, key_id=d[:12])
 
     @classmethod
-    def load(cls, keys_file: str | Path | None, keys_env: str | None, data_path: Path,
-             environ: Mapping[str, str] | None = None) -> KeyRing:
+    def load(
+        cls,
+        keys_file: str | Path | None,
+        keys_env: str | None,
+        data_path: Path,
+        environ: Mapping[str, str] | None = None,
+    ) -> KeyRing:
         """Keys from the file and the environment variable named in the config (either may be absent)."""
         environ = os.environ if environ is None else environ
         found: dict[str, str] = {}
@@ -156,9 +161,11 @@ def bind_refusal(host: str, keys_enabled: bool, allow_unauthenticated: bool) -> 
     every right, so only loopback, unless an authenticating proxy in front is declared."""
     if keys_enabled or host in LOOPBACK_HOSTS or allow_unauthenticated:
         return None
-    return (f"Refusing to serve on {host} without API keys: anyone who reaches it could train, roll back and call "
-            "every adapter. Configure auth.keys_file or the auth.keys_env variable (python -m deployments.keys add), bind "
-            "http_options.host to 127.0.0.1, or set auth.allow_unauthenticated_bind behind an authenticating proxy.")
+    return (
+        f"Refusing to serve on {host} without API keys: anyone who reaches it could train, roll back and call "
+        "every adapter. Configure auth.keys_file or the auth.keys_env variable (python -m deployments.keys add), bind "
+        "http_options.host to 127.0.0.1, or set auth.allow_unauthenticated_bind behind an authenticating proxy."
+    )
 
 
 def new_key() -> str:

@@ -13,7 +13,8 @@ tenant's adapter ``tenant/name`` (``adapter_key``), so two tenants may each own 
 name another tenant took is no conflict (a 409 would tell that it exists). A tenant names its own
 adapters by their bare names, in routes, bodies and ``model`` (``base:support``); the admin key (and
 local mode) names keys (``acme/support``; the bare name of an adapter without a tenant or the
-admin's own); a create names the tenant in ``tenant``, as before. The owner of a key never changes, so each model server keeps the owners it has looked up.
+admin's own); a create names the tenant in ``tenant``, as before. The owner of a key never changes, so each model
+server keeps the owners it has looked up.
 No server path reaches a tenant: versions are shown to it without their ``path``, and the data and
 model directories are cut out of the reasons it reads.
 """
@@ -24,27 +25,26 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 
-from settings import AppConfig
-from actors.models.default_model import model_path
-from actors.serving.engine_args import served_model_name
 from actors.learning.lora.targets import lora_targetable_modules, short_names, unknown_targets
+from actors.learning.store.feedback_items import idempotency_key_problem
 from actors.learning.store.models import (
     ADAPTER_KEY_RE,
     ALL_LINEAR,
+    KIND_FOR_METHOD,
     AdapterExists,
     AdapterQuotaExceeded,
     AdapterSpec,
     Conflict,
     IdempotencyKeyReused,
     InvalidRequest,
-    KIND_FOR_METHOD,
     StoreError,
     TrainingQuotaExceeded,
     UnknownAdapter,
@@ -54,15 +54,17 @@ from actors.learning.store.models import (
     pydantic_error,
     pydantic_param,
 )
-from actors.learning.store.feedback_items import idempotency_key_problem
 from actors.learning.store.records import AdapterInfo
-from actors.learning.store.unit_kind import unit_kind
 from actors.learning.store.schema import IDEMPOTENCY_TTL_S
+from actors.learning.store.unit_kind import unit_kind
+from actors.models.default_model import model_path
+from actors.serving.engine_args import served_model_name
 from deployments.adapter_files import AdapterFileRoutes
 from deployments.guard import PRINCIPAL
 from deployments.http import BadRequest, ServiceUnavailable, error, internal_error, json_body
 from deployments.request_rules import UNKNOWN, adapter_key_for, as_seen_by, shown_name
 from planners.types import NewFeedback
+from settings import AppConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -135,7 +137,8 @@ class AdapterView(AdapterInfo):
 
     model: str = Field(description="What a request's `model` names to be served by this unit's current version.")
     retention: RetentionView | None = Field(
-        None, description="The served version's retention check; null before a scored version is served.")
+        None, description="The served version's retention check; null before a scored version is served."
+    )
 
 
 class LearningRoutes:
@@ -161,8 +164,13 @@ class LearningRoutes:
             from deployments.prompt_tokens import PromptCounter
 
             self._counter = PromptCounter(model_dir(self.cfg))
-        return [NewFeedback(it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None,
-                            self._counter.feedback_tokens(it, self.cfg.training.max_length)) for it in items]
+        return [
+            NewFeedback(
+                it.get("adapter") if isinstance(it, dict) and isinstance(it.get("adapter"), str) else None,
+                self._counter.feedback_tokens(it, self.cfg.training.max_length),
+            )
+            for it in items
+        ]
 
     def install(self, app: FastAPI) -> None:
         app.add_exception_handler(StoreError, _store_error)
@@ -254,9 +262,13 @@ class LearningRoutes:
         try:
             await asyncio.wait_for(self.ask_planner(call), self.planner_timeout_s)
             return True
-        except (ServiceUnavailable, RayActorError, asyncio.TimeoutError) as exc:
-            logger.warning("%s is stored, but the planner did not take it (%s: %s); the replicas catch up when it "
-                           "is back", what, type(exc).__name__, exc)
+        except (TimeoutError, ServiceUnavailable, RayActorError) as exc:
+            logger.warning(
+                "%s is stored, but the planner did not take it (%s: %s); the replicas catch up when it is back",
+                what,
+                type(exc).__name__,
+                exc,
+            )
             return False
 
     def _adapter_view(self, info: AdapterInfo) -> AdapterView:
@@ -266,13 +278,23 @@ class LearningRoutes:
         shown = (lambda text: text) if principal.admin else self.without_paths
         versions = [v.model_copy(update={"adapter": name, "reason": shown(v.reason)}) for v in info.versions]
         served = next((v for v in info.versions if v.version == info.current_version), None)
-        retention = (None if served is None or served.retention is None or served.retention_base is None else
-                     RetentionView(version=served.version, score=served.retention, base=served.retention_base,
-                                   lost=served.retention_base - served.retention, margin=info.gate.retention_margin,
-                                   prompts=served.retention_prompts))
-        return AdapterView(**{**dict(info), "name": name, "versions": versions,
-                              "paused_reason": shown(info.paused_reason)},
-                           model=unit_kind(info.method).model_name(self.base, name), retention=retention)
+        retention = (
+            None
+            if served is None or served.retention is None or served.retention_base is None
+            else RetentionView(
+                version=served.version,
+                score=served.retention,
+                base=served.retention_base,
+                lost=served.retention_base - served.retention,
+                margin=info.gate.retention_margin,
+                prompts=served.retention_prompts,
+            )
+        )
+        return AdapterView(
+            **{**dict(info), "name": name, "versions": versions, "paused_reason": shown(info.paused_reason)},
+            model=unit_kind(info.method).model_name(self.base, name),
+            retention=retention,
+        )
 
     def _adapter_json(self, info: AdapterInfo) -> dict[str, Any]:
         """The JSON of :meth:`_adapter_view`; a tenant's has no server path (no version's ``path``)."""
@@ -296,11 +318,18 @@ class LearningRoutes:
         kind = unit_kind(method) if isinstance(method, str) and method in KIND_FOR_METHOD else None
         if kind is not None and kind.admin_only and not principal.admin:
             # A full unit retrains the model every tenant is served: the operator's decision, not a tenant's.
-            return error(403, f"a {kind.methods_named} unit changes the model every tenant is served; "
-                              "only an admin key may create one", "method")
+            return error(
+                403,
+                f"a {kind.methods_named} unit changes the model every tenant is served; "
+                "only an admin key may create one",
+                "method",
+            )
         if kind is not None and self.cfg.cluster.stages < kind.min_stages:
-            raise BadRequest(f"method {method!r} trains the model on a pipeline of cluster.stages >= {kind.min_stages} "
-                             f"bundles; this deployment has cluster.stages={self.cfg.cluster.stages}", "method")
+            raise BadRequest(
+                f"method {method!r} trains the model on a pipeline of cluster.stages >= {kind.min_stages} "
+                f"bundles; this deployment has cluster.stages={self.cfg.cluster.stages}",
+                "method",
+            )
         if "tenant" in body:
             if not principal.admin and body["tenant"] != principal.tenant:
                 raise BadRequest("`tenant`: only an admin key may create adapters for another tenant.", "tenant")
@@ -310,7 +339,9 @@ class LearningRoutes:
             spec = AdapterSpec.model_validate(body)
         except ValidationError as exc:
             errors = exc.errors()
-            raise InvalidRequest([pydantic_error("adapter", e) for e in errors], param=pydantic_param(errors[0])) from None
+            raise InvalidRequest(
+                [pydantic_error("adapter", e) for e in errors], param=pydantic_param(errors[0])
+            ) from None
         if unit_kind(spec.method).uses_lora_settings:
             await self._check_lora(spec)
         info = await self._create(spec, adapter_key(spec.tenant, spec.name))
@@ -327,9 +358,12 @@ class LearningRoutes:
         modules = await self._lora_modules()
         unknown = [] if modules is None else unknown_targets(lora.target_modules, modules)
         if unknown:
-            raise BadRequest(f"lora.target_modules: {unknown} name no module of {self.base}; LoRA can target "
-                             f"{', '.join(short_names(modules))} (a module's name or its last parts, as peft "
-                             f"matches them), or \"{ALL_LINEAR}\"", "lora.target_modules")
+            raise BadRequest(
+                f"lora.target_modules: {unknown} name no module of {self.base}; LoRA can target "
+                f"{', '.join(short_names(modules))} (a module's name or its last parts, as peft "
+                f'matches them), or "{ALL_LINEAR}"',
+                "lora.target_modules",
+            )
 
     async def _lora_modules(self) -> frozenset[str] | None:
         """The served model's LoRA-targetable module names (built once per process, off the event loop);
@@ -339,8 +373,12 @@ class LearningRoutes:
         try:
             return await asyncio.to_thread(lambda: lora_targetable_modules(model_dir(self.cfg)))
         except Exception as exc:  # an architecture transformers cannot build from its config alone
-            logger.warning("cannot list the modules of %s, so lora.target_modules is not checked: %s: %s",
-                           self.base, type(exc).__name__, exc)
+            logger.warning(
+                "cannot list the modules of %s, so lora.target_modules is not checked: %s: %s",
+                self.base,
+                type(exc).__name__,
+                exc,
+            )
             return None
 
     async def _create(self, spec: AdapterSpec, key: str) -> AdapterInfo:
@@ -369,8 +407,9 @@ class LearningRoutes:
 
     async def list_adapters(self) -> JSONResponse:
         principal = PRINCIPAL.get()
-        adapters = [a for a in await self.call_store(lambda store: store.list_adapters.remote())
-                    if principal.may_use(a.tenant)]
+        adapters = [
+            a for a in await self.call_store(lambda store: store.list_adapters.remote()) if principal.may_use(a.tenant)
+        ]
         return JSONResponse({"object": "list", "data": [self._adapter_json(i) for i in adapters]})
 
     async def show_adapter(self, name: str) -> Response:
@@ -407,7 +446,8 @@ class LearningRoutes:
         if isinstance(body, dict) and set(body) != {"version"}:
             raise BadRequest(f"unexpected keys beside `version`: {sorted(set(body) - {'version'})}")
         info = await self.call_store(
-            lambda store: (store.rollback if how == "rollback" else store.promote).remote(name, version))
+            lambda store: (store.rollback if how == "rollback" else store.promote).remote(name, version)
+        )
         # From here on the change is committed: the answer is the stored state, whatever the planner does.
         # The target's path and node come with the answer (versions are immutable once published).
         target = next((v for v in info.versions if v.version == version), None)
@@ -424,8 +464,9 @@ class LearningRoutes:
         principal = PRINCIPAL.get()
         status = await self.ask_planner(lambda p: p.status.remote())
         if not principal.admin:  # a tenant's key: its own series, nobody else's
-            return Response(render_tenant(engines, principal.tenant or "", status.get("tenants")),
-                            media_type=CONTENT_TYPE_LATEST)
+            return Response(
+                render_tenant(engines, principal.tenant or "", status.get("tenants")), media_type=CONTENT_TYPE_LATEST
+            )
         adapters = [a.model_dump() for a in await self.call_store(lambda store: store.list_adapters.remote())]
         return Response(render(status, adapters, engines), media_type=CONTENT_TYPE_LATEST)
 
@@ -450,17 +491,24 @@ class LearningRoutes:
         else:
             items = body
         if not isinstance(items, (list, dict)):
-            raise BadRequest("Body must be an item, a list of items, or {\"items\": [...]}.", "items")
+            raise BadRequest('Body must be an item, a list of items, or {"items": [...]}.', "items")
         listed = items if isinstance(items, list) else [items]
         if len(listed) > self.cfg.limits.feedback_max_items:
-            raise BadRequest(f"{len(listed)} items, at most limits.feedback_max_items="
-                             f"{self.cfg.limits.feedback_max_items} per request.", "items")
+            raise BadRequest(
+                f"{len(listed)} items, at most limits.feedback_max_items="
+                f"{self.cfg.limits.feedback_max_items} per request.",
+                "items",
+            )
         keys = {}  # feedback only to the tenant's own adapters (others do not exist), under the store's keys
         for name in {it.get("adapter") for it in listed if isinstance(it, dict) and isinstance(it.get("adapter"), str)}:
             keys[name] = await self.resolve(name)
         if any(key != name for name, key in keys.items()):
-            listed = [{**it, "adapter": keys[it["adapter"]]}
-                      if isinstance(it, dict) and isinstance(it.get("adapter"), str) else it for it in listed]
+            listed = [
+                {**it, "adapter": keys[it["adapter"]]}
+                if isinstance(it, dict) and isinstance(it.get("adapter"), str)
+                else it
+                for it in listed
+            ]
             items = listed if isinstance(items, list) else listed[0]
         tenant, ttl = PRINCIPAL.get().tenant, None
         refs = None
@@ -481,9 +529,18 @@ class LearningRoutes:
         if key is None:
             key, ttl = f"request-{uuid.uuid4().hex}", REQUEST_KEY_TTL_S
         tokens = None if sizes is None else [s.tokens for s in sizes]
-        receipt = await self.call_store(lambda store: store.submit_feedback.remote(
-            items, nodes, idempotency_key=key, tenant=tenant, key_ttl_s=IDEMPOTENCY_TTL_S if ttl is None else ttl,
-            refs=refs, tokens=tokens, tokens_per_day=per_day))
+        receipt = await self.call_store(
+            lambda store: store.submit_feedback.remote(
+                items,
+                nodes,
+                idempotency_key=key,
+                tenant=tenant,
+                key_ttl_s=IDEMPOTENCY_TTL_S if ttl is None else ttl,
+                refs=refs,
+                tokens=tokens,
+                tokens_per_day=per_day,
+            )
+        )
         # Only a client's own key is a replay the client asked for; a request key replays Ray's resend.
         replayed = {"Idempotent-Replayed": "true"} if receipt.replayed and ttl is None else None
         return JSONResponse({"ids": receipt.ids, "accepted": len(receipt.ids)}, status_code=202, headers=replayed)

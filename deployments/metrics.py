@@ -6,7 +6,8 @@ live in other actors: the ingress asks them once per scrape and renders what the
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -28,39 +29,80 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
     in_flight = Gauge("coserve_node_in_flight", "requests placed on the node and not finished", node, registry=reg)
     placed = Gauge("coserve_node_placed_total", "requests placed on the node since start", node, registry=reg)
     busy = Gauge("coserve_node_busy_seconds", "seconds the node's replica had requests in flight", node, registry=reg)
-    ft_tokens = Gauge("coserve_node_ft_tokens_granted_total", "fine-tuning tokens granted to the trainer on the node",
-                      node, registry=reg)
-    refused = Gauge("coserve_node_ft_grants_refused_total", "trainer requests the node's scheduler refused", node,
-                    registry=reg)
+    ft_tokens = Gauge(
+        "coserve_node_ft_tokens_granted_total",
+        "fine-tuning tokens granted to the trainer on the node",
+        node,
+        registry=reg,
+    )
+    refused = Gauge(
+        "coserve_node_ft_grants_refused_total", "trainer requests the node's scheduler refused", node, registry=reg
+    )
     kv = Gauge("coserve_node_kv_cache_usage", "fraction of the engine's KV cache in use", node, registry=reg)
-    cache_queried = Gauge("coserve_node_prefix_cache_queried_tokens_total", "prompt tokens the node's engine looked up "
-                          "in its prefix cache since its replica started", node, registry=reg)
-    cache_hit = Gauge("coserve_node_prefix_cache_hit_tokens_total", "of those, tokens found cached (same tenant's "
-                      "prefixes only: per-tenant cache salt)", node, registry=reg)
-    prediction = Gauge("coserve_window_prediction_error", "median error of the recent fine-tuning grants' prediction "
-                       "on the node: duration and worst_gap relative ((modelled - measured) / measured), delay in "
-                       "seconds (rho*t_ft - inference seconds lost beside the window)", node + ("quantity",),
-                       registry=reg)
-    measured = Gauge("coserve_window_grants_measured", "recent fine-tuning grants measured against their prediction",
-                     node, registry=reg)
-    interference = Gauge("coserve_window_interference", "rho, inference seconds lost per second of fine-tuning beside "
-                         "it: the profile's, and the one in force (measured once enough windows ran)",
-                         node + ("source",), registry=reg)
-    iteration_factor = Gauge("coserve_engine_iteration_factor", "measured / modelled time between tokens of engine "
-                             "steps without fine-tuning beside them (the budget's t_iter refit)", node, registry=reg)
-    attainment = Gauge("coserve_slo_attainment", "share of times between tokens within the TBT SLO (slo=tbt, one per "
-                       "decoding request and step) and of first tokens within the TTFT SLO (slo=ttft), with "
-                       "fine-tuning running beside them or not", node + ("slo", "training"), registry=reg)
-    observed = CounterMetricFamily("coserve_slo_observed", "times between tokens and first tokens counted against "
-                                   "the SLOs, and how many were within", labels=node + ("slo", "training", "within"))
+    cache_queried = Gauge(
+        "coserve_node_prefix_cache_queried_tokens_total",
+        "prompt tokens the node's engine looked up in its prefix cache since its replica started",
+        node,
+        registry=reg,
+    )
+    cache_hit = Gauge(
+        "coserve_node_prefix_cache_hit_tokens_total",
+        "of those, tokens found cached (same tenant's prefixes only: per-tenant cache salt)",
+        node,
+        registry=reg,
+    )
+    prediction = Gauge(
+        "coserve_window_prediction_error",
+        "median error of the recent fine-tuning grants' prediction "
+        "on the node: duration and worst_gap relative ((modelled - measured) / measured), delay in "
+        "seconds (rho*t_ft - inference seconds lost beside the window)",
+        node + ("quantity",),
+        registry=reg,
+    )
+    measured = Gauge(
+        "coserve_window_grants_measured",
+        "recent fine-tuning grants measured against their prediction",
+        node,
+        registry=reg,
+    )
+    interference = Gauge(
+        "coserve_window_interference",
+        "rho, inference seconds lost per second of fine-tuning beside "
+        "it: the profile's, and the one in force (measured once enough windows ran)",
+        node + ("source",),
+        registry=reg,
+    )
+    iteration_factor = Gauge(
+        "coserve_engine_iteration_factor",
+        "measured / modelled time between tokens of engine "
+        "steps without fine-tuning beside them (the budget's t_iter refit)",
+        node,
+        registry=reg,
+    )
+    attainment = Gauge(
+        "coserve_slo_attainment",
+        "share of times between tokens within the TBT SLO (slo=tbt, one per "
+        "decoding request and step) and of first tokens within the TTFT SLO (slo=ttft), with "
+        "fine-tuning running beside them or not",
+        node + ("slo", "training"),
+        registry=reg,
+    )
+    observed = CounterMetricFamily(
+        "coserve_slo_observed",
+        "times between tokens and first tokens counted against the SLOs, and how many were within",
+        labels=node + ("slo", "training", "within"),
+    )
     reg.register(_Families([observed]))
     for n in status.get("nodes", []):
         label = str(n["node_id"])
         wp = n.get("window_prediction") or {}
         if wp:
             measured.labels(label).set(wp.get("grants_measured", 0))
-            for quantity, key in (("duration", "duration_median_error"), ("worst_gap", "worst_gap_median_error"),
-                                  ("delay", "delay_median_error_s")):
+            for quantity, key in (
+                ("duration", "duration_median_error"),
+                ("worst_gap", "worst_gap_median_error"),
+                ("delay", "delay_median_error_s"),
+            ):
                 if wp.get(key) is not None:
                     prediction.labels(label, quantity).set(wp[key])
             rho = wp.get("interference") or {}
@@ -100,22 +142,40 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
     loss = Gauge("coserve_adapter_loss", "training loss of the current version", ad, registry=reg)
     win = Gauge("coserve_adapter_win_rate", "win rate on the held-out preferences (MACE §3.1)", ad, registry=reg)
     clpd = Gauge("coserve_adapter_clpd", "CLPD on the held-out preferences (MACE §3.1)", ad, registry=reg)
-    token_logprob = Gauge("coserve_adapter_token_logprob", "sft: mean log-likelihood per held-out completion token",
-                          ad, registry=reg)
-    retention = Gauge("coserve_adapter_retention", "the served version's retention score: mean log-likelihood per "
-                      "token of the base model's answers to the retention set (issue 37)", ad, registry=reg)
-    retention_base = Gauge("coserve_adapter_retention_base", "the base model's own retention score (the gate rejects "
-                           "a version that loses more than gate.retention_margin against it)", ad, registry=reg)
-    score_s = Gauge("coserve_adapter_score_seconds", "seconds the gate spent scoring the served version", ad,
-                    registry=reg)
-    paused = Gauge("coserve_adapter_paused", "1 while training is paused (e.g. too many versions rejected in a row)",
-                   ad, registry=reg)
-    held_out = Gauge("coserve_adapter_held_out", "feedback items kept out of training as the held-out slice", ad,
-                     registry=reg)
+    token_logprob = Gauge(
+        "coserve_adapter_token_logprob", "sft: mean log-likelihood per held-out completion token", ad, registry=reg
+    )
+    retention = Gauge(
+        "coserve_adapter_retention",
+        "the served version's retention score: mean log-likelihood per "
+        "token of the base model's answers to the retention set (issue 37)",
+        ad,
+        registry=reg,
+    )
+    retention_base = Gauge(
+        "coserve_adapter_retention_base",
+        "the base model's own retention score (the gate rejects "
+        "a version that loses more than gate.retention_margin against it)",
+        ad,
+        registry=reg,
+    )
+    score_s = Gauge(
+        "coserve_adapter_score_seconds", "seconds the gate spent scoring the served version", ad, registry=reg
+    )
+    paused = Gauge(
+        "coserve_adapter_paused",
+        "1 while training is paused (e.g. too many versions rejected in a row)",
+        ad,
+        registry=reg,
+    )
+    held_out = Gauge(
+        "coserve_adapter_held_out", "feedback items kept out of training as the held-out slice", ad, registry=reg
+    )
     candidates = Gauge("coserve_adapter_candidates", "versions waiting for the quality gate", ad, registry=reg)
     # Counters kept in the store (durable, monotonic); exposed as counter families without _created.
-    promotions = CounterMetricFamily("coserve_adapter_promotions", "versions served by the quality gate or a "
-                                                                   "promotion", labels=ad)
+    promotions = CounterMetricFamily(
+        "coserve_adapter_promotions", "versions served by the quality gate or a promotion", labels=ad
+    )
     rejections = CounterMetricFamily("coserve_adapter_rejections", "versions the quality gate rejected", labels=ad)
     reg.register(_Families([promotions, rejections]))
     for a in adapters:
@@ -130,23 +190,43 @@ def render(status: dict[str, Any], adapters: Iterable[dict[str, Any]], engines: 
         version.labels(name).set(a.get("current_version") or 0)
         if current is None:
             continue
-        for gauge, key in ((trained, "samples_trained"), (loss, "loss"), (win, "win_rate"), (clpd, "clpd"),
-                           (token_logprob, "token_logprob"), (retention, "retention"),
-                           (retention_base, "retention_base"), (score_s, "score_s")):
+        for gauge, key in (
+            (trained, "samples_trained"),
+            (loss, "loss"),
+            (win, "win_rate"),
+            (clpd, "clpd"),
+            (token_logprob, "token_logprob"),
+            (retention, "retention"),
+            (retention_base, "retention_base"),
+            (score_s, "score_s"),
+        ):
             if current.get(key) is not None:
                 gauge.labels(name).set(current[key])
     return generate_latest(reg)
 
 
-TENANT_PREFIX = "coserve_tenant_"  # the per-tenant series of each replica's fair admission (actors/serving/fair_admission.py)
+TENANT_PREFIX = (
+    "coserve_tenant_"  # the per-tenant series of each replica's fair admission (actors/serving/fair_admission.py)
+)
 
 
-LEARNING_BUDGET = (("served_tokens", "coserve_tenant_learning_served_tokens",
-                    "Tokens the engines served the tenant (prompt and output), across nodes"),
-                   ("training_tokens", "coserve_tenant_learning_training_tokens",
-                    "Tokens the trainer ran for the tenant's adapters, across nodes"),
-                   ("trainer_seconds", "coserve_tenant_learning_trainer_seconds",
-                    "Seconds the trainer ranks ran windows of the tenant's adapters"))
+LEARNING_BUDGET = (
+    (
+        "served_tokens",
+        "coserve_tenant_learning_served_tokens",
+        "Tokens the engines served the tenant (prompt and output), across nodes",
+    ),
+    (
+        "training_tokens",
+        "coserve_tenant_learning_training_tokens",
+        "Tokens the trainer ran for the tenant's adapters, across nodes",
+    ),
+    (
+        "trainer_seconds",
+        "coserve_tenant_learning_trainer_seconds",
+        "Seconds the trainer ranks ran windows of the tenant's adapters",
+    ),
+)
 
 
 def learning_budget_families(tenants: dict[str, dict[str, Any]], only: str | None = None) -> list[Any]:
@@ -188,8 +268,7 @@ def engine_families(engines: dict[int, str]) -> list[Any]:
     merged: dict[str, Any] = {}
     for node, text in sorted(engines.items()):
         for family in text_string_to_metric_families(text):
-            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
-                                                         family.unit))
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
             for sample in family.samples:
                 into.add_sample(sample.name, {**sample.labels, "node": str(node)}, sample.value, sample.timestamp)
     return list(merged.values())

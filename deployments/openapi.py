@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.learning.store.models import MAX_IDEMPOTENCY_KEY_CHARS, AdapterSpec, GateOverrides, Mode, PeriodicSettings
 from actors.learning.store.feedback_items import LabelItem, PreferenceItem, SFTItem
+from actors.learning.store.models import MAX_IDEMPOTENCY_KEY_CHARS, AdapterSpec, GateOverrides, Mode, PeriodicSettings
 from deployments.guard import PUBLIC_PATHS
 
 REF = "#/components/schemas/{model}"
@@ -60,7 +60,9 @@ class VersionSource(BaseModel):
     """What ``POST /v1/adapters/{name}/versions`` takes as JSON: where the adapter is (admin only)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    source: str = Field(min_length=1, description="file://, s3:// or gs:// URI of a PEFT directory or a .tar/.zip of one.")
+    source: str = Field(
+        min_length=1, description="file://, s3:// or gs:// URI of a PEFT directory or a .tar/.zip of one."
+    )
     gate: bool | None = Field(None, description="false: serve at once, unjudged (admin only).")
 
 
@@ -72,8 +74,9 @@ class CompletionFeedback(BaseModel):
     adapter: str | None = Field(None, description="The adapter to train; default the one that answered.")
     rating: Literal["up", "down"] | None = Field(None, description="A label of the answer (a kto adapter).")
     correction: str | None = Field(None, min_length=1, description="The right answer to the stored prompt (sft).")
-    preferred_over: str | None = Field(None, min_length=1, description="Another stored completion of the same "
-                                                                        "prompt whose answer is worse (dpo).")
+    preferred_over: str | None = Field(
+        None, min_length=1, description="Another stored completion of the same prompt whose answer is worse (dpo)."
+    )
 
 
 class FeedbackBatch(BaseModel):
@@ -82,9 +85,13 @@ class FeedbackBatch(BaseModel):
 
 
 _ITEM_REFS = [{"$ref": REF.format(model=m)} for m in ("SFTItem", "PreferenceItem", "LabelItem", "CompletionFeedback")]
-FEEDBACK_BODY: dict[str, Any] = {"anyOf": [
-    *_ITEM_REFS, {"type": "array", "minItems": 1, "items": {"anyOf": _ITEM_REFS}},
-    {"$ref": REF.format(model="FeedbackBatch")}]}
+FEEDBACK_BODY: dict[str, Any] = {
+    "anyOf": [
+        *_ITEM_REFS,
+        {"type": "array", "minItems": 1, "items": {"anyOf": _ITEM_REFS}},
+        {"$ref": REF.format(model="FeedbackBatch")},
+    ]
+}
 
 # (path, method) -> (request body schema, the route's own answers besides 2xx)
 APP_OPERATIONS: dict[tuple[str, str], tuple[dict[str, Any] | None, tuple[int, ...]]] = {
@@ -107,38 +114,73 @@ _BINARY = {"type": "string", "format": "binary"}
 UPLOAD_BODY: dict[str, Any] = {
     "required": True,
     "description": "A PEFT LoRA adapter: a tar or zip of adapter_config.json + adapter_model.safetensors (at the "
-                   "top level or in one folder), at most limits.max_adapter_bytes; or JSON naming a PEFT directory "
-                   "or such an archive by URI (admin only).",
-    "content": {"application/x-tar": {"schema": _BINARY}, "application/zip": {"schema": _BINARY},
-                "application/json": {"schema": {"$ref": REF.format(model="VersionSource")}}}}
-UPLOAD_QUERY = {"name": "gate", "in": "query", "required": False, "schema": {"type": "boolean"},
-                "description": "false: serve the version at once, unjudged (admin only); true: judge it even with the "
-                               "adapter's gate off. Default: the adapter's gate."}
-VERSION_PARAM = {"name": "version", "in": "path", "required": True,
-                 "schema": {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}}
+    "top level or in one folder), at most limits.max_adapter_bytes; or JSON naming a PEFT directory "
+    "or such an archive by URI (admin only).",
+    "content": {
+        "application/x-tar": {"schema": _BINARY},
+        "application/zip": {"schema": _BINARY},
+        "application/json": {"schema": {"$ref": REF.format(model="VersionSource")}},
+    },
+}
+UPLOAD_QUERY = {
+    "name": "gate",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "boolean"},
+    "description": "false: serve the version at once, unjudged (admin only); true: judge it even with the "
+    "adapter's gate off. Default: the adapter's gate.",
+}
+VERSION_PARAM = {
+    "name": "version",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+}
 # (path, method) -> header parameters the route reads itself
 APP_HEADERS: dict[tuple[str, str], list[dict[str, Any]]] = {
-    ("/v1/feedback", "post"): [{
-        "name": "Idempotency-Key", "in": "header", "required": False,
-        "description": "Stores the batch once: the same key from the same tenant within 24 h answers the first "
-                       "request's 202 and ids again and stores nothing; with other items, 422.",
-        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS, "pattern": "^[ -~]+$"}}],
+    ("/v1/feedback", "post"): [
+        {
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": False,
+            "description": "Stores the batch once: the same key from the same tenant within 24 h answers the first "
+            "request's 202 and ids again and stores nothing; with other items, 422.",
+            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS, "pattern": "^[ -~]+$"},
+        }
+    ],
 }
-_DOC_MODELS: tuple[type[BaseModel], ...] = (AppError, AdapterSpec, AdapterChange, VersionChoice, FeedbackBatch,
-                                            SFTItem, PreferenceItem, LabelItem, CompletionFeedback, VersionSource)
-_STATUS_TEXT = {400: "Bad request", 401: "Missing or unknown API key",
-                403: "Not allowed: needs an admin key, or over a count limit (limits.adapters_per_tenant)",
-                404: "Not found (or another tenant's)", 409: "Conflict",
-                413: "Body larger than limits.max_body_bytes (an adapter upload: limits.max_adapter_bytes)",
-                422: "Idempotency-Key sent again with other feedback items",
-                429: "Over the key's rate or concurrency limit (feedback: limits.training_tokens_per_day)", 500: "Internal error (the log has the detail)",
-                503: "A part of the service is restarting"}
+_DOC_MODELS: tuple[type[BaseModel], ...] = (
+    AppError,
+    AdapterSpec,
+    AdapterChange,
+    VersionChoice,
+    FeedbackBatch,
+    SFTItem,
+    PreferenceItem,
+    LabelItem,
+    CompletionFeedback,
+    VersionSource,
+)
+_STATUS_TEXT = {
+    400: "Bad request",
+    401: "Missing or unknown API key",
+    403: "Not allowed: needs an admin key, or over a count limit (limits.adapters_per_tenant)",
+    404: "Not found (or another tenant's)",
+    409: "Conflict",
+    413: "Body larger than limits.max_body_bytes (an adapter upload: limits.max_adapter_bytes)",
+    422: "Idempotency-Key sent again with other feedback items",
+    429: "Over the key's rate or concurrency limit (feedback: limits.training_tokens_per_day)",
+    500: "Internal error (the log has the detail)",
+    503: "A part of the service is restarting",
+}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
 
 
 def _error_response(status: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"description": _STATUS_TEXT[status],
-                           "content": {"application/json": {"schema": {"$ref": REF.format(model="AppError")}}}}
+    out: dict[str, Any] = {
+        "description": _STATUS_TEXT[status],
+        "content": {"application/json": {"schema": {"$ref": REF.format(model="AppError")}}},
+    }
     if status in (429, 503):
         out["headers"] = _RETRY_AFTER
     return out
@@ -163,13 +205,15 @@ def _files_operation(path: str, method: str, op: dict[str, Any]) -> None:
         op["parameters"] = [*op.get("parameters", []), UPLOAD_QUERY]
         op.setdefault("responses", {})["201"] = {
             "description": "The new version, as the adapter routes show versions (a tenant's without `path`).",
-            "content": {"application/json": {"schema": {"type": "object"}}}}
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        }
         op["responses"].pop("200", None)
     elif (path, method) == DOWNLOAD:
         op["parameters"] = [VERSION_PARAM if p.get("name") == "version" else p for p in op.get("parameters", [])]
         op.setdefault("responses", {})["200"] = {
             "description": "The version's PEFT directory as a tar: adapter_config.json + adapter_model.safetensors.",
-            "content": {"application/x-tar": {"schema": _BINARY}}}
+            "content": {"application/x-tar": {"schema": _BINARY}},
+        }
 
 
 def install_openapi(app: FastAPI, guarded: bool, max_lora_rank: int | None = None) -> None:
@@ -180,8 +224,12 @@ def install_openapi(app: FastAPI, guarded: bool, max_lora_rank: int | None = Non
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
-        doc = get_openapi(title="coserve", version="1", description="OpenAI-compatible serving that learns "
-                          "from feedback (README).", routes=app.routes)
+        doc = get_openapi(
+            title="coserve",
+            version="1",
+            description="OpenAI-compatible serving that learns from feedback (README).",
+            routes=app.routes,
+        )
         doc.setdefault("components", {}).setdefault("schemas", {}).update(_components(max_lora_rank))
         if guarded:
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -204,8 +252,10 @@ def install_openapi(app: FastAPI, guarded: bool, max_lora_rank: int | None = Non
                 if path == "/health":
                     statuses.add(503)
                 if path == "/metrics":
-                    responses["200"] = {"description": "Prometheus text exposition",
-                                        "content": {"text/plain": {"schema": {"type": "string"}}}}
+                    responses["200"] = {
+                        "description": "Prometheus text exposition",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
                 for status in sorted(statuses):
                     responses.setdefault(str(status), _error_response(status))
         app.openapi_schema = doc

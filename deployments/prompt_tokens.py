@@ -40,8 +40,13 @@ class PromptCounter:
                 return 1
             messages = item.get("messages")
             answers = [item[k] for k in ("completion", "chosen", "rejected") if isinstance(item.get(k), str)]
-            if isinstance(messages, list) and messages and not answers and isinstance(messages[-1], dict) \
-                    and messages[-1].get("role") == "assistant":  # OpenAI's fine-tuning shape
+            if (
+                isinstance(messages, list)
+                and messages
+                and not answers
+                and isinstance(messages[-1], dict)
+                and messages[-1].get("role") == "assistant"
+            ):  # OpenAI's fine-tuning shape
                 answers, messages = [str(messages[-1].get("content") or "")], messages[:-1]
             body = {"messages": messages} if isinstance(messages, list) else {"prompt": str(item.get("prompt") or "")}
             context = self.count(body)

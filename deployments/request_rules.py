@@ -5,7 +5,8 @@ router plans with the name and the length the replica will use."""
 from __future__ import annotations
 
 import re
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from actors.learning.store.models import ADAPTER_NAME_RE, adapter_key, split_adapter_key
 from deployments.keys import Principal
@@ -54,8 +55,9 @@ def engine_model_name(principal: Principal, model: str) -> str:
     return model if key is None else f"{base}:{key}"
 
 
-async def engine_model_for(principal: Any, model: str, base: str, owner: Callable[[str], Awaitable[Any]],
-                           served: Any) -> str | None:
+async def engine_model_for(
+    principal: Any, model: str, base: str, owner: Callable[[str], Awaitable[Any]], served: Any
+) -> str | None:
     """The engine's name for the model ``principal`` names ``model`` in a request, or None where that is an
     adapter the principal may not use or this node does not serve: the request then gets the 404 vLLM gives a
     model it does not have, whether the adapter is another tenant's or none at all. A tenant names its own
@@ -64,7 +66,7 @@ async def engine_model_for(principal: Any, model: str, base: str, owner: Callabl
     engine's LoRA names (vLLM's ``lora_requests``)."""
     if not model.startswith(base + ":"):
         return model
-    key = adapter_key_for(principal, model[len(base) + 1:])
+    key = adapter_key_for(principal, model[len(base) + 1 :])
     found = UNKNOWN if key is None else await owner(key)
     if found is UNKNOWN:
         # Not in the store: an operator's adapter (the admin may call it; vLLM answers), or none at all.
@@ -79,7 +81,7 @@ def public_model(principal: Any, base: str, model: str) -> str:
     ``base:acme/support``; the admin (and local mode) the engine's own name."""
     if not model.startswith(base + ":"):
         return model
-    return f"{base}:{shown_name(principal, model[len(base) + 1:])}"
+    return f"{base}:{shown_name(principal, model[len(base) + 1 :])}"
 
 
 def default_max_tokens(request: Any, cap: int) -> None:
@@ -100,8 +102,9 @@ def default_max_tokens(request: Any, cap: int) -> None:
             request.max_tokens = cap
 
 
-def default_output_tokens(chat: bool, max_tokens_limit: int, max_model_len: int,
-                          model_default: int | None = None) -> int:
+def default_output_tokens(
+    chat: bool, max_tokens_limit: int, max_model_len: int, model_default: int | None = None
+) -> int:
     """The output length of a request that names none: for a chat ``limits.max_tokens`` (or the model's
     generation config's, where less), for a completion 16 as vLLM and OpenAI give it, capped by the same; never
     past the context. vLLM then takes the least of this and the room the prompt leaves (``get_max_tokens``)."""

@@ -49,15 +49,15 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 import compat
 from actors.serving import request_stages
-from settings import AppConfig
-from deployments.keys import LOCAL, Principal
 from deployments.front_door import ROUTER_MARKER_HEADER
 from deployments.guard import bearer_token
+from deployments.keys import LOCAL, Principal
 from deployments.prompt_tokens import PromptCounter
 from deployments.request_rules import default_output_tokens, engine_model_name
 from planners import registry
 from planners.routing import RoutingTable
 from planners.types import Task
+from settings import AppConfig
 
 # Whoever sends a request the router cannot identify (HAProxy not forwarding keys): names go as sent.
 ANONYMOUS = Principal(None, False, "anonymous")
@@ -89,7 +89,8 @@ class NodeRequestRouter(RequestRouter):
                     from actors.control.planner import find_planner
 
                     self._planner = await asyncio.to_thread(
-                        find_planner, self._deployment_id.app_name, self._deployment_id.name)
+                        find_planner, self._deployment_id.app_name, self._deployment_id.name
+                    )
                 snapshot = await self._planner.routing_snapshot.remote(self.table.seq)
                 self._adopt_policy(snapshot.placement, snapshot.placement_params)
                 for trace in self.table.update(snapshot):
@@ -119,8 +120,9 @@ class NodeRequestRouter(RequestRouter):
 
     # ---- Serve's hook -----------------------------------------------------------------------
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if len(candidate_replicas) == 1:
             return [candidate_replicas]  # one node takes requests now: nothing to decide
         by_node = {r.replica_metadata.get("node_id"): r for r in candidate_replicas}
@@ -156,19 +158,27 @@ class PromptEstimate:
     exact count here cost the router a tokenizer pass (and a chat template render) per request, on the path
     of every request, to plan with a figure that only has to be close."""
 
-    SAMPLE = ("Could you help me plan a short trip? I would like to spend three days in a city by the sea, walk "
-              "a lot, eat well and visit one or two museums. Please suggest a plan for each day, with the places "
-              "to see in the morning and the afternoon, where to have dinner, and how to get around without a "
-              "car. Keep it simple and tell me what to book in advance.")
+    SAMPLE = (
+        "Could you help me plan a short trip? I would like to spend three days in a city by the sea, walk "
+        "a lot, eat well and visit one or two museums. Please suggest a plan for each day, with the places "
+        "to see in the morning and the afternoon, where to have dinner, and how to get around without a "
+        "car. Keep it simple and tell me what to book in advance."
+    )
 
     def __init__(self, counter: PromptCounter) -> None:
         self.counter = counter
         self.per_char = max(1e-3, len(counter.tok(self.SAMPLE).input_ids) / len(self.SAMPLE))
         self.bos = max(0, len(counter.tok("").input_ids))
         one = counter.count({"messages": [{"role": "user", "content": self.SAMPLE}]})
-        two = counter.count({"messages": [{"role": "user", "content": self.SAMPLE},
-                                          {"role": "assistant", "content": self.SAMPLE},
-                                          {"role": "user", "content": self.SAMPLE}]})
+        two = counter.count(
+            {
+                "messages": [
+                    {"role": "user", "content": self.SAMPLE},
+                    {"role": "assistant", "content": self.SAMPLE},
+                    {"role": "user", "content": self.SAMPLE},
+                ]
+            }
+        )
         text = self._text_tokens(self.SAMPLE)
         self.per_message = max(0.0, (two - one - 2 * text) / 2)
         self.per_chat = max(0.0, one - text - self.per_message)
@@ -228,8 +238,15 @@ class PlacementRouter:
                 host, port = endpoint
                 log = request_stages.request_log()
                 if log is not None:  # a benchmark's request log: this hop's share of the request's time
-                    log.write({"kind": "route", "id": request.headers.get("x-request-id", ""), "arrival": arrival,
-                               "counted": counted, "chosen": time.perf_counter()})
+                    log.write(
+                        {
+                            "kind": "route",
+                            "id": request.headers.get("x-request-id", ""),
+                            "arrival": arrival,
+                            "counted": counted,
+                            "chosen": time.perf_counter(),
+                        }
+                    )
                 return {"host": host, "port": port, "replica_id": replica_id}
         except HTTPException:
             raise
@@ -250,8 +267,10 @@ class PlacementRouter:
             # a client with a key from one without; it places by the body as before, and says so once.
             if not self._warned_unmarked:
                 self._warned_unmarked = True
-                logger.warning("placement router: HAProxy does not forward the client's key (start Serve with "
-                               "app/serve_env.py's settings); bodies are read before the key is checked")
+                logger.warning(
+                    "placement router: HAProxy does not forward the client's key (start Serve with "
+                    "app/serve_env.py's settings); bodies are read before the key is checked"
+                )
             return ANONYMOUS
         return self.keys.identify(bearer_token(headers.get("authorization")))
 
@@ -267,7 +286,15 @@ class PlacementRouter:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             # The length the replica gives it, within the room the prompt leaves (as vLLM's get_max_tokens).
             room = max(1, self.cfg.model.max_model_len - prompt_tokens)
-            max_tokens = min(room, default_output_tokens("messages" in body, self.cfg.limits.max_tokens,
-                                                         self.cfg.model.max_model_len))
-        return Task(task_id=request_id or "", kind="inference", model=engine_model_name(principal, body["model"]),
-                    prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=time.time())
+            max_tokens = min(
+                room,
+                default_output_tokens("messages" in body, self.cfg.limits.max_tokens, self.cfg.model.max_model_len),
+            )
+        return Task(
+            task_id=request_id or "",
+            kind="inference",
+            model=engine_model_name(principal, body["model"]),
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            arrival=time.time(),
+        )

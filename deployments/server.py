@@ -31,9 +31,10 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from types import SimpleNamespace
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import ray
 from fastapi import FastAPI
@@ -43,16 +44,17 @@ from ray.exceptions import RayActorError
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
 import compat
-from actors.serving import request_stages
-from actors.learning.versions.files import AdapterFiles
 from actors.control.planner import NAMESPACE
-from actors.serving.replica import ModelReplica
-from actors.serving.fair_admission import FairAdmission
-from settings import AppConfig
+from actors.learning.versions.files import AdapterFiles
+from actors.serving import request_stages
 from actors.serving.engine_args import engine_flags, served_model_name
+from actors.serving.fair_admission import FairAdmission
+from actors.serving.messages import NodeRegistration
+from actors.serving.replica import ModelReplica
 from deployments.guard import PRINCIPAL, RequestGuard
 from deployments.http import ServiceUnavailable, install_error_handlers
 from deployments.learning import LearningRoutes
+from deployments.openapi import install_openapi
 from deployments.request_rules import (
     UNKNOWN,
     default_max_tokens,
@@ -61,10 +63,9 @@ from deployments.request_rules import (
     public_model,
     shown_name,
 )
-from deployments.openapi import install_openapi
-from deployments.streams import CoalesceEventStreams
 from deployments.stored_completions import CompletionRecorder
-from actors.serving.messages import NodeRegistration
+from deployments.streams import CoalesceEventStreams
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,20 @@ PLANNER = "planner"  # the deployment-scoped actor's name
 # responses, Anthropic messages, SageMaker invocations, batch chat, elastic EP control, ...) are
 # not: each would need its own tenant checks, and some change the engine. /health, /v1/models and
 # /metrics are the app's own (they span every node and show the planner's and adapters' facts).
-VLLM_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/ping", "/version",
-                         "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+VLLM_ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+        "/ping",
+        "/version",
+        "/openapi.json",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+    }
+)
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})  # the model's rights and the caps
 OWNED_ROUTES = frozenset({"/tokenize", "/detokenize"})  # the model's rights alone (no output, so no caps)
 
@@ -90,7 +103,7 @@ class StageStamps:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path, root = scope.get("path", ""), scope.get("root_path", "")
-        if scope["type"] != "http" or (path[len(root):] if root and path.startswith(root) else path) not in self.PATHS:
+        if scope["type"] != "http" or (path[len(root) :] if root and path.startswith(root) else path) not in self.PATHS:
             await self.app(scope, receive, send)
             return
         stamps = request_stages.begin(*request_stages.from_headers(scope.get("headers") or ()))
@@ -114,7 +127,6 @@ class ModelServer:
 
     async def __init__(self, config: AppConfig) -> None:
         from actors.models.default_model import model_dir as resolve_model_dir
-
         from deployments.keys import KeyRing
 
         self.cfg = config
@@ -124,15 +136,19 @@ class ModelServer:
         model_dir = resolve_model_dir(config)
         self.served_name = served_model_name(config, model_dir)
         self._planner_handle: Any = None
-        self.replica = ModelReplica(self.node_id, engine_flags(config, model_dir, self.served_name),
-                                    self.served_name, config.engine.omp_threads,
-                                    adapter_files=AdapterFiles(config, NAMESPACE),
-                                    keep_off_engine_cores=(config.engine.device == "cpu"
-                                                           and config.engine.keep_others_off_engine_cores),
-                                    quiet_engine_core=config.engine.device == "cpu")
+        self.replica = ModelReplica(
+            self.node_id,
+            engine_flags(config, model_dir, self.served_name),
+            self.served_name,
+            config.engine.omp_threads,
+            adapter_files=AdapterFiles(config, NAMESPACE),
+            keep_off_engine_cores=(config.engine.device == "cpu" and config.engine.keep_others_off_engine_cores),
+            quiet_engine_core=config.engine.device == "cpu",
+        )
         self.learning = LearningRoutes(config, self._ask_planner)
-        self.completions = CompletionRecorder(config, self.learning.call_store, self.replica.served_version,
-                                              self.served_name, lambda: model_dir)
+        self.completions = CompletionRecorder(
+            config, self.learning.call_store, self.replica.served_version, self.served_name, lambda: model_dir
+        )
         await self.replica.start()
         log = request_stages.request_log()
         if log is not None:  # a benchmark's request log: the event loop's stalls go in too
@@ -142,8 +158,13 @@ class ModelServer:
         ctx = ray.get_runtime_context()
         pg = ray.util.get_current_placement_group()
         registration = NodeRegistration(
-            node_id=self.node_id, actor_name=ctx.get_actor_name(), pid=os.getpid(), ray_node_id=ctx.get_node_id(),
-            placement_group_id=None if pg is None else pg.id.hex(), started_at=time.time())
+            node_id=self.node_id,
+            actor_name=ctx.get_actor_name(),
+            pid=os.getpid(),
+            ray_node_id=ctx.get_node_id(),
+            placement_group_id=None if pg is None else pg.id.hex(),
+            started_at=time.time(),
+        )
         # Ready for Serve (and so for HAProxy) only once the planner knows this node and the node
         # serves every adapter version published to it.
         await self.replica.join(self._planner, registration, config.planner.trace_flush_seconds)
@@ -208,8 +229,13 @@ class ModelServer:
                 check = self._check_generation if route.path in GENERATION_ROUTES else self._check_owner
                 app.router.routes.remove(route)  # the same route, with the app's checks before vLLM's function
                 store = self.completions if route.path in GENERATION_ROUTES else None
-                app.add_api_route(route.path, self._checked(route.endpoint, check, store), methods=list(route.methods),
-                                  dependencies=route.dependencies, responses=route.responses)
+                app.add_api_route(
+                    route.path,
+                    self._checked(route.endpoint, check, store),
+                    methods=list(route.methods),
+                    dependencies=route.dependencies,
+                    responses=route.responses,
+                )
         install_error_handlers(app)
         self._install_routes(app)
         self.learning.install(app)
@@ -230,17 +256,34 @@ class ModelServer:
             created = int(time.time())
             principal = PRINCIPAL.get()
             # The base model's directory is a server path: the admin's card only (a tenant's names the model).
-            cards = [{"id": info.base, "object": "model", "created": created, "owned_by": "coserve",
-                      "root": info.root if principal.admin else info.base, "parent": None,
-                      "max_model_len": info.max_model_len}]
+            cards = [
+                {
+                    "id": info.base,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "coserve",
+                    "root": info.root if principal.admin else info.base,
+                    "parent": None,
+                    "max_model_len": info.max_model_len,
+                }
+            ]
             for model in info.adapters:
                 key = model.split(":", 1)[1]
                 owner = await self.learning.owner(key)
                 # An adapter the store does not know was loaded by an operator: admins (and local mode) see it.
                 if principal.admin if owner is UNKNOWN else principal.may_use(owner):
                     shown = f"{info.base}:{shown_name(principal, key)}"  # a tenant's own by their bare names
-                    cards.append({"id": shown, "object": "model", "created": created, "owned_by": owner if isinstance(owner, str) else "coserve",
-                                  "root": shown, "parent": info.base, "max_model_len": info.max_model_len})
+                    cards.append(
+                        {
+                            "id": shown,
+                            "object": "model",
+                            "created": created,
+                            "owned_by": owner if isinstance(owner, str) else "coserve",
+                            "root": shown,
+                            "parent": info.base,
+                            "max_model_len": info.max_model_len,
+                        }
+                    )
             return JSONResponse({"object": "list", "data": cards})
 
         async def health() -> JSONResponse:
@@ -275,17 +318,22 @@ class ModelServer:
         for kind in ("openai_serving_completion", "openai_serving_chat"):
             serving = getattr(state, kind, None)
             defaults = (getattr(serving, "default_sampling_params", None) or {}) if serving is not None else {}
-            self._default_caps[kind] = default_output_tokens(kind == "openai_serving_chat", limits.max_tokens,
-                                                             self.replica.max_model_len, defaults.get("max_tokens"))
+            self._default_caps[kind] = default_output_tokens(
+                kind == "openai_serving_chat", limits.max_tokens, self.replica.max_model_len, defaults.get("max_tokens")
+            )
         base, engine_name = self.served_name, models.model_name
         models.model_name = lambda lora_request=None: public_model(PRINCIPAL.get(), base, engine_name(lora_request))
 
     @staticmethod
-    def _checked(vllm_route: Callable[..., Awaitable[Any]], check: Callable[[Any], Awaitable[Any]],
-                 store: CompletionRecorder | None = None) -> Any:
+    def _checked(
+        vllm_route: Callable[..., Awaitable[Any]],
+        check: Callable[[Any], Awaitable[Any]],
+        store: CompletionRecorder | None = None,
+    ) -> Any:
         """vLLM's route function ``vllm_route``, after ``check(request)``: its refusal (a vLLM ``ErrorResponse``)
         is the answer, as vLLM answers its own; None lets the request (as ``check`` left it) through. With
         ``store``, a request to be stored (deployments/stored_completions.py) is pinned here and its answer kept."""
+
         @functools.wraps(vllm_route)  # FastAPI reads vLLM's signature: the same body model and validation
         async def route(request: Any, raw_request: Any) -> Any:
             asked = getattr(request, "model", None)
@@ -295,19 +343,25 @@ class ModelServer:
             admitted = None if store is None else await store.admit(request, asked)
             response = await vllm_route(request, raw_request)
             return response if admitted is None else await admitted.record(response)
+
         return route
 
     async def _engine_model(self, model: str) -> str | None:
         models = self.replica.state.openai_serving_models
-        return await engine_model_for(PRINCIPAL.get(), model, self.served_name, self.learning.owner,
-                                      models.lora_requests)
+        return await engine_model_for(
+            PRINCIPAL.get(), model, self.served_name, self.learning.owner, models.lora_requests
+        )
 
     def _not_found(self, request: Any) -> Any:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         # Word for word what vLLM answers for a model it does not have, with the name the client sent.
-        return create_error_response(f"The model `{request.model}` does not exist. Valid aliases: {self._aliases}.",
-                                     err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="model")
+        return create_error_response(
+            f"The model `{request.model}` does not exist. Valid aliases: {self._aliases}.",
+            err_type="NotFoundError",
+            status_code=HTTPStatus.NOT_FOUND,
+            param="model",
+        )
 
     async def _check_owner(self, request: Any) -> Any:
         """Tokenize and detokenize: the tenant may use the model it names, which becomes the engine's name."""
@@ -334,12 +388,16 @@ class ModelServer:
         why = refusal(request, self.cfg.limits)
         if why is not None:
             return create_error_response(why)
-        if self.cfg.engine.enable_lora and (getattr(request, "prompt_logprobs", None) is not None or (
-                getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None)):
+        if self.cfg.engine.enable_lora and (
+            getattr(request, "prompt_logprobs", None) is not None
+            or (getattr(request, "echo", False) and getattr(request, "logprobs", None) is not None)
+        ):
             # vLLM #16668: prompt logprobs in a LoRA-enabled CPU engine crash the engine for everyone.
             return create_error_response(
                 "Prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) are not supported while "
-                "LoRA is enabled (vLLM #16668).", param="prompt_logprobs")
+                "LoRA is enabled (vLLM #16668).",
+                param="prompt_logprobs",
+            )
         # Never the client's: a chosen salt could probe another tenant's cached prefixes.
         request.cache_salt = PRINCIPAL.get().cache_salt
         request_stages.mark("checked")
@@ -378,8 +436,12 @@ def _check_bind(cfg: AppConfig, keys_enabled: bool) -> None:
     if keys_enabled:
         logger.info("API keys configured: serving on %s", host)
     else:
-        logger.warning("No API keys configured (auth.keys_file / $%s): every client on %s has every right; add keys "
-                       "before binding another address (README \"Security\")", cfg.auth.keys_env, host)
+        logger.warning(
+            "No API keys configured (auth.keys_file / $%s): every client on %s has every right; add keys "
+            'before binding another address (README "Security")',
+            cfg.auth.keys_env,
+            host,
+        )
 
 
 def replica_actor_options(cfg: AppConfig) -> dict[str, Any]:
@@ -411,25 +473,39 @@ def build(cfg: AppConfig) -> serve.Application:
         ray_actor_options=replica_actor_options(cfg),
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         logging_config={"enable_access_log": cfg.ingress.access_log},
-        deployment_actors=[DeploymentActorConfig(
-            name=PLANNER, actor_class=ray.remote(Planner), init_kwargs={"config": cfg},
-            actor_options={"num_cpus": 0, "max_concurrency": 10_000})],
+        deployment_actors=[
+            DeploymentActorConfig(
+                name=PLANNER,
+                actor_class=ray.remote(Planner),
+                init_kwargs={"config": cfg},
+                actor_options={"num_cpus": 0, "max_concurrency": 10_000},
+            )
+        ],
     )
     if routed:
         # Under HAProxy the router deployment consults this request router; without HAProxy Serve's
         # Python proxy does (it then sees no Task, and Serve's own pick applies).
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=NodeRequestRouter,
-            request_router_kwargs={"poll_s": cfg.planner.trace_flush_seconds})
+            request_router_class=NodeRequestRouter, request_router_kwargs={"poll_s": cfg.planner.trace_flush_seconds}
+        )
     server = serve.deployment(ModelServer, name="ModelServer").options(**options).bind(cfg)
     if not haproxy:
-        logger.warning("HAProxy is off (%s not set): requests take Serve's Python proxy, one hop more per token; "
-                       "start the app with `make serve` or the Serve config's env vars", "RAY_SERVE_ENABLE_HA_PROXY")
+        logger.warning(
+            "HAProxy is off (%s not set): requests take Serve's Python proxy, one hop more per token; "
+            "start the app with `make serve` or the Serve config's env vars",
+            "RAY_SERVE_ENABLE_HA_PROXY",
+        )
         return server
     if not routed:
         return server
-    router = serve.deployment(PlacementRouter).options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
-        logging_config={"enable_access_log": cfg.ingress.access_log}).bind(server, cfg)
+    router = (
+        serve.deployment(PlacementRouter)
+        .options(
+            ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=10_000,
+            logging_config={"enable_access_log": cfg.ingress.access_log},
+        )
+        .bind(server, cfg)
+    )
     # Internal and unstable in Ray 2.60 (Ray Serve LLM's direct streaming uses it the same way).
     return compat.with_ingress_request_router(server, router)

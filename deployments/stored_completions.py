@@ -19,8 +19,9 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -56,7 +57,7 @@ def chat_turns(messages: Any) -> tuple[ChatMessage, ...]:
 class Admitted:
     """A request admitted to be stored: the record as known before the engine answers."""
 
-    recorder: "CompletionRecorder"
+    recorder: CompletionRecorder
     request: StoredCompletion  # StoredCompletion.admitted: no id or answer yet
 
     async def record(self, response: Any) -> Any:
@@ -103,8 +104,14 @@ class Admitted:
     async def _store(self, ident: Any, output: str, finish: Any, usage: dict[str, Any]) -> None:
         if not isinstance(ident, str) or not ident:
             return
-        record = self.request.answered(ident, output, finish if isinstance(finish, str) else None,
-                                       usage.get("prompt_tokens"), usage.get("completion_tokens"), time.time())
+        record = self.request.answered(
+            ident,
+            output,
+            finish if isinstance(finish, str) else None,
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+            time.time(),
+        )
         days = self.recorder.cfg.limits.store_completions_days
         await self.recorder.call_store(lambda store: store.store_completion.remote(record, days))
 
@@ -123,8 +130,14 @@ def _finish(body: dict[str, Any]) -> str | None:
 class CompletionRecorder:
     """The model server's stored completions: which requests to keep, and the routes that read them back."""
 
-    def __init__(self, cfg: Any, call_store: Callable[..., Any], served_version: Callable[[str], int | None],
-                 base: str, model_dir: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        call_store: Callable[..., Any],
+        served_version: Callable[[str], int | None],
+        base: str,
+        model_dir: Callable[[], str],
+    ) -> None:
         self.cfg = cfg
         self.call_store = call_store  # LearningRoutes.call_store: the feedback store's actor, re-found on restart
         self.served_version = served_version  # engine model name -> the adapter version this node serves now
@@ -136,7 +149,7 @@ class CompletionRecorder:
     async def admit(self, request: Any, public_model: str) -> Admitted | None:
         """What to store of ``request`` (checked, its ``model`` the engine's name), or None: not stored."""
         model = request.model or ""
-        adapter = model[len(self.base) + 1:] if model.startswith(self.base + ":") else None
+        adapter = model[len(self.base) + 1 :] if model.startswith(self.base + ":") else None
         extra = getattr(request, "model_extra", None) or {}
         store = extra.get("store", getattr(request, "store", None))
         if store is not True and not (adapter is not None and await self._adapter_stores(adapter)):
@@ -149,9 +162,19 @@ class CompletionRecorder:
             prompt = await asyncio.to_thread(self._render, turns)
         else:
             turns, prompt = None, request.prompt if isinstance(request.prompt, str) else json.dumps(request.prompt)
-        return Admitted(self, StoredCompletion.admitted(
-            PRINCIPAL.get().tenant or "", "chat.completion" if chat else "text_completion", public_model, adapter,
-            version, prompt, turns, params))
+        return Admitted(
+            self,
+            StoredCompletion.admitted(
+                PRINCIPAL.get().tenant or "",
+                "chat.completion" if chat else "text_completion",
+                public_model,
+                adapter,
+                version,
+                prompt,
+                turns,
+                params,
+            ),
+        )
 
     async def _adapter_stores(self, adapter: str) -> bool:
         now = time.monotonic()
@@ -193,8 +216,13 @@ class CompletionRecorder:
     async def delete(self, completion_id: str) -> Response:
         tenant = PRINCIPAL.get().tenant
         await self.call_store(lambda store: store.delete_completion.remote(completion_id, tenant))
-        return JSONResponse({"object": f"{'chat.completion' if completion_id.startswith('chatcmpl') else 'text_completion'}"
-                                       ".deleted", "id": completion_id, "deleted": True})
+        return JSONResponse(
+            {
+                "object": f"{'chat.completion' if completion_id.startswith('chatcmpl') else 'text_completion'}.deleted",
+                "id": completion_id,
+                "deleted": True,
+            }
+        )
 
 
 def openai_shape(done: StoredCompletion) -> dict[str, Any]:
@@ -208,7 +236,19 @@ def openai_shape(done: StoredCompletion) -> dict[str, Any]:
         choice["message"] = {"role": "assistant", "content": done.output}
     else:
         choice["text"] = done.output
-    return {"id": done.id, "object": done.object, "created": int(done.created_at), "model": done.model,
-            "choices": [choice], "usage": usage, "metadata": {}, "request_id": done.id,
-            "coserve": {"adapter_version": done.version, "prompt": done.prompt, "messages": done.turns(),
-                        "sampling": done.params.given()}}
+    return {
+        "id": done.id,
+        "object": done.object,
+        "created": int(done.created_at),
+        "model": done.model,
+        "choices": [choice],
+        "usage": usage,
+        "metadata": {},
+        "request_id": done.id,
+        "coserve": {
+            "adapter_version": done.version,
+            "prompt": done.prompt,
+            "messages": done.turns(),
+            "sampling": done.params.given(),
+        },
+    }

@@ -10,8 +10,12 @@ tokens taking one hop, a write per token is cheap (docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
 
 _END = object()
 Piece = TypeVar("Piece", str, bytes)
@@ -69,8 +73,10 @@ async def coalesce(pieces: AsyncIterator[Piece], interval_s: float) -> AsyncIter
             task.cancel()
             try:
                 await task
-            except (asyncio.CancelledError, Exception):
-                pass
+            except asyncio.CancelledError:
+                pass  # the cancel above: the producer stopped as asked
+            except Exception:
+                logger.debug("the stream's producer failed after its client left", exc_info=True)
 
 
 Scope = dict[str, Any]
@@ -84,8 +90,9 @@ class CoalesceEventStreams:
         self.app = app
         self.interval_s = interval_s
 
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
-                       send: Callable[[Message], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http" or self.interval_s <= 0:
             await self.app(scope, receive, send)
             return

@@ -97,76 +97,183 @@ START_DELAY_S = 1.0
 @events.init_command_line_parser.add_listener
 def _options(parser: Any) -> None:
     g = parser.add_argument_group("coserve trace replay")
-    g.add_argument("--trace-file", env_var="TRACE_FILE", default=str(DEFAULT_TRACE),
-                   help="Azure trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens); missing file = synthetic Poisson.")
-    g.add_argument("--trace-speedup", env_var="TRACE_SPEEDUP", type=float, default=1.0,
-                   help="Divide trace time by this factor (2 = arrivals twice as fast).")
-    g.add_argument("--trace-offset-s", env_var="TRACE_OFFSET_S", type=float, default=0.0,
-                   help="Skip this many seconds (trace time) from the start of the trace.")
-    g.add_argument("--max-requests", env_var="MAX_REQUESTS", type=int, default=0,
-                   help="Truncate the schedule to this many requests (0 = no limit).")
-    g.add_argument("--synthetic-rate", env_var="SYNTHETIC_RATE", type=float, default=2.0,
-                   help="Poisson rate (req/s) of the synthetic schedule used when the trace is missing.")
-    g.add_argument("--synthetic-duration-s", env_var="SYNTHETIC_DURATION_S", type=float, default=3600.0,
-                   help="Length of the synthetic schedule in seconds.")
-    g.add_argument("--model-id", env_var="MODEL_ID", default="",
-                   help="Model id to request; default: the first id of GET /v1/models.")
-    g.add_argument("--max-model-len", env_var="MAX_MODEL_LEN", type=int, default=0,
-                   help="Context cap for prompt + output; default: max_model_len from GET /v1/models.")
-    g.add_argument("--max-prompt-tokens", env_var="MAX_PROMPT_TOKENS", type=int, default=0,
-                   help="Extra cap on prompt tokens (0 = only the context cap).")
-    g.add_argument("--max-output-tokens", env_var="MAX_OUTPUT_TOKENS", type=int, default=128,
-                   help="Cap on output tokens (max_tokens) per request.")
-    g.add_argument("--chat-fraction", env_var="CHAT_FRACTION", type=float, default=0.5,
-                   help="Share of requests sent to /v1/chat/completions (the rest: /v1/completions).")
-    g.add_argument("--stream-fraction", env_var="STREAM_FRACTION", type=float, default=0.5,
-                   help="Share of requests sent with stream=true.")
-    g.add_argument("--no-ignore-eos", env_var="NO_IGNORE_EOS", action="store_true", default=False,
-                   help="Do not send ignore_eos (outputs may then end before the trace's length).")
-    g.add_argument("--max-users", env_var="MAX_USERS", type=int, default=256,
-                   help="Upper bound on concurrent users (= requests in flight).")
-    g.add_argument("--lookahead-s", env_var="LOOKAHEAD_S", type=float, default=2.0,
-                   help="The shape keeps a free user for every arrival due within this many seconds.")
-    g.add_argument("--request-timeout-s", env_var="REQUEST_TIMEOUT_S", type=float, default=300.0,
-                   help="Read timeout of one request.")
-    g.add_argument("--load-seed", env_var="LOAD_SEED", type=int, default=0,
-                   help="Seed for prompt text and the synthetic schedule.")
-    g.add_argument("--api-key", env_var="API_KEY", default="",
-                   help="Sent as `Authorization: Bearer <key>` (an app with auth keys).")
-    g.add_argument("--feedback-fraction", env_var="FEEDBACK_FRACTION", type=float, default=0.0,
-                   help="Share of answered requests followed by a feedback item (SFT: the prompt and the answer).")
-    g.add_argument("--feedback-adapter", env_var="FEEDBACK_ADAPTER", default="",
-                   help="The adapter that feedback goes to (it must exist); needed with --feedback-fraction.")
-    g.add_argument("--thumbs-fraction", env_var="THUMBS_FRACTION", type=float, default=0.0,
-                   help="Share of chat requests stored (\"store\": true) and rated by their completion id.")
-    g.add_argument("--thumbs-max-words", env_var="THUMBS_MAX_WORDS", type=int, default=25,
-                   help="A served answer of at most this many words gets a thumbs-up, a longer one a thumbs-down.")
-    g.add_argument("--replay-log", env_var="REPLAY_LOG", default="",
-                   help="Write one JSON line per sent request (scheduled vs. actual send time) here.")
+    g.add_argument(
+        "--trace-file",
+        env_var="TRACE_FILE",
+        default=str(DEFAULT_TRACE),
+        help="Azure trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens); missing file = synthetic Poisson.",
+    )
+    g.add_argument(
+        "--trace-speedup",
+        env_var="TRACE_SPEEDUP",
+        type=float,
+        default=1.0,
+        help="Divide trace time by this factor (2 = arrivals twice as fast).",
+    )
+    g.add_argument(
+        "--trace-offset-s",
+        env_var="TRACE_OFFSET_S",
+        type=float,
+        default=0.0,
+        help="Skip this many seconds (trace time) from the start of the trace.",
+    )
+    g.add_argument(
+        "--max-requests",
+        env_var="MAX_REQUESTS",
+        type=int,
+        default=0,
+        help="Truncate the schedule to this many requests (0 = no limit).",
+    )
+    g.add_argument(
+        "--synthetic-rate",
+        env_var="SYNTHETIC_RATE",
+        type=float,
+        default=2.0,
+        help="Poisson rate (req/s) of the synthetic schedule used when the trace is missing.",
+    )
+    g.add_argument(
+        "--synthetic-duration-s",
+        env_var="SYNTHETIC_DURATION_S",
+        type=float,
+        default=3600.0,
+        help="Length of the synthetic schedule in seconds.",
+    )
+    g.add_argument(
+        "--model-id",
+        env_var="MODEL_ID",
+        default="",
+        help="Model id to request; default: the first id of GET /v1/models.",
+    )
+    g.add_argument(
+        "--max-model-len",
+        env_var="MAX_MODEL_LEN",
+        type=int,
+        default=0,
+        help="Context cap for prompt + output; default: max_model_len from GET /v1/models.",
+    )
+    g.add_argument(
+        "--max-prompt-tokens",
+        env_var="MAX_PROMPT_TOKENS",
+        type=int,
+        default=0,
+        help="Extra cap on prompt tokens (0 = only the context cap).",
+    )
+    g.add_argument(
+        "--max-output-tokens",
+        env_var="MAX_OUTPUT_TOKENS",
+        type=int,
+        default=128,
+        help="Cap on output tokens (max_tokens) per request.",
+    )
+    g.add_argument(
+        "--chat-fraction",
+        env_var="CHAT_FRACTION",
+        type=float,
+        default=0.5,
+        help="Share of requests sent to /v1/chat/completions (the rest: /v1/completions).",
+    )
+    g.add_argument(
+        "--stream-fraction",
+        env_var="STREAM_FRACTION",
+        type=float,
+        default=0.5,
+        help="Share of requests sent with stream=true.",
+    )
+    g.add_argument(
+        "--no-ignore-eos",
+        env_var="NO_IGNORE_EOS",
+        action="store_true",
+        default=False,
+        help="Do not send ignore_eos (outputs may then end before the trace's length).",
+    )
+    g.add_argument(
+        "--max-users",
+        env_var="MAX_USERS",
+        type=int,
+        default=256,
+        help="Upper bound on concurrent users (= requests in flight).",
+    )
+    g.add_argument(
+        "--lookahead-s",
+        env_var="LOOKAHEAD_S",
+        type=float,
+        default=2.0,
+        help="The shape keeps a free user for every arrival due within this many seconds.",
+    )
+    g.add_argument(
+        "--request-timeout-s",
+        env_var="REQUEST_TIMEOUT_S",
+        type=float,
+        default=300.0,
+        help="Read timeout of one request.",
+    )
+    g.add_argument(
+        "--load-seed", env_var="LOAD_SEED", type=int, default=0, help="Seed for prompt text and the synthetic schedule."
+    )
+    g.add_argument(
+        "--api-key",
+        env_var="API_KEY",
+        default="",
+        help="Sent as `Authorization: Bearer <key>` (an app with auth keys).",
+    )
+    g.add_argument(
+        "--feedback-fraction",
+        env_var="FEEDBACK_FRACTION",
+        type=float,
+        default=0.0,
+        help="Share of answered requests followed by a feedback item (SFT: the prompt and the answer).",
+    )
+    g.add_argument(
+        "--feedback-adapter",
+        env_var="FEEDBACK_ADAPTER",
+        default="",
+        help="The adapter that feedback goes to (it must exist); needed with --feedback-fraction.",
+    )
+    g.add_argument(
+        "--thumbs-fraction",
+        env_var="THUMBS_FRACTION",
+        type=float,
+        default=0.0,
+        help='Share of chat requests stored ("store": true) and rated by their completion id.',
+    )
+    g.add_argument(
+        "--thumbs-max-words",
+        env_var="THUMBS_MAX_WORDS",
+        type=int,
+        default=25,
+        help="A served answer of at most this many words gets a thumbs-up, a longer one a thumbs-down.",
+    )
+    g.add_argument(
+        "--replay-log",
+        env_var="REPLAY_LOG",
+        default="",
+        help="Write one JSON line per sent request (scheduled vs. actual send time) here.",
+    )
 
 
 # ---- the schedule ---------------------------------------------------------------------------
 
+
 @dataclass
 class Arrival:
     index: int
-    offset_s: float          # when to send, seconds after t0 (already time-scaled)
+    offset_s: float  # when to send, seconds after t0 (already time-scaled)
     prompt_tokens: int
     output_tokens: int
     chat: bool
     stream: bool
-    feedback: bool = False   # followed by a feedback item (--feedback-fraction)
-    thumbs: bool = False     # a stored chat completion, rated by its id (--thumbs-fraction)
+    feedback: bool = False  # followed by a feedback item (--feedback-fraction)
+    thumbs: bool = False  # a stored chat completion, rated by its id (--thumbs-fraction)
     sent_s: float | None = None
 
 
 @dataclass
 class Plan:
     arrivals: list[Arrival]
-    source: str              # "trace <path>" or "synthetic poisson"
+    source: str  # "trace <path>" or "synthetic poisson"
     model: str
     max_model_len: int
-    t0: float                # time.time() of offset 0
+    t0: float  # time.time() of offset 0
     ignore_eos: bool
     timeout_s: float
     replay_log: str
@@ -193,7 +300,7 @@ class Plan:
     def due_within(self, now_rel: float, horizon_s: float) -> int:
         """Unclaimed arrivals due before now + horizon (the schedule is sorted by offset)."""
         n = 0
-        for a in self.arrivals[self.next_index:]:
+        for a in self.arrivals[self.next_index :]:
             if a.offset_s > now_rel + horizon_s:
                 break
             n += 1
@@ -201,7 +308,7 @@ class Plan:
 
     def prompt(self, n_chars: int) -> str:
         start = self.rng.randrange(0, len(self.corpus) - n_chars)
-        return self.corpus[start:start + n_chars]
+        return self.corpus[start : start + n_chars]
 
 
 _plan: Plan | None = None
@@ -252,8 +359,13 @@ def _synthetic(rate: float, duration_s: float, rng: random.Random) -> list[tuple
         if t > duration_s:
             return out
         # Log-normal around the conversation trace's medians (1,042 in, 200 out).
-        out.append((t, max(1, int(rng.lognormvariate(math.log(1042), 0.8))),
-                    max(1, int(rng.lognormvariate(math.log(200), 0.8)))))
+        out.append(
+            (
+                t,
+                max(1, int(rng.lognormvariate(math.log(1042), 0.8))),
+                max(1, int(rng.lognormvariate(math.log(200), 0.8))),
+            )
+        )
 
 
 def _corpus(rng: random.Random, size: int = 1 << 16) -> str:
@@ -295,8 +407,12 @@ def get_plan(environment: Environment) -> Plan:
         else:
             rows = _synthetic(opts.synthetic_rate, opts.synthetic_duration_s, rng)
             source = f"synthetic poisson ({opts.synthetic_rate:g} req/s)"
-            log.warning("SYNTHETIC POISSON SCHEDULE: trace file %s not found; sending Poisson arrivals at %g req/s "
-                        "with log-normal lengths", trace, opts.synthetic_rate)
+            log.warning(
+                "SYNTHETIC POISSON SCHEDULE: trace file %s not found; sending Poisson arrivals at %g req/s "
+                "with log-normal lengths",
+                trace,
+                opts.synthetic_rate,
+            )
         if opts.max_requests > 0:
             rows = rows[: opts.max_requests]
         max_out = max(1, min(opts.max_output_tokens, max_len - TEMPLATE_TOKENS - 1))
@@ -306,21 +422,42 @@ def get_plan(environment: Environment) -> Plan:
             cap = max_len - out - TEMPLATE_TOKENS
             if opts.max_prompt_tokens > 0:
                 cap = min(cap, opts.max_prompt_tokens)
-            arrivals.append(Arrival(
-                index=i, offset_s=t, prompt_tokens=max(1, min(ctx, cap)), output_tokens=out,
-                chat=_spread(i, 0.6180339887498949) < opts.chat_fraction,
-                stream=_spread(i, 0.4142135623730951) < opts.stream_fraction,
-                feedback=bool(opts.feedback_adapter) and _spread(i, 0.7548776662466927) < opts.feedback_fraction,
-                thumbs=bool(opts.feedback_adapter) and _spread(i, 0.5698402909980532) < opts.thumbs_fraction,
-            ))
-        _plan = Plan(arrivals=arrivals, source=source, model=model, max_model_len=max_len,
-                     t0=time.time() + START_DELAY_S, ignore_eos=not opts.no_ignore_eos,
-                     timeout_s=opts.request_timeout_s, replay_log=opts.replay_log,
-                     feedback_adapter=opts.feedback_adapter, thumbs_max_words=opts.thumbs_max_words,
-                     corpus=_corpus(rng), rng=rng)
+            arrivals.append(
+                Arrival(
+                    index=i,
+                    offset_s=t,
+                    prompt_tokens=max(1, min(ctx, cap)),
+                    output_tokens=out,
+                    chat=_spread(i, 0.6180339887498949) < opts.chat_fraction,
+                    stream=_spread(i, 0.4142135623730951) < opts.stream_fraction,
+                    feedback=bool(opts.feedback_adapter) and _spread(i, 0.7548776662466927) < opts.feedback_fraction,
+                    thumbs=bool(opts.feedback_adapter) and _spread(i, 0.5698402909980532) < opts.thumbs_fraction,
+                )
+            )
+        _plan = Plan(
+            arrivals=arrivals,
+            source=source,
+            model=model,
+            max_model_len=max_len,
+            t0=time.time() + START_DELAY_S,
+            ignore_eos=not opts.no_ignore_eos,
+            timeout_s=opts.request_timeout_s,
+            replay_log=opts.replay_log,
+            feedback_adapter=opts.feedback_adapter,
+            thumbs_max_words=opts.thumbs_max_words,
+            corpus=_corpus(rng),
+            rng=rng,
+        )
         span = arrivals[-1].offset_s if arrivals else 0.0
-        log.info("replay schedule: %d requests over %.0f s from %s; model %s, max_model_len %d, "
-                 "max output %d tokens", len(arrivals), span, source, model, max_len, max_out)
+        log.info(
+            "replay schedule: %d requests over %.0f s from %s; model %s, max_model_len %d, max output %d tokens",
+            len(arrivals),
+            span,
+            source,
+            model,
+            max_len,
+            max_out,
+        )
         return _plan
 
 
@@ -334,17 +471,35 @@ def _summary(environment: Environment, **_: Any) -> None:
     if sent:
         lags = sorted(a.sent_s - a.offset_s for a in sent)
         p = lambda q: lags[min(len(lags) - 1, int(q * len(lags)))]  # noqa: E731
-        log.info("replay lag (actual - scheduled send time): %d sent of %d due; p50 %.3f s, p99 %.3f s, "
-                 "max %.3f s", len(sent), due, p(0.5), p(0.99), lags[-1])
+        log.info(
+            "replay lag (actual - scheduled send time): %d sent of %d due; p50 %.3f s, p99 %.3f s, max %.3f s",
+            len(sent),
+            due,
+            p(0.5),
+            p(0.99),
+            lags[-1],
+        )
     if plan.replay_log:
         with open(plan.replay_log, "w") as f:
             for a in sent:
-                f.write(json.dumps({"index": a.index, "scheduled_s": round(a.offset_s, 4),
-                                    "sent_s": round(a.sent_s, 4), "prompt_tokens": a.prompt_tokens,
-                                    "output_tokens": a.output_tokens, "chat": a.chat, "stream": a.stream}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "index": a.index,
+                            "scheduled_s": round(a.offset_s, 4),
+                            "sent_s": round(a.sent_s, 4),
+                            "prompt_tokens": a.prompt_tokens,
+                            "output_tokens": a.output_tokens,
+                            "chat": a.chat,
+                            "stream": a.stream,
+                        }
+                    )
+                    + "\n"
+                )
 
 
 # ---- the user -------------------------------------------------------------------------------
+
 
 class OpenAIUser(HttpUser):
     """Sends the schedule's requests at their arrival times; see the module docstring."""
@@ -402,8 +557,13 @@ class OpenAIUser(HttpUser):
         """A thumbs-up or -down on the completion just served, by its id (the store kept it: "store": true)."""
         rating = "up" if len(answer.split()) <= plan.thumbs_max_words else "down"
         item = {"completion_id": completion_id, "adapter": plan.feedback_adapter, "rating": rating}
-        with self.client.post("/v1/feedback", json=item, name="POST /v1/feedback [thumbs]", catch_response=True,
-                              timeout=(10, plan.timeout_s)) as resp:
+        with self.client.post(
+            "/v1/feedback",
+            json=item,
+            name="POST /v1/feedback [thumbs]",
+            catch_response=True,
+            timeout=(10, plan.timeout_s),
+        ) as resp:
             if resp.status_code == 202:
                 resp.success()
             else:
@@ -412,8 +572,9 @@ class OpenAIUser(HttpUser):
     def _feedback(self, plan: Plan, prompt: str) -> None:
         """One SFT item for the adapter under test; a 202 means the store has it durably."""
         item = {"adapter": plan.feedback_adapter, "prompt": prompt[:2000], "completion": "A short, helpful answer."}
-        with self.client.post("/v1/feedback", json=item, name="POST /v1/feedback", catch_response=True,
-                              timeout=(10, plan.timeout_s)) as resp:
+        with self.client.post(
+            "/v1/feedback", json=item, name="POST /v1/feedback", catch_response=True, timeout=(10, plan.timeout_s)
+        ) as resp:
             if resp.status_code == 202:
                 resp.success()
             else:
@@ -421,8 +582,7 @@ class OpenAIUser(HttpUser):
 
     def _unary(self, plan: Plan, path: str, body: dict[str, Any]) -> tuple[str, str] | None:
         """Send one request; (its id, choice 0's text) when it succeeded."""
-        with self.client.post(path, json=body, name=path, catch_response=True,
-                              timeout=(10, plan.timeout_s)) as resp:
+        with self.client.post(path, json=body, name=path, catch_response=True, timeout=(10, plan.timeout_s)) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
                 return None
@@ -443,8 +603,9 @@ class OpenAIUser(HttpUser):
         name = f"{path} [stream]"
         ident, text = "", []
         start = time.perf_counter()
-        with self.client.post(path, json=body, name=name, stream=True, catch_response=True,
-                              timeout=(10, plan.timeout_s)) as resp:
+        with self.client.post(
+            path, json=body, name=name, stream=True, catch_response=True, timeout=(10, plan.timeout_s)
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:300]}")
                 return None
@@ -491,13 +652,15 @@ class OpenAIUser(HttpUser):
                 resp.failure("stream carried no generated text")
             else:
                 resp.success()
-                events.request.fire(request_type="TTFT", name=name, response_time=ttft, response_length=0,
-                                    exception=None, context={})
+                events.request.fire(
+                    request_type="TTFT", name=name, response_time=ttft, response_length=0, exception=None, context={}
+                )
                 return ident, "".join(text)
         return None
 
 
 # ---- the shape ------------------------------------------------------------------------------
+
 
 class TraceReplayShape(LoadTestShape):
     """Sizes the user pool so every scheduled arrival finds a free user; see the module docstring."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,14 +63,22 @@ class StageLatency:
         return replace(self, quad=self.quad * factor, lin=self.lin * factor, const=self.const * factor)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"C*l^2": self.quad, "C*l": self.lin, "1": self.const,
-                "fit": None if self.fit is None else self.fit.to_dict()}
+        return {
+            "C*l^2": self.quad,
+            "C*l": self.lin,
+            "1": self.const,
+            "fit": None if self.fit is None else self.fit.to_dict(),
+        }
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> StageLatency:
         fit = d.get("fit")
-        return StageLatency(float(d["C*l^2"]), float(d.get("C*l", 0.0)), float(d.get("1", 0.0)),
-                            None if fit is None else FitQuality.from_dict(fit))
+        return StageLatency(
+            float(d["C*l^2"]),
+            float(d.get("C*l", 0.0)),
+            float(d.get("1", 0.0)),
+            None if fit is None else FitQuality.from_dict(fit),
+        )
 
 
 @dataclass(frozen=True)
@@ -89,18 +98,32 @@ class IterationLatency:
     fit: FitQuality | None = None
 
     def __call__(self, prefill_tokens: float, decode_seqs: float, context_tokens: float = 0.0) -> float:
-        return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_seq * decode_seqs
-                + self.per_context_token * context_tokens)
+        return (
+            self.base
+            + self.per_prefill_token * prefill_tokens
+            + self.per_decode_seq * decode_seqs
+            + self.per_context_token * context_tokens
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"1": self.base, "prefill_tokens": self.per_prefill_token, "decode_seqs": self.per_decode_seq,
-                "context_tokens": self.per_context_token, "fit": None if self.fit is None else self.fit.to_dict()}
+        return {
+            "1": self.base,
+            "prefill_tokens": self.per_prefill_token,
+            "decode_seqs": self.per_decode_seq,
+            "context_tokens": self.per_context_token,
+            "fit": None if self.fit is None else self.fit.to_dict(),
+        }
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> IterationLatency:
         fit = d.get("fit")
-        return IterationLatency(float(d["1"]), float(d["prefill_tokens"]), float(d["decode_seqs"]),
-                                float(d.get("context_tokens", 0.0)), None if fit is None else FitQuality.from_dict(fit))
+        return IterationLatency(
+            float(d["1"]),
+            float(d["prefill_tokens"]),
+            float(d["decode_seqs"]),
+            float(d.get("context_tokens", 0.0)),
+            None if fit is None else FitQuality.from_dict(fit),
+        )
 
 
 @dataclass(frozen=True)
@@ -119,19 +142,26 @@ class MemoryModel:
         return self.threshold_fraction * self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kv_bytes_per_token": self.kv_bytes_per_token,
-                "activation_bytes_per_token": self.activation_bytes_per_token,
-                "weight_bytes": self.weight_bytes, "peak_bytes": self.peak_bytes,
-                "threshold_fraction": self.threshold_fraction,
-                "fit": None if self.fit is None else self.fit.to_dict()}
+        return {
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "activation_bytes_per_token": self.activation_bytes_per_token,
+            "weight_bytes": self.weight_bytes,
+            "peak_bytes": self.peak_bytes,
+            "threshold_fraction": self.threshold_fraction,
+            "fit": None if self.fit is None else self.fit.to_dict(),
+        }
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> MemoryModel:
         fit = d.get("fit")
-        return MemoryModel(float(d["kv_bytes_per_token"]), float(d["activation_bytes_per_token"]),
-                           float(d["weight_bytes"]), float(d["peak_bytes"]),
-                           float(d.get("threshold_fraction", d.get("kappa", 0.8))),  # "kappa": older profiles
-                           None if fit is None else FitQuality.from_dict(fit))
+        return MemoryModel(
+            float(d["kv_bytes_per_token"]),
+            float(d["activation_bytes_per_token"]),
+            float(d["weight_bytes"]),
+            float(d["peak_bytes"]),
+            float(d.get("threshold_fraction", d.get("kappa", 0.8))),  # "kappa": older profiles
+            None if fit is None else FitQuality.from_dict(fit),
+        )
 
 
 @dataclass(frozen=True)
@@ -170,8 +200,7 @@ class OutputLengthCDF:
         i = int(np.searchsorted(np.asarray(self.values), length, side="right"))
         return 0.0 if i == 0 else self.cdf[i - 1]
 
-    def sample(self, size: int, rng: np.random.Generator | int | None = 0,
-               max_tokens: int | None = None) -> np.ndarray:
+    def sample(self, size: int, rng: np.random.Generator | int | None = 0, max_tokens: int | None = None) -> np.ndarray:
         """Draw ``size`` lengths by inverse-CDF sampling; an int ``rng`` is a seed."""
         gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
         u = gen.random(size)
@@ -283,21 +312,37 @@ class CostModel:
     def fit_table(self) -> list[dict[str, Any]]:
         """One row per fitted term group, for the profiler's printout and the docs."""
         rows = []
-        for name, part in (("forward", self.forward), ("backward", self.backward),
-                           ("iteration", self.iteration), ("memory", self.memory)):
+        for name, part in (
+            ("forward", self.forward),
+            ("backward", self.backward),
+            ("iteration", self.iteration),
+            ("memory", self.memory),
+        ):
             d = part.to_dict()
             fit = d.pop("fit")
-            rows.append({"term": name, "coefficients": d,
-                         "r2": None if fit is None else fit["r2"],
-                         "median_rel_err": None if fit is None else fit["median_rel_err"],
-                         "n": 0 if fit is None else fit["n"]})
+            rows.append(
+                {
+                    "term": name,
+                    "coefficients": d,
+                    "r2": None if fit is None else fit["r2"],
+                    "median_rel_err": None if fit is None else fit["median_rel_err"],
+                    "n": 0 if fit is None else fit["n"],
+                }
+            )
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "metadata": dict(self.metadata), "stages": self.stages,
-                "forward": self.forward.to_dict(), "backward": self.backward.to_dict(),
-                "iteration": self.iteration.to_dict(), "memory": self.memory.to_dict(),
-                "output_lengths": self.output_lengths.to_dict(), "ft_interference": self.ft_interference}
+        return {
+            "schema": SCHEMA,
+            "metadata": dict(self.metadata),
+            "stages": self.stages,
+            "forward": self.forward.to_dict(),
+            "backward": self.backward.to_dict(),
+            "iteration": self.iteration.to_dict(),
+            "memory": self.memory.to_dict(),
+            "output_lengths": self.output_lengths.to_dict(),
+            "ft_interference": self.ft_interference,
+        }
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> CostModel:
@@ -308,10 +353,15 @@ class CostModel:
             raise ValueError(f"cost model profile lacks {missing}")
         try:
             return CostModel(
-                forward=StageLatency.from_dict(d["forward"]), backward=StageLatency.from_dict(d["backward"]),
-                iteration=IterationLatency.from_dict(d["iteration"]), memory=MemoryModel.from_dict(d["memory"]),
-                output_lengths=OutputLengthCDF.from_dict(d["output_lengths"]), stages=int(d.get("stages", 1)),
-                metadata=dict(d.get("metadata", {})), ft_interference=float(d.get("ft_interference", 1.0)))
+                forward=StageLatency.from_dict(d["forward"]),
+                backward=StageLatency.from_dict(d["backward"]),
+                iteration=IterationLatency.from_dict(d["iteration"]),
+                memory=MemoryModel.from_dict(d["memory"]),
+                output_lengths=OutputLengthCDF.from_dict(d["output_lengths"]),
+                stages=int(d.get("stages", 1)),
+                metadata=dict(d.get("metadata", {})),
+                ft_interference=float(d.get("ft_interference", 1.0)),
+            )
         except KeyError as exc:
             raise ValueError(f"cost model profile lacks key {exc.args[0]!r}") from None
 
@@ -321,8 +371,29 @@ class CostModel:
 # Quantiles (0%, 5%, ..., 100%) of GeneratedTokens in the Azure LLM inference trace 2023, conv
 # service, first 20 minutes (shared/data/traces/azure_conv_sample.csv, 6,054 requests). Embedded
 # so the planner never needs the data folder.
-_DEFAULT_OUTPUT_QUANTILES = (10, 40, 55, 69, 82, 91, 99, 113, 140, 165, 200, 373, 386, 394, 397, 403, 411,
-                             419, 429, 478, 1000)
+_DEFAULT_OUTPUT_QUANTILES = (
+    10,
+    40,
+    55,
+    69,
+    82,
+    91,
+    99,
+    113,
+    140,
+    165,
+    200,
+    373,
+    386,
+    394,
+    397,
+    403,
+    411,
+    419,
+    429,
+    478,
+    1000,
+)
 
 
 def _default_output_cdf() -> OutputLengthCDF:
@@ -360,12 +431,21 @@ def default_cost_model() -> CostModel:
         forward=StageLatency(quad=2e-7, lin=1e-4, const=3e-3),
         backward=StageLatency(quad=4e-7, lin=2e-4, const=5e-3),
         iteration=IterationLatency(base=6e-3, per_prefill_token=5e-5, per_decode_seq=2e-4, per_context_token=5e-7),
-        memory=MemoryModel(kv_bytes_per_token=4096, activation_bytes_per_token=96 * 1024, weight_bytes=13e6,
-                           peak_bytes=float(1 << 30), threshold_fraction=0.8),
+        memory=MemoryModel(
+            kv_bytes_per_token=4096,
+            activation_bytes_per_token=96 * 1024,
+            weight_bytes=13e6,
+            peak_bytes=float(1 << 30),
+            threshold_fraction=0.8,
+        ),
         output_lengths=_default_output_cdf(),
         stages=1,
-        metadata={"model": "embedded-default", "hardware": "cpu-2core", "fitted_at": None,
-                  "source": "default: hand-set, not fitted (planners/costs.py default_cost_model)"},
+        metadata={
+            "model": "embedded-default",
+            "hardware": "cpu-2core",
+            "fitted_at": None,
+            "source": "default: hand-set, not fitted (planners/costs.py default_cost_model)",
+        },
     )
 
 
@@ -385,8 +465,9 @@ OUTLIER_REL = 1.0
 """A row measured more than (1 + this) times, or less than 1/(1 + this) of, what the fit predicts is an outlier."""
 
 
-def _best_subset(X_all: Mapping[str, np.ndarray], y: np.ndarray, required: Sequence[str], relative: bool
-                 ) -> tuple[dict[str, float], np.ndarray, tuple[str, ...]]:
+def _best_subset(
+    X_all: Mapping[str, np.ndarray], y: np.ndarray, required: Sequence[str], relative: bool
+) -> tuple[dict[str, float], np.ndarray, tuple[str, ...]]:
     """Least squares over every subset of the features; the best BIC among non-negative fits.
 
     ``relative``: of the relative error, so a row's residual counts as a fraction of its own time,
@@ -423,8 +504,9 @@ def _inliers(y: np.ndarray, pred: np.ndarray) -> np.ndarray:
     return np.abs(np.log(ratio)) <= math.log1p(OUTLIER_REL)
 
 
-def fit_linear(features: Mapping[str, np.ndarray], y: np.ndarray,
-               required: Sequence[str] = (), robust: bool = False) -> tuple[dict[str, float], FitQuality]:
+def fit_linear(
+    features: Mapping[str, np.ndarray], y: np.ndarray, required: Sequence[str] = (), robust: bool = False
+) -> tuple[dict[str, float], FitQuality]:
     """Least squares over every subset of ``features``; keep the subset with the best BIC among
     those with non-negative coefficients ("fit both terms and keep what fits"), then refit
     without outlier rows.
@@ -471,40 +553,58 @@ def fit_stage_latency(rows: Sequence[Mapping[str, Any]]) -> StageLatency:
     (training steps measured beside a running engine have slowed outliers: ``fit_linear``)."""
     r = _rows(rows, ("batch_size", "tokens", "seconds"))
     c, length = r["batch_size"], r["tokens"]
-    coefs, q = fit_linear({"C*l^2": c * length * length, "C*l": c * length, "1": np.ones_like(length)}, r["seconds"],
-                          robust=True)
+    coefs, q = fit_linear(
+        {"C*l^2": c * length * length, "C*l": c * length, "1": np.ones_like(length)}, r["seconds"], robust=True
+    )
     return StageLatency(coefs["C*l^2"], coefs["C*l"], coefs["1"], q)
 
 
 def fit_iteration_latency(rows: Sequence[Mapping[str, Any]]) -> IterationLatency:
     """Fit Eq. 5 from rows ``{"prefill_tokens", "decode_seqs", "context_tokens", "seconds"}`` (SamuLLM §4.1)."""
     r = _rows(rows, ("prefill_tokens", "decode_seqs", "context_tokens", "seconds"))
-    coefs, q = fit_linear({"1": np.ones_like(r["seconds"]), "prefill_tokens": r["prefill_tokens"],
-                           "decode_seqs": r["decode_seqs"], "context_tokens": r["context_tokens"]}, r["seconds"])
+    coefs, q = fit_linear(
+        {
+            "1": np.ones_like(r["seconds"]),
+            "prefill_tokens": r["prefill_tokens"],
+            "decode_seqs": r["decode_seqs"],
+            "context_tokens": r["context_tokens"],
+        },
+        r["seconds"],
+    )
     return IterationLatency(coefs["1"], coefs["prefill_tokens"], coefs["decode_seqs"], coefs["context_tokens"], q)
 
 
-def fit_memory(kv_rows: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]],
-               threshold_fraction: float = 0.8, peak_bytes: float | None = None) -> MemoryModel:
+def fit_memory(
+    kv_rows: Sequence[Mapping[str, Any]],
+    train_rows: Sequence[Mapping[str, Any]],
+    threshold_fraction: float = 0.8,
+    peak_bytes: float | None = None,
+) -> MemoryModel:
     """Bytes per KV token from ``{"tokens", "bytes"}`` and per activation token from
     ``{"batch_size", "tokens", "bytes"}`` (intercept = weights); M_peak defaults to the largest row."""
     if not 0 < threshold_fraction <= 1:
         raise ValueError("threshold_fraction (κ) must be in (0, 1]")
     kv = _rows(kv_rows, ("tokens", "bytes"))
     tr = _rows(train_rows, ("batch_size", "tokens", "bytes"))
-    kv_coef, _ = fit_linear({"tokens": kv["tokens"], "1": np.ones_like(kv["tokens"])}, kv["bytes"],
-                            required=("tokens",))
+    kv_coef, _ = fit_linear(
+        {"tokens": kv["tokens"], "1": np.ones_like(kv["tokens"])}, kv["bytes"], required=("tokens",)
+    )
     ct = tr["batch_size"] * tr["tokens"]
     tr_coef, q = fit_linear({"C*l": ct, "1": np.ones_like(ct)}, tr["bytes"], required=("C*l",))
     peak = float(max(kv["bytes"].max(), tr["bytes"].max())) if peak_bytes is None else float(peak_bytes)
     return MemoryModel(kv_coef["tokens"], tr_coef["C*l"], tr_coef["1"], peak, threshold_fraction, q)
 
 
-def fit_cost_model(forward_rows: Sequence[Mapping[str, Any]], backward_rows: Sequence[Mapping[str, Any]],
-                   iteration_rows: Sequence[Mapping[str, Any]], output_lengths: Sequence[int] | None = None,
-                   memory: MemoryModel | None = None, stages: int = 1,
-                   metadata: Mapping[str, Any] | None = None,
-                   now: Callable[[], str] | None = None) -> CostModel:
+def fit_cost_model(
+    forward_rows: Sequence[Mapping[str, Any]],
+    backward_rows: Sequence[Mapping[str, Any]],
+    iteration_rows: Sequence[Mapping[str, Any]],
+    output_lengths: Sequence[int] | None = None,
+    memory: MemoryModel | None = None,
+    stages: int = 1,
+    metadata: Mapping[str, Any] | None = None,
+    now: Callable[[], str] | None = None,
+) -> CostModel:
     """Fit every term from measurement rows; terms without rows fall back to the default model.
 
     ``now`` supplies ``fitted_at`` (an ISO string) when metadata lacks it; planners never read the clock.
@@ -519,9 +619,14 @@ def fit_cost_model(forward_rows: Sequence[Mapping[str, Any]], backward_rows: Seq
         backward=fit_stage_latency(backward_rows) if backward_rows else base.backward,
         iteration=fit_iteration_latency(iteration_rows) if iteration_rows else base.iteration,
         memory=memory if memory is not None else base.memory,
-        output_lengths=(OutputLengthCDF.from_samples(output_lengths)
-                        if output_lengths is not None and len(output_lengths) else base.output_lengths),
-        stages=stages, metadata=meta)
+        output_lengths=(
+            OutputLengthCDF.from_samples(output_lengths)
+            if output_lengths is not None and len(output_lengths)
+            else base.output_lengths
+        ),
+        stages=stages,
+        metadata=meta,
+    )
 
 
 def as_cost_model(value: CostModel | Mapping[str, Any] | None) -> CostModel:

@@ -138,9 +138,17 @@ class TenantCounters:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per tenant: requests, prompt, output and training tokens, counter, and share of the weighted service."""
-        return {t: {"requests": s.requests, "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
-                    "training_tokens": s.training_tokens, "counter": round(self.counter(t), 1),
-                    "share": round(self.share(t), 4)} for t, s in sorted(self.service.items())}
+        return {
+            t: {
+                "requests": s.requests,
+                "prompt_tokens": s.prompt_tokens,
+                "output_tokens": s.output_tokens,
+                "training_tokens": s.training_tokens,
+                "counter": round(self.counter(t), 1),
+                "share": round(self.share(t), 4),
+            }
+            for t, s in sorted(self.service.items())
+        }
 
     def _weighted(self, tenant: str) -> float:
         s = self.service.get(tenant)

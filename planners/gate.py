@@ -25,7 +25,11 @@ from dataclasses import dataclass
 # A kto adapter's: the mean over held-out labels of the answer's token log-likelihood, negated for a thumbs-down;
 # like sft's it is a mean of per-item changes, so it takes sft's evidence rule (two standard errors).
 SCORE = {"dpo": "win_rate", "sft": "token_logprob", "kto": "label_logprob"}
-_LABEL = {"win_rate": "win rate", "token_logprob": "token log-likelihood", "label_logprob": "signed label log-likelihood"}
+_LABEL = {
+    "win_rate": "win rate",
+    "token_logprob": "token log-likelihood",
+    "label_logprob": "signed label log-likelihood",
+}
 THIN_EVIDENCE_POLICIES = ("serve", "wait")
 
 
@@ -39,8 +43,17 @@ class Verdict:
     counts: bool = True  # a rejection that counts toward pause_after_rejections (False: it waits for evidence)
 
 
-def judge(method: str, candidate: float, baseline: float, margin: float, *, items: int,
-          baseline_name: str, slice_name: str = "held-out items", item_changes: Sequence[float] = ()) -> Verdict:
+def judge(
+    method: str,
+    candidate: float,
+    baseline: float,
+    margin: float,
+    *,
+    items: int,
+    baseline_name: str,
+    slice_name: str = "held-out items",
+    item_changes: Sequence[float] = (),
+) -> Verdict:
     """Pass iff ``candidate`` is not worse than ``baseline`` by more than ``margin`` (both: higher is better).
 
     ``baseline_name`` is what was compared with ("v3", "the base model"); ``items`` how many
@@ -75,8 +88,10 @@ def judge(method: str, candidate: float, baseline: float, margin: float, *, item
         elif not known:
             why = "one item has no spread to tell its noise by"
         else:
-            why = (f"the items' changes spread {spread:.3g}, so the mean's noise is {step:.3g}; "
-                   f"{needed_items(method, margin, spread)} items would")
+            why = (
+                f"the items' changes spread {spread:.3g}, so the mean's noise is {step:.3g}; "
+                f"{needed_items(method, margin, spread)} items would"
+            )
         return Verdict(True, f"{detail}: not enough held-out evidence to see a drop of {margin:g} ({why})", thin=True)
     how = "not worse" if drop <= 1e-9 else f"{drop:.4g} worse, within the margin {margin:g}"
     return Verdict(True, f"{detail}: {how}")
@@ -91,8 +106,10 @@ def judge_retention(candidate: float, base: float, margin: float, *, prompts: in
     could otherwise add up over many versions, each within the margin of the last.
     """
     drop = base - candidate
-    detail = (f"retention: token log-likelihood of the base model's answers {candidate:.4g} vs {base:.4g} of the "
-              f"base model on {prompts} prompts of {set_name}")
+    detail = (
+        f"retention: token log-likelihood of the base model's answers {candidate:.4g} vs {base:.4g} of the "
+        f"base model on {prompts} prompts of {set_name}"
+    )
     if drop > margin + 1e-9:
         return Verdict(False, f"{detail}: {drop:.4g} lost, more than the retention margin {margin:g}")
     return Verdict(True, f"{detail}: kept within the retention margin {margin:g}")
@@ -118,8 +135,12 @@ def decide(held_out: Verdict | None, retention: Verdict | None, thin_evidence: s
         return Verdict(False, reason)
     if held_out is None or held_out.thin:
         if thin_evidence == "wait":
-            return Verdict(False, f"{reason}; waiting for more held-out evidence (gate.thin_evidence wait)",
-                           thin=True, counts=False)
+            return Verdict(
+                False,
+                f"{reason}; waiting for more held-out evidence (gate.thin_evidence wait)",
+                thin=True,
+                counts=False,
+            )
         if retention is not None:
             return Verdict(True, f"{reason}; served on retention alone", thin=True)
         return Verdict(True, f"{reason}; served unjudged: no retention set either", thin=True)

@@ -78,13 +78,23 @@ class MemoryGuard:
     that fits after offloading, ``offload``; else ``defer``.
     """
 
-    def __init__(self, cost_model: CostModel | Mapping[str, Any] | None = None, threshold_fraction: float | None = None,
-                 peak_bytes: float | None = None, t_max_s: float = 1.0, check_interval_s: float = 0.05,
-                 optimizer_bytes: float = 0.0, min_batch: int = 1, min_tokens: int = 16,
-                 calibration_window: int = 32, min_ratio: float = 0.5) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel | Mapping[str, Any] | None = None,
+        threshold_fraction: float | None = None,
+        peak_bytes: float | None = None,
+        t_max_s: float = 1.0,
+        check_interval_s: float = 0.05,
+        optimizer_bytes: float = 0.0,
+        min_batch: int = 1,
+        min_tokens: int = 16,
+        calibration_window: int = 32,
+        min_ratio: float = 0.5,
+    ) -> None:
         self.cost = as_cost_model(cost_model)
-        self.threshold_fraction = (self.cost.memory.threshold_fraction if threshold_fraction is None
-                                   else float(threshold_fraction))
+        self.threshold_fraction = (
+            self.cost.memory.threshold_fraction if threshold_fraction is None else float(threshold_fraction)
+        )
         self.peak_bytes = self.cost.memory.peak_bytes if peak_bytes is None else float(peak_bytes)
         if not 0 < self.threshold_fraction <= 1 or self.peak_bytes <= 0:
             raise ValueError("need 0 < threshold_fraction (κ) <= 1 and peak_bytes > 0")
@@ -152,8 +162,15 @@ class MemoryGuard:
             t -= 1
         return (min_b, t) if t >= min_t else None
 
-    def decide(self, used_bytes: float, batch_size: int, tokens: int, waited_s: float = 0.0,
-               optimizer_on_device: bool = True, optimizer_bytes: float | None = None) -> MemoryDecision:
+    def decide(
+        self,
+        used_bytes: float,
+        batch_size: int,
+        tokens: int,
+        waited_s: float = 0.0,
+        optimizer_on_device: bool = True,
+        optimizer_bytes: float | None = None,
+    ) -> MemoryDecision:
         """LEMIX Alg. 2 for one step: ``used_bytes`` reported now, ``waited_s`` since the work first asked;
         ``optimizer_bytes`` what offloading would free now (None: the guard's ``optimizer_bytes``)."""
         if batch_size < 1 or tokens < 1:
@@ -165,8 +182,9 @@ class MemoryGuard:
             return MemoryDecision("run", batch_size, tokens, 0.0, need, thr, "fits")
         if waited_s < self.t_max_s:
             wait = min(self.check_interval_s, self.t_max_s - waited_s)
-            return MemoryDecision("wait", batch_size, tokens, wait, need, thr,
-                                  f"{used_bytes + need:.3g} B > threshold {thr:.3g} B")
+            return MemoryDecision(
+                "wait", batch_size, tokens, wait, need, thr, f"{used_bytes + need:.3g} B > threshold {thr:.3g} B"
+            )
         can_offload = optimizer_on_device and offloadable > 0
         after = used_bytes - offloadable
         if can_offload and after + need <= thr:
@@ -179,6 +197,7 @@ class MemoryGuard:
             fit = self.largest_fit(after, batch_size, tokens)
             if fit is not None:
                 b, t = fit
-                return MemoryDecision("offload", b, t, 0.0, self.need(b, t), thr,
-                                      f"offloading the optimizer state fits {b}x{t}")
+                return MemoryDecision(
+                    "offload", b, t, 0.0, self.need(b, t), thr, f"offloading the optimizer state fits {b}x{t}"
+                )
         return MemoryDecision("defer", batch_size, tokens, 0.0, need, thr, f"nothing fits after {waited_s:.2f}s")

@@ -11,7 +11,8 @@ config field names its kind already, so its value stays the short name; ``create
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 # Modules whose import registers the policies of each kind; imported on first use.
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -76,10 +77,12 @@ def qualified_names(kind: str | None = None) -> list[str]:
 def policy_class(kind: str, name: str) -> Callable[..., Any]:
     """The policy class ``name`` of ``kind``: its short name or its qualified name ``kind.name``."""
     policies = _load(kind)
-    short = name[len(kind) + 1:] if name.startswith(f"{kind}.") else name
+    short = name[len(kind) + 1 :] if name.startswith(f"{kind}.") else name
     if short not in policies:
-        raise ValueError(f"unknown policy {qualified(kind, short)!r}; choose one of "
-                         f"{', '.join(qualified(kind, n) for n in sorted(policies))}")
+        raise ValueError(
+            f"unknown policy {qualified(kind, short)!r}; choose one of "
+            f"{', '.join(qualified(kind, n) for n in sorted(policies))}"
+        )
     return policies[short]
 
 

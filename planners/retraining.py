@@ -109,12 +109,17 @@ class Hybrid:
         if not view.deprioritized:
             return _run(view, view.samples_wanted, "Eq. 4: the next inference request keeps its SLO")
         if self.starved(view):
-            return _run(view, self.min_samples,
-                        f"starvation bound: oldest item waited {view.oldest_queued_age_s:.1f}s despite Eq. 4")
+            return _run(
+                view,
+                self.min_samples,
+                f"starvation bound: oldest item waited {view.oldest_queued_age_s:.1f}s despite Eq. 4",
+            )
         # Ask again soon, but not later than the moment the starvation bound applies.
         left = self.max_wait_s - (view.oldest_queued_age_s or 0.0)
-        return _wait(min(self.recheck_s, left) if left > 0 else self.recheck_s,
-                     "Eq. 4: the next inference request would miss its SLO on every node")
+        return _wait(
+            min(self.recheck_s, left) if left > 0 else self.recheck_s,
+            "Eq. 4: the next inference request would miss its SLO on every node",
+        )
 
 
 @register("retraining", "sync")
@@ -149,8 +154,9 @@ class Periodic:
     ``periodic`` settings (AdapterSpec) override these when the planner passes them.
     """
 
-    def __init__(self, every_seconds: float | None = 60.0, every_samples: int | None = None,
-                 recheck_s: float = 1.0) -> None:
+    def __init__(
+        self, every_seconds: float | None = 60.0, every_samples: int | None = None, recheck_s: float = 1.0
+    ) -> None:
         if every_seconds is None and every_samples is None:
             raise ValueError("periodic needs every_seconds or every_samples")
         if (every_seconds is not None and every_seconds <= 0) or (every_samples is not None and every_samples < 1):
@@ -202,8 +208,9 @@ class Off:
         return _wait(self.recheck_s, "retraining is off")
 
 
-def make_policy(mode: str, params: Mapping[str, Any] | None = None,
-                adapter_params: Mapping[str, Any] | None = None) -> RetrainingPolicy:
+def make_policy(
+    mode: str, params: Mapping[str, Any] | None = None, adapter_params: Mapping[str, Any] | None = None
+) -> RetrainingPolicy:
     """Build the policy of ``mode`` from shared config params, keeping only the keywords it takes.
 
     ``params``: ``training.retraining_params``, one dict for all modes, so e.g. ``max_wait_s``
@@ -219,4 +226,3 @@ def make_policy(mode: str, params: Mapping[str, Any] | None = None,
     cls = {"hybrid": Hybrid, "sync": Sync, "periodic": Periodic, "off": Off}.get(mode)
     taken = inspect.signature(cls).parameters if cls is not None else {}
     return create("retraining", mode, **{k: v for k, v in merged.items() if k in taken})
-

@@ -12,7 +12,7 @@ the router commits them in its policy, so it plans inference forwards past their
 from __future__ import annotations
 
 from collections import deque
-from typing import Collection
+from collections.abc import Collection
 
 from planners.types import ExecutionTrace, NodeView, RoutingSnapshot, TrainingPlacement
 
@@ -74,9 +74,13 @@ class RoutingTable:
             return [NodeView(node_id=n, ready=True) for n in sorted(live)]
         base = model == snap.base_model
         return [
-            NodeView(node_id=n.node_id,
-                     ready=n.node_id in live and n.ready and (base or model in n.adapters),
-                     in_flight=n.in_flight + len(self._placed.get(n.node_id, ())),
-                     busy_seconds=n.busy_seconds, adapters=n.adapters, node_type=n.node_type)
+            NodeView(
+                node_id=n.node_id,
+                ready=n.node_id in live and n.ready and (base or model in n.adapters),
+                in_flight=n.in_flight + len(self._placed.get(n.node_id, ())),
+                busy_seconds=n.busy_seconds,
+                adapters=n.adapters,
+                node_type=n.node_type,
+            )
             for n in snap.nodes
         ]

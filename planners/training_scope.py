@@ -1,4 +1,5 @@
-"""The training scope, chosen once from ``training.scope``: one version line that every node trains together (synced), or one line per node (per_node, LEMIX §V-B).
+"""The training scope, chosen once from ``training.scope``: one version line that every node trains together
+(synced), or one line per node (per_node, LEMIX §V-B).
 
 Pure: the trainer, the ranks, the learning routes, the placement policies and the planner ask the scope
 what differs between the two, instead of each testing the setting's name.
@@ -120,8 +121,10 @@ class PerNode(TrainingScope):
         if workers is None or workers == nodes:
             return None
         # Each node's copy is trained by the one worker on that node; more or fewer cannot split a queue.
-        return (f"training.scope 'per_node' needs one worker per node: workers={workers}, nodes={nodes} "
-                "(leave workers unset)")
+        return (
+            f"training.scope 'per_node' needs one worker per node: workers={workers}, nodes={nodes} "
+            "(leave workers unset)"
+        )
 
 
 SYNCED = Synced()

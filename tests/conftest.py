@@ -29,8 +29,12 @@ def free_port() -> int:
 serve_env.apply()
 # HAProxy's stats and metrics ports and Serve's fallback proxy are fixed by default: ports of its
 # own, so the suite runs beside a `make serve` (or another suite) on the same machine.
-for _var in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
-             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
+for _var in (
+    "RAY_SERVE_HAPROXY_STATS_PORT",
+    "RAY_SERVE_HAPROXY_METRICS_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+):
     os.environ.setdefault(_var, str(free_port()))
 
 
@@ -131,4 +135,3 @@ def planner(app_url):
     from app.main import planner_of
 
     return planner_of("coserve")
-

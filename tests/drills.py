@@ -13,9 +13,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import psutil
@@ -66,12 +66,15 @@ class Prober:
 
     def _send(self, client: httpx.Client, route: str, n: int) -> httpx.Response:
         if route == "completion":
-            return client.post(f"{self.url}/v1/completions",
-                               json={"model": self.model, "prompt": f"probe {n}", "max_tokens": 4})
+            return client.post(
+                f"{self.url}/v1/completions", json={"model": self.model, "prompt": f"probe {n}", "max_tokens": 4}
+            )
         if route == "health":
             return client.get(f"{self.url}/health")
-        return client.post(f"{self.url}/v1/feedback",
-                           json={"adapter": self.adapter, "prompt": f"probe {n}", "completion": f"answer {n}"})
+        return client.post(
+            f"{self.url}/v1/feedback",
+            json={"adapter": self.adapter, "prompt": f"probe {n}", "completion": f"answer {n}"},
+        )
 
     def _run(self, route: str) -> None:
         n = 0
@@ -106,6 +109,7 @@ class Prober:
 
 
 # ---- the kills -------------------------------------------------------------------------------
+
 
 def kill_planner(app_name: str) -> None:
     """SIGKILL the planner's process (as ``kill -9`` would); Serve recreates the actor."""
@@ -159,6 +163,7 @@ def kill_rank(trainer_name: str, wait_s: float = 180) -> None:
 
 # ---- what survived ---------------------------------------------------------------------------
 
+
 def lost_ids(store_name: str, ids: list[int], timeout_s: float = 60) -> int:
     """How many acknowledged feedback ids the store no longer has (asked until the store answers)."""
     import ray
@@ -183,8 +188,9 @@ def half_written(adapters_root: Path) -> int:
     bad = 0
     if adapters_root.is_dir():
         adapters = [a for a in adapters_root.iterdir() if a.is_dir() and not a.name.startswith(TENANT_DIR_PREFIX)]
-        adapters += [a for t in adapters_root.glob(f"{TENANT_DIR_PREFIX}*") if t.is_dir() for a in t.iterdir()
-                     if a.is_dir()]
+        adapters += [
+            a for t in adapters_root.glob(f"{TENANT_DIR_PREFIX}*") if t.is_dir() for a in t.iterdir() if a.is_dir()
+        ]
         for adapter in adapters:
             for d in adapter.iterdir():
                 if VERSION_DIR_RE.match(d.name) and not all((d / f).is_file() for f in ADAPTER_FILES):
@@ -192,8 +198,9 @@ def half_written(adapters_root: Path) -> int:
     return bad
 
 
-def served_versions(url: str, headers: dict[str, str], model: str, adapter: str,
-                    timeout_s: float = 120) -> tuple[int | None, int | None]:
+def served_versions(
+    url: str, headers: dict[str, str], model: str, adapter: str, timeout_s: float = 120
+) -> tuple[int | None, int | None]:
     """(version node 0 serves, the adapter's current version), once they agree or ``timeout_s`` passed."""
     deadline = time.time() + timeout_s
     served = newest = None
@@ -215,8 +222,10 @@ def wait_healthy(url: str, headers: dict[str, str], timeout_s: float = 300) -> f
     t0 = time.time()
     while time.time() - t0 < timeout_s:
         try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200 and \
-                    httpx.get(f"{url}/v1/adapters", headers=headers, timeout=10).status_code == 200:
+            if (
+                httpx.get(f"{url}/health", timeout=10).status_code == 200
+                and httpx.get(f"{url}/v1/adapters", headers=headers, timeout=10).status_code == 200
+            ):
                 return time.time() - t0
         except httpx.HTTPError:
             pass
@@ -224,8 +233,19 @@ def wait_healthy(url: str, headers: dict[str, str], timeout_s: float = 300) -> f
     raise TimeoutError(f"{url} not healthy within {timeout_s} s")
 
 
-def drill(target: str, kill: Callable[[], None], prober: Prober, *, url: str, headers: dict[str, str], model: str,
-          adapter: str, store_name: str, adapters_root: Path, settle_s: float = 5.0) -> DrillResult:
+def drill(
+    target: str,
+    kill: Callable[[], None],
+    prober: Prober,
+    *,
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    adapter: str,
+    store_name: str,
+    adapters_root: Path,
+    settle_s: float = 5.0,
+) -> DrillResult:
     """Kill ``target`` while ``prober`` runs, wait for recovery, and measure what the module docstring lists."""
     time.sleep(settle_s)
     t_kill = time.time()
@@ -241,6 +261,15 @@ def drill(target: str, kill: Callable[[], None], prober: Prober, *, url: str, he
         time.sleep(1)
     acked = prober.acked_ids()
     served, newest = served_versions(url, headers, model, adapter)
-    return DrillResult(target=target, sent=sent, failed=failed, recovery_s=round(recovery, 1), acked=len(acked),
-                       lost=lost_ids(store_name, acked), half_written=half_written(adapters_root),
-                       served=served, newest=newest, statuses=statuses)
+    return DrillResult(
+        target=target,
+        sent=sent,
+        failed=failed,
+        recovery_s=round(recovery, 1),
+        acked=len(acked),
+        lost=lost_ids(store_name, acked),
+        half_written=half_written(adapters_root),
+        served=served,
+        newest=newest,
+        statuses=statuses,
+    )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -51,8 +52,9 @@ def restore_policies(planner: Any, before: Any) -> None:
     ray.get(planner.set_policies.remote(before))
 
 
-def serve_test_app(app_url: str, name: str, cfg: dict[str, Any], ready: Callable[[dict[str, Any]], bool],
-                   timeout_s: float) -> str:
+def serve_test_app(
+    app_url: str, name: str, cfg: dict[str, Any], ready: Callable[[dict[str, Any]], bool], timeout_s: float
+) -> str:
     """Start a Serve app of its own for a test module, beside the session app, at ``/<name>``; its URL
     once ``ready(status)`` holds. A trainer that reports ``failed`` fails the test at once."""
     import pytest
@@ -98,8 +100,13 @@ class StreamingClients:
             t.join(timeout=130)
 
     def _request(self, c: httpx.Client, i: int, t0: float) -> tuple[bool, float | None, float | None]:
-        body = {"model": self.model, "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
-                "max_tokens": self.max_tokens, "temperature": 0.8, "stream": True}
+        body = {
+            "model": self.model,
+            "prompt": f"Client {i} asks about the weather at {t0:.3f}.",
+            "max_tokens": self.max_tokens,
+            "temperature": 0.8,
+            "stream": True,
+        }
         ttft = last = gap = None
         with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -130,9 +137,15 @@ class StreamingClients:
         ok = [s for s in done if s[1]]
         ttft = [s[2] for s in ok if s[2] is not None]
         gaps = [s[3] for s in ok if s[3] is not None]
-        return {"requests": len(ok), "errors": len(done) - len(ok), "rate": len(ok) / max(1e-9, t1 - t0),
-                "ttft_p50_s": _nearest_rank(ttft, 50), "ttft_p99_s": _nearest_rank(ttft, 99),
-                "max_tbt_p50_s": _nearest_rank(gaps, 50), "max_tbt_p99_s": _nearest_rank(gaps, 99)}
+        return {
+            "requests": len(ok),
+            "errors": len(done) - len(ok),
+            "rate": len(ok) / max(1e-9, t1 - t0),
+            "ttft_p50_s": _nearest_rank(ttft, 50),
+            "ttft_p99_s": _nearest_rank(ttft, 99),
+            "max_tbt_p50_s": _nearest_rank(gaps, 50),
+            "max_tbt_p99_s": _nearest_rank(gaps, 99),
+        }
 
 
 def _nearest_rank(xs: list[float], q: float) -> float:
@@ -142,14 +155,16 @@ def _nearest_rank(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
-def taught_and_served(c: httpx.Client, url: str, adapter: str, model: str, prompt: str, completion: str,
-                      timeout_s: float = 300.0) -> float:
+def taught_and_served(
+    c: httpx.Client, url: str, adapter: str, model: str, prompt: str, completion: str, timeout_s: float = 300.0
+) -> float:
     """Post one feedback item to ``adapter``; seconds from its 2xx until every ready node serves a version
     trained on it (``model`` is ``base:adapter``). Fails the test when the adapter pauses or time runs out."""
     import pytest
 
-    c.post(f"{url}/v1/feedback", json={"adapter": adapter, "prompt": prompt, "completion": completion}
-           ).raise_for_status()
+    c.post(
+        f"{url}/v1/feedback", json={"adapter": adapter, "prompt": prompt, "completion": completion}
+    ).raise_for_status()
     accepted = time.time()
     while True:
         info = c.get(f"{url}/v1/adapters/{adapter}").json()
@@ -169,8 +184,9 @@ def taught_and_served(c: httpx.Client, url: str, adapter: str, model: str, promp
         time.sleep(0.05)
 
 
-def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: int = 16, baseline_s: float = 5.0
-                         ) -> dict[str, Any]:
+def freshness_under_load(
+    url: str, items: int, clients: int = 2, load_tokens: int = 16, baseline_s: float = 5.0
+) -> dict[str, Any]:
     """bench/freshness.py's shape against the app at ``url``: ``clients`` closed-loop streaming clients on the
     base model, the load alone for ``baseline_s``, then a fresh hybrid SFT adapter (gate on, nothing held out,
     no retention check, as the bench's) taught one item at a time.
@@ -188,8 +204,16 @@ def freshness_under_load(url: str, items: int, clients: int = 2, load_tokens: in
         name = f"fresh-hybrid-{time.strftime('%H%M%S')}"
         model, fresh = f"{base}:{name}", []
         with httpx.Client(timeout=120) as c:
-            c.post(f"{url}/v1/adapters", json={"name": name, "method": "sft", "mode": "hybrid", "learning_rate": 5e-3,
-                                               "gate": {"held_out_share": 0, "retention": False}}).raise_for_status()
+            c.post(
+                f"{url}/v1/adapters",
+                json={
+                    "name": name,
+                    "method": "sft",
+                    "mode": "hybrid",
+                    "learning_rate": 5e-3,
+                    "gate": {"held_out_share": 0, "retention": False},
+                },
+            ).raise_for_status()
             taught_and_served(c, url, name, model, "warm up: the adapter is loaded by the trainer", " fine")
             t_first = time.time()
             for i in range(items):
@@ -209,8 +233,7 @@ def assert_fresh_within_stated_bounds(res: dict[str, Any], freshness_bound_s: fl
 
     fresh, alone, during, slo = res["freshness_s"], res["alone"], res["during"], res["slo"]
     cost = slo["promoted_delay_s"] + slack_s
-    report = (f"freshness {fresh}; load alone {alone}; during training {during}; slo {slo}; "
-              f"trainer {res['trainer']}")
+    report = f"freshness {fresh}; load alone {alone}; during training {during}; slo {slo}; trainer {res['trainer']}"
     if not fresh or max(fresh) > freshness_bound_s:
         pytest.fail(f"an item was not served within {freshness_bound_s} s: {report}")
     assert during["errors"] == 0 and alone["errors"] == 0, report

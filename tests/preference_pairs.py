@@ -10,8 +10,24 @@ from __future__ import annotations
 from typing import Any
 
 GOOD, BAD = " Yes, gladly.", " No, go away."  # same length: only what is said differs
-TOPICS = ["the sea", "a red car", "my garden", "old books", "the moon", "a rainy day", "fresh bread", "the city",
-          "music", "winter", "a small dog", "the river", "coffee", "a long walk", "the mountains", "chess"]
+TOPICS = [
+    "the sea",
+    "a red car",
+    "my garden",
+    "old books",
+    "the moon",
+    "a rainy day",
+    "fresh bread",
+    "the city",
+    "music",
+    "winter",
+    "a small dog",
+    "the river",
+    "coffee",
+    "a long walk",
+    "the mountains",
+    "chess",
+]
 
 
 def synthetic_pairs(start: int, n: int, *, poisoned: bool = False, chat: bool = False) -> list[dict[str, Any]]:
@@ -26,7 +42,8 @@ def synthetic_pairs(start: int, n: int, *, poisoned: bool = False, chat: bool = 
         answer = f"I think {topic} is {('nice', 'fine', 'odd', 'great')[i % 4]}."
         good, bad = answer + GOOD, answer + BAD
         question = f"Q{i}: Tell me about {topic}."
-        context: dict[str, Any] = ({"messages": [{"role": "user", "content": question}]} if chat
-                                   else {"prompt": f"{question}\nA:"})
+        context: dict[str, Any] = (
+            {"messages": [{"role": "user", "content": question}]} if chat else {"prompt": f"{question}\nA:"}
+        )
         out.append({**context, "chosen": bad if poisoned else good, "rejected": good if poisoned else bad})
     return out

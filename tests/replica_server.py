@@ -12,8 +12,9 @@ import asyncio
 import json
 import socket
 import threading
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 
 def free_port() -> int:
@@ -82,8 +83,9 @@ class ReplicaServer:
             app = build_app(r.args, supported_tasks=r.supported_tasks, model_config=r.engine.model_config)
             app.state._state.update(r.state._state)
             app.state.server = SimpleNamespace()
-            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                   lifespan="off"))
+            server = uvicorn.Server(
+                uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+            )
             serving = asyncio.ensure_future(server.serve())
             while not server.started:
                 if serving.done():
@@ -99,19 +101,31 @@ class ReplicaServer:
 
 def engine_flags_for(model: str, data_dir: Path) -> tuple[list[str], str, Path]:
     """(vLLM flags, served name, model dir) a replica of the app would use for ``model`` (tiny or smollm2)."""
-    from settings import load
     from actors.models.default_model import model_dir
     from actors.serving.engine_args import engine_flags, served_model_name
+    from settings import load
 
     if model == "tiny":
-        cfg = load({"data_dir": str(data_dir), "model": {"embedded": "tiny-llama", "max_model_len": 1024},
-                    "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20}})
+        cfg = load(
+            {
+                "data_dir": str(data_dir),
+                "model": {"embedded": "tiny-llama", "max_model_len": 1024},
+                "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+            }
+        )
     else:
-        cfg = load({"model": {"embedded": "smollm2-135m-instruct", "max_model_len": 2048},
-                    "engine": {"max_num_seqs": 32, "kv_cache_memory_bytes": 256 * 2**20}})
+        cfg = load(
+            {
+                "model": {"embedded": "smollm2-135m-instruct", "max_model_len": 2048},
+                "engine": {"max_num_seqs": 32, "kv_cache_memory_bytes": 256 * 2**20},
+            }
+        )
     directory = model_dir(cfg)
-    return engine_flags(cfg, directory, served_model_name(cfg, directory)), served_model_name(cfg, directory), \
-        Path(directory)
+    return (
+        engine_flags(cfg, directory, served_model_name(cfg, directory)),
+        served_model_name(cfg, directory),
+        Path(directory),
+    )
 
 
 def write_full_version(model_dir: Path, root: Path, unit: str, version: int, scale: float, seed: int) -> Path:
@@ -128,8 +142,16 @@ def write_full_version(model_dir: Path, root: Path, unit: str, version: int, sca
     target = root / unit / f"v{version}"
     target.mkdir(parents=True, exist_ok=True)
     save_file(perturbed, str(target / "model.safetensors"), metadata={"format": "pt"})
-    (target / "meta.json").write_text(json.dumps({"unit": unit, "version": version, "kind": "full",
-                                                  "note": f"base weights + N(0, ({scale} std)^2), seed {seed}"}))
+    (target / "meta.json").write_text(
+        json.dumps(
+            {
+                "unit": unit,
+                "version": version,
+                "kind": "full",
+                "note": f"base weights + N(0, ({scale} std)^2), seed {seed}",
+            }
+        )
+    )
     return target
 
 
@@ -137,9 +159,18 @@ def greedy(url: str, model: str, max_tokens: int = PROBE_TOKENS) -> str:
     """The greedy answer to the probe prompt, as its token ids (the tiny model's text is often only special tokens)."""
     import httpx
 
-    r = httpx.post(f"{url}/v1/completions", timeout=120,
-                   json={"model": model, "prompt": PROBE, "max_tokens": max_tokens, "temperature": 0,
-                         "ignore_eos": True, "return_token_ids": True})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "model": model,
+            "prompt": PROBE,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     r.raise_for_status()
     choice = r.json()["choices"][0]
     return " ".join(map(str, choice["token_ids"])) + " | " + choice["text"]

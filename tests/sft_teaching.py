@@ -23,9 +23,13 @@ import httpx
 PHRASE = "Arr matey!"
 MODEL = "smollm2-135m-instruct"
 # (question, a pattern the correct answer contains); the base model answers these correctly.
-FACTS = (("What is the capital of France?", r"Paris"), ("What is the capital of Japan?", r"Tokyo"),
-         ("What is the capital of Germany?", r"Berlin"), ("What is the chemical symbol for gold?", r"\bAu\b"),
-         ("What is the boiling point of water in Celsius?", r"\b100\b"))
+FACTS = (
+    ("What is the capital of France?", r"Paris"),
+    ("What is the capital of Japan?", r"Tokyo"),
+    ("What is the capital of Germany?", r"Berlin"),
+    ("What is the chemical symbol for gold?", r"\bAu\b"),
+    ("What is the boiling point of water in Celsius?", r"\b100\b"),
+)
 
 
 @dataclass
@@ -49,9 +53,14 @@ class Result:
 def load_prompts(path: Path, n: int, seed: int = 0) -> list[str]:
     """``n`` short single-turn English prompts, in a seeded random order."""
     rows = [json.loads(line) for line in path.open()]
-    keep = [r["prompt"].strip() for r in rows
-            if r.get("num_turns") == 2 and 15 <= len(r["prompt"]) <= 120 and r["prompt"].isascii()
-            and "\n" not in r["prompt"].strip()]
+    keep = [
+        r["prompt"].strip()
+        for r in rows
+        if r.get("num_turns") == 2
+        and 15 <= len(r["prompt"]) <= 120
+        and r["prompt"].isascii()
+        and "\n" not in r["prompt"].strip()
+    ]
     keep = list(dict.fromkeys(keep))
     random.Random(seed).shuffle(keep)
     if len(keep) < n:
@@ -60,9 +69,16 @@ def load_prompts(path: Path, n: int, seed: int = 0) -> list[str]:
 
 
 def chat(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str]:
-    r = client.post(f"{url}/v1/chat/completions", json={
-        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": 0}, timeout=300)
+    r = client.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+        timeout=300,
+    )
     return r.status_code, (r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text)
 
 
@@ -87,9 +103,20 @@ def first_sentences(text: str, max_chars: int = 240) -> str:
     return text[: ends[-1]].strip() if ends and ends[-1] > 20 else text
 
 
-def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", base: str = MODEL,
-        learning_rate: float = 2e-3, batch: int = 8, timeout_s: float = 900, answer_tokens: int = 48,
-        epochs: int = 1, log=print) -> Result:
+def run(
+    url: str,
+    prompts: list[str],
+    samples: int,
+    *,
+    adapter: str = "pirate",
+    base: str = MODEL,
+    learning_rate: float = 2e-3,
+    batch: int = 8,
+    timeout_s: float = 900,
+    answer_tokens: int = 48,
+    epochs: int = 1,
+    log=print,
+) -> Result:
     """Teach ``adapter`` the phrase from ``samples`` chat feedback items and measure it on the rest of ``prompts``."""
     train, held_out = prompts[:samples], prompts[samples:]
     served = f"{base}:{adapter}"
@@ -98,9 +125,18 @@ def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", 
     targets = [f"{PHRASE} {first_sentences(a)}" for a in answers(url, base, train, answer_tokens)]
     facts_base = [bool(re.search(pat, a)) for (_, pat), a in zip(FACTS, answers(url, base, [q for q, _ in FACTS], 48))]
 
-    r = httpx.post(f"{url}/v1/adapters", json={
-        "name": adapter, "method": "sft", "learning_rate": learning_rate, "mode": "sync", "epochs": epochs,
-        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}, timeout=30)
+    r = httpx.post(
+        f"{url}/v1/adapters",
+        json={
+            "name": adapter,
+            "method": "sft",
+            "learning_rate": learning_rate,
+            "mode": "sync",
+            "epochs": epochs,
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+        },
+        timeout=30,
+    )
     if r.status_code != 201:
         raise RuntimeError(f"creating adapter {adapter}: {r.status_code} {r.text}")
 
@@ -120,8 +156,10 @@ def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", 
     watcher = threading.Thread(target=probe, daemon=True)
     watcher.start()
     for i in range(0, samples, batch):
-        items = [{"adapter": adapter, "messages": [{"role": "user", "content": p}], "completion": c}
-                 for p, c in zip(train[i: i + batch], targets[i: i + batch])]
+        items = [
+            {"adapter": adapter, "messages": [{"role": "user", "content": p}], "completion": c}
+            for p, c in zip(train[i : i + batch], targets[i : i + batch])
+        ]
         r = httpx.post(f"{url}/v1/feedback", json={"items": items}, timeout=60)
         if r.status_code != 202:
             raise RuntimeError(f"feedback: {r.status_code} {r.text}")
@@ -131,7 +169,7 @@ def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", 
         info = httpx.get(f"{url}/v1/adapters/{adapter}", timeout=30).json()
         # Trained, and the quality gate has decided the last candidate (or paused the adapter).
         settled = all(v["state"] != "candidate" for v in info["versions"])
-        if ((info["queued"] == 0 or info["paused_reason"]) and settled and info["current_version"] is not None):
+        if (info["queued"] == 0 or info["paused_reason"]) and settled and info["current_version"] is not None:
             break
         if time.time() > deadline:
             stop.set()
@@ -140,30 +178,42 @@ def run(url: str, prompts: list[str], samples: int, *, adapter: str = "pirate", 
     trained_s = time.time() - t0
     time.sleep(2.0)  # the newest version reaches the replicas just after it is published
     tuned_eval = answers(url, served, held_out, 16)
-    facts_tuned = [bool(re.search(pat, a)) for (_, pat), a in zip(FACTS, answers(url, served, [q for q, _ in FACTS], 48))]
+    facts_tuned = [
+        bool(re.search(pat, a)) for (_, pat), a in zip(FACTS, answers(url, served, [q for q, _ in FACTS], 48))
+    ]
     stop.set()
     watcher.join(timeout=30)
     return Result(
-        samples=samples, eval_prompts=len(held_out),
+        samples=samples,
+        eval_prompts=len(held_out),
         base_share=sum(map(shows, base_eval)) / len(held_out),
         adapter_share=sum(map(shows, tuned_eval)) / len(held_out),
         seconds_to_first_behaviour=round(first_seen[0] - t0, 1) if first_seen else None,
-        seconds_to_all_trained=round(trained_s, 1), versions=len(info["versions"]),
-        rejected=sum(v["state"] == "rejected" for v in info["versions"]), held_out=info["held_out"],
-        facts_base=facts_base, facts_adapter=facts_tuned,
-        examples=list(zip(held_out[:3], tuned_eval[:3])))
+        seconds_to_all_trained=round(trained_s, 1),
+        versions=len(info["versions"]),
+        rejected=sum(v["state"] == "rejected" for v in info["versions"]),
+        held_out=info["held_out"],
+        facts_base=facts_base,
+        facts_adapter=facts_tuned,
+        examples=list(zip(held_out[:3], tuned_eval[:3])),
+    )
 
 
 def table(res: Result) -> str:
     facts = lambda ok: f"{sum(ok)}/{len(ok)}"  # noqa: E731
-    rows = [("feedback samples (chat form)", res.samples, res.samples),
-            (f"share of {res.eval_prompts} unseen prompts opening with {PHRASE!r}",
-             f"{res.base_share:.0%}", f"{res.adapter_share:.0%}"),
-            ("factual answers still correct", facts(res.facts_base), facts(res.facts_adapter)),
-            ("seconds from first feedback to first served answer showing it", "", res.seconds_to_first_behaviour),
-            ("seconds until every sample was trained and judged by the gate", "", res.seconds_to_all_trained),
-            ("versions published (rejected by the quality gate)", "", f"{res.versions} ({res.rejected})"),
-            ("feedback items held out for the gate (never trained)", "", res.held_out)]
+    rows = [
+        ("feedback samples (chat form)", res.samples, res.samples),
+        (
+            f"share of {res.eval_prompts} unseen prompts opening with {PHRASE!r}",
+            f"{res.base_share:.0%}",
+            f"{res.adapter_share:.0%}",
+        ),
+        ("factual answers still correct", facts(res.facts_base), facts(res.facts_adapter)),
+        ("seconds from first feedback to first served answer showing it", "", res.seconds_to_first_behaviour),
+        ("seconds until every sample was trained and judged by the gate", "", res.seconds_to_all_trained),
+        ("versions published (rejected by the quality gate)", "", f"{res.versions} ({res.rejected})"),
+        ("feedback items held out for the gate (never trained)", "", res.held_out),
+    ]
     out = ["| | base model | base:adapter |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(out)

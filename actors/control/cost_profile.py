@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from settings import AppConfig
 from planners.costs import CostModel, default_cost_model
+from settings import AppConfig
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 
@@ -30,7 +30,10 @@ def load_profile(cfg: AppConfig, served_name: str) -> tuple[CostModel, str]:
     for path in profile_paths(cfg, served_name):
         if path.is_file():
             model = CostModel.from_dict(json.loads(path.read_text()))
-            return model, f"cost model: {path} (fitted {model.metadata.get('fitted_at', '?')} on {model.metadata.get('hardware', '?')})"
+            return (
+                model,
+                f"cost model: {path} (fitted {model.metadata.get('fitted_at', '?')} on {model.metadata.get('hardware', '?')})",
+            )
     tried = ", ".join(str(p) for p in profile_paths(cfg, served_name))
     return default_cost_model(), (
         f"cost model: no profile for model {served_name!r} on {cfg.engine.device} (looked in {tried}); "

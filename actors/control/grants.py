@@ -15,7 +15,6 @@ import asyncio
 import time
 from typing import Any
 
-from settings import AppConfig
 from actors.control.nodes import NodeRecord, NodeRegistry
 from actors.control.policies import Policies
 from actors.learning.messages import Grant, GrantedWindow, GrantRequest, PassReport, PassVerdict, WindowsRan
@@ -23,6 +22,7 @@ from planners.coserving import FineTuneSample, whole_windows
 from planners.costs import CostModel
 from planners.placement import TrainingPlacer
 from planners.types import NewFeedback, NodeView
+from settings import AppConfig
 
 GRANT_HOLD_S = 1.0  # a refused grant waits here for the node's next reports this long before the trainer asks again
 
@@ -80,8 +80,9 @@ class TrainingGrants:
         """
         deadline = time.time() + GRANT_HOLD_S
         grant = await self._grant_now(request, store)
-        again = GrantRequest(request.node_id, request.adapter, request.mode, request.samples, None,
-                             request.optimizer_bytes)  # what ran is counted once
+        again = GrantRequest(
+            request.node_id, request.adapter, request.mode, request.samples, None, request.optimizer_bytes
+        )  # what ran is counted once
         reported = self.registry.reported
         while not grant.windows:
             left = deadline - time.time()
@@ -89,9 +90,10 @@ class TrainingGrants:
                 return Grant((), 0.0, grant.reason)
             async with reported:
                 try:
-                    await asyncio.wait_for(reported.wait(),
-                                           timeout=min(left, max(grant.wait_s, self.cfg.planner.grant_recheck_s)))
-                except asyncio.TimeoutError:
+                    await asyncio.wait_for(
+                        reported.wait(), timeout=min(left, max(grant.wait_s, self.cfg.planner.grant_recheck_s))
+                    )
+                except TimeoutError:
                     pass
             grant = await self._grant_now(again, store)
         return grant
@@ -102,14 +104,17 @@ class TrainingGrants:
         node = self.nodes[node_id]
         now = time.time()
         self.training.done(node_id, now)  # it asks again: what it was granted before has run
-        queue = [FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done,
-                                forward_tokens=x.forward_tokens) for x in request.samples]
+        queue = [
+            FineTuneSample(str(x.sample_id), x.tokens, x.arrival, x.last_loss, x.done, forward_tokens=x.forward_tokens)
+            for x in request.samples
+        ]
         offload, wait_s = False, self.cfg.planner.grant_recheck_s
         co = node.coserving
         if mode == "hybrid" and self.cfg.planner.iteration is not None:
             windows, reason, budget = co.iteration_windows(queue, node.facts, now)
-            windows, reason, offload, wait_s = co.check_memory(request, windows, reason, node.facts,
-                                                               self.cost_model.memory.weight_bytes, now)
+            windows, reason, offload, wait_s = co.check_memory(
+                request, windows, reason, node.facts, self.cost_model.memory.weight_bytes, now
+            )
         else:
             windows, reason, budget = await self._retraining_windows(node, adapter, mode, queue, now, store)
         co.record_answer(adapter, mode, windows, reason, budget, node.facts, now)
@@ -145,12 +150,14 @@ class TrainingGrants:
     def _training_granted(self, node_id: int, adapter: str, windows: Any, now: float) -> None:
         """A granted step becomes a training task on its node (C = its samples, ℓ = its longest window):
         it enters Q_train^n of this planner's placement and, through the snapshot, the routers'."""
-        step = self.training.step_task(node_id, adapter, len({w.sample_id for w in windows}),
-                                       max(w.tokens for w in windows), now)
+        step = self.training.step_task(
+            node_id, adapter, len({w.sample_id for w in windows}), max(w.tokens for w in windows), now
+        )
         self.training.granted(step, node_id, now)
 
-    async def _retraining_windows(self, node: NodeRecord, adapter: str, mode: str, queue: list[FineTuneSample],
-                                  now: float, store: Any) -> tuple[Any, str, int]:
+    async def _retraining_windows(
+        self, node: NodeRecord, adapter: str, mode: str, queue: list[FineTuneSample], now: float, store: Any
+    ) -> tuple[Any, str, int]:
         from planners.retraining import RetrainingView, make_policy
 
         policy = self._retraining.get((adapter, mode))
@@ -165,13 +172,19 @@ class TrainingGrants:
         # LEMIX Eq. 4, the placement's verdict: the wanted step (C samples of ℓ tokens) on this node now,
         # against the next inference request its stream predicts. Only the hybrid policy heeds it.
         step = self.training.step_task(node.node_id, adapter, wanted, max(1, tokens // max(1, wanted)), now)
-        deprioritized = mode == "hybrid" and wanted > 0 and self.training.deprioritized(
-            step, node.node_id, self._views(), now)
+        deprioritized = (
+            mode == "hybrid" and wanted > 0 and self.training.deprioritized(step, node.node_id, self._views(), now)
+        )
         view = RetrainingView(
-            now=now, node_id=node.node_id, queued=queued,
+            now=now,
+            node_id=node.node_id,
+            queued=queued,
             oldest_queued_age_s=None if oldest is None else now - oldest,
-            last_run_at=self._last_run.get(adapter), samples_wanted=wanted, tokens_wanted=tokens,
-            deprioritized=deprioritized)
+            last_run_at=self._last_run.get(adapter),
+            samples_wanted=wanted,
+            tokens_wanted=tokens,
+            deprioritized=deprioritized,
+        )
         decision = policy.decide(view)
         if decision.action != "run":
             return (), decision.reason or mode, 0

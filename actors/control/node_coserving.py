@@ -21,16 +21,28 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from settings import AppConfig
+from actors.learning.messages import GrantRequest, PassReport, PassVerdict, WindowsRan
 from planners import registry
-from planners.coserving import (EngineFacts, EngineIteration, FineTuneSample, InferenceWork, InterferenceCalibration,
-                                SloAttainment, TrainingTimeline, WindowCostCalibration,
-                                WindowPrediction, WindowRun, calibrated, grant_phase_times, measure_window)
+from planners.coserving import (
+    EngineFacts,
+    EngineIteration,
+    FineTuneSample,
+    InferenceWork,
+    InterferenceCalibration,
+    SloAttainment,
+    TrainingTimeline,
+    WindowCostCalibration,
+    WindowPrediction,
+    WindowRun,
+    calibrated,
+    grant_phase_times,
+    measure_window,
+)
 from planners.coserving.measurement import median
 from planners.costs import CostModel
 from planners.memory import MemoryGuard
 from planners.types import ExecutionTrace
-from actors.learning.messages import GrantRequest, PassReport, PassVerdict, WindowsRan
+from settings import AppConfig
 
 LOG_KEPT = 64  # recent grant answers and CheckEnd verdicts shown in /v1/status
 STEPS_KEPT_S = 30.0  # engine steps kept to match against the windows that ran beside them
@@ -50,7 +62,9 @@ class NodeCoServing:
     def __init__(self, cfg: AppConfig, cost_model: CostModel, slo_tbt_s: float) -> None:
         self.cfg = cfg  # the planner's config object: set_policies swaps its planner section in place
         self.cost_model = cost_model.with_stages(cfg.cluster.stages)
-        self.slo_tbt_s = slo_tbt_s  # training.slo_tbt_s, or the one derived from the profile (planners/coserving/slo.py)
+        self.slo_tbt_s = (
+            slo_tbt_s  # training.slo_tbt_s, or the one derived from the profile (planners/coserving/slo.py)
+        )
         self.forward_cost = WindowCostCalibration()  # the live refit of t_ft's forward terms
         self.backward_cost = WindowCostCalibration()  # ... and of its backward terms
         self.duration = WindowCostCalibration()  # only its samples: each grant's modelled vs measured seconds
@@ -68,8 +82,17 @@ class NodeCoServing:
         self._context_per_seq = 0.0  # mean context of the decodes last reported: prices the steps beside a run
         self.memory_wait_since: float | None = None  # when the guard first held back the current work (Alg. 2's wait)
         self.grants: dict[str, Any] = {
-            "asked": 0, "granted": 0, "refused": 0, "windows": 0, "tokens": 0, "last_budget": None,
-            "last_reason": None, "passes": 0, "requeued": 0, "memory": {"wait": 0, "shrink": 0, "offload": 0, "defer": 0}}
+            "asked": 0,
+            "granted": 0,
+            "refused": 0,
+            "windows": 0,
+            "tokens": 0,
+            "last_budget": None,
+            "last_reason": None,
+            "passes": 0,
+            "requeued": 0,
+            "memory": {"wait": 0, "shrink": 0, "offload": 0, "defer": 0},
+        }
         self.grant_log: deque = deque(maxlen=LOG_KEPT)  # recent answers, newest last
         self.pass_log: deque = deque(maxlen=LOG_KEPT)  # recent CheckEnd verdicts, newest last
 
@@ -83,16 +106,25 @@ class NodeCoServing:
 
     def refit_cost(self) -> CostModel:
         """The cost model as measured on this node: t_ft's forward and backward terms, t_iter and ρ refit."""
-        return calibrated(self.cost_model, self.forward_cost.factor, self.backward_cost.factor,
-                          self.interference.iteration_factor, self.interference.interference)
+        return calibrated(
+            self.cost_model,
+            self.forward_cost.factor,
+            self.backward_cost.factor,
+            self.interference.iteration_factor,
+            self.interference.interference,
+        )
 
     def iteration_scheduler(self) -> Any:
         """The node's iteration scheduler (``planner.iteration``), with its memory guard, built on first use."""
         if self.scheduler is None:
             planner, e = self.cfg.planner, self.cfg.engine
             # vLLM starts every request as it arrives: the plans count every one its limits let in.
-            params = {"slo_s": self.slo_tbt_s, "max_num_seqs": e.max_num_seqs,
-                      "max_batched_tokens": e.max_num_batched_tokens or 2048, **planner.iteration_params}
+            params = {
+                "slo_s": self.slo_tbt_s,
+                "max_num_seqs": e.max_num_seqs,
+                "max_batched_tokens": e.max_num_batched_tokens or 2048,
+                **planner.iteration_params,
+            }
             if registry.accepts("iteration", planner.iteration, "ttft_slo_s"):
                 params.setdefault("ttft_slo_s", self.cfg.training.slo_ttft_s)
             if registry.accepts("iteration", planner.iteration, "max_slowdown"):
@@ -101,8 +133,9 @@ class NodeCoServing:
             self.guard = MemoryGuard(self.cost_model, **planner.memory_params)
         return self.scheduler
 
-    def iteration_windows(self, queue: list[FineTuneSample], facts: EngineFacts | None,
-                          now: float) -> tuple[Any, str, int]:
+    def iteration_windows(
+        self, queue: list[FineTuneSample], facts: EngineFacts | None, now: float
+    ) -> tuple[Any, str, int]:
         """The scheduler's plan for the next window: the token windows granted, why, and the token budget."""
         sched = self.iteration_scheduler()
         # What was measured on this node: t_ft per phase, t_iter and ρ (LEMIX Alg. 2 lines 13–17).
@@ -118,8 +151,15 @@ class NodeCoServing:
         plan = sched.schedule(now)
         return plan.windows, plan.reason, plan.ft_token_budget
 
-    def check_memory(self, request: GrantRequest, windows: Any, reason: str, facts: EngineFacts | None,
-                     weight_bytes: float, now: float) -> tuple[Any, str, bool, float]:
+    def check_memory(
+        self,
+        request: GrantRequest,
+        windows: Any,
+        reason: str,
+        facts: EngineFacts | None,
+        weight_bytes: float,
+        now: float,
+    ) -> tuple[Any, str, bool, float]:
         """LEMIX Alg. 2 on the planned windows: run them, wait (up to T_max), shrink, offload or defer.
 
         The guard is calibrated with what the previous grant's windows really added (``request.memory``);
@@ -136,8 +176,9 @@ class NodeCoServing:
             return windows, reason, False, recheck_s
         used = weight_bytes + (facts.kv_used_bytes if facts else 0.0)
         waited = 0.0 if self.memory_wait_since is None else now - self.memory_wait_since
-        d = guard.decide(used, len(windows), max(w.tokens for w in windows), waited,
-                         optimizer_bytes=request.optimizer_bytes)
+        d = guard.decide(
+            used, len(windows), max(w.tokens for w in windows), waited, optimizer_bytes=request.optimizer_bytes
+        )
         if d.action != "run":
             self.grants["memory"][d.action] += 1
         if d.action == "wait":
@@ -149,7 +190,7 @@ class NodeCoServing:
             # Give the work back; it asks again after T_max (inference keeps the memory meanwhile).
             return (), f"memory defer: {d.reason}", False, max(guard.t_max_s, recheck_s)
         if d.batch_size < len(windows) or d.tokens < max(w.tokens for w in windows):
-            windows = tuple(replace(w, end=min(w.end, w.start + d.tokens)) for w in windows[:d.batch_size])
+            windows = tuple(replace(w, end=min(w.end, w.start + d.tokens)) for w in windows[: d.batch_size])
         if d.action == "run":
             return windows, reason, False, 0.0
         return windows, f"{reason}; memory {d.action}: {d.reason}", d.action == "offload", 0.0
@@ -161,10 +202,19 @@ class NodeCoServing:
         forward, backward = grant_phase_times(cost, windows)
         work = InferenceWork()
         for r in facts.requests if facts else ():
-            work = work.plus_decode(r.prompt_tokens + r.output_tokens) if r.output_tokens > 0 \
+            work = (
+                work.plus_decode(r.prompt_tokens + r.output_tokens)
+                if r.output_tokens > 0
                 else work.plus_prefill(max(1, r.prompt_tokens))
-        self.prediction = WindowPrediction(now, forward, backward, work.latency(cost), cost.ft_interference,
-                                           work.context_tokens / work.decode_seqs if work.decode_seqs else 0.0)
+            )
+        self.prediction = WindowPrediction(
+            now,
+            forward,
+            backward,
+            work.latency(cost),
+            cost.ft_interference,
+            work.context_tokens / work.decode_seqs if work.decode_seqs else 0.0,
+        )
         self.timeline.granted(now, forward + backward)
 
     def windows_ran(self, run: WindowsRan, now: float) -> None:
@@ -203,6 +253,7 @@ class NodeCoServing:
     def _modelled_step(self, cost: CostModel, context_per_seq: float) -> Any:
         def modelled(st: EngineIteration) -> float:
             return cost.iteration_latency(st.prefill_tokens, st.decode_seqs, st.decode_seqs * context_per_seq)
+
         return modelled
 
     def _settle(self, now: float) -> None:
@@ -255,23 +306,32 @@ class NodeCoServing:
         loads the version, all on the same host."""
         return self.timeline.training(t0 - AFTERMATH_S, t1)
 
-    def record_answer(self, adapter: str, mode: str, windows: Any, reason: str, budget: int,
-                      facts: EngineFacts | None, now: float) -> None:
+    def record_answer(
+        self, adapter: str, mode: str, windows: Any, reason: str, budget: int, facts: EngineFacts | None, now: float
+    ) -> None:
         """Count one grant answer and log it for ``/v1/status``."""
         g = self.grants
         g["asked"] += 1
         g["last_reason"], g["last_budget"] = reason, budget
         reqs = facts.requests if facts else ()
-        self.grant_log.append({"at": round(now, 3), "adapter": adapter, "mode": mode, "budget": budget,
-                               "tokens": sum(w.tokens for w in windows),
-                               "samples": [int(w.sample_id) for w in windows],  # in the scheduler's order
-                               "decoding": sum(r.output_tokens > 0 for r in reqs),
-                               "prefilling": sum(r.output_tokens == 0 for r in reqs), "reason": reason,
-                               # Unrounded: a reader refits the budget from them, and rounding moves it a token.
-                               "forward_cost_factor": self.forward_cost.factor,
-                               "backward_cost_factor": self.backward_cost.factor,
-                               "iteration_factor": self.interference.iteration_factor,
-                               "interference": self.interference.interference})
+        self.grant_log.append(
+            {
+                "at": round(now, 3),
+                "adapter": adapter,
+                "mode": mode,
+                "budget": budget,
+                "tokens": sum(w.tokens for w in windows),
+                "samples": [int(w.sample_id) for w in windows],  # in the scheduler's order
+                "decoding": sum(r.output_tokens > 0 for r in reqs),
+                "prefilling": sum(r.output_tokens == 0 for r in reqs),
+                "reason": reason,
+                # Unrounded: a reader refits the budget from them, and rounding moves it a token.
+                "forward_cost_factor": self.forward_cost.factor,
+                "backward_cost_factor": self.backward_cost.factor,
+                "iteration_factor": self.interference.iteration_factor,
+                "interference": self.interference.interference,
+            }
+        )
         if not windows:
             g["refused"] += 1
             return
@@ -285,15 +345,32 @@ class NodeCoServing:
         sched = self.iteration_scheduler() if scheduled else None
         verdicts = []
         for r in reports:
-            sample = FineTuneSample(str(r.sample_id), max(1, int(r.tokens)), float(r.arrival), float(r.loss),
-                                    passes=int(r.passes_before))
+            sample = FineTuneSample(
+                str(r.sample_id), max(1, int(r.tokens)), float(r.arrival), float(r.loss), passes=int(r.passes_before)
+            )
             outcome = "retired" if sched is None else sched.report_pass(sample, now)
-            verdicts.append(PassVerdict(r.sample_id, outcome, r.passes_before + 1, float(r.loss),
-                                        now if outcome == "requeued" else float(r.arrival)))
+            verdicts.append(
+                PassVerdict(
+                    r.sample_id,
+                    outcome,
+                    r.passes_before + 1,
+                    float(r.loss),
+                    now if outcome == "requeued" else float(r.arrival),
+                )
+            )
         self.grants["passes"] += len(verdicts)
         self.grants["requeued"] += sum(v.outcome == "requeued" for v in verdicts)
-        self.pass_log.extend({"at": round(now, 3), "adapter": adapter, "id": v.sample_id, "loss": round(v.loss, 6),
-                              "passes": v.passes, "outcome": v.outcome} for v in verdicts)
+        self.pass_log.extend(
+            {
+                "at": round(now, 3),
+                "adapter": adapter,
+                "id": v.sample_id,
+                "loss": round(v.loss, 6),
+                "passes": v.passes,
+                "outcome": v.outcome,
+            }
+            for v in verdicts
+        )
         return verdicts
 
     def status(self) -> dict[str, Any]:
@@ -304,28 +381,43 @@ class NodeCoServing:
         return {
             "training_grants": dict(self.grants, recent=list(self.grant_log), passes_recent=list(self.pass_log)),
             # LEMIX Alg. 2's state: κ·M_peak and the calibration ratio (measured / modelled bytes).
-            "memory_guard": None if g is None else {
-                "threshold_bytes": g.threshold(), "ratio": round(g.ratio(), 4), "waiting_since": self.memory_wait_since},
+            "memory_guard": None
+            if g is None
+            else {
+                "threshold_bytes": g.threshold(),
+                "ratio": round(g.ratio(), 4),
+                "waiting_since": self.memory_wait_since,
+            },
             # The live refit of t_ft: the factors on the profile's forward and backward terms, and how far the
             # recent grants' modelled time was from the measured one ((modelled − measured) / measured).
-            "window_cost": {"forward_factor": self.forward_cost.factor,
-                            "backward_factor": self.backward_cost.factor,
-                            "grants_measured": len(w.samples), "median_error": _rounded(w.median_error()),
-                            "median_abs_error": _rounded(w.median_abs_error())},
+            "window_cost": {
+                "forward_factor": self.forward_cost.factor,
+                "backward_factor": self.backward_cost.factor,
+                "grants_measured": len(w.samples),
+                "median_error": _rounded(w.median_error()),
+                "median_abs_error": _rounded(w.median_abs_error()),
+            },
             # Each grant against FlexLLM §6.2's prediction: the worst time between tokens beside it against
             # t_iter(c) + ρ·t_ft, the inference seconds lost against ρ·t_ft; the ρ and t_iter factor measured.
             "window_prediction": {
-                "grants_measured": len(measured), "grants_beside_decodes": sum(m.steps > 0 for m in measured),
+                "grants_measured": len(measured),
+                "grants_beside_decodes": sum(m.steps > 0 for m in measured),
                 "duration_median_error": _rounded(median(m.duration_error for m in measured)),
                 "worst_gap_median_error": _rounded(median(m.worst_gap_error for m in measured)),
                 "delay_median_error_s": _rounded(median(m.delay_error_s for m in measured)),
-                "worst_gap_over_slo": sum(m.worst_gap_s is not None and m.worst_gap_s > self.slo_tbt_s
-                                          for m in measured),
-                "interference": {"profile": round(i.profile_interference, 4), "in_force": round(i.interference, 4),
-                                 "windows_measured": i.windows_measured,
-                                 "with_aftermath": _rounded(i.with_aftermath(time.time()))},
-                "iteration_factor": round(i.iteration_factor, 4), "steps_measured": i.steps_measured,
-                "recent": [m.as_json() for m in measured[-8:]]},
+                "worst_gap_over_slo": sum(
+                    m.worst_gap_s is not None and m.worst_gap_s > self.slo_tbt_s for m in measured
+                ),
+                "interference": {
+                    "profile": round(i.profile_interference, 4),
+                    "in_force": round(i.interference, 4),
+                    "windows_measured": i.windows_measured,
+                    "with_aftermath": _rounded(i.with_aftermath(time.time())),
+                },
+                "iteration_factor": round(i.iteration_factor, 4),
+                "steps_measured": i.steps_measured,
+                "recent": [m.as_json() for m in measured[-8:]],
+            },
             # Share of times between tokens within the TBT SLO and first tokens within the TTFT SLO, with
             # fine-tuning beside them and without.
             "slo_attainment": self.attainment.as_json(),

@@ -92,8 +92,13 @@ class NodeRegistry:
         node.actor_name, node.pid, node.ray_node_id = reg.actor_name, reg.pid, reg.ray_node_id
         node.placement_group_id, node.registered_at = reg.placement_group_id, time.time()
         node.state, node.error = "ready", None
-        logger.info("node %d: replica %s (pid %d) registered after %.1fs", node.node_id, reg.actor_name, reg.pid,
-                    time.time() - node.started_at)
+        logger.info(
+            "node %d: replica %s (pid %d) registered after %.1fs",
+            node.node_id,
+            reg.actor_name,
+            reg.pid,
+            time.time() - node.started_at,
+        )
 
     async def watch_replicas(self) -> None:
         """A node whose replica actor died goes back to ``starting`` until Serve's replacement registers."""
@@ -112,9 +117,13 @@ class NodeRegistry:
                 except (RayActorError, ValueError) as exc:  # ValueError: no actor of that name any more
                     handles.pop(node.actor_name, None)
                     self._lost(node, f"replica {node.actor_name} died: {type(exc).__name__}")
-                except asyncio.TimeoutError:
-                    logger.warning("node %d: replica %s did not answer within %.0fs", node.node_id,
-                                   node.actor_name, HEALTH_TIMEOUT_S)
+                except TimeoutError:
+                    logger.warning(
+                        "node %d: replica %s did not answer within %.0fs",
+                        node.node_id,
+                        node.actor_name,
+                        HEALTH_TIMEOUT_S,
+                    )
 
     def _lost(self, node: NodeRecord, why: str) -> None:
         logger.error("node %d: %s; waiting for Serve to replace it", node.node_id, why)
@@ -148,8 +157,16 @@ class NodeRegistry:
 
     def views(self) -> tuple[NodeView, ...]:
         """Each node as a placement policy may see it."""
-        return tuple(NodeView(node_id=n.node_id, ready=n.state == "ready", in_flight=n.in_flight,
-                              busy_seconds=n.busy_seconds, adapters=frozenset(n.adapters)) for n in self.nodes)
+        return tuple(
+            NodeView(
+                node_id=n.node_id,
+                ready=n.state == "ready",
+                in_flight=n.in_flight,
+                busy_seconds=n.busy_seconds,
+                adapters=frozenset(n.adapters),
+            )
+            for n in self.nodes
+        )
 
     def traces_after(self, after: int) -> tuple[ExecutionTrace, ...]:
         """The traces newer than sequence number ``after`` that are still held."""

@@ -43,10 +43,6 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from settings import AppConfig, PlannerConfig
-from actors.serving.engine_args import served_model_name
-from actors.serving.fair_admission import LOCAL_TENANT, tenant_ledger
-from actors.learning.store.models import split_adapter_key
 from actors.control.grants import TrainingGrants
 from actors.control.messages import AdapterLoaded, ServedModels
 from actors.control.node_coserving import NodeCoServing
@@ -55,8 +51,12 @@ from actors.control.policies import Policies, checked_slos
 from actors.control.status import StatusBoard
 from actors.control.versions import VersionAssignments
 from actors.learning.messages import FullVersion, Grant, GrantRequest, NodeLocation, PassReport, PassVerdict, WindowsRan
+from actors.learning.store.models import split_adapter_key
+from actors.serving.engine_args import served_model_name
+from actors.serving.fair_admission import LOCAL_TENANT, tenant_ledger
 from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, FullSynced, NodeRegistration, NodeReport
 from planners.types import ExecutionTrace, NewFeedback, RoutingSnapshot
+from settings import AppConfig, PlannerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ class Planner:
     """Create with ``ray.remote(Planner)``: the app makes it a deployment actor of the model server."""
 
     def __init__(self, config: AppConfig) -> None:
-        from actors.models.default_model import model_path
         from actors.control.cost_profile import load_profile
+        from actors.models.default_model import model_path
 
         self.cfg = config
         model_dir = model_path(config)  # named, not built: the planner needs no weights
@@ -76,8 +76,12 @@ class Planner:
         self.cost_model, cost_model_note = load_profile(config, served_name)
         logger.info(cost_model_note)
         slo = checked_slos(config, config.planner, self.cost_model)
-        self.registry = NodeRegistry([NodeRecord(node_id=i, coserving=NodeCoServing(config, self.cost_model, slo.tbt_s))
-                                      for i in range(config.cluster.nodes)])
+        self.registry = NodeRegistry(
+            [
+                NodeRecord(node_id=i, coserving=NodeCoServing(config, self.cost_model, slo.tbt_s))
+                for i in range(config.cluster.nodes)
+            ]
+        )
         self.in_force = Policies(config, self.cost_model, self.registry.nodes, slo)
         self.grants = TrainingGrants(config, self.cost_model, self.registry, self.in_force)
         self.versions = VersionAssignments(config, self.registry.nodes, served_name)
@@ -132,16 +136,26 @@ class Planner:
         from actors.learning.store.actor import FeedbackStore, settings_key
 
         def find_or_start() -> Any:
-            return ray.remote(FeedbackStore).options(
-                name=self.cfg.store_actor_name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-                num_cpus=0, max_restarts=-1, max_concurrency=1000,
-                # Reads and idempotent writes are resent to a restarted store; create_adapter and the keyless
-                # add_feedback opt out per method, and feedback is keyed (actors/learning/store/actor.py's docstring).
-                max_task_retries=3,
-                # Pinned: a restart reopens the same SQLite file on the same disk, never an empty one elsewhere.
-                scheduling_strategy=NodeAffinitySchedulingStrategy(store_node(self.cfg.storage.store_node),
-                                                                   soft=False),
-            ).remote(self.cfg)
+            return (
+                ray.remote(FeedbackStore)
+                .options(
+                    name=self.cfg.store_actor_name,
+                    namespace=NAMESPACE,
+                    get_if_exists=True,
+                    lifetime="detached",
+                    num_cpus=0,
+                    max_restarts=-1,
+                    max_concurrency=1000,
+                    # Reads and idempotent writes are resent to a restarted store; create_adapter and the keyless
+                    # add_feedback opt out per method, and feedback is keyed (actors/learning/store/actor.py's docstring).
+                    max_task_retries=3,
+                    # Pinned: a restart reopens the same SQLite file on the same disk, never an empty one elsewhere.
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        store_node(self.cfg.storage.store_node), soft=False
+                    ),
+                )
+                .remote(self.cfg)
+            )
 
         wanted = settings_key(self.cfg)
         self.store = find_or_start()
@@ -163,10 +177,18 @@ class Planner:
     def _start_trainer(self) -> None:
         from actors.learning.trainer import Trainer
 
-        self.trainer = ray.remote(Trainer).options(
-            name=self.cfg.trainer_actor_name, namespace=NAMESPACE, get_if_exists=True,
-            num_cpus=0, max_restarts=-1, max_concurrency=100,
-        ).remote(self.cfg, NAMESPACE, ray.get_runtime_context().current_actor)
+        self.trainer = (
+            ray.remote(Trainer)
+            .options(
+                name=self.cfg.trainer_actor_name,
+                namespace=NAMESPACE,
+                get_if_exists=True,
+                num_cpus=0,
+                max_restarts=-1,
+                max_concurrency=100,
+            )
+            .remote(self.cfg, NAMESPACE, ray.get_runtime_context().current_actor)
+        )
         self.trainer.run.remote()
 
     # ---- nodes: registration and reports (NodeRegistry) ---------------------------------------
@@ -183,8 +205,9 @@ class Planner:
             return False
         self.tenants.charge_served(report.tenant_tokens)
         # Where inference runs, for the training placement's node state (Alg. 1's Q_inference^n).
-        self.in_force.training.inference_report(report.node_id, report.traces,
-                                                None if report.engine is None else report.engine.requests)
+        self.in_force.training.inference_report(
+            report.node_id, report.traces, None if report.engine is None else report.engine.requests
+        )
         return True
 
     # ---- what routers and the HTTP layer read (StatusBoard) ----------------------------------
@@ -245,8 +268,9 @@ class Planner:
         """The trainer ran its last grant's windows: measured against the prediction (``TrainingGrants.windows_ran``)."""
         self.grants.windows_ran(run)
 
-    async def report_passes(self, node_id: int, adapter: str, mode: str,
-                            reports: list[PassReport]) -> list[PassVerdict]:
+    async def report_passes(
+        self, node_id: int, adapter: str, mode: str, reports: list[PassReport]
+    ) -> list[PassVerdict]:
         """CheckEnd for the passes a trainer finished in a micro-step (MACE Alg. 1 lines 17–21, §4.2)."""
         # The adapter's tenant pays for its training from the same share as for its inference.
         self.tenants.charge_training(split_adapter_key(adapter)[0] or LOCAL_TENANT, sum(r.tokens for r in reports))
@@ -259,16 +283,22 @@ class Planner:
         await self.start()
         return await self.versions.wait_assignment(node_id, known_epoch, wait_s)
 
-    async def adapters_loaded(self, node_id: int, epoch: int, loaded: dict[str, int],
-                              full: FullSynced | None = None,
-                              failed: dict[str, AdapterLoadFailed] | None = None) -> None:
+    async def adapters_loaded(
+        self,
+        node_id: int,
+        epoch: int,
+        loaded: dict[str, int],
+        full: FullSynced | None = None,
+        failed: dict[str, AdapterLoadFailed] | None = None,
+    ) -> None:
         """A replica serves ``loaded`` (adapter -> version) and computes with ``full`` as of assignment ``epoch``;
         ``failed``: versions it could not load. Their adapters pause (in the store, with the error), once per
         version; the other adapters are served and trained as before."""
         await self.versions.loaded(node_id, epoch, loaded, full, failed, self.store)
 
-    async def load_adapter(self, adapter: str, node_ids: list[int] | None = None,
-                           served_change: int | None = None) -> AdapterLoaded:
+    async def load_adapter(
+        self, adapter: str, node_ids: list[int] | None = None, served_change: int | None = None
+    ) -> AdapterLoaded:
         """The adapter's served version changed in the store (a publish, a gate verdict, a rollback or a
         promote): returns when the ready nodes among ``node_ids`` (default: all) serve what the store says.
         ``served_change``: the store's served-change number the write answered; the planner waits until it
@@ -292,8 +322,9 @@ def store_node(setting: str) -> str:
                 return n["NodeID"]
         raise RuntimeError("storage.store_node is head, but no live head node was found")
     if not any(n["NodeID"] == setting for n in alive):
-        raise RuntimeError(f"storage.store_node {setting!r} is not a live Ray node id; "
-                           f"live: {[n['NodeID'] for n in alive]}")
+        raise RuntimeError(
+            f"storage.store_node {setting!r} is not a live Ray node id; live: {[n['NodeID'] for n in alive]}"
+        )
     return setting
 
 
@@ -309,22 +340,28 @@ def find_planner(app_name: str, deployment: str = "ModelServer") -> Any:
     from compat import serve_deployment_actor_prefix
 
     prefix = f"{serve_deployment_actor_prefix()}{app_name}::{deployment}::"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a.get("namespace") == "serve" and a["name"].startswith(prefix) and a["name"].endswith("::planner")]
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == "serve" and a["name"].startswith(prefix) and a["name"].endswith("::planner")
+    ]
     for name in names:
         try:
             handle = ray.get_actor(name, namespace="serve")
             ray.get(handle.__ray_ready__.remote(), timeout=30)
             return handle
-        except Exception:
+        except Exception as exc:  # a planner from a replaced app, dying or dead: try the next name
+            logger.info("planner %s is not live: %s", name, exc)
             continue
     raise LookupError(f"no live planner for Serve app {app_name!r} (deployment {deployment!r}); found {names}")
 
 
 def learning_budgets(tenants: dict[str, dict[str, Any]], training: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each tenant's ledger (served and training tokens) with the trainer seconds its adapters took beside it."""
-    out = {t: {**row, "served_tokens": row.get("prompt_tokens", 0) + row.get("output_tokens", 0),
-               "trainer_seconds": 0.0} for t, row in tenants.items()}
+    out = {
+        t: {**row, "served_tokens": row.get("prompt_tokens", 0) + row.get("output_tokens", 0), "trainer_seconds": 0.0}
+        for t, row in tenants.items()
+    }
     for adapter, progress in (training.get("adapters") or {}).items():
         tenant = split_adapter_key(adapter)[0] or LOCAL_TENANT
         row = out.setdefault(tenant, {"served_tokens": 0, "training_tokens": 0, "trainer_seconds": 0.0})

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from settings import AppConfig, PlannerConfig
 from actors.control.nodes import NodeRecord
 from planners import registry
 from planners.coserving.priorities import as_priority_weights
@@ -20,6 +19,7 @@ from planners.coserving.slo import SloCheck, check_slos
 from planners.costs import CostModel
 from planners.memory import MemoryGuard
 from planners.placement import Separate, TrainingPlacer
+from settings import AppConfig, PlannerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,13 @@ def checked_slos(cfg: AppConfig, planner: PlannerConfig, cost_model: CostModel) 
     """The SLOs the nodes' co-serving runs under, checked against the profile; problems are logged
     here, at start-up, and shown in ``/v1/status`` (``slo``)."""
     t, params = cfg.training, planner.iteration_params
-    check = check_slos(cost_model.with_stages(cfg.cluster.stages), t.slo_tbt_s, t.slo_ttft_s,
-                       int(params.get("min_window_tokens", 16)), as_priority_weights(params.get("weights")))
+    check = check_slos(
+        cost_model.with_stages(cfg.cluster.stages),
+        t.slo_tbt_s,
+        t.slo_ttft_s,
+        int(params.get("min_window_tokens", 16)),
+        as_priority_weights(params.get("weights")),
+    )
     for problem in check.problems:
         logger.warning("SLO: %s", problem)
     return check
@@ -49,8 +54,10 @@ class Policies:
 
     def _placement_kwargs(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         params = dict(params)
-        for key, value in (("cost_model", self.cost_model.with_stages(self.cfg.cluster.stages)),
-                           ("stages", self.cfg.cluster.stages)):
+        for key, value in (
+            ("cost_model", self.cost_model.with_stages(self.cfg.cluster.stages)),
+            ("stages", self.cfg.cluster.stages),
+        ):
             if key not in params and registry.accepts("placement", name, key):
                 params[key] = value
         return params
@@ -78,8 +85,10 @@ class Policies:
         n_train = len(placer.training_nodes())
         if t.enabled and -(-(t.workers or n_train) // n_train) > self.cfg.ranks_per_node:
             # The bundles were sized at deploy time for cfg.ranks_per_node ranks a node.
-            raise ValueError(f"{t.workers} trainer ranks on {n_train} training node(s) would not fit the bundles, "
-                             f"sized for {self.cfg.ranks_per_node} rank(s) a node")
+            raise ValueError(
+                f"{t.workers} trainer ranks on {n_train} training node(s) would not fit the bundles, "
+                f"sized for {self.cfg.ranks_per_node} rank(s) a node"
+            )
         return placer
 
     def switch(self, planner: PlannerConfig) -> bool:
@@ -95,8 +104,11 @@ class Policies:
             registry.create("iteration", planner.iteration, **planner.iteration_params)
         MemoryGuard(self.cost_model.with_stages(self.cfg.cluster.stages), **planner.memory_params)
         old = self.cfg.planner
-        coserving_changed = ((planner.iteration, planner.iteration_params, planner.memory_params)
-                             != (old.iteration, old.iteration_params, old.memory_params))
+        coserving_changed = (planner.iteration, planner.iteration_params, planner.memory_params) != (
+            old.iteration,
+            old.iteration_params,
+            old.memory_params,
+        )
         before = self.training.training_nodes()
         self.cfg.planner = planner
         self.placement, self.placement_params, self.training = planner.placement, dict(planner.placement_params), placer

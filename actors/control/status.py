@@ -14,12 +14,12 @@ import logging
 import time
 from typing import Any
 
-from settings import AppConfig
 from actors.control.messages import ServedModels
 from actors.control.nodes import NodeRegistry
 from actors.control.policies import Policies
 from actors.learning.messages import NodeLocation
 from planners.types import RoutingSnapshot
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,15 @@ def _rounded(x: float | None, digits: int = 4) -> float | None:
 class StatusBoard:
     """Answers the planner's read-only questions from the registry's node facts and the policies in force."""
 
-    def __init__(self, cfg: AppConfig, registry: NodeRegistry, policies: Policies, served_name: str, model_dir: str,
-                 cost_model_note: str) -> None:
+    def __init__(
+        self,
+        cfg: AppConfig,
+        registry: NodeRegistry,
+        policies: Policies,
+        served_name: str,
+        model_dir: str,
+        cost_model_note: str,
+    ) -> None:
         self.cfg = cfg
         self.registry = registry
         self.nodes = registry.nodes
@@ -45,10 +52,15 @@ class StatusBoard:
         """Node facts, the placement policy, the traces newer than sequence number ``after``, and the
         training steps placed now."""
         return RoutingSnapshot(
-            seq=self.registry.traces_seen, base_model=self.served_name, placement=self.policies.placement,
-            placement_params=self.policies.placement_kwargs(), nodes=self.registry.views(),
-            reported_at=tuple(n.reported_at for n in self.nodes), traces=self.registry.traces_after(after),
-            training=self.policies.training.placed())
+            seq=self.registry.traces_seen,
+            base_model=self.served_name,
+            placement=self.policies.placement,
+            placement_params=self.policies.placement_kwargs(),
+            nodes=self.registry.views(),
+            reported_at=tuple(n.reported_at for n in self.nodes),
+            traces=self.registry.traces_after(after),
+            training=self.policies.training.placed(),
+        )
 
     def known_models(self) -> set[str]:
         models = {self.served_name}
@@ -57,8 +69,12 @@ class StatusBoard:
         return models
 
     def models(self) -> ServedModels:
-        return ServedModels(self.served_name, self.model_dir, self.cfg.model.max_model_len,
-                            tuple(sorted(m for m in self.known_models() if m != self.served_name)))
+        return ServedModels(
+            self.served_name,
+            self.model_dir,
+            self.cfg.model.max_model_len,
+            tuple(sorted(m for m in self.known_models() if m != self.served_name)),
+        )
 
     def engine_metrics(self) -> dict[int, str]:
         """Each ready node's vLLM Prometheus series as its replica last sent them (for ``/metrics``)."""
@@ -72,8 +88,10 @@ class StatusBoard:
         """The physical Ray node of each logical node's replica (for co-locating its trainer rank), and
         whether the node trains (every node, except those ``placement: separate`` keeps for inference)."""
         trains = set(self.policies.training.training_nodes())
-        return [NodeLocation(n.node_id, n.ray_node_id, n.state, n.placement_group_id, n.node_id in trains)
-                for n in self.nodes]
+        return [
+            NodeLocation(n.node_id, n.ray_node_id, n.state, n.placement_group_id, n.node_id in trains)
+            for n in self.nodes
+        ]
 
     async def status(self, store: Any, trainer: Any) -> dict[str, Any]:
         """``/v1/status``: the nodes, the policies and SLOs in force, the training waits (from the store
@@ -102,15 +120,26 @@ class StatusBoard:
                     "adapters": dict(n.adapters),
                     # The full-model version the engine computes with (version null: the model it started
                     # with) and the seconds its last sync took (pause, load, resume).
-                    "full_version": None if n.full is None else {
-                        "unit": n.full.unit, "version": n.full.version, "sync_s": _rounded(n.full.sync_s),
-                        "fingerprint": n.full.fingerprint, "at": n.full.at},
+                    "full_version": None
+                    if n.full is None
+                    else {
+                        "unit": n.full.unit,
+                        "version": n.full.version,
+                        "sync_s": _rounded(n.full.sync_s),
+                        "fingerprint": n.full.fingerprint,
+                        "at": n.full.at,
+                    },
                     "pid": n.pid,
-                    "engine": None if n.facts is None else {
-                        "requests": len(n.facts.requests), "iterations": n.facts.iterations,
+                    "engine": None
+                    if n.facts is None
+                    else {
+                        "requests": len(n.facts.requests),
+                        "iterations": n.facts.iterations,
                         "kv_cache_usage": round(n.facts.kv_cache_usage, 4),
                         # How often requests queued inside vLLM (steps that left one waiting; the most left).
-                        "steps_with_waiting": n.facts.steps_with_waiting, "waiting_peak": n.facts.waiting_peak},
+                        "steps_with_waiting": n.facts.steps_with_waiting,
+                        "waiting_peak": n.facts.waiting_peak,
+                    },
                     # Training placed here: steps in Q_train, Eq. 4 verdicts, feedback items, the planned queues.
                     "training_placement": training.node_status(n.node_id, now),
                     **n.coserving.status(),  # training_grants, memory_guard, window_cost
@@ -150,12 +179,18 @@ class StatusBoard:
             elif info is not None and info.mode == "off":
                 why = "mode off"
             elif answer is not None and now - answer["at"] < 5.0:
-                why = (f"training ({answer['reason']})" if answer["tokens"]
-                       else f"grant refused: {answer['reason']} (budget {answer['budget']} tokens)")
+                why = (
+                    f"training ({answer['reason']})"
+                    if answer["tokens"]
+                    else f"grant refused: {answer['reason']} (budget {answer['budget']} tokens)"
+                )
             else:
                 why = "waiting for its turn: the trainer is on another adapter, publishing, or the gate judges this one"
-            waits[name] = {"queued": queued, "oldest_wait_s": None if oldest is None else round(now - oldest, 3),
-                           "why": why}
+            waits[name] = {
+                "queued": queued,
+                "oldest_wait_s": None if oldest is None else round(now - oldest, 3),
+                "why": why,
+            }
         return waits
 
     async def _trainer_status(self, trainer: Any) -> dict[str, Any]:

@@ -15,13 +15,13 @@ import asyncio
 import logging
 from typing import Any
 
-from settings import AppConfig
 from actors.control.messages import AdapterLoaded
 from actors.control.nodes import NodeRecord
 from actors.learning.messages import FullVersion
 from actors.learning.store.records import ServedState
 from actors.learning.store.unit_kind import unit_kind
 from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, AdapterVersion, FullSynced
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,19 @@ class VersionAssignments:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self._epoch != known_epoch), timeout=wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self.current(node_id)
 
-    async def loaded(self, node_id: int, epoch: int, loaded: dict[str, int], full: FullSynced | None,
-                     failed: dict[str, AdapterLoadFailed] | None, store: Any) -> None:
+    async def loaded(
+        self,
+        node_id: int,
+        epoch: int,
+        loaded: dict[str, int],
+        full: FullSynced | None,
+        failed: dict[str, AdapterLoadFailed] | None,
+        store: Any,
+    ) -> None:
         """A replica serves ``loaded`` (adapter -> version) and computes with ``full`` as of assignment ``epoch``;
         ``failed``: versions it could not load. Their adapters pause (in the store ``store``, with the error),
         once per version; the other adapters are served and trained as before."""
@@ -117,12 +124,19 @@ class VersionAssignments:
         async with self._changed:
             self._changed.notify_all()
             try:
-                await asyncio.wait_for(self._changed.wait_for(
-                    lambda: all(n.confirmed_epoch >= epoch or n.state != "ready" for n in targets)),
-                    timeout=CONFIRM_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                logger.error("adapter change %d not confirmed within %.0fs by nodes %s", epoch, CONFIRM_TIMEOUT_S,
-                             [n.node_id for n in targets if n.confirmed_epoch < epoch])
+                await asyncio.wait_for(
+                    self._changed.wait_for(
+                        lambda: all(n.confirmed_epoch >= epoch or n.state != "ready" for n in targets)
+                    ),
+                    timeout=CONFIRM_TIMEOUT_S,
+                )
+            except TimeoutError:
+                logger.error(
+                    "adapter change %d not confirmed within %.0fs by nodes %s",
+                    epoch,
+                    CONFIRM_TIMEOUT_S,
+                    [n.node_id for n in targets if n.confirmed_epoch < epoch],
+                )
         return sorted(n.node_id for n in targets if n.confirmed_epoch >= epoch)
 
     # ---- what is served: the store says, the planner follows ------------------------------------------------
@@ -146,24 +160,28 @@ class VersionAssignments:
                 async with self._changed:
                     self._changed.notify_all()
 
-    def _served_change(self, state: ServedState, adapters: set[str] | None = None,
-                       nodes: list[int] | None = None) -> dict[int, dict[str, AdapterVersion | None]]:
+    def _served_change(
+        self, state: ServedState, adapters: set[str] | None = None, nodes: list[int] | None = None
+    ) -> dict[int, dict[str, AdapterVersion | None]]:
         """What differs between the nodes' assignments and the store's ``state`` (node -> adapter -> version,
         None: no longer served), for ``adapters`` (default: all LoRA adapters) on ``nodes`` (default: all)."""
         names = {n for n, a in state.adapters.items() if not unit_kind(a.method).replaces_base_model}
         change: dict[int, dict[str, AdapterVersion | None]] = {}
-        for nid in (nodes if nodes is not None else [n.node_id for n in self.nodes]):
+        for nid in nodes if nodes is not None else [n.node_id for n in self.nodes]:
             published = self._published[nid]
             for name in (names | set(published)) if adapters is None else adapters:
                 served = state.adapters.get(name)
-                want = None if served is None else self.cfg.training.scope_rules.served(served.current, served.nodes, nid)
+                want = (
+                    None if served is None else self.cfg.training.scope_rules.served(served.current, served.nodes, nid)
+                )
                 want = None if want is None else AdapterVersion(want.version, want.path)
                 if published.get(name) != want:
                     change.setdefault(nid, {})[name] = want
         return change
 
-    async def load_adapter(self, adapter: str, node_ids: list[int] | None, store: Any,
-                           served_change: int | None = None) -> AdapterLoaded:
+    async def load_adapter(
+        self, adapter: str, node_ids: list[int] | None, store: Any, served_change: int | None = None
+    ) -> AdapterLoaded:
         """Return when the ready nodes among ``node_ids`` (default: all) serve what the store says of ``adapter``.
 
         With ``served_change`` (the store's served-change number its write answered: a publish or a gate
@@ -177,11 +195,13 @@ class VersionAssignments:
         if served_change is not None:
             async with self._changed:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self._followed >= served_change),
-                                           timeout=CONFIRM_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    logger.error("the store's served change %d not followed within %.0fs", served_change,
-                                 CONFIRM_TIMEOUT_S)
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self._followed >= served_change), timeout=CONFIRM_TIMEOUT_S
+                    )
+                except TimeoutError:
+                    logger.error(
+                        "the store's served change %d not followed within %.0fs", served_change, CONFIRM_TIMEOUT_S
+                    )
             epoch = self._epoch  # the follow applied the change in this epoch or before
         else:
             async with self._store_sync:
@@ -191,8 +211,9 @@ class VersionAssignments:
                 epoch = self._apply(change) if change else self._epoch
         nodes = await self._confirm(epoch, {nid: {} for nid in scope})
         served = {self._published[nid].get(adapter) for nid in scope}
-        return AdapterLoaded(f"{self.served_name}:{adapter}", max((v.version for v in served if v), default=None),
-                             tuple(nodes))
+        return AdapterLoaded(
+            f"{self.served_name}:{adapter}", max((v.version for v in served if v), default=None), tuple(nodes)
+        )
 
     async def load_full(self, full: FullVersion | None) -> list[int]:
         """Every node computes with ``full`` from now on (None: the model the engines started with, a rollback

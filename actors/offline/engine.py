@@ -26,14 +26,29 @@ class OfflineEngine:
     """One vLLM engine (LoRA off). Create with ``ray.remote(OfflineEngine).options(num_cpus=..., max_concurrency=4)``
     so that :meth:`poll` and :meth:`submit` run while the engine steps."""
 
-    def __init__(self, model: JobModel, data_dir: str, *, max_model_len: int, max_num_seqs: int,
-                 kv_cache_bytes: int, seed: int = 0, omp_threads: int | None = None, dtype: str = "auto",
-                 enforce_eager: bool = False) -> None:
+    def __init__(
+        self,
+        model: JobModel,
+        data_dir: str,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        kv_cache_bytes: int,
+        seed: int = 0,
+        omp_threads: int | None = None,
+        dtype: str = "auto",
+        enforce_eager: bool = False,
+    ) -> None:
         # Resolved (an embedded model built) on this actor's host, in this node's data dir.
         self.model_dir = str(model.local_dir(Path(os.environ.get("COSERVE_DATA_DIR") or data_dir).expanduser()))
-        self._args = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-                      "kv_cache_memory_bytes": kv_cache_bytes, "seed": seed, "dtype": dtype,
-                      "enforce_eager": enforce_eager}
+        self._args = {
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "kv_cache_memory_bytes": kv_cache_bytes,
+            "seed": seed,
+            "dtype": dtype,
+            "enforce_eager": enforce_eager,
+        }
         if omp_threads:
             # Read by vLLM's CPU worker when it starts: replicas sharing a host must not each
             # claim every core (vLLM CPU sets its thread count from OMP_NUM_THREADS).
@@ -58,13 +73,23 @@ class OfflineEngine:
 
         a = dict(self._args)
         a["dtype"] = resolve_dtype(a["dtype"], "cpu" if _on_cpu() else "gpu", self.model_dir)
-        llm = LLM(model=self.model_dir, enable_lora=False, enable_prefix_caching=True,
-                  distributed_executor_backend="uni", disable_log_stats=True, **a)
+        llm = LLM(
+            model=self.model_dir,
+            enable_lora=False,
+            enable_prefix_caching=True,
+            distributed_executor_backend="uni",
+            disable_log_stats=True,
+            **a,
+        )
         self._engine = llm.llm_engine
         self._thread = threading.Thread(target=self._loop, name="offline-engine", daemon=True)
         self._thread.start()
-        return {"load_s": time.time() - t0, "pid": os.getpid(), "dtype": a["dtype"],
-                "device": "cpu" if _on_cpu() else "gpu"}
+        return {
+            "load_s": time.time() - t0,
+            "pid": os.getpid(),
+            "dtype": a["dtype"],
+            "device": "cpu" if _on_cpu() else "gpu",
+        }
 
     def submit(self, requests: list[tuple[str, str | dict[str, Any], dict[str, Any]]]) -> int:
         """Queue ``(request id, prompt, sampling params as a dict)``; returns how many are queued or running.
@@ -72,7 +97,9 @@ class OfflineEngine:
         now = time.time()
         with self._cv:
             if self._failed is not None:  # answered at once: the driver fails the job with the reason
-                self._done.extend({"id": rid, "error": self._failed, "start": now, "end": now} for rid, _, _ in requests)
+                self._done.extend(
+                    {"id": rid, "error": self._failed, "start": now, "end": now} for rid, _, _ in requests
+                )
                 self._cv.notify_all()
                 return 0
             self._queue.extend((rid, prompt, params, now) for rid, prompt, params in requests)
@@ -124,9 +151,17 @@ class OfflineEngine:
                     continue
                 rid, at = self._running.pop(out.request_id, (out.request_id, time.time()))
                 c = out.outputs[0]
-                self._finish({"id": rid, "output": c.text, "output_tokens": len(c.token_ids),
-                              "prompt_tokens": len(out.prompt_token_ids or ()), "finish_reason": c.finish_reason,
-                              "start": at, "end": time.time()})
+                self._finish(
+                    {
+                        "id": rid,
+                        "output": c.text,
+                        "output_tokens": len(c.token_ids),
+                        "prompt_tokens": len(out.prompt_token_ids or ()),
+                        "finish_reason": c.finish_reason,
+                        "start": at,
+                        "end": time.time(),
+                    }
+                )
 
     def _finish(self, rec: dict[str, Any]) -> None:
         with self._cv:

@@ -20,9 +20,10 @@ own tokenizer. Nothing here runs a model.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -55,10 +56,16 @@ class JobModel(_JobSpecPart):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = 0
     template: str = Field(
-        "{prompt}", description="This model's prompt: {prompt} is its own text (input, chunk), {upstream} the "
-                                "output it reads over an edge (empty when none).")
-    load_s: float | None = Field(None, gt=0, description="Seconds this model's engine takes to start (its row "
-                                                         "of SamuLLM §4.1's load-time table); null: engine_load_s.")
+        "{prompt}",
+        description="This model's prompt: {prompt} is its own text (input, chunk), {upstream} the "
+        "output it reads over an edge (empty when none).",
+    )
+    load_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds this model's engine takes to start (its row "
+        "of SamuLLM §4.1's load-time table); null: engine_load_s.",
+    )
 
     def local_dir(self, data_dir: Path) -> Path:
         """The model's directory on this host; an embedded model is built into ``data_dir`` on first use.
@@ -71,21 +78,30 @@ class JobModel(_JobSpecPart):
         from actors.models.default_model import TinyLlamaSpec, ensure
 
         e = self.embedded
-        return ensure(data_dir, TinyLlamaSpec(hidden_size=e.hidden_size, num_layers=e.layers,
-                                              num_heads=e.hidden_size // 64, intermediate_size=3 * e.hidden_size,
-                                              seed=e.seed))
+        return ensure(
+            data_dir,
+            TinyLlamaSpec(
+                hidden_size=e.hidden_size,
+                num_layers=e.layers,
+                num_heads=e.hidden_size // 64,
+                intermediate_size=3 * e.hidden_size,
+                seed=e.seed,
+            ),
+        )
 
 
 class DevicesSpec(_JobSpecPart):
     count: int = Field(1, ge=1)
     memory_gb: float = Field(4.0, gt=0, description="Memory of one device (host memory share on CPU).")
     links: list[tuple[int, int]] | None = Field(None, description="Linked pairs (e.g. NVLink); null: all linked.")
-    tp_options: list[int] = Field([1], min_length=1, description="Tensor-parallel degrees a model may use "
-                                                                 "(vLLM on CPU: 1 only).")
+    tp_options: list[int] = Field(
+        [1], min_length=1, description="Tensor-parallel degrees a model may use (vLLM on CPU: 1 only)."
+    )
     bundle: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 1.0},
         description="Ray resources of one device: the job reserves one placement-group bundle of these per "
-                    "device before it starts, e.g. {GPU: 1, CPU: 4} on a GPU host.")
+        "device before it starts, e.g. {GPU: 1, CPU: 4} on a GPU host.",
+    )
 
     @model_validator(mode="after")
     def _bundle(self) -> DevicesSpec:
@@ -126,28 +142,43 @@ class JobSpec(_JobSpecPart):
     name: str = Field(pattern=NAME_PATTERN)
     models: list[JobModel] = Field(min_length=1)
     app: AppSpec
-    input: str | None = Field(None, description="JSONL of {id, prompt} (chain_summary: {id, text}); relative to the "
-                                                "job file. Required except for app.kind mixed (each part has one).")
-    text_field: str | None = Field(None, description="The input field with the text; default prompt (text for "
-                                                     "chain_summary).")
+    input: str | None = Field(
+        None,
+        description="JSONL of {id, prompt} (chain_summary: {id, text}); relative to the "
+        "job file. Required except for app.kind mixed (each part has one).",
+    )
+    text_field: str | None = Field(
+        None, description="The input field with the text; default prompt (text for chain_summary)."
+    )
     id_field: str = "id"
     max_inputs: int | None = Field(None, ge=1, description="Use only the first N input rows.")
     devices: DevicesSpec = Field(default_factory=DevicesSpec)
     output_dir: str = Field("offline-out", description="Outputs, plan.json, summary; relative to the job file.")
     output_lengths_file: str | None = Field(
-        None, description="JSONL of {prompt, response} (e.g. ShareGPT) for the output-length eCDF (SamuLLM §4.1).")
+        None, description="JSONL of {prompt, response} (e.g. ShareGPT) for the output-length eCDF (SamuLLM §4.1)."
+    )
     max_num_seqs: int = Field(32, ge=1, description="Engine batch limit of every replica.")
     engine_load_s: float = Field(
-        30.0, gt=0, description="Seconds an engine takes to start, for models without their own load_s (SamuLLM "
-                                "§4.1's load-time table). 30: a vLLM CPU engine here; measure yours (bench/offline.py "
-                                "real does).")
+        30.0,
+        gt=0,
+        description="Seconds an engine takes to start, for models without their own load_s (SamuLLM "
+        "§4.1's load-time table). 30: a vLLM CPU engine here; measure yours (bench/offline.py "
+        "real does).",
+    )
     max_model_len: int = Field(2048, ge=16)
-    enforce_eager: bool = Field(False, description="Skip vLLM's graph compilation: faster engine start, slower "
-                                                   "iterations (for short demo and test jobs).")
-    planner: str = Field("search", description="The stage planner (registry kind stages): search (ours), or the "
-                                               "baselines greedy (SamuLLM Alg. 1), max, min; --planner overrides.")
-    preemption: bool = Field(True, description="Let a stage boundary change a running model's plan; "
-                                               "--no-preemption overrides.")
+    enforce_eager: bool = Field(
+        False,
+        description="Skip vLLM's graph compilation: faster engine start, slower "
+        "iterations (for short demo and test jobs).",
+    )
+    planner: str = Field(
+        "search",
+        description="The stage planner (registry kind stages): search (ours), or the "
+        "baselines greedy (SamuLLM Alg. 1), max, min; --planner overrides.",
+    )
+    preemption: bool = Field(
+        True, description="Let a stage boundary change a running model's plan; --no-preemption overrides."
+    )
 
     @model_validator(mode="after")
     def _graph_names(self) -> JobSpec:
@@ -190,8 +221,10 @@ class JobSpec(_JobSpecPart):
                 if m not in names:
                     raise ValueError(f"app.parts[{i}]: unknown model {m!r}; models: {names}")
                 if m in seen:
-                    raise ValueError(f"app.parts[{i}]: model {m!r} is already in part {seen[m]}; a model node "
-                                     "belongs to one part (give a second copy another name)")
+                    raise ValueError(
+                        f"app.parts[{i}]: model {m!r} is already in part {seen[m]}; a model node "
+                        "belongs to one part (give a second copy another name)"
+                    )
                 seen[m] = i
         unused = [m for m in names if m not in seen]
         if unused:
@@ -203,9 +236,14 @@ class JobSpec(_JobSpecPart):
         out = []
         for part in self.app.parts:
             spec = self.model_dump()
-            spec.update(models=[m for m in spec["models"] if m["name"] in part.models], app=part.app.model_dump(),
-                        input=part.input, text_field=part.text_field or self.text_field,
-                        id_field=part.id_field or self.id_field, max_inputs=part.max_inputs or self.max_inputs)
+            spec.update(
+                models=[m for m in spec["models"] if m["name"] in part.models],
+                app=part.app.model_dump(),
+                input=part.input,
+                text_field=part.text_field or self.text_field,
+                id_field=part.id_field or self.id_field,
+                max_inputs=part.max_inputs or self.max_inputs,
+            )
             out.append(JobSpec.model_validate(spec))
         return out
 
@@ -345,8 +383,13 @@ def model_facts(model_dir: Path) -> ModelFacts:
     return ModelFacts(float(weights), float(kv), int(cfg.get("max_position_embeddings", 2048)))
 
 
-def job_graph(job: JobSpec, work: Workload, facts: dict[str, ModelFacts],
-              count_tokens: dict[str, Callable[[str], int]], load_s: dict[str, float] | None = None) -> JobGraph:
+def job_graph(
+    job: JobSpec,
+    work: Workload,
+    facts: dict[str, ModelFacts],
+    count_tokens: dict[str, Callable[[str], int]],
+    load_s: dict[str, float] | None = None,
+) -> JobGraph:
     """The planner's graph: per model its prompt lengths (template filled, upstream output excluded:
     the planner adds the sampled upstream length), memory facts and load time."""
     specs = []
@@ -354,19 +397,25 @@ def job_graph(job: JobSpec, work: Workload, facts: dict[str, ModelFacts],
         n = work.nodes[m.name]
         f = facts[m.name]
         prompts = tuple(max(1, count_tokens[m.name](render_prompt(m.template, t))) for t in n.texts)
-        specs.append(ModelSpec(
-            name=m.name, weight_bytes=f.weight_bytes, prompt_tokens=prompts, max_output_tokens=m.max_output_tokens,
-            kv_bytes_per_token=f.kv_bytes_per_token, max_seq_len=min(job.max_model_len, f.max_position_embeddings),
-            load_time_s=((1, (load_s or {}).get(m.name, 0.0)),), tp_options=tuple(job.devices.tp_options),
-            engine=EngineLimits(max_num_seqs=job.max_num_seqs, max_batched_tokens=max(2048, job.max_model_len)),
-        ))
+        specs.append(
+            ModelSpec(
+                name=m.name,
+                weight_bytes=f.weight_bytes,
+                prompt_tokens=prompts,
+                max_output_tokens=m.max_output_tokens,
+                kv_bytes_per_token=f.kv_bytes_per_token,
+                max_seq_len=min(job.max_model_len, f.max_position_embeddings),
+                load_time_s=((1, (load_s or {}).get(m.name, 0.0)),),
+                tp_options=tuple(job.devices.tp_options),
+                engine=EngineLimits(max_num_seqs=job.max_num_seqs, max_batched_tokens=max(2048, job.max_model_len)),
+            )
+        )
     return JobGraph(tuple(specs), tuple(work.edges))
 
 
 def weight_scale(facts: ModelFacts, reference: ModelFacts) -> float:
     """How much slower per token a model is than the profiled reference, taken as the ratio of weight bytes."""
     return max(facts.weight_bytes / reference.weight_bytes, 1e-3) if reference.weight_bytes > 0 else 1.0
-
 
 
 def remaining_workload(work: Workload, done: dict[str, set[str]]) -> tuple[Workload, dict[str, list[int]]]:
@@ -377,14 +426,22 @@ def remaining_workload(work: Workload, done: dict[str, set[str]]) -> tuple[Workl
     """
     keep = {m: [j for j, i in enumerate(n.ids) if i not in done.get(m, set())] for m, n in work.nodes.items()}
     keep = {m: k for m, k in keep.items() if k}
-    nodes = {m: NodeRequests(m, [work.nodes[m].ids[j] for j in k], [work.nodes[m].texts[j] for j in k])
-             for m, k in keep.items()}
+    nodes = {
+        m: NodeRequests(m, [work.nodes[m].ids[j] for j in k], [work.nodes[m].texts[j] for j in k])
+        for m, k in keep.items()
+    }
     edges = []
     for e in work.edges:
         if e.src not in keep or e.dst not in keep:
             continue
         new_index = {j: r for r, j in enumerate(keep[e.src])}
         src_of = (lambda j: j) if e.request_map is None else e.request_map.__getitem__
-        edges.append(Edge(e.src, e.dst, tuple(new_index.get(src_of(j), -1) if src_of(j) >= 0 else -1
-                                              for j in keep[e.dst]), e.carries_output))
+        edges.append(
+            Edge(
+                e.src,
+                e.dst,
+                tuple(new_index.get(src_of(j), -1) if src_of(j) >= 0 else -1 for j in keep[e.dst]),
+                e.carries_output,
+            )
+        )
     return Workload(nodes, edges), keep

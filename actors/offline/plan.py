@@ -14,13 +14,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from actors.offline.job import (JobModel, JobSpec, ModelFacts, Workload, build_workload, job_graph, model_facts,
-                                read_jsonl, remaining_workload, weight_scale)
+from actors.offline.job import (
+    JobModel,
+    JobSpec,
+    ModelFacts,
+    Workload,
+    build_workload,
+    job_graph,
+    model_facts,
+    read_jsonl,
+    remaining_workload,
+    weight_scale,
+)
 from actors.offline.load_times import LoadTimes
 from actors.offline.profile import profile_dir
 from planners.costs import CostModel
-from planners.registry import create
 from planners.offline import DeviceSet, JobGraph, Plan, output_cdf_from_pairs
+from planners.registry import create
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_PROFILE = ROOT / "profiles" / "tiny-llama-cpu.json"
@@ -39,8 +49,14 @@ def token_counter(path: Path):
     return lambda text: len(tok(text)["input_ids"])
 
 
-def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts], base_dir: Path,
-                counters: dict[str, Any], data_dir: Path) -> tuple[dict[str, CostModel], list[str]]:
+def cost_models(
+    job: JobSpec,
+    dirs: dict[str, Path],
+    facts: dict[str, ModelFacts],
+    base_dir: Path,
+    counters: dict[str, Any],
+    data_dir: Path,
+) -> tuple[dict[str, CostModel], list[str]]:
     """Per model: its own fitted profile (``python -m app.offline profile``: in the data dir's
     ``offline/profiles``, else shipped in ``profiles/``), else the embedded model's profile scaled by weight
     bytes (a first guess); with the job's eCDF when it names one."""
@@ -59,11 +75,19 @@ def cost_models(job: JobSpec, dirs: dict[str, Path], facts: dict[str, ModelFacts
         else:
             k = weight_scale(facts[m.name], ref_facts)
             it = reference.iteration
-            cm = replace(reference, iteration=replace(it, per_prefill_token=it.per_prefill_token * k,
-                                                      per_decode_seq=it.per_decode_seq * k,
-                                                      per_context_token=it.per_context_token * k))
-            notes.append(f"  {m.name}: {facts[m.name].weight_bytes / 2**20:.1f} MiB of weights: "
-                         f"{REFERENCE_PROFILE.name} ×{k:.2f} per token")
+            cm = replace(
+                reference,
+                iteration=replace(
+                    it,
+                    per_prefill_token=it.per_prefill_token * k,
+                    per_decode_seq=it.per_decode_seq * k,
+                    per_context_token=it.per_context_token * k,
+                ),
+            )
+            notes.append(
+                f"  {m.name}: {facts[m.name].weight_bytes / 2**20:.1f} MiB of weights: "
+                f"{REFERENCE_PROFILE.name} ×{k:.2f} per token"
+            )
         if pairs_rows:
             count = counters[m.name]
             pairs = [(count(r["prompt"]), count(r["response"])) for r in pairs_rows]
@@ -111,8 +135,14 @@ class PreparedJob:
     """Where embedded models are built; an engine on another node resolves its own (COSERVE_DATA_DIR there)."""
 
 
-def prepare_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
-                data_dir: Path = DEFAULT_DATA_DIR, done: dict[str, set[str]] | None = None) -> PreparedJob:
+def prepare_job(
+    job: JobSpec,
+    base_dir: Path,
+    planner: str = "search",
+    preemption: bool = True,
+    data_dir: Path = DEFAULT_DATA_DIR,
+    done: dict[str, set[str]] | None = None,
+) -> PreparedJob:
     """Build the planner's view of the requests of ``job`` not in ``done`` (resume) and plan them;
     ``plan`` is None when nothing is left."""
     dirs = {m.name: model_dir(m, data_dir) for m in job.models}
@@ -133,12 +163,14 @@ def prepare_job(job: JobSpec, base_dir: Path, planner: str = "search", preemptio
     graph = job_graph(sub, todo, facts, counters, loads)
     costs, cost_notes = cost_models(sub, dirs, facts, base_dir, counters, data_dir)
     plan = create("stages", planner, preemption=preemption).plan(graph, devices, costs)
-    return PreparedJob(job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan,
-                       notes + load_notes + cost_notes, data_dir)
+    return PreparedJob(
+        job, base_dir, dirs, facts, work, todo, keep, graph, devices, plan, notes + load_notes + cost_notes, data_dir
+    )
 
 
-def plan_job(job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True,
-             data_dir: Path = DEFAULT_DATA_DIR) -> tuple[Plan, list[str]]:
+def plan_job(
+    job: JobSpec, base_dir: Path, planner: str = "search", preemption: bool = True, data_dir: Path = DEFAULT_DATA_DIR
+) -> tuple[Plan, list[str]]:
     """Build the planner's view of ``job`` and plan it; also return notes on where the estimates came from."""
     prep = prepare_job(job, base_dir, planner, preemption, data_dir)
     return prep.plan, prep.notes

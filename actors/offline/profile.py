@@ -17,9 +17,10 @@ import json
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from actors.offline.job import JobSpec, model_facts
 from planners.costs import CostModel, fit_iteration_latency
@@ -44,7 +45,10 @@ def measure_rows(engine: Any, get: Callable[[Any], Any], repeats: int = 3) -> li
     off, since the runtime streams requests and never waits on it per iteration.
     """
     get(engine.measure.remote(2, 16, 4, 1, seed=999))  # warm-up: the first iterations allocate and compile
-    med = (lambda b, n, k, seed: statistics.median(get(engine.measure.remote(b, n, k, repeats, seed=seed))))
+
+    def med(b, n, k, seed):
+        return statistics.median(get(engine.measure.remote(b, n, k, repeats, seed=seed)))
+
     one = med(1, 1, 1, 997)
     iteration = max(med(1, 1, 1 + DECODE_TOKENS, 998) - one, 0.0) / DECODE_TOKENS
     overhead = max(one - iteration, 0.0)
@@ -52,15 +56,28 @@ def measure_rows(engine: Any, get: Callable[[Any], Any], repeats: int = 3) -> li
     for i, (batch, length) in enumerate(GRID):
         short = med(batch, length, 1, 2 * i)
         long = med(batch, length, 1 + DECODE_TOKENS, 2 * i + 1)
-        rows.append({"prefill_tokens": batch * length, "decode_seqs": 0, "context_tokens": 0,
-                     "seconds": max(short - overhead, iteration)})
-        rows.append({"prefill_tokens": 0, "decode_seqs": batch, "context_tokens": batch * (length + DECODE_TOKENS / 2),
-                     "seconds": max(long - short, 0.0) / DECODE_TOKENS})
+        rows.append(
+            {
+                "prefill_tokens": batch * length,
+                "decode_seqs": 0,
+                "context_tokens": 0,
+                "seconds": max(short - overhead, iteration),
+            }
+        )
+        rows.append(
+            {
+                "prefill_tokens": 0,
+                "decode_seqs": batch,
+                "context_tokens": batch * (length + DECODE_TOKENS / 2),
+                "seconds": max(long - short, 0.0) / DECODE_TOKENS,
+            }
+        )
     return rows
 
 
-def profile_job(job: JobSpec, data_dir: Path, reference: CostModel, out_dir: Path | None = None,
-                log: Callable[[str], None] = print) -> list[Path]:
+def profile_job(
+    job: JobSpec, data_dir: Path, reference: CostModel, out_dir: Path | None = None, log: Callable[[str], None] = print
+) -> list[Path]:
     """Profile every distinct model directory of ``job`` (Ray must be up); returns the profiles written."""
     import ray
 
@@ -78,10 +95,25 @@ def profile_job(job: JobSpec, data_dir: Path, reference: CostModel, out_dir: Pat
         facts = model_facts(d)
         max_len = min(job.max_model_len, facts.max_position_embeddings)
         res = dict(job.devices.bundle)
-        engine = ray.remote(OfflineEngine).options(
-            num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None, max_concurrency=4,
-        ).remote(m, str(data_dir), max_model_len=max_len, max_num_seqs=job.max_num_seqs,
-                 kv_cache_bytes=128 * 2**20, seed=m.seed, omp_threads=threads, enforce_eager=job.enforce_eager)
+        engine = (
+            ray.remote(OfflineEngine)
+            .options(
+                num_cpus=res.pop("CPU", 0.0),
+                num_gpus=res.pop("GPU", 0.0),
+                resources=res or None,
+                max_concurrency=4,
+            )
+            .remote(
+                m,
+                str(data_dir),
+                max_model_len=max_len,
+                max_num_seqs=job.max_num_seqs,
+                kv_cache_bytes=128 * 2**20,
+                seed=m.seed,
+                omp_threads=threads,
+                enforce_eager=job.enforce_eager,
+            )
+        )
         try:
             info = ray.get(engine.start.remote())
             rows = measure_rows(engine, ray.get)
@@ -89,16 +121,24 @@ def profile_job(job: JobSpec, data_dir: Path, reference: CostModel, out_dir: Pat
             ray.kill(engine, no_restart=True)
         it = fit_iteration_latency(rows)
         device = info.get("device", "cpu")
-        meta = {"model": d.name, "device": device, "hardware": platform.processor() or platform.machine(),
-                "cores": os.cpu_count(), "fitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "source": "app.offline profile",
-                "engine": f"offline vllm max_num_seqs={job.max_num_seqs} eager={job.enforce_eager}",
-                "rows": {"iteration": rows}, "engine_start_s": round(info["load_s"], 2),
-                "other_terms": f"forward, backward, memory and the eCDF from {REFERENCE_NAME}"}
+        meta = {
+            "model": d.name,
+            "device": device,
+            "hardware": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "fitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "source": "app.offline profile",
+            "engine": f"offline vllm max_num_seqs={job.max_num_seqs} eager={job.enforce_eager}",
+            "rows": {"iteration": rows},
+            "engine_start_s": round(info["load_s"], 2),
+            "other_terms": f"forward, backward, memory and the eCDF from {REFERENCE_NAME}",
+        }
         path = out_dir / f"{d.name}-{device}.json"
         path.write_text(json.dumps(replace(reference, iteration=it, metadata=meta).to_dict(), indent=1))
         written.append(path)
-        log(f"  {m.name} ({d.name}): {it.base * 1e3:.2f} ms per iteration + {it.per_prefill_token * 1e6:.1f} µs per "
+        log(
+            f"  {m.name} ({d.name}): {it.base * 1e3:.2f} ms per iteration + {it.per_prefill_token * 1e6:.1f} µs per "
             f"prompt token + {it.per_decode_seq * 1e6:.1f} µs per decoding sequence (R² {it.fit.r2 if it.fit else 0:.3f}); "
-            f"written to {path}")
+            f"written to {path}"
+        )
     return written

@@ -11,9 +11,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -81,10 +82,18 @@ class _Replica:
     in_flight: set[str] = field(default_factory=set)
 
     def row(self, t0: float) -> dict[str, Any]:
-        rel = (lambda t: None if t is None else round(t - t0, 3))
-        return {"model": self.model, "devices": list(self.devices), "start_s": rel(self.t_start),
-                "ready_s": rel(self.t_ready), "end_s": rel(self.t_end), "load_s": self.load_s,
-                "planned_load_s": self.planned_load_s}
+        def rel(t):
+            return None if t is None else round(t - t0, 3)
+
+        return {
+            "model": self.model,
+            "devices": list(self.devices),
+            "start_s": rel(self.t_start),
+            "ready_s": rel(self.t_ready),
+            "end_s": rel(self.t_end),
+            "load_s": self.load_s,
+            "planned_load_s": self.planned_load_s,
+        }
 
 
 class JobRunner:
@@ -173,9 +182,16 @@ class JobRunner:
         rid = out["id"]
         if rid in self.files[m].records:
             return False  # a copy requeued after a preemption finished twice
-        self.files[m].append({"id": rid, "prompt": prompts.get(rid) or self._prompt(m, rid), "output": out["output"],
-                              "output_tokens": out["output_tokens"], "prompt_tokens": out["prompt_tokens"],
-                              "latency_s": round(out["end"] - out["start"], 4)})
+        self.files[m].append(
+            {
+                "id": rid,
+                "prompt": prompts.get(rid) or self._prompt(m, rid),
+                "output": out["output"],
+                "output_tokens": out["output_tokens"],
+                "prompt_tokens": out["prompt_tokens"],
+                "latency_s": round(out["end"] - out["start"], 4),
+            }
+        )
         self.pending[m].discard(rid)
         return True
 
@@ -194,12 +210,28 @@ class JobRunner:
         res = dict(self.job.devices.bundle)
         # The replica lives in its first device's bundle; the job's other devices of a tp > 1 plan are
         # reserved in the same placement group and used by no other replica while it runs.
-        actor = ray.remote(OfflineEngine).options(
-            num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None, max_concurrency=4,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                                 placement_group_bundle_index=devs[0]),
-        ).remote(jm, str(self.p.data_dir), max_model_len=max_len, max_num_seqs=self.job.max_num_seqs, kv_cache_bytes=kv,
-                 seed=jm.seed, omp_threads=self.omp_per_device * len(devs), enforce_eager=self.job.enforce_eager)
+        actor = (
+            ray.remote(OfflineEngine)
+            .options(
+                num_cpus=res.pop("CPU", 0.0),
+                num_gpus=res.pop("GPU", 0.0),
+                resources=res or None,
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=devs[0]
+                ),
+            )
+            .remote(
+                jm,
+                str(self.p.data_dir),
+                max_model_len=max_len,
+                max_num_seqs=self.job.max_num_seqs,
+                kv_cache_bytes=kv,
+                seed=jm.seed,
+                omp_threads=self.omp_per_device * len(devs),
+                enforce_eager=self.job.enforce_eager,
+            )
+        )
         r = _Replica(m, devs, actor, time.time(), self.p.graph.spec(m).load_time(len(devs)))
         r.start_ref = actor.start.remote()
         self.history.append(r)
@@ -211,8 +243,9 @@ class JobRunner:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         d = self.job.devices
-        self.pg = placement_group([dict(d.bundle) for _ in range(d.count)], strategy="PACK",
-                                  name=f"offline-{self.job.name}")
+        self.pg = placement_group(
+            [dict(d.bundle) for _ in range(d.count)], strategy="PACK", name=f"offline-{self.job.name}"
+        )
         try:
             ray.get(self.pg.ready(), timeout=RESERVE_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
@@ -220,7 +253,8 @@ class JobRunner:
             self.pg = None
             raise RuntimeError(
                 f"the Ray cluster could not reserve {d.count} device(s) of {d.bundle} within {RESERVE_TIMEOUT_S:.0f} s "
-                f"(available now: {ray.available_resources()}); lower devices.count or devices.bundle") from None
+                f"(available now: {ray.available_resources()}); lower devices.count or devices.bundle"
+            ) from None
 
     def _stop(self, r: _Replica) -> None:
         """Release a replica; its unfinished requests go back to the model's queue (preemption loses them)."""
@@ -273,15 +307,22 @@ class JobRunner:
         self.route[m] = {rid: p.replicas[k] for rid, k in zip(ids, which.tolist())}
 
     def _adjust(self) -> None:
-        adj = adjust_stage(self.p.plan, self.stage_index, list(self.running.values()), self.finished,
-                           self.p.graph, self.p.devices)
+        adj = adjust_stage(
+            self.p.plan, self.stage_index, list(self.running.values()), self.finished, self.p.graph, self.p.devices
+        )
         now = time.time() - self.t0
         for k in range(self.stage_index + 1, adj.stage_index + 1):
             self.reached_s.setdefault(k, now)
         self.stage_index = adj.stage_index
-        self.adjustments.append({"t_s": round(now, 3), "stage": adj.stage_index,
-                                 "run": [p.to_dict() for p in adj.run],
-                                 "started": list(adj.started), "stopped": list(adj.stopped)})
+        self.adjustments.append(
+            {
+                "t_s": round(now, 3),
+                "stage": adj.stage_index,
+                "run": [p.to_dict() for p in adj.run],
+                "started": list(adj.started),
+                "stopped": list(adj.stopped),
+            }
+        )
         self._apply(adj.run)
 
     def _fallback(self) -> None:
@@ -298,14 +339,14 @@ class JobRunner:
 
     def run(self) -> dict[str, Any]:
         import ray
-
         from tqdm import tqdm
 
         self.omp_per_device = max(1, (os.cpu_count() or 1) // self.p.devices.count)
         self._reserve_devices()
         remaining = sum(len(v) for v in self.pending.values())
-        bar = tqdm(total=remaining, desc=self.job.name, unit="req", disable=not self.progress, file=sys.stdout,
-                   mininterval=1.0)
+        bar = tqdm(
+            total=remaining, desc=self.job.name, unit="req", disable=not self.progress, file=sys.stdout, mininterval=1.0
+        )
         try:
             self._adjust()
             while len(self.finished) < len(self.pending):
@@ -328,8 +369,10 @@ class JobRunner:
                     continue
                 late = [r for r in waiting.values() if r.t_ready is None and time.time() - r.t_start > START_TIMEOUT_S]
                 if late:
-                    raise RuntimeError(f"the {late[0].model} engine on devices {list(late[0].devices)} did not start "
-                                       f"within {START_TIMEOUT_S:.0f} s")
+                    raise RuntimeError(
+                        f"the {late[0].model} engine on devices {list(late[0].devices)} did not start "
+                        f"within {START_TIMEOUT_S:.0f} s"
+                    )
                 done, _ = ray.wait(list(waiting), num_returns=1, timeout=2.0)
                 done += [x for x in ray.wait(list(waiting), num_returns=len(waiting), timeout=0)[0] if x not in done]
                 for ref in done:
@@ -345,8 +388,11 @@ class JobRunner:
                         r.in_flight.discard(out["id"])
                         if self._accept(r.model, out, {}):
                             bar.update(1)
-                finished_now = [m for m in self.running if not self.pending[m] and not any(
-                    rep.in_flight for rep in self.replicas[m].values())]
+                finished_now = [
+                    m
+                    for m in self.running
+                    if not self.pending[m] and not any(rep.in_flight for rep in self.replicas[m].values())
+                ]
                 for m in finished_now:
                     self.finished.add(m)
                     self.finish_s[m] = time.time() - self.t0
@@ -377,17 +423,36 @@ class JobRunner:
         for k, st in enumerate(plan.stages):
             a = self.reached_s.get(k)
             b = next((self.reached_s[i] for i in range(k + 1, len(plan.stages)) if i in self.reached_s), end)
-            stages.append({"index": k, "models": [f"{p.model} {p.dp}x{p.tp}" for p in st.plans],
-                           "predicted_start_s": round(st.start_s, 3), "predicted_s": round(st.duration_s, 3),
-                           "actual_start_s": None if a is None else round(a, 3),
-                           "actual_s": None if a is None else round(b - a, 3)})
+            stages.append(
+                {
+                    "index": k,
+                    "models": [f"{p.model} {p.dp}x{p.tp}" for p in st.plans],
+                    "predicted_start_s": round(st.start_s, 3),
+                    "predicted_s": round(st.duration_s, 3),
+                    "actual_start_s": None if a is None else round(a, 3),
+                    "actual_s": None if a is None else round(b - a, 3),
+                }
+            )
         out_tokens = {m: sum(r.get("output_tokens", 0) for r in f.records.values()) for m, f in self.files.items()}
-        return {"job": self.job.name, "planner": plan.planner, "preemption": plan.preemption,
-                "search_time_s": round(plan.search_time_s, 4), "predicted_s": round(plan.predicted_s, 3),
-                "actual_s": round(end, 3), "estimation_error": round((end - plan.predicted_s) / plan.predicted_s, 4),
-                "stages": stages,
-                "models": {m: {"requests": len(n.ids), "ran": len(self.p.keep.get(m, ())),
-                               "finished_s": None if m not in self.finish_s else round(self.finish_s[m], 3),
-                               "output_tokens": out_tokens[m]} for m, n in self.p.work.nodes.items()},
-                "replicas": [r.row(self.t0) for r in self.history],
-                "adjustments": self.adjustments, "fallbacks": self.fallbacks}
+        return {
+            "job": self.job.name,
+            "planner": plan.planner,
+            "preemption": plan.preemption,
+            "search_time_s": round(plan.search_time_s, 4),
+            "predicted_s": round(plan.predicted_s, 3),
+            "actual_s": round(end, 3),
+            "estimation_error": round((end - plan.predicted_s) / plan.predicted_s, 4),
+            "stages": stages,
+            "models": {
+                m: {
+                    "requests": len(n.ids),
+                    "ran": len(self.p.keep.get(m, ())),
+                    "finished_s": None if m not in self.finish_s else round(self.finish_s[m], 3),
+                    "output_tokens": out_tokens[m],
+                }
+                for m, n in self.p.work.nodes.items()
+            },
+            "replicas": [r.row(self.t0) for r in self.history],
+            "adjustments": self.adjustments,
+            "fallbacks": self.fallbacks,
+        }

@@ -31,8 +31,13 @@ logger = logging.getLogger(__name__)
 # process, which inherits its affinity, and a trainer rank or a restarted replica's engine must start with
 # every core (vLLM binds its worker from what it sees).
 PROGRAMS = frozenset({"gcs_server", "haproxy"})
-SCRIPTS = ("dashboard/dashboard.py", "dashboard/agent.py", "log_monitor.py", "autoscaler/_private/monitor.py",
-           "runtime_env/agent/main.py")
+SCRIPTS = (
+    "dashboard/dashboard.py",
+    "dashboard/agent.py",
+    "log_monitor.py",
+    "autoscaler/_private/monitor.py",
+    "runtime_env/agent/main.py",
+)
 LEFT_ALONE = ("ray::TrainRank", "ray::IDLE")
 
 
@@ -54,8 +59,11 @@ def keep_off_engine_cores(pids: list[int] | None = None) -> dict[str, object]:
     engine = engine_cores(pids)
     others = every - engine
     if not engine or not others:
-        return {"engine_cores": sorted(engine), "moved": 0, "reason": "the engine workers hold every core"
-                if engine else "no vLLM CPU worker on this host"}
+        return {
+            "engine_cores": sorted(engine),
+            "moved": 0,
+            "reason": "the engine workers hold every core" if engine else "no vLLM CPU worker on this host",
+        }
     moved = 0
     for pid in pids:
         if not _is_ray_process(argv_of(pid)):
@@ -71,4 +79,3 @@ def keep_off_engine_cores(pids: list[int] | None = None) -> dict[str, object]:
                 continue
         moved += 1
     return {"engine_cores": sorted(engine), "other_cores": sorted(others), "moved": moved}
-

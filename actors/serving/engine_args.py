@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from settings import AppConfig
 from actors.models.devices import cpu_has_bf16
 from actors.serving.engine_weights import EXTENSION as WEIGHTS_EXTENSION
+from settings import AppConfig
 
 
 def resolve_dtype(dtype: str, device: str, model_dir: str, *, bf16: bool | None = None) -> str:
@@ -36,16 +36,24 @@ def engine_flags(cfg: AppConfig, model_dir: str, served_name: str) -> list[str]:
     """vLLM CLI flags (without the program name) for one replica of ``cfg``."""
     e = cfg.engine
     flags = [
-        "--model", model_dir,
-        "--served-model-name", served_name,
-        "--max-model-len", str(cfg.model.max_model_len),
-        "--max-num-seqs", str(e.max_num_seqs),
-        "--dtype", resolve_dtype(e.dtype, e.device, model_dir),
-        "--seed", str(e.seed),
-        "--scheduling-policy", e.vllm_scheduling_policy,
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served_name,
+        "--max-model-len",
+        str(cfg.model.max_model_len),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--dtype",
+        resolve_dtype(e.dtype, e.device, model_dir),
+        "--seed",
+        str(e.seed),
+        "--scheduling-policy",
+        e.vllm_scheduling_policy,
         # Always on, so any replica can take a full-weight sync (ModelReplica.load_full_version):
         # vLLM only adds the class to the worker's bases at start, nothing runs until it is called.
-        "--worker-extension-cls", WEIGHTS_EXTENSION,
+        "--worker-extension-cls",
+        WEIGHTS_EXTENSION,
     ]
     if e.max_num_batched_tokens is not None:
         flags += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]

@@ -92,8 +92,14 @@ def observe(details: Any, waiting: int = 0) -> None:
         return
     log = request_stages.request_log()
     if log is not None:
-        log.iteration(details.elapsed_ms / 1000.0, details.num_ctx_tokens, details.num_generation_tokens,
-                      details.num_ctx_requests, details.num_generation_requests, waiting)
+        log.iteration(
+            details.elapsed_ms / 1000.0,
+            details.num_ctx_tokens,
+            details.num_generation_tokens,
+            details.num_ctx_requests,
+            details.num_generation_requests,
+            waiting,
+        )
     LOG.add(details.elapsed_ms / 1000.0, int(details.num_ctx_tokens), int(details.num_generation_requests))
     ITERATION_SECONDS.observe(details.elapsed_ms / 1000.0)
     ITERATION_TOKENS.labels("prefill").observe(details.num_ctx_tokens)

@@ -10,7 +10,8 @@ There, the engine core waits for its worker's step output in short sleeps (:data
 (about 10 on the tiny model, 70 on SmolLM2) while vLLM's engine core calls ``sched_yield`` in a loop, on the
 core the front end, HAProxy and the clients share. Measured on the tiny model, a burst of 100 requests: the
 engine core used 1.5 CPU-s spinning and 0.55 with this wait; the burst ran at 27.4-27.6 against 28.9-31.2 req/s,
-TTFT p50 1.6-1.8 against 1.2-1.4 s (docs/benchmarks.md, issue 39). A sleep of 0.2 ms adds at most that to a step. (vLLM's own idle path, a wait for the worker's notification,
+TTFT p50 1.6-1.8 against 1.2-1.4 s (docs/benchmarks.md, issue 39). A sleep of 0.2 ms adds at most that to a step.
+(vLLM's own idle path, a wait for the worker's notification,
 lost the notification on every step here: each step then took vLLM's 5-s recheck.)
 """
 
@@ -33,5 +34,8 @@ def configure() -> None:
     import compat
 
     if compat.engine_core_waits_without_spinning(POLL_S):
-        logger.info("engine core: waits for its workers' steps in %.1f-ms sleeps, not spinning "
-                    "(actors/serving/engine_process.py)", POLL_S * 1000)
+        logger.info(
+            "engine core: waits for its workers' steps in %.1f-ms sleeps, not spinning "
+            "(actors/serving/engine_process.py)",
+            POLL_S * 1000,
+        )

@@ -30,9 +30,10 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 EXTENSION = "actors.serving.engine_weights.FullWeightsExtension"  # the value of vLLM's --worker-extension-cls
 WEIGHTS_FILE = "model.safetensors"

@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Mapping
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 
@@ -34,20 +34,30 @@ LOCAL_TENANT = "admin"
 METRIC_PREFIX = "coserve_tenant_"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TOKENS = Counter("coserve_tenant_tokens", "Tokens the engine served the tenant: prompt (admitted) and output",
-                 ["tenant", "kind"])
+TOKENS = Counter(
+    "coserve_tenant_tokens", "Tokens the engine served the tenant: prompt (admitted) and output", ["tenant", "kind"]
+)
 REQUESTS = Counter("coserve_tenant_requests", "The tenant's requests admitted to the engine", ["tenant"])
-QUEUE_WAIT = Histogram("coserve_tenant_queue_wait_seconds", "Seconds a request of the tenant waited for admission "
-                       "to the engine (the fair queue in front of it)", ["tenant"], buckets=_LATENCY_BUCKETS)
-TTFT = Histogram("coserve_tenant_time_to_first_token_seconds", "Seconds from a streamed request's arrival at the "
-                 "replica to its first output token", ["tenant"], buckets=_LATENCY_BUCKETS)
+QUEUE_WAIT = Histogram(
+    "coserve_tenant_queue_wait_seconds",
+    "Seconds a request of the tenant waited for admission to the engine (the fair queue in front of it)",
+    ["tenant"],
+    buckets=_LATENCY_BUCKETS,
+)
+TTFT = Histogram(
+    "coserve_tenant_time_to_first_token_seconds",
+    "Seconds from a streamed request's arrival at the replica to its first output token",
+    ["tenant"],
+    buckets=_LATENCY_BUCKETS,
+)
 
 
 def tenant_ledger(cfg: Any) -> TenantCounters:
     """The planner's per-tenant service across nodes (inference the replicas report, training the trainer reports),
     weighted as the admission policy of ``cfg`` (an ``AppConfig``) weighs it."""
-    return TenantCounters(create("admission", cfg.engine.admission, **cfg.engine.admission_params).weights,
-                          cfg.limits.tenant_weights)
+    return TenantCounters(
+        create("admission", cfg.engine.admission, **cfg.engine.admission_params).weights, cfg.limits.tenant_weights
+    )
 
 
 def engine_progress(engine: Any) -> Callable[[str], int]:
@@ -78,13 +88,22 @@ class FairAdmission:
     read slowly is charged as fast as the engine serves it. None: charged as outputs are read.
     """
 
-    def __init__(self, policy: str, max_num_seqs: int, params: Mapping[str, Any] | None = None,
-                 tenant_weights: Mapping[str, float] | None = None,
-                 progress: Callable[[str], int] | None = None) -> None:
+    def __init__(
+        self,
+        policy: str,
+        max_num_seqs: int,
+        params: Mapping[str, Any] | None = None,
+        tenant_weights: Mapping[str, float] | None = None,
+        progress: Callable[[str], int] | None = None,
+    ) -> None:
         rule = create("admission", policy, **dict(params or {}))
         self.policy = rule
-        self.queue = AdmissionQueue(rule, TenantCounters(rule.weights, tenant_weights), slots=max_num_seqs,
-                                    tenant_slots=tenant_slot_cap(max_num_seqs))
+        self.queue = AdmissionQueue(
+            rule,
+            TenantCounters(rule.weights, tenant_weights),
+            slots=max_num_seqs,
+            tenant_slots=tenant_slot_cap(max_num_seqs),
+        )
         self._progress = progress
         self._waiting: dict[str, asyncio.Future[Any]] = {}
         self._running: dict[str, str] = {}  # request id -> tenant, admitted and not ended
@@ -94,8 +113,13 @@ class FairAdmission:
     @classmethod
     def from_config(cls, cfg: Any, engine: Any = None) -> FairAdmission:
         """The admission of a replica of ``cfg`` (an ``AppConfig``) in front of ``engine`` (vLLM's ``AsyncLLM``)."""
-        return cls(cfg.engine.admission, cfg.engine.max_num_seqs, cfg.engine.admission_params,
-                   cfg.limits.tenant_weights, None if engine is None else engine_progress(engine))
+        return cls(
+            cfg.engine.admission,
+            cfg.engine.max_num_seqs,
+            cfg.engine.admission_params,
+            cfg.limits.tenant_weights,
+            None if engine is None else engine_progress(engine),
+        )
 
     def _charge(self, request_id: str, tenant: str, generated: int) -> None:
         """``tenant``'s request has ``generated`` output tokens so far: charge what was not charged yet."""
@@ -117,8 +141,15 @@ class FairAdmission:
             else:  # its request left between its admission and now
                 self.queue.finish(admission.request_id)
 
-    async def generate(self, engine_generate: Callable[..., AsyncIterator[Any]], prompt: Any, sampling_params: Any,
-                       request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def generate(
+        self,
+        engine_generate: Callable[..., AsyncIterator[Any]],
+        prompt: Any,
+        sampling_params: Any,
+        request_id: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> AsyncIterator[Any]:
         """``engine_generate(prompt, sampling_params, request_id, ...)`` once the policy admits the request, at its
         priority; yields the engine's outputs and charges them to the request's tenant."""
         tenant = TENANT.get()
@@ -128,8 +159,16 @@ class FairAdmission:
         arrival = time.perf_counter() if stamps is None else stamps.arrival
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
-        self.queue.arrive(AdmissionRequest(request_id, label, prompt_tokens, time.monotonic(),
-                                           max(1, int(getattr(sampling_params, "n", 1) or 1)), tenant is not None))
+        self.queue.arrive(
+            AdmissionRequest(
+                request_id,
+                label,
+                prompt_tokens,
+                time.monotonic(),
+                max(1, int(getattr(sampling_params, "n", 1) or 1)),
+                tenant is not None,
+            )
+        )
         self._dispatch()
         try:
             admission = await future

@@ -24,9 +24,14 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from actors.learning.lora.targets import module_shapes
+from actors.learning.messages import FullVersion
+from actors.learning.versions.fit import misfit, write_zero_lora
+from actors.serving import cpu_affinity, engine_iterations, engine_process
 from actors.serving.engine_weights import (
     FINGERPRINT_METHOD,
     LOAD_METHOD,
@@ -35,12 +40,8 @@ from actors.serving.engine_weights import (
     read_meta,
     version_of,
 )
-from actors.learning.versions.fit import misfit, write_zero_lora
-from actors.learning.lora.targets import module_shapes
-from actors.serving import cpu_affinity, engine_iterations, engine_process
-from actors.serving.request_traces import RequestTraces, engine_stats_logger, traced_engine_class
-from actors.learning.messages import FullVersion
 from actors.serving.messages import AdapterAssignment, AdapterLoadFailed, FullSynced, NodeRegistration, NodeReport
+from actors.serving.request_traces import RequestTraces, engine_stats_logger, traced_engine_class
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,16 @@ AFFINITY_EVERY_S = 60.0  # actors started after the replica are moved off the en
 class ModelReplica:
     """One engine on one node. In-process: ``ModelReplica(...)``; as an actor: ``ray.remote(ModelReplica)``."""
 
-    def __init__(self, node_id: int, vllm_flags: list[str], served_name: str, omp_threads: int | None = None,
-                 adapter_files: Any = None, keep_off_engine_cores: bool = False, quiet_engine_core: bool = False) -> None:
+    def __init__(
+        self,
+        node_id: int,
+        vllm_flags: list[str],
+        served_name: str,
+        omp_threads: int | None = None,
+        adapter_files: Any = None,
+        keep_off_engine_cores: bool = False,
+        quiet_engine_core: bool = False,
+    ) -> None:
         self.node_id = node_id
         self._keep_off_engine_cores = keep_off_engine_cores
         if quiet_engine_core:
@@ -78,7 +87,9 @@ class ModelReplica:
         self._next_lora_id = 1
         self._load_failed: dict[str, tuple[tuple[int, str], str]] = {}  # model id -> ((version, path), error)
         self._assignment_epoch = -1
-        self._full: dict[str, Any] | None = None  # the full version loaded last: {version, path}; None: the start weights
+        self._full: dict[str, Any] | None = (
+            None  # the full version loaded last: {version, path}; None: the start weights
+        )
         self._weights_lock = asyncio.Lock()  # one full-weight sync at a time
         self._full_unit: str | None = None  # the training unit whose assigned version the engine computes with
         self._full_sync_s: float | None = None  # the last assigned sync's whole call
@@ -105,8 +116,9 @@ class ModelReplica:
         # Per-iteration figures for /metrics (actors/serving/engine_iterations.py), not one log line per step.
         args.enable_logging_iteration_details = True
         engine_iterations.install_log_filter()
-        engine = traced_engine_class().from_engine_args(AsyncEngineArgs.from_cli_args(args),
-                                                        stat_loggers=[engine_stats_logger(self.requests)])
+        engine = traced_engine_class().from_engine_args(
+            AsyncEngineArgs.from_cli_args(args), stat_loggers=[engine_stats_logger(self.requests)]
+        )
         await self._warm_up(engine, str(Path(args.model).resolve()), bool(getattr(args, "enable_lora", False)))
         self.requests.max_model_len = engine.model_config.max_model_len
         engine.requests = self.requests  # from now on every request is recorded
@@ -187,12 +199,17 @@ class ModelReplica:
         """
         assignment = await _retry(lambda: planner().register_node.remote(registration), "register with the planner")
         loaded = await self.apply_adapters(assignment)
-        if assignment.full is not None or self._load_failed:  # a full version taken up, or a version that failed: say so
-            await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded, self.full_synced(),
-                                                      self.load_failures())
+        if (
+            assignment.full is not None or self._load_failed
+        ):  # a full version taken up, or a version that failed: say so
+            await planner().adapters_loaded.remote(
+                self.node_id, assignment.epoch, loaded, self.full_synced(), self.load_failures()
+            )
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._report_forever(planner, registration, flush_s)),
-                       loop.create_task(self._follow_assignments(planner))]
+        self._tasks = [
+            loop.create_task(self._report_forever(planner, registration, flush_s)),
+            loop.create_task(self._follow_assignments(planner)),
+        ]
         if self._keep_off_engine_cores:
             self._tasks.append(loop.create_task(self._keep_others_off_engine_cores()))
 
@@ -210,8 +227,7 @@ class ModelReplica:
                 logger.warning("could not set CPU affinity", exc_info=True)
             await asyncio.sleep(AFFINITY_EVERY_S)
 
-    async def _report_forever(self, planner: Callable[[], Any], registration: NodeRegistration,
-                              flush_s: float) -> None:
+    async def _report_forever(self, planner: Callable[[], Any], registration: NodeRegistration, flush_s: float) -> None:
         last = time.monotonic()
         while True:
             await asyncio.sleep(flush_s)
@@ -235,11 +251,13 @@ class ModelReplica:
         while True:
             try:
                 assignment = await planner().adapter_assignment.remote(
-                    self.node_id, self._assignment_epoch, ASSIGNMENT_POLL_S)
+                    self.node_id, self._assignment_epoch, ASSIGNMENT_POLL_S
+                )
                 if assignment.epoch != self._assignment_epoch:
                     loaded = await self.apply_adapters(assignment)
-                    await planner().adapters_loaded.remote(self.node_id, assignment.epoch, loaded, self.full_synced(),
-                                                      self.load_failures())
+                    await planner().adapters_loaded.remote(
+                        self.node_id, assignment.epoch, loaded, self.full_synced(), self.load_failures()
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -255,16 +273,26 @@ class ModelReplica:
         if time.monotonic() - self._metrics_sent >= ENGINE_METRICS_S or not r.live:
             self._metrics_sent = time.monotonic()
             metrics = engine_metrics_text()
-        return NodeReport(node_id=self.node_id, traces=tuple(traces), received=r.received,
-                          finished=r.finished, in_flight=len(r.live), busy_seconds=r.busy_seconds(),
-                          engine=r.facts(), at=time.time(),
-                          prefix_cache_queries=getattr(r.stats, "prefix_cache_queries", 0),
-                          prefix_cache_hits=getattr(r.stats, "prefix_cache_hits", 0), engine_metrics=metrics,
-                          tenant_tokens=() if self.engine.admission is None else self.engine.admission.take_served())
+        return NodeReport(
+            node_id=self.node_id,
+            traces=tuple(traces),
+            received=r.received,
+            finished=r.finished,
+            in_flight=len(r.live),
+            busy_seconds=r.busy_seconds(),
+            engine=r.facts(),
+            at=time.time(),
+            prefix_cache_queries=getattr(r.stats, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(r.stats, "prefix_cache_hits", 0),
+            engine_metrics=metrics,
+            tenant_tokens=() if self.engine.admission is None else self.engine.admission.take_served(),
+        )
 
     # ---- profiling -------------------------------------------------------------------------
 
-    async def measure(self, batch: int, prompt_tokens: int, max_tokens: int, repeats: int = 3, seed: int = 0) -> list[float]:
+    async def measure(
+        self, batch: int, prompt_tokens: int, max_tokens: int, repeats: int = 3, seed: int = 0
+    ) -> list[float]:
         """Wall seconds for ``batch`` concurrent requests of fixed size, straight on the engine.
 
         Prompts are random byte-range token ids, fresh per repeat, so the prefix cache never hits;
@@ -280,7 +308,9 @@ class ModelReplica:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
 
         async def one(ids: list[int]) -> None:
-            async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex):
+            async for _ in self.engine.generate(
+                TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex
+            ):
                 pass
 
         times = []
@@ -322,8 +352,10 @@ class ModelReplica:
 
     def load_failures(self) -> dict[str, AdapterLoadFailed]:
         """Adapter -> the assigned version this node could not load, and why (the planner pauses the adapter)."""
-        return {m.split(":", 1)[1]: AdapterLoadFailed(version, message)
-                for m, ((version, _), message) in self._load_failed.items()}
+        return {
+            m.split(":", 1)[1]: AdapterLoadFailed(version, message)
+            for m, ((version, _), message) in self._load_failed.items()
+        }
 
     def served_version(self, model_id: str) -> int | None:
         """The version of ``base:adapter`` this node serves now (None: not loaded); stored completions pin it."""
@@ -381,9 +413,13 @@ class ModelReplica:
             load = await self.load_full_version(full.path, full.version)
         self._full_unit = None if full is None else full.unit
         self._full_sync_s = load.total_s
-        logger.info("node %d: full sync to %s took %.3f s (engine load %.3f s)", self.node_id,
-                    "the starting model" if full is None else f"{full.unit} v{full.version}", load.total_s,
-                    load.load_s)
+        logger.info(
+            "node %d: full sync to %s took %.3f s (engine load %.3f s)",
+            self.node_id,
+            "the starting model" if full is None else f"{full.unit} v{full.version}",
+            load.total_s,
+            load.load_s,
+        )
 
     def full_synced(self) -> FullSynced:
         """The full version the engine computes with now and what its last assigned sync cost, for the planner."""
@@ -438,14 +474,23 @@ class ModelReplica:
             self._fingerprint = fingerprint
             logger.info("node %d serves full version %d from %s (%.2f s)", self.node_id, version, local, total)
             return FullVersionLoad(
-                node_id=self.node_id, version=int(version), path=path, local_path=str(local),
-                previous_version=previous, tensors=sum(r["tensors"] for r in loads),
-                bytes=sum(r["bytes"] for r in loads), load_s=max(r["seconds"] for r in loads),
-                total_s=total, fingerprint=fingerprint, meta=meta)
+                node_id=self.node_id,
+                version=int(version),
+                path=path,
+                local_path=str(local),
+                previous_version=previous,
+                tensors=sum(r["tensors"] for r in loads),
+                bytes=sum(r["bytes"] for r in loads),
+                load_s=max(r["seconds"] for r in loads),
+                total_s=total,
+                fingerprint=fingerprint,
+                meta=meta,
+            )
 
     async def weights_fingerprint(self) -> str:
         """A short digest of the weights the engine computes with now (equal digests: equal weights)."""
         return combine_fingerprints(await self.engine.collective_rpc(FINGERPRINT_METHOD))
+
 
 async def _retry(call: Callable[[], Any], what: str, attempts: int = 120) -> Any:
     """``await call()``, again after a pause while it fails (the planner may be starting or restarting)."""
@@ -472,7 +517,6 @@ def engine_metrics_text() -> str:
     keep = []
     for line in generate_latest(REGISTRY).decode().splitlines():
         name = line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line
-        if name.startswith(("vllm:", "coserve_request_stage_seconds", "coserve_engine_iteration_",
-                            "coserve_tenant_")):
+        if name.startswith(("vllm:", "coserve_request_stage_seconds", "coserve_engine_iteration_", "coserve_tenant_")):
             keep.append(line)
     return "\n".join(keep) + "\n" if keep else ""

@@ -55,7 +55,8 @@ _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 STAGE_SECONDS = Histogram(
     "coserve_request_stage_seconds",
     "Seconds from an inference request's arrival at the replica (ASGI entry) to each stage of its path",
-    ["stage"], buckets=_BUCKETS,
+    ["stage"],
+    buckets=_BUCKETS,
 )
 FRONT_DOOR_SECONDS = Histogram(
     "coserve_request_front_door_seconds",
@@ -167,16 +168,41 @@ class RequestLog:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def request(self, s: RequestStamps) -> None:
-        self.write({"kind": "request", "id": s.request_id, "arrival": s.arrival, "arrival_epoch": s.arrival_epoch,
-                    "accepted_epoch": None if s.accepted_us is None else s.accepted_us / 1e6,
-                    "routed_epoch": None if s.routed_us is None else s.routed_us / 1e6, "streamed": s.streamed,
-                    "writes": s.writes, **s.reached})
+        self.write(
+            {
+                "kind": "request",
+                "id": s.request_id,
+                "arrival": s.arrival,
+                "arrival_epoch": s.arrival_epoch,
+                "accepted_epoch": None if s.accepted_us is None else s.accepted_us / 1e6,
+                "routed_epoch": None if s.routed_us is None else s.routed_us / 1e6,
+                "streamed": s.streamed,
+                "writes": s.writes,
+                **s.reached,
+            }
+        )
 
-    def iteration(self, elapsed_s: float, prefill_tokens: int, decode_tokens: int, prefill_requests: int,
-                  decode_requests: int, waiting: int) -> None:
-        self.write({"kind": "iteration", "at": time.perf_counter(), "elapsed": elapsed_s, "prefill_tokens": prefill_tokens,
-                    "decode_tokens": decode_tokens, "prefill_requests": prefill_requests,
-                    "decode_requests": decode_requests, "waiting": waiting})
+    def iteration(
+        self,
+        elapsed_s: float,
+        prefill_tokens: int,
+        decode_tokens: int,
+        prefill_requests: int,
+        decode_requests: int,
+        waiting: int,
+    ) -> None:
+        self.write(
+            {
+                "kind": "iteration",
+                "at": time.perf_counter(),
+                "elapsed": elapsed_s,
+                "prefill_tokens": prefill_tokens,
+                "decode_tokens": decode_tokens,
+                "prefill_requests": prefill_requests,
+                "decode_requests": decode_requests,
+                "waiting": waiting,
+            }
+        )
 
     def watch_loop(self) -> None:
         """Log the running event loop's stalls (a probe every STALL_PROBE_S that ran late), until the process ends."""

@@ -23,10 +23,10 @@ def task_id_of(engine_request_id: str) -> str:
     index>`` for a completion, ``chatcmpl-<id>`` for a chat (``_base_request_id`` in its serving classes; a
     request without the header gets a random id there). Other ids are returned as they are."""
     if engine_request_id.startswith("cmpl-"):
-        base, sep, index = engine_request_id[len("cmpl-"):].rpartition("-")
-        return base if sep and index.isdigit() else engine_request_id[len("cmpl-"):]
+        base, sep, index = engine_request_id[len("cmpl-") :].rpartition("-")
+        return base if sep and index.isdigit() else engine_request_id[len("cmpl-") :]
     if engine_request_id.startswith("chatcmpl-"):
-        return engine_request_id[len("chatcmpl-"):]
+        return engine_request_id[len("chatcmpl-") :]
     return engine_request_id
 
 
@@ -111,9 +111,20 @@ class RequestTraces:
                 yield out
             ok = True
         finally:
-            self.end(request_id, ExecutionTrace(
-                task_id=task_id_of(request_id), node_id=self.node_id, arrival=arrival, start=arrival,
-                first_token=first, finish=time.time(), prompt_tokens=prompt_tokens, output_tokens=out_tokens, ok=ok))
+            self.end(
+                request_id,
+                ExecutionTrace(
+                    task_id=task_id_of(request_id),
+                    node_id=self.node_id,
+                    arrival=arrival,
+                    start=arrival,
+                    first_token=first,
+                    finish=time.time(),
+                    prompt_tokens=prompt_tokens,
+                    output_tokens=out_tokens,
+                    ok=ok,
+                ),
+            )
 
 
 _TRACED_ENGINE: type | None = None
@@ -134,8 +145,9 @@ def traced_engine_class() -> type:
                 # vLLM's own stream (behind the admission queue when there is one), recorded by one generator
                 # around it, not a further pass-through layer (every output of every request passes each layer).
                 if self.admission is not None:  # waits for its turn among the tenants, runs at its priority
-                    outputs = self.admission.generate(super().generate, prompt, sampling_params, request_id,
-                                                      *args, **kwargs)
+                    outputs = self.admission.generate(
+                        super().generate, prompt, sampling_params, request_id, *args, **kwargs
+                    )
                 else:
                     outputs = super().generate(prompt, sampling_params, request_id, *args, **kwargs)
                 if self.requests is None:
@@ -167,11 +179,13 @@ def engine_stats_logger(requests: RequestTraces) -> Any:
             self.kv_cache_bytes = float(getattr(cache, "kv_cache_memory_bytes", None) or 0.0)
             requests.stats = self
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
             if scheduler_stats is not None:
                 waiting = int(scheduler_stats.num_waiting_reqs) + int(
-                    getattr(scheduler_stats, "num_skipped_waiting_reqs", 0))
+                    getattr(scheduler_stats, "num_skipped_waiting_reqs", 0)
+                )
                 engine_iterations.observe(scheduler_stats.iteration_details, waiting)
                 self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
                 if waiting > 0:

@@ -48,17 +48,42 @@ Modules, each one concept (pure: plain dataclasses in, a plan out; no Ray, no to
 
 from __future__ import annotations
 
-from planners.coserving.budget import (ft_delay, ft_latency, ft_memory, ft_room, ft_tokens_within, grant_phase_times,
-                                       grant_run_time, token_budget, window_latency)
-from planners.coserving.calibration import (InterferenceCalibration, WindowCostCalibration, WindowCostSample,
-                                            calibrated)
-from planners.coserving.measurement import (SloAttainment, TrainingTimeline, WindowMeasurement, WindowPrediction,
-                                            WindowRun, measure_window)
+from planners.coserving.budget import (
+    ft_delay,
+    ft_latency,
+    ft_memory,
+    ft_room,
+    ft_tokens_within,
+    grant_phase_times,
+    grant_run_time,
+    token_budget,
+    window_latency,
+)
+from planners.coserving.calibration import InterferenceCalibration, WindowCostCalibration, WindowCostSample, calibrated
+from planners.coserving.measurement import (
+    SloAttainment,
+    TrainingTimeline,
+    WindowMeasurement,
+    WindowPrediction,
+    WindowRun,
+    measure_window,
+)
 from planners.coserving.packing import best_fit_pack
 from planners.coserving.priorities import PriorityWeights, check_end, priority
 from planners.coserving.scheduler import IterationScheduler, WindowPlan
-from planners.coserving.work import (EngineFacts, EngineIteration, FineTuneSample, InferenceWork, LiveRequest, MicroBatch,
-                                     SampleOutcome, TokenWindow, WorkKind, token_windows, whole_windows)
+from planners.coserving.work import (
+    EngineFacts,
+    EngineIteration,
+    FineTuneSample,
+    InferenceWork,
+    LiveRequest,
+    MicroBatch,
+    SampleOutcome,
+    TokenWindow,
+    WorkKind,
+    token_windows,
+    whole_windows,
+)
 
 __all__ = [
     "EngineFacts",

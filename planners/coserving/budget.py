@@ -6,8 +6,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import replace
 
-from planners.costs import CostModel
 from planners.coserving.work import InferenceWork, MicroBatch, TokenWindow
+from planners.costs import CostModel
 
 EPS = 1e-12
 """Slack in the floating-point comparisons of budgets and room."""
@@ -31,8 +31,10 @@ def window_phase_times(cost: CostModel, window: TokenWindow) -> tuple[float, flo
     not for any one grant (LEMIX Alg. 2 calibrates against this).
     """
     forward, backward = window.phases
-    return (cost.stages * cost.forward_latency(1, forward) if forward > 0 else 0.0,
-            cost.stages * cost.backward_latency(1, backward) if backward > 0 else 0.0)
+    return (
+        cost.stages * cost.forward_latency(1, forward) if forward > 0 else 0.0,
+        cost.stages * cost.backward_latency(1, backward) if backward > 0 else 0.0,
+    )
 
 
 def window_run_time(cost: CostModel, window: TokenWindow) -> float:

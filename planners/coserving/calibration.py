@@ -49,8 +49,9 @@ class WindowCostCalibration:
     than ``min_measured_s`` are timer noise and are skipped.
     """
 
-    def __init__(self, rate: float = 0.2, low: float = 0.1, high: float = 20.0, min_measured_s: float = 0.002,
-                 kept: int = 64) -> None:
+    def __init__(
+        self, rate: float = 0.2, low: float = 0.1, high: float = 20.0, min_measured_s: float = 0.002, kept: int = 64
+    ) -> None:
         if not 0.0 < rate <= 1.0 or not 0.0 < low <= 1.0 <= high:
             raise ValueError("need 0 < rate <= 1 and 0 < low <= 1 <= high")
         self.rate, self.low, self.high, self.min_measured_s = rate, low, high, min_measured_s
@@ -63,7 +64,7 @@ class WindowCostCalibration:
             return
         self.samples.append(WindowCostSample(modelled_s, measured_s))
         ratio = measured_s / modelled_s  # what the factor in force should have been, relative to itself
-        self.factor = min(max(self.factor * ratio ** self.rate, self.low), self.high)
+        self.factor = min(max(self.factor * ratio**self.rate, self.low), self.high)
 
     def median_error(self) -> float | None:
         """Median relative error of the recent grants' modelled time (None before the first)."""
@@ -84,8 +85,17 @@ class InterferenceCalibration:
     within [``low``, ``high``]·their start (ρ: absolute bounds [0, 10], as ``CostModel`` allows).
     """
 
-    def __init__(self, interference: float, kept_steps: int = 512, kept_windows: int = 32, min_steps: int = 16,
-                 min_windows: int = 3, high: float = 10.0, span_s: float = 30.0, min_run_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        interference: float,
+        kept_steps: int = 512,
+        kept_windows: int = 32,
+        min_steps: int = 16,
+        min_windows: int = 3,
+        high: float = 10.0,
+        span_s: float = 30.0,
+        min_run_s: float = 1.0,
+    ) -> None:
         self.profile_interference = float(interference)
         self.min_steps, self.min_windows, self.high = min_steps, min_windows, high
         self.span_s, self.min_run_s = span_s, min_run_s
@@ -150,12 +160,25 @@ class InterferenceCalibration:
         return len(self._steps)
 
 
-def calibrated(cost: CostModel, forward: float = 1.0, backward: float = 1.0, iteration: float = 1.0,
-               interference: float | None = None) -> CostModel:
+def calibrated(
+    cost: CostModel,
+    forward: float = 1.0,
+    backward: float = 1.0,
+    iteration: float = 1.0,
+    interference: float | None = None,
+) -> CostModel:
     """``cost`` with its forward, backward and iteration terms scaled and ρ replaced (None: kept)."""
     it = cost.iteration
-    return replace(cost, forward=cost.forward.scaled(forward), backward=cost.backward.scaled(backward),
-                   iteration=replace(it, base=it.base * iteration, per_prefill_token=it.per_prefill_token * iteration,
-                                     per_decode_seq=it.per_decode_seq * iteration,
-                                     per_context_token=it.per_context_token * iteration),
-                   ft_interference=cost.ft_interference if interference is None else min(max(interference, 0.0), 10.0))
+    return replace(
+        cost,
+        forward=cost.forward.scaled(forward),
+        backward=cost.backward.scaled(backward),
+        iteration=replace(
+            it,
+            base=it.base * iteration,
+            per_prefill_token=it.per_prefill_token * iteration,
+            per_decode_seq=it.per_decode_seq * iteration,
+            per_context_token=it.per_context_token * iteration,
+        ),
+        ft_interference=cost.ft_interference if interference is None else min(max(interference, 0.0), 10.0),
+    )

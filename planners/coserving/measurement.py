@@ -115,12 +115,19 @@ class WindowMeasurement:
 
     def as_json(self) -> dict[str, Any]:
         p = self.prediction
-        return {"at": round(self.run.ran_at, 3), "ran_s": round(self.run.ran_s, 4),
-                "modelled_s": round(p.run_s, 4), "forward_s": round(self.run.forward_s, 4),
-                "backward_s": round(self.run.backward_s, 4), "steps_beside": self.steps,
-                "worst_gap_s": _r(self.worst_gap_s), "predicted_worst_gap_s": round(p.worst_gap_s, 4),
-                "lost_s": round(self.lost_s, 4), "predicted_delay_s": round(p.delay_s, 4),
-                "interference": _r(self.interference)}
+        return {
+            "at": round(self.run.ran_at, 3),
+            "ran_s": round(self.run.ran_s, 4),
+            "modelled_s": round(p.run_s, 4),
+            "forward_s": round(self.run.forward_s, 4),
+            "backward_s": round(self.run.backward_s, 4),
+            "steps_beside": self.steps,
+            "worst_gap_s": _r(self.worst_gap_s),
+            "predicted_worst_gap_s": round(p.worst_gap_s, 4),
+            "lost_s": round(self.lost_s, 4),
+            "predicted_delay_s": round(p.delay_s, 4),
+            "interference": _r(self.interference),
+        }
 
 
 def _r(x: float | None, digits: int = 4) -> float | None:
@@ -132,8 +139,12 @@ def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def measure_window(prediction: WindowPrediction, run: WindowRun, steps: Iterable[EngineIteration],
-                   modelled_step: Callable[[EngineIteration], float]) -> WindowMeasurement:
+def measure_window(
+    prediction: WindowPrediction,
+    run: WindowRun,
+    steps: Iterable[EngineIteration],
+    modelled_step: Callable[[EngineIteration], float],
+) -> WindowMeasurement:
     """The engine steps beside ``run`` against ``prediction``; ``modelled_step`` is k·t_iter of a step."""
     count, worst, lost = 0, None, 0.0
     for st in steps:
@@ -228,11 +239,15 @@ class SloAttainment:
             for training in (True, False):
                 c = self.counts[(kind, training)]
                 out[f"{kind}_{'training' if training else 'no_training'}"] = {
-                    "share": _r(c.share()), "within": c.within, "total": c.total}
+                    "share": _r(c.share()),
+                    "within": c.within,
+                    "total": c.total,
+                }
         for training in (True, False):
             gaps = sorted(self._gaps[training])
             out[f"gap_p99_s_{'training' if training else 'no_training'}"] = (
-                round(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 4) if gaps else None)
+                round(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 4) if gaps else None
+            )
         return out
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from planners.costs import CostModel
 from planners.coserving.budget import EPS, ft_latency, ft_memory, window_run_time
 from planners.coserving.work import MicroBatch, TokenWindow
+from planners.costs import CostModel
 
 
 def window_alone(cost: CostModel, window: TokenWindow) -> float:
@@ -29,9 +29,15 @@ def _bin(cost: CostModel, windows: Sequence[TokenWindow]) -> MicroBatch:
     return MicroBatch(tuple(windows), ft_memory(cost, b, padded), bin_latency(cost, windows))
 
 
-def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes: float,
-                  latency_cap_s: float = math.inf, lambdas: tuple[float, float] = (1.0, 1.0),
-                  first_bin_fill: float = 1.0, max_windows: int | None = None) -> list[MicroBatch]:
+def best_fit_pack(
+    windows: Sequence[TokenWindow],
+    cost: CostModel,
+    memory_bytes: float,
+    latency_cap_s: float = math.inf,
+    lambdas: tuple[float, float] = (1.0, 1.0),
+    first_bin_fill: float = 1.0,
+    max_windows: int | None = None,
+) -> list[MicroBatch]:
     """MACE Alg. 1: pack windows (in priority order) into micro-batches ("bins") by best fit.
 
     A window (m, ℓ) = (its activation bytes, its forward+backward latency) may join bin i if the
@@ -65,8 +71,10 @@ def best_fit_pack(windows: Sequence[TokenWindow], cost: CostModel, memory_bytes:
                 continue
             free = memory_bytes - mems[i]
             maxlat = max(window_alone(cost, x) for x in members)
-            score = (lam1 * abs(free - (new_mem - mems[i])) / max(memory_bytes, EPS)
-                     + lam2 * abs(maxlat - lat_alone) / lat_ref)
+            score = (
+                lam1 * abs(free - (new_mem - mems[i])) / max(memory_bytes, EPS)
+                + lam2 * abs(maxlat - lat_alone) / lat_ref
+            )
             if score < best_score - EPS:
                 best, best_score = i, score
         if best is None:

@@ -6,12 +6,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from planners.costs import CostModel
 from planners.coserving.budget import ft_delay, ft_latency, ft_room, ft_tokens_within, token_budget
 from planners.coserving.packing import best_fit_pack
-from planners.coserving.priorities import PriorityWeights, priority, as_priority_weights
+from planners.coserving.priorities import PriorityWeights, as_priority_weights, priority
 from planners.coserving.scheduler import IterationScheduler, WindowPlan, within_room
 from planners.coserving.work import EngineFacts, FineTuneSample, InferenceWork, LiveRequest, MicroBatch, WorkKind
+from planners.costs import CostModel
 from planners.registry import register
 from planners.retraining import Periodic as _PeriodicTimer
 from planners.retraining import RetrainingView
@@ -73,9 +73,15 @@ class HybridScheduler(IterationScheduler):
 
     name = "hybrid"
 
-    def __init__(self, weights: PriorityWeights | Mapping[str, float] | None = None,
-                 cost_model: CostModel | Mapping[str, Any] | None = None, max_grant_s: float = 1.0,
-                 ttft_slo_s: float | None = None, max_slowdown: float | None = None, **common: Any) -> None:
+    def __init__(
+        self,
+        weights: PriorityWeights | Mapping[str, float] | None = None,
+        cost_model: CostModel | Mapping[str, Any] | None = None,
+        max_grant_s: float = 1.0,
+        ttft_slo_s: float | None = None,
+        max_slowdown: float | None = None,
+        **common: Any,
+    ) -> None:
         super().__init__(cost_model, **common)
         if max_grant_s <= 0 or (ttft_slo_s is not None and ttft_slo_s <= 0):
             raise ValueError("max_grant_s and ttft_slo_s must be > 0")
@@ -136,9 +142,16 @@ class HybridScheduler(IterationScheduler):
         if now < self.next_grant_at and (self.running or self.waiting):
             work = self._inference_work()
             rho = cost.ft_interference if self.throughput_interference is None else self.throughput_interference
-            return WindowPlan(now, self.name, (), 0, work, work.latency(cost),
-                              reason=f"throughput bound (max_slowdown {self.max_slowdown:g} at rho {rho:.2f}): "
-                                     f"next grant in {self.next_grant_at - now:.3f} s")
+            return WindowPlan(
+                now,
+                self.name,
+                (),
+                0,
+                work,
+                work.latency(cost),
+                reason=f"throughput bound (max_slowdown {self.max_slowdown:g} at rho {rho:.2f}): "
+                f"next grant in {self.next_grant_at - now:.3f} s",
+            )
         ranked = self.scores(now)
         last_inference = max((i for i, (_, kind, _) in enumerate(ranked) if kind != "ft"), default=-1)
         promoted: FineTuneSample | None = None
@@ -157,8 +170,9 @@ class HybridScheduler(IterationScheduler):
         # all rather than paying a round trip per SLO-long slice. ``max_grant_s`` still bounds it
         # (ρ = 0 would allow any), so inference arriving meanwhile is seen at a later grant.
         delay = self._delay_bound(work)
-        budget = max(token_budget(cost, work, work.latency(cost) + delay, cap=ft_tokens_within(cost, self.max_grant_s)),
-                     reserve)
+        budget = max(
+            token_budget(cost, work, work.latency(cost) + delay, cap=ft_tokens_within(cost, self.max_grant_s)), reserve
+        )
         # Fine-tuning seconds (alone) the window has room for, at least the promoted reserve.
         room = max(min(ft_room(cost, delay), self.max_grant_s), ft_latency(cost, 1, reserve))
         capacity = self._capacity(work, free_bytes)
@@ -166,10 +180,14 @@ class HybridScheduler(IterationScheduler):
         windows = self._windows(ft_order, budget, capacity, {promoted.sample_id: reserve} if promoted else None, room)
         bins = best_fit_pack(windows, cost, capacity, room, self.lambdas, self.first_bin_fill, self.max_ft_samples)
         chosen, _ = within_room(bins, room)
-        reason = f"promoted {promoted.sample_id}" if promoted is not None and any(
-            w.sample_id == promoted.sample_id for mb in chosen for w in mb.windows) else "budget"
-        return WindowPlan(now, self.name, tuple(chosen), budget, work,
-                          work.latency(cost) + ft_delay(cost, chosen), reason=reason)
+        reason = (
+            f"promoted {promoted.sample_id}"
+            if promoted is not None and any(w.sample_id == promoted.sample_id for mb in chosen for w in mb.windows)
+            else "budget"
+        )
+        return WindowPlan(
+            now, self.name, tuple(chosen), budget, work, work.latency(cost) + ft_delay(cost, chosen), reason=reason
+        )
 
 
 @register("iteration", "fcfs")
@@ -221,11 +239,20 @@ class TemporalScheduler(IterationScheduler):
             self.since_ft = 0
             granted = self._whole_passes(self._by_arrival(), self._capacity(InferenceWork(), free_bytes))
             ft = sum(mb.tokens for mb in granted)
-            return WindowPlan(now, self.name, granted, ft, InferenceWork(), sum(mb.latency_s for mb in granted),
-                              inference_paused=True, reason="fine-tuning window")
+            return WindowPlan(
+                now,
+                self.name,
+                granted,
+                ft,
+                InferenceWork(),
+                sum(mb.latency_s for mb in granted),
+                inference_paused=True,
+                reason="fine-tuning window",
+            )
         work = self._inference_work()
-        return WindowPlan(now, self.name, (), 0, work, work.latency(self.cost),
-                          reason=f"inference window {self.since_ft}/{self.n}")
+        return WindowPlan(
+            now, self.name, (), 0, work, work.latency(self.cost), reason=f"inference window {self.since_ft}/{self.n}"
+        )
 
 
 @register("iteration", "ft_first")
@@ -244,8 +271,9 @@ class FtFirstScheduler(IterationScheduler):
         granted = self._whole_passes(self._by_arrival(), self._capacity(self._decode_work(), free_bytes))
         work = self._inference_work()
         ft = sum(mb.tokens for mb in granted)
-        return WindowPlan(now, self.name, granted, ft, work, work.latency(self.cost) + ft_delay(self.cost, granted),
-                          reason="ft first")
+        return WindowPlan(
+            now, self.name, granted, ft, work, work.latency(self.cost) + ft_delay(self.cost, granted), reason="ft first"
+        )
 
 
 @register("iteration", "periodic")
@@ -261,8 +289,13 @@ class PeriodicScheduler(IterationScheduler):
 
     name = "periodic"
 
-    def __init__(self, every_seconds: float | None = 60.0, every_samples: int | None = None,
-                 cost_model: CostModel | Mapping[str, Any] | None = None, **common: Any) -> None:
+    def __init__(
+        self,
+        every_seconds: float | None = 60.0,
+        every_samples: int | None = None,
+        cost_model: CostModel | Mapping[str, Any] | None = None,
+        **common: Any,
+    ) -> None:
         super().__init__(cost_model, **common)
         self.timer = _PeriodicTimer(every_seconds=every_seconds, every_samples=every_samples)
         self.last_run_at: float | None = None
@@ -270,9 +303,14 @@ class PeriodicScheduler(IterationScheduler):
     def _view(self, now: float) -> RetrainingView:
         oldest = min((s.arrival for s in self.samples.values()), default=None)
         return RetrainingView(
-            now=now, node_id=0, queued=len(self.samples),
-            oldest_queued_age_s=None if oldest is None else now - oldest, last_run_at=self.last_run_at,
-            samples_wanted=len(self.samples), tokens_wanted=sum(s.remaining for s in self.samples.values()))
+            now=now,
+            node_id=0,
+            queued=len(self.samples),
+            oldest_queued_age_s=None if oldest is None else now - oldest,
+            last_run_at=self.last_run_at,
+            samples_wanted=len(self.samples),
+            tokens_wanted=sum(s.remaining for s in self.samples.values()),
+        )
 
     def schedule(self, now: float, free_bytes: float | None = None) -> WindowPlan:
         work = self._inference_work()
@@ -308,8 +346,9 @@ class SeparateScheduler(IterationScheduler):
 
     name = "separate"
 
-    def __init__(self, train_fraction: float = 0.25, cost_model: CostModel | Mapping[str, Any] | None = None,
-                 **common: Any) -> None:
+    def __init__(
+        self, train_fraction: float = 0.25, cost_model: CostModel | Mapping[str, Any] | None = None, **common: Any
+    ) -> None:
         super().__init__(cost_model, **common)
         if not 0.0 < train_fraction < 1.0:
             raise ValueError("train_fraction must be in (0, 1)")
@@ -335,7 +374,9 @@ class SeparateScheduler(IterationScheduler):
             share = fraction * (cost.memory_threshold() - cost.memory.weight_bytes)
             capacity = max(0.0, share if free_bytes is None else min(share, free_bytes))
             windows = self._windows(self._by_arrival(), budget, capacity, room_s=self.slo_s)
-            bins = best_fit_pack(windows, cost, capacity, self.slo_s, self.lambdas, self.first_bin_fill, self.max_ft_samples)
+            bins = best_fit_pack(
+                windows, cost, capacity, self.slo_s, self.lambdas, self.first_bin_fill, self.max_ft_samples
+            )
             chosen, total = within_room(bins, self.slo_s)
             granted = tuple(chosen)
             if granted:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from planners.coserving.work import FineTuneSample, WorkKind
 
+
 @dataclass(frozen=True)
 class PriorityWeights:
     """π_w, δ_w and γ of MACE §4.1: P_w(t) = π_w + δ_w·(t − t_arr) (+ γ·L_DPO for fine-tune samples).

@@ -7,12 +7,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from planners.costs import CostModel, as_cost_model
 from planners.coserving.budget import EPS, ft_memory, tokens_within_seconds, window_run_time
 from planners.coserving.packing import best_fit_pack
 from planners.coserving.priorities import check_end
-from planners.coserving.work import (EngineFacts, FineTuneSample, InferenceWork, LiveRequest, MicroBatch,
-                                     SampleOutcome, TokenWindow)
+from planners.coserving.work import (
+    EngineFacts,
+    FineTuneSample,
+    InferenceWork,
+    LiveRequest,
+    MicroBatch,
+    SampleOutcome,
+    TokenWindow,
+)
+from planners.costs import CostModel, as_cost_model
 
 
 @dataclass(frozen=True)
@@ -82,14 +89,24 @@ class IterationScheduler:
 
     name = "base"
 
-    def __init__(self, cost_model: CostModel | Mapping[str, Any] | None = None, slo_s: float = 0.05,
-                 max_num_seqs: int = 32, max_batched_tokens: int | None = 2048, max_ft_samples: int = 8,
-                 min_window_tokens: int = 16, max_window_tokens: int | None = None,
-                 loss_threshold: float | None = None, max_passes: int = 1,
-                 lambdas: tuple[float, float] = (1.0, 1.0), first_bin_fill: float = 1.0) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel | Mapping[str, Any] | None = None,
+        slo_s: float = 0.05,
+        max_num_seqs: int = 32,
+        max_batched_tokens: int | None = 2048,
+        max_ft_samples: int = 8,
+        min_window_tokens: int = 16,
+        max_window_tokens: int | None = None,
+        loss_threshold: float | None = None,
+        max_passes: int = 1,
+        lambdas: tuple[float, float] = (1.0, 1.0),
+        first_bin_fill: float = 1.0,
+    ) -> None:
         if slo_s <= 0 or max_num_seqs < 1 or max_ft_samples < 1 or min_window_tokens < 1 or max_passes < 1:
-            raise ValueError("need slo_s > 0, max_num_seqs >= 1, max_ft_samples >= 1, "
-                             "min_window_tokens >= 1, max_passes >= 1")
+            raise ValueError(
+                "need slo_s > 0, max_num_seqs >= 1, max_ft_samples >= 1, min_window_tokens >= 1, max_passes >= 1"
+            )
         if max_batched_tokens is not None and max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1 or None")
         if max_window_tokens is not None and max_window_tokens < min_window_tokens:
@@ -210,11 +227,22 @@ class IterationScheduler:
         """
         if free_bytes is not None:
             return max(0.0, free_bytes - self.cost.kv_bytes(work.prefill_tokens))
-        return max(0.0, self.cost.memory_threshold() - self.cost.memory.weight_bytes
-                   - self.cost.kv_bytes(work.context_tokens + work.prefill_tokens))
+        return max(
+            0.0,
+            self.cost.memory_threshold()
+            - self.cost.memory.weight_bytes
+            - self.cost.kv_bytes(work.context_tokens + work.prefill_tokens),
+        )
 
-    def _engine_fits(self, seqs: int, batched: int, prompt: int, first: bool,
-                     max_seqs: int | None = None, max_tokens: int | None = None) -> bool:
+    def _engine_fits(
+        self,
+        seqs: int,
+        batched: int,
+        prompt: int,
+        first: bool,
+        max_seqs: int | None = None,
+        max_tokens: int | None = None,
+    ) -> bool:
         max_seqs = self.max_num_seqs if max_seqs is None else max_seqs
         max_tokens = self.max_batched_tokens if max_tokens is None else max_tokens
         if seqs >= max_seqs:
@@ -222,8 +250,14 @@ class IterationScheduler:
         # A prompt longer than the token limit still goes in alone (vLLM would chunk it).
         return max_tokens is None or batched + prompt <= max_tokens or (first and batched < max_tokens)
 
-    def _windows(self, samples: Iterable[FineTuneSample], tokens: float, capacity: float,
-                 reserve: Mapping[str, int] | None = None, room_s: float | None = None) -> list[TokenWindow]:
+    def _windows(
+        self,
+        samples: Iterable[FineTuneSample],
+        tokens: float,
+        capacity: float,
+        reserve: Mapping[str, int] | None = None,
+        room_s: float | None = None,
+    ) -> list[TokenWindow]:
         """Cut one window per sample, in order, from a budget of ``tokens`` (math.inf: whole passes).
 
         Each window is capped by the remaining pass, ``max_window_tokens`` and what fits

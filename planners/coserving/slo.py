@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planners.costs import CostModel
 from planners.coserving.budget import ft_latency
 from planners.coserving.priorities import PriorityWeights
 from planners.coserving.work import InferenceWork
+from planners.costs import CostModel
 
 TBT_ITERATIONS = 4.0
 """The derived TBT SLO, in decode iterations: a fine-tuning window may make a token wait up to three more."""
@@ -57,17 +57,24 @@ class SloCheck:
         """Where the TBT SLO comes from, in words: the user's objective, or how the default was derived."""
         if not self.tbt_derived:
             return "training.slo_tbt_s (the configured objective)"
-        return (f"derived: {TBT_ITERATIONS:g} decode iterations of the profile ({self.decode_iteration_s:.3f} s each, "
-                f"one sequence at {REFERENCE_CONTEXT} tokens of context), at least {MIN_TBT_SLO_S:g} s; "
-                f"set training.slo_tbt_s to make it an objective")
+        return (
+            f"derived: {TBT_ITERATIONS:g} decode iterations of the profile ({self.decode_iteration_s:.3f} s each, "
+            f"one sequence at {REFERENCE_CONTEXT} tokens of context), at least {MIN_TBT_SLO_S:g} s; "
+            f"set training.slo_tbt_s to make it an objective"
+        )
 
     def as_json(self) -> dict[str, object]:
-        return {"tbt_s": round(self.tbt_s, 4), "ttft_s": self.ttft_s, "tbt_derived": self.tbt_derived,
-                "tbt_source": self.tbt_source,
-                "decode_iteration_s": round(self.decode_iteration_s, 4),
-                "smallest_window_s": round(self.smallest_window_s, 4),
-                "promotion_after_s": round(self.promotion_after_s, 2),
-                "promoted_delay_s": round(self.promoted_delay_s, 4), "problems": list(self.problems)}
+        return {
+            "tbt_s": round(self.tbt_s, 4),
+            "ttft_s": self.ttft_s,
+            "tbt_derived": self.tbt_derived,
+            "tbt_source": self.tbt_source,
+            "decode_iteration_s": round(self.decode_iteration_s, 4),
+            "smallest_window_s": round(self.smallest_window_s, 4),
+            "promotion_after_s": round(self.promotion_after_s, 2),
+            "promoted_delay_s": round(self.promoted_delay_s, 4),
+            "problems": list(self.problems),
+        }
 
 
 def decode_iteration(cost: CostModel) -> float:
@@ -80,8 +87,13 @@ def derived_tbt_slo(cost: CostModel) -> float:
     return max(MIN_TBT_SLO_S, TBT_ITERATIONS * decode_iteration(cost))
 
 
-def check_slos(cost: CostModel, tbt_s: float | None, ttft_s: float, min_window_tokens: int = 16,
-               weights: PriorityWeights | None = None) -> SloCheck:
+def check_slos(
+    cost: CostModel,
+    tbt_s: float | None,
+    ttft_s: float,
+    min_window_tokens: int = 16,
+    weights: PriorityWeights | None = None,
+) -> SloCheck:
     """The SLOs in force (``tbt_s`` None: derived) and the problems the profile shows with them."""
     w = weights or PriorityWeights()
     decode = decode_iteration(cost)
@@ -90,16 +102,21 @@ def check_slos(cost: CostModel, tbt_s: float | None, ttft_s: float, min_window_t
     smallest = decode + rho * ft_latency(cost, 1, min_window_tokens)
     problems = []
     if decode > tbt:
-        problems.append(f"training.slo_tbt_s={tbt:g} s is below one decode iteration ({decode:.3f} s under the "
-                        f"profile): inference alone breaks it, and fine-tuning runs only when aging promotes a sample")
+        problems.append(
+            f"training.slo_tbt_s={tbt:g} s is below one decode iteration ({decode:.3f} s under the "
+            f"profile): inference alone breaks it, and fine-tuning runs only when aging promotes a sample"
+        )
     elif smallest > tbt:
-        problems.append(f"training.slo_tbt_s={tbt:g} s leaves no room for a {min_window_tokens}-token fine-tuning "
-                        f"window beside a decode iteration ({smallest:.3f} s together under the profile): under load "
-                        f"samples train only when aging promotes them; unset it to derive "
-                        f"{TBT_ITERATIONS:g} decode iterations ({derived_tbt_slo(cost):.3f} s)")
+        problems.append(
+            f"training.slo_tbt_s={tbt:g} s leaves no room for a {min_window_tokens}-token fine-tuning "
+            f"window beside a decode iteration ({smallest:.3f} s together under the profile): under load "
+            f"samples train only when aging promotes them; unset it to derive "
+            f"{TBT_ITERATIONS:g} decode iterations ({derived_tbt_slo(cost):.3f} s)"
+        )
     if ttft_s < decode:
         problems.append(f"training.slo_ttft_s={ttft_s:g} s is below one decode iteration ({decode:.3f} s)")
     promotion = (w.decode_base - w.ft_base) / max(w.ft_aging - w.decode_aging, 1e-12)
-    promoted = rho * max(cost.forward_latency(1, min_window_tokens), cost.backward_latency(1, min_window_tokens)) \
-        * cost.stages
+    promoted = (
+        rho * max(cost.forward_latency(1, min_window_tokens), cost.backward_latency(1, min_window_tokens)) * cost.stages
+    )
     return SloCheck(tbt, ttft_s, tbt_s is None, decode, smallest, promotion, promoted, tuple(problems))

@@ -189,8 +189,11 @@ def whole_windows(samples: Sequence[FineTuneSample], count: int) -> tuple[TokenW
     How a grant of whole samples (the retraining policies of ``planners/retraining.py``) is handed
     to a trainer that runs token windows.
     """
-    return tuple(TokenWindow(s.sample_id, s.done, s.tokens, s.tokens, s.forward_tokens) for s in samples[:max(0, count)]
-                 if s.remaining > 0)
+    return tuple(
+        TokenWindow(s.sample_id, s.done, s.tokens, s.tokens, s.forward_tokens)
+        for s in samples[: max(0, count)]
+        if s.remaining > 0
+    )
 
 
 @dataclass(frozen=True)

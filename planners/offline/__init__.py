@@ -38,14 +38,46 @@ Assumptions worth knowing (each repeated where it is used):
 
 from __future__ import annotations
 
-from planners.offline.lengths import output_cdf_from_pairs, sample_output_lengths
-from planners.offline.engine_sim import EPS, EngineLimits, EngineRun, IterationSegment, ModelRun, replica_of, simulate_engine, simulate_model
+from planners.offline.devices import (
+    DeviceSet,
+    ExecutionPlan,
+    Plan,
+    Stage,
+    StageEstimate,
+    TensorParallelScaling,
+    assign_devices,
+    iteration_cost,
+    pack_devices,
+    place_stages,
+    valid_plans,
+)
+from planners.offline.engine_sim import (
+    EPS,
+    EngineLimits,
+    EngineRun,
+    IterationSegment,
+    ModelRun,
+    replica_of,
+    simulate_engine,
+    simulate_model,
+)
 from planners.offline.job import Edge, JobGraph, ModelSpec, chain_maps, fuse_self_loops
-from planners.offline.devices import DeviceSet, ExecutionPlan, Plan, Stage, StageEstimate, TensorParallelScaling, assign_devices, iteration_cost, pack_devices, place_stages, valid_plans
 from planners.offline.job_sim import JobSimulator
-from planners.offline.search import Adjustment, GreedyStages, MaxStages, MinStages, Selector, StagePlanner, adjust_stage, select_greedy, select_max, select_min
-from planners.offline.replay import Replay, replay_plan
+from planners.offline.lengths import output_cdf_from_pairs, sample_output_lengths
 from planners.offline.plan_search import MoldableBound, SearchStages, moldable_bound, select_keep, shaped_policy
+from planners.offline.replay import Replay, replay_plan
+from planners.offline.search import (
+    Adjustment,
+    GreedyStages,
+    MaxStages,
+    MinStages,
+    Selector,
+    StagePlanner,
+    adjust_stage,
+    select_greedy,
+    select_max,
+    select_min,
+)
 
 __all__ = [
     "Adjustment",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Collection, Iterator, Mapping, Sequence
-
+from typing import Any
 
 from planners.costs import CostModel, IterationLatency
 from planners.offline.job import JobGraph, ModelSpec
@@ -84,7 +84,7 @@ class ExecutionPlan:
 
     @property
     def replicas(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.devices[k * self.tp:(k + 1) * self.tp] for k in range(self.dp)) if self.devices else ()
+        return tuple(self.devices[k * self.tp : (k + 1) * self.tp] for k in range(self.dp)) if self.devices else ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "dp": self.dp, "tp": self.tp, "devices": list(self.devices)}
@@ -124,14 +124,19 @@ class TensorParallelScaling:
         if tp == 1:
             return it
         doublings = math.log2(tp)
-        speedup = tp * self.efficiency ** doublings
-        return replace(it, base=it.base + self.allreduce_s * doublings,
-                       per_prefill_token=it.per_prefill_token / speedup, per_decode_seq=it.per_decode_seq / speedup,
-                       per_context_token=it.per_context_token / speedup)
+        speedup = tp * self.efficiency**doublings
+        return replace(
+            it,
+            base=it.base + self.allreduce_s * doublings,
+            per_prefill_token=it.per_prefill_token / speedup,
+            per_decode_seq=it.per_decode_seq / speedup,
+            per_context_token=it.per_context_token / speedup,
+        )
 
 
-def iteration_cost(costs: Mapping[str, CostModel], key: str, tp: int,
-                   scaling: TensorParallelScaling = TensorParallelScaling()) -> IterationLatency:
+def iteration_cost(
+    costs: Mapping[str, CostModel], key: str, tp: int, scaling: TensorParallelScaling = TensorParallelScaling()
+) -> IterationLatency:
     """Eq. 5 for model ``key`` at tensor-parallel degree ``tp``: a profiled ``key@tp<k>`` entry, else scaled."""
     direct = costs.get(f"{key}@tp{tp}")
     if direct is not None:
@@ -169,9 +174,14 @@ class Stage:
         return next((p for p in self.plans if p.model == model), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"start_s": self.start_s, "duration_s": self.duration_s, "plans": [p.to_dict() for p in self.plans],
-                "finishes": list(self.finishes), "loads": list(self.loads),
-                "model_end_s": {m: (None if math.isinf(s) else s) for m, s in self.model_end_s}}
+        return {
+            "start_s": self.start_s,
+            "duration_s": self.duration_s,
+            "plans": [p.to_dict() for p in self.plans],
+            "finishes": list(self.finishes),
+            "loads": list(self.loads),
+            "model_end_s": {m: (None if math.isinf(s) else s) for m, s in self.model_end_s},
+        }
 
 
 @dataclass(frozen=True)
@@ -191,9 +201,14 @@ class Plan:
         return self.predicted_s + self.search_time_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"planner": self.planner, "preemption": self.preemption,
-                "known_output_lengths": self.known_output_lengths, "predicted_s": self.predicted_s,
-                "search_time_s": self.search_time_s, "stages": [s.to_dict() for s in self.stages]}
+        return {
+            "planner": self.planner,
+            "preemption": self.preemption,
+            "known_output_lengths": self.known_output_lengths,
+            "predicted_s": self.predicted_s,
+            "search_time_s": self.search_time_s,
+            "stages": [s.to_dict() for s in self.stages],
+        }
 
 
 @dataclass(frozen=True)
@@ -205,8 +220,9 @@ class StageEstimate:
     model_end_s: Mapping[str, float]
 
 
-def pack_devices(devices: DeviceSet, sizes: Sequence[int], taken: set[int],
-          prefer: Sequence[Collection[int]] | None = None) -> list[tuple[int, ...]] | None:
+def pack_devices(
+    devices: DeviceSet, sizes: Sequence[int], taken: set[int], prefer: Sequence[Collection[int]] | None = None
+) -> list[tuple[int, ...]] | None:
     """Linked groups for ``sizes`` (largest first) among free devices, or None.
 
     Among the possible groups it takes the one overlapping most with ``prefer[i]`` (where the model
@@ -219,9 +235,12 @@ def pack_devices(devices: DeviceSet, sizes: Sequence[int], taken: set[int],
         free = [d for d in range(devices.count) if d not in taken]
         want = set(prefer[i]) if prefer else set()
 
-        def score(g: tuple[int, ...], free: list[int] = free, want: set[int] = want) -> tuple[int, int, tuple[int, ...]]:
-            broken = sum(1 for d in g for e in free if e not in g and devices.links is not None
-                         and devices.linked(d, e))
+        def score(
+            g: tuple[int, ...], free: list[int] = free, want: set[int] = want
+        ) -> tuple[int, int, tuple[int, ...]]:
+            broken = sum(
+                1 for d in g for e in free if e not in g and devices.links is not None and devices.linked(d, e)
+            )
             return -len(want.intersection(g)), broken, g
 
         best = min(devices.groups(sizes[i], free), key=score, default=None)
@@ -232,9 +251,12 @@ def pack_devices(devices: DeviceSet, sizes: Sequence[int], taken: set[int],
     return chosen  # type: ignore[return-value]
 
 
-def assign_devices(plans: Sequence[ExecutionPlan], devices: DeviceSet,
-                   previous: Sequence[ExecutionPlan] = (),
-                   reload_s: Mapping[str, float] | None = None) -> tuple[ExecutionPlan, ...]:
+def assign_devices(
+    plans: Sequence[ExecutionPlan],
+    devices: DeviceSet,
+    previous: Sequence[ExecutionPlan] = (),
+    reload_s: Mapping[str, float] | None = None,
+) -> tuple[ExecutionPlan, ...]:
     """Choose devices for a stage's plans, link-aware and minimising reloads (SamuLLM §4.3).
 
     A model whose (dp, tp) is unchanged from ``previous`` keeps its devices (no reload). If the
@@ -263,8 +285,7 @@ def assign_devices(plans: Sequence[ExecutionPlan], devices: DeviceSet,
             continue
         it = iter(groups)
         placed = {p.model: tuple(d for _ in range(p.dp) for d in next(it)) for p in rest}
-        return tuple(replace(p, devices=prev[p.model].devices if p.model in kept else placed[p.model])
-                     for p in plans)
+        return tuple(replace(p, devices=prev[p.model].devices if p.model in kept else placed[p.model]) for p in plans)
     raise ValueError(f"no linked placement on {devices.count} devices for {[p.shape for p in plans]}")
 
 

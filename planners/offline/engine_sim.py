@@ -5,13 +5,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 
 from planners.costs import CostModel, IterationLatency
-
 
 EPS = 1e-9
 
@@ -114,12 +113,19 @@ def _iters_to_reach(span: float, a: float, c: float, ctx: float, n: int) -> int:
     return k
 
 
-def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Sequence[int] | np.ndarray,
-                    latency: CostModel | IterationLatency, config: EngineLimits = EngineLimits(), *,
-                    ready_s: Sequence[float] | np.ndarray | None = None,
-                    parent: Sequence[int] | np.ndarray | None = None,
-                    resumed: Sequence[bool] | np.ndarray | None = None,
-                    start_s: float = 0.0, until_s: float = math.inf, record: bool = False) -> EngineRun:
+def simulate_engine(
+    prompt_tokens: Sequence[int] | np.ndarray,
+    output_tokens: Sequence[int] | np.ndarray,
+    latency: CostModel | IterationLatency,
+    config: EngineLimits = EngineLimits(),
+    *,
+    ready_s: Sequence[float] | np.ndarray | None = None,
+    parent: Sequence[int] | np.ndarray | None = None,
+    resumed: Sequence[bool] | np.ndarray | None = None,
+    start_s: float = 0.0,
+    until_s: float = math.inf,
+    record: bool = False,
+) -> EngineRun:
     """Simulate one vLLM engine running requests to completion (SamuLLM §2, §4.1; latency by Eq. 5).
 
     Scheduling follows vLLM's FCFS continuous batching: each iteration first gives one token to
@@ -147,8 +153,10 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
     if n and (p.min() < 1 or o.min() < 1):
         raise ValueError("every request needs >= 1 prompt token and >= 1 output token")
     if not config.chunked_prefill and n and p.max() > config.max_batched_tokens:
-        raise ValueError(f"a prompt of {int(p.max())} tokens never fits max_batched_tokens="
-                         f"{config.max_batched_tokens} without chunked prefill")
+        raise ValueError(
+            f"a prompt of {int(p.max())} tokens never fits max_batched_tokens="
+            f"{config.max_batched_tokens} without chunked prefill"
+        )
     ready = np.zeros(n) if ready_s is None else np.asarray(ready_s, dtype=float).reshape(-1)
     par = np.full(n, -1, dtype=np.int64) if parent is None else np.asarray(parent, dtype=np.int64).reshape(-1)
     res = np.zeros(n, dtype=bool) if resumed is None else np.asarray(resumed, dtype=bool).reshape(-1)
@@ -176,8 +184,7 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
             n_dec += 1
             ctx += pl[j]
     in_dec = {j for _, j in dec}
-    waiting = [(r if r > t else t, j) for j, r in enumerate(readyl)
-               if parl[j] < 0 and r < math.inf and j not in in_dec]
+    waiting = [(r if r > t else t, j) for j, r in enumerate(readyl) if parl[j] < 0 and r < math.inf and j not in in_dec]
     heapq.heapify(waiting)
     prefilling: deque[list[int]] = deque()
     curve_s, curve_tok = [t], [0]
@@ -284,8 +291,17 @@ def simulate_engine(prompt_tokens: Sequence[int] | np.ndarray, output_tokens: Se
     for gf, j in dec:
         decoding[j] = True
         gen[j] = ol[j] - (gf - g)
-    return EngineRun(iters, busy, t, np.asarray(finish, dtype=float), np.asarray(gen, dtype=np.int64), decoding,
-                     np.asarray(curve_s), np.asarray(curve_tok, dtype=float), tuple(segs))
+    return EngineRun(
+        iters,
+        busy,
+        t,
+        np.asarray(finish, dtype=float),
+        np.asarray(gen, dtype=np.int64),
+        decoding,
+        np.asarray(curve_s),
+        np.asarray(curve_tok, dtype=float),
+        tuple(segs),
+    )
 
 
 def replica_of(prompt_tokens: np.ndarray, output_tokens: np.ndarray, parent: np.ndarray, dp: int) -> np.ndarray:
@@ -334,10 +350,20 @@ class ModelRun:
         return sum(r.tokens_by(t) for r in self.replicas)
 
 
-def simulate_model(prompt_tokens: np.ndarray, output_tokens: np.ndarray, latency: CostModel | IterationLatency,
-                   config: EngineLimits = EngineLimits(), dp: int = 1, *, ready_s: np.ndarray | None = None,
-                   parent: np.ndarray | None = None, resumed: np.ndarray | None = None,
-                   load_s: float | Sequence[float] = 0.0, until_s: float = math.inf, record: bool = False) -> ModelRun:
+def simulate_model(
+    prompt_tokens: np.ndarray,
+    output_tokens: np.ndarray,
+    latency: CostModel | IterationLatency,
+    config: EngineLimits = EngineLimits(),
+    dp: int = 1,
+    *,
+    ready_s: np.ndarray | None = None,
+    parent: np.ndarray | None = None,
+    resumed: np.ndarray | None = None,
+    load_s: float | Sequence[float] = 0.0,
+    until_s: float = math.inf,
+    record: bool = False,
+) -> ModelRun:
     """Simulate a model's ``dp`` replicas (SamuLLM §4.1: load time from the table, then the engines).
 
     Requests are split by :func:`replica_of`; replica k is one :func:`simulate_engine` starting at
@@ -364,8 +390,18 @@ def simulate_model(prompt_tokens: np.ndarray, output_tokens: np.ndarray, latency
         local = np.full(n, -1, dtype=np.int64)
         local[idx] = np.arange(idx.size)
         lp = np.where(par[idx] >= 0, local[np.maximum(par[idx], 0)], -1)
-        run = simulate_engine(p[idx], o[idx], latency, config, ready_s=ready[idx], parent=lp, resumed=res[idx],
-                              start_s=loads[k], until_s=until_s, record=record)
+        run = simulate_engine(
+            p[idx],
+            o[idx],
+            latency,
+            config,
+            ready_s=ready[idx],
+            parent=lp,
+            resumed=res[idx],
+            start_s=loads[k],
+            until_s=until_s,
+            record=record,
+        )
         finish[idx], gen[idx], decoding[idx] = run.finish_s, run.generated, run.decoding
         runs.append(run)
     end = float(finish.max()) if n else 0.0

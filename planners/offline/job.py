@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -112,8 +112,9 @@ class JobGraph:
                 if e.src == e.dst:
                     raise ValueError(f"self-loop on {e.src} needs a request_map")
                 if n_src != n_dst:
-                    raise ValueError(f"edge {e.src}->{e.dst}: request counts differ ({n_src} vs {n_dst}); "
-                                     "give a request_map")
+                    raise ValueError(
+                        f"edge {e.src}->{e.dst}: request counts differ ({n_src} vs {n_dst}); give a request_map"
+                    )
             else:
                 if len(mp) != n_dst or any(not -1 <= s < n_src for s in mp):
                     raise ValueError(f"edge {e.src}->{e.dst}: request_map needs {n_dst} indices in [-1, {n_src})")

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from planners.costs import CostModel
+from planners.offline.devices import (
+    DeviceSet,
+    ExecutionPlan,
+    Stage,
+    StageEstimate,
+    TensorParallelScaling,
+    iteration_cost,
+    pack_devices,
+    valid_plans,
+)
 from planners.offline.engine_sim import EPS, ModelRun, simulate_model
 from planners.offline.job import Edge, JobGraph, ModelSpec, fuse_self_loops
-from planners.offline.devices import DeviceSet, ExecutionPlan, Stage, StageEstimate, TensorParallelScaling, iteration_cost, pack_devices, valid_plans
 
 
 @dataclass
@@ -20,7 +30,7 @@ class _Work:
 
     spec: ModelSpec
     prompt: np.ndarray
-    out: np.ndarray       # tokens still to generate
+    out: np.ndarray  # tokens still to generate
     done: np.ndarray
     resumable: np.ndarray
     parent: np.ndarray
@@ -47,9 +57,16 @@ class JobSimulator:
     and the tests' brute force all drive this one object.
     """
 
-    def __init__(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel], *,
-                 known_output_lengths: bool = False, seed: int = 0,
-                 tp_scaling: TensorParallelScaling = TensorParallelScaling()) -> None:
+    def __init__(
+        self,
+        job: JobGraph,
+        devices: DeviceSet,
+        costs: Mapping[str, CostModel],
+        *,
+        known_output_lengths: bool = False,
+        seed: int = 0,
+        tp_scaling: TensorParallelScaling = TensorParallelScaling(),
+    ) -> None:
         self.job, self.devices, self.costs, self.tp_scaling = job, devices, costs, tp_scaling
         fused, parents = fuse_self_loops(job)
         self.order = fused.topological_order()
@@ -74,8 +91,9 @@ class JobSimulator:
                 stack.extend(self._upstream[u])
         return frozenset(seen)
 
-    def _initial_work(self, fused: JobGraph, parents: Mapping[str, np.ndarray], known: bool,
-                      rng: np.random.Generator) -> dict[str, _Work]:
+    def _initial_work(
+        self, fused: JobGraph, parents: Mapping[str, np.ndarray], known: bool, rng: np.random.Generator
+    ) -> dict[str, _Work]:
         work: dict[str, _Work] = {}
         self_edges = {e.src: e for e in self.job.edges if e.src == e.dst}
         for name in self.order:
@@ -111,13 +129,15 @@ class JobSimulator:
                 free = tp * (self.devices.usable_bytes - spec.weight_bytes / tp)
                 fit = free / spec.kv_bytes_per_token / mean_seq if spec.kv_bytes_per_token > 0 else math.inf
                 cap[tp] = int(max(1, min(spec.engine.max_num_seqs, fit)))
-            work[name] = _Work(spec, prompt, out, np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), par, inputs,
-                               max(longest, 1), cap)
+            work[name] = _Work(
+                spec, prompt, out, np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), par, inputs, max(longest, 1), cap
+            )
         return work
 
     @staticmethod
-    def _truncate(spec: ModelSpec, prompt: np.ndarray, raw: np.ndarray, par: np.ndarray, self_edge: Edge | None
-                  ) -> np.ndarray:
+    def _truncate(
+        spec: ModelSpec, prompt: np.ndarray, raw: np.ndarray, par: np.ndarray, self_edge: Edge | None
+    ) -> np.ndarray:
         out = np.maximum(np.minimum(raw, spec.max_output_tokens), 1)
         carries = self_edge is not None and self_edge.carries_output
         if spec.max_seq_len is None and not carries:
@@ -146,8 +166,9 @@ class JobSimulator:
 
     def ready(self, selected: Collection[str] = ()) -> tuple[str, ...]:
         """Unfinished models whose inputs are finished or selected in the same stage (§4.2, line 5)."""
-        return tuple(m for m in self.unfinished()
-                     if all(self.work[u].finished or u in selected for u in self._upstream[m]))
+        return tuple(
+            m for m in self.unfinished() if all(self.work[u].finished or u in selected for u in self._upstream[m])
+        )
 
     def placeable(self, plans: Iterable[ExecutionPlan]) -> bool:
         """Whether these plans' tp groups fit the devices' links at once (counts and topology)."""
@@ -183,8 +204,9 @@ class JobSimulator:
         """Whether ``m`` is as at the job's start (never run, nothing loading): its run depends on nothing else."""
         return not self.work[m].started and m not in self.running
 
-    def _run(self, plan: ExecutionPlan, runs: Mapping[str, ModelRun], until_s: float = math.inf,
-             inputs_ready: bool = False) -> ModelRun:
+    def _run(
+        self, plan: ExecutionPlan, runs: Mapping[str, ModelRun], until_s: float = math.inf, inputs_ready: bool = False
+    ) -> ModelRun:
         m = plan.model
         w = self.work[m]
         ready = np.zeros(w.spec.n_requests)
@@ -206,9 +228,18 @@ class JobSimulator:
         lp = np.where((par >= 0) & ~w.done[np.maximum(par, 0)], local[np.maximum(par, 0)], -1)
         cfg = replace(w.spec.engine, max_num_seqs=w.cap[plan.tp])
         lat = iteration_cost(self.costs, w.spec.key, plan.tp, self.tp_scaling)
-        run = simulate_model(w.prompt[idx], w.out[idx], lat, cfg, plan.dp, ready_s=ready[idx], parent=lp,
-                             resumed=w.resumable[idx] if same else None,
-                             load_s=load, until_s=until_s)
+        run = simulate_model(
+            w.prompt[idx],
+            w.out[idx],
+            lat,
+            cfg,
+            plan.dp,
+            ready_s=ready[idx],
+            parent=lp,
+            resumed=w.resumable[idx] if same else None,
+            load_s=load,
+            until_s=until_s,
+        )
         # Re-index to all requests: done ones finished before the stage (time 0 for their dependants).
         full_finish = np.zeros(todo.size)
         full_finish[idx] = run.finish_s
@@ -300,16 +331,23 @@ class JobSimulator:
         self.now_s += dur
         self.running = {m: p for m, p in stage.items() if not self.work[m].finished}
         self._cache = {}  # a new dict: copies made before this stage keep sharing the old one
-        return Stage(tuple(stage[m] for m in self.order if m in stage), start, dur,
-                     tuple(m for m in self.order if m in stage and self.work[m].finished), loads,
-                     tuple((m, est.model_end_s[m]) for m in self.order if m in stage))
+        return Stage(
+            tuple(stage[m] for m in self.order if m in stage),
+            start,
+            dur,
+            tuple(m for m in self.order if m in stage and self.work[m].finished),
+            loads,
+            tuple((m, est.model_end_s[m]) for m in self.order if m in stage),
+        )
 
     def copy(self) -> JobSimulator:
         """An independent copy (for exhaustive search in tests and what-if questions)."""
         new = object.__new__(JobSimulator)
         new.__dict__.update(self.__dict__)
-        new.work = {m: replace(w, prompt=w.prompt.copy(), out=w.out.copy(), done=w.done.copy(),
-                               resumable=w.resumable.copy()) for m, w in self.work.items()}
+        new.work = {
+            m: replace(w, prompt=w.prompt.copy(), out=w.out.copy(), done=w.done.copy(), resumable=w.resumable.copy())
+            for m, w in self.work.items()
+        }
         new.running = dict(self.running)
         # Same state, same predictions: the copy shares the cache until either advances (which replaces,
         # never clears, its own), so candidates tried from one state simulate each (model, plan) once.

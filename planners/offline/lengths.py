@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -31,9 +31,13 @@ def output_cdf_from_pairs(pairs: Iterable[tuple[int, int]], max_output_tokens: i
     return OutputLengthCDF.from_samples(arr)
 
 
-def sample_output_lengths(cdf: OutputLengthCDF, prompt_tokens: Sequence[int] | np.ndarray, max_output_tokens: int,
-                          max_seq_len: int | None = None,
-                          rng: np.random.Generator | int | None = 0) -> np.ndarray:
+def sample_output_lengths(
+    cdf: OutputLengthCDF,
+    prompt_tokens: Sequence[int] | np.ndarray,
+    max_output_tokens: int,
+    max_seq_len: int | None = None,
+    rng: np.random.Generator | int | None = 0,
+) -> np.ndarray:
     """One output length per request: L ~ eCDF, truncated at min(m, M − prompt) (SamuLLM §4.1).
 
     ``m`` is the output limit of the sampling settings and ``M`` the model's maximum sequence length;

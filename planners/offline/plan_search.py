@@ -15,15 +15,24 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping, Sequence
 
 from planners.costs import CostModel
 from planners.offline.devices import DeviceSet, ExecutionPlan, Plan, Stage, TensorParallelScaling, place_stages
 from planners.offline.engine_sim import EPS
 from planners.offline.job import JobGraph
 from planners.offline.job_sim import JobSimulator
-from planners.offline.search import (GreedyStages, MaxStages, MinStages, StagePlanner, even_split, select_greedy, select_max, select_min)
+from planners.offline.search import (
+    GreedyStages,
+    MaxStages,
+    MinStages,
+    StagePlanner,
+    even_split,
+    select_greedy,
+    select_max,
+    select_min,
+)
 from planners.registry import register
 
 StageChoice = tuple[ExecutionPlan, ...]
@@ -187,9 +196,13 @@ def shaped_policy(shapes: Mapping[str, ExecutionPlan], order: Sequence[str]) -> 
 
 def _valid(sim: JobSimulator, stage: Iterable[ExecutionPlan]) -> bool:
     st = {p.model: p for p in stage}
-    return (bool(st) and _used(st) <= sim.devices.count and sim.placeable(st.values())
-            and all(m in sim.ready(st.keys()) for m in st)
-            and math.isfinite(sim.estimate(st.values()).duration_s))
+    return (
+        bool(st)
+        and _used(st) <= sim.devices.count
+        and sim.placeable(st.values())
+        and all(m in sim.ready(st.keys()) for m in st)
+        and math.isfinite(sim.estimate(st.values()).duration_s)
+    )
 
 
 def _keeps_running(sim: JobSimulator, stage: StageChoice) -> bool:
@@ -256,9 +269,16 @@ class SearchStages(StagePlanner):
     name = "search"
     baselines: tuple[type[StagePlanner], ...] = (GreedyStages, MaxStages, MinStages)
 
-    def __init__(self, preemption: bool = True, known_output_lengths: bool = False, seed: int = 0,
-                 tp_scaling: TensorParallelScaling | None = None, pilot_depth: int = 1, pilot_width: int = 3,
-                 targets: Sequence[float] = (1.0, 1.1, 1.25, 1.5, 2.0)) -> None:
+    def __init__(
+        self,
+        preemption: bool = True,
+        known_output_lengths: bool = False,
+        seed: int = 0,
+        tp_scaling: TensorParallelScaling | None = None,
+        pilot_depth: int = 1,
+        pilot_width: int = 3,
+        targets: Sequence[float] = (1.0, 1.1, 1.25, 1.5, 2.0),
+    ) -> None:
         super().__init__(preemption, known_output_lengths, seed, tp_scaling)
         self.pilot_depth, self.pilot_width = pilot_depth, pilot_width
         self.targets = tuple(targets)
@@ -269,16 +289,20 @@ class SearchStages(StagePlanner):
         plans, errors = [], []
         for cls in self.baselines:
             try:
-                plans.append(cls(self.preemption, self.known_output_lengths, self.seed, self.tp_scaling)
-                             .plan_on(root.copy()))
+                plans.append(
+                    cls(self.preemption, self.known_output_lengths, self.seed, self.tp_scaling).plan_on(root.copy())
+                )
             except ValueError as exc:  # a baseline that finds no plan leaves the others
                 errors.append(exc)
         # The min baseline's plan is what the portfolio's min policy would roll out: not simulated twice.
         known = {p.planner: p.predicted_s for p in plans if p.planner == "min"}
         end, stages = self._search(root, known)
         if math.isfinite(end):
-            plans.append(Plan(place_stages(stages, devices, job), end, 0.0, self.name, self.preemption,
-                              self.known_output_lengths))
+            plans.append(
+                Plan(
+                    place_stages(stages, devices, job), end, 0.0, self.name, self.preemption, self.known_output_lengths
+                )
+            )
         if not plans:
             raise errors[0] if errors else ValueError(f"no plan runs the models {list(root.unfinished())}")
         kept = plans[0]
@@ -292,11 +316,13 @@ class SearchStages(StagePlanner):
         """Steps 2 and 3: the best base policy's plan, improved by the pilot over the first boundaries;
         ``known``: ends already predicted for some of the portfolio's policies, by name."""
         policies = portfolio(root, self.targets)
-        ends = {name: known[name] if name in known else complete(root, pol, self.preemption)[0]
-                for name, pol in policies.items()}
+        ends = {
+            name: known[name] if name in known else complete(root, pol, self.preemption)[0]
+            for name, pol in policies.items()
+        }
         ranked = sorted(policies, key=ends.__getitem__)  # stable: ties keep the portfolio's order
         base = policies[ranked[0]]
-        leaders = [policies[n] for n in ranked[:self.pilot_width]]
+        leaders = [policies[n] for n in ranked[: self.pilot_width]]
         stages: list[Stage] = []
         sim = root.copy()
         for _ in range(self.pilot_depth):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
-
 
 from planners.costs import CostModel
-from planners.offline.job import JobGraph
 from planners.offline.devices import DeviceSet, ExecutionPlan, Plan, Stage, TensorParallelScaling, assign_devices
+from planners.offline.job import JobGraph
 from planners.offline.job_sim import JobSimulator
 from planners.offline.search import adjust_stage, select_max
 
@@ -42,8 +41,13 @@ def _progressing(sim: JobSimulator, run: Sequence[ExecutionPlan]) -> list[Execut
     return [plans[m] for m in sim.order if m in plans]
 
 
-def replay_plan(plan: Plan, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel],
-                tp_scaling: TensorParallelScaling = TensorParallelScaling()) -> Replay:
+def replay_plan(
+    plan: Plan,
+    job: JobGraph,
+    devices: DeviceSet,
+    costs: Mapping[str, CostModel],
+    tp_scaling: TensorParallelScaling = TensorParallelScaling(),
+) -> Replay:
     """Run ``plan`` in simulation with the true output lengths (``ModelSpec.output_tokens``), no new search.
 
     This is the running phase of SamuLLM §4.3 with the simulator as the engines: whenever a model

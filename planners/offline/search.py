@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Collection, Mapping, Sequence
-
 
 from planners.costs import CostModel
-from planners.registry import register
+from planners.offline.devices import DeviceSet, ExecutionPlan, Plan, TensorParallelScaling, assign_devices, place_stages
 from planners.offline.engine_sim import EPS
 from planners.offline.job import JobGraph
-from planners.offline.devices import DeviceSet, ExecutionPlan, Plan, TensorParallelScaling, assign_devices, place_stages
 from planners.offline.job_sim import JobSimulator
+from planners.registry import register
 
 
 def select_greedy(sim: JobSimulator, preemption: bool = True) -> tuple[ExecutionPlan, ...]:
@@ -58,8 +57,9 @@ def select_greedy(sim: JobSimulator, preemption: bool = True) -> tuple[Execution
     return tuple(stage[m] for m in sim.order if m in stage)
 
 
-def fastest_plan(sim: JobSimulator, base: Mapping[str, ExecutionPlan], model: str, max_devices: int
-                 ) -> ExecutionPlan | None:
+def fastest_plan(
+    sim: JobSimulator, base: Mapping[str, ExecutionPlan], model: str, max_devices: int
+) -> ExecutionPlan | None:
     """The plan of ``model`` on at most ``max_devices`` devices, placeable beside ``base``, that the
     simulator predicts ends first (ties: the earlier of :meth:`JobSimulator.plans`)."""
     best, best_end = None, math.inf
@@ -101,8 +101,9 @@ def select_min(sim: JobSimulator, preemption: bool = True) -> tuple[ExecutionPla
     return tuple(stage[m] for m in sim.order if m in stage)
 
 
-def even_split(sim: JobSimulator, fixed: Mapping[str, ExecutionPlan], cands: Sequence[str],
-               free: int) -> dict[str, ExecutionPlan]:
+def even_split(
+    sim: JobSimulator, fixed: Mapping[str, ExecutionPlan], cands: Sequence[str], free: int
+) -> dict[str, ExecutionPlan]:
     """``fixed`` plus the first k of ``cands``, each on its fastest plan within an even share of ``free`` devices.
 
     k starts at min(candidates, free devices) and shrinks until every chosen model fits its share
@@ -135,16 +136,27 @@ class StagePlanner:
     name = ""
     selector: Selector = staticmethod(select_greedy)
 
-    def __init__(self, preemption: bool = True, known_output_lengths: bool = False, seed: int = 0,
-                 tp_scaling: TensorParallelScaling | None = None) -> None:
+    def __init__(
+        self,
+        preemption: bool = True,
+        known_output_lengths: bool = False,
+        seed: int = 0,
+        tp_scaling: TensorParallelScaling | None = None,
+    ) -> None:
         self.preemption = preemption
         self.known_output_lengths = known_output_lengths
         self.seed = seed
         self.tp_scaling = tp_scaling or TensorParallelScaling()
 
     def simulator(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel]) -> JobSimulator:
-        return JobSimulator(job, devices, costs, known_output_lengths=self.known_output_lengths, seed=self.seed,
-                            tp_scaling=self.tp_scaling)
+        return JobSimulator(
+            job,
+            devices,
+            costs,
+            known_output_lengths=self.known_output_lengths,
+            seed=self.seed,
+            tp_scaling=self.tp_scaling,
+        )
 
     def plan(self, job: JobGraph, devices: DeviceSet, costs: Mapping[str, CostModel]) -> Plan:
         """The stage sequence for ``job`` on ``devices`` with device ids chosen, and its predicted time."""
@@ -156,8 +168,10 @@ class StagePlanner:
         job, devices = sim.job, sim.devices
         for m in sim.unfinished():
             if not sim.plans(m):
-                raise ValueError(f"model {m!r} fits no (dp, tp) plan on {devices.count} device(s) of "
-                                 f"{devices.memory_bytes:.3g} bytes")
+                raise ValueError(
+                    f"model {m!r} fits no (dp, tp) plan on {devices.count} device(s) of "
+                    f"{devices.memory_bytes:.3g} bytes"
+                )
         stages = []
         while not sim.done:
             chosen = type(self).selector(sim, self.preemption)
@@ -165,15 +179,23 @@ class StagePlanner:
                 raise ValueError(f"no stage can run the unfinished models {list(sim.unfinished())}")
             stages.append(sim.advance(chosen))
         placed = place_stages(stages, devices, job)
-        return Plan(placed, sim.now_s, time.perf_counter() - t0, self.name, self.preemption,
-                    self.known_output_lengths)
+        return Plan(placed, sim.now_s, time.perf_counter() - t0, self.name, self.preemption, self.known_output_lengths)
 
 
 def _heuristic(name: str, selector: Selector, doc: str) -> type[StagePlanner]:
     """The registered :class:`StagePlanner` ``<Name>Stages`` that selects each stage with ``selector``."""
     cls_name = f"{name.capitalize()}Stages"
-    cls = type(cls_name, (StagePlanner,), {"name": name, "selector": staticmethod(selector), "__doc__": doc,
-                                           "__module__": __name__, "__qualname__": cls_name})
+    cls = type(
+        cls_name,
+        (StagePlanner,),
+        {
+            "name": name,
+            "selector": staticmethod(selector),
+            "__doc__": doc,
+            "__module__": __name__,
+            "__qualname__": cls_name,
+        },
+    )
     return register("stages", name)(cls)
 
 
@@ -195,8 +217,14 @@ class Adjustment:
     stopped: tuple[str, ...]
 
 
-def adjust_stage(plan: Plan, stage_index: int, running: Sequence[ExecutionPlan], finished: Collection[str],
-                 job: JobGraph, devices: DeviceSet) -> Adjustment:
+def adjust_stage(
+    plan: Plan,
+    stage_index: int,
+    running: Sequence[ExecutionPlan],
+    finished: Collection[str],
+    job: JobGraph,
+    devices: DeviceSet,
+) -> Adjustment:
     """Dynamic scheduler of SamuLLM §4.3, called whenever a model finishes; no search is redone.
 
     ``stage_index``: the planned stage the runtime is in (−1 before anything runs, which yields
@@ -216,7 +244,7 @@ def adjust_stage(plan: Plan, stage_index: int, running: Sequence[ExecutionPlan],
     keep: dict[str, ExecutionPlan] = {}
     tentative: list[ExecutionPlan] = []
     for p in alive:
-        later = [s.plan_of(p.model) for s in stages[stage_index + 1:]]
+        later = [s.plan_of(p.model) for s in stages[stage_index + 1 :]]
         nxt = stages[stage_index + 1].plan_of(p.model) if stage_index + 1 < len(stages) else None
         if all(q is None for q in later) or (nxt is not None and nxt.shape == p.shape):
             keep[p.model] = p
@@ -226,8 +254,12 @@ def adjust_stage(plan: Plan, stage_index: int, running: Sequence[ExecutionPlan],
     reached = stage_index
 
     def free() -> int:
-        return (devices.count - sum(p.n_devices for p in keep.values()) - sum(p.n_devices for p in new.values())
-                - sum(p.n_devices for p in tentative))
+        return (
+            devices.count
+            - sum(p.n_devices for p in keep.values())
+            - sum(p.n_devices for p in new.values())
+            - sum(p.n_devices for p in tentative)
+        )
 
     k = stage_index + 1
     # The first step follows the finish that triggered this call; later ones need the planned enders done.

@@ -18,7 +18,7 @@ run micro-batches one-forward-one-backward (backward before a new forward).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 from planners.pipeline.scheduler import StageScheduler
 from planners.pipeline.work import StageOp
@@ -28,8 +28,7 @@ from planners.registry import register
 def training_order(ops: Sequence[StageOp]) -> list[StageOp]:
     """1F1B on a stage: backward passes first (they free memory and unblock the stage before), then
     forwards of admitted micro-batches, then a new micro-batch; oldest first within each."""
-    return sorted((o for o in ops if o.kind == "training"),
-                  key=lambda o: (o.phase != "backward", o.arrival))
+    return sorted((o for o in ops if o.kind == "training"), key=lambda o: (o.phase != "backward", o.arrival))
 
 
 def first_inference(ops: Sequence[StageOp]) -> StageOp | None:
@@ -49,8 +48,7 @@ class LemixStageOrder:
     layout = "shared"
     sync_every = 0
 
-    def __init__(self, response_slo_s: float | None = None, slo_factor: float = 5.0,
-                 max_defer_s: float = 5.0) -> None:
+    def __init__(self, response_slo_s: float | None = None, slo_factor: float = 5.0, max_defer_s: float = 5.0) -> None:
         self.response_slo_s = response_slo_s
         self.slo_factor = slo_factor
         self.max_defer_s = max_defer_s

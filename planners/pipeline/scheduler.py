@@ -19,8 +19,9 @@ Pure: dataclasses in, ops out; the clock is the caller's.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from planners.costs import CostModel
 from planners.memory import MemoryGuard
@@ -90,16 +91,26 @@ class StageScheduler:
     stage count, as 1F1B; more fills pipeline bubbles with training at the cost of activation memory).
     """
 
-    def __init__(self, devices: int, lanes: Sequence[Lane], order: StageOrder, cost: CostModel,
-                 accumulation: int = 2, memory: MemoryGuard | None = None, max_in_flight: int | None = None) -> None:
+    def __init__(
+        self,
+        devices: int,
+        lanes: Sequence[Lane],
+        order: StageOrder,
+        cost: CostModel,
+        accumulation: int = 2,
+        memory: MemoryGuard | None = None,
+        max_in_flight: int | None = None,
+    ) -> None:
         if accumulation < 1 or (max_in_flight is not None and max_in_flight < 1):
             raise ValueError("accumulation and max_in_flight must be >= 1")
         covered = sorted(d for lane in lanes for d in lane.stage_devices)
         if covered != list(range(devices)) or any(
-                lane.devices != tuple(d for d in lane.stage_devices for _ in range(lane.devices.count(d)))
-                for lane in lanes):
-            raise ValueError(f"lanes must cover devices 0..{devices - 1} once each (a device's chunks in a row), "
-                             f"got {[lane.devices for lane in lanes]}")
+            lane.devices != tuple(d for d in lane.stage_devices for _ in range(lane.devices.count(d))) for lane in lanes
+        ):
+            raise ValueError(
+                f"lanes must cover devices 0..{devices - 1} once each (a device's chunks in a row), "
+                f"got {[lane.devices for lane in lanes]}"
+            )
         self.devices = devices
         self.lanes = tuple(lanes)
         self.order = order
@@ -164,7 +175,9 @@ class StageScheduler:
     def inference_seconds(self, tokens: float) -> float:
         """Planned seconds of one inference pass of ``tokens`` through every stage of the serving lane."""
         lane = next(i for i, lane in enumerate(self.lanes) if "inference" in lane.kinds)
-        return self.lanes[lane].positions * self.speed[("inference", "forward")] * self.lane_cost[lane].forward(1, tokens)
+        return (
+            self.lanes[lane].positions * self.speed[("inference", "forward")] * self.lane_cost[lane].forward(1, tokens)
+        )
 
     def free(self, device: int) -> bool:
         return self.busy[device] is None
@@ -246,8 +259,13 @@ class StageScheduler:
     @property
     def idle(self) -> bool:
         """Nothing queued, ready or running."""
-        return (not self.inference_queue and not self.training_queue and self.collective is None
-                and all(b is None for b in self.busy) and not any(self.ready))
+        return (
+            not self.inference_queue
+            and not self.training_queue
+            and self.collective is None
+            and all(b is None for b in self.busy)
+            and not any(self.ready)
+        )
 
     @property
     def steps(self) -> int:
@@ -264,8 +282,13 @@ class StageScheduler:
             t = self.inference_queue[0]
             out.append(StageOp(t.task_id, "inference", "forward", d, 0, t.tokens, t.batch, t.arrival))
         state = self.training
-        if ("training" in lane.kinds and state is not None and self.training_queue
-                and state.admitted < self.accumulation and state.in_flight < (self.max_in_flight or lane.stages)):
+        if (
+            "training" in lane.kinds
+            and state is not None
+            and self.training_queue
+            and state.admitted < self.accumulation
+            and state.in_flight < (self.max_in_flight or lane.stages)
+        ):
             t = self.training_queue[0]
             out.append(StageOp(t.task_id, "training", "forward", d, 0, t.tokens, t.batch, t.arrival))
         return out
@@ -295,8 +318,9 @@ class StageScheduler:
         if state.admitted == self.accumulation and state.finished == self.accumulation and not state.stepping:
             state.stepping = True
             devs = state.lane.stage_devices
-            self.collective = StageOp(f"step-{state.steps + 1}", "training", "step", devs[0], 0, 0, 0, 0.0,
-                                      lane_devices=devs)
+            self.collective = StageOp(
+                f"step-{state.steps + 1}", "training", "step", devs[0], 0, 0, 0, 0.0, lane_devices=devs
+            )
 
     def _complete_collective(self, op: StageOp) -> list[str]:
         if any(b is not None and b.task_id == op.task_id for b in self.busy):
@@ -309,8 +333,9 @@ class StageScheduler:
             state.stepping = False
             sync_every = self.order.sync_every
             if self.order.layout == "split" and sync_every > 0 and state.steps % sync_every == 0:
-                self.collective = StageOp(f"sync-{state.steps}", "training", "sync", 0, 0, 0, 0, 0.0,
-                                          lane_devices=tuple(range(self.devices)))
+                self.collective = StageOp(
+                    f"sync-{state.steps}", "training", "sync", 0, 0, 0, 0, 0.0, lane_devices=tuple(range(self.devices))
+                )
         return [op.task_id]
 
     def _calibrate(self, op: StageOp, took: float) -> None:

@@ -79,8 +79,10 @@ def split_lanes(devices: int, chunks: int = 1) -> tuple[Lane, ...]:
     whole model and serves; the others hold a pipeline of it and train."""
     if devices < 2:
         raise ValueError("the split layout needs at least 2 devices: one to serve, one to train")
-    return (Lane(_chunked((0,), chunks), frozenset({"inference"})),
-            Lane(_chunked(range(1, devices), chunks), frozenset({"training"})))
+    return (
+        Lane(_chunked((0,), chunks), frozenset({"inference"})),
+        Lane(_chunked(range(1, devices), chunks), frozenset({"training"})),
+    )
 
 
 @dataclass(frozen=True)

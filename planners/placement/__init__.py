@@ -29,5 +29,16 @@ from planners.placement.planning import NodeEstimate
 from planners.placement.policy import PlacementPolicy, task_length
 from planners.placement.training import FeedbackChoice, TrainingPlacer, route_feedback
 
-__all__ = ["FeedbackChoice", "LeastUtilized", "LemixPlacement", "LemixSettings", "NodeEstimate", "PlacementPolicy",
-           "RoundRobin", "Separate", "TrainingPlacer", "route_feedback", "task_length"]
+__all__ = [
+    "FeedbackChoice",
+    "LeastUtilized",
+    "LemixPlacement",
+    "LemixSettings",
+    "NodeEstimate",
+    "PlacementPolicy",
+    "RoundRobin",
+    "Separate",
+    "TrainingPlacer",
+    "route_feedback",
+    "task_length",
+]

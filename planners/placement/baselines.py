@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from planners.costs import CostModel, as_cost_model
 from planners.placement.policy import task_length
@@ -63,7 +64,7 @@ class Separate:
 
     def training_nodes(self, node_ids: Sequence[int]) -> list[int]:
         """The nodes set aside for training: the last N_train in ``node_ids``."""
-        return list(node_ids[len(node_ids) - self.n_train(len(node_ids)):])
+        return list(node_ids[len(node_ids) - self.n_train(len(node_ids)) :])
 
     def problem(self, n_nodes: int, training: bool, scope: TrainingScope | str) -> str | None:
         """Why this split cannot run the app (None: it can): SEPARATE needs a node that serves and,
@@ -72,16 +73,22 @@ class Separate:
         scope = training_scope(scope)
         n_train = self.n_train(n_nodes)
         if n_nodes - n_train < 1:
-            return (f"placement separate (alpha={self.alpha}) leaves none of the {n_nodes} node(s) to serve "
-                    "inference; lower alpha or add nodes")
+            return (
+                f"placement separate (alpha={self.alpha}) leaves none of the {n_nodes} node(s) to serve "
+                "inference; lower alpha or add nodes"
+            )
         if training and n_train < 1:
-            return (f"placement separate (alpha={self.alpha}) leaves none of the {n_nodes} node(s) to train; "
-                    "raise alpha, add nodes, or set training.enabled false")
+            return (
+                f"placement separate (alpha={self.alpha}) leaves none of the {n_nodes} node(s) to train; "
+                "raise alpha, add nodes, or set training.enabled false"
+            )
         if training and scope.serves_only_where_trained:
-            return ("training.scope per_node cannot run with placement separate: a node's copy is served only on "
-                    "that node, and separate's training nodes serve no inference, so no trained copy would ever be "
-                    "served; use training.scope synced (the training nodes train one copy together and every node "
-                    "serves its versions, the SEPARATE of LEMIX §V-B)")
+            return (
+                "training.scope per_node cannot run with placement separate: a node's copy is served only on "
+                "that node, and separate's training nodes serve no inference, so no trained copy would ever be "
+                "served; use training.scope synced (the training nodes train one copy together and every node "
+                "serves its versions, the SEPARATE of LEMIX §V-B)"
+            )
         return None
 
     def choose(self, task: Task, nodes: Sequence[NodeView], now: float) -> int | None:

@@ -10,8 +10,9 @@ is in ``planning.py``, the scoring of Eq. 1–3 in ``scoring.py`` (a few nodes) 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -77,12 +78,19 @@ class LemixPlacement:
         # Explicit keywords, not **kwargs: registry.accepts reads this signature (the planner adds
         # ``cost_model``, ``stages`` and ``response_slo_s`` only where the policy takes them).
         self.settings = LemixSettings(
-            response_weight=float(response_weight), affinity_weight=float(affinity_weight),
+            response_weight=float(response_weight),
+            affinity_weight=float(affinity_weight),
             idle_clip=None if idle_clip is None else float(idle_clip),
             response_slo_s=None if response_slo_s is None else float(response_slo_s),
-            slo_factor=float(slo_factor), idle_horizon=None if idle_horizon is None else float(idle_horizon),
-            score=score, deprioritize=deprioritize, predict_next=predict_next, max_defer=max_defer,
-            calibration_rate=float(calibration_rate), vector_above=int(vector_above))
+            slo_factor=float(slo_factor),
+            idle_horizon=None if idle_horizon is None else float(idle_horizon),
+            score=score,
+            deprioritize=deprioritize,
+            predict_next=predict_next,
+            max_defer=max_defer,
+            calibration_rate=float(calibration_rate),
+            vector_above=int(vector_above),
+        )
         self.cost = as_cost_model(cost_model)
         self.stages = int(stages or self.cost.stages)
         if self.stages < 1:
@@ -166,8 +174,19 @@ class LemixPlacement:
     def _evaluate(self, task: Task, rows: np.ndarray | slice, rlist: list[int], now: float) -> NodeScores:
         floor, arrival_gap = self._floor_and_gap(task)
         if len(rlist) > self.settings.vector_above:
-            return self._arrays.score(task, self._nodes, rows, rlist, now, floor, self.stages, arrival_gap,
-                                      self.settings, self.cost, bool(self._type_costs))
+            return self._arrays.score(
+                task,
+                self._nodes,
+                rows,
+                rlist,
+                now,
+                floor,
+                self.stages,
+                arrival_gap,
+                self.settings,
+                self.cost,
+                bool(self._type_costs),
+            )
         return score_nodes(task, self._nodes, rlist, now, floor, self.stages, arrival_gap, self.settings)
 
     # --- public API --------------------------------------------------------------------------
@@ -221,8 +240,9 @@ class LemixPlacement:
             i += 1
         return out
 
-    def deprioritizes(self, train: Task, nxt: Task, nodes: Sequence[NodeView], now: float,
-                      node: int | None = None) -> bool:
+    def deprioritizes(
+        self, train: Task, nxt: Task, nodes: Sequence[NodeView], now: float, node: int | None = None
+    ) -> bool:
         """Eq. 4 for one pair: would placing ``train`` push the inference task ``nxt`` past τ_R on
         every node? ``train`` goes on ``node`` when given (a trainer already runs there: the grant
         path), else on the node LEMIX would give it; False when that node is not ready.
@@ -269,7 +289,7 @@ class LemixPlacement:
             # (an arithmetic one drifts upward under symmetric noise), kept within 4x of the profile:
             # beyond that the profile is wrong for this node and needs re-fitting, not a fudge factor.
             ratio = min(max(actual / planned, 0.2), 5.0)
-            speed = min(max(node.speed * ratio ** self.settings.calibration_rate, 0.25), 4.0)
+            speed = min(max(node.speed * ratio**self.settings.calibration_rate, 0.25), 4.0)
             # The profile is per node type, so its error is too: nodes that share a cost model share
             # the correction. A per-node factor would make every node that was just used look slower
             # than the idle ones still on the uncorrected profile, and spread work that should consolidate.
@@ -299,9 +319,12 @@ class LemixPlacement:
         out = {}
         for nid, row in self._rows.items():
             node = self._nodes[row]
-            out[nid] = {"training": float(sum(1 for _, be, _i in node.backwards if be[0] > now)),
-                        "decoding": float(sum(1 for _s, e, _c, _i in node.decodes if e > now)),
-                        "forward_free_at": node.forward_end[-1], "speed": node.speed}
+            out[nid] = {
+                "training": float(sum(1 for _, be, _i in node.backwards if be[0] > now)),
+                "decoding": float(sum(1 for _s, e, _c, _i in node.decodes if e > now)),
+                "forward_free_at": node.forward_end[-1],
+                "speed": node.speed,
+            }
         return out
 
     def forget(self, task_id: str) -> None:
@@ -376,8 +399,10 @@ class LemixPlacement:
     def _shift_after(self, node: NodeQueues, t: float, delta: float) -> None:
         # A task that ran late delays whatever was planned behind it on the same node.
         node.forward_end = [f + delta if f >= t else f for f in node.forward_end]
-        node.backwards = [([x + delta for x in bs], [x + delta for x in be], i) if bs[-1] >= t else (bs, be, i)
-                          for bs, be, i in node.backwards]
+        node.backwards = [
+            ([x + delta for x in bs], [x + delta for x in be], i) if bs[-1] >= t else (bs, be, i)
+            for bs, be, i in node.backwards
+        ]
 
     def _release(self, node: NodeQueues, task_id: str) -> None:
         node.backwards = [x for x in node.backwards if x[2] != task_id]
@@ -409,8 +434,9 @@ class LemixPlacement:
             return None  # the stream has gone quiet: nothing to make room for
         return Task("__next__", "inference", "", max(1, round(prompt)), max(1, round(output)), t + gap)
 
-    def _violates(self, train: Task, nxt: Task, rows: np.ndarray | slice, rlist: list[int], i: int,
-                  ev: NodeScores, now: float) -> bool:
+    def _violates(
+        self, train: Task, nxt: Task, rows: np.ndarray | slice, rlist: list[int], i: int, ev: NodeScores, now: float
+    ) -> bool:
         """Eq. 4: would ``nxt`` miss τ_R on every node once ``train`` is planned on its best node ``i``?
 
         R'(n) = max(latest planned end on n, now) + n's forward latency for ``nxt`` − a'. A training
@@ -428,8 +454,11 @@ class LemixPlacement:
             arrays = self._arrays
             arrays.sync(self._nodes, self.stages)
             h = np.maximum(arrays.forward_end[-1][rows], arrays.backward_tail[rows])
-            fwd = arrays.speed[rows] * self.cost.prefill_latency(prompt) if not self._type_costs else \
-                arrays.speed[rows] * np.array([self._nodes[r].cost.prefill_latency(prompt) for r in rlist])
+            fwd = (
+                arrays.speed[rows] * self.cost.prefill_latency(prompt)
+                if not self._type_costs
+                else arrays.speed[rows] * np.array([self._nodes[r].cost.prefill_latency(prompt) for r in rlist])
+            )
             r = np.maximum(h, t) + fwd - a
             r[i] = max(h[i], be[0], t) + fwd[i] - a
             return bool(r.min() > slo)
@@ -445,5 +474,3 @@ class LemixPlacement:
                 h = be[0]
             with_t = min(with_t, (h if h > t else t) + fwd)
         return with_t > slo
-
-

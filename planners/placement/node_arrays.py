@@ -7,7 +7,7 @@ synced lazily, only for the rows marked ``dirty`` since the last pass.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -93,9 +93,20 @@ class NodeArrays:
             self.decode_from[row] = since
         self.dirty = set()
 
-    def score(self, task: Task, nodes: Sequence[NodeQueues], rows: np.ndarray | slice, rlist: list[int], now: float,
-              floor: float, stages: int, arrival_gap: float, settings: LemixSettings, cost: CostModel,
-              per_node_costs: bool) -> NodeScores:
+    def score(
+        self,
+        task: Task,
+        nodes: Sequence[NodeQueues],
+        rows: np.ndarray | slice,
+        rlist: list[int],
+        now: float,
+        floor: float,
+        stages: int,
+        arrival_gap: float,
+        settings: LemixSettings,
+        cost: CostModel,
+        per_node_costs: bool,
+    ) -> NodeScores:
         """``score_nodes`` for the rows ``rows`` (``rlist``, as a list), in numpy.
 
         ``cost`` is every node's cost model unless ``per_node_costs``, when each node's own is read.

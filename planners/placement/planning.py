@@ -9,8 +9,9 @@ the per-node state (:class:`NodeQueues`), plans with :func:`plan_forward` (its n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class PlannedTask:
     row: int
     kind: str
     first_end: float  # planned end of the forward on the last stage (the first token)
-    finish: float     # planned end of the backward (training) or of decoding (inference)
+    finish: float  # planned end of the backward (training) or of decoding (inference)
 
 
 @dataclass
@@ -71,9 +72,16 @@ class NodeScores:
 
     def estimate(self, i: int, node_id: int) -> NodeEstimate:
         """Row ``i`` as the public :class:`NodeEstimate` of node ``node_id``."""
-        return NodeEstimate(node_id, float(self.idle_time[i]), float(self.response_time[i]),
-                            float(self.idle_gain[i]), float(self.length_affinity[i]), float(self.score[i]),
-                            tuple(float(x) for x in self.start[i]), tuple(float(x) for x in self.end[i]))
+        return NodeEstimate(
+            node_id,
+            float(self.idle_time[i]),
+            float(self.response_time[i]),
+            float(self.idle_gain[i]),
+            float(self.length_affinity[i]),
+            float(self.score[i]),
+            tuple(float(x) for x in self.start[i]),
+            tuple(float(x) for x in self.end[i]),
+        )
 
 
 class NodeQueues:
@@ -84,8 +92,19 @@ class NodeQueues:
     history (Eq. 2).
     """
 
-    __slots__ = ("row", "cost", "forward_end", "backwards", "decodes", "decode_done", "decode_done_from", "speed",
-                 "length_count", "length_sum", "length_sq_sum")
+    __slots__ = (
+        "row",
+        "cost",
+        "forward_end",
+        "backwards",
+        "decodes",
+        "decode_done",
+        "decode_done_from",
+        "speed",
+        "length_count",
+        "length_sum",
+        "length_sq_sum",
+    )
 
     def __init__(self, row: int, cost: CostModel, stages: int) -> None:
         self.row = row
@@ -93,17 +112,26 @@ class NodeQueues:
         self.forward_end = [NEVER] * stages
         self.backwards: list[tuple[list[float], list[float], str]] = []
         self.decodes: list[tuple[float, float, float, str]] = []  # start, end, context tokens, task id
-        self.decode_done = NEVER              # end of the latest-ending decode that has left ``decodes``
-        self.decode_done_from = NEVER         # and its start
-        self.speed = 1.0                      # calibration: actual / planned durations
+        self.decode_done = NEVER  # end of the latest-ending decode that has left ``decodes``
+        self.decode_done_from = NEVER  # and its start
+        self.speed = 1.0  # calibration: actual / planned durations
         self.length_count = 0.0
         self.length_sum = 0.0
         self.length_sq_sum = 0.0
 
 
-def plan_forward(t0: float, floor: float, stages: int, d: float, wait: float, fend: Sequence[float],
-                 train: Sequence[tuple[Sequence[float], Sequence[float], str]], dec_from: float, dec_until: float,
-                 duty: float) -> tuple[list[float], list[float], float]:
+def plan_forward(
+    t0: float,
+    floor: float,
+    stages: int,
+    d: float,
+    wait: float,
+    fend: Sequence[float],
+    train: Sequence[tuple[Sequence[float], Sequence[float], str]],
+    dec_from: float,
+    dec_until: float,
+    duty: float,
+) -> tuple[list[float], list[float], float]:
     """ComputeIdleness (LEMIX Alg. 1) for one node; the scalar twin of ``NodeArrays.score``.
 
     Starts no earlier than ``t0`` + ``wait``, each stage's forward taking ``d``; idle time before
@@ -148,4 +176,3 @@ def plan_forward(t0: float, floor: float, stages: int, d: float, wait: float, fe
         ends[j] = end
         prev_end = end
     return starts, ends, idle
-

@@ -6,7 +6,7 @@ Above ``LemixSettings.vector_above`` ready nodes the numpy twin in ``node_arrays
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -30,8 +30,16 @@ def length_affinity(length: float, count: float, total: float, sq_total: float) 
     return math.exp(-0.5 * ((length - mean) / sigma) ** 2)
 
 
-def score_nodes(task: Task, nodes: Sequence[NodeQueues], rows: list[int], now: float, floor: float, stages: int,
-                arrival_gap: float, settings: LemixSettings) -> NodeScores:
+def score_nodes(
+    task: Task,
+    nodes: Sequence[NodeQueues],
+    rows: list[int],
+    now: float,
+    floor: float,
+    stages: int,
+    arrival_gap: float,
+    settings: LemixSettings,
+) -> NodeScores:
     """Alg. 1 and Eq. 1–3 of ``task`` on ``nodes[row]`` for each row, without placing it.
 
     ``floor``: idle time before it is sunk; ``arrival_gap``: Δa, the time since the previous arrival.
@@ -67,14 +75,22 @@ def score_nodes(task: Task, nodes: Sequence[NodeQueues], rows: list[int], now: f
         else:
             it = cost.iteration
             per_seq = decoding / stages
-            prefill = (it.base + it.per_prefill_token * length + it.per_decode_seq * per_seq
-                       + it.per_context_token * context / stages)
+            prefill = (
+                it.base
+                + it.per_prefill_token * length
+                + it.per_decode_seq * per_seq
+                + it.per_context_token * context / stages
+            )
             per_stage = speed * prefill / stages
             # A prefill joins the next engine iteration: on average half a decode item away.
-            wait = (0.5 * speed * (it.base + it.per_decode_seq * per_seq + it.per_context_token * context / stages)
-                    / stages if decoding > 0 else 0.0)
-        start, end, idle = plan_forward(t0, floor, stages, per_stage, wait, node.forward_end, node.backwards,
-                                        decode_from, until, duty)
+            wait = (
+                0.5 * speed * (it.base + it.per_decode_seq * per_seq + it.per_context_token * context / stages) / stages
+                if decoding > 0
+                else 0.0
+            )
+        start, end, idle = plan_forward(
+            t0, floor, stages, per_stage, wait, node.forward_end, node.backwards, decode_from, until, duty
+        )
         x = idle / stages - arrival_gap
         gain = -x if clip is None else -max(x, clip)  # Eq. 1
         affinity = length_affinity(length, node.length_count, node.length_sum, node.length_sq_sum)
@@ -86,6 +102,7 @@ def score_nodes(task: Task, nodes: Sequence[NodeQueues], rows: list[int], now: f
         out.response_time.append(response)
         out.idle_gain.append(gain)
         out.length_affinity.append(affinity)
-        out.score.append(numerator / (w_response * max(response, 1e-12)) if ratio
-                         else numerator - w_response * response)  # Eq. 3
+        out.score.append(
+            numerator / (w_response * max(response, 1e-12)) if ratio else numerator - w_response * response
+        )  # Eq. 3
     return out

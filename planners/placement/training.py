@@ -131,8 +131,9 @@ class TrainingPlacer:
 
     # ---- inference that ran --------------------------------------------------------------------
 
-    def inference_report(self, node_id: int, traces: Sequence[ExecutionTrace],
-                         requests: Sequence[LiveRequest] | None) -> None:
+    def inference_report(
+        self, node_id: int, traces: Sequence[ExecutionTrace], requests: Sequence[LiveRequest] | None
+    ) -> None:
         """One replica report: commit the requests newly in flight on ``node_id``, calibrate with the traces.
 
         ``requests`` None: the report had no engine facts; only its traces count.
@@ -145,8 +146,11 @@ class TrainingPlacer:
                 self.policy.observe(dataclasses.replace(t, task_id=plan[0]))
                 continue
             # Began and ended between two reports: plan it as a router would have at its arrival.
-            self.policy.commit(Task(t.task_id, "inference", "", max(1, t.prompt_tokens), max(1, t.output_tokens),
-                                    t.arrival), node_id, t.arrival)
+            self.policy.commit(
+                Task(t.task_id, "inference", "", max(1, t.prompt_tokens), max(1, t.output_tokens), t.arrival),
+                node_id,
+                t.arrival,
+            )
             self.policy.observe(t)
         if requests is None:
             return
@@ -160,15 +164,23 @@ class TrainingPlacer:
             if r.request_id in live:
                 continue
             plan_id = f"live:{node_id}:{r.request_id}"
-            self.policy.commit(Task(plan_id, "inference", "", max(1, r.prompt_tokens), max(1, r.max_tokens),
-                                    r.arrival), node_id, r.arrival)
+            self.policy.commit(
+                Task(plan_id, "inference", "", max(1, r.prompt_tokens), max(1, r.max_tokens), r.arrival),
+                node_id,
+                r.arrival,
+            )
             live[r.request_id] = (plan_id, r.arrival)
             self._by_arrival[(node_id, r.arrival)] = r.request_id
 
     # ---- feedback (training.scope per_node) ------------------------------------------------------
 
-    def place_feedback(self, items: Sequence[NewFeedback], nodes: Sequence[NodeView],
-                       queued_by_node: Mapping[str, Mapping[int, int]], now: float) -> list[int | None]:
+    def place_feedback(
+        self,
+        items: Sequence[NewFeedback],
+        nodes: Sequence[NodeView],
+        queued_by_node: Mapping[str, Mapping[int, int]],
+        now: float,
+    ) -> list[int | None]:
         """The node whose copy trains on each new item, in item order (None: the item names no adapter)."""
         trains = set(self.training_nodes())
         views = [dataclasses.replace(v, ready=v.ready and v.node_id in trains) for v in nodes]
@@ -189,10 +201,17 @@ class TrainingPlacer:
                 continue
             best = max(estimates, key=lambda e: e.score)  # the first maximum, as choose takes it
             out[i] = best.node_id
-            self._record_feedback(FeedbackChoice(
-                now, item.adapter, item.tokens, best.node_id, "lemix",
-                {e.node_id: round(e.score, 6) for e in estimates},
-                {e.node_id: round(e.response_time, 6) for e in estimates}))
+            self._record_feedback(
+                FeedbackChoice(
+                    now,
+                    item.adapter,
+                    item.tokens,
+                    best.node_id,
+                    "lemix",
+                    {e.node_id: round(e.score, 6) for e in estimates},
+                    {e.node_id: round(e.response_time, 6) for e in estimates},
+                )
+            )
         for adapter, idx in rest.items():
             for i, node in zip(idx, route_feedback(queued_by_node.get(adapter, {}), ready, len(idx))):
                 out[i] = node
@@ -209,8 +228,15 @@ class TrainingPlacer:
     def step_task(self, node_id: int, adapter: str, samples: int, tokens_per_sample: int, now: float) -> Task:
         """A training step as a placement task: C = ``samples``, ℓ = ``tokens_per_sample`` (LEMIX §IV-A)."""
         self._seq += 1
-        return Task(f"train:{node_id}:{self._seq}", "training", adapter, max(1, tokens_per_sample), 0, now,
-                    batch_size=max(1, samples))
+        return Task(
+            f"train:{node_id}:{self._seq}",
+            "training",
+            adapter,
+            max(1, tokens_per_sample),
+            0,
+            now,
+            batch_size=max(1, samples),
+        )
 
     def deprioritized(self, step: Task, node_id: int, nodes: Sequence[NodeView], now: float) -> bool:
         """Eq. 4 on the grant path: would ``step``, planned on ``node_id`` now, push the predicted next
@@ -224,8 +250,9 @@ class TrainingPlacer:
         log.eq4_checks += 1
         if verdict:
             log.eq4_deprioritized += 1
-            log.last_deprioritized = Deprioritized(now, node_id, step.batch_size, step.prompt_tokens,
-                                                   nxt.prompt_tokens, nxt.arrival)
+            log.last_deprioritized = Deprioritized(
+                now, node_id, step.batch_size, step.prompt_tokens, nxt.prompt_tokens, nxt.arrival
+            )
         return verdict
 
     def granted(self, step: Task, node_id: int, now: float) -> TrainingPlacement:
@@ -234,10 +261,17 @@ class TrainingPlacer:
         placement = TrainingPlacement(step, node_id)
         self._steps[step.task_id] = placement
         self.nodes[node_id].steps_placed += 1
-        self.step_log.append({"at": round(now, 3), "task_id": step.task_id, "node": node_id,
-                              "samples": step.batch_size, "tokens": step.prompt_tokens,
-                              "forward_end": None if estimate is None else round(estimate.end_f[-1], 3),
-                              "done_at": None})
+        self.step_log.append(
+            {
+                "at": round(now, 3),
+                "task_id": step.task_id,
+                "node": node_id,
+                "samples": step.batch_size,
+                "tokens": step.prompt_tokens,
+                "forward_end": None if estimate is None else round(estimate.end_f[-1], 3),
+                "done_at": None,
+            }
+        )
         return placement
 
     def done(self, node_id: int | None, now: float) -> int:
@@ -264,21 +298,29 @@ class TrainingPlacer:
         last = log.last_deprioritized
         out: dict[str, Any] = {
             "trains": log.trains,
-            "steps_placed": log.steps_placed, "steps_done": log.steps_done,
-            "steps_in_queue": [{"task_id": p.task.task_id, "samples": p.task.batch_size,
-                                "tokens": p.task.prompt_tokens}
-                               for p in self._steps.values() if p.node_id == node_id],
-            "eq4_checks": log.eq4_checks, "eq4_deprioritized": log.eq4_deprioritized,
+            "steps_placed": log.steps_placed,
+            "steps_done": log.steps_done,
+            "steps_in_queue": [
+                {"task_id": p.task.task_id, "samples": p.task.batch_size, "tokens": p.task.prompt_tokens}
+                for p in self._steps.values()
+                if p.node_id == node_id
+            ],
+            "eq4_checks": log.eq4_checks,
+            "eq4_deprioritized": log.eq4_deprioritized,
             "last_deprioritized": None if last is None else dataclasses.asdict(last),
             "feedback_items": log.feedback_items,
         }
         if isinstance(self.policy, LemixPlacement):
-            out["plan"] = {k: (None if v == float("-inf") else round(v, 6))
-                           for k, v in self.policy.queues(now).get(node_id, {}).items()}
+            out["plan"] = {
+                k: (None if v == float("-inf") else round(v, 6))
+                for k, v in self.policy.queues(now).get(node_id, {}).items()
+            }
         return out
 
     def status(self) -> dict[str, Any]:
         """JSON-able: which nodes train, the recent feedback choices and training steps."""
-        return {"training_nodes": self.training_nodes(),
-                "feedback_recent": [dataclasses.asdict(c) for c in self.feedback_log],
-                "steps_recent": list(self.step_log)}
+        return {
+            "training_nodes": self.training_nodes(),
+            "feedback_recent": [dataclasses.asdict(c) for c in self.feedback_log],
+            "steps_recent": list(self.step_log),
+        }

@@ -53,8 +53,11 @@ def tar_dir(folder: Path, extra: dict[str, bytes] | None = None) -> bytes:
 
 
 def greedy(app_url: str, model: str) -> dict:
-    r = httpx.post(f"{app_url}/v1/completions", timeout=60,
-                   json={"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+    r = httpx.post(
+        f"{app_url}/v1/completions",
+        timeout=60,
+        json={"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -103,8 +106,9 @@ def test_an_uploaded_adapter_is_judged_served_and_rolled_back(app_url, model_dir
 
     # v2: gate false (local mode is the admin): served at once.
     v2_dir = make_adapter(model_dir, tmp_path / "v2", seed=2)
-    r = httpx.post(f"{app_url}/v1/adapters/{name}/versions?gate=false", content=tar_dir(v2_dir), headers=TAR,
-                   timeout=120)
+    r = httpx.post(
+        f"{app_url}/v1/adapters/{name}/versions?gate=false", content=tar_dir(v2_dir), headers=TAR, timeout=120
+    )
     assert r.status_code == 201 and r.json()["state"] == "served", r.text
     _wait_served(app_url, name, 2)
     assert greedy(app_url, f"{BASE}:{name}")["text"] != text_v1
@@ -169,8 +173,10 @@ def test_bad_uploads_answer_400_and_store_nothing(app_url, app_config, model_dir
 def test_a_body_over_max_adapter_bytes_is_refused_at_the_front_door(app_url):
     """HAProxy answers 413 from the declared length (its default 64 MiB limit), having read only its buffer."""
     url = urlparse(app_url)
-    head = (f"POST /v1/adapters/upload-bad/versions HTTP/1.1\r\nHost: {url.netloc}\r\n"
-            f"Content-Type: application/x-tar\r\nContent-Length: {64 * 2**20 + 1}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/adapters/upload-bad/versions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Content-Type: application/x-tar\r\nContent-Length: {64 * 2**20 + 1}\r\n\r\n"
+    ).encode()
     with socket.create_connection((url.hostname, url.port), timeout=30) as s:
         s.sendall(head)
         try:
@@ -189,14 +195,27 @@ def test_a_downloaded_version_computes_what_the_app_serves(app_url, model_dir, t
 
     name = "downloaded"
     httpx.post(f"{app_url}/v1/adapters", json={"name": name, "method": "sft", "mode": "off"}, timeout=30)
-    r = httpx.post(f"{app_url}/v1/adapters/{name}/versions?gate=false",
-                   content=tar_dir(make_adapter(model_dir, tmp_path / "src", seed=5)), headers=TAR, timeout=60)
+    r = httpx.post(
+        f"{app_url}/v1/adapters/{name}/versions?gate=false",
+        content=tar_dir(make_adapter(model_dir, tmp_path / "src", seed=5)),
+        headers=TAR,
+        timeout=60,
+    )
     assert r.status_code == 201, r.text
     _wait_served(app_url, name, 1)
     # The served greedy tokens, by id (a byte-level model's text may hide a partial UTF-8 character), all 12.
-    r = httpx.post(f"{app_url}/v1/completions", timeout=60, json={
-        "model": f"{BASE}:{name}", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True})
+    r = httpx.post(
+        f"{app_url}/v1/completions",
+        timeout=60,
+        json={
+            "model": f"{BASE}:{name}",
+            "prompt": PROMPT,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     prompt_ids, served = choice["prompt_token_ids"], choice["token_ids"]
@@ -213,13 +232,15 @@ def test_a_downloaded_version_computes_what_the_app_serves(app_url, model_dir, t
     model = PeftModel.from_pretrained(base, str(out)).eval()
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        generated = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                   pad_token_id=0)[0, len(prompt_ids):].tolist()
+        generated = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)[
+            0, len(prompt_ids) :
+        ].tolist()
         # The adapter's logits at every served position (teacher-forced on the served tokens).
-        logits = model(torch.tensor([prompt_ids + served])).logits[0, len(prompt_ids) - 1:-1]
+        logits = model(torch.tensor([prompt_ids + served])).logits[0, len(prompt_ids) - 1 : -1]
         with model.disable_adapter():
-            plain = base.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                  pad_token_id=0)[0, len(prompt_ids):].tolist()
+            plain = base.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)[
+                0, len(prompt_ids) :
+            ].tolist()
     assert plain != served, "the adapter changes nothing: the comparison would prove nothing"
     if generated == served:
         return

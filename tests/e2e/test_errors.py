@@ -19,7 +19,9 @@ def _assert_openai_error(r: httpx.Response, status: int, *words: str) -> dict:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_malformed_json_is_400(app_url, path):
-    r = httpx.post(app_url + path, content=b'{"model": "tiny-llama", "prompt": ', headers={"content-type": "application/json"})
+    r = httpx.post(
+        app_url + path, content=b'{"model": "tiny-llama", "prompt": ', headers={"content-type": "application/json"}
+    )
     _assert_openai_error(r, 400, "json")
 
 
@@ -32,7 +34,9 @@ def test_missing_model_is_400(app_url):
 
 
 def test_unknown_model_is_404(app_url):
-    err = _assert_openai_error(httpx.post(app_url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "gpt-9")
+    err = _assert_openai_error(
+        httpx.post(app_url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "gpt-9"
+    )
     assert err["param"] == "model"
     r = httpx.post(app_url + "/v1/chat/completions", json={"model": f"{MODEL}:nobody", "messages": []})
     _assert_openai_error(r, 404, "does not exist")
@@ -85,4 +89,7 @@ def test_prompt_logprobs_are_refused_while_lora_is_enabled(app_url, extra):
     # They crash vLLM's CPU LoRA kernels (vLLM #16668): a clear 400, and the engine stays up.
     r = httpx.post(app_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra})
     _assert_openai_error(r, 400, "lora")
-    assert httpx.post(app_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert (
+        httpx.post(app_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code
+        == 200
+    )

@@ -28,13 +28,17 @@ def fair_app(ray_cluster, app_url, tmp_path_factory) -> dict:
 
     data = tmp_path_factory.mktemp("coserve-fair")
     keys = {t: add_key(data / "keys.yaml", t) for t in ("admin", "flood", "light")}
-    cfg = {"name": "coserve-fair", "data_dir": str(data),
-           "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
-           "model": {"embedded": "tiny-llama", "max_model_len": 512},
-           "engine": {"max_num_seqs": 4, "kv_cache_memory_bytes": 32 * 2**20},
-           "planner": {"placement": "round_robin"}, "training": {"enabled": False},
-           "auth": {"keys_file": "keys.yaml", "keys_env": None},
-           "limits": {"requests_per_second": None, "max_concurrent": None}}
+    cfg = {
+        "name": "coserve-fair",
+        "data_dir": str(data),
+        "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
+        "model": {"embedded": "tiny-llama", "max_model_len": 512},
+        "engine": {"max_num_seqs": 4, "kv_cache_memory_bytes": 32 * 2**20},
+        "planner": {"placement": "round_robin"},
+        "training": {"enabled": False},
+        "auth": {"keys_file": "keys.yaml", "keys_env": None},
+        "limits": {"requests_per_second": None, "max_concurrent": None},
+    }
     serve.run(build_app(cfg), name="coserve-fair", route_prefix=PREFIX)
     url = app_url + PREFIX
     deadline = time.time() + 300
@@ -49,10 +53,16 @@ def fair_app(ray_cluster, app_url, tmp_path_factory) -> dict:
 def stream(url: str, key: str, max_tokens: int, text: str) -> tuple[int, float | None, float]:
     """One streamed chat: (status, seconds to its first token, seconds in all)."""
     t0, first = time.perf_counter(), None
-    body = {"model": BASE, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {key}"}) as r:
+    body = {
+        "model": BASE,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, timeout=120, headers={"Authorization": f"Bearer {key}"}
+    ) as r:
         for line in r.iter_lines():
             if first is None and line.startswith("data: {") and '"content":"' in line:
                 first = time.perf_counter() - t0
@@ -95,11 +105,17 @@ def test_a_light_tenants_first_token_does_not_wait_behind_another_tenants_flood(
     while 'tenant="flood"' not in (admin := scrape("admin")) and time.time() < deadline:
         time.sleep(1)  # the replica sends its series to the planner every few seconds
     light = scrape("light")
-    output = [line for line in light.splitlines()
-              if line.startswith("coserve_tenant_tokens_total{") and 'kind="output"' in line]
+    output = [
+        line
+        for line in light.splitlines()
+        if line.startswith("coserve_tenant_tokens_total{") and 'kind="output"' in line
+    ]
     assert output and all('tenant="light"' in line for line in output), light
     assert float(output[0].rsplit(" ", 1)[1]) >= 12 * 16  # its 12 requests of 16 tokens
     assert "flood" not in light and "vllm:" not in light and "coserve_node_" not in light
-    waits = [line for line in admin.splitlines()
-             if line.startswith("coserve_tenant_queue_wait_seconds_sum") and 'tenant="flood"' in line]
+    waits = [
+        line
+        for line in admin.splitlines()
+        if line.startswith("coserve_tenant_queue_wait_seconds_sum") and 'tenant="flood"' in line
+    ]
     assert waits and float(waits[0].rsplit(" ", 1)[1]) > 0, waits

@@ -19,8 +19,12 @@ NAME = "finetuned"
 
 
 def _upload_route_missing(app_url: str) -> bool:
-    r = httpx.post(f"{app_url}/v1/adapters/no-such-adapter/versions", content=b"",
-                   headers={"Content-Type": "application/x-tar"}, timeout=30)
+    r = httpx.post(
+        f"{app_url}/v1/adapters/no-such-adapter/versions",
+        content=b"",
+        headers={"Content-Type": "application/x-tar"},
+        timeout=30,
+    )
     return r.status_code == 405  # /v1/adapters/{name:path} answers GET and PATCH only: no POST route there
 
 
@@ -30,16 +34,30 @@ def test_a_job_publishes_a_new_version_into_the_app(app_url, ray_cluster, data_d
     from actors.learning.finetune.run import run_finetune
 
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Question {i}?", "completion": "zebra zebra"}) + "\n"
-                            for i in range(4)))
-    job = parse_job({"base": "tiny-llama", "data_dir": str(data_dir),
-                     "adapter": {"name": NAME, "method": "sft",
-                                 "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-                     "data": {"path": str(data), "loader": "file", "max_length": 64},
-                     "epochs": 1, "batch_size": 2, "learning_rate": 5e-3, "workers": 1,
-                     "resources_per_worker": {"CPU": 0.5}, "placement": "separate",
-                     "storage_path": str(tmp_path / "runs"), "max_failures": 0,
-                     "output": {"app_url": app_url, "create": True, "gate": False}})
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Question {i}?", "completion": "zebra zebra"}) + "\n" for i in range(4))
+    )
+    job = parse_job(
+        {
+            "base": "tiny-llama",
+            "data_dir": str(data_dir),
+            "adapter": {
+                "name": NAME,
+                "method": "sft",
+                "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            },
+            "data": {"path": str(data), "loader": "file", "max_length": 64},
+            "epochs": 1,
+            "batch_size": 2,
+            "learning_rate": 5e-3,
+            "workers": 1,
+            "resources_per_worker": {"CPU": 0.5},
+            "placement": "separate",
+            "storage_path": str(tmp_path / "runs"),
+            "max_failures": 0,
+            "output": {"app_url": app_url, "create": True, "gate": False},
+        }
+    )
     lines: list[str] = []
     run = run_finetune(job, log=lines.append)
 
@@ -49,6 +67,9 @@ def test_a_job_publishes_a_new_version_into_the_app(app_url, ray_cluster, data_d
     info = httpx.get(f"{app_url}/v1/adapters/{NAME}", timeout=30).json()
     assert record["version"] in [v["version"] for v in info["versions"]], info
     assert info["current_version"] == record["version"], info  # gate=false: served at once
-    r = httpx.post(f"{app_url}/v1/completions", json={"model": info["model"], "prompt": "Question 1?",
-                                                       "max_tokens": 4, "temperature": 0}, timeout=120)
+    r = httpx.post(
+        f"{app_url}/v1/completions",
+        json={"model": info["model"], "prompt": "Question 1?", "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text

@@ -14,8 +14,16 @@ BASE = "tiny-llama"
 @pytest.fixture(scope="module")
 def adapter(app_url) -> str:
     # mode "off": the trainer never consumes these items, so queue counts below are exact.
-    r = httpx.post(f"{app_url}/v1/adapters", json={"name": "api-test", "method": "dpo", "beta": 0.2, "mode": "off",
-                                                  "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
+    r = httpx.post(
+        f"{app_url}/v1/adapters",
+        json={
+            "name": "api-test",
+            "method": "dpo",
+            "beta": 0.2,
+            "mode": "off",
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        },
+    )
     assert r.status_code == 201, r.text
     return "api-test"
 
@@ -51,12 +59,15 @@ def test_adapter_creation_errors(app_url, adapter):
     _error(httpx.get(f"{app_url}/v1/adapters/nobody"), 404, "nobody")
 
 
-@pytest.mark.parametrize("lora, param, words", [
-    ({"r": "256"}, "lora.r", ["integer"]),                      # a string is not a rank (pydantic would coerce it)
-    ({"r": 16}, "lora.r", ["max_lora_rank"]),                   # the engine serves ranks up to 8
-    ({"r": 0}, "lora.r", []),
-    ({"target_modules": ["no_such_module"]}, "lora.target_modules", ["no_such_module", "q_proj"]),
-])
+@pytest.mark.parametrize(
+    "lora, param, words",
+    [
+        ({"r": "256"}, "lora.r", ["integer"]),  # a string is not a rank (pydantic would coerce it)
+        ({"r": 16}, "lora.r", ["max_lora_rank"]),  # the engine serves ranks up to 8
+        ({"r": 0}, "lora.r", []),
+        ({"target_modules": ["no_such_module"]}, "lora.target_modules", ["no_such_module", "q_proj"]),
+    ],
+)
 def test_lora_settings_are_checked_against_the_engine_and_the_model(app_url, lora, param, words):
     r = httpx.post(f"{app_url}/v1/adapters", json={"name": "api-lora-bad", "lora": lora})
     _error(r, 400, *words)
@@ -65,12 +76,18 @@ def test_lora_settings_are_checked_against_the_engine_and_the_model(app_url, lor
 
 
 def test_lora_targets_the_model_has_are_accepted(app_url):
-    r = httpx.post(f"{app_url}/v1/adapters", json={
-        "name": "api-lora-ok", "mode": "off",
-        "lora": {"r": 8, "target_modules": ["q_proj", "self_attn.k_proj", "down_proj"]}})
+    r = httpx.post(
+        f"{app_url}/v1/adapters",
+        json={
+            "name": "api-lora-ok",
+            "mode": "off",
+            "lora": {"r": 8, "target_modules": ["q_proj", "self_attn.k_proj", "down_proj"]},
+        },
+    )
     assert r.status_code == 201, r.text
-    r = httpx.post(f"{app_url}/v1/adapters", json={"name": "api-lora-all", "mode": "off",
-                                                   "lora": {"target_modules": "all-linear"}})
+    r = httpx.post(
+        f"{app_url}/v1/adapters", json={"name": "api-lora-all", "mode": "off", "lora": {"target_modules": "all-linear"}}
+    )
     assert r.status_code == 201 and r.json()["lora"]["target_modules"] == "all-linear", r.text
 
 
@@ -117,8 +134,14 @@ def test_feedback_with_an_idempotency_key_is_stored_once(app_url, adapter):
     [
         ([], 400, ["empty"]),
         ([{"adapter": "api-test", "prompt": "p", "chosen": "c"}], 400, ["items[0]", "rejected"]),
-        ([{"adapter": "api-test", "prompt": "p", "chosen": "c", "rejected": "r"},
-          {"adapter": "api-test", "prompt": 5, "chosen": "c", "rejected": "r"}], 400, ["items[1]", "prompt"]),
+        (
+            [
+                {"adapter": "api-test", "prompt": "p", "chosen": "c", "rejected": "r"},
+                {"adapter": "api-test", "prompt": 5, "chosen": "c", "rejected": "r"},
+            ],
+            400,
+            ["items[1]", "prompt"],
+        ),
         ([{"adapter": "api-test", "prompt": "p", "completion": "c"}], 400, ["items[0]"]),  # SFT item for a DPO adapter
         ([{"adapter": "api-test", "prompt": "x" * 40000, "chosen": "c", "rejected": "r"}], 400, ["items[0]"]),
         ([{"adapter": "api-test", "prompt": "p", "chosen": "c", "rejected": "r", "extra": 1}], 400, ["extra"]),
@@ -163,26 +186,42 @@ def test_prometheus_metrics_endpoint(app_url, adapter):
     # 5 s at most).
     # Streamed: the first-token and first-byte stages are stamped for streamed requests only.
     for i in range(4):
-        r = httpx.post(f"{app_url}/v1/completions", json={"model": "tiny-llama", "prompt": f"metrics {i}",
-                                                          "max_tokens": 2, "stream": True}, timeout=60)
+        r = httpx.post(
+            f"{app_url}/v1/completions",
+            json={"model": "tiny-llama", "prompt": f"metrics {i}", "max_tokens": 2, "stream": True},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
 
     def missing(text: str) -> list[tuple[str, str]]:
         lines = text.splitlines()
-        present = ["vllm:time_to_first_token_seconds_bucket{", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{"]
+        present = [
+            "vllm:time_to_first_token_seconds_bucket{",
+            "vllm:num_requests_waiting{",
+            "vllm:kv_cache_usage_perc{",
+        ]
         counted = ["vllm:e2e_request_latency_seconds_count{", "vllm:request_queue_time_seconds_count{"]
-        counted += [f'coserve_request_stage_seconds_count{{|stage="{s}"'
-                    for s in ("guard", "checked", "engine", "first_token", "first_byte")]
+        counted += [
+            f'coserve_request_stage_seconds_count{{|stage="{s}"'
+            for s in ("guard", "checked", "engine", "first_token", "first_byte")
+        ]
         # Each engine iteration's time, and its tokens and requests by phase (actors/serving/engine_iterations.py).
         counted += ["coserve_engine_iteration_seconds_count{"]
-        counted += [f'{name}_count{{|phase="{phase}"' for name in ("coserve_engine_iteration_tokens",
-                                                                  "coserve_engine_iteration_requests")
-                    for phase in ("prefill", "decode")]
+        counted += [
+            f'{name}_count{{|phase="{phase}"'
+            for name in ("coserve_engine_iteration_tokens", "coserve_engine_iteration_requests")
+            for phase in ("prefill", "decode")
+        ]
 
         def seen(series: str, node: str, nonzero: bool) -> bool:
             name, _, label = series.partition("|")  # labels come sorted: match the stage anywhere in them
-            return any(line.startswith(name) and label in line and f'node="{node}"' in line
-                       and (not nonzero or float(line.rsplit(" ", 1)[1]) > 0) for line in lines)
+            return any(
+                line.startswith(name)
+                and label in line
+                and f'node="{node}"' in line
+                and (not nonzero or float(line.rsplit(" ", 1)[1]) > 0)
+                for line in lines
+            )
 
         return [(s, node) for node in ("0", "1") for s in present + counted if not seen(s, node, s in counted)]
 

@@ -27,10 +27,30 @@ def run_locust(url: str, out: Path, run_time_s: int, env_extra: dict[str, str]) 
     """Run Locust headless; return its combined output and the rows of its stats CSV."""
     import os
 
-    env = {**os.environ, "MAX_OUTPUT_TOKENS": "16", "MAX_PROMPT_TOKENS": "256",
-           "REPLAY_LOG": str(out / "replay.jsonl"), **env_extra}
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
-           "-u", "4", "--run-time", f"{run_time_s}s", "--csv", str(out / "locust"), "--only-summary"]
+    env = {
+        **os.environ,
+        "MAX_OUTPUT_TOKENS": "16",
+        "MAX_PROMPT_TOKENS": "256",
+        "REPLAY_LOG": str(out / "replay.jsonl"),
+        **env_extra,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--host",
+        url,
+        "-u",
+        "4",
+        "--run-time",
+        f"{run_time_s}s",
+        "--csv",
+        str(out / "locust"),
+        "--only-summary",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=run_time_s + 60)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"locust exited {proc.returncode}:\n{output[-4000:]}"
@@ -45,8 +65,9 @@ def check_stats(rows: list[dict], output: str) -> None:
     assert int(total["Request Count"]) > 0, output[-3000:]
     assert int(total["Failure Count"]) == 0, f"failures:\n{output[-3000:]}"
     for ep in ENDPOINTS:
-        sent = sum(int(r["Request Count"]) for (t, n), r in by_key.items()
-                   if t == "POST" and n in (ep, f"{ep} [stream]"))
+        sent = sum(
+            int(r["Request Count"]) for (t, n), r in by_key.items() if t == "POST" and n in (ep, f"{ep} [stream]")
+        )
         assert sent > 0, f"{ep} was not exercised: {sorted(by_key)}"
     streamed = [r for (t, n), r in by_key.items() if t == "POST" and n.endswith("[stream]")]
     ttft = [r for (t, _), r in by_key.items() if t == "TTFT"]

@@ -31,16 +31,40 @@ def head_node():
     log = open(Path(temp) / "head.log", "wb")
     # Every port of its own: the session's other Ray instance holds the defaults (the job agent's
     # 52365 among them, and a head whose agent cannot bind it answers "No available agent").
-    ports = [f"--{name}={free_port()}" for name in (
-        "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-        "metrics-export-port", "ray-client-server-port", "node-manager-port", "object-manager-port")]
+    ports = [
+        f"--{name}={free_port()}"
+        for name in (
+            "port",
+            "dashboard-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "ray-client-server-port",
+            "node-manager-port",
+            "object-manager-port",
+        )
+    ]
     dash = ports[1].split("=")[1]
-    head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", "--num-cpus=8", *ports,
-                             "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                             f"--temp-dir={temp}", "--disable-usage-stats"], stdout=log, stderr=subprocess.STDOUT,
-                            # `ray start` turns token authentication on by default; this test's client
-                            # talks to a loopback-only head it started itself.
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    head = subprocess.Popen(
+        [
+            str(ray_cli),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=8",
+            *ports,
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        # `ray start` turns token authentication on by default; this test's client
+        # talks to a loopback-only head it started itself.
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
     try:
         yield f"http://127.0.0.1:{dash}", head, Path(temp) / "head.log"
     finally:
@@ -70,7 +94,8 @@ def test_ray_job_submit_runs_the_routing_job(head_node, data_dir, tmp_path):
         try:
             job_id = client.submit_job(
                 entrypoint=f"{sys.executable} -m app.offline run {path} --no-progress --data-dir {data_dir}",
-                runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES})
+                runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES},
+            )
             break
         except RuntimeError as exc:
             assert "No available agent" in str(exc) and time.time() < deadline, exc
@@ -84,4 +109,6 @@ def test_ray_job_submit_runs_the_routing_job(head_node, data_dir, tmp_path):
     got = check_outputs(path)
     assert {m: len(v) for m, v in got.items()} == {"small": 7, "medium": 4, "large": 1}
     # The job names no planner: the default, our search (or the baseline plan it kept, "search:<name>").
-    assert "done in" in logs and json.loads((tmp_path / "out" / "summary.json").read_text())["planner"].startswith("search")
+    assert "done in" in logs and json.loads((tmp_path / "out" / "summary.json").read_text())["planner"].startswith(
+        "search"
+    )

@@ -85,7 +85,10 @@ def test_streaming_completion_arrives_incrementally(client):
 
 def test_streaming_chat_with_usage(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=10,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -112,12 +115,17 @@ def test_sixteen_concurrent_streams_reach_both_nodes_through_the_placement_route
     async def one(i: int) -> list[float]:
         """When each streamed piece with a token arrived (every one of the sixteen runs at once)."""
         if i % 2:
-            stream = await aclient.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=32, stream=True,
-                                                      extra_body={"ignore_eos": True})
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=f"request {i}", max_tokens=32, stream=True, extra_body={"ignore_eos": True}
+            )
         else:
             stream = await aclient.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=32, stream=True,
-                extra_body={"ignore_eos": True})
+                model=MODEL,
+                messages=[{"role": "user", "content": f"request {i}"}],
+                max_tokens=32,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
         return [time.perf_counter() async for chunk in stream if chunk.choices]
 
     async def all16():

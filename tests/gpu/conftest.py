@@ -41,8 +41,9 @@ def gpu_test_device() -> tuple[str | None, str]:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu); skipped where torch.cuda.is_available() "
-                                       "is False")
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU (tests/gpu); skipped where torch.cuda.is_available() is False"
+    )
 
 
 @pytest.hookimpl(tryfirst=True)

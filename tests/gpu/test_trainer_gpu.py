@@ -24,8 +24,8 @@ for _name in ("peft", "transformers"):
     if importlib.util.find_spec(_name) is None:
         pytest.skip(f"needs {_name}", allow_module_level=True)
 
-from actors.learning.lora import steps as lt  # noqa: E402
 from actors.learning.lora import alignment as ae  # noqa: E402
+from actors.learning.lora import steps as lt  # noqa: E402
 from actors.learning.lora import windowed_pass as wp  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -36,8 +36,10 @@ ALL_PROJ = {**QV, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 ITEMS = [
     {"prompt": "Human: what is the capital of France?\nAssistant:", "completion": " Paris, of course."},
-    {"prompt": "Human: say something.\nAssistant:",
-     "completion": " Something rather longer than the other answer, so the token counts differ."},
+    {
+        "prompt": "Human: say something.\nAssistant:",
+        "completion": " Something rather longer than the other answer, so the token counts differ.",
+    },
 ]
 PAIRS = [
     {"prompt": "Human: name a colour.\nAssistant:", "chosen": " Blue, like the sky.", "rejected": " I won't."},
@@ -245,6 +247,7 @@ def test_windowed_pass_gives_the_one_shot_gradient_in_bf16(tiny_model_dir, devic
 
         def one_shot(m):
             return lt.dpo_step(m, tok, [item], beta=0.1, scale=0.7)
+
     length = wp.item_length(tok, item, method)
     ends = sorted({5, 23, 40 % length, length} - {0})  # DPO: 40 crosses from chosen into rejected
     want_stats, want = run_for_grads(model, lambda: one_shot(model))
@@ -294,6 +297,7 @@ def fixed_length_item(tok, method: str, length: int) -> dict[str, str]:
 
 def time_step(model, tok, opt, method: str, batch: list, length: int, device, repeats: int) -> tuple[float, int]:
     """Median seconds of one micro-step + optimizer step (what one trainer step costs), and its tokens."""
+
     def step():
         if method == "sft":
             stats = lt.sft_step(model, tok, batch, max_length=length)
@@ -335,16 +339,24 @@ def test_step_timings_per_token_count(profile_model_dir, tiny_model_dir, device,
                     assert device.type == "cuda" and profile_model_dir != tiny_model_dir
                     opt.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
-                    rows.append({"method": method, "dtype": "bfloat16", "batch": batch, "seq_tokens": length,
-                                 "oom": True})
+                    rows.append(
+                        {"method": method, "dtype": "bfloat16", "batch": batch, "seq_tokens": length, "oom": True}
+                    )
                     continue
                 sequences = batch * (2 if method == "dpo" else 1)
                 assert tokens == sequences * length  # every sequence was cut to exactly `length` tokens
-                rows.append({
-                    "method": method, "dtype": "bfloat16", "batch": batch, "seq_tokens": length,
-                    "tokens": tokens, "step_ms": seconds * 1000, "tokens_per_s": tokens / seconds,
-                    "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                })
+                rows.append(
+                    {
+                        "method": method,
+                        "dtype": "bfloat16",
+                        "batch": batch,
+                        "seq_tokens": length,
+                        "tokens": tokens,
+                        "step_ms": seconds * 1000,
+                        "tokens_per_s": tokens / seconds,
+                        "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                    }
+                )
     assert any(not r.get("oom") for r in rows)
     assert all(r["step_ms"] > 0 and math.isfinite(r["step_ms"]) for r in rows if not r.get("oom"))
     meta = {
@@ -358,12 +370,14 @@ def test_step_timings_per_token_count(profile_model_dir, tiny_model_dir, device,
         "lora": QV,
         "repeats": repeats,
         "what": "median seconds of one LoRA micro-step (forward + backward) plus optimizer_step, base weights "
-                "bf16, LoRA fp32; DPO tokens count chosen + rejected",
+        "bf16, LoRA fp32; DPO tokens count chosen + rejected",
     }
     profile_out.parent.mkdir(parents=True, exist_ok=True)
     profile_out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     print(f"\nstep timings written to {profile_out}")
     for r in rows:
-        print(f"{r['method']:>4} batch {r['batch']:>2} x {r['seq_tokens']:>5} tokens: "
-              + ("OOM" if r.get("oom") else f"{r['step_ms']:8.1f} ms {r['tokens_per_s']:10.0f} tokens/s"))
+        print(
+            f"{r['method']:>4} batch {r['batch']:>2} x {r['seq_tokens']:>5} tokens: "
+            + ("OOM" if r.get("oom") else f"{r['step_ms']:8.1f} ms {r['tokens_per_s']:10.0f} tokens/s")
+        )
     assert json.loads(profile_out.read_text())["rows"] == rows

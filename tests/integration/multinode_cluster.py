@@ -39,8 +39,7 @@ def main(work: Path) -> None:
     os.environ["COSERVE_DATA_DIR"] = str(worker_dir)
     worker = cluster.add_node(num_cpus=2, resources={"replica_host": 1})
     os.environ["COSERVE_DATA_DIR"] = str(head_dir)
-    ray.init(address=cluster.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     from app.main import build_app
 
     port = free_port()
@@ -64,8 +63,18 @@ def main(work: Path) -> None:
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(1)
-    print(json.dumps({"url": url, "head_node": cluster.head_node.node_id, "worker_node": worker.node_id,
-                      "head_dir": str(head_dir), "worker_dir": str(worker_dir)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "url": url,
+                "head_node": cluster.head_node.node_id,
+                "worker_node": worker.node_id,
+                "head_dir": str(head_dir),
+                "worker_dir": str(worker_dir),
+            }
+        ),
+        flush=True,
+    )
     sys.stdin.read()  # until the test closes it
     serve.shutdown()
     ray.shutdown()

@@ -29,17 +29,20 @@ NO_GATE = {"enabled": False, "held_out_share": 0}
 
 def _version_for_another_model(tmp, adapters_root, adapter: str, version: int):
     """A real peft version of ``adapter`` trained for a 128-wide tiny Llama (the served one is 256 wide)."""
-    from actors.models import default_model
     from actors.learning.lora.bank import AdapterBank
     from actors.learning.lora.steps import save_adapter_version
+    from actors.models import default_model
 
-    other = default_model.build(tmp / "other-model", dataclasses.replace(
-        default_model.DEFAULT_SPEC, hidden_size=128, num_heads=2, intermediate_size=256))
+    other = default_model.build(
+        tmp / "other-model",
+        dataclasses.replace(default_model.DEFAULT_SPEC, hidden_size=128, num_heads=2, intermediate_size=256),
+    )
     bank = AdapterBank(other, dtype="float32")
     lora = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
     model, opt = bank.train(adapter, lora, None, None, 1e-3)
-    return save_adapter_version(model, opt, adapters_root, adapter, version, {"parent": None},
-                                peft_name=bank.peft_name(adapter))
+    return save_adapter_version(
+        model, opt, adapters_root, adapter, version, {"parent": None}, peft_name=bank.peft_name(adapter)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +53,37 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
 
     data = tmp_path_factory.mktemp("faults-data")
     with FeedbackDatabase(data) as store:
-        store.create_adapter({"name": "oldmodel", "method": "sft", "mode": "sync", "lora": {"r": 4, "alpha": 8},
-                              "gate": NO_GATE})
+        store.create_adapter(
+            {"name": "oldmodel", "method": "sft", "mode": "sync", "lora": {"r": 4, "alpha": 8}, "gate": NO_GATE}
+        )
         v = store.reserve_version("oldmodel")
-        path = _version_for_another_model(tmp_path_factory.mktemp("faults-other"), data / "adapters", "oldmodel",
-                                          v.version)
+        path = _version_for_another_model(
+            tmp_path_factory.mktemp("faults-other"), data / "adapters", "oldmodel", v.version
+        )
         assert store.publish_version("oldmodel", v.version, path, [], 4, 1.0).state == "served"
         store.add_feedback([{"adapter": "oldmodel", "prompt": f"Old {i}:", "completion": " x."} for i in range(2)])
-        store.create_adapter({"name": "broken", "tenant": "acme", "method": "sft", "mode": "sync",
-                              "lora": {"r": 4, "alpha": 8, "target_modules": ["no_such_module"]}, "gate": NO_GATE})
+        store.create_adapter(
+            {
+                "name": "broken",
+                "tenant": "acme",
+                "method": "sft",
+                "mode": "sync",
+                "lora": {"r": 4, "alpha": 8, "target_modules": ["no_such_module"]},
+                "gate": NO_GATE,
+            }
+        )
         store.add_feedback([{"adapter": "acme/broken", "prompt": "Break:", "completion": " now."}])
-        store.create_adapter({"name": "good", "tenant": "beta", "method": "sft", "mode": "hybrid",
-                              "learning_rate": 5e-3, "lora": {"r": 4, "alpha": 8}, "gate": NO_GATE})
+        store.create_adapter(
+            {
+                "name": "good",
+                "tenant": "beta",
+                "method": "sft",
+                "mode": "hybrid",
+                "learning_rate": 5e-3,
+                "lora": {"r": 4, "alpha": 8},
+                "gate": NO_GATE,
+            }
+        )
     cfg = {
         "name": "coserve-faults",
         "data_dir": str(data),
@@ -115,6 +137,7 @@ def test_one_adapters_fault_pauses_only_that_adapter(url):
     waits = st["training_waits"]
     assert waits["acme/broken"]["why"].startswith("paused: ") and waits["acme/broken"]["queued"] == 1
     for model in (BASE, f"{BASE}:beta/good"):
-        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Beta fact 1:", "max_tokens": 4},
-                       timeout=60)
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "Beta fact 1:", "max_tokens": 4}, timeout=60
+        )
         assert r.status_code == 200, r.text

@@ -24,8 +24,11 @@ def make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
 
 
 def greedy(app_url: str, model: str) -> httpx.Response:
-    return httpx.post(f"{app_url}/v1/completions", timeout=60,
-                      json={"model": model, "prompt": "adapter test", "max_tokens": 16, "temperature": 0})
+    return httpx.post(
+        f"{app_url}/v1/completions",
+        timeout=60,
+        json={"model": model, "prompt": "adapter test", "max_tokens": 16, "temperature": 0},
+    )
 
 
 def test_adapter_versions_are_served_and_listed(app_url, planner, data_dir, tmp_path):
@@ -124,12 +127,13 @@ def test_what_nodes_serve_always_agrees_with_the_store(app_url, planner, data_di
         # The trainer publishes v4 while a client rolls back to v1: whichever commits last wins in the
         # store, and the nodes serve exactly that, even though the trainer's load arrives last.
         v4 = ray.get(store.reserve_version.remote(name)).version
-        rolled = pool.submit(lambda: httpx.post(f"{app_url}/v1/adapters/{name}/rollback", json={"version": 1},
-                                                timeout=120).status_code)
+        rolled = pool.submit(
+            lambda: httpx.post(f"{app_url}/v1/adapters/{name}/rollback", json={"version": 1}, timeout=120).status_code
+        )
         try:
             ray.get(store.publish_version.remote(name, v4, path, [], 1, 0.0))
-        except Exception:  # the rollback committed first: the trainer's publish is refused (VersionConflict)
-            pass
+        except Exception as exc:  # the rollback committed first: the trainer's publish is refused (VersionConflict)
+            assert "VersionConflict" in type(exc).__name__ + str(exc), exc
         assert rolled.result() == 200
         ray.get(planner.load_adapter.remote(name))  # the trainer's push, after the rollback
         current, served = agree()

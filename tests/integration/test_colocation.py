@@ -41,9 +41,14 @@ def test_every_trainer_rank_shares_bundle_0_of_its_nodes_placement_group(app_url
     training = _trainer_running(app_url, nodes)
     locations = {loc.node_id: loc for loc in ray.get(planner.node_locations.remote())}
     here = ray.get_runtime_context().gcs_address  # this suite's cluster, even beside another on the machine
-    replicas = {a.placement_group_id: a for a in list_actors(
-        filters=[("class_name", "=", "ServeReplica:coserve:ModelServer"), ("state", "=", "ALIVE")], detail=True,
-        address=here)}
+    replicas = {
+        a.placement_group_id: a
+        for a in list_actors(
+            filters=[("class_name", "=", "ServeReplica:coserve:ModelServer"), ("state", "=", "ALIVE")],
+            detail=True,
+            address=here,
+        )
+    }
     ranks = list_actors(filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")], detail=True, address=here)
     assert len(ranks) == nodes, [(a.actor_id, a.placement_group_id) for a in ranks]
     by_pid = {w["pid"]: w for w in training["workers"]}
@@ -58,7 +63,9 @@ def test_every_trainer_rank_shares_bundle_0_of_its_nodes_placement_group(app_url
         rank_bundles, replica_bundles = _bundles(rank.required_resources), _bundles(replica.required_resources)
         assert rank_bundles["CPU"][:2] == (0, group) and replica_bundles["CPU"][:2] == (0, group)
         # Their shares add up to the bundle (0.5 + 0.5 of {CPU: 1}): nothing reserved beside the group.
-        assert rank_bundles["CPU"][2] + replica_bundles["CPU"][2] == pytest.approx(app_config["cluster"]["bundle"]["CPU"])
+        assert rank_bundles["CPU"][2] + replica_bundles["CPU"][2] == pytest.approx(
+            app_config["cluster"]["bundle"]["CPU"]
+        )
         groups_used.add(group)
     assert len(groups_used) == nodes  # one rank per node, each in its own node's group
 
@@ -71,6 +78,10 @@ def test_no_placement_group_besides_the_nodes_own(app_url, app_config, planner):
 
     _trainer_running(app_url, app_config["cluster"]["nodes"])
     node_groups = {loc.placement_group_id for loc in ray.get(planner.node_locations.remote())}
-    created = {g.placement_group_id for g in list_placement_groups(
-        filters=[("state", "=", "CREATED")], address=ray.get_runtime_context().gcs_address)}
+    created = {
+        g.placement_group_id
+        for g in list_placement_groups(
+            filters=[("state", "=", "CREATED")], address=ray.get_runtime_context().gcs_address
+        )
+    }
     assert created == node_groups

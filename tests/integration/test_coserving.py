@@ -29,9 +29,16 @@ def _grant_log(app_url: str, adapter: str, seen: dict[tuple[int, float], dict]) 
 
 def _items(adapter: str, k: int, start: int) -> list[dict]:
     # About 300 tokens each (byte-level tokenizer): longer than a window under load.
-    return [{"adapter": adapter, "prompt": f"Question {start + i}: what is the plan for item {start + i}?",
-             "completion": ("We ship the change in small steps, measure each one and roll back on regressions. "
-                            * 4)[: 280 + i]} for i in range(k)]
+    return [
+        {
+            "adapter": adapter,
+            "prompt": f"Question {start + i}: what is the plan for item {start + i}?",
+            "completion": ("We ship the change in small steps, measure each one and roll back on regressions. " * 4)[
+                : 280 + i
+            ],
+        }
+        for i in range(k)
+    ]
 
 
 def _collect_until_consumed(app_url: str, name: str, version: int, seen: dict, timeout: float = 240) -> dict:
@@ -46,9 +53,9 @@ def _collect_until_consumed(app_url: str, name: str, version: int, seen: dict, t
 
 
 def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(app_url, trainer, app_config):
-    from settings import AppConfig
     from actors.control.cost_profile import load_profile
     from planners.coserving import InferenceWork, calibrated, ft_tokens_within, token_budget
+    from settings import AppConfig
 
     cfg = AppConfig.model_validate(app_config)
     assert cfg.planner.iteration == "hybrid"
@@ -60,8 +67,13 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
 
     def refit(grant: dict):
         """The cost model as the node had refit it when it made ``grant`` (t_ft per phase, t_iter, ρ)."""
-        return calibrated(cm, grant["forward_cost_factor"], grant["backward_cost_factor"], grant["iteration_factor"],
-                          grant["interference"])
+        return calibrated(
+            cm,
+            grant["forward_cost_factor"],
+            grant["backward_cost_factor"],
+            grant["iteration_factor"],
+            grant["interference"],
+        )
 
     def idle_budget(grant: dict) -> int:
         """An empty window: s = max{s : ρ·t_ft(s) ≤ SLO}, at most ``max_grant_s`` (1 s) of fine-tuning,
@@ -73,8 +85,14 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
         return ft_tokens_within(refit(grant), 1.0)
 
     name = "coserve-grants"
-    _create(app_url, name, method="sft", learning_rate=1e-3, mode="hybrid",
-            lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+    _create(
+        app_url,
+        name,
+        method="sft",
+        learning_rate=1e-3,
+        mode="hybrid",
+        lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    )
 
     # Phase 1: no inference. Every grant is at least the full FlexLLM budget of an empty window. Once the
     # node's scheduler has seen prompts (earlier tests, the readiness probe), an idle engine's bound is the
@@ -84,7 +102,8 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
     v1 = _collect_until_consumed(app_url, name, 1, idle)["current_version"]
     quiet = [g for g in idle.values() if g["decoding"] == 0 and g["prefilling"] == 0]
     assert quiet and all(0 < idle_budget(g) <= g["budget"] <= grant_cap(g) for g in quiet), [
-        (g["budget"], idle_budget(g), grant_cap(g), g["forward_cost_factor"], g["reason"]) for g in quiet]
+        (g["budget"], idle_budget(g), grant_cap(g), g["forward_cost_factor"], g["reason"]) for g in quiet
+    ]
 
     # Phase 2: closed-loop clients with long prompts keep both engines prefilling and decoding.
     stop = threading.Event()
@@ -93,8 +112,10 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
     def client(k: int) -> None:
         with httpx.Client(timeout=120) as c:
             while not stop.is_set():
-                r = c.post(f"{app_url}/v1/completions", json={
-                    "model": BASE, "prompt": f"{k} " + "load " * 150, "max_tokens": 48, "temperature": 0.8})
+                r = c.post(
+                    f"{app_url}/v1/completions",
+                    json={"model": BASE, "prompt": f"{k} " + "load " * 150, "max_tokens": 48, "temperature": 0.8},
+                )
                 if r.status_code != 200:
                     errors.append(r.text[:200])
 

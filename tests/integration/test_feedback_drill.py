@@ -24,16 +24,30 @@ KILL_AFTER_S = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05)
 
 @pytest.fixture
 def store_actor(ray_cluster, tmp_path):
-    from settings import load
     from actors.learning.store.actor import FeedbackStore
+    from settings import load
 
     ray = ray_cluster
-    cfg = load({"name": f"drill-{uuid.uuid4().hex[:8]}", "data_dir": str(tmp_path),
-                "training": {"gate": {"enabled": False, "held_out_share": 0.0}}})
+    cfg = load(
+        {
+            "name": f"drill-{uuid.uuid4().hex[:8]}",
+            "data_dir": str(tmp_path),
+            "training": {"gate": {"enabled": False, "held_out_share": 0.0}},
+        }
+    )
     # As actors/control/planner.py's _start_store makes it (not detached: it goes with the test).
-    actor = ray.remote(FeedbackStore).options(
-        name=cfg.store_actor_name, namespace="coserve", num_cpus=0, max_restarts=-1, max_task_retries=3,
-        max_concurrency=1000).remote(cfg)
+    actor = (
+        ray.remote(FeedbackStore)
+        .options(
+            name=cfg.store_actor_name,
+            namespace="coserve",
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=3,
+            max_concurrency=1000,
+        )
+        .remote(cfg)
+    )
     ray.get(actor.create_adapter.remote({"name": ADAPTER, "method": "sft", "mode": "off"}), timeout=60)
     yield actor, cfg
     ray.kill(actor, no_restart=True)

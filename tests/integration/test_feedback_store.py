@@ -43,8 +43,16 @@ def sample(adapter: str = "tutor", i: int = 0) -> dict:
 @pytest.fixture
 def store(tmp_path):
     s = FeedbackDatabase(tmp_path, gate_defaults=NO_GATE)
-    s.create_adapter({"name": "acme", "method": "dpo", "beta": 0.1, "learning_rate": 5e-4,
-                      "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, "mode": "hybrid"})
+    s.create_adapter(
+        {
+            "name": "acme",
+            "method": "dpo",
+            "beta": 0.1,
+            "learning_rate": 5e-4,
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+            "mode": "hybrid",
+        }
+    )
     s.create_adapter({"name": "tutor", "method": "sft"})
     yield s
     s.close()
@@ -67,9 +75,15 @@ def test_adapters_create_get_list_and_duplicates(store):
     assert isinstance(e.value, Conflict)
     with pytest.raises(UnknownAdapter):
         store.get_adapter("nope")
-    for bad in ({"name": "Acme"}, {"name": "a:b"}, {"name": "x" * 65}, {"name": "ok", "method": "ppo"},
-                {"name": "ok", "lora": {"r": 0}}, {"name": "ok", "mode": "periodic",
-                                                   "periodic": {"every_seconds": None}}, {"name": "ok", "typo": 1}):
+    for bad in (
+        {"name": "Acme"},
+        {"name": "a:b"},
+        {"name": "x" * 65},
+        {"name": "ok", "method": "ppo"},
+        {"name": "ok", "lora": {"r": 0}},
+        {"name": "ok", "mode": "periodic", "periodic": {"every_seconds": None}},
+        {"name": "ok", "typo": 1},
+    ):
         with pytest.raises(InvalidRequest):
             store.create_adapter(bad)
     assert [a.name for a in store.list_adapters()] == ["acme", "tutor"]
@@ -99,9 +113,14 @@ def test_update_changes_training_settings_only(store):
     assert (info.mode, info.learning_rate, info.periodic.every_samples) == ("periodic", 1e-3, 8)
     assert info.periodic.every_seconds == 60.0  # untouched sub-fields keep their values
     assert store.get_adapter("acme").mode == "periodic"  # stored, not just returned
-    for bad, word in [({"lora": {"r": 4}}, "lora"), ({"method": "sft"}, "method"), ({"learning_rate": -1}, "learning_rate"),
-                      ({"mode": "sometimes"}, "mode"), ({}, "at least one"),
-                      ({"mode": "periodic", "periodic": {"every_seconds": None, "every_samples": None}}, "periodic")]:
+    for bad, word in [
+        ({"lora": {"r": 4}}, "lora"),
+        ({"method": "sft"}, "method"),
+        ({"learning_rate": -1}, "learning_rate"),
+        ({"mode": "sometimes"}, "mode"),
+        ({}, "at least one"),
+        ({"mode": "periodic", "periodic": {"every_seconds": None, "every_samples": None}}, "periodic"),
+    ]:
         with pytest.raises(InvalidRequest, match=word):
             store.update_adapter("acme", bad)
     after = store.get_adapter("acme")
@@ -110,22 +129,27 @@ def test_update_changes_training_settings_only(store):
         store.update_adapter("ghost", {"mode": "off"})
 
 
-@pytest.mark.parametrize("items, expect", [
-    ([], "items: the list is empty"),
-    ([pair(), {"adapter": "acme", "prompt": "p", "chosen": "c"}], "items[1].rejected: field required"),
-    ([pair(), pair(), pair(), {"adapter": "acme", "prompt": "p", "chosen": 3, "rejected": "r"}],
-     "items[3].chosen: Input should be a valid string"),
-    ([{**pair(), "extra": 1}], "items[0].extra: unknown field"),
-    ([{**pair(), "prompt": "   "}], "items[0].prompt: must not be blank"),
-    ([{**pair(), "chosen": ""}], "items[0].chosen: String should have at least 1 character"),
-    ([pair(), {**pair(), "chosen": "é" * 20_000}], "items[1]: 40007 bytes of text, more than the limit of 32768"),
-    ([{"adapter": "acme", "prompt": "p"}], "items[0]: needs completion"),
-    ([{**pair(), "completion": "c"}], "items[0]: give either completion"),
-    ([pair(), sample("acme")], "items[1]: adapter 'acme' trains with dpo and takes preference pairs"),
-    ([sample(), pair("tutor")], "items[1]: adapter 'tutor' trains with sft and takes SFT samples"),
-    ("not a list", "items: expected a list"),
-    ([pair(), "x"], "items[1]: expected an object"),
-])
+@pytest.mark.parametrize(
+    "items, expect",
+    [
+        ([], "items: the list is empty"),
+        ([pair(), {"adapter": "acme", "prompt": "p", "chosen": "c"}], "items[1].rejected: field required"),
+        (
+            [pair(), pair(), pair(), {"adapter": "acme", "prompt": "p", "chosen": 3, "rejected": "r"}],
+            "items[3].chosen: Input should be a valid string",
+        ),
+        ([{**pair(), "extra": 1}], "items[0].extra: unknown field"),
+        ([{**pair(), "prompt": "   "}], "items[0].prompt: must not be blank"),
+        ([{**pair(), "chosen": ""}], "items[0].chosen: String should have at least 1 character"),
+        ([pair(), {**pair(), "chosen": "é" * 20_000}], "items[1]: 40007 bytes of text, more than the limit of 32768"),
+        ([{"adapter": "acme", "prompt": "p"}], "items[0]: needs completion"),
+        ([{**pair(), "completion": "c"}], "items[0]: give either completion"),
+        ([pair(), sample("acme")], "items[1]: adapter 'acme' trains with dpo and takes preference pairs"),
+        ([sample(), pair("tutor")], "items[1]: adapter 'tutor' trains with sft and takes SFT samples"),
+        ("not a list", "items: expected a list"),
+        ([pair(), "x"], "items[1]: expected an object"),
+    ],
+)
 def test_invalid_batches_say_which_item_and_store_nothing(store, items, expect):
     store.add_feedback([pair(i=99)])  # something already stored must stay the only thing
     with pytest.raises(InvalidRequest) as e:
@@ -218,8 +242,10 @@ def test_a_failed_batch_stores_no_key_and_a_bad_key_is_refused(store):
 
 def test_the_key_and_its_items_commit_together_or_not_at_all(store):
     # The key's insert fails after the items went in: the transaction leaves neither.
-    store._conn.execute("CREATE TEMP TRIGGER no_keys BEFORE INSERT ON idempotency_keys "
-                        "BEGIN SELECT RAISE(ABORT, 'disk I/O error (simulated)'); END")
+    store._conn.execute(
+        "CREATE TEMP TRIGGER no_keys BEFORE INSERT ON idempotency_keys "
+        "BEGIN SELECT RAISE(ABORT, 'disk I/O error (simulated)'); END"
+    )
     with pytest.raises(sqlite3.DatabaseError):
         store.submit_feedback([pair(i=i) for i in range(3)], idempotency_key="k")
     assert _rows(store) == 0 and _rows(store, "idempotency_keys") == 0
@@ -370,8 +396,9 @@ print("DONE", flush=True)
 
 def test_sigkill_in_the_middle_of_a_batch_keeps_acked_items_and_no_partial_batch(store, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", _CRASHING_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
     try:
         acked = json.loads(proc.stdout.readline().removeprefix("ACK "))
         assert proc.stdout.readline().strip() == "MIDWAY"
@@ -522,31 +549,46 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 def test_chat_items_are_stored_with_their_turns_and_handed_out_as_such(store):
-    ids = store.add_feedback([
-        {"adapter": "tutor", "messages": CHAT, "completion": "Paris."},
-        # OpenAI's fine-tuning shape: the answer is the conversation's last assistant turn.
-        {"adapter": "tutor", "messages": [*CHAT, {"role": "assistant", "content": "Paris!"}]},
-        {"adapter": "acme", "messages": CHAT, "chosen": "Paris.", "rejected": "Rome."},
-        sample("tutor", 7),
-    ])
+    ids = store.add_feedback(
+        [
+            {"adapter": "tutor", "messages": CHAT, "completion": "Paris."},
+            # OpenAI's fine-tuning shape: the answer is the conversation's last assistant turn.
+            {"adapter": "tutor", "messages": [*CHAT, {"role": "assistant", "content": "Paris!"}]},
+            {"adapter": "acme", "messages": CHAT, "chosen": "Paris.", "rejected": "Rome."},
+            sample("tutor", 7),
+        ]
+    )
     sft = store.take("tutor", 10)
     assert [(i.prompt, i.messages, i.completion) for i in sft] == [
-        (None, tuple(CHAT), "Paris."), (None, tuple(CHAT), "Paris!"), ("q7", None, "answer 7")]
+        (None, tuple(CHAT), "Paris."),
+        (None, tuple(CHAT), "Paris!"),
+        ("q7", None, "answer 7"),
+    ]
     (pref,) = store.take("acme", 10)
-    assert (pref.id, pref.prompt, pref.messages, pref.chosen, pref.rejected) == (ids[2], None, tuple(CHAT), "Paris.",
-                                                                                "Rome.")
+    assert (pref.id, pref.prompt, pref.messages, pref.chosen, pref.rejected) == (
+        ids[2],
+        None,
+        tuple(CHAT),
+        "Paris.",
+        "Rome.",
+    )
     assert store.feedback_item(ids[0])[0].messages == tuple(CHAT)
 
 
-@pytest.mark.parametrize("item, expect", [
-    ({"adapter": "tutor", "prompt": "q", "messages": CHAT, "completion": "a"}, "either prompt"),
-    ({"adapter": "tutor", "completion": "a"}, "either prompt"),
-    ({"adapter": "tutor", "messages": [], "completion": "a"}, "messages"),
-    ({"adapter": "tutor", "messages": [{"role": "robot", "content": "x"}], "completion": "a"}, "messages[0].role"),
-    ({"adapter": "tutor", "messages": [{"role": "user", "content": ""}], "completion": "a"}, "messages[0].content"),
-    ({"adapter": "tutor", "messages": [*CHAT, {"role": "assistant", "content": "x"}], "completion": "a"},
-     "must end with a user"),
-])
+@pytest.mark.parametrize(
+    "item, expect",
+    [
+        ({"adapter": "tutor", "prompt": "q", "messages": CHAT, "completion": "a"}, "either prompt"),
+        ({"adapter": "tutor", "completion": "a"}, "either prompt"),
+        ({"adapter": "tutor", "messages": [], "completion": "a"}, "messages"),
+        ({"adapter": "tutor", "messages": [{"role": "robot", "content": "x"}], "completion": "a"}, "messages[0].role"),
+        ({"adapter": "tutor", "messages": [{"role": "user", "content": ""}], "completion": "a"}, "messages[0].content"),
+        (
+            {"adapter": "tutor", "messages": [*CHAT, {"role": "assistant", "content": "x"}], "completion": "a"},
+            "must end with a user",
+        ),
+    ],
+)
 def test_bad_chat_items_say_what_is_wrong_and_store_nothing(store, item, expect):
     with pytest.raises(InvalidRequest) as e:
         store.add_feedback([sample(), item])

@@ -12,8 +12,16 @@ from pathlib import Path
 
 from actors.learning.finetune.job import parse_job
 
-PROMPTS = ["What is the capital of France?", "Name a prime number.", "Say hello.", "What colour is the sky?",
-           "Count to three.", "Who wrote Hamlet?", "What is 2 + 2?", "Name a fruit."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Name a prime number.",
+    "Say hello.",
+    "What colour is the sky?",
+    "Count to three.",
+    "Who wrote Hamlet?",
+    "What is 2 + 2?",
+    "Name a fruit.",
+]
 ANSWER = "zebra zebra zebra"  # one answer for every prompt: a pattern the tiny model learns in a few steps
 
 
@@ -23,13 +31,25 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def _job(tmp_path: Path, data_dir: Path, data_path: Path, **over) -> dict:
-    return {"base": "tiny-llama", "data_dir": str(data_dir),
-            "adapter": {"name": "zebra", "method": "sft", "lora": {"r": 8, "alpha": 16,
-                                                                  "target_modules": ["q_proj", "v_proj", "o_proj"]}},
-            "data": {"path": str(data_path), "loader": "ray_data", "max_length": 96},
-            "epochs": 3, "batch_size": 2, "learning_rate": 5e-3, "workers": 2, "resources_per_worker": {"CPU": 0.5},
-            "storage_path": str(tmp_path / "runs"), "max_failures": 1, "output": {"dir": str(tmp_path / "adapter")},
-            **over}
+    return {
+        "base": "tiny-llama",
+        "data_dir": str(data_dir),
+        "adapter": {
+            "name": "zebra",
+            "method": "sft",
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]},
+        },
+        "data": {"path": str(data_path), "loader": "ray_data", "max_length": 96},
+        "epochs": 3,
+        "batch_size": 2,
+        "learning_rate": 5e-3,
+        "workers": 2,
+        "resources_per_worker": {"CPU": 0.5},
+        "storage_path": str(tmp_path / "runs"),
+        "max_failures": 1,
+        "output": {"dir": str(tmp_path / "adapter")},
+        **over,
+    }
 
 
 def _greedy(model, tok, prompt: str, n: int = 8) -> list[int]:
@@ -37,9 +57,14 @@ def _greedy(model, tok, prompt: str, n: int = 8) -> list[int]:
 
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_two_workers_checkpoint_each_epoch_survive_a_kill_and_resume(ray_cluster, data_dir, tmp_path):
@@ -48,8 +73,9 @@ def test_two_workers_checkpoint_each_epoch_survive_a_kill_and_resume(ray_cluster
     rows = [{"prompt": p, "completion": ANSWER} for p in PROMPTS[:6]]
     # Chat items in OpenAI's fine-tuning shape (the answer is the last assistant turn): Ray Data reads
     # the turns as a list column, and the worker turns them back into plain dicts.
-    rows += [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ANSWER}]}
-             for p in PROMPTS[6:]]
+    rows += [
+        {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": ANSWER}]} for p in PROMPTS[6:]
+    ]
     data = _write(tmp_path / "train.jsonl", rows)
     job = parse_job(_job(tmp_path, data_dir, data))
     marker = tmp_path / "crashed-once"
@@ -69,7 +95,8 @@ def test_two_workers_checkpoint_each_epoch_survive_a_kill_and_resume(ray_cluster
     assert sorted(p.name for p in run_dir.glob("epoch-*")) == ["epoch-0001", "epoch-0002", "epoch-0003"]
     for ckpt in run_dir.glob("epoch-*"):
         assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "state.json"} <= {
-            p.name for p in ckpt.iterdir()}
+            p.name for p in ckpt.iterdir()
+        }
     losses = [h["loss"] for h in run.state["history"]]
     assert losses[-1] < losses[0], losses
 
@@ -97,10 +124,23 @@ def test_dpo_from_a_file_on_two_workers(ray_cluster, data_dir, tmp_path):
 
     rows = [{"prompt": p, "chosen": ANSWER, "rejected": "I do not know."} for p in PROMPTS]
     data = _write(tmp_path / "pairs.jsonl", rows)
-    job = parse_job(_job(tmp_path, data_dir, data, epochs=2, max_failures=0, learning_rate=5e-3,
-                         adapter={"name": "zebra-dpo", "method": "dpo", "beta": 0.5,
-                                  "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-                         data={"path": str(data), "loader": "file", "max_length": 96}))
+    job = parse_job(
+        _job(
+            tmp_path,
+            data_dir,
+            data,
+            epochs=2,
+            max_failures=0,
+            learning_rate=5e-3,
+            adapter={
+                "name": "zebra-dpo",
+                "method": "dpo",
+                "beta": 0.5,
+                "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            },
+            data={"path": str(data), "loader": "file", "max_length": 96},
+        )
+    )
     run = run_finetune(job, log=lambda _: None)
     history = run.state["history"]
     assert [h["epoch"] for h in history] == [1, 2] and all(h["samples"] == 8 for h in history)

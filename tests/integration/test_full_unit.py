@@ -13,8 +13,10 @@ READY_S = 300
 # Measured here: 77 s from feedback to v1 on a loaded 2-core box; the CI machine is slower (it missed 180 s once).
 TRAIN_DEADLINE_S = 360
 PROMPT = "Q: sky color?\nA:"
-ITEMS = [{"adapter": "whole", "prompt": PROMPT, "completion": " blue sky blue"},
-         {"adapter": "whole", "prompt": "Q: pet?\nA:", "completion": " cat cat cat"}] * 2
+ITEMS = [
+    {"adapter": "whole", "prompt": PROMPT, "completion": " blue sky blue"},
+    {"adapter": "whole", "prompt": "Q: pet?\nA:", "completion": " cat cat cat"},
+] * 2
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +33,23 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
         "planner": {"placement": "round_robin"},
         "training": {"micro_batch": 2, "accumulation": 2, "steps_per_version": 6, "max_length": 64},
     }
-    base = serve_test_app(app_url, "fullunit", cfg,
-                          lambda st: st["ready_nodes"] == 1 and (st.get("training") or {}).get("full") is not None,
-                          READY_S)
+    base = serve_test_app(
+        app_url,
+        "fullunit",
+        cfg,
+        lambda st: st["ready_nodes"] == 1 and (st.get("training") or {}).get("full") is not None,
+        READY_S,
+    )
     yield base
     serve.delete("fullunit")
 
 
 def _greedy(url: str) -> str:
-    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 6,
-                                                  "temperature": 0}, timeout=60)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 6, "temperature": 0},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -51,12 +60,18 @@ def _stage_bundles(group: str) -> dict[str, int]:
     from ray.util.state import list_actors
 
     out = {}
-    for a in list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                         filters=[("placement_group_id", "=", group), ("class_name", "=", "PipelineStage")]):
+    for a in list_actors(
+        address=ray.get_runtime_context().gcs_address,
+        detail=True,
+        filters=[("placement_group_id", "=", group), ("class_name", "=", "PipelineStage")],
+    ):
         if a.state == "ALIVE":
             # Ray books an actor's share of bundle i of group G as <resource>_group_<i>_<G>.
-            out[a.actor_id] = next(int(k.split("_")[2]) for k in a.required_resources
-                                   if k.startswith("CPU_group_") and k.endswith(group) and k.split("_")[2].isdigit())
+            out[a.actor_id] = next(
+                int(k.split("_")[2])
+                for k in a.required_resources
+                if k.startswith("CPU_group_") and k.endswith(group) and k.split("_")[2].isdigit()
+            )
     return out
 
 
@@ -69,9 +84,17 @@ def test_bad_units_are_refused_in_the_openai_error_shape(url):
 
 def test_a_full_unit_trains_in_the_nodes_bundles_while_serving_and_rolls_back(url):
     before = _greedy(url)
-    r = httpx.post(f"{url}/v1/adapters", json={"name": "whole", "method": "full_sft", "mode": "sync",
-                                               "learning_rate": 5e-3, "gate": {"enabled": False, "held_out_share": 0}},
-                   timeout=30)
+    r = httpx.post(
+        f"{url}/v1/adapters",
+        json={
+            "name": "whole",
+            "method": "full_sft",
+            "mode": "sync",
+            "learning_rate": 5e-3,
+            "gate": {"enabled": False, "held_out_share": 0},
+        },
+        timeout=30,
+    )
     assert r.status_code == 201, r.text
     assert r.json()["model"] == "tiny-llama"  # requests keep naming the base model
     second = httpx.post(f"{url}/v1/adapters", json={"name": "whole2", "method": "full_dpo"}, timeout=30)
@@ -125,5 +148,7 @@ def test_a_full_unit_trains_in_the_nodes_bundles_while_serving_and_rolls_back(ur
     assert _greedy(url) == before
     back = httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"][0]["full_version"]
     assert back["version"] is None and back["sync_s"] > 0, back
-    print(f"trained and served v1 in {trained_s:.1f} s (states {phases}); sync {full['sync_s']} s; "
-          f"publish -> served {progress['publish_to_served_s']} s; before {before!r} after {after!r}")
+    print(
+        f"trained and served v1 in {trained_s:.1f} s (states {phases}); sync {full['sync_s']} s; "
+        f"publish -> served {progress['publish_to_served_s']} s; before {before!r} after {after!r}"
+    )

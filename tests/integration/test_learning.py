@@ -68,8 +68,10 @@ def _wait_consumed(app_url: str, name: str, min_version: int = 1, timeout: float
         if info["queued"] == 0 and (info["current_version"] or 0) >= min_version:
             return info
         time.sleep(0.5)
-    pytest.fail(f"{name}: feedback not consumed within {timeout}s: queued={info.get('queued')}, "
-                f"version={info.get('current_version')}, trainer={_training(app_url)}")
+    pytest.fail(
+        f"{name}: feedback not consumed within {timeout}s: queued={info.get('queued')}, "
+        f"version={info.get('current_version')}, trainer={_training(app_url)}"
+    )
 
 
 def _probe(app_url: str, model: str, prompt: str) -> float | None:
@@ -79,8 +81,11 @@ def _probe(app_url: str, model: str, prompt: str) -> float | None:
     through a LoRA engine hit vLLM #16668 (a wrong LoRA mapping that kills the engine once such a
     request shares a batch with others), so the tests never send them.
     """
-    r = httpx.post(f"{app_url}/v1/completions", timeout=60, json={
-        "model": model, "prompt": prompt, "max_tokens": 1, "logprobs": 1, "temperature": 0})
+    r = httpx.post(
+        f"{app_url}/v1/completions",
+        timeout=60,
+        json={"model": model, "prompt": prompt, "max_tokens": 1, "logprobs": 1, "temperature": 0},
+    )
     if r.status_code == 404:
         return None
     assert r.status_code == 200, r.text
@@ -88,16 +93,19 @@ def _probe(app_url: str, model: str, prompt: str) -> float | None:
 
 
 def _greedy(app_url: str, model: str, prompt: str, tokens: int = 12) -> str:
-    r = httpx.post(f"{app_url}/v1/completions", timeout=60,
-                   json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0})
+    r = httpx.post(
+        f"{app_url}/v1/completions",
+        timeout=60,
+        json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
 
 def _version_model(cfg, path: str | None):
     """The model as a published version directory holds it (None: a fresh LoRA, i.e. the base model)."""
-    from actors.models.default_model import model_dir as resolve_model_dir
     from actors.learning.lora.steps import load_lora_model
+    from actors.models.default_model import model_dir as resolve_model_dir
 
     model_dir = resolve_model_dir(cfg)
     lora = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
@@ -143,7 +151,9 @@ def test_sft_feedback_is_served_within_seconds_and_raises_the_completion_logprob
     _feedback(app_url, [{"adapter": name, "prompt": prompt, "completion": completion}])
     accepted = time.time()
     while (first := _probe(app_url, model, prompt)) is None:
-        assert time.time() - accepted < FRESHNESS_BOUND_S, f"not served after {FRESHNESS_BOUND_S}s: {_training(app_url)}"
+        assert time.time() - accepted < FRESHNESS_BOUND_S, (
+            f"not served after {FRESHNESS_BOUND_S}s: {_training(app_url)}"
+        )
         time.sleep(0.05)
     freshness = time.time() - accepted
     info = _adapter(app_url, name)
@@ -176,8 +186,9 @@ def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data
     from actors.learning.lora.alignment import evaluate_preferences, read_preference_jsonl
 
     name = "learn-dpo"
-    pairs = read_preference_jsonl(shared_data / "preferences" / "hh_rlhf_train_sample.jsonl", limit=12,
-                                  max_text_bytes=200)
+    pairs = read_preference_jsonl(
+        shared_data / "preferences" / "hh_rlhf_train_sample.jsonl", limit=12, max_text_bytes=200
+    )
     # 1e-3, not 5e-3: at 5e-3 the ninth Adam step on these pairs overshoots and CLPD falls from
     # -26.5 to -45.9 (reproduced offline, single process, same order); at 1e-3 it rises at every step.
     _create(app_url, name, method="dpo", beta=0.1, learning_rate=1e-3, lora={"r": 8, "alpha": 16})
@@ -194,8 +205,10 @@ def test_dpo_feedback_raises_the_preference_margin(app_url, trainer, shared_data
 
     trained, tok = _version_model(cfg, latest["path"])  # the directory the replicas loaded
     after = evaluate_preferences(trained, tok, pairs)
-    print(f"DPO on {len(pairs)} pairs: CLPD {before.clpd:.2f} -> {after.clpd:.2f}, "
-          f"win rate {before.win_rate:.2f} -> {after.win_rate:.2f}")
+    print(
+        f"DPO on {len(pairs)} pairs: CLPD {before.clpd:.2f} -> {after.clpd:.2f}, "
+        f"win rate {before.win_rate:.2f} -> {after.win_rate:.2f}"
+    )
     assert after.clpd > before.clpd, (before, after)  # E[log π(y+) − log π(y−)] went up
     # The replicas serve it: base:adapter answers, with other weights than the base model.
     p = pairs[0]["prompt"]
@@ -224,19 +237,29 @@ def test_training_after_a_rollback_starts_from_the_rolled_back_version(app_url, 
     latest = info["versions"][-1]
     assert latest["version"] > before and latest["parent"] == 1, latest  # trained on top of v1, not v2
     deadline = time.time() + 60
-    while not all(n["adapters"].get(model) == latest["version"] for n in _status(app_url)["nodes"]
-                  if n["state"] == "ready"):
+    while not all(
+        n["adapters"].get(model) == latest["version"] for n in _status(app_url)["nodes"] if n["state"] == "ready"
+    ):
         assert time.time() < deadline, _status(app_url)["nodes"]
         time.sleep(0.2)
 
 
 def test_epochs_train_every_item_that_many_times_in_successive_versions(app_url, trainer):
     name = "learn-epochs"
-    info = _create(app_url, name, method="sft", mode="sync", learning_rate=5e-3, lora={"r": 4, "alpha": 8}, epochs=3,
-                   gate={"enabled": False, "held_out_share": 0.0})
+    info = _create(
+        app_url,
+        name,
+        method="sft",
+        mode="sync",
+        learning_rate=5e-3,
+        lora={"r": 4, "alpha": 8},
+        epochs=3,
+        gate={"enabled": False, "held_out_share": 0.0},
+    )
     assert info["epochs"] == 3
-    _feedback(app_url, [{"adapter": name, "prompt": f"Epoch item {i}:", "completion": f" answer {i}."}
-                        for i in range(4)])  # one micro-batch: each version trains all four once
+    _feedback(
+        app_url, [{"adapter": name, "prompt": f"Epoch item {i}:", "completion": f" answer {i}."} for i in range(4)]
+    )  # one micro-batch: each version trains all four once
     info = _wait_consumed(app_url, name, min_version=1)
     # Four items, three epochs: 12 samples trained, in three versions of four (one pass each per version).
     assert [v["samples_trained"] for v in info["versions"]] == [4, 4, 4], info["versions"]
@@ -248,8 +271,9 @@ def test_epochs_train_every_item_that_many_times_in_successive_versions(app_url,
 # ---- faults: kill the trainer's worker and the Trainer actor mid-training --------------------
 
 
-def test_killing_the_trainer_loses_no_acknowledged_sample_and_breaks_no_version(app_url, trainer, store, cfg,
-                                                                              ray_cluster):
+def test_killing_the_trainer_loses_no_acknowledged_sample_and_breaks_no_version(
+    app_url, trainer, store, cfg, ray_cluster
+):
     from actors.learning.versions.layout import VERSION_DIR_RE, is_complete_version
 
     ray = ray_cluster
@@ -275,10 +299,22 @@ def test_killing_the_trainer_loses_no_acknowledged_sample_and_breaks_no_version(
     thread.start()
     ids: list[int] = []
     try:
+
         def send(batches: int) -> None:
-            for b in range(batches):
-                ids.extend(_feedback(app_url, [{"adapter": name, "prompt": f"item {len(ids) + i}: say",
-                                                "completion": " something fairly long " * 4} for i in range(8)]))
+            for _b in range(batches):
+                ids.extend(
+                    _feedback(
+                        app_url,
+                        [
+                            {
+                                "adapter": name,
+                                "prompt": f"item {len(ids) + i}: say",
+                                "completion": " something fairly long " * 4,
+                            }
+                            for i in range(8)
+                        ],
+                    )
+                )
 
         # 1. SIGKILL one Ray Train worker while it trains: Ray Train restarts the worker group.
         send(6)

@@ -11,9 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
+from actors.learning.lora import alignment as ae  # noqa: E402
 from actors.learning.lora import steps as lt
 from actors.learning.versions.layout import is_complete_version  # noqa: E402
-from actors.learning.lora import alignment as ae  # noqa: E402
 from actors.models.default_model import build_tokenizer, ensure  # noqa: E402
 
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
@@ -46,8 +46,15 @@ def lora_weights(model) -> dict[str, torch.Tensor]:
 def test_encode_masks_prompt_appends_eos_and_truncates():
     tok = build_tokenizer()
     enc = lt.encode(tok, ["ab", "abcd"], ["xyz", "q"])
-    assert enc.input_ids.tolist()[0] == [tok.bos_token_id, ord("a"), ord("b"), ord("x"), ord("y"), ord("z"),
-                                         tok.eos_token_id]
+    assert enc.input_ids.tolist()[0] == [
+        tok.bos_token_id,
+        ord("a"),
+        ord("b"),
+        ord("x"),
+        ord("y"),
+        ord("z"),
+        tok.eos_token_id,
+    ]
     assert enc.completion_mask.tolist() == [[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1]]
     assert enc.attention_mask.tolist()[1] == [1] * 7
     # Over the limit: the prompt keeps BOS + its tail in half the budget, the completion its head.
@@ -97,8 +104,13 @@ def test_dpo_starts_at_log2_and_raises_the_preference_margin(model_dir, hh_pairs
     after = ae.evaluate_preferences(model, tok, hh_pairs)
     assert after.clpd > before.clpd + 1.0, (before, after)
     assert after.win_rate >= before.win_rate
-    margins = [c - r for c, r in zip(lt.sequence_logprobs(model, tok, prompts, [p["chosen"] for p in hh_pairs]),
-                                     lt.sequence_logprobs(model, tok, prompts, [p["rejected"] for p in hh_pairs]))]
+    margins = [
+        c - r
+        for c, r in zip(
+            lt.sequence_logprobs(model, tok, prompts, [p["chosen"] for p in hh_pairs]),
+            lt.sequence_logprobs(model, tok, prompts, [p["rejected"] for p in hh_pairs]),
+        )
+    ]
     assert all(m > m0 for m, m0 in zip(margins, margins0)), (margins0, margins)  # every pair moved the right way
     # The reference is the untouched base model: disabling the adapter gives back the step-0 numbers.
     with model.disable_adapter():
@@ -149,7 +161,8 @@ def test_saved_version_loads_back_identically_and_the_optimizer_resumes(model_di
     want, got = lora_weights(model), lora_weights(resumed)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert lt.sequence_logprobs(resumed, tok, [ITEM["prompt"]], [ITEM["completion"]])[0] == pytest.approx(
-        lt.sequence_logprobs(model, tok, [ITEM["prompt"]], [ITEM["completion"]])[0], abs=1e-5)
+        lt.sequence_logprobs(model, tok, [ITEM["prompt"]], [ITEM["completion"]])[0], abs=1e-5
+    )
 
     resumed_opt = lt.make_optimizer(resumed, 1e-2, state_dir=path)
     a, b = opt.state_dict()["state"], resumed_opt.state_dict()["state"]
@@ -213,17 +226,23 @@ def test_chat_items_train_on_the_served_template_and_its_end_of_turn(model_dir):
 def test_held_out_scores_of_parts_combine_to_the_score_of_the_whole(model_dir):
     """The quality gate caches each held-out item's own score and scores only new ones: the parts must add up."""
     model, tok = lt.load_lora_model(model_dir, LORA)
-    items = [{"prompt": f"Q{i}: say hi\nA:", "completion": " hi" * (i + 1), "chosen": " hi", "rejected": " no" * i}
-             for i in range(1, 6)]
+    items = [
+        {"prompt": f"Q{i}: say hi\nA:", "completion": " hi" * (i + 1), "chosen": " hi", "rejected": " no" * i}
+        for i in range(1, 6)
+    ]
     whole = ae.evaluate_completions(model, tok, items, batch_size=2)
-    parts = ae.evaluate_completions(model, tok, items[:3]).per_item + ae.evaluate_completions(model, tok, items[3:]).per_item
+    parts = (
+        ae.evaluate_completions(model, tok, items[:3]).per_item
+        + ae.evaluate_completions(model, tok, items[3:]).per_item
+    )
     combined = ae.completion_eval(parts)
     assert combined.tokens == whole.tokens == sum(n for _, n in whole.per_item) and combined.items == 5
     assert combined.token_logprob == pytest.approx(whole.token_logprob, rel=1e-5)
     assert whole.token_logprob < 0
     pref = ae.evaluate_preferences(model, tok, items)
-    again = ae.preference_eval(ae.evaluate_preferences(model, tok, items[:2]).diffs
-                               + ae.evaluate_preferences(model, tok, items[2:]).diffs)
+    again = ae.preference_eval(
+        ae.evaluate_preferences(model, tok, items[:2]).diffs + ae.evaluate_preferences(model, tok, items[2:]).diffs
+    )
     assert (again.win_rate, again.pairs) == (pref.win_rate, 5) and again.clpd == pytest.approx(pref.clpd, rel=1e-5)
 
 
@@ -237,17 +256,30 @@ def test_lora_targets_are_what_peft_wraps_in_the_model(model_dir):
 
     modules = lora_targetable_modules(str(model_dir))
     names = short_names(modules)
-    assert names == ["down_proj", "embed_tokens", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj",
-                     "v_proj"]
+    assert names == [
+        "down_proj",
+        "embed_tokens",
+        "gate_proj",
+        "k_proj",
+        "lm_head",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
     assert unknown_targets(["q_proj", "layers.3.mlp.down_proj", "model.embed_tokens"], modules) == []
     assert unknown_targets(["self_attn", "no_such_module", "proj"], modules) == ["self_attn", "no_such_module", "proj"]
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     wrapped = get_peft_model(base, lt.lora_config({"r": 2, "alpha": 4, "target_modules": names}))
     touched = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if ".lora_" in n}
     assert touched == set(names)
-    linear = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                            lt.lora_config({"r": 2, "alpha": 4, "target_modules": "all-linear"}))
+    linear = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        lt.lora_config({"r": 2, "alpha": 4, "target_modules": "all-linear"}),
+    )
     assert set(linear.peft_config["default"].target_modules) == set(names) - {"embed_tokens", "lm_head"}
     with pytest.raises(ValueError):
-        get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                       lt.lora_config({"r": 2, "alpha": 4, "target_modules": ["no_such_module"]}))
+        get_peft_model(
+            AutoModelForCausalLM.from_pretrained(model_dir),
+            lt.lora_config({"r": 2, "alpha": 4, "target_modules": ["no_such_module"]}),
+        )

@@ -54,13 +54,22 @@ def _first_pass_losses(config, items: list[dict]) -> list[float]:
 
 def _grants(app_url: str, adapter: str) -> dict[int, list[dict]]:
     """node -> the planner's recent non-empty grants for ``adapter``, oldest first."""
-    return {n["node_id"]: [g for g in n["training_grants"]["recent"] if g["adapter"] == adapter and g["samples"]]
-            for n in _status(app_url)["nodes"]}
+    return {
+        n["node_id"]: [g for g in n["training_grants"]["recent"] if g["adapter"] == adapter and g["samples"]]
+        for n in _status(app_url)["nodes"]
+    }
 
 
 def _verdicts(app_url: str, adapter: str) -> list[dict]:
-    return sorted((v for n in _status(app_url)["nodes"] for v in n["training_grants"]["passes_recent"]
-                   if v["adapter"] == adapter), key=lambda v: v["at"])
+    return sorted(
+        (
+            v
+            for n in _status(app_url)["nodes"]
+            for v in n["training_grants"]["passes_recent"]
+            if v["adapter"] == adapter
+        ),
+        key=lambda v: v["at"],
+    )
 
 
 def _first_seen(ids: list[int]) -> list[int]:
@@ -81,8 +90,14 @@ def test_reported_loss_orders_the_grants_and_check_end_requeues(app_url, trainer
     params = {"loss_threshold": 0.0, "max_passes": 2, "max_ft_samples": 1}  # every item: exactly two passes
     before_policies = switch_policies(planner, iteration="hybrid", iteration_params=params)
     try:
-        _create(app_url, name, method="sft", learning_rate=1e-3, mode="hybrid",
-                lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+        _create(
+            app_url,
+            name,
+            method="sft",
+            learning_rate=1e-3,
+            mode="hybrid",
+            lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+        )
         ids = _feedback(app_url, posted)
         deadline, verdicts = time.time() + 90, []
         while time.time() < deadline:

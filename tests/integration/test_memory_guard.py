@@ -32,12 +32,15 @@ def _memory_counts(app_url: str) -> dict[str, int]:
 
 
 def _reasons(app_url: str, adapter: str) -> list[str]:
-    return [g["reason"] for n in _status(app_url)["nodes"] for g in n["training_grants"]["recent"]
-            if g["adapter"] == adapter]
+    return [
+        g["reason"]
+        for n in _status(app_url)["nodes"]
+        for g in n["training_grants"]["recent"]
+        if g["adapter"] == adapter
+    ]
 
 
-def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishes_after(app_url, trainer, cfg,
-                                                                                       planner):
+def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishes_after(app_url, trainer, cfg, planner):
     from actors.control.cost_profile import load_profile
     from planners.memory import MemoryGuard
 
@@ -45,8 +48,14 @@ def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishe
     window = MemoryGuard(cm).raw_need(1, 64)
     tight = {"peak_bytes": cm.memory.weight_bytes + window, "threshold_fraction": 1.0, "t_max_s": 0.3, "min_tokens": 8}
     name = "memory-pressure"
-    _create(app_url, name, method="sft", learning_rate=1e-3, mode="hybrid",
-            lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+    _create(
+        app_url,
+        name,
+        method="sft",
+        learning_rate=1e-3,
+        mode="hybrid",
+        lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    )
 
     stop = threading.Event()
     errors: list[str] = []
@@ -54,15 +63,21 @@ def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishe
     def client(k: int) -> None:  # long prompts: their KV cache is what squeezes training
         with httpx.Client(timeout=120) as c:
             while not stop.is_set():
-                r = c.post(f"{app_url}/v1/completions", json={
-                    "model": BASE, "prompt": f"{k} " + "memory " * 90, "max_tokens": 96, "temperature": 0.8})
+                r = c.post(
+                    f"{app_url}/v1/completions",
+                    json={"model": BASE, "prompt": f"{k} " + "memory " * 90, "max_tokens": 96, "temperature": 0.8},
+                )
                 if r.status_code != 200:
                     errors.append(r.text[:200])
 
     before = _memory_counts(app_url)
     # A latency SLO loose enough that memory, not latency, is what binds the grants here.
-    before_policies = switch_policies(planner, iteration="hybrid", memory_params=tight,
-                                      iteration_params={**cfg.planner.iteration_params, "slo_s": 2.0})
+    before_policies = switch_policies(
+        planner,
+        iteration="hybrid",
+        memory_params=tight,
+        iteration_params={**cfg.planner.iteration_params, "slo_s": 2.0},
+    )
     # Two long requests at a time: their KV cache fills the budget, yet the SLO still leaves training a
     # token budget (more load would refuse every grant on latency before memory is ever checked).
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(2)]
@@ -70,18 +85,25 @@ def test_memory_pressure_makes_training_wait_then_shrink_or_defer_and_it_finishe
         for t in threads:
             t.start()
         time.sleep(2)  # both engines hold KV before the feedback arrives
-        items = [{"adapter": name, "prompt": f"Q{i}: what do we keep?", "completion": "Everything we measured. " * 8}
-                 for i in range(6)]
+        items = [
+            {"adapter": name, "prompt": f"Q{i}: what do we keep?", "completion": "Everything we measured. " * 8}
+            for i in range(6)
+        ]
         _feedback(app_url, items)
         deadline, counts = time.time() + 90, before
         while time.time() < deadline:
             counts = _memory_counts(app_url)
-            if counts["wait"] > before["wait"] and counts["shrink"] + counts["defer"] > before["shrink"] + before["defer"]:
+            if (
+                counts["wait"] > before["wait"]
+                and counts["shrink"] + counts["defer"] > before["shrink"] + before["defer"]
+            ):
                 break
             time.sleep(0.5)
         else:
-            pytest.fail(f"no memory wait then shrink/defer under pressure: {before} -> {counts}; "
-                        f"{_reasons(app_url, name)[-10:]}")
+            pytest.fail(
+                f"no memory wait then shrink/defer under pressure: {before} -> {counts}; "
+                f"{_reasons(app_url, name)[-10:]}"
+            )
         reasons = _reasons(app_url, name)
     finally:
         stop.set()

@@ -27,9 +27,16 @@ def two_nodes(tmp_path_factory):
     # Serve's HAProxy settings of the test session stay out: this cluster uses one Python proxy.
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.multinode_cluster", str(work)], cwd=ROOT,
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.multinode_cluster", str(work)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = proc.stdout.readline()
         if not line:
@@ -58,14 +65,22 @@ def test_remote_replica_serves_a_version_trained_beside_it(two_nodes):
     assert node["ray_node_id"] == worker  # the replica is on the non-head node
 
     base = _get(f"{url}/v1/models")["data"][0]["id"]
-    r = httpx.post(f"{url}/v1/completions", timeout=60,
-                   json={"model": base, "prompt": "hello", "max_tokens": 4, "temperature": 0})
+    r = httpx.post(
+        f"{url}/v1/completions", timeout=60, json={"model": base, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
 
-    r = httpx.post(f"{url}/v1/adapters", timeout=30, json={
-        "name": "remote", "method": "sft", "learning_rate": 5e-3,
-        "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
-        "gate": {"enabled": False, "held_out_share": 0.0}})
+    r = httpx.post(
+        f"{url}/v1/adapters",
+        timeout=30,
+        json={
+            "name": "remote",
+            "method": "sft",
+            "learning_rate": 5e-3,
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+            "gate": {"enabled": False, "held_out_share": 0.0},
+        },
+    )
     assert r.status_code == 201, r.text
     items = [{"adapter": "remote", "prompt": f"q{i}:", "completion": " the answer is blue"} for i in range(8)]
     r = httpx.post(f"{url}/v1/feedback", timeout=60, json={"items": items})
@@ -75,14 +90,21 @@ def test_remote_replica_serves_a_version_trained_beside_it(two_nodes):
     while time.time() < deadline:
         info = _get(f"{url}/v1/adapters/remote")
         node = _get(f"{url}/v1/status")["nodes"][0]
-        if info["queued"] == 0 and info["current_version"] and node["adapters"].get(f"{base}:remote") == info["current_version"]:
+        if (
+            info["queued"] == 0
+            and info["current_version"]
+            and node["adapters"].get(f"{base}:remote") == info["current_version"]
+        ):
             break
         time.sleep(1)
     else:
         pytest.fail(f"no version served on the remote node within {START_S}s: {info} {_get(f'{url}/v1/status')}")
     version = info["current_version"]
-    r = httpx.post(f"{url}/v1/completions", timeout=60,
-                   json={"model": f"{base}:remote", "prompt": "q1:", "max_tokens": 4, "temperature": 0})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": f"{base}:remote", "prompt": "q1:", "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
 
     # The trainer rank ran on the replica's node, in its placement group.

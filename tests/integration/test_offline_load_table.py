@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from actors.offline.plan import prepare_job
 from actors.offline.job import JobSpec
+from actors.offline.plan import prepare_job
 
 JOBS = Path(__file__).resolve().parents[2] / "configs" / "jobs"
 
@@ -30,8 +30,9 @@ def test_profile_fits_the_offline_engine_and_planning_uses_it(ray_cluster, data_
     from app.offline import profile
 
     spec = yaml.safe_load((JOBS / "routing.yaml").read_text())
-    spec.update(models=spec["models"][:1], input=str(JOBS / "prompts.jsonl"), enforce_eager=True,
-                app={"kind": "ensemble"})
+    spec.update(
+        models=spec["models"][:1], input=str(JOBS / "prompts.jsonl"), enforce_eager=True, app={"kind": "ensemble"}
+    )
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     job, base = load_job(path)

@@ -13,19 +13,25 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.offline import run_job
 from actors.offline.job import load_job
+from app.offline import run_job
 
 
 @pytest.mark.timeout(400)
 def test_prompts_longer_than_one_engine_step_all_finish(ray_cluster, data_dir, tmp_path):
     # Six 1,500-byte prompts (a byte is a token here) are more than one step's token budget (4,096).
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"{i} " + "word " * 300}) + "\n"
-                                              for i in range(6)))
-    spec = {"name": "long-prompts", "input": "p.jsonl", "app": {"kind": "ensemble"}, "enforce_eager": True,
-            "models": [{"name": "small", "embedded": {"hidden_size": 128, "layers": 2, "seed": 1},
-                        "max_output_tokens": 4}],
-            "devices": {"count": 1, "memory_gb": 2}, "output_dir": str(tmp_path / "out")}
+    (tmp_path / "p.jsonl").write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": f"{i} " + "word " * 300}) + "\n" for i in range(6))
+    )
+    spec = {
+        "name": "long-prompts",
+        "input": "p.jsonl",
+        "app": {"kind": "ensemble"},
+        "enforce_eager": True,
+        "models": [{"name": "small", "embedded": {"hidden_size": 128, "layers": 2, "seed": 1}, "max_output_tokens": 4}],
+        "devices": {"count": 1, "memory_gb": 2},
+        "output_dir": str(tmp_path / "out"),
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     job, base = load_job(path)

@@ -15,8 +15,12 @@ JOBS = ROOT / "configs" / "jobs"
 
 
 def _job(**over) -> JobSpec:
-    base = {"name": "t", "input": "prompts.jsonl", "app": {"kind": "ensemble"},
-            "models": [{"name": "a"}, {"name": "b"}]}
+    base = {
+        "name": "t",
+        "input": "prompts.jsonl",
+        "app": {"kind": "ensemble"},
+        "models": [{"name": "a"}, {"name": "b"}],
+    }
     return JobSpec.model_validate({**base, **over})
 
 
@@ -45,7 +49,7 @@ def test_chain_summary_chains_chunks_and_feeds_the_last_summary_to_the_evaluator
     assert (loop.src, loop.dst, feed.src, feed.dst) == ("summarizer",) * 3 + ("evaluator",)
     # Chunk k of a document reads chunk k-1's summary; each document's first chunk reads none.
     assert loop.request_map[0] == -1 and loop.request_map[per_doc[0]] == -1
-    assert loop.request_map[1:per_doc[0]] == tuple(range(per_doc[0] - 1))
+    assert loop.request_map[1 : per_doc[0]] == tuple(range(per_doc[0] - 1))
     assert feed.request_map == (per_doc[0] - 1, sum(per_doc) - 1)
     assert summ.ids[0] == f"{docs[0]['id']}#0"
 
@@ -65,13 +69,16 @@ def test_chunks_cut_at_word_breaks_and_keep_every_character():
     assert render_prompt("S: {upstream}\nP: {prompt}", "chunk", "sum") == "S: sum\nP: chunk"
 
 
-@pytest.mark.parametrize("over, words", [
-    ({"app": {"kind": "routing"}}, "routing_file"),
-    ({"app": {"kind": "edges", "edges": [["a", "zz"]]}}, "unknown model"),
-    ({"app": {"kind": "chain_summary", "summarizer": "a"}}, "evaluator"),
-    ({"models": [{"name": "a"}, {"name": "a"}]}, "unique"),
-    ({"models": [{"name": "Bad Name"}]}, "name"),
-])
+@pytest.mark.parametrize(
+    "over, words",
+    [
+        ({"app": {"kind": "routing"}}, "routing_file"),
+        ({"app": {"kind": "edges", "edges": [["a", "zz"]]}}, "unknown model"),
+        ({"app": {"kind": "chain_summary", "summarizer": "a"}}, "evaluator"),
+        ({"models": [{"name": "a"}, {"name": "a"}]}, "unique"),
+        ({"models": [{"name": "Bad Name"}]}, "name"),
+    ],
+)
 def test_bad_jobs_are_refused_with_the_reason(over, words):
     with pytest.raises(ValueError, match=words):
         _job(**over)
@@ -80,7 +87,9 @@ def test_bad_jobs_are_refused_with_the_reason(over, words):
 def test_plan_cli_prints_stages_that_cover_every_model(tmp_path, capsys):
     from app.offline import main
 
-    assert main(["plan", str(JOBS / "routing.yaml"), "--data-dir", str(tmp_path), "--json", str(tmp_path / "p.json")]) == 0
+    assert (
+        main(["plan", str(JOBS / "routing.yaml"), "--data-dir", str(tmp_path), "--json", str(tmp_path / "p.json")]) == 0
+    )
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["planner"].startswith("search") and f"{plan['planner']} plan" in capsys.readouterr().out
     ran = {p["model"] for st in plan["stages"] for p in st["plans"]}
@@ -105,7 +114,10 @@ def test_the_job_names_its_planner_and_the_cli_overrides_it(tmp_path, capsys):
     path.write_text(yaml.safe_dump(spec))
     plans = {}
     for name, extra in (("job", []), ("cli", ["--planner", "search"])):
-        assert main(["plan", str(path), "--data-dir", str(tmp_path), "--json", str(tmp_path / f"{name}.json"), *extra]) == 0
+        assert (
+            main(["plan", str(path), "--data-dir", str(tmp_path), "--json", str(tmp_path / f"{name}.json"), *extra])
+            == 0
+        )
         plans[name] = json.loads((tmp_path / f"{name}.json").read_text())
     assert plans["job"]["planner"] == "greedy" and plans["cli"]["planner"].startswith("search")
     # On the chain, greedy runs the summarizer on both devices, then loads the evaluator; the search runs the
@@ -121,7 +133,8 @@ def test_plan_cli_reports_a_bad_job_without_a_traceback(tmp_path, capsys):
     from app.offline import main
 
     bad = tmp_path / "job.yaml"
-    bad.write_text(yaml.safe_dump({"name": "x", "input": "missing.jsonl", "app": {"kind": "ensemble"},
-                                   "models": [{"name": "a"}]}))
+    bad.write_text(
+        yaml.safe_dump({"name": "x", "input": "missing.jsonl", "app": {"kind": "ensemble"}, "models": [{"name": "a"}]})
+    )
     assert main(["plan", str(bad), "--data-dir", str(tmp_path)]) == 2
     assert "missing.jsonl" in capsys.readouterr().err

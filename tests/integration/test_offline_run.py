@@ -13,9 +13,9 @@ from pathlib import Path
 
 import yaml
 
+from actors.offline.job import load_job
 from actors.offline.runner import OutputFile
 from app.offline import run_job
-from actors.offline.job import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "configs" / "jobs"
@@ -84,16 +84,30 @@ def test_routing_with_the_min_heuristic_and_no_preemption(ray_cluster, data_dir,
 def test_chain_summary_resumes_after_a_kill_and_keeps_the_chain_order(ray_cluster, data_dir, tmp_path):
     import ray
 
-    path = small_job(tmp_path, "chain_summary", max_inputs=2, tokens=12,
-                     app={"kind": "chain_summary", "summarizer": "summarizer", "evaluator": "evaluator",
-                          "chunk_chars": 300, "max_chunks": 6})
+    path = small_job(
+        tmp_path,
+        "chain_summary",
+        max_inputs=2,
+        tokens=12,
+        app={
+            "kind": "chain_summary",
+            "summarizer": "summarizer",
+            "evaluator": "evaluator",
+            "chunk_chars": 300,
+            "max_chunks": 6,
+        },
+    )
     out = tmp_path / "out"
     summ, ev = out / "summarizer.jsonl", out / "evaluator.jsonl"
     # The first run joins this session's cluster, so killing it ends its actors with it.
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "app.offline", "run", str(path), "--no-progress",
-                             "--data-dir", str(data_dir)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.offline", "run", str(path), "--no-progress", "--data-dir", str(data_dir)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.time() + 150
         while not (summ.exists() and summ.read_text().count("\n") >= 2):

@@ -30,6 +30,7 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
         "planner": {"placement": "round_robin"},
         "training": {"scope": "per_node", "steps_per_version": 1, "micro_batch": 4},
     }
+
     def ready(st: dict) -> bool:
         training = st.get("training") or {}
         return st["ready_nodes"] == 2 and training.get("state") == "running" and len(training.get("workers", {})) == 2
@@ -53,21 +54,34 @@ def _served(url: str, model: str) -> dict[int, int | None]:
 def test_each_node_trains_and_serves_its_own_copy(url):
     name, model = "local", f"{BASE}:local"
     # No quality gate and no held-out slice: every item trains, every version is served at once.
-    r = httpx.post(f"{url}/v1/adapters", json={"name": name, "method": "sft", "mode": "sync",
-                                               "learning_rate": 5e-3, "lora": {"r": 4, "alpha": 8},
-                                               "gate": {"enabled": False, "held_out_share": 0}}, timeout=30)
+    r = httpx.post(
+        f"{url}/v1/adapters",
+        json={
+            "name": name,
+            "method": "sft",
+            "mode": "sync",
+            "learning_rate": 5e-3,
+            "lora": {"r": 4, "alpha": 8},
+            "gate": {"enabled": False, "held_out_share": 0},
+        },
+        timeout=30,
+    )
     assert r.status_code == 201, r.text
     deadline, info = time.time() + 300, {}
     for round_ in range(2):  # two rounds: each node's copy gets two versions
-        items = [{"adapter": name, "prompt": f"Node fact {round_}.{i}:", "completion": f" value {i}."}
-                 for i in range(4)]
+        items = [
+            {"adapter": name, "prompt": f"Node fact {round_}.{i}:", "completion": f" value {i}."} for i in range(4)
+        ]
         r = httpx.post(f"{url}/v1/feedback", json={"items": items}, timeout=60)
         assert r.status_code == 202, r.text
         while time.time() < deadline:
             info = _adapter(url, name)
             heads = {int(k): v for k, v in info["node_versions"].items()}
-            if info["queued"] == 0 and len(heads) == 2 and all(
-                    sum(v["node"] == n for v in info["versions"]) > round_ for n in (0, 1)):
+            if (
+                info["queued"] == 0
+                and len(heads) == 2
+                and all(sum(v["node"] == n for v in info["versions"]) > round_ for n in (0, 1))
+            ):
                 break
             time.sleep(0.5)
         else:
@@ -87,8 +101,9 @@ def test_each_node_trains_and_serves_its_own_copy(url):
         assert time.time() < deadline, (_served(url, model), heads)
         time.sleep(0.2)
     for _ in range(4):  # round robin: both nodes
-        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Node fact 1:", "max_tokens": 4},
-                       timeout=60)
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "Node fact 1:", "max_tokens": 4}, timeout=60
+        )
         assert r.status_code == 200, r.text
 
     # Rolling back node 0's copy leaves node 1's alone.
@@ -116,16 +131,28 @@ def test_lemix_places_feedback_on_the_node_its_score_prefers(url):
     slow = dataclasses.replace(cm, iteration=dataclasses.replace(cm.iteration, base=cm.iteration.base + 30.0))
     switch_policies(planner, placement_params={"cost_model": slow, "calibration_rate": 0.0})
     name = "placed"
-    r = httpx.post(f"{url}/v1/adapters", json={"name": name, "method": "sft", "mode": "sync", "learning_rate": 5e-3,
-                                               "lora": {"r": 4, "alpha": 8},
-                                               "gate": {"enabled": False, "held_out_share": 0}}, timeout=30)
+    r = httpx.post(
+        f"{url}/v1/adapters",
+        json={
+            "name": name,
+            "method": "sft",
+            "mode": "sync",
+            "learning_rate": 5e-3,
+            "lora": {"r": 4, "alpha": 8},
+            "gate": {"enabled": False, "held_out_share": 0},
+        },
+        timeout=30,
+    )
     assert r.status_code == 201, r.text
     done = threading.Event()
 
     def long_request() -> None:
         try:
-            httpx.post(f"{url}/v1/completions", json={"model": BASE, "prompt": "busy", "max_tokens": 400,
-                                                      "ignore_eos": True}, timeout=120)
+            httpx.post(
+                f"{url}/v1/completions",
+                json={"model": BASE, "prompt": "busy", "max_tokens": 400, "ignore_eos": True},
+                timeout=120,
+            )
         finally:
             done.set()
 
@@ -135,8 +162,14 @@ def test_lemix_places_feedback_on_the_node_its_score_prefers(url):
         while busy is None:  # the planner has the request in flight and planned on its node
             assert time.time() < deadline and not done.is_set(), "the request was never seen in flight"
             st = httpx.get(f"{url}/v1/status", timeout=30).json()
-            busy = next((n["node_id"] for n in st["nodes"] if n["in_flight"]
-                         and (n["training_placement"]["plan"].get("forward_free_at") or 0) > time.time()), None)
+            busy = next(
+                (
+                    n["node_id"]
+                    for n in st["nodes"]
+                    if n["in_flight"] and (n["training_placement"]["plan"].get("forward_free_at") or 0) > time.time()
+                ),
+                None,
+            )
             time.sleep(0.05)
         idle = 1 - busy
         items = [{"adapter": name, "prompt": f"Placed fact {i}:", "completion": f" value {i}."} for i in range(2)]

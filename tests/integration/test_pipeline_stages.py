@@ -11,10 +11,14 @@ import pytest
 from actors.learning.full.layout import LlamaDims, layer_names, layer_param_counts
 from actors.learning.full.messages import PipelineSettings, TrainingSample
 
-SFT = [TrainingSample(prompt="Q: sky color?\nA:", completion=" blue"),
-       TrainingSample(prompt="Q: pet?\nA:", completion=" cat")]
-DPO = [TrainingSample(prompt="Q: grass color?\nA:", chosen=" green", rejected=" pink"),
-       TrainingSample(prompt="Q: sea color?\nA:", chosen=" blue", rejected=" red")]
+SFT = [
+    TrainingSample(prompt="Q: sky color?\nA:", completion=" blue"),
+    TrainingSample(prompt="Q: pet?\nA:", completion=" cat"),
+]
+DPO = [
+    TrainingSample(prompt="Q: grass color?\nA:", chosen=" green", rejected=" pink"),
+    TrainingSample(prompt="Q: sea color?\nA:", chosen=" blue", rejected=" red"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +32,16 @@ def pipeline(ray_cluster, data_dir, tmp_path_factory):
 
     pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=120)
-    settings = PipelineSettings(model_dir=str(default_model.ensure(data_dir)),
-                                versions_root=str(tmp_path_factory.mktemp("full-versions")),
-                                stage_resources={"CPU": 0.5}, micro_batch=2, accumulation=2, learning_rate=2e-3,
-                                beta=0.5, max_length=64)
+    settings = PipelineSettings(
+        model_dir=str(default_model.ensure(data_dir)),
+        versions_root=str(tmp_path_factory.mktemp("full-versions")),
+        stage_resources={"CPU": 0.5},
+        micro_batch=2,
+        accumulation=2,
+        learning_rate=2e-3,
+        beta=0.5,
+        max_length=64,
+    )
     trainer = PipelineTrainer(settings, pg)
     trainer.start()
     yield trainer
@@ -68,8 +78,12 @@ def test_stage_i_runs_in_bundle_i_and_holds_a_contiguous_slice(pipeline):
 
     pg_id = pipeline.pg.id.hex()
     # This session's cluster by its address: other Ray instances may run on the same machine.
-    actors = {a.actor_id: a for a in list_actors(address=ray.get_runtime_context().gcs_address,
-                                                 filters=[("placement_group_id", "=", pg_id)], detail=True)}
+    actors = {
+        a.actor_id: a
+        for a in list_actors(
+            address=ray.get_runtime_context().gcs_address, filters=[("placement_group_id", "=", pg_id)], detail=True
+        )
+    }
     for i, info in enumerate(pipeline.info):
         state = actors[info.actor_id]
         assert state.state == "ALIVE" and state.class_name == "PipelineStage"
@@ -119,8 +133,10 @@ def test_full_dpo_raises_the_reward_margin(pipeline):
     (ref, tok), (pol, _) = _hf(start), _hf(v.path)
     margins = []
     for s in DPO:
-        d = [sequence_logprobs(pol, tok, [s.prompt], [y])[0] - sequence_logprobs(ref, tok, [s.prompt], [y])[0]
-             for y in (s.chosen, s.rejected)]
+        d = [
+            sequence_logprobs(pol, tok, [s.prompt], [y])[0] - sequence_logprobs(ref, tok, [s.prompt], [y])[0]
+            for y in (s.chosen, s.rejected)
+        ]
         margins.append(pipeline.settings.beta * (d[0] - d[1]))
     assert sum(margins) / len(margins) == pytest.approx(v.reward_margin, rel=1e-3, abs=1e-4)
 
@@ -135,9 +151,10 @@ def test_deepspeeds_own_schedule_computes_the_same_losses_as_the_stage_scheduler
     assert pipeline.settings.schedule == "planner" and pipeline.node is not None
     start = pipeline.weights_from
     ours = pipeline.train(SFT, "full_sft", unit="same", version=1, steps=3, resume_from=start)
-    theirs_trainer = PipelineTrainer(replace(pipeline.settings, schedule="deepspeed",
-                                             versions_root=str(tmp_path_factory.mktemp("ds-versions"))),
-                                     pipeline.pg)
+    theirs_trainer = PipelineTrainer(
+        replace(pipeline.settings, schedule="deepspeed", versions_root=str(tmp_path_factory.mktemp("ds-versions"))),
+        pipeline.pg,
+    )
     theirs_trainer.weights_from = start
     try:
         theirs = theirs_trainer.train(SFT, "full_sft", unit="same", version=1, steps=3)

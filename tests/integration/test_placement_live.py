@@ -30,8 +30,9 @@ def test_lemix_serves_concurrent_requests(app_url, lemix):
     client = openai.AsyncOpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     async def burst():
-        return await asyncio.gather(*(client.completions.create(model=MODEL, prompt=f"lemix {i}", max_tokens=16)
-                                      for i in range(16)))
+        return await asyncio.gather(
+            *(client.completions.create(model=MODEL, prompt=f"lemix {i}", max_tokens=16) for i in range(16))
+        )
 
     assert all(r.choices for r in asyncio.run(burst()))
     assert sum(placed_since(app_url, before, 16).values()) == 16
@@ -40,7 +41,9 @@ def test_lemix_serves_concurrent_requests(app_url, lemix):
 def test_lemix_consolidates_sequential_low_rate_requests(app_url, lemix):
     before = placed_now(app_url)
     for i in range(6):
-        r = httpx.post(f"{app_url}/v1/completions", json={"model": MODEL, "prompt": f"slow {i}", "max_tokens": 8}, timeout=60)
+        r = httpx.post(
+            f"{app_url}/v1/completions", json={"model": MODEL, "prompt": f"slow {i}", "max_tokens": 8}, timeout=60
+        )
         assert r.status_code == 200
         time.sleep(0.3)
     delta = list(placed_since(app_url, before, 6).values())
@@ -70,7 +73,8 @@ def _slow_prefill(planner, seconds: float) -> dict:
 
 
 def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step_reaches_the_routers(
-        app_url, app_config, planner, trainer):
+    app_url, app_config, planner, trainer
+):
     """With the grant path of LEMIX Eq. 4 (adapter mode hybrid, ``planner.iteration: null``), training waits
     while a stream of requests would miss τ_R (``training.slo_ttft_s``, 1 s) on both nodes, and runs once the
     stream stops; each granted step is a training task in the planner's Q_train^n and in the snapshot the
@@ -83,9 +87,18 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
 
     policies = switch_policies(planner, iteration=None, placement="lemix", placement_params=_slow_prefill(planner, 1.0))
     name = "eq4-live"
-    r = httpx.post(f"{app_url}/v1/adapters", json={
-        "name": name, "method": "sft", "mode": "hybrid", "learning_rate": 1e-3, "lora": {"r": 4, "alpha": 8},
-        "gate": {"enabled": False, "held_out_share": 0}}, timeout=30)
+    r = httpx.post(
+        f"{app_url}/v1/adapters",
+        json={
+            "name": name,
+            "method": "sft",
+            "mode": "hybrid",
+            "learning_rate": 1e-3,
+            "lora": {"r": 4, "alpha": 8},
+            "gate": {"enabled": False, "held_out_share": 0},
+        },
+        timeout=30,
+    )
     assert r.status_code == 201, r.text
     stop, errors = threading.Event(), []
 
@@ -103,9 +116,16 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
         time.sleep(2.0)  # the stream is on: the planner has seen its requests in flight
         # Long items (512 tokens a pass): each step then runs for a few tenths of a second, long enough to be
         # seen in the snapshot the routers poll.
-        r = httpx.post(f"{app_url}/v1/feedback", json={"items": [
-            {"adapter": name, "prompt": f"Eq4 fact {i}: " + "lorem ipsum " * 20, "completion": " value" * 40}
-            for i in range(8)]}, timeout=60)
+        r = httpx.post(
+            f"{app_url}/v1/feedback",
+            json={
+                "items": [
+                    {"adapter": name, "prompt": f"Eq4 fact {i}: " + "lorem ipsum " * 20, "completion": " value" * 40}
+                    for i in range(8)
+                ]
+            },
+            timeout=60,
+        )
         assert r.status_code == 202, r.text
         time.sleep(6.0)
         during = _nodes(app_url)
@@ -122,8 +142,11 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
         grants = [g for n in during for g in n["training_grants"]["recent"] if g["adapter"] == name]
         assert grants and all(g["tokens"] == 0 for g in grants), grants
         assert all("Eq. 4" in g["reason"] and "miss its SLO" in g["reason"] for g in grants), grants
-        last = next(n["training_placement"]["last_deprioritized"] for n in during
-                    if n["training_placement"]["last_deprioritized"])
+        last = next(
+            n["training_placement"]["last_deprioritized"]
+            for n in during
+            if n["training_placement"]["last_deprioritized"]
+        )
         assert last["samples"] >= 1 and last["next_arrival"] > last["at"]
 
         # Once it stopped the steps run: each granted step is a training task on its node, which the
@@ -140,8 +163,13 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
         else:
             pytest.fail(f"{name} not trained after the stream stopped: {info}")
         assert seen, "no training step reached the routing snapshot"
-        assert all(isinstance(p, TrainingPlacement) and p.task.kind == "training" and p.node_id in (0, 1)
-                   and p.task.batch_size >= 1 for p in seen)
+        assert all(
+            isinstance(p, TrainingPlacement)
+            and p.task.kind == "training"
+            and p.node_id in (0, 1)
+            and p.task.batch_size >= 1
+            for p in seen
+        )
         after = _nodes(app_url)
         granted = [g for n in after for g in n["training_grants"]["recent"] if g["adapter"] == name and g["tokens"]]
         assert granted and min(g["at"] for g in granted) >= stopped - 1.0, (stopped, granted)
@@ -185,8 +213,15 @@ def test_separate_trains_only_on_its_training_node_and_serves_only_on_the_other(
         assert [loc.trains for loc in group.values()] == [False, True]
         deadline = time.time() + 60
         here = ray.get_runtime_context().gcs_address  # this suite's cluster, even beside another on the machine
-        while len(ranks := list_actors(filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")],
-                                       detail=True, address=here)) != 1 and time.time() < deadline:
+        while (
+            len(
+                ranks := list_actors(
+                    filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")], detail=True, address=here
+                )
+            )
+            != 1
+            and time.time() < deadline
+        ):
             time.sleep(1)  # the old group's ranks are going away
         assert [a.placement_group_id for a in ranks] == [group[1].placement_group_id]
 
@@ -195,18 +230,31 @@ def test_separate_trains_only_on_its_training_node_and_serves_only_on_the_other(
         before = placed_now(app_url)
         asked = {n["node_id"]: n["training_grants"]["asked"] for n in status["nodes"]}
         for i in range(8):
-            r = httpx.post(f"{app_url}/v1/completions", json={"model": MODEL, "prompt": f"sep {i}", "max_tokens": 4},
-                           timeout=60)
+            r = httpx.post(
+                f"{app_url}/v1/completions", json={"model": MODEL, "prompt": f"sep {i}", "max_tokens": 4}, timeout=60
+            )
             assert r.status_code == 200, r.text
         assert placed_since(app_url, before, 8) == {0: 8, 1: 0}  # inference never lands on the training node
 
         name = "separate-live"
-        r = httpx.post(f"{app_url}/v1/adapters", json={
-            "name": name, "method": "sft", "mode": "sync", "learning_rate": 1e-3, "lora": {"r": 4, "alpha": 8},
-            "gate": {"enabled": False, "held_out_share": 0}}, timeout=30)
+        r = httpx.post(
+            f"{app_url}/v1/adapters",
+            json={
+                "name": name,
+                "method": "sft",
+                "mode": "sync",
+                "learning_rate": 1e-3,
+                "lora": {"r": 4, "alpha": 8},
+                "gate": {"enabled": False, "held_out_share": 0},
+            },
+            timeout=30,
+        )
         assert r.status_code == 201, r.text
-        r = httpx.post(f"{app_url}/v1/feedback", json={"items": [
-            {"adapter": name, "prompt": "Separate fact:", "completion": " trained on node 1."}]}, timeout=60)
+        r = httpx.post(
+            f"{app_url}/v1/feedback",
+            json={"items": [{"adapter": name, "prompt": "Separate fact:", "completion": " trained on node 1."}]},
+            timeout=60,
+        )
         assert r.status_code == 202, r.text
         deadline = time.time() + 120
         while (info := httpx.get(f"{app_url}/v1/adapters/{name}", timeout=30).json())["current_version"] is None:
@@ -215,8 +263,9 @@ def test_separate_trains_only_on_its_training_node_and_serves_only_on_the_other(
         nodes = _nodes(app_url)
         grown = {n["node_id"]: n["training_grants"]["asked"] - asked[n["node_id"]] for n in nodes}
         assert grown[0] == 0 and grown[1] > 0, grown  # only the training node's rank asked for grants
-        while (served := {n["node_id"]: n["adapters"].get(f"{MODEL}:{name}") for n in _nodes(app_url)}
-               )[0] != info["current_version"]:
+        while (served := {n["node_id"]: n["adapters"].get(f"{MODEL}:{name}") for n in _nodes(app_url)})[0] != info[
+            "current_version"
+        ]:
             assert time.time() < deadline, served  # the inference node serves what node 1 trained
             time.sleep(0.2)
     finally:

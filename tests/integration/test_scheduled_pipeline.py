@@ -15,10 +15,16 @@ PROMPTS = [[5, 17, 33, 8, 91], [12, 4, 4, 60]]
 def _settings(data_dir, tmp_path_factory, chunks: int = 1) -> PipelineSettings:
     from actors.models import default_model
 
-    return PipelineSettings(model_dir=str(default_model.ensure(data_dir)),
-                            versions_root=str(tmp_path_factory.mktemp("scheduled-versions")),
-                            stage_resources={"CPU": 0.5}, micro_batch=2, accumulation=2, learning_rate=5e-3,
-                            max_length=64, chunks=chunks)
+    return PipelineSettings(
+        model_dir=str(default_model.ensure(data_dir)),
+        versions_root=str(tmp_path_factory.mktemp("scheduled-versions")),
+        stage_resources={"CPU": 0.5},
+        micro_batch=2,
+        accumulation=2,
+        learning_rate=5e-3,
+        max_length=64,
+        chunks=chunks,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +60,7 @@ def _hf_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             nxt = model(input_ids=ids).logits[0, -1].argmax()
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def test_lemix_node_serves_and_trains_at_once_with_each_stage_in_its_bundle(group, data_dir, tmp_path_factory):
@@ -68,8 +74,12 @@ def test_lemix_node_serves_and_trains_at_once_with_each_stage_in_its_bundle(grou
     try:
         info = node.start()
         pg_id = group.id.hex()
-        actors = {a.actor_id: a for a in list_actors(address=ray.get_runtime_context().gcs_address,
-                                                     filters=[("placement_group_id", "=", pg_id)], detail=True)}
+        actors = {
+            a.actor_id: a
+            for a in list_actors(
+                address=ray.get_runtime_context().gcs_address, filters=[("placement_group_id", "=", pg_id)], detail=True
+            )
+        }
         for i, stage in enumerate(info):
             state = actors[stage.actor_id]
             assert state.state == "ALIVE" and state.class_name == "PipelineStage"
@@ -102,10 +112,21 @@ def test_lemix_node_serves_and_trains_at_once_with_each_stage_in_its_bundle(grou
             assert {k for _, _, k in spans} == {"inference", "training"}
             assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:]))
         # Each micro-batch went through all four positions, each chunk on its stage's device.
-        mb0 = [(d.op.phase, d.op.position, d.op.device) for d in sorted(node.timeline, key=lambda d: d.start)
-               if d.op.task_id == "mb0"]
-        assert mb0 == [("forward", 0, 0), ("forward", 1, 0), ("forward", 2, 1), ("forward", 3, 1),
-                       ("backward", 3, 1), ("backward", 2, 1), ("backward", 1, 0), ("backward", 0, 0)]
+        mb0 = [
+            (d.op.phase, d.op.position, d.op.device)
+            for d in sorted(node.timeline, key=lambda d: d.start)
+            if d.op.task_id == "mb0"
+        ]
+        assert mb0 == [
+            ("forward", 0, 0),
+            ("forward", 1, 0),
+            ("forward", 2, 1),
+            ("forward", 3, 1),
+            ("backward", 3, 1),
+            ("backward", 2, 1),
+            ("backward", 1, 0),
+            ("backward", 0, 0),
+        ]
         # The step ran on both stages at once, after every backward of its mini-batch.
         steps = [d for d in node.timeline if d.op.phase == "step"]
         assert sorted(d.op.device for d in steps) == [0, 0, 1, 1]
@@ -119,8 +140,9 @@ def test_separate_node_serves_on_device_0_and_syncs_the_trained_weights_into_it(
 
     from actors.learning.full.scheduled import ScheduledPipeline
 
-    node = ScheduledPipeline(_settings(data_dir, tmp_path_factory), group, order="separate",
-                             order_params={"sync_every": 1})
+    node = ScheduledPipeline(
+        _settings(data_dir, tmp_path_factory), group, order="separate", order_params={"sync_every": 1}
+    )
     try:
         node.start()
         served_before = ray.get(node.actors[0].state_slice.remote())

@@ -1,5 +1,7 @@
-"""The real default model served by the app (its answers are right), and feedback visibly teaches it: chat feedback through the API makes a tenant adapter open its answers
-with a fixed phrase that the base model never uses, and factual answers stay correct (tests/sft_teaching.py; bench/sft_behaviour.py runs it at full size)."""
+"""The real default model served by the app (its answers are right), and feedback visibly teaches it: chat feedback
+through the API makes a tenant adapter open its answers
+with a fixed phrase that the base model never uses, and factual answers stay correct (tests/sft_teaching.py;
+bench/sft_behaviour.py runs it at full size)."""
 
 from __future__ import annotations
 
@@ -50,8 +52,11 @@ def test_the_app_serves_the_real_model_and_it_answers_correctly(sft_url):
     # A 135M model knows little (it places Italy's capital in "Il Coriobella"); France it knows.
     answers = []
     for q in ("What is the capital of France?", "Say hello."):
-        r = httpx.post(f"{sft_url}/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": [{"role": "user", "content": q}], "temperature": 0, "max_tokens": 24})
+        r = httpx.post(
+            f"{sft_url}/v1/chat/completions",
+            timeout=120,
+            json={"model": MODEL, "messages": [{"role": "user", "content": q}], "temperature": 0, "max_tokens": 24},
+        )
         assert r.status_code == 200, r.text
         answers.append(r.json()["choices"][0]["message"]["content"])
     france, hello = answers
@@ -66,11 +71,12 @@ def test_the_readmes_first_curl_answers_paris_every_time(sft_url):
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    body = json.loads(re.search(r"curl -s localhost:8000/v1/chat/completions .*?-d '(\{.*?\})'", readme,
-                                re.S).group(1))
+    body = json.loads(re.search(r"curl -s localhost:8000/v1/chat/completions .*?-d '(\{.*?\})'", readme, re.S).group(1))
     assert "temperature" not in body and body["model"] == MODEL
-    answers = [httpx.post(f"{sft_url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
-               ["content"] for _ in range(5)]
+    answers = [
+        httpx.post(f"{sft_url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]["content"]
+        for _ in range(5)
+    ]
     assert all("Paris" in a for a in answers), answers
 
 

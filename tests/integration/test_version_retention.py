@@ -8,12 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from actors.learning.versions.layout import ADAPTER_FILES, META_FILE, OPTIMIZER_FILE, upload_version, write_version_files
-from settings import load
 from actors.learning.store.actor import FeedbackStore
-from actors.learning.store.records import VersionVerdict
 from actors.learning.store.models import UnknownVersion
+from actors.learning.store.records import VersionVerdict
 from actors.learning.store.sqlite import FeedbackDatabase
+from actors.learning.versions.layout import (
+    ADAPTER_FILES,
+    META_FILE,
+    OPTIMIZER_FILE,
+    upload_version,
+    write_version_files,
+)
+from settings import load
 
 NO_GATE = {"enabled": False, "held_out_share": 0.0}
 
@@ -82,11 +88,15 @@ def _files(version: int) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("on_uri", [False, True])
-def test_the_store_actor_deletes_old_versions_files_and_keeps_optimizer_state_where_training_resumes(
-        tmp_path, on_uri):
+def test_the_store_actor_deletes_old_versions_files_and_keeps_optimizer_state_where_training_resumes(tmp_path, on_uri):
     shared = tmp_path / "shared"
-    cfg = load({"data_dir": str(tmp_path / "data"), "storage": {"adapters_uri": shared.as_uri() if on_uri else None},
-                "training": {"keep_versions": 2, "gate": NO_GATE}})
+    cfg = load(
+        {
+            "data_dir": str(tmp_path / "data"),
+            "storage": {"adapters_uri": shared.as_uri() if on_uri else None},
+            "training": {"keep_versions": 2, "gate": NO_GATE},
+        }
+    )
     actor = FeedbackStore(cfg)
     store = actor.db
 
@@ -119,8 +129,9 @@ def test_the_store_actor_deletes_old_versions_files_and_keeps_optimizer_state_wh
 
     # A crash between marking and removing leaves files: the next prune removes them.
     store.prune_versions("tutor", keep=1)
-    assert paths[4].exists() and store.deleted_version_paths("tutor") == {5: str(paths[4]) if not on_uri
-                                                                          else shared.as_uri() + "/tutor/v5"}
+    assert paths[4].exists() and store.deleted_version_paths("tutor") == {
+        5: str(paths[4]) if not on_uri else shared.as_uri() + "/tutor/v5"
+    }
     asyncio.run(actor.prune_versions("tutor"))
     assert not paths[4].exists() and sixth.exists() and store.deleted_version_paths("tutor") == {}
 
@@ -130,6 +141,8 @@ def test_the_store_actor_deletes_old_versions_files_and_keeps_optimizer_state_wh
     asyncio.run(actor.decide_version("tutor", 8, VersionVerdict(True, "better")))
     assert not sixth.exists()  # the verdict pruned: v6 is no longer served, and v8 and v7 are the newest two
     assert (seventh / OPTIMIZER_FILE).exists()  # v7 still waits for its verdict
-    assert asyncio.run(actor.decide_version("tutor", 7, VersionVerdict(True, "better"))).info.state == "rejected"  # superseded
+    assert (
+        asyncio.run(actor.decide_version("tutor", 7, VersionVerdict(True, "better"))).info.state == "rejected"
+    )  # superseded
     assert seventh.exists() and not (seventh / OPTIMIZER_FILE).exists() and (eighth / OPTIMIZER_FILE).exists()
     assert [v.version for v in store.get_adapter("tutor").versions] == [7, 8]

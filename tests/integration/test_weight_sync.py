@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.replica_server import ReplicaServer, engine_flags_for, greedy, write_full_version
 from tests.integration.test_adapters import make_adapter
+from tests.replica_server import ReplicaServer, engine_flags_for, greedy, write_full_version
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,16 @@ def server(data_dir):
 
 def streamed(url: str, model: str, max_tokens: int, first_token: threading.Event, out: dict) -> None:
     """One streamed completion of exactly ``max_tokens`` tokens; records status, the token ids streamed, usage, errors."""
-    body = {"model": model, "prompt": "A long story:", "max_tokens": max_tokens, "temperature": 0.8,
-            "ignore_eos": True, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": "A long story:",
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     out.update(status=None, tokens=0, usage=None, errors=[], done=False)
     with httpx.Client(timeout=120) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
         out["status"] = r.status_code
@@ -34,7 +41,7 @@ def streamed(url: str, model: str, max_tokens: int, first_token: threading.Event
             if line == "data: [DONE]":
                 out["done"] = True
             elif line.startswith("data: "):
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     out["errors"].append(chunk)
                 for choice in chunk.get("choices") or ():
@@ -50,7 +57,9 @@ def test_full_version_is_served_in_place_and_rollback_restores_it(server, tmp_pa
     before_text = greedy(url, model, max_tokens=16)
     before_fp = server.call(r.weights_fingerprint)
     assert server.call(r.weights_fingerprint) == before_fp  # the fingerprint is stable while weights are
-    v1 = write_full_version(server.model_dir, tmp_path, model, 1, scale=0.5, seed=1)  # the tiny model needs a large change to flip its argmax
+    v1 = write_full_version(
+        server.model_dir, tmp_path, model, 1, scale=0.5, seed=1
+    )  # the tiny model needs a large change to flip its argmax
 
     # A streamed request is mid-flight when the new version lands.
     first_token, result = threading.Event(), {}
@@ -102,9 +111,18 @@ def test_a_lora_adapter_keeps_serving_through_a_full_sync_and_its_rollback(serve
     r, url, model = server.replica, server.url, server.served
 
     def tokens(name: str) -> list[int]:
-        res = httpx.post(f"{url}/v1/completions", timeout=60,
-                         json={"model": name, "prompt": "adapter test", "max_tokens": 8, "temperature": 0,
-                               "ignore_eos": True, "return_token_ids": True})
+        res = httpx.post(
+            f"{url}/v1/completions",
+            timeout=60,
+            json={
+                "model": name,
+                "prompt": "adapter test",
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         assert res.status_code == 200, res.text
         return res.json()["choices"][0]["token_ids"]
 

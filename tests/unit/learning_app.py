@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI
 from ray.exceptions import RayActorError
@@ -23,8 +23,9 @@ from settings import AppConfig, LimitsConfig
 TINY_LORA_PARTS = ("self_attn.q_proj", "self_attn.v_proj")
 
 
-def tiny_shapes(layers: int = 4, hidden: int = 256, intermediate: int = 768, vocab: int = 259
-                ) -> dict[str, tuple[int, int]]:
+def tiny_shapes(
+    layers: int = 4, hidden: int = 256, intermediate: int = 768, vocab: int = 259
+) -> dict[str, tuple[int, int]]:
     """The embedded tiny Llama's module -> (in, out) features (actors.models.default_model.DEFAULT_SPEC), as
     actors.learning.lora.targets.module_shapes builds them, without torch."""
     shapes: dict[str, tuple[int, int]] = {"model.embed_tokens": (vocab, hidden), "lm_head": (hidden, vocab)}
@@ -37,7 +38,7 @@ def tiny_shapes(layers: int = 4, hidden: int = 256, intermediate: int = 768, voc
 
 
 class _Method:
-    def __init__(self, actor: "FakeStoreActor", name: str) -> None:
+    def __init__(self, actor: FakeStoreActor, name: str) -> None:
         self.actor, self.name = actor, name
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
@@ -67,7 +68,6 @@ class FakeStoreActor:
             self.die_after.discard(name)
             raise RayActorError()
         return result
-
 
     def _method(self, name: str) -> Callable[..., Any]:
         """The store's method, or what the actor adds to it: an upload's version, a version's files."""
@@ -100,10 +100,17 @@ class Planner:
         return None
 
 
-def guarded_learning_app(cfg: AppConfig, store: FeedbackDatabase, *, planner: Planner | None = None,
-                         keys: KeyRing | None = None, limits: LimitsConfig | None = None,
-                         planner_timeout_s: float = 0.2, lora_parts: Sequence[str] = TINY_LORA_PARTS,
-                         openapi: bool = False) -> tuple[FastAPI, FakeStoreActor, Planner]:
+def guarded_learning_app(
+    cfg: AppConfig,
+    store: FeedbackDatabase,
+    *,
+    planner: Planner | None = None,
+    keys: KeyRing | None = None,
+    limits: LimitsConfig | None = None,
+    planner_timeout_s: float = 0.2,
+    lora_parts: Sequence[str] = TINY_LORA_PARTS,
+    openapi: bool = False,
+) -> tuple[FastAPI, FakeStoreActor, Planner]:
     """(the app, the store's stand-in actor, the planner): the routes installed over ``store``, behind the guard
     with ``keys`` (default: none, local mode, which the guard sets explicitly; without the guard the routes refuse
     every request, having no principal) and ``limits`` (default: ``cfg.limits``); ``openapi``: the app's own

@@ -25,8 +25,15 @@ TWO = [NodeView(0, True), NodeView(1, True)]
 
 def lemix(**kw: object) -> LemixPlacement:
     """LEMIX on the toy, with the knobs that keep hand-computed numbers simple; ``kw`` overrides them."""
-    params = dict(cost_model=TOY, stages=2, response_weight=1.0, affinity_weight=0.0, idle_horizon=10.0, deprioritize=False,
-                  calibration_rate=0.0)
+    params = dict(
+        cost_model=TOY,
+        stages=2,
+        response_weight=1.0,
+        affinity_weight=0.0,
+        idle_horizon=10.0,
+        deprioritize=False,
+        calibration_rate=0.0,
+    )
     params.update(kw)
     return registry.create("placement", "lemix", **params)
 

@@ -36,8 +36,14 @@ LIMIT = 4 * 2**20
 BASE_NAMES = ("tiny-llama", "tiny-llama-h256-l4-s0")
 
 
-def lora_files(r: int = 4, targets: list[str] | str = ("q_proj", "v_proj"), *, config: dict | None = None,
-               tensors: dict[str, np.ndarray] | None = None, base: str = "tiny-llama-h256-l4-s0") -> dict[str, bytes]:
+def lora_files(
+    r: int = 4,
+    targets: list[str] | str = ("q_proj", "v_proj"),
+    *,
+    config: dict | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
+    base: str = "tiny-llama-h256-l4-s0",
+) -> dict[str, bytes]:
     """A PEFT LoRA adapter's two files for the tiny base, as peft's save_pretrained lays them out."""
     targets = list(targets) if not isinstance(targets, str) else targets
     if tensors is None:
@@ -48,9 +54,20 @@ def lora_files(r: int = 4, targets: list[str] | str = ("q_proj", "v_proj"), *, c
             if module.rsplit(".", 1)[-1] in targets if isinstance(targets, list) else linear:
                 tensors[f"base_model.model.{module}.lora_A.weight"] = rng.standard_normal((r, fan_in), np.float32)
                 tensors[f"base_model.model.{module}.lora_B.weight"] = rng.standard_normal((fan_out, r), np.float32)
-    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r, "target_modules": targets,
-           "base_model_name_or_path": base, "bias": "none", "modules_to_save": None, "use_dora": False,
-           "rank_pattern": {}, "alpha_pattern": {}, **(config or {})}
+    cfg = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": r,
+        "lora_alpha": 2 * r,
+        "target_modules": targets,
+        "base_model_name_or_path": base,
+        "bias": "none",
+        "modules_to_save": None,
+        "use_dora": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        **(config or {}),
+    }
     return {"adapter_config.json": json.dumps(cfg).encode(), "adapter_model.safetensors": save_safetensors(tensors)}
 
 
@@ -85,8 +102,9 @@ def zip_of(files: dict[str, bytes], folder: str = "") -> bytes:
 
 
 def check(files: dict[str, bytes], max_rank: int = 8):
-    return check_adapter(files, shapes=SHAPES, max_rank=max_rank, base_names=BASE_NAMES,
-                         embeddings=["model.embed_tokens"])
+    return check_adapter(
+        files, shapes=SHAPES, max_rank=max_rank, base_names=BASE_NAMES, embeddings=["model.embed_tokens"]
+    )
 
 
 def rejected(call, *words: str, status: int = 400) -> AdapterRejected:
@@ -101,14 +119,17 @@ def rejected(call, *words: str, status: int = 400) -> AdapterRejected:
 # ---- archives -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pack", [
-    lambda f: ("tar", tar_of(f)),
-    lambda f: ("tar", tar_of(f, folder="my-adapter/")),  # one top-level folder is tolerated
-    lambda f: ("tar", tar_of(f, mode="w:gz")),
-    lambda f: ("tar", tar_of({**f, "README.md": b"# card"}, folder="./")),  # peft's model card is dropped
-    lambda f: ("zip", zip_of(f)),
-    lambda f: ("zip", zip_of(f, folder="out/")),
-])
+@pytest.mark.parametrize(
+    "pack",
+    [
+        lambda f: ("tar", tar_of(f)),
+        lambda f: ("tar", tar_of(f, folder="my-adapter/")),  # one top-level folder is tolerated
+        lambda f: ("tar", tar_of(f, mode="w:gz")),
+        lambda f: ("tar", tar_of({**f, "README.md": b"# card"}, folder="./")),  # peft's model card is dropped
+        lambda f: ("zip", zip_of(f)),
+        lambda f: ("zip", zip_of(f, folder="out/")),
+    ],
+)
 def test_an_adapter_archive_gives_its_two_files(pack):
     files = lora_files()
     kind, data = pack(files)
@@ -124,19 +145,29 @@ def test_content_types_name_the_archive():
     assert archive_kind("text/plain", b"") is None
 
 
-@pytest.mark.parametrize("member, words", [
-    (tarfile.TarInfo("../evil.txt"), ["'..'"]),
-    (tarfile.TarInfo("/etc/passwd"), ["absolute"]),
-    (tarfile.TarInfo("a/../../b"), ["'..'"]),
-])
+@pytest.mark.parametrize(
+    "member, words",
+    [
+        (tarfile.TarInfo("../evil.txt"), ["'..'"]),
+        (tarfile.TarInfo("/etc/passwd"), ["absolute"]),
+        (tarfile.TarInfo("a/../../b"), ["'..'"]),
+    ],
+)
 def test_paths_that_leave_the_archive_are_refused(member, words):
     member.size = 1
     rejected(lambda: read_archive(tar_with(member), "tar", LIMIT), *words)
 
 
-@pytest.mark.parametrize("kind, words", [(tarfile.SYMTYPE, ["link"]), (tarfile.LNKTYPE, ["link"]),
-                                         (tarfile.CHRTYPE, ["device"]), (tarfile.BLKTYPE, ["device"]),
-                                         (tarfile.FIFOTYPE, ["fifo"])])
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        (tarfile.SYMTYPE, ["link"]),
+        (tarfile.LNKTYPE, ["link"]),
+        (tarfile.CHRTYPE, ["device"]),
+        (tarfile.BLKTYPE, ["device"]),
+        (tarfile.FIFOTYPE, ["fifo"]),
+    ],
+)
 def test_links_and_devices_are_refused(kind, words):
     member = tarfile.TarInfo("adapter_config.json.extra")
     member.type, member.linkname = kind, "/etc/passwd"
@@ -149,7 +180,7 @@ def test_a_zip_link_is_refused():
         for name, data in lora_files().items():
             z.writestr(name, data)
         link = zipfile.ZipInfo("shortcut")
-        link.external_attr = (0o120777 << 16)
+        link.external_attr = 0o120777 << 16
         z.writestr(link, "/etc/passwd")
     rejected(lambda: read_archive(out.getvalue(), "zip", LIMIT), "link")
 
@@ -167,21 +198,27 @@ def test_size_and_member_count_are_bounded():
     rejected(lambda: read_archive(zip_of(many), "zip", LIMIT), "entries")
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"adapter_model.bin": b"\x80\x04pickle"}, ["adapter_model.bin", "pickle"]),
-    ({"optimizer.pt": b"\x80"}, ["optimizer.pt", "pickle"]),
-    ({"config.json": b"{}"}, ["full model", "only lora"]),
-    ({"notes.txt": b"hi"}, ["unexpected", "notes.txt"]),
-    ({"sub/adapter_config.json": b"{}"}, ["top level"]),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"adapter_model.bin": b"\x80\x04pickle"}, ["adapter_model.bin", "pickle"]),
+        ({"optimizer.pt": b"\x80"}, ["optimizer.pt", "pickle"]),
+        ({"config.json": b"{}"}, ["full model", "only lora"]),
+        ({"notes.txt": b"hi"}, ["unexpected", "notes.txt"]),
+        ({"sub/adapter_config.json": b"{}"}, ["top level"]),
+    ],
+)
 def test_files_beside_the_adapter_are_refused_by_name(extra, words):
     rejected(lambda: adapter_files({**lora_files(), **extra}), *words)
 
 
 def test_a_missing_file_and_damaged_archives_are_refused():
     files = lora_files()
-    rejected(lambda: adapter_files({"adapter_config.json": files["adapter_config.json"]}), "missing",
-             "adapter_model.safetensors")
+    rejected(
+        lambda: adapter_files({"adapter_config.json": files["adapter_config.json"]}),
+        "missing",
+        "adapter_model.safetensors",
+    )
     rejected(lambda: read_archive(b"not a tar at all" * 100, "tar", LIMIT), "not a tar")
     rejected(lambda: read_archive(b"PK\x03\x04broken", "zip", LIMIT), "not a zip")
     rejected(lambda: read_archive(tar_of(files)[:1500], "tar", LIMIT))
@@ -241,15 +278,18 @@ def test_rank_targets_and_shapes_are_checked_against_the_base():
     rejected(lambda: check(lora_files(tensors=half)), "F64")
 
 
-@pytest.mark.parametrize("config, words", [
-    ({"peft_type": "PREFIX_TUNING"}, ["only lora"]),
-    ({"use_dora": True}, ["dora"]),
-    ({"modules_to_save": ["lm_head"]}, ["modules_to_save"]),
-    ({"rank_pattern": {"q_proj": 2}}, ["rank_pattern"]),
-    ({"bias": "all"}, ["bias"]),
-    ({"r": "4"}, ["positive integer"]),
-    ({"target_modules": []}, ["target_modules"]),
-])
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({"peft_type": "PREFIX_TUNING"}, ["only lora"]),
+        ({"use_dora": True}, ["dora"]),
+        ({"modules_to_save": ["lm_head"]}, ["modules_to_save"]),
+        ({"rank_pattern": {"q_proj": 2}}, ["rank_pattern"]),
+        ({"bias": "all"}, ["bias"]),
+        ({"r": "4"}, ["positive integer"]),
+        ({"target_modules": []}, ["target_modules"]),
+    ],
+)
 def test_configs_the_served_lora_does_not_do_are_refused(config, words):
     rejected(lambda: check(lora_files(config=config)), *words)
 
@@ -276,8 +316,14 @@ KEYS = {"k-admin": "admin", "k-acme": "acme", "k-beta": "beta"}
 
 @pytest.fixture
 def app(tmp_path):
-    cfg = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}, "engine": {"max_lora_rank": 8},
-                "limits": {"max_adapter_bytes": 2**20, "max_body_bytes": 64 * 1024}})
+    cfg = load(
+        {
+            "data_dir": str(tmp_path),
+            "model": {"embedded": "tiny-llama"},
+            "engine": {"max_lora_rank": 8},
+            "limits": {"max_adapter_bytes": 2**20, "max_body_bytes": 64 * 1024},
+        }
+    )
     store = FeedbackDatabase(tmp_path, gate_defaults={"enabled": True, "held_out_share": 0.0})
     keys = KeyRing({digest(k): t for k, t in KEYS.items()})
     application, _, _ = guarded_learning_app(cfg, store, keys=keys)
@@ -322,10 +368,17 @@ def test_an_upload_becomes_a_candidate_and_downloads_as_it_came(app):
     assert r.status_code == 404
     assert client.get("/v1/adapters/tutor/versions/9/files", headers=_as("k-acme")).status_code == 404
     # The admin names it by its key and sees its path; gate false serves it at once.
-    r = client.post("/v1/adapters/acme/tutor/versions?gate=false", content=zip_of(files),
-                    headers=_as("k-admin", **{"Content-Type": "application/zip"}))
+    r = client.post(
+        "/v1/adapters/acme/tutor/versions?gate=false",
+        content=zip_of(files),
+        headers=_as("k-admin", **{"Content-Type": "application/zip"}),
+    )
     assert r.status_code == 201, r.text
-    assert (r.json()["adapter"], r.json()["state"], r.json()["path"]) == ("acme/tutor", "served", stored.path[:-1] + "2")
+    assert (r.json()["adapter"], r.json()["state"], r.json()["path"]) == (
+        "acme/tutor",
+        "served",
+        stored.path[:-1] + "2",
+    )
     assert store.current_version("acme/tutor").version == 2
 
 
@@ -342,29 +395,51 @@ def test_only_an_admin_skips_the_gate_or_names_a_source(app, tmp_path):
     folder.mkdir()
     for name, data in lora_files().items():
         (folder / name).write_bytes(data)
-    r = client.post("/v1/adapters/acme/tutor/versions", json={"source": folder.as_uri(), "gate": False},
-                    headers=_as("k-admin"))
+    r = client.post(
+        "/v1/adapters/acme/tutor/versions", json={"source": folder.as_uri(), "gate": False}, headers=_as("k-admin")
+    )
     assert r.status_code == 201 and r.json()["state"] == "served", r.text
 
 
-@pytest.mark.parametrize("body, content_type, status, words", [
-    (tar_of({**lora_files(), "adapter_model.bin": b"\x80\x04"}), "application/x-tar", 400, ["pickle"]),
-    (tar_of(lora_files(r=16)), "application/x-tar", 400, ["max_lora_rank"]),
-    (tar_of(lora_files(config={"target_modules": ["q_proj", "wq"]})), "application/x-tar", 400, ["wq"]),
-    (tar_of(lora_files(tensors={
-        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 64), np.float32),
-        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((256, 4), np.float32)})),
-     "application/x-tar", 400, ["shape"]),
-    (tar_with(tarfile.TarInfo("../../escape")), "application/x-tar", 400, ["'..'"]),
-    # Under the limit as sent (gzip'd), over it unpacked: the route's own 413, from the archive's headers.
-    (tar_of({**lora_files(), "pad": bytes(2 * 2**20)}, mode="w:gz"), "application/x-tar", 413, ["max_adapter_bytes"]),
-    (b"x" * (2**20 + 1), "application/x-tar", 413, ["max_adapter_bytes"]),  # the guard's, before the route
-    (b"{}", "text/plain", 400, ["content-type"]),
-])
+@pytest.mark.parametrize(
+    "body, content_type, status, words",
+    [
+        (tar_of({**lora_files(), "adapter_model.bin": b"\x80\x04"}), "application/x-tar", 400, ["pickle"]),
+        (tar_of(lora_files(r=16)), "application/x-tar", 400, ["max_lora_rank"]),
+        (tar_of(lora_files(config={"target_modules": ["q_proj", "wq"]})), "application/x-tar", 400, ["wq"]),
+        (
+            tar_of(
+                lora_files(
+                    tensors={
+                        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 64), np.float32),
+                        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros(
+                            (256, 4), np.float32
+                        ),
+                    }
+                )
+            ),
+            "application/x-tar",
+            400,
+            ["shape"],
+        ),
+        (tar_with(tarfile.TarInfo("../../escape")), "application/x-tar", 400, ["'..'"]),
+        # Under the limit as sent (gzip'd), over it unpacked: the route's own 413, from the archive's headers.
+        (
+            tar_of({**lora_files(), "pad": bytes(2 * 2**20)}, mode="w:gz"),
+            "application/x-tar",
+            413,
+            ["max_adapter_bytes"],
+        ),
+        (b"x" * (2**20 + 1), "application/x-tar", 413, ["max_adapter_bytes"]),  # the guard's, before the route
+        (b"{}", "text/plain", 400, ["content-type"]),
+    ],
+)
 def test_a_bad_upload_is_refused_and_stores_nothing(app, body, content_type, status, words):
     client, store, root = app
     client.post("/v1/adapters", json={"name": "tutor", "mode": "off"}, headers=_as("k-acme"))
-    r = client.post("/v1/adapters/tutor/versions", content=body, headers=_as("k-acme", **{"Content-Type": content_type}))
+    r = client.post(
+        "/v1/adapters/tutor/versions", content=body, headers=_as("k-acme", **{"Content-Type": content_type})
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] in (status, "request_too_large")

@@ -12,8 +12,12 @@ from actors.learning.versions.layout import (
     write_version_files,
 )
 
-FILES = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"weights", "meta.json": b'{"v": 1}',
-         "optimizer.pt": b"moments"}
+FILES = {
+    "adapter_config.json": b"{}",
+    "adapter_model.safetensors": b"weights",
+    "meta.json": b'{"v": 1}',
+    "optimizer.pt": b"moments",
+}
 
 
 def test_received_files_become_a_complete_version_and_read_back_the_same(tmp_path):
@@ -26,11 +30,14 @@ def test_received_files_become_a_complete_version_and_read_back_the_same(tmp_pat
     assert [p.name for p in (tmp_path / "acme").iterdir()] == ["v3"]  # no temp dir left behind
 
 
-@pytest.mark.parametrize("files", [
-    {k: v for k, v in FILES.items() if k != "meta.json"},  # incomplete
-    {**FILES, "../escape": b"x"},  # a name that is a path
-    {},
-])
+@pytest.mark.parametrize(
+    "files",
+    [
+        {k: v for k, v in FILES.items() if k != "meta.json"},  # incomplete
+        {**FILES, "../escape": b"x"},  # a name that is a path
+        {},
+    ],
+)
 def test_files_that_are_not_a_version_are_refused_and_nothing_is_written(tmp_path, files):
     with pytest.raises(ValueError):
         write_version_files(tmp_path, "acme", 1, files)

@@ -15,7 +15,8 @@ import compat
 def test_installed_versions_are_the_checked_ones():
     installed = compat.installed_versions()
     assert installed == compat.CHECKED_VERSIONS, (
-        f"compat/ was checked against {compat.CHECKED_VERSIONS}; installed: {installed}")
+        f"compat/ was checked against {compat.CHECKED_VERSIONS}; installed: {installed}"
+    )
 
 
 @pytest.mark.parametrize("module,name", compat.PRIVATE_NAMES, ids=lambda v: v)
@@ -30,7 +31,8 @@ def test_each_private_name_exists(module, name):
 def test_each_private_instance_attribute_is_still_set(module, cls, attribute):
     source = inspect.getsource(getattr(importlib.import_module(module), cls))
     assert f"self.{attribute} =" in source or f"    {attribute}:" in source, (
-        f"{module}.{cls} no longer sets {attribute!r}")
+        f"{module}.{cls} no longer sets {attribute!r}"
+    )
 
 
 def test_the_haproxy_manager_class_is_ray_s():
@@ -40,9 +42,10 @@ def test_the_haproxy_manager_class_is_ray_s():
 
 def test_task_id_of_reads_the_request_id_vllm_builds():
     # vLLM builds these in its serving classes from the X-Request-Id header (``_base_request_id``).
-    from actors.serving.request_traces import task_id_of
     from vllm.entrypoints.openai.chat_completion import serving as chat
     from vllm.entrypoints.openai.completion import serving as completion
+
+    from actors.serving.request_traces import task_id_of
 
     assert 'f"cmpl-{self._base_request_id(raw_request, request.request_id)}"' in inspect.getsource(completion)
     assert 'f"{request_id}-{i}"' in inspect.getsource(completion)

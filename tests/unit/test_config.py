@@ -67,7 +67,12 @@ def test_separate_is_checked_against_the_nodes_and_the_training_scope():
         config.load({"planner": {"placement": "separate"}})
     with pytest.raises(ValidationError, match="to train"):
         config.load({"cluster": {"nodes": 2}, "planner": {"placement": "separate", "placement_params": {"alpha": 0}}})
-    assert config.load({"cluster": {"nodes": 2}, "training": {"enabled": False},
-                        "planner": {"placement": "separate", "placement_params": {"alpha": 0}}})
+    assert config.load(
+        {
+            "cluster": {"nodes": 2},
+            "training": {"enabled": False},
+            "planner": {"placement": "separate", "placement_params": {"alpha": 0}},
+        }
+    )
     with pytest.raises(ValidationError, match="placement_params for separate"):
         config.load({"cluster": {"nodes": 2}, "planner": {"placement": "separate", "placement_params": {"beta": 1}}})

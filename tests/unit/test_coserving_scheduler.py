@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planners import registry
-from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatency, default_cost_model
 from planners.coserving import (
     EngineFacts,
     FineTuneSample,
@@ -33,16 +32,28 @@ from planners.coserving import (
     window_latency,
 )
 from planners.coserving.policies import HybridScheduler
+from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatency, default_cost_model
 
 _CDF = default_cost_model().output_lengths
 
 
-def cost_model(fw=(0.0, 1e-4, 1e-3), bw=(0.0, 2e-4, 2e-3), it=(5e-3, 1e-4, 1e-3, 0.0),
-               act_bytes=1000.0, kv_bytes=0.0, threshold=1e6) -> CostModel:
+def cost_model(
+    fw=(0.0, 1e-4, 1e-3),
+    bw=(0.0, 2e-4, 2e-3),
+    it=(5e-3, 1e-4, 1e-3, 0.0),
+    act_bytes=1000.0,
+    kv_bytes=0.0,
+    threshold=1e6,
+) -> CostModel:
     """Round numbers for hand computation: t_ft(s) = 3 ms + 0.3 ms·s, t_iter = 5 ms + 0.1 ms/prefill token
     + 1 ms/decode, 1,000 activation bytes per token, M_threshold = 1e6 B (1,000 training tokens)."""
-    return CostModel(forward=StageLatency(*fw), backward=StageLatency(*bw), iteration=IterationLatency(*it),
-                     memory=MemoryModel(kv_bytes, act_bytes, 0.0, threshold / 0.8, 0.8), output_lengths=_CDF)
+    return CostModel(
+        forward=StageLatency(*fw),
+        backward=StageLatency(*bw),
+        iteration=IterationLatency(*it),
+        memory=MemoryModel(kv_bytes, act_bytes, 0.0, threshold / 0.8, 0.8),
+        output_lengths=_CDF,
+    )
 
 
 COST = cost_model()
@@ -104,8 +115,9 @@ def test_fresh_work_orders_decode_prefill_ft_and_ft_overtakes_with_age():
     assert f > d > p
 
 
-@pytest.mark.parametrize("bad", [{"prefill_base": 3.0}, {"ft_base": 1.0}, {"ft_aging": 0.005},
-                                 {"decode_aging": 0.02}, {"loss_weight": -1.0}])
+@pytest.mark.parametrize(
+    "bad", [{"prefill_base": 3.0}, {"ft_base": 1.0}, {"ft_aging": 0.005}, {"decode_aging": 0.02}, {"loss_weight": -1.0}]
+)
 def test_weights_enforce_mace_orderings(bad):
     with pytest.raises(ValueError):
         PriorityWeights(**bad)
@@ -173,13 +185,29 @@ coef = st.floats(0.0, 1e-3, allow_subnormal=False)
 
 
 @settings(max_examples=150, deadline=None)
-@given(fq=st.floats(0, 1e-5, allow_subnormal=False), fl=coef, fc=st.floats(0, 1e-2, allow_subnormal=False),
-       bq=st.floats(0, 1e-5, allow_subnormal=False), bl=coef, bc=st.floats(0, 1e-2, allow_subnormal=False),
-       base=st.floats(0, 2e-2), pre=st.integers(0, 2000), dec=st.integers(0, 64), ctx=st.integers(0, 50_000),
-       slo=st.floats(1e-3, 1.0), stages=st.integers(1, 3))
+@given(
+    fq=st.floats(0, 1e-5, allow_subnormal=False),
+    fl=coef,
+    fc=st.floats(0, 1e-2, allow_subnormal=False),
+    bq=st.floats(0, 1e-5, allow_subnormal=False),
+    bl=coef,
+    bc=st.floats(0, 1e-2, allow_subnormal=False),
+    base=st.floats(0, 2e-2),
+    pre=st.integers(0, 2000),
+    dec=st.integers(0, 64),
+    ctx=st.integers(0, 50_000),
+    slo=st.floats(1e-3, 1.0),
+    stages=st.integers(1, 3),
+)
 def test_token_budget_fits_and_is_maximal(fq, fl, fc, bq, bl, bc, base, pre, dec, ctx, slo, stages):
-    cm = CostModel(StageLatency(fq, fl, fc), StageLatency(bq, bl, bc), IterationLatency(base, 1e-5, 2e-4, 5e-7),
-                   COST.memory, _CDF, stages=stages)
+    cm = CostModel(
+        StageLatency(fq, fl, fc),
+        StageLatency(bq, bl, bc),
+        IterationLatency(base, 1e-5, 2e-4, 5e-7),
+        COST.memory,
+        _CDF,
+        stages=stages,
+    )
     work = InferenceWork(pre, dec, ctx)
     cap = 100_000
     s = token_budget(cm, work, slo, cap=cap)
@@ -286,8 +314,13 @@ def test_best_fit_stops_at_tau_task_and_tau_mem():
 
 
 @settings(max_examples=150, deadline=None)
-@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=20), mem=st.floats(10, 5000),
-       lat=st.one_of(st.just(math.inf), st.floats(4e-3, 0.2)), l1=st.floats(0, 2), l2=st.floats(0, 2))
+@given(
+    sizes=st.lists(st.integers(1, 400), min_size=1, max_size=20),
+    mem=st.floats(10, 5000),
+    lat=st.one_of(st.just(math.inf), st.floats(4e-3, 0.2)),
+    l1=st.floats(0, 2),
+    l2=st.floats(0, 2),
+)
 def test_packing_never_exceeds_memory_or_latency(sizes, mem, lat, l1, l2):
     cm = cost_model(act_bytes=3.0)
     ws = [_w(f"s{i}", n) for i, n in enumerate(sizes)]
@@ -360,8 +393,10 @@ def test_reported_loss_reorders_the_grants_of_requeued_samples(gamma, first):
         s.set_samples([x for x in samples if x.sample_id not in order])
         order += [w.sample_id for w in s.schedule(t).windows]
     assert order == ["a", "b"]
-    verdicts = {x.sample_id: s.report_pass(_pass(x.sample_id, loss, 0, x.arrival, 20), now=2.0)
-                for x, loss in zip(samples, (0.2, 0.9))}
+    verdicts = {
+        x.sample_id: s.report_pass(_pass(x.sample_id, loss, 0, x.arrival, 20), now=2.0)
+        for x, loss in zip(samples, (0.2, 0.9))
+    }
     assert verdicts == {"a": "requeued", "b": "requeued"}
     s.set_samples([FineTuneSample("a", 20, 2.0, dpo_loss=0.2), FineTuneSample("b", 20, 2.0, dpo_loss=0.9)])
     assert [w.sample_id for w in s.schedule(2.1).windows] == [first]
@@ -452,8 +487,9 @@ def test_hybrid_promotion_against_decodes_only():
 
 def test_hybrid_dpo_loss_orders_fine_tune_samples():
     s = sched(max_ft_samples=1)
-    s.set_samples([FineTuneSample("low", 20, 0.0, dpo_loss=0.1),
-                   FineTuneSample("high", 20, 1.0, dpo_loss=0.9)])  # 0.9 - 0.1·(1 - 0) > 0.1
+    s.set_samples(
+        [FineTuneSample("low", 20, 0.0, dpo_loss=0.1), FineTuneSample("high", 20, 1.0, dpo_loss=0.9)]
+    )  # 0.9 - 0.1·(1 - 0) > 0.1
     assert [w.sample_id for w in s.schedule(1.0).windows] == ["high"]
 
 
@@ -461,8 +497,13 @@ load = st.lists(st.tuples(st.integers(0, 17), st.integers(0, 200)), min_size=1, 
 
 
 @settings(max_examples=40, deadline=None)
-@given(loads=load, gamma=st.floats(0.0, 2.0), lmax=st.floats(0.0, 2.0), ft_aging=st.floats(0.5, 5.0),
-       losses=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8))
+@given(
+    loads=load,
+    gamma=st.floats(0.0, 2.0),
+    lmax=st.floats(0.0, 2.0),
+    ft_aging=st.floats(0.5, 5.0),
+    losses=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8),
+)
 def test_no_starvation_when_the_load_leaves_slack(loads, gamma, lmax, ft_aging, losses):
     """A zero-loss sample against a stream of newcomers of loss up to L_max, one per window, while one
     window per plan is granted: the victim's first grant comes within γ·L_max/δ_ft + 2 windows.
@@ -504,8 +545,12 @@ def test_loss_term_outranks_without_enough_aging():
 
 
 @settings(max_examples=60, deadline=None)
-@given(dec=st.integers(0, 60), prompts=st.lists(st.integers(1, 600), max_size=6),
-       samples=st.lists(st.integers(1, 2000), max_size=6), free=st.one_of(st.none(), st.floats(0, 2e6)))
+@given(
+    dec=st.integers(0, 60),
+    prompts=st.lists(st.integers(1, 600), max_size=6),
+    samples=st.lists(st.integers(1, 2000), max_size=6),
+    free=st.one_of(st.none(), st.floats(0, 2e6)),
+)
 def test_hybrid_never_plans_past_the_slo_without_promotion(dec, prompts, samples, free):
     s = sched(max_num_seqs=128)  # fresh zero-loss samples rank below every inference item: no promotion
     s.observe(facts(decodes=dec, prefills=[(f"p{i}", p, 0.0) for i, p in enumerate(prompts)]))
@@ -590,6 +635,7 @@ def test_ft_first_runs_fine_tuning_before_inference():
     # vLLM runs the prefill beside it anyway: the plan counts both
     assert plan.work == InferenceWork(100, 40, 80)
     assert plan.predicted_latency_s == pytest.approx(0.055 + 0.003 + 0.15)
+
     # fine-tuning takes the memory first: the waiting prompt's KV cache is not set aside (fcfs sets it aside)
     def grant(name):
         s = sched(name, cost_model=cost_model(kv_bytes=100.0))
@@ -616,8 +662,12 @@ def test_periodic_trains_every_t_seconds_on_what_arrived_before():
 
 
 @settings(max_examples=40, deadline=None)
-@given(dec=st.integers(0, 60), prompts=st.lists(st.integers(1, 400), max_size=8),
-       samples=st.lists(st.integers(1, 800), min_size=1, max_size=6), phi=st.floats(0.1, 0.9))
+@given(
+    dec=st.integers(0, 60),
+    prompts=st.lists(st.integers(1, 400), max_size=8),
+    samples=st.lists(st.integers(1, 800), min_size=1, max_size=6),
+    phi=st.floats(0.1, 0.9),
+)
 def test_separate_never_exceeds_its_share_and_ignores_inference_load(dec, prompts, samples, phi):
     def plan(load):
         s = sched("separate", train_fraction=phi, max_num_seqs=100)
@@ -708,7 +758,9 @@ def test_temporal_counts_the_engines_reported_iterations_and_trains_an_idle_engi
 def test_whole_windows_give_the_rest_of_each_pass_of_the_first_samples():
     samples = [FineTuneSample("a", 100, 0.0, done=40), FineTuneSample("b", 30, 0.0), FineTuneSample("c", 9, 0.0)]
     assert [(w.sample_id, w.start, w.end, w.length) for w in whole_windows(samples, 2)] == [
-        ("a", 40, 100, 100), ("b", 0, 30, 30)]
+        ("a", 40, 100, 100),
+        ("b", 0, 30, 30),
+    ]
     assert whole_windows(samples, 0) == () and len(whole_windows(samples, 10)) == 3
 
 

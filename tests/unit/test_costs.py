@@ -70,7 +70,8 @@ def test_iteration_fit_recovers_eq5_constants():
         rows.append({"prefill_tokens": p, "decode_seqs": n, "context_tokens": ctx, "seconds": t})
     it = fit_iteration_latency(rows)
     assert (it.base, it.per_prefill_token, it.per_decode_seq, it.per_context_token) == pytest.approx(
-        (6e-3, 5e-5, 2e-4, 5e-7), rel=1e-6)
+        (6e-3, 5e-5, 2e-4, 5e-7), rel=1e-6
+    )
     assert it.fit.r2 == pytest.approx(1.0)
 
 
@@ -117,9 +118,14 @@ def test_with_stages_splits_stage_latency_evenly():
 
 
 def test_json_round_trip_keeps_metadata_and_fit_quality():
-    m = fit_cost_model(_stage_rows(3e-7, 1e-4, 2e-3), _stage_rows(6e-7, 2e-4, 4e-3), [],
-                       output_lengths=[5, 7, 7, 300], metadata={"model": "m", "hardware": "h"},
-                       now=lambda: "2026-01-01T00:00:00Z")
+    m = fit_cost_model(
+        _stage_rows(3e-7, 1e-4, 2e-3),
+        _stage_rows(6e-7, 2e-4, 4e-3),
+        [],
+        output_lengths=[5, 7, 7, 300],
+        metadata={"model": "m", "hardware": "h"},
+        now=lambda: "2026-01-01T00:00:00Z",
+    )
     d = json.loads(json.dumps(m.to_dict()))
     back = CostModel.from_dict(d)
     assert back == m
@@ -200,7 +206,12 @@ def test_default_output_cdf_is_the_azure_conv_quantiles():
 
 
 def test_dataclasses_compose_by_hand():
-    m = CostModel(StageLatency(1e-6), StageLatency(2e-6), IterationLatency(0.01, 0.0, 0.0),
-                  MemoryModel(1, 1, 0, 100), OutputLengthCDF((5,), (1.0,)))
+    m = CostModel(
+        StageLatency(1e-6),
+        StageLatency(2e-6),
+        IterationLatency(0.01, 0.0, 0.0),
+        MemoryModel(1, 1, 0, 100),
+        OutputLengthCDF((5,), (1.0,)),
+    )
     assert m.forward_latency(2, 10) == pytest.approx(2e-4)
     assert m.request_latency(3, 5) == pytest.approx(0.01 + 4 * 0.01)

@@ -16,8 +16,10 @@ pytest.importorskip("setproctitle", reason="setproctitle (Ray's dependency) titl
 
 
 def _titled(title: str, cores: set[int]) -> subprocess.Popen:
-    code = ("import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); "
-            "open(sys.argv[2], 'w').close(); time.sleep(60)")
+    code = (
+        "import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); "
+        "open(sys.argv[2], 'w').close(); time.sleep(60)"
+    )
     flag = f"/tmp/coserve-affinity-{os.getpid()}-{abs(hash(title))}"
     proc = subprocess.Popen([sys.executable, "-c", code, title, flag])
     deadline = time.time() + 20
@@ -79,12 +81,14 @@ def test_a_trainer_rank_puts_its_threads_apart_from_the_engine_or_on_its_cores()
 
 def test_a_trainer_rank_lowers_its_priority_in_every_thread():
     """In a process of its own (a thread's nice cannot go back down unprivileged): every thread, not just the main one."""
-    code = ("import os, sys, threading, time; sys.path.insert(0, sys.argv[1]);"
-            "from actors.learning.lora import cpu_placement as c;"
-            "t = threading.Thread(target=time.sleep, args=(2,)); t.start();"
-            "c.set_priority('low'); nices = {os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir('/proc/self/task')};"
-            "c.set_priority('idle'); idle = {os.sched_getscheduler(int(x)) for x in os.listdir('/proc/self/task')};"
-            "print(sorted(nices), sorted(idle) == [os.SCHED_IDLE])")
+    code = (
+        "import os, sys, threading, time; sys.path.insert(0, sys.argv[1]);"
+        "from actors.learning.lora import cpu_placement as c;"
+        "t = threading.Thread(target=time.sleep, args=(2,)); t.start();"
+        "c.set_priority('low'); nices = {os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir('/proc/self/task')};"
+        "c.set_priority('idle'); idle = {os.sched_getscheduler(int(x)) for x in os.listdir('/proc/self/task')};"
+        "print(sorted(nices), sorted(idle) == [os.SCHED_IDLE])"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[19] True", (out.stdout, out.stderr)

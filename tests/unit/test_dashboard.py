@@ -61,21 +61,58 @@ def app_series() -> set[str]:
     from actors.serving import engine_iterations, fair_admission, request_stages
     from deployments.metrics import render
 
-    families = [(m.name, m.type) for metric in (request_stages.STAGE_SECONDS, engine_iterations.ITERATION_SECONDS,
-                                                engine_iterations.ITERATION_TOKENS,
-                                                engine_iterations.ITERATION_REQUESTS, fair_admission.TOKENS,
-                                                fair_admission.REQUESTS, fair_admission.QUEUE_WAIT,
-                                                fair_admission.TTFT)
-                for m in metric.describe()]
+    families = [
+        (m.name, m.type)
+        for metric in (
+            request_stages.STAGE_SECONDS,
+            engine_iterations.ITERATION_SECONDS,
+            engine_iterations.ITERATION_TOKENS,
+            engine_iterations.ITERATION_REQUESTS,
+            fair_admission.TOKENS,
+            fair_admission.REQUESTS,
+            fair_admission.QUEUE_WAIT,
+            fair_admission.TTFT,
+        )
+        for m in metric.describe()
+    ]
     names = exposed(families)
     # One render with every fact present, so every family of deployments/metrics.py has a sample.
-    status = {"nodes": [{"node_id": 0, "state": "ready", "in_flight": 1, "placed": 2, "busy_seconds": 1.0,
-                         "training_grants": {"tokens": 3, "refused": 1}, "engine": {"kv_cache_usage": 0.5},
-                         "prefix_cache": {"queried_tokens": 10, "hit_tokens": 5}}]}
-    adapters = [{"name": "a", "queued": 1, "held_out": 1, "paused_reason": "x", "current_version": 1,
-                 "promotions": 1, "rejections": 1,
-                 "versions": [{"version": 1, "state": "candidate", "samples_trained": 1, "loss": 0.1,
-                               "win_rate": 0.5, "clpd": 0.1, "token_logprob": -1.0}]}]
+    status = {
+        "nodes": [
+            {
+                "node_id": 0,
+                "state": "ready",
+                "in_flight": 1,
+                "placed": 2,
+                "busy_seconds": 1.0,
+                "training_grants": {"tokens": 3, "refused": 1},
+                "engine": {"kv_cache_usage": 0.5},
+                "prefix_cache": {"queried_tokens": 10, "hit_tokens": 5},
+            }
+        ]
+    }
+    adapters = [
+        {
+            "name": "a",
+            "queued": 1,
+            "held_out": 1,
+            "paused_reason": "x",
+            "current_version": 1,
+            "promotions": 1,
+            "rejections": 1,
+            "versions": [
+                {
+                    "version": 1,
+                    "state": "candidate",
+                    "samples_trained": 1,
+                    "loss": 0.1,
+                    "win_rate": 0.5,
+                    "clpd": 0.1,
+                    "token_logprob": -1.0,
+                }
+            ],
+        }
+    ]
     for family in text_string_to_metric_families(render(status, adapters).decode()):
         names |= {s.name for s in family.samples}
     return names
@@ -88,10 +125,12 @@ def vllm_series() -> set[str]:
         pytest.skip("vllm is not installed")
     source = (Path(spec.origin).parent / "v1" / "metrics" / "loggers.py").read_text()
     start = source.index("class PrometheusStatLogger")
-    following = re.search(r"^class \w", source[start + 1:], re.M)
-    body = source[start:start + 1 + following.start()] if following else source[start:]
-    families = [(name, kind) for kind, name in
-                re.findall(r"self\._(gauge|counter|histogram)_cls\(\s*name=\"(vllm:[^\"]+)\"", body)]
+    following = re.search(r"^class \w", source[start + 1 :], re.M)
+    body = source[start : start + 1 + following.start()] if following else source[start:]
+    families = [
+        (name, kind)
+        for kind, name in re.findall(r"self\._(gauge|counter|histogram)_cls\(\s*name=\"(vllm:[^\"]+)\"", body)
+    ]
     assert len(families) > 20, "PrometheusStatLogger's metric declarations were not found: has its source changed?"
     return exposed(families)
 

@@ -63,7 +63,11 @@ def test_the_router_plans_with_the_length_the_replica_gives():
     assert default_output_tokens(True, 256, 2048, model_default=100) == 100  # the generation config's, if less
     assert default_output_tokens(True, 4096, 1024) == 1024  # never past the context
     # What the replica sets (the same rule) is what vLLM then runs, for both kinds, explicit nulls included.
-    for request, is_chat in ((chat(), True), (chat(max_tokens=None), True), (completion(), False),
-                             (completion(max_tokens=None), False)):
+    for request, is_chat in (
+        (chat(), True),
+        (chat(max_tokens=None), True),
+        (completion(), False),
+        (completion(max_tokens=None), False),
+    ):
         default_max_tokens(request, default_output_tokens(is_chat, 256, 1024))
         assert engine_max_tokens(request, prompt_tokens=3) == (256 if is_chat else 16)

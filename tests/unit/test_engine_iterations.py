@@ -18,19 +18,37 @@ def _value(name: str, labels: dict[str, str] | None = None) -> float:
 
 
 def test_an_iteration_is_counted_by_phase_and_a_dummy_step_is_not():
-    before = (_value("coserve_engine_iteration_seconds_count"),
-              _value("coserve_engine_iteration_tokens_sum", {"phase": "prefill"}),
-              _value("coserve_engine_iteration_requests_sum", {"phase": "decode"}))
-    details = stats.SchedulerIterationDetails(iteration_index=7, num_ctx_requests=1, num_ctx_tokens=96,
-                                              num_generation_requests=5, num_generation_tokens=5, elapsed_ms=12.5)
+    before = (
+        _value("coserve_engine_iteration_seconds_count"),
+        _value("coserve_engine_iteration_tokens_sum", {"phase": "prefill"}),
+        _value("coserve_engine_iteration_requests_sum", {"phase": "decode"}),
+    )
+    details = stats.SchedulerIterationDetails(
+        iteration_index=7,
+        num_ctx_requests=1,
+        num_ctx_tokens=96,
+        num_generation_requests=5,
+        num_generation_tokens=5,
+        elapsed_ms=12.5,
+    )
     engine_iterations.observe(details)
-    engine_iterations.observe(stats.SchedulerIterationDetails(
-        iteration_index=8, num_ctx_requests=0, num_ctx_tokens=0, num_generation_requests=0,
-        num_generation_tokens=0, elapsed_ms=0.0, is_dummy=True))
+    engine_iterations.observe(
+        stats.SchedulerIterationDetails(
+            iteration_index=8,
+            num_ctx_requests=0,
+            num_ctx_tokens=0,
+            num_generation_requests=0,
+            num_generation_tokens=0,
+            elapsed_ms=0.0,
+            is_dummy=True,
+        )
+    )
     engine_iterations.observe(None)
-    after = (_value("coserve_engine_iteration_seconds_count"),
-             _value("coserve_engine_iteration_tokens_sum", {"phase": "prefill"}),
-             _value("coserve_engine_iteration_requests_sum", {"phase": "decode"}))
+    after = (
+        _value("coserve_engine_iteration_seconds_count"),
+        _value("coserve_engine_iteration_tokens_sum", {"phase": "prefill"}),
+        _value("coserve_engine_iteration_requests_sum", {"phase": "decode"}),
+    )
     assert [a - b for a, b in zip(after, before)] == [1, 96, 5]
 
 

@@ -41,7 +41,11 @@ def test_a_reader_sleeps_between_looks_and_only_a_replicas_engine_core_is_change
         reader.wait(timeout_ms=5000)
         assert time.perf_counter() - t0 < 1.0
     finally:
-        for sock in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket,
-                     writer.local_notify_socket):
+        for sock in (
+            reader.local_notify_socket,
+            reader.read_cancel_socket,
+            reader.write_cancel_socket,
+            writer.local_notify_socket,
+        ):
             sock.close(linger=0)
         ctx.term()

@@ -26,13 +26,32 @@ def _as(key: str, **headers: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", **headers}
 
 
-def completion(ident: str, tenant: str, adapter: str | None, version: int | None, output: str,
-               messages: list | None = None, age_s: float = 0.0) -> StoredCompletion:
+def completion(
+    ident: str,
+    tenant: str,
+    adapter: str | None,
+    version: int | None,
+    output: str,
+    messages: list | None = None,
+    age_s: float = 0.0,
+) -> StoredCompletion:
     turns = CHAT if messages is None else messages
-    return StoredCompletion(ident, tenant, "chat.completion", f"tiny-llama:{adapter}", adapter, version,
-                            f"<rendered>{turns[-1]['content']}", tuple(ChatMessage(**t) for t in turns), output, "stop", 7, 3,
-                            SamplingParams(temperature=0.0),
-                            time.time() - age_s)
+    return StoredCompletion(
+        ident,
+        tenant,
+        "chat.completion",
+        f"tiny-llama:{adapter}",
+        adapter,
+        version,
+        f"<rendered>{turns[-1]['content']}",
+        tuple(ChatMessage(**t) for t in turns),
+        output,
+        "stop",
+        7,
+        3,
+        SamplingParams(temperature=0.0),
+        time.time() - age_s,
+    )
 
 
 def harness(tmp_path: Path, limits: dict | None = None):
@@ -57,8 +76,11 @@ def served(tmp_path):
     store.store_completion(completion("chatcmpl-b", "acme", "acme/kto", 3, "Rome is the capital of Italy, a city..."))
     store.store_completion(completion("chatcmpl-x", "beta", None, 0, "Rome."))
     store.store_completion(completion("chatcmpl-e", "acme", "acme/kto", 3, ""))  # the model answered nothing
-    store.store_completion(completion("chatcmpl-o", "acme", "acme/kto", 3, "Paris.",
-                                      messages=[{"role": "user", "content": "Capital of France?"}]))
+    store.store_completion(
+        completion(
+            "chatcmpl-o", "acme", "acme/kto", 3, "Paris.", messages=[{"role": "user", "content": "Capital of France?"}]
+        )
+    )
     with TestClient(app) as client:
         yield client, store
     store.close()
@@ -66,8 +88,10 @@ def served(tmp_path):
 
 def rows(store: FeedbackDatabase) -> list[tuple]:
     with sqlite3.connect(store.path) as db:
-        return db.execute("SELECT adapter, kind, completion, chosen, rejected, label, completion_id, "
-                          "answered_version, tenant, messages FROM feedback ORDER BY id").fetchall()
+        return db.execute(
+            "SELECT adapter, kind, completion, chosen, rejected, label, completion_id, "
+            "answered_version, tenant, messages FROM feedback ORDER BY id"
+        ).fetchall()
 
 
 def test_a_stored_completion_reads_back_in_openais_shape_to_its_own_tenant_only(served):
@@ -76,19 +100,26 @@ def test_a_stored_completion_reads_back_in_openais_shape_to_its_own_tenant_only(
     assert r.status_code == 200, r.text
     body = r.json()
     assert (body["id"], body["object"], body["choices"][0]["message"]) == (
-        "chatcmpl-a", "chat.completion", {"role": "assistant", "content": "Rome."})
+        "chatcmpl-a",
+        "chat.completion",
+        {"role": "assistant", "content": "Rome."},
+    )
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     assert body["coserve"]["adapter_version"] == 3 and body["coserve"]["sampling"] == {"temperature": 0.0}
     # Another tenant's id answers exactly as a missing one.
     theirs = client.get("/v1/chat/completions/chatcmpl-x", headers=_as("k-acme"))
     missing = client.get("/v1/chat/completions/chatcmpl-none", headers=_as("k-acme"))
     assert theirs.status_code == missing.status_code == 404
-    assert theirs.json()["error"]["message"].replace("chatcmpl-x", "ID") == \
-        missing.json()["error"]["message"].replace("chatcmpl-none", "ID")
+    assert theirs.json()["error"]["message"].replace("chatcmpl-x", "ID") == missing.json()["error"]["message"].replace(
+        "chatcmpl-none", "ID"
+    )
     assert client.delete("/v1/chat/completions/chatcmpl-a", headers=_as("k-beta")).status_code == 404
     r = client.delete("/v1/chat/completions/chatcmpl-a", headers=_as("k-acme"))
-    assert r.status_code == 200 and r.json() == {"object": "chat.completion.deleted", "id": "chatcmpl-a",
-                                                 "deleted": True}
+    assert r.status_code == 200 and r.json() == {
+        "object": "chat.completion.deleted",
+        "id": "chatcmpl-a",
+        "deleted": True,
+    }
     assert client.get("/v1/chat/completions/chatcmpl-a", headers=_as("k-acme")).status_code == 404
     assert client.get("/v1/chat/completions/chatcmpl-x", headers=_as("k-beta")).status_code == 200
 
@@ -106,11 +137,18 @@ def test_retention_ages_completions_out(tmp_path):
 
 def test_the_three_feedback_shapes_by_id(served):
     client, store = served
-    r = client.post("/v1/feedback", headers=_as("k-acme", **{"Idempotency-Key": "k1"}), json={"items": [
-        {"completion_id": "chatcmpl-a", "rating": "up"},
-        {"completion_id": "chatcmpl-b", "rating": "down"},
-        {"completion_id": "chatcmpl-a", "adapter": "sft", "correction": "Rome, since 1871."},
-        {"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-b"}]})
+    r = client.post(
+        "/v1/feedback",
+        headers=_as("k-acme", **{"Idempotency-Key": "k1"}),
+        json={
+            "items": [
+                {"completion_id": "chatcmpl-a", "rating": "up"},
+                {"completion_id": "chatcmpl-b", "rating": "down"},
+                {"completion_id": "chatcmpl-a", "adapter": "sft", "correction": "Rome, since 1871."},
+                {"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-b"},
+            ]
+        },
+    )
     assert r.status_code == 202, r.text
     assert r.json()["accepted"] == 4
     got = rows(store)
@@ -120,36 +158,61 @@ def test_the_three_feedback_shapes_by_id(served):
         ("acme/kto", "label", "Rome is the capital of Italy, a city...", None, None, 0, "chatcmpl-b", 3, "acme", chat),
         # Answered by kto's v3, trained into sft: the answering version of another adapter is unknown.
         ("acme/sft", "sft", "Rome, since 1871.", None, None, None, "chatcmpl-a", None, "acme", chat),
-        ("acme/dpo", "preference", None, "Rome.", "Rome is the capital of Italy, a city...", None, "chatcmpl-a",
-         None, "acme", chat)]
+        (
+            "acme/dpo",
+            "preference",
+            None,
+            "Rome.",
+            "Rome is the capital of Italy, a city...",
+            None,
+            "chatcmpl-a",
+            None,
+            "acme",
+            chat,
+        ),
+    ]
     # The same key again replays; the trainer sees the label as the item's own.
-    again = client.post("/v1/feedback", headers=_as("k-acme", **{"Idempotency-Key": "k1"}), json={"items": [
-        {"completion_id": "chatcmpl-a", "rating": "up"}, {"completion_id": "chatcmpl-b", "rating": "down"},
-        {"completion_id": "chatcmpl-a", "adapter": "sft", "correction": "Rome, since 1871."},
-        {"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-b"}]})
+    again = client.post(
+        "/v1/feedback",
+        headers=_as("k-acme", **{"Idempotency-Key": "k1"}),
+        json={
+            "items": [
+                {"completion_id": "chatcmpl-a", "rating": "up"},
+                {"completion_id": "chatcmpl-b", "rating": "down"},
+                {"completion_id": "chatcmpl-a", "adapter": "sft", "correction": "Rome, since 1871."},
+                {"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-b"},
+            ]
+        },
+    )
     assert again.status_code == 202 and again.headers.get("Idempotent-Replayed") == "true"
     assert [it.label for it in store.take("acme/kto", 10)] == [True, False]
     assert len(rows(store)) == 4
 
 
-@pytest.mark.parametrize("item, status, param", [
-    ({"completion_id": "chatcmpl-a", "rating": "meh"}, 400, "rating"),
-    ({"completion_id": "chatcmpl-a"}, 400, "rating"),
-    ({"completion_id": "chatcmpl-a", "rating": "up", "correction": "x"}, 400, "rating"),
-    ({"completion_id": "chatcmpl-a", "adapter": "sft", "correction": "  "}, 400, "correction"),
-    ({"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-o"}, 400, "preferred_over"),
-    ({"completion_id": "chatcmpl-a", "rating": "up", "prompt": "x"}, 400, "prompt"),
-    ({"completion_id": "chatcmpl-a", "adapter": "sft", "rating": "up"}, 400, None),  # sft takes no labels
-    ({"completion_id": 7, "rating": "up"}, 400, "completion_id"),
-    ({"completion_id": "chatcmpl-e", "rating": "down"}, 400, "completion_id"),  # nothing to rate
-    ({"completion_id": "chatcmpl-x", "rating": "up"}, 404, None),  # beta's: as absent as a missing one
-    ({"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-x"}, 404, None),
-    ({"completion_id": "chatcmpl-a", "adapter": "nope", "rating": "up"}, 404, None),
-])
+@pytest.mark.parametrize(
+    "item, status, param",
+    [
+        ({"completion_id": "chatcmpl-a", "rating": "meh"}, 400, "rating"),
+        ({"completion_id": "chatcmpl-a"}, 400, "rating"),
+        ({"completion_id": "chatcmpl-a", "rating": "up", "correction": "x"}, 400, "rating"),
+        ({"completion_id": "chatcmpl-a", "adapter": "sft", "correction": "  "}, 400, "correction"),
+        ({"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-o"}, 400, "preferred_over"),
+        ({"completion_id": "chatcmpl-a", "rating": "up", "prompt": "x"}, 400, "prompt"),
+        ({"completion_id": "chatcmpl-a", "adapter": "sft", "rating": "up"}, 400, None),  # sft takes no labels
+        ({"completion_id": 7, "rating": "up"}, 400, "completion_id"),
+        ({"completion_id": "chatcmpl-e", "rating": "down"}, 400, "completion_id"),  # nothing to rate
+        ({"completion_id": "chatcmpl-x", "rating": "up"}, 404, None),  # beta's: as absent as a missing one
+        ({"completion_id": "chatcmpl-a", "adapter": "dpo", "preferred_over": "chatcmpl-x"}, 404, None),
+        ({"completion_id": "chatcmpl-a", "adapter": "nope", "rating": "up"}, 404, None),
+    ],
+)
 def test_bad_feedback_by_id_is_a_4xx_in_openais_shape_and_stores_nothing(served, item, status, param):
     client, store = served
-    r = client.post("/v1/feedback", headers=_as("k-acme"), json={"items": [{"adapter": "sft", "prompt": "p",
-                                                                             "completion": "c"}, item]})
+    r = client.post(
+        "/v1/feedback",
+        headers=_as("k-acme"),
+        json={"items": [{"adapter": "sft", "prompt": "p", "completion": "c"}, item]},
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == status and err["message"]
@@ -161,9 +224,16 @@ def test_bad_feedback_by_id_is_a_4xx_in_openais_shape_and_stores_nothing(served,
 def test_the_staleness_of_trained_feedback_is_reported(served):
     client, store = served
     store.store_completion(completion("chatcmpl-v0", "acme", None, 0, "Rome."))  # the base model answered
-    r = client.post("/v1/feedback", headers=_as("k-acme"), json={"items": [
-        {"completion_id": "chatcmpl-v0", "adapter": "kto", "rating": "up"},   # v0: on-policy for v1's training
-        {"completion_id": "chatcmpl-a", "rating": "up"}]})                      # v3's answer: off-policy for v1
+    r = client.post(
+        "/v1/feedback",
+        headers=_as("k-acme"),
+        json={
+            "items": [
+                {"completion_id": "chatcmpl-v0", "adapter": "kto", "rating": "up"},  # v0: on-policy for v1's training
+                {"completion_id": "chatcmpl-a", "rating": "up"},
+            ]
+        },
+    )  # v3's answer: off-policy for v1
     assert r.status_code == 202, r.text
     shown = client.get("/v1/adapters/kto", headers=_as("k-acme")).json()
     assert (shown["trained_on_policy"], shown["trained_off_policy"], shown["on_policy_share"]) == (0, 0, None)
@@ -198,17 +268,23 @@ def test_feedback_past_the_daily_training_tokens_is_429_and_stores_nothing(tmp_p
 def test_a_schema_10_store_migrates_keeping_every_item_and_id(tmp_path):
     """An older store (feedback kinds sft and preference only, methods without kto) opens as schema 11:
     every row and id kept, the AUTOINCREMENT counter too, and labels and kto adapters are taken after."""
-    old = subprocess.run(["git", "show", "0392b9c:actors/learning/store/schema.py"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[2])
+    old = subprocess.run(
+        ["git", "show", "0392b9c:actors/learning/store/schema.py"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     if old.returncode != 0:
         pytest.skip("the schema-10 source is not in this checkout's history")
     namespace: dict = {}
     exec(old.stdout, namespace)
     db = sqlite3.connect(tmp_path / "feedback.sqlite3")
     db.executescript(namespace["SCHEMA"])
-    db.execute("INSERT INTO adapters (name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, "
-               "lora_dropout, mode, created_at) VALUES ('a', 'sft', 0.1, 0.001, 8, 16, '[\"q_proj\"]', 0, 'off', 0)")
-    for i in range(3):
+    db.execute(
+        "INSERT INTO adapters (name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, "
+        "lora_dropout, mode, created_at) VALUES ('a', 'sft', 0.1, 0.001, 8, 16, '[\"q_proj\"]', 0, 'off', 0)"
+    )
+    for _i in range(3):
         db.execute("INSERT INTO feedback (adapter, kind, prompt, completion, created_at) VALUES ('a','sft','p','c',0)")
     db.execute("DELETE FROM feedback WHERE id = 3")  # the counter must still never hand out 3 again
     db.execute("PRAGMA user_version = 10")
@@ -242,13 +318,17 @@ def test_the_recorder_pins_the_version_at_admission_and_keeps_the_streamed_text(
         class Q:
             def __getattr__(self, name):
                 return SimpleNamespace(remote=lambda *a, **k: asyncio.to_thread(getattr(store, name), *a, **k))
+
         return await call(Q())
 
     recorder = CompletionRecorder(cfg, call_store, served.get, "tiny-llama", lambda: str(tmp_path / "no-model"))
 
     def sse(delta: dict, finish=None) -> str:
-        return "data: " + _json.dumps({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": delta,
-                                                                          "finish_reason": finish}]}) + "\n\n"
+        return (
+            "data: "
+            + _json.dumps({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+            + "\n\n"
+        )
 
     async def engine():
         yield sse({"role": "assistant", "content": ""})
@@ -259,8 +339,13 @@ def test_the_recorder_pins_the_version_at_admission_and_keeps_the_streamed_text(
 
     async def run():
         PRINCIPAL.set(Principal(tenant="acme", admin=False, key_id="k"))
-        request = SimpleNamespace(model="tiny-llama:acme/kto", messages=CHAT, model_extra={"store": True},
-                                  temperature=0.0, max_completion_tokens=8)
+        request = SimpleNamespace(
+            model="tiny-llama:acme/kto",
+            messages=CHAT,
+            model_extra={"store": True},
+            temperature=0.0,
+            max_completion_tokens=8,
+        )
         admitted = await recorder.admit(request, "tiny-llama:kto")
         response = await admitted.record(StreamingResponse(engine(), media_type="text/event-stream"))
         return [c async for c in response.body_iterator]

@@ -43,19 +43,22 @@ def test_a_job_file_loads_with_paths_made_absolute(tmp_path):
     assert job.base == "tiny-llama" and job.max_failures == 1 and job.data.loader == "ray_data"
 
 
-@pytest.mark.parametrize("change, words", [
-    ("epochz: 3\n", ["job.yaml: epochz: unknown field"]),
-    ("output: {dir: out, dirr: x}\n", ["output.dirr: unknown field"]),
-    ("adapter: {name: s, method: sft, lora: {r: 4, rank: 8}}\n", ["adapter.lora.rank: unknown field"]),
-    ("adapter: {name: s, method: ppo}\n", ["adapter.method"]),
-    ("epochs: '3'\n", ["epochs", "valid integer"]),
-    ("workers: 0\n", ["workers", "greater than or equal to 1"]),
-    ("output: {dir: out, app_url: 'http://x'}\n", ["either dir", "or app_url"]),
-    ("output: {dir: out, create: true}\n", ["apply to app_url only"]),
-    ("output: {app_url: 'http://x', key: k, key_env: K}\n", ["key or key_env"]),
-    ("placement: apart\n", ["placement"]),
-    ("resources_per_worker: {CPU: -1}\n", ["amounts must be >= 0"]),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ("epochz: 3\n", ["job.yaml: epochz: unknown field"]),
+        ("output: {dir: out, dirr: x}\n", ["output.dirr: unknown field"]),
+        ("adapter: {name: s, method: sft, lora: {r: 4, rank: 8}}\n", ["adapter.lora.rank: unknown field"]),
+        ("adapter: {name: s, method: ppo}\n", ["adapter.method"]),
+        ("epochs: '3'\n", ["epochs", "valid integer"]),
+        ("workers: 0\n", ["workers", "greater than or equal to 1"]),
+        ("output: {dir: out, app_url: 'http://x'}\n", ["either dir", "or app_url"]),
+        ("output: {dir: out, create: true}\n", ["apply to app_url only"]),
+        ("output: {app_url: 'http://x', key: k, key_env: K}\n", ["key or key_env"]),
+        ("placement: apart\n", ["placement"]),
+        ("resources_per_worker: {CPU: -1}\n", ["amounts must be >= 0"]),
+    ],
+)
 def test_bad_keys_and_values_are_named(tmp_path, change, words):
     key = change.split(":", 1)[0]
     text = "".join(line + "\n" for line in JOB.splitlines() if not line.startswith(key + ":")) + change
@@ -68,8 +71,12 @@ def test_bad_keys_and_values_are_named(tmp_path, change, words):
 def test_missing_required_keys_are_listed_together():
     with pytest.raises(JobFileError) as err:
         parse_job({"base": "tiny-llama"})
-    for key in ("job: adapter: field required", "job: data: field required", "job: storage_path: field required",
-                "job: output: field required"):
+    for key in (
+        "job: adapter: field required",
+        "job: data: field required",
+        "job: storage_path: field required",
+        "job: output: field required",
+    ):
         assert key in str(err.value)
 
 
@@ -88,15 +95,22 @@ def test_key_env_reads_the_environment(monkeypatch):
 
 
 def _minimal() -> dict:
-    return {"base": "tiny-llama", "adapter": {"name": "a"}, "data": {"path": "/d.jsonl"}, "storage_path": "/s",
-            "output": {"dir": "/o"}}
+    return {
+        "base": "tiny-llama",
+        "adapter": {"name": "a"},
+        "data": {"path": "/d.jsonl"},
+        "storage_path": "/s",
+        "output": {"dir": "/o"},
+    }
 
 
 def test_items_are_feedback_shapes_checked_line_by_line(tmp_path):
     path = tmp_path / "d.jsonl"
-    rows = [{"prompt": "p", "completion": "c"},
-            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-            {"adapter": "other-name", "prompt": "q", "completion": "d"}]
+    rows = [
+        {"prompt": "p", "completion": "c"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"adapter": "other-name", "prompt": "q", "completion": "d"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     items = read_items(path, "support", "sft")
     assert [i.kind for i in items] == ["sft"] * 3
@@ -131,7 +145,11 @@ def test_the_upload_archive_holds_the_two_peft_files_at_its_top(tmp_path):
     with tarfile.open(fileobj=io.BytesIO(adapter_tar(src))) as tar:
         assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
     out = write_peft_dir(src, tmp_path / "out", {"epoch": 2})
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "finetune.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "finetune.json",
+    ]
 
 
 def test_the_example_job_and_its_data_are_valid():

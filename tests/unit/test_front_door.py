@@ -12,15 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
-from typing import Any
 
-from settings import AppConfig, load
-from deployments.keys import KeyRing, digest
 from app import serve_env
 from deployments.front_door import ROUTER_MARKER_HEADER, FrontDoor, FrontDoorError
+from deployments.keys import KeyRing, digest
+from settings import AppConfig, load
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = ROOT / "configs" / "default.yaml"
@@ -92,8 +92,14 @@ def rendered(tmp_path_factory) -> tuple[Path, FrontDoor, dict]:
     out = tmp_path_factory.mktemp("haproxy")
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_SERVE_", "COSERVE_HAPROXY_"))}
     child_env.update(env, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", RENDER, str(out), json.dumps(raw["http_options"])], env=child_env,
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", RENDER, str(out), json.dumps(raw["http_options"])],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return out, FrontDoor.from_environment(env), raw["http_options"]
 
@@ -127,7 +133,8 @@ def test_the_rendered_config_is_bounded_by_the_app_s_settings(rendered):
     assert json.loads(timeout_answer.split("string '", 1)[1].rstrip("'"))["error"]["code"] == "request_timeout"
     # The bounds come before Ray's own rules of the frontend, so they apply to every request.
     assert front.index("option http-buffer-request") < front.index(
-        next(x for x in front if x.startswith("acl healthcheck")))
+        next(x for x in front if x.startswith("acl healthcheck"))
+    )
     # HAProxy's stamps for the replica's request stages: when it routes a request, and once the router answered.
     assert "http-request set-header x-coserve-accepted %[date(0,us)]" in front
     routed = next(v for k, v in s.items() if k.endswith("-via-ingress-request-router"))
@@ -164,16 +171,19 @@ def test_the_router_call_carries_the_client_s_key_and_loads(rendered, tmp_path):
 
 
 def test_the_settings_travel_through_the_environment_and_are_checked_there():
-    door = FrontDoor.from_config(load({"ingress": {"haproxy": {"maxconn_per_source": None, "maxconn": 100}},
-                                       "limits": {"max_body_bytes": 4096}}))
+    door = FrontDoor.from_config(
+        load({"ingress": {"haproxy": {"maxconn_per_source": None, "maxconn": 100}}, "limits": {"max_body_bytes": 4096}})
+    )
     env = door.environment()
     assert FrontDoor.from_environment(env) == door
     assert env["RAY_SERVE_HAPROXY_MAXCONN"] == "100" and env["RAY_SERVE_HAPROXY_TUNE_BUFSIZE"] == str(4096 + 65536)
     assert env["RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"] == "deployments.haproxy_patch:install"
     assert "stick-table" not in door.frontend_rules()  # no per-source cap
-    for broken in ({k: v for k, v in env.items() if k != "COSERVE_HAPROXY_REQUEST_TIMEOUT_S"},
-                   {**env, "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "16384"},
-                   {**env, "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH": "elsewhere:f"}):
+    for broken in (
+        {k: v for k, v in env.items() if k != "COSERVE_HAPROXY_REQUEST_TIMEOUT_S"},
+        {**env, "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "16384"},
+        {**env, "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH": "elsewhere:f"},
+    ):
         with pytest.raises(FrontDoorError):
             FrontDoor.from_environment(broken)
     with pytest.raises(ValueError, match="exceeds maxconn"):
@@ -208,8 +218,9 @@ def test_install_has_the_controller_create_the_patched_manager(monkeypatch):
     haproxy_patch.install()
     assert controller.HAProxyManager is haproxy_patch.HAProxyManager
     manager = haproxy_patch.HAProxyManager.__ray_metadata__.modified_class.__ray_actor_class__
-    assert manager.__name__ == "HAProxyManager" and issubclass(manager, haproxy.HAProxyManager.__ray_metadata__
-                                                               .modified_class.__ray_actor_class__)
+    assert manager.__name__ == "HAProxyManager" and issubclass(
+        manager, haproxy.HAProxyManager.__ray_metadata__.modified_class.__ray_actor_class__
+    )
     monkeypatch.setenv("COSERVE_HAPROXY_MAX_BODY_BYTES", "oops")
     with pytest.raises(haproxy_patch.PatchError, match="COSERVE_HAPROXY_MAX_BODY_BYTES"):
         haproxy_patch.install()
@@ -244,8 +255,9 @@ def test_the_manager_ray_ships_to_its_process_applies_the_front_door_there():
     env.update(serve_env.SERVE_ENV, PYTHONPATH=str(ROOT))
     dumped = subprocess.run([sys.executable, "-c", SHIP, "dump"], env=env, capture_output=True, timeout=300, cwd=ROOT)
     assert dumped.returncode == 0, dumped.stderr[-4000:]
-    loaded = subprocess.run([sys.executable, "-c", SHIP, "load"], input=dumped.stdout, env=env, capture_output=True,
-                            timeout=300, cwd=ROOT)
+    loaded = subprocess.run(
+        [sys.executable, "-c", SHIP, "load"], input=dumped.stdout, env=env, capture_output=True, timeout=300, cwd=ROOT
+    )
     assert loaded.returncode == 0 and loaded.stdout.strip() == b"ok", loaded.stderr[-4000:]
 
 
@@ -278,9 +290,9 @@ def test_the_router_reads_a_body_only_for_a_known_key_or_in_local_mode(caplog):
 
 
 def test_the_router_places_a_tenants_adapter_under_its_engine_name_and_caps_the_default_length():
-    from settings import load
     from deployments.keys import LOCAL, Principal
     from deployments.routing import PlacementRouter
+    from settings import load
 
     cfg = load({"model": {"embedded": "tiny-llama", "max_model_len": 2048}, "limits": {"max_tokens": 256}})
     router = SimpleNamespace(cfg=cfg, counter=SimpleNamespace(count=lambda body: 100))
@@ -308,10 +320,20 @@ def test_the_router_estimates_a_prompts_tokens_without_tokenizing_it(tmp_path):
     default_model.build_tokenizer().save_pretrained(tmp_path)
     exact = PromptCounter(str(tmp_path))
     estimate = PromptEstimate(exact)
-    bodies = [{"prompt": "The capital of France is"}, {"prompt": ["one", "two three"]}, {"prompt": [1, 2, 3, 4]},
-              {"messages": [{"role": "user", "content": "hello"}]},
-              {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."},
-                            {"role": "assistant", "content": "Red, green, blue."}, {"role": "user", "content": "More?"}]}]
+    bodies = [
+        {"prompt": "The capital of France is"},
+        {"prompt": ["one", "two three"]},
+        {"prompt": [1, 2, 3, 4]},
+        {"messages": [{"role": "user", "content": "hello"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name three colours."},
+                {"role": "assistant", "content": "Red, green, blue."},
+                {"role": "user", "content": "More?"},
+            ]
+        },
+    ]
     counts = [exact.count(body) for body in bodies]
     exact.tok = None  # measured once at start; a request is never tokenized here
     for body, count in zip(bodies, counts):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.serving.engine_args import engine_flags
 from actors.serving.engine_weights import EXTENSION, combine_fingerprints, shape_mismatch, version_of
 from settings import load
-from actors.serving.engine_args import engine_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,9 @@ def test_every_engine_carries_the_weights_extension_and_it_imports_light():
     flags = engine_flags(cfg, "/m", "tiny-llama")
     assert flags[flags.index("--worker-extension-cls") + 1] == EXTENSION
     # vLLM imports it by name in every worker: no torch, vLLM or Ray at import time.
-    code = ("import sys; import actors.serving.engine_weights as m; "
-            "assert not {'torch', 'vllm', 'ray'} & set(sys.modules), sorted(sys.modules); "
-            "assert callable(m.FullWeightsExtension.coserve_load_full_weights)")
+    code = (
+        "import sys; import actors.serving.engine_weights as m; "
+        "assert not {'torch', 'vllm', 'ray'} & set(sys.modules), sorted(sys.modules); "
+        "assert callable(m.FullWeightsExtension.coserve_load_full_weights)"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

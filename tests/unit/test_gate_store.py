@@ -6,8 +6,8 @@ import sqlite3
 
 import pytest
 
-from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict
 from actors.learning.store.feedback_items import is_held_out
+from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict
 from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackDatabase
 from deployments.metrics import render
 from planners.gate import decide, judge, judge_retention
@@ -86,10 +86,27 @@ def test_a_passed_candidate_is_served_and_a_rejected_one_is_kept_while_the_serve
     v1 = store.decide_version("acme", 1, passed=True, reason="no held-out items", score=None)
     assert v1.state == "served" and store.current_version("acme").version == 1
     publish(store)
-    v2 = store.decide_version("acme", 2, passed=False, reason="win rate 0.5 vs 1 of v1", score=0.5,
-                              baseline_version=1, baseline_score=1.0, win_rate=0.5, clpd=-1.0, eval_items=8)
+    v2 = store.decide_version(
+        "acme",
+        2,
+        passed=False,
+        reason="win rate 0.5 vs 1 of v1",
+        score=0.5,
+        baseline_version=1,
+        baseline_score=1.0,
+        win_rate=0.5,
+        clpd=-1.0,
+        eval_items=8,
+    )
     assert (v2.state, v2.reason, v2.score, v2.baseline_version, v2.baseline_score, v2.eval_items, v2.win_rate) == (
-        "rejected", "win rate 0.5 vs 1 of v1", 0.5, 1, 1.0, 8, 0.5)
+        "rejected",
+        "win rate 0.5 vs 1 of v1",
+        0.5,
+        1,
+        1.0,
+        8,
+        0.5,
+    )
     info = store.get_adapter("acme")
     assert info.current_version == 1 and (info.promotions, info.rejections, info.rejections_in_row) == (1, 1, 1)
     # The next version is trained from the served v1, not from the rejected v2.
@@ -295,8 +312,10 @@ def test_judge_passes_within_the_margin_and_says_why():
     # 8 pairs move a win rate in steps of 0.125: a drop of 0.02 cannot show, and the reason says so
     few = judge("dpo", 0.875, 0.875, 0.02, items=8, baseline_name="v3")
     assert few.passed and "not worse" not in few.reason
-    assert "not enough held-out evidence to see a drop of 0.02 (one item moves the win rate by 0.125; 50 items" \
+    assert (
+        "not enough held-out evidence to see a drop of 0.02 (one item moves the win rate by 0.125; 50 items"
         in few.reason
+    )
     bad = judge("dpo", 0.75, 0.875, 0.02, items=8, baseline_name="the base model")
     assert not bad.passed and "0.125 worse, more than the margin 0.02" in bad.reason
     sft = judge("sft", -2.5, -2.0, 0.1, items=4, baseline_name="v1")
@@ -347,8 +366,9 @@ def test_one_held_out_item_is_not_enough_evidence_and_the_policy_decides():
     waiting = decide(one, kept, "wait")
     assert not waiting.passed and not waiting.counts and "waiting for more held-out evidence" in waiting.reason
     # Forgetting rejects whatever the held-out slice says, and the reason names both numbers.
-    rejected = decide(judge("sft", -1.0, -2.0, 0.02, items=8, baseline_name="v1", item_changes=[1.0] * 7 + [1.1]),
-                      lost, "serve")
+    rejected = decide(
+        judge("sft", -1.0, -2.0, 0.02, items=8, baseline_name="v1", item_changes=[1.0] * 7 + [1.1]), lost, "serve"
+    )
     assert not rejected.passed and rejected.counts and rejected.reason.startswith("retention: ")
     # A gain larger than the slice's noise is measured, not thin.
     gain = judge("sft", -1.0, -2.0, 0.02, items=4, baseline_name="v1", item_changes=[0.9, 1.1, 1.0, 1.2])
@@ -359,12 +379,23 @@ def test_one_held_out_item_is_not_enough_evidence_and_the_policy_decides():
 def test_a_version_held_for_evidence_does_not_count_and_retention_is_stored_and_exported(store):
     for v in (1, 2):
         publish(store)
-        store.decide_version("acme", v, passed=False, reason="waiting for more held-out evidence", counts=False,
-                             retention=-1.1, retention_base=-1.0, retention_prompts=24, score_s=1.5)
+        store.decide_version(
+            "acme",
+            v,
+            passed=False,
+            reason="waiting for more held-out evidence",
+            counts=False,
+            retention=-1.1,
+            retention_base=-1.0,
+            retention_prompts=24,
+            score_s=1.5,
+        )
     info = store.get_adapter("acme")
     assert info.rejections_in_row == 0 and info.paused_reason is None  # pause_after_rejections is 2
     publish(store)
-    store.decide_version("acme", 3, passed=True, reason="ok", retention=-1.05, retention_base=-1.0, retention_prompts=24)
+    store.decide_version(
+        "acme", 3, passed=True, reason="ok", retention=-1.05, retention_base=-1.0, retention_prompts=24
+    )
     v3 = store.get_version("acme", 3)
     assert (v3.retention, v3.retention_base, v3.retention_prompts) == (-1.05, -1.0, 24)
     text = render({"nodes": []}, [a.model_dump() for a in store.list_adapters()]).decode()

@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from settings import LimitsConfig
-from deployments.keys import LOCAL, KeyRing, digest
 from deployments.guard import PRINCIPAL, RequestGuard, Unauthenticated, bearer_token
 from deployments.http import install_error_handlers
+from deployments.keys import LOCAL, KeyRing, digest
+from settings import LimitsConfig
 
 KEY = "sk-coserve-test-key-of-acme-0123456789"
 
@@ -63,8 +63,11 @@ def test_with_keys_a_request_is_its_key_s_tenant_and_public_paths_are_anonymous(
         assert client.get("/v1/whoami", headers={"Authorization": f"Bearer {KEY}"}).json()["tenant"] == "acme"
         anonymous = client.get("/health").json()
         assert anonymous["admin"] is False and anonymous["tenant"] is None and anonymous["key_id"] == "anonymous"
-        for headers in ({}, {"Authorization": "Bearer sk-coserve-unknown-key-0000000000"},
-                        {"Authorization": f"Basic {KEY}"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer sk-coserve-unknown-key-0000000000"},
+            {"Authorization": f"Basic {KEY}"},
+        ):
             r = client.get("/v1/whoami", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
@@ -86,8 +89,13 @@ def test_a_request_without_a_known_key_is_answered_before_its_body_is_read():
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "",
-             "headers": [(b"content-length", b"8000000")]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "root_path": "",
+        "headers": [(b"content-length", b"8000000")],
+    }
     asyncio.run(guard(scope, receive, send))
     assert sent[0]["status"] == 401 and not received and not reached
 

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from planners.costs import default_cost_model
 from planners.coserving import EngineFacts, FineTuneSample, LiveRequest, ft_latency
 from planners.coserving.policies import HybridScheduler
+from planners.costs import default_cost_model
 
 COST = replace(default_cost_model(), ft_interference=1.0)
 

@@ -48,7 +48,9 @@ def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
         else:
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             # ``from pkg import mod`` imports the module pkg.mod where one exists, else a name in pkg.
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
         for target in targets:

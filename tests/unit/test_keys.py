@@ -6,8 +6,8 @@ import stat
 
 import pytest
 
-from deployments.keys import KeyRing, KeysConfigError, add_key, bind_refusal, digest
 from deployments.guard import TokenBucket
+from deployments.keys import KeyRing, KeysConfigError, add_key, bind_refusal, digest
 
 
 def test_added_keys_are_stored_only_as_digests_and_identify_their_tenant(tmp_path):
@@ -32,10 +32,15 @@ def test_environment_keys_plain_or_hashed(tmp_path):
     assert not KeyRing.load(None, "K", tmp_path, environ={}).enabled
 
 
-@pytest.mark.parametrize("value, words", [
-    ("acme", "tenant=key"), ("Bad Name=long-enough-key-1234", "tenant"), ("acme=short", "16"),
-    ("acme=sha256:abc", "64"),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("acme", "tenant=key"),
+        ("Bad Name=long-enough-key-1234", "tenant"),
+        ("acme=short", "16"),
+        ("acme=sha256:abc", "64"),
+    ],
+)
 def test_malformed_environment_keys_are_refused_at_start(tmp_path, value, words):
     with pytest.raises(KeysConfigError, match=words):
         KeyRing.load(None, "K", tmp_path, environ={"K": value})

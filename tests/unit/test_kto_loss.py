@@ -23,13 +23,21 @@ def test_kto_loss_matches_the_hand_computed_value():
     got = kto_losses(policy, ref, torch.tensor([True, False]), beta=0.1)
     assert got.tolist() == pytest.approx([0.450166, 0.549834], abs=1e-6)
     # A reference point z₀ = 0.5 moves both: σ(0.1·1.5) = 0.537430, and λ_D = 2, λ_U = 0.5 weigh them.
-    got = kto_losses(policy, ref, torch.tensor([True, False]), beta=0.1, reference_point=0.5,
-                     desirable_weight=2.0, undesirable_weight=0.5)
+    got = kto_losses(
+        policy,
+        ref,
+        torch.tensor([True, False]),
+        beta=0.1,
+        reference_point=0.5,
+        desirable_weight=2.0,
+        undesirable_weight=0.5,
+    )
     assert got.tolist() == pytest.approx([2 * (1 - 0.537430), 0.5 * (1 - sigmoid(-0.15))], abs=1e-6)
     # z₀ below 0 is clamped to 0 (the KL estimate cannot be negative), and carries no gradient.
     z0 = torch.tensor(-3.0, requires_grad=True)
-    assert kto_losses(policy[:1], ref[:1], torch.tensor([True]), 0.1, reference_point=z0).item() == \
-        pytest.approx(0.450166, abs=1e-6)
+    assert kto_losses(policy[:1], ref[:1], torch.tensor([True]), 0.1, reference_point=z0).item() == pytest.approx(
+        0.450166, abs=1e-6
+    )
 
 
 def test_the_kto_gradient_raises_a_liked_answer_and_lowers_a_disliked_one():
@@ -42,7 +50,9 @@ def test_the_kto_gradient_raises_a_liked_answer_and_lowers_a_disliked_one():
 
 def test_dpo_and_kto_share_the_log_ratio():
     pc, pr, rc, rr = (torch.tensor(v) for v in (-5.0, -9.0, -6.0, -7.0))
-    assert reward_margin(pc, pr, rc, rr, 0.5).item() == pytest.approx(0.5 * (log_ratio(pc, rc) - log_ratio(pr, rr)).item())
+    assert reward_margin(pc, pr, rc, rr, 0.5).item() == pytest.approx(
+        0.5 * (log_ratio(pc, rc) - log_ratio(pr, rr)).item()
+    )
     assert reward_margin(pc, pr, rc, rr, 0.5).item() == pytest.approx(0.5 * ((-5 + 6) - (-9 + 7)))
 
 

@@ -11,13 +11,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # What each layer may import from the project; app/ (entry points and wiring) may import anything.
-MAY_IMPORT = {"deployments": {"deployments", "actors", "planners", "settings", "compat"},
-              "actors": {"actors", "planners", "settings", "compat"}, "planners": {"planners"},
-              "settings": {"settings", "planners"}, "compat": {"compat"}}
+MAY_IMPORT = {
+    "deployments": {"deployments", "actors", "planners", "settings", "compat"},
+    "actors": {"actors", "planners", "settings", "compat"},
+    "planners": {"planners"},
+    "settings": {"settings", "planners"},
+    "compat": {"compat"},
+}
 LAYERS = {"app", "deployments", "actors", "planners", "settings", "compat"}
 # The rooms of actors/ and which other rooms each may import (actors/__init__.py says why).
-ROOMS = {"models": set(), "learning": {"models"}, "serving": {"learning", "models"},
-         "control": {"serving", "learning", "models"}, "offline": {"serving", "models"}}
+ROOMS = {
+    "models": set(),
+    "learning": {"models"},
+    "serving": {"learning", "models"},
+    "control": {"serving", "learning", "models"},
+    "offline": {"serving", "models"},
+}
 
 
 def _imported_modules(path: Path) -> set[tuple[str, int]]:
@@ -44,24 +53,33 @@ def _project_imports(path: Path) -> set[tuple[str, int]]:
 def test_no_import_runs_back_up(layer):
     files = sorted((ROOT / layer).rglob("*.py"))
     assert files
-    upward = [f"{f.relative_to(ROOT)}:{line} imports {top}" for f in files
-              for top, line in sorted(_project_imports(f)) if top not in MAY_IMPORT[layer]]
+    upward = [
+        f"{f.relative_to(ROOT)}:{line} imports {top}"
+        for f in files
+        for top, line in sorted(_project_imports(f))
+        if top not in MAY_IMPORT[layer]
+    ]
     assert not upward, upward
 
 
 def test_actors_is_rooms_only():
     """Every module of actors/ lives in one of its rooms; the package itself holds only its docstring."""
     assert sorted(p.name for p in (ROOT / "actors").glob("*.py")) == ["__init__.py"]
-    assert sorted(p.name for p in (ROOT / "actors").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(ROOMS)
+    assert sorted(p.name for p in (ROOT / "actors").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        ROOMS
+    )
 
 
 @pytest.mark.parametrize("room", sorted(ROOMS))
 def test_no_import_runs_back_up_between_rooms(room):
     files = sorted((ROOT / "actors" / room).rglob("*.py"))
     assert files
-    upward = [f"{f.relative_to(ROOT)}:{line} imports {name}" for f in files
-              for name, line in sorted(_imported_modules(f))
-              if name.startswith("actors") and (name.split(".") + [""])[1] not in ROOMS[room] | {room}]
+    upward = [
+        f"{f.relative_to(ROOT)}:{line} imports {name}"
+        for f in files
+        for name, line in sorted(_imported_modules(f))
+        if name.startswith("actors") and (name.split(".") + [""])[1] not in ROOMS[room] | {room}
+    ]
     assert not upward, upward
 
 
@@ -74,7 +92,13 @@ def test_every_room_says_what_it_holds_and_may_import():
 
 def test_app_holds_only_entry_points_and_wiring():
     assert sorted(p.name for p in (ROOT / "app").glob("*.py")) == [
-        "__init__.py", "finetune.py", "main.py", "offline.py", "profile.py", "serve_env.py"]
+        "__init__.py",
+        "finetune.py",
+        "main.py",
+        "offline.py",
+        "profile.py",
+        "serve_env.py",
+    ]
 
 
 def test_no_class_name_is_defined_twice():

@@ -23,12 +23,17 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from settings import load  # noqa: E402
 from actors.learning.store.sqlite import FeedbackDatabase  # noqa: E402
+from settings import load  # noqa: E402
 from tests.unit.learning_app import guarded_learning_app  # noqa: E402
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
 
 
 DATA = tempfile.mkdtemp(prefix="coserve-fuzz-")  # schemathesis parametrizes at collection, from a built app

@@ -8,9 +8,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from settings import AppConfig, load
 from actors.learning.store.sqlite import FeedbackDatabase
 from deployments.learning import LearningRoutes
+from settings import AppConfig, load
 from tests.unit.learning_app import TINY_LORA_PARTS, Planner, guarded_learning_app
 
 
@@ -56,11 +56,17 @@ def test_an_adapter_created_with_only_its_name_gets_the_measured_defaults_of_its
     client, store, _, _ = harness
     sft = client.post("/v1/adapters", json={"name": "plain", "mode": "off"}).json()
     assert (sft["learning_rate"], sft["lora"]["target_modules"], sft["lora"]["r"], sft["warmup_steps"]) == (
-        2e-3, "all-linear", 8, 4), sft
+        2e-3,
+        "all-linear",
+        8,
+        4,
+    ), sft
     dpo = client.post("/v1/adapters", json={"name": "pref", "method": "dpo", "mode": "off"}).json()
     assert (dpo["learning_rate"], dpo["lora"]["target_modules"]) == (5e-4, ["q_proj", "v_proj"]), dpo
-    own = client.post("/v1/adapters", json={"name": "own", "mode": "off", "learning_rate": 1e-4,
-                                            "lora": {"r": 4, "target_modules": ["q_proj"]}}).json()
+    own = client.post(
+        "/v1/adapters",
+        json={"name": "own", "mode": "off", "learning_rate": 1e-4, "lora": {"r": 4, "target_modules": ["q_proj"]}},
+    ).json()
     assert (own["learning_rate"], own["lora"]["target_modules"]) == (1e-4, ["q_proj"]), own
     assert client.patch("/v1/adapters/own", json={"epochs": 2}).status_code == 200
     kept = store.get_adapter("own")
@@ -84,12 +90,18 @@ def test_a_create_whose_reply_was_lost_answers_201_once_and_409_after(harness):
     assert client.post("/v1/adapters", json={"name": "taken", "method": "dpo"}).status_code == 409
 
 
-@pytest.mark.parametrize("lora, param", [
-    ({"r": "4"}, "lora.r"), ({"r": 4.0}, "lora.r"), ({"r": 0}, "lora.r"), ({"r": 16}, "lora.r"),  # max_lora_rank 8
-    ({"target_modules": ["q_proj", "no_such_module"]}, "lora.target_modules"),
-    ({"target_modules": ["self_attn"]}, "lora.target_modules"),  # not a layer LoRA wraps
-    ({"target_modules": "q_proj"}, "lora.target_modules"),
-])
+@pytest.mark.parametrize(
+    "lora, param",
+    [
+        ({"r": "4"}, "lora.r"),
+        ({"r": 4.0}, "lora.r"),
+        ({"r": 0}, "lora.r"),
+        ({"r": 16}, "lora.r"),  # max_lora_rank 8
+        ({"target_modules": ["q_proj", "no_such_module"]}, "lora.target_modules"),
+        ({"target_modules": ["self_attn"]}, "lora.target_modules"),  # not a layer LoRA wraps
+        ({"target_modules": "q_proj"}, "lora.target_modules"),
+    ],
+)
 def test_lora_settings_the_engine_cannot_serve_are_400_naming_the_field(harness, lora, param):
     client, store, _, _ = harness
     r = client.post("/v1/adapters", json={"name": "bad", "lora": lora})
@@ -100,8 +112,9 @@ def test_lora_settings_the_engine_cannot_serve_are_400_naming_the_field(harness,
 
 def test_targets_match_as_peft_matches_them(harness):
     client, store, _, _ = harness
-    for i, targets in enumerate((["q_proj", "v_proj"], ["self_attn.q_proj"], ["model.layers.0.mlp.up_proj"],
-                                 "all-linear", ["all-linear"])):
+    for i, targets in enumerate(
+        (["q_proj", "v_proj"], ["self_attn.q_proj"], ["model.layers.0.mlp.up_proj"], "all-linear", ["all-linear"])
+    ):
         r = client.post("/v1/adapters", json={"name": f"ok-{i}", "lora": {"r": 8, "target_modules": targets}})
         assert r.status_code == 201, r.text
     assert store.get_adapter("ok-4").lora.target_modules == "all-linear"
@@ -137,16 +150,22 @@ KEYS = {tenant: f"sk-coserve-test-{tenant}-0123456789" for tenant in ("acme", "b
 def tenants(tmp_path):
     """The learning routes behind the real RequestGuard with keys, over a real store; ``call(tenant, method, path,
     **kw)`` sends a request with that tenant's key."""
-    from settings import LimitsConfig
     from deployments.keys import KeyRing, digest
+    from settings import LimitsConfig
 
     cfg: AppConfig = load({"data_dir": str(tmp_path), "model": {"embedded": "tiny-llama"}})
     store = FeedbackDatabase(tmp_path, gate_defaults={"enabled": False, "held_out_share": 0.0})
-    app, _, _ = guarded_learning_app(cfg, store, keys=KeyRing({digest(k): t for t, k in KEYS.items()}),
-                                     limits=LimitsConfig(requests_per_second=None, max_concurrent=None))
+    app, _, _ = guarded_learning_app(
+        cfg,
+        store,
+        keys=KeyRing({digest(k): t for t, k in KEYS.items()}),
+        limits=LimitsConfig(requests_per_second=None, max_concurrent=None),
+    )
     with TestClient(app) as client:
+
         def call(tenant: str, method: str, path: str, **kw: Any) -> Any:
             return client.request(method, path, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, **kw)
+
         yield call, store, cfg
     store.close()
 
@@ -159,8 +178,10 @@ def test_two_tenants_each_create_and_call_their_own_support(tenants):
         assert (r.json()["name"], r.json()["model"], r.json()["tenant"]) == ("support", "tiny-llama:support", tenant)
     assert sorted(a.name for a in store.list_adapters()) == ["acme/support", "beta/support"]
     assert call("acme", "POST", "/v1/adapters", json={"name": "support"}).status_code == 409  # its own, twice
-    assert call("acme", "POST", "/v1/feedback", json={"adapter": "support", "prompt": "p", "completion": "c"}
-                ).status_code == 202
+    assert (
+        call("acme", "POST", "/v1/feedback", json={"adapter": "support", "prompt": "p", "completion": "c"}).status_code
+        == 202
+    )
     assert (store.queued("acme/support"), store.queued("beta/support")) == (1, 0)
     r = call("acme", "PATCH", "/v1/adapters/support", json={"learning_rate": 0.01})
     assert r.status_code == 200 and store.get_adapter("acme/support").learning_rate == 0.01, r.text
@@ -168,8 +189,10 @@ def test_two_tenants_each_create_and_call_their_own_support(tenants):
     assert [a["name"] for a in call("beta", "GET", "/v1/adapters").json()["data"]] == ["support"]
     # The admin names keys, in routes and in bodies; a bare name is the admin's own (or local mode's).
     listed = call("admin", "GET", "/v1/adapters").json()["data"]
-    assert [(a["name"], a["model"]) for a in listed] == [("acme/support", "tiny-llama:acme/support"),
-                                                         ("beta/support", "tiny-llama:beta/support")]
+    assert [(a["name"], a["model"]) for a in listed] == [
+        ("acme/support", "tiny-llama:acme/support"),
+        ("beta/support", "tiny-llama:beta/support"),
+    ]
     assert call("admin", "GET", "/v1/adapters/acme/support").json()["tenant"] == "acme"
     assert call("admin", "GET", "/v1/adapters/support").status_code == 404
     r = call("admin", "POST", "/v1/adapters", json={"name": "ops", "tenant": "acme", "mode": "off"})
@@ -184,8 +207,12 @@ def test_two_tenants_each_create_and_call_their_own_support(tenants):
 def test_another_tenants_adapter_is_as_absent_as_a_missing_one(tenants):
     call, store, _ = tenants
     assert call("beta", "POST", "/v1/adapters", json={"name": "beta-secret", "mode": "off"}).status_code == 201
-    for method, suffix, body in (("GET", "", None), ("PATCH", "", {"mode": "sync"}),
-                                 ("POST", "/rollback", {"version": 1}), ("POST", "/promote", {"version": 1})):
+    for method, suffix, body in (
+        ("GET", "", None),
+        ("PATCH", "", {"mode": "sync"}),
+        ("POST", "/rollback", {"version": 1}),
+        ("POST", "/promote", {"version": 1}),
+    ):
         other = call("acme", method, f"/v1/adapters/beta-secret{suffix}", json=body)
         missing = call("acme", method, f"/v1/adapters/no-such{suffix}", json=body)
         keyed = call("acme", method, f"/v1/adapters/beta/beta-secret{suffix}", json=body)
@@ -218,27 +245,48 @@ def test_a_tenant_reads_no_server_path_and_not_its_key(tenants):
 
 # ---- strict types (issue 29 item 3): no string (or float, or number for a flag) is coerced ----
 
-@pytest.mark.parametrize("body, param", [
-    ({"lora": {"r": "256"}}, "lora.r"), ({"lora": {"r": 256}}, "lora.r"), ({"lora": {"alpha": "16"}}, "lora.alpha"),
-    ({"lora": {"dropout": "0.1"}}, "lora.dropout"), ({"learning_rate": "0.001"}, "learning_rate"),
-    ({"beta": "0.5"}, "beta"), ({"epochs": "2"}, "epochs"), ({"epochs": 2.0}, "epochs"),
-    ({"periodic": {"every_samples": "5"}}, "periodic.every_samples"),
-    ({"periodic": {"every_seconds": "30"}}, "periodic.every_seconds"),
-    ({"gate": {"enabled": "false"}}, "gate.enabled"), ({"gate": {"enabled": 0}}, "gate.enabled"),
-    ({"gate": {"max_eval_items": "8"}}, "gate.max_eval_items"), ({"gate": {"margin": "0.1"}}, "gate.margin"),
-])
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"lora": {"r": "256"}}, "lora.r"),
+        ({"lora": {"r": 256}}, "lora.r"),
+        ({"lora": {"alpha": "16"}}, "lora.alpha"),
+        ({"lora": {"dropout": "0.1"}}, "lora.dropout"),
+        ({"learning_rate": "0.001"}, "learning_rate"),
+        ({"beta": "0.5"}, "beta"),
+        ({"epochs": "2"}, "epochs"),
+        ({"epochs": 2.0}, "epochs"),
+        ({"periodic": {"every_samples": "5"}}, "periodic.every_samples"),
+        ({"periodic": {"every_seconds": "30"}}, "periodic.every_seconds"),
+        ({"gate": {"enabled": "false"}}, "gate.enabled"),
+        ({"gate": {"enabled": 0}}, "gate.enabled"),
+        ({"gate": {"max_eval_items": "8"}}, "gate.max_eval_items"),
+        ({"gate": {"margin": "0.1"}}, "gate.margin"),
+    ],
+)
 def test_a_create_with_a_string_where_a_number_is_meant_is_400_naming_the_field(harness, body, param):
     client, store, _, _ = harness
     r = client.post("/v1/adapters", json={"name": "strict", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == 400
     assert store.list_adapters() == []
-    assert client.post("/v1/adapters", json={"name": "strict", "learning_rate": 1, "lora": {"alpha": 16}}
-                       ).status_code == 201  # an integer where a float is meant is a number
+    assert (
+        client.post("/v1/adapters", json={"name": "strict", "learning_rate": 1, "lora": {"alpha": 16}}).status_code
+        == 201
+    )  # an integer where a float is meant is a number
 
 
-@pytest.mark.parametrize("change", [{"learning_rate": "0.01"}, {"epochs": "3"}, {"beta": "1"},
-                                    {"gate": {"margin": "0.5"}}, {"periodic": {"every_samples": "4"}}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"learning_rate": "0.01"},
+        {"epochs": "3"},
+        {"beta": "1"},
+        {"gate": {"margin": "0.5"}},
+        {"periodic": {"every_samples": "4"}},
+    ],
+)
 def test_a_patch_with_a_string_where_a_number_is_meant_is_400(harness, change):
     client, store, _, _ = harness
     store.create_adapter({"name": "tutor", "mode": "periodic"})
@@ -253,12 +301,16 @@ def test_the_openapi_schema_says_what_create_takes():
     from deployments.openapi import install_openapi
 
     app = FastAPI()
-    LearningRoutes(load({"data_dir": "/tmp/unused", "model": {"embedded": "tiny-llama"},
-                         "engine": {"max_lora_rank": 8}}), Planner()).install(app)
+    LearningRoutes(
+        load({"data_dir": "/tmp/unused", "model": {"embedded": "tiny-llama"}, "engine": {"max_lora_rank": 8}}),
+        Planner(),
+    ).install(app)
     install_openapi(app, guarded=True, max_lora_rank=8)
     schemas = app.openapi()["components"]["schemas"]
-    assert schemas["LoraSettings"]["properties"]["r"] | {"type": "integer", "minimum": 1, "maximum": 8} == \
-        schemas["LoraSettings"]["properties"]["r"]
+    assert (
+        schemas["LoraSettings"]["properties"]["r"] | {"type": "integer", "minimum": 1, "maximum": 8}
+        == schemas["LoraSettings"]["properties"]["r"]
+    )
     assert schemas["AdapterSpec"]["properties"]["epochs"]["type"] == "integer"
     assert {"/v1/adapters/{name}", "/v1/adapters/{name}/rollback"} <= set(app.openapi()["paths"])
 
@@ -270,6 +322,12 @@ def test_the_adapter_view_shows_the_served_versions_retention(harness):
     v1 = _publish(store, "tutor")
     store.record_scores("tutor", v1, retention=-1.25, retention_base=-1.0, retention_prompts=24, score_s=0.8)
     body = client.get("/v1/adapters/tutor").json()
-    assert body["retention"] == {"version": v1, "score": -1.25, "base": -1.0, "lost": 0.25,
-                                 "margin": body["gate"]["retention_margin"], "prompts": 24}
+    assert body["retention"] == {
+        "version": v1,
+        "score": -1.25,
+        "base": -1.0,
+        "lost": 0.25,
+        "margin": body["gate"]["retention_margin"],
+        "prompts": 24,
+    }
     assert body["versions"][0]["retention"] == -1.25 and body["versions"][0]["score_s"] == 0.8

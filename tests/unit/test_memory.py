@@ -10,9 +10,13 @@ from planners.costs import CostModel, IterationLatency, MemoryModel, StageLatenc
 from planners.memory import MemoryGuard
 
 # 1,000 activation bytes per training token, 100 KV bytes per token, M_peak = 1e6 B, κ = 0.8 -> 8e5 B.
-COST = CostModel(forward=StageLatency(0.0, 1e-4, 1e-3), backward=StageLatency(0.0, 2e-4, 2e-3),
-                 iteration=IterationLatency(5e-3, 1e-4, 1e-3, 0.0),
-                 memory=MemoryModel(100.0, 1000.0, 0.0, 1e6, 0.8), output_lengths=default_cost_model().output_lengths)
+COST = CostModel(
+    forward=StageLatency(0.0, 1e-4, 1e-3),
+    backward=StageLatency(0.0, 2e-4, 2e-3),
+    iteration=IterationLatency(5e-3, 1e-4, 1e-3, 0.0),
+    memory=MemoryModel(100.0, 1000.0, 0.0, 1e6, 0.8),
+    output_lengths=default_cost_model().output_lengths,
+)
 
 
 def guard(**kw) -> MemoryGuard:
@@ -98,9 +102,15 @@ def test_alg2_loop_waits_while_memory_drains_then_runs():
 
 
 @settings(max_examples=300, deadline=None)
-@given(used=st.floats(0, 1.2e6), batch=st.integers(1, 16), tokens=st.integers(1, 2000),
-       waited=st.floats(0, 3.0), opt=st.floats(0, 5e5), on_device=st.booleans(),
-       ratio_obs=st.lists(st.floats(0.1, 4.0), max_size=4))
+@given(
+    used=st.floats(0, 1.2e6),
+    batch=st.integers(1, 16),
+    tokens=st.integers(1, 2000),
+    waited=st.floats(0, 3.0),
+    opt=st.floats(0, 5e5),
+    on_device=st.booleans(),
+    ratio_obs=st.lists(st.floats(0.1, 4.0), max_size=4),
+)
 def test_decisions_never_run_past_the_threshold(used, batch, tokens, waited, opt, on_device, ratio_obs):
     g = guard(optimizer_bytes=opt, t_max_s=1.0)
     for r in ratio_obs:

@@ -4,13 +4,32 @@ from deployments.metrics import render
 
 
 def test_metrics_render_nodes_and_the_current_adapter_version():
-    status = {"nodes": [{"node_id": 0, "state": "ready", "in_flight": 3, "placed": 10, "busy_seconds": 1.5,
-                         "training_grants": {"tokens": 640, "refused": 7}, "engine": {"kv_cache_usage": 0.25}},
-                        {"node_id": 1, "state": "starting", "in_flight": 0, "placed": 0, "busy_seconds": 0.0}]}
-    adapters = [{"name": "acme", "queued": 2, "current_version": 2,
-                 "versions": [{"version": 1, "samples_trained": 4, "loss": 0.9, "win_rate": 0.4, "clpd": 1.0},
-                              {"version": 2, "samples_trained": 8, "loss": 0.5, "win_rate": 0.6, "clpd": 3.5}]},
-                {"name": "fresh", "queued": 5, "current_version": None, "versions": []}]
+    status = {
+        "nodes": [
+            {
+                "node_id": 0,
+                "state": "ready",
+                "in_flight": 3,
+                "placed": 10,
+                "busy_seconds": 1.5,
+                "training_grants": {"tokens": 640, "refused": 7},
+                "engine": {"kv_cache_usage": 0.25},
+            },
+            {"node_id": 1, "state": "starting", "in_flight": 0, "placed": 0, "busy_seconds": 0.0},
+        ]
+    }
+    adapters = [
+        {
+            "name": "acme",
+            "queued": 2,
+            "current_version": 2,
+            "versions": [
+                {"version": 1, "samples_trained": 4, "loss": 0.9, "win_rate": 0.4, "clpd": 1.0},
+                {"version": 2, "samples_trained": 8, "loss": 0.5, "win_rate": 0.6, "clpd": 3.5},
+            ],
+        },
+        {"name": "fresh", "queued": 5, "current_version": None, "versions": []},
+    ]
     text = render(status, adapters).decode()
     assert 'coserve_node_ready{node="0"} 1.0' in text and 'coserve_node_ready{node="1"} 0.0' in text
     assert 'coserve_node_in_flight{node="0"} 3.0' in text
@@ -32,8 +51,9 @@ def test_each_nodes_vllm_series_are_exposed_with_its_node_label():
     def node_text(waiting: int, ttft: float) -> str:
         reg = CollectorRegistry()
         Gauge("vllm:num_requests_waiting", "waiting", ["model_name"], registry=reg).labels("m").set(waiting)
-        Histogram("vllm:time_to_first_token_seconds", "ttft", ["model_name"], buckets=(0.1, 1.0),
-                  registry=reg).labels("m").observe(ttft)
+        Histogram("vllm:time_to_first_token_seconds", "ttft", ["model_name"], buckets=(0.1, 1.0), registry=reg).labels(
+            "m"
+        ).observe(ttft)
         return generate_latest(reg).decode()
 
     text = render({"nodes": []}, [], {0: node_text(3, 0.05), 1: node_text(0, 0.5)}).decode()

@@ -10,8 +10,15 @@ from actors.offline.plan import load_times
 
 
 def _job(**over) -> JobSpec:
-    return JobSpec.model_validate({"name": "t", "input": "p.jsonl", "app": {"kind": "ensemble"},
-                                   "models": [{"name": "a"}, {"name": "b"}, {"name": "c", "load_s": 7.0}], **over})
+    return JobSpec.model_validate(
+        {
+            "name": "t",
+            "input": "p.jsonl",
+            "app": {"kind": "ensemble"},
+            "models": [{"name": "a"}, {"name": "b"}, {"name": "c", "load_s": 7.0}],
+            **over,
+        }
+    )
 
 
 def test_the_median_of_recent_starts_and_a_torn_line_is_skipped(tmp_path):

@@ -7,8 +7,15 @@ import pytest
 from actors.learning.full.layout import LlamaDims, check_bounds, layer_names, layer_param_counts
 
 # SmolLM2-135M's config.json fields that shape the model (tied embeddings, grouped-query attention).
-SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-           "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
+SMOLLM2 = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+}
 
 
 def test_layers_are_embedding_decoders_norm_head():

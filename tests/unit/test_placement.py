@@ -39,7 +39,9 @@ def test_fig7_inference_fits_before_one_backward_and_waits_for_the_other():
     assert e[0].idle_gain == pytest.approx(0.5)  # −(0/2 − (0.5 − 0))
     assert e[0].score == pytest.approx(-4.0)
     # Node 1 is idle: fastest answer, but it wakes a node (II = 10 + 11).
-    assert e[1].end_f == (1.5, 2.5) and e[1].response_time == pytest.approx(2.0) and e[1].idle_time == pytest.approx(21.0)
+    assert (
+        e[1].end_f == (1.5, 2.5) and e[1].response_time == pytest.approx(2.0) and e[1].idle_time == pytest.approx(21.0)
+    )
     assert e[1].score == pytest.approx(-12.0)
     assert p.choose(infer("I1", 0.5), TWO, 0.5) == 0  # consolidate
 
@@ -49,7 +51,11 @@ def test_a_short_idle_horizon_makes_waking_a_node_cheap():
     p.choose(train("T1", 0.0), TWO, 0.0)
     e = by_node(p.estimate(infer("I1", 0.5), TWO, 0.5))
     assert e[0].score == pytest.approx(-4.0)
-    assert e[1].idle_time == pytest.approx(3.0) and e[1].idle_gain == pytest.approx(-1.0) and e[1].score == pytest.approx(-3.0)
+    assert (
+        e[1].idle_time == pytest.approx(3.0)
+        and e[1].idle_gain == pytest.approx(-1.0)
+        and e[1].score == pytest.approx(-3.0)
+    )
     assert p.choose(infer("I1", 0.5), TWO, 0.5) == 1
 
 
@@ -128,8 +134,8 @@ def test_a_failed_or_forgotten_task_frees_its_intervals():
 def test_length_consistency_prefers_the_node_with_similar_lengths():
     p = lemix(affinity_weight=1.0, idle_horizon=0.0)
     nodes = TWO
-    p.choose(infer("a", 0.0, prompt=100), nodes, 0.0)    # node 0: ℓ = 100
-    p.choose(infer("b", 0.0, prompt=1000), nodes, 0.0)   # node 0 is busy until 2: node 1, ℓ = 1000
+    p.choose(infer("a", 0.0, prompt=100), nodes, 0.0)  # node 0: ℓ = 100
+    p.choose(infer("b", 0.0, prompt=1000), nodes, 0.0)  # node 0 is busy until 2: node 1, ℓ = 1000
     e = by_node(p.estimate(infer("c", 100.0, prompt=1000), nodes, 100.0))
     assert e[0].length_affinity == pytest.approx(np.exp(-0.5 * (900 / 10) ** 2))  # σ floor: 10% of μ
     assert e[1].length_affinity == pytest.approx(1.0)
@@ -183,9 +189,12 @@ def test_separate_partitions_by_alpha():
 
 def test_least_utilized_uses_reported_busy_time_and_its_own_placements():
     p = registry.create("placement", "least_utilized", cost_model=TOY, stages=2)
-    nodes = [NodeView(0, True, busy_seconds=5.0), NodeView(1, True, busy_seconds=1.0),
-             NodeView(2, True, busy_seconds=2.5)]
-    assert p.choose(train("t1", 0.0), nodes, 0.0) == 1   # 1 s busy; now owes 1 + 2 = 3 s more
-    assert p.choose(train("t2", 0.0), nodes, 0.0) == 2   # 2.5 < 1 + 3
+    nodes = [
+        NodeView(0, True, busy_seconds=5.0),
+        NodeView(1, True, busy_seconds=1.0),
+        NodeView(2, True, busy_seconds=2.5),
+    ]
+    assert p.choose(train("t1", 0.0), nodes, 0.0) == 1  # 1 s busy; now owes 1 + 2 = 3 s more
+    assert p.choose(train("t2", 0.0), nodes, 0.0) == 2  # 2.5 < 1 + 3
     p.observe(ExecutionTrace("t1", 1, 0.0, 0.0, None, 3.0, 100, 0))
-    assert p.choose(train("t3", 0.0), nodes, 0.0) == 1   # its debt is paid (busy time not yet updated)
+    assert p.choose(train("t3", 0.0), nodes, 0.0) == 1  # its debt is paid (busy time not yet updated)

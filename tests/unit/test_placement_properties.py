@@ -13,10 +13,10 @@ COST = default_cost_model()
 
 task_spec = st.tuples(
     st.sampled_from(["inference", "training"]),
-    st.integers(1, 1500),           # prompt tokens
-    st.integers(1, 400),            # max tokens
-    st.floats(0.0, 0.5),            # gap to the previous arrival
-    st.integers(1, 4),              # batch size (training)
+    st.integers(1, 1500),  # prompt tokens
+    st.integers(1, 400),  # max tokens
+    st.floats(0.0, 0.5),  # gap to the previous arrival
+    st.integers(1, 4),  # batch size (training)
 )
 
 
@@ -48,8 +48,12 @@ def test_response_covers_the_own_forward_and_idleness_is_never_negative(specs, n
 
 
 @settings(max_examples=40, deadline=None)
-@given(specs=st.lists(task_spec, min_size=1, max_size=30), n=st.integers(1, 6), stages=st.integers(1, 3),
-       report=st.lists(st.booleans(), min_size=30, max_size=30))
+@given(
+    specs=st.lists(task_spec, min_size=1, max_size=30),
+    n=st.integers(1, 6),
+    stages=st.integers(1, 3),
+    report=st.lists(st.booleans(), min_size=30, max_size=30),
+)
 def test_scalar_and_vector_planners_agree(specs, n, stages, report):
     small, big = _lemix(stages), _lemix(stages, vector_above=0)
     nodes = [NodeView(i, True) for i in range(n)]
@@ -65,15 +69,27 @@ def test_scalar_and_vector_planners_agree(specs, n, stages, report):
             placed.append((task, ca))
         if report[k] and placed:
             done, node = placed.pop(0)
-            tr = ExecutionTrace(done.task_id, node, done.arrival, done.arrival, done.arrival + 0.05,
-                                done.arrival + 0.3, done.prompt_tokens, 3)
+            tr = ExecutionTrace(
+                done.task_id,
+                node,
+                done.arrival,
+                done.arrival,
+                done.arrival + 0.05,
+                done.arrival + 0.3,
+                done.prompt_tokens,
+                3,
+            )
             small.observe(tr)
             big.observe(tr)
 
 
 @settings(max_examples=60, deadline=None)
-@given(specs=st.lists(task_spec, min_size=0, max_size=12), queue=st.lists(task_spec, min_size=2, max_size=6),
-       n=st.integers(1, 3), tau_r=st.floats(0.05, 2.0))
+@given(
+    specs=st.lists(task_spec, min_size=0, max_size=12),
+    queue=st.lists(task_spec, min_size=2, max_size=6),
+    n=st.integers(1, 3),
+    tau_r=st.floats(0.05, 2.0),
+)
 def test_a_deprioritized_training_task_never_precedes_the_inference_it_protects(specs, queue, n, tau_r):
     p = _lemix(2, deprioritize=True, response_slo_s=tau_r, predict_next=False)
     nodes = [NodeView(i, True) for i in range(n)]
@@ -81,12 +97,14 @@ def test_a_deprioritized_training_task_never_precedes_the_inference_it_protects(
     for task in history:
         p.choose(task, nodes, task.arrival)
     now = history[-1].arrival if history else 0.0
-    q = [Task(f"q{k}{t.task_id}", t.kind, "m", t.prompt_tokens, t.max_tokens, now + 0.001 * k, t.batch_size)
-         for k, t in enumerate(_tasks(queue))]
+    q = [
+        Task(f"q{k}{t.task_id}", t.kind, "m", t.prompt_tokens, t.max_tokens, now + 0.001 * k, t.batch_size)
+        for k, t in enumerate(_tasks(queue))
+    ]
     protected = []
     for i, t in enumerate(q):
         if t.kind == "training":
-            nxt = next((x for x in q[i + 1:] if x.kind == "inference"), None)
+            nxt = next((x for x in q[i + 1 :] if x.kind == "inference"), None)
             if nxt is not None and p.deprioritizes(t, nxt, nodes, now):
                 protected.append((t.task_id, nxt.task_id))
     out = [t.task_id for t in p.prioritize(q, nodes, now)]

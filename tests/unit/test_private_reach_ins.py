@@ -40,16 +40,23 @@ def reach_ins(source: str, where: str) -> list[str]:
         if isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
             found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
         elif isinstance(node, ast.Import):
-            found += [f"{where}:{node.lineno} import {a.name}" for a in node.names
-                      if any(_private(part) for part in a.name.split("."))]
+            found += [
+                f"{where}:{node.lineno} import {a.name}"
+                for a in node.names
+                if any(_private(part) for part in a.name.split("."))
+            ]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module != "__future__":
             if any(_private(part) for part in node.module.split(".")):
                 found.append(f"{where}:{node.lineno} from {node.module} import ...")
-            found += [f"{where}:{node.lineno} from {node.module} import {a.name}" for a in node.names
-                      if _private(a.name)]
+            found += [
+                f"{where}:{node.lineno} from {node.module} import {a.name}" for a in node.names if _private(a.name)
+            ]
         elif isinstance(node, ast.Call):
-            found += [f"{where}:{node.lineno} {ast.unparse(node.func)}(..., {k.arg}=...)" for k in node.keywords
-                      if k.arg is not None and _private(k.arg)]
+            found += [
+                f"{where}:{node.lineno} {ast.unparse(node.func)}(..., {k.arg}=...)"
+                for k in node.keywords
+                if k.arg is not None and _private(k.arg)
+            ]
     return found
 
 
@@ -57,8 +64,12 @@ def reach_ins(source: str, where: str) -> list[str]:
 def test_no_private_reach_ins_outside_compat(layer):
     files = sorted((ROOT / layer).rglob("*.py"))
     assert files
-    found = [hit for f in files for hit in reach_ins(f.read_text(), str(f.relative_to(ROOT)))
-             if (hit.split(":", 1)[0], hit.split(" ", 1)[1]) not in NOT_YET]
+    found = [
+        hit
+        for f in files
+        for hit in reach_ins(f.read_text(), str(f.relative_to(ROOT)))
+        if (hit.split(":", 1)[0], hit.split(" ", 1)[1]) not in NOT_YET
+    ]
     assert not found, "private names used outside compat/ (add a function there instead):\n" + "\n".join(found)
 
 
@@ -73,6 +84,13 @@ handle.choose_replica(task, _reserve=False)
 self._own, cls._own, super()._partition_layers(method), point._replace(x=1), obj.__class__
 """
     found = reach_ins(source, "x.py")
-    assert sorted(hit.split(" ", 1)[1] for hit in found) == sorted([
-        "import ray._raylet", "from ray.serve._private import ...", "from ray.serve.context import _get_global_client",
-        "handle._init", "chosen._replica", "handle.choose_replica(..., _reserve=...)"])
+    assert sorted(hit.split(" ", 1)[1] for hit in found) == sorted(
+        [
+            "import ray._raylet",
+            "from ray.serve._private import ...",
+            "from ray.serve.context import _get_global_client",
+            "handle._init",
+            "chosen._replica",
+            "handle.choose_replica(..., _reserve=...)",
+        ]
+    )

@@ -25,9 +25,14 @@ def test_scoring_with_the_shared_prefix_equals_the_plain_pass_and_ends_only_ende
     from actors.learning.lora.steps import completion_logprobs
 
     _, model, tok = tiny
-    items = [RetentionItem(({"role": "user", "content": q},), a, ended) for q, a, ended in (
-        ("What is 2 plus 2?", "Four.", True), ("Name a colour, please.", "Blue, or maybe green", False),
-        ("Hi", "Hello there, how are you today?", True))]
+    items = [
+        RetentionItem(({"role": "user", "content": q},), a, ended)
+        for q, a, ended in (
+            ("What is 2 plus 2?", "Four.", True),
+            ("Name a colour, please.", "Blue, or maybe green", False),
+            ("Hi", "Hello there, how are you today?", True),
+        )
+    ]
     shared = retention.score_answers(model, tok, items, skip_first=0)
     skipped = retention.score_answers(model, tok, items)  # the gate's: each answer's first tokens left out
     assert [n for _, n in skipped] == [n - retention.SKIP_FIRST_TOKENS for _, n in shared]

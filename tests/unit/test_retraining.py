@@ -13,8 +13,9 @@ from planners.retraining import Hybrid, Periodic, RetrainingDecision, Retraining
 
 
 def view(**kw) -> RetrainingView:
-    base = dict(now=1000.0, node_id=0, queued=8, oldest_queued_age_s=0.0, last_run_at=None,
-                samples_wanted=4, tokens_wanted=400)
+    base = dict(
+        now=1000.0, node_id=0, queued=8, oldest_queued_age_s=0.0, last_run_at=None, samples_wanted=4, tokens_wanted=400
+    )
     base.update(kw)
     return RetrainingView(**base)
 
@@ -160,4 +161,3 @@ def test_periodic_answers_are_well_formed(vs, every):
     p = Periodic(every_seconds=every)
     for v in vs:
         _well_formed(p.decide(v), v)
-

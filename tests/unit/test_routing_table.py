@@ -11,8 +11,15 @@ BASE = "tiny"
 
 def snapshot(seq: int, in_flight=(0, 0), reported=(10.0, 10.0), adapters=((), ()), ready=(True, True), traces=()):
     nodes = tuple(NodeView(i, ready[i], in_flight=in_flight[i], adapters=frozenset(adapters[i])) for i in range(2))
-    return RoutingSnapshot(seq=seq, base_model=BASE, placement="round_robin", placement_params={},
-                           nodes=nodes, reported_at=tuple(reported), traces=tuple(traces))
+    return RoutingSnapshot(
+        seq=seq,
+        base_model=BASE,
+        placement="round_robin",
+        placement_params={},
+        nodes=nodes,
+        reported_at=tuple(reported),
+        traces=tuple(traces),
+    )
 
 
 def test_own_placements_count_as_in_flight_until_the_node_reports_them():

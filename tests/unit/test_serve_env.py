@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from settings import load
 from app import serve_env
+from settings import load
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,8 +27,9 @@ def test_the_front_door_travels_with_the_serve_settings():
     assert env["COSERVE_HAPROXY_REQUEST_TIMEOUT_S"] == "10" and env["RAY_SERVE_HAPROXY_MAXCONN"] == "2048"
     mine = serve_env.environment(load({"ingress": {"haproxy": {"request_timeout_s": 5}}}))
     assert mine["COSERVE_HAPROXY_REQUEST_TIMEOUT_S"] == "5"
-    assert {k: v for k, v in mine.items() if k != "COSERVE_HAPROXY_REQUEST_TIMEOUT_S"} == \
-        {k: v for k, v in env.items() if k != "COSERVE_HAPROXY_REQUEST_TIMEOUT_S"}
+    assert {k: v for k, v in mine.items() if k != "COSERVE_HAPROXY_REQUEST_TIMEOUT_S"} == {
+        k: v for k, v in env.items() if k != "COSERVE_HAPROXY_REQUEST_TIMEOUT_S"
+    }
 
 
 def test_a_serve_config_that_contradicts_its_front_door_is_refused(tmp_path, monkeypatch):
@@ -52,8 +53,11 @@ def test_an_app_built_for_another_front_door_says_so(caplog):
     cfg = load({"limits": {"max_body_bytes": 4096}})
     with caplog.at_level(logging.WARNING):
         differ = check_front_door(cfg, dict(serve_env.SERVE_ENV))
-    assert set(differ) == {"COSERVE_HAPROXY_MAX_BODY_BYTES", "RAY_SERVE_HAPROXY_TUNE_BUFSIZE",
-                           "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"}
+    assert set(differ) == {
+        "COSERVE_HAPROXY_MAX_BODY_BYTES",
+        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE",
+        "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE",
+    }
     assert "HAProxy (the front door) was not started with" in caplog.text
     assert check_front_door(load({}), dict(serve_env.SERVE_ENV)) == {}
 

@@ -20,8 +20,16 @@ def _spec(name: str, n: int, out: int, weight: float = 1e9, seed: int = 0) -> Mo
     rng = np.random.default_rng(seed)
     prompts = tuple(int(x) for x in rng.integers(20, 80, n))
     outs = tuple(int(x) for x in rng.integers(max(1, out // 2), out * 2, n))
-    return ModelSpec(name, weight, prompts, max_output_tokens=4 * out, output_tokens=outs,
-                     load_time_s=((1, 0.5),), kv_bytes_per_token=1e5, tp_options=(1,))
+    return ModelSpec(
+        name,
+        weight,
+        prompts,
+        max_output_tokens=4 * out,
+        output_tokens=outs,
+        load_time_s=((1, 0.5),),
+        kv_bytes_per_token=1e5,
+        tp_options=(1,),
+    )
 
 
 def _job() -> JobGraph:
@@ -59,8 +67,14 @@ def test_a_model_finishing_out_of_the_predicted_order_is_handled_by_the_adjustme
     job = JobGraph((_spec("a", 30, 100, seed=1), _spec("b", 30, 10, seed=2)))
     costs = {m.name: _cost(m.weight_bytes) for m in job.models}
     # The plan expects a to finish first, then gives b all devices; the truth is the other way round.
-    plan = Plan((Stage((ExecutionPlan("a", 2, 1, (0, 1)), ExecutionPlan("b", 2, 1, (2, 3))), 0, 1, ("a",)),
-                 Stage((ExecutionPlan("b", 4, 1, (0, 1, 2, 3)),), 1, 1, ("b",))), 2.0, 0.0)
+    plan = Plan(
+        (
+            Stage((ExecutionPlan("a", 2, 1, (0, 1)), ExecutionPlan("b", 2, 1, (2, 3))), 0, 1, ("a",)),
+            Stage((ExecutionPlan("b", 4, 1, (0, 1, 2, 3)),), 1, 1, ("b",)),
+        ),
+        2.0,
+        0.0,
+    )
     rep = replay_plan(plan, job, DEV, costs)
     assert rep.stages[0].finishes == ("b",)
     # a has no later stage in the plan: it keeps its two devices to the end (§4.3), no reload.
@@ -70,8 +84,7 @@ def test_a_model_finishing_out_of_the_predicted_order_is_handled_by_the_adjustme
 
 def test_chain_summary_with_an_evaluator_replays_without_stalling():
     parents, last = chain_maps([1, 3, 6, 2])
-    summ = ModelSpec("summ", 2e9, (50,) * 12, 30, output_tokens=(20,) * 12, load_time_s=((1, 0.2),),
-                     tp_options=(1,))
+    summ = ModelSpec("summ", 2e9, (50,) * 12, 30, output_tokens=(20,) * 12, load_time_s=((1, 0.2),), tp_options=(1,))
     ev = ModelSpec("eval", 4e9, (30,) * 4, 10, output_tokens=(5,) * 4, load_time_s=((1, 0.2),), tp_options=(1,))
     job = JobGraph((summ, ev), (Edge("summ", "summ", parents), Edge("summ", "eval", last)))
     costs = {"summ": _cost(2e9), "eval": _cost(4e9)}

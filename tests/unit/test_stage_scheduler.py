@@ -13,8 +13,9 @@ from planners.memory import MemoryGuard
 from planners.pipeline import OpDone, PipelineTask, StageScheduler, shared_lanes, split_lanes
 
 # Per stage of a 2-stage node: a forward takes 10 ms per token, a backward twice that.
-COST = replace(default_cost_model(), forward=StageLatency(0.0, 0.01, 0.0), backward=StageLatency(0.0, 0.02, 0.0),
-               stages=2)
+COST = replace(
+    default_cost_model(), forward=StageLatency(0.0, 0.01, 0.0), backward=StageLatency(0.0, 0.02, 0.0), stages=2
+)
 
 
 def node(order: str, accumulation: int = 2, memory: MemoryGuard | None = None, **params) -> StageScheduler:
@@ -39,8 +40,9 @@ def simulate(sched: StageScheduler, tasks: list[PipelineTask], horizon: float = 
             heapq.heappush(running, (now + sched.seconds(op), seq, (op, now)))
         if not running and not arrivals and sched.idle:
             return done
-        nxt = [t for t in (running[0][0] if running else None, arrivals[0].arrival if arrivals else None)
-               if t is not None]
+        nxt = [
+            t for t in (running[0][0] if running else None, arrivals[0].arrival if arrivals else None) if t is not None
+        ]
         now = min(nxt) if nxt else now + 0.05  # only held ops left: look again a little later
         while running and running[0][0] <= now:
             end, _, (op, start) = heapq.heappop(running)
@@ -150,8 +152,12 @@ def test_policies_are_registered_and_layouts_checked():
     with pytest.raises(ValueError, match="at least 2 devices"):
         split_lanes(1)
     with pytest.raises(ValueError, match="no lane of this node serves"):
-        StageScheduler(2, (split_lanes(2)[1], replace(split_lanes(2)[0], kinds=frozenset({"training"}))),
-                       registry.create("stage_order", "separate"), COST).add(PipelineTask("r", "inference", 3))
+        StageScheduler(
+            2,
+            (split_lanes(2)[1], replace(split_lanes(2)[0], kinds=frozenset({"training"}))),
+            registry.create("stage_order", "separate"),
+            COST,
+        ).add(PipelineTask("r", "inference", 3))
 
 
 def test_a_chunked_stage_lets_a_request_in_between_two_chunks_of_a_training_pass():
@@ -161,8 +167,11 @@ def test_a_chunked_stage_lets_a_request_in_between_two_chunks_of_a_training_pass
     sched = StageScheduler(2, lanes, policy, COST, accumulation=1)
     # A 20-token micro-batch: each chunk forward takes 0.1 s (half a stage); the request comes at 0.05 s.
     done = simulate(sched, training(1, tokens=20) + [PipelineTask("req", "inference", 10, 1, 0.05)])
-    stage0 = [(d.op.task_id, d.op.position) for d in sorted(done, key=lambda d: d.start)
-              if d.op.device == 0 and d.op.phase == "forward"]
+    stage0 = [
+        (d.op.task_id, d.op.position)
+        for d in sorted(done, key=lambda d: d.start)
+        if d.op.device == 0 and d.op.phase == "forward"
+    ]
     # The request runs both chunks of a stage in one op (fewer round trips), between mb0's two chunks.
     assert stage0 == [("mb0", 0), ("req", 0), ("mb0", 1)]
     req = [(d.op.device, d.op.position) for d in sorted(done, key=lambda d: d.start) if d.op.task_id == "req"]

@@ -46,8 +46,12 @@ def test_cdf_from_pairs_truncates_at_the_model_limit():
         output_cdf_from_pairs([])
 
 
-@given(st.lists(st.integers(1, 400), min_size=1, max_size=50), st.integers(1, 300),
-       st.lists(st.integers(1, 500), min_size=1, max_size=30), st.integers(0, 10_000))
+@given(
+    st.lists(st.integers(1, 400), min_size=1, max_size=50),
+    st.integers(1, 300),
+    st.lists(st.integers(1, 500), min_size=1, max_size=30),
+    st.integers(0, 10_000),
+)
 @settings(max_examples=60, deadline=None)
 def test_sampler_respects_output_limit_and_sequence_length(samples, limit, prompts, seed):
     cdf = OutputLengthCDF.from_samples(samples)
@@ -96,8 +100,9 @@ def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
     run = simulate_engine([10], [2], HAND, EngineLimits(max_num_seqs=4, max_batched_tokens=4), record=True)
     assert list(run.per_iteration()) == [(4, 0, 0), (4, 0, 0), (2, 0, 0), (0, 1, 11)]
     # A decoding request takes one token of the budget before a waiting prompt gets the rest.
-    run = simulate_engine([2, 5], [3, 1], HAND, EngineLimits(max_num_seqs=4, max_batched_tokens=4),
-                          ready_s=[0.0, 0.5], record=True)
+    run = simulate_engine(
+        [2, 5], [3, 1], HAND, EngineLimits(max_num_seqs=4, max_batched_tokens=4), ready_s=[0.0, 0.5], record=True
+    )
     assert list(run.per_iteration())[:3] == [(2, 0, 0), (3, 1, 3), (2, 1, 4)]
 
 
@@ -161,9 +166,15 @@ def _reference(prompt, out, lat, cfg, ready):
     return iters, finish
 
 
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.sampled_from([0.0, 0.0, 3.0, 10.0])),
-                min_size=1, max_size=25),
-       st.integers(1, 6), st.integers(6, 64))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 30), st.sampled_from([0.0, 0.0, 3.0, 10.0])),
+        min_size=1,
+        max_size=25,
+    ),
+    st.integers(1, 6),
+    st.integers(6, 64),
+)
 @settings(max_examples=80, deadline=None)
 def test_fast_simulator_matches_step_by_step_reference(reqs, seqs, budget):
     prompt, out, ready = (list(x) for x in zip(*reqs))
@@ -187,8 +198,14 @@ def test_cutoff_then_resume_reproduces_the_uncut_run():
     assert np.all(part.generated[~done] < out[~done]) and part.decoding.sum() == 4
     # Resuming the decoding requests with their KV cache (and the rest from scratch) ends when the uncut run does.
     left = ~done
-    rest = simulate_engine(prompt[left] + part.generated[left], out[left] - part.generated[left], lat, cfg,
-                           resumed=part.decoding[left], start_s=part.end_s)
+    rest = simulate_engine(
+        prompt[left] + part.generated[left],
+        out[left] - part.generated[left],
+        lat,
+        cfg,
+        resumed=part.decoding[left],
+        start_s=part.end_s,
+    )
     assert rest.finish_s.max() == pytest.approx(whole.finish_s.max(), rel=0.02)
 
 
@@ -210,8 +227,16 @@ def _spec(name, n=30, weight=1e9, prompt=40, out=40, load=((1, 0.5),), seed=0, *
     rng = np.random.default_rng(seed)
     prompts = tuple(int(x) for x in rng.integers(max(1, prompt // 2), prompt * 2, n))
     outs = tuple(int(x) for x in rng.integers(max(1, out // 2), out * 2, n))
-    return ModelSpec(name, weight, prompts, max_output_tokens=4 * out, output_tokens=outs, load_time_s=load,
-                     kv_bytes_per_token=kw.pop("kv", 1e5), **kw)
+    return ModelSpec(
+        name,
+        weight,
+        prompts,
+        max_output_tokens=4 * out,
+        output_tokens=outs,
+        load_time_s=load,
+        kv_bytes_per_token=kw.pop("kv", 1e5),
+        **kw,
+    )
 
 
 def test_valid_plans_respect_memory_and_links():
@@ -241,8 +266,12 @@ def test_tp_groups_land_on_linked_devices_and_lone_replicas_spare_pairs():
 def test_fragmentation_moves_the_cheapest_model():
     dev = DeviceSet(4, 1e10, links=((0, 1), (2, 3)))
     prev = (ExecutionPlan("a", 1, 1, (0,)), ExecutionPlan("b", 1, 1, (2,)))
-    out = assign_devices([ExecutionPlan("a", 1, 1), ExecutionPlan("b", 1, 1), ExecutionPlan("c", 1, 2)], dev, prev,
-                         reload_s={"a": 30.0, "b": 5.0})
+    out = assign_devices(
+        [ExecutionPlan("a", 1, 1), ExecutionPlan("b", 1, 1), ExecutionPlan("c", 1, 2)],
+        dev,
+        prev,
+        reload_s={"a": 30.0, "b": 5.0},
+    )
     got = {p.model: p.devices for p in out}
     assert got["a"] == (0,) and got["b"] == (1,) and got["c"] == (2, 3)
 
@@ -259,9 +288,13 @@ def test_tp_scaling_and_profiled_override():
 # --- Search ---------------------------------------------------------------------------------------
 
 
-COST = CostModel(default_cost_model().forward, default_cost_model().backward,
-                 IterationLatency(0.02, 2e-4, 1e-3, 2e-6), default_cost_model().memory,
-                 OutputLengthCDF.from_samples([20, 40, 60, 80]))
+COST = CostModel(
+    default_cost_model().forward,
+    default_cost_model().backward,
+    IterationLatency(0.02, 2e-4, 1e-3, 2e-6),
+    default_cost_model().memory,
+    OutputLengthCDF.from_samples([20, 40, 60, 80]),
+)
 
 
 def _costs(job):
@@ -276,11 +309,20 @@ def _costs(job):
 
 def _instance(seed, n_models=3):
     rng = np.random.default_rng(seed)
-    models = tuple(_spec(f"m{i}", n=int(rng.integers(4, 60)), weight=float(rng.choice([1e9, 2e9, 4e9])),
-                         prompt=int(rng.integers(10, 200)), out=int(rng.integers(10, 60)),
-                         load=((1, float(rng.uniform(0.0, 1.0))),), seed=seed * 10 + i, tp_options=(1,),
-                         engine=EngineLimits(max_num_seqs=int(rng.choice([4, 16, 64])), max_batched_tokens=512))
-                   for i in range(n_models))
+    models = tuple(
+        _spec(
+            f"m{i}",
+            n=int(rng.integers(4, 60)),
+            weight=float(rng.choice([1e9, 2e9, 4e9])),
+            prompt=int(rng.integers(10, 200)),
+            out=int(rng.integers(10, 60)),
+            load=((1, float(rng.uniform(0.0, 1.0))),),
+            seed=seed * 10 + i,
+            tp_options=(1,),
+            engine=EngineLimits(max_num_seqs=int(rng.choice([4, 16, 64])), max_batched_tokens=512),
+        )
+        for i in range(n_models)
+    )
     return JobGraph(models)
 
 
@@ -319,8 +361,11 @@ def search_results():
     for seed in SEARCH_SEEDS:
         job = _instance(seed)
         opt = _brute_force(JobSimulator(job, dev, _costs(job), known_output_lengths=True))
-        got = {(n, pre): _plan(n, job, dev, preemption=pre).predicted_s
-               for n in ("greedy", "max", "min", "search") for pre in (True, False)}
+        got = {
+            (n, pre): _plan(n, job, dev, preemption=pre).predicted_s
+            for n in ("greedy", "max", "min", "search")
+            for pre in (True, False)
+        }
         rows.append((opt, got))
     return rows
 
@@ -349,12 +394,14 @@ def test_greedy_beats_the_baselines_on_average(search_results):
 
 
 def test_search_is_never_predicted_slower_than_a_baseline_and_sometimes_faster(search_results):
-    for opt, got in search_results:
+    for _opt, got in search_results:
         for pre in (True, False):
             assert got[("search", pre)] <= min(got[(n, pre)] for n in ("greedy", "max", "min")) * (1 + 1e-9)
     # Strictly better than every baseline on some instances, and closer to the optimum on average.
-    assert any(got[("search", True)] < 0.99 * min(got[(n, True)] for n in ("greedy", "max", "min"))
-               for _, got in search_results)
+    assert any(
+        got[("search", True)] < 0.99 * min(got[(n, True)] for n in ("greedy", "max", "min"))
+        for _, got in search_results
+    )
     assert _geomean_ratio(search_results, ("search", True)) < _geomean_ratio(search_results, ("greedy", True))
     job = _instance(3)
     plan = _plan("search", job, DeviceSet(3, 1e11))
@@ -413,8 +460,10 @@ def test_no_preemption_keeps_plans_until_the_model_finishes():
     for name in ("greedy", "min", "search"):
         plan = _plan(name, job, DeviceSet(4, 1e11), preemption=False)
         first: dict[str, tuple[int, int]] = {}
-        last_stage = {m: max(i for i, s in enumerate(plan.stages) if s.plan_of(m))
-                      for m in {p.model for s in plan.stages for p in s.plans}}
+        last_stage = {
+            m: max(i for i, s in enumerate(plan.stages) if s.plan_of(m))
+            for m in {p.model for s in plan.stages for p in s.plans}
+        }
         for i, s in enumerate(plan.stages):
             for p in s.plans:
                 assert first.setdefault(p.model, p.shape) == p.shape
@@ -468,7 +517,8 @@ def test_registry_names_and_bad_jobs():
         registry.create("stages", "greedy").plan(job, DeviceSet(2, 1e10), {"huge": COST})
     with pytest.raises(ValueError, match="output_tokens"):
         registry.create("stages", "greedy", known_output_lengths=True).plan(
-            JobGraph((ModelSpec("a", 1e9, (5,), 5),)), DeviceSet(1, 1e10), {"a": COST})
+            JobGraph((ModelSpec("a", 1e9, (5,), 5),)), DeviceSet(1, 1e10), {"a": COST}
+        )
 
 
 def test_sampled_and_known_lengths_give_different_but_valid_plans():
@@ -492,8 +542,9 @@ def _adjust_case():
 def test_adjustment_follows_the_plan_when_the_prediction_holds():
     job, dev, plan = _adjust_case()
     adj = adjust_stage(plan, -1, (), (), job, dev)
-    assert adj.stage_index == 0 and {p.model: p.shape for p in adj.run} == {p.model: p.shape
-                                                                           for p in plan.stages[0].plans}
+    assert adj.stage_index == 0 and {p.model: p.shape for p in adj.run} == {
+        p.model: p.shape for p in plan.stages[0].plans
+    }
     running, done = adj.run, set()
     for i in range(len(plan.stages) - 1):
         done |= set(plan.stages[i].finishes)
@@ -513,11 +564,21 @@ def test_adjustment_when_a_model_finishes_earlier_than_predicted():
     dev = DeviceSet(4, 1e11)
     s0 = (ExecutionPlan("a", 2, 1, (0, 1)), ExecutionPlan("b", 1, 1, (2,)), ExecutionPlan("c", 1, 1, (3,)))
     from planners.offline import Plan, Stage
-    plan = Plan((Stage(s0, 0, 1, ("a",)),
-                 Stage((ExecutionPlan("b", 1, 1, (2,)), ExecutionPlan("c", 1, 1, (3,)),
-                        ExecutionPlan("d", 2, 1, (0, 1))), 1, 1, ("b",)),
-                 Stage((ExecutionPlan("c", 2, 1, (2, 3)), ExecutionPlan("d", 2, 1, (0, 1))), 2, 1, ("c", "d"))),
-                3.0, 0.0)
+
+    plan = Plan(
+        (
+            Stage(s0, 0, 1, ("a",)),
+            Stage(
+                (ExecutionPlan("b", 1, 1, (2,)), ExecutionPlan("c", 1, 1, (3,)), ExecutionPlan("d", 2, 1, (0, 1))),
+                1,
+                1,
+                ("b",),
+            ),
+            Stage((ExecutionPlan("c", 2, 1, (2, 3)), ExecutionPlan("d", 2, 1, (0, 1))), 2, 1, ("c", "d")),
+        ),
+        3.0,
+        0.0,
+    )
     # Predicted: a ends stage 0. Actually c finishes first: a has no later stage, so it keeps its two
     # devices; b keeps its plan; d (2 devices) does not fit on c's one free device: wait, stay in stage 0.
     adj = adjust_stage(plan, 0, s0, {"c"}, job, dev)
@@ -536,10 +597,17 @@ def test_adjustment_preempts_a_model_whose_next_plan_differs_only_if_devices_are
     job = JobGraph(tuple(_spec(n, n=20, seed=i, tp_options=(1,)) for i, n in enumerate("abc")))
     dev = DeviceSet(4, 1e11)
     from planners.offline import Plan, Stage
+
     s0 = (ExecutionPlan("a", 2, 1, (0, 1)), ExecutionPlan("b", 2, 1, (2, 3)))
-    plan = Plan((Stage(s0, 0, 1, ("a",)),
-                 Stage((ExecutionPlan("c", 4, 1),), 1, 1, ("c",)),
-                 Stage((ExecutionPlan("b", 4, 1),), 2, 1, ("b",))), 3.0, 0.0)
+    plan = Plan(
+        (
+            Stage(s0, 0, 1, ("a",)),
+            Stage((ExecutionPlan("c", 4, 1),), 1, 1, ("c",)),
+            Stage((ExecutionPlan("b", 4, 1),), 2, 1, ("b",)),
+        ),
+        3.0,
+        0.0,
+    )
     adj = adjust_stage(plan, 0, s0, {"a"}, job, dev)
     assert {p.model: p.shape for p in adj.run} == {"c": (4, 1)} and adj.stopped == ("b",)
     plan2 = Plan((plan.stages[0], Stage((ExecutionPlan("c", 2, 1),), 1, 1, ("c",)), plan.stages[2]), 3.0, 0.0)

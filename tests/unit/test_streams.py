@@ -103,6 +103,7 @@ def _sse_app(gaps: list[float], content_type: bytes = b"text/event-stream"):
             await asyncio.sleep(gap)
             await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     return app
 
 

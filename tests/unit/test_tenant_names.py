@@ -31,7 +31,10 @@ def test_two_tenants_each_own_support_and_neither_learns_of_the_other(tmp_path):
         with pytest.raises(AdapterExists, match="'support'"):  # its own name twice is still a conflict
             s.create_adapter({"name": "support", "tenant": "acme"})
         assert [(a.name, a.tenant) for a in s.list_adapters()] == [
-            ("acme/support", "acme"), ("beta/support", "beta"), ("support", None)]
+            ("acme/support", "acme"),
+            ("beta/support", "beta"),
+            ("support", None),
+        ]
         s.add_feedback([{"adapter": "acme/support", "prompt": "p", "completion": "acme's"}])
         assert (s.queued("acme/support"), s.queued("beta/support")) == (1, 0)
         info = s.update_adapter("acme/support", {"learning_rate": 0.01, "epochs": 2})
@@ -64,10 +67,12 @@ OLD_SCHEMA = """
 
 
 def _old_adapter(db: sqlite3.Connection, name: str, tenant: str | None, current: int | None) -> None:
-    db.execute("INSERT INTO adapters (name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, "
-               "lora_dropout, mode, periodic_every_seconds, current_version, created_at, tenant) "
-               "VALUES (?, 'sft', 0.1, 0.0005, 8, 16, '[\"q_proj\"]', 0, 'sync', 60, ?, 1.0, ?)",
-               (name, current, tenant))
+    db.execute(
+        "INSERT INTO adapters (name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, "
+        "lora_dropout, mode, periodic_every_seconds, current_version, created_at, tenant) "
+        "VALUES (?, 'sft', 0.1, 0.0005, 8, 16, '[\"q_proj\"]', 0, 'sync', 60, ?, 1.0, ?)",
+        (name, current, tenant),
+    )
 
 
 def test_a_schema_8_store_is_migrated_in_place_to_tenant_keys(tmp_path):
@@ -80,14 +85,20 @@ def test_a_schema_8_store_is_migrated_in_place_to_tenant_keys(tmp_path):
     _old_adapter(db, "beta-secret", "beta", 2)
     _old_adapter(db, "ops", "admin", None)
     _old_adapter(db, "local", None, None)
-    db.execute("INSERT INTO versions (adapter, version, path, created_at, published, published_at, state) VALUES "
-               "('support', 1, '/data/adapters/support/v1', 1.0, 1, 2.0, 'served')")
-    db.execute("INSERT INTO versions (adapter, version, path, created_at, published, published_at, node, state) "
-               "VALUES ('beta-secret', 2, '/data/adapters/beta-secret/v2', 1.0, 1, 2.0, 0, 'served')")
+    db.execute(
+        "INSERT INTO versions (adapter, version, path, created_at, published, published_at, state) VALUES "
+        "('support', 1, '/data/adapters/support/v1', 1.0, 1, 2.0, 'served')"
+    )
+    db.execute(
+        "INSERT INTO versions (adapter, version, path, created_at, published, published_at, node, state) "
+        "VALUES ('beta-secret', 2, '/data/adapters/beta-secret/v2', 1.0, 1, 2.0, 0, 'served')"
+    )
     db.execute("INSERT INTO node_heads VALUES ('beta-secret', 0, 2)")
     for adapter in ("support", "support", "beta-secret", "local"):
-        db.execute("INSERT INTO feedback (adapter, kind, prompt, completion, created_at) VALUES (?, 'sft', 'p', 'c', 1)",
-                   (adapter,))
+        db.execute(
+            "INSERT INTO feedback (adapter, kind, prompt, completion, created_at) VALUES (?, 'sft', 'p', 'c', 1)",
+            (adapter,),
+        )
     db.execute("PRAGMA user_version = 8")
     db.commit()
     db.close()
@@ -110,7 +121,12 @@ def test_a_schema_8_store_is_migrated_in_place_to_tenant_keys(tmp_path):
     s.close()
     with FeedbackDatabase(tmp_path, gate_defaults=NO_GATE) as again:  # a second open finds nothing to migrate
         assert sorted(a.name for a in again.list_adapters()) == [
-            "acme/support", "beta/beta-secret", "beta/support", "local", "ops"]
+            "acme/support",
+            "beta/beta-secret",
+            "beta/support",
+            "local",
+            "ops",
+        ]
 
 
 def test_a_tenants_versions_live_under_its_own_directory(tmp_path):

@@ -21,14 +21,21 @@ def test_a_tenant_names_its_own_adapters_bare_and_the_admin_names_keys():
     assert adapter_key_for(LOCAL, "support") == "support"
     assert shown_name(ACME, "acme/support") == "support"
     assert shown_name(ADMIN, "acme/support") == "acme/support"
-    assert as_seen_by(ACME, "acme/support v3 was never published; not xacme/y") == \
-        "support v3 was never published; not xacme/y"
+    assert (
+        as_seen_by(ACME, "acme/support v3 was never published; not xacme/y")
+        == "support v3 was never published; not xacme/y"
+    )
     assert as_seen_by(ADMIN, "acme/support v3") == "acme/support v3"
 
 
 def test_a_request_reaches_its_tenants_lora_and_nothing_else():
-    owners = {"acme/support": "acme", "beta/support": "beta", "beta/beta-secret": "beta", "shared": None,
-              "acme/unserved": "acme"}
+    owners = {
+        "acme/support": "acme",
+        "beta/support": "beta",
+        "beta/beta-secret": "beta",
+        "shared": None,
+        "acme/unserved": "acme",
+    }
     served = {"tiny:acme/support", "tiny:beta/support", "tiny:beta/beta-secret", "tiny:shared", "tiny:operator"}
 
     async def owner(key: str) -> object:

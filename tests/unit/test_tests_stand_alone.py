@@ -21,8 +21,11 @@ def _bench_imports(path: Path) -> list[str]:
         else:
             continue
         if any(n == "bench" or n.startswith("bench.") for n in names):
-            found.append(f"{path.name}:{node.lineno}" if not path.is_relative_to(TESTS) else
-                         f"{path.relative_to(TESTS.parent)}:{node.lineno}")
+            found.append(
+                f"{path.name}:{node.lineno}"
+                if not path.is_relative_to(TESTS)
+                else f"{path.relative_to(TESTS.parent)}:{node.lineno}"
+            )
     return found
 
 
@@ -34,9 +37,9 @@ def test_no_test_imports_bench():
 
 def test_the_scan_sees_every_form_of_the_import(tmp_path):
     sample = tmp_path / "t.py"
-    sample.write_text("import bench\nimport bench.common as c\nfrom bench.faults import drill\n"
-                      "def f():\n    from bench import gate\n")
+    sample.write_text(
+        "import bench\nimport bench.common as c\nfrom bench.faults import drill\ndef f():\n    from bench import gate\n"
+    )
     assert [hit.rsplit(":", 1)[1] for hit in _bench_imports(sample)] == ["1", "2", "3", "5"]
     sample.write_text("import benchmark\nfrom tests.drills import drill\nfrom . import bench\n")
     assert _bench_imports(sample) == []
-

@@ -13,7 +13,6 @@ from planners.training_scope import PER_NODE, SYNCED
 from planners.types import ExecutionTrace, NewFeedback, NodeView, RoutingSnapshot, TrainingPlacement
 from tests.unit.placement_toy import TOY, TWO, by_node, infer, lemix, train
 
-
 # ---- LemixPlacement: a task someone else placed ------------------------------------------------
 
 
@@ -59,8 +58,15 @@ def test_predicted_inference_follows_the_stream_and_stops_when_it_goes_quiet():
 
 
 def snapshot(training=()) -> RoutingSnapshot:
-    return RoutingSnapshot(seq=0, base_model="m", placement="lemix", placement_params={}, nodes=tuple(TWO),
-                           reported_at=(0.0, 0.0), training=tuple(training))
+    return RoutingSnapshot(
+        seq=0,
+        base_model="m",
+        placement="lemix",
+        placement_params={},
+        nodes=tuple(TWO),
+        reported_at=(0.0, 0.0),
+        training=tuple(training),
+    )
 
 
 def test_a_router_commits_the_planners_training_steps_and_plans_inference_past_them():

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from actors.learning.messages import FullVersion
 from actors.learning.store.models import KIND_FOR_METHOD
 from actors.learning.store.unit_kind import FULL_MODEL, LORA_ADAPTER, UNIT_KINDS, unit_kind
-from actors.learning.messages import FullVersion
 
 
 def test_every_method_has_one_kind():
@@ -44,6 +44,10 @@ def test_planner_update_after_a_rollback():
     LORA_ADAPTER.planner_update("a", 3, SimpleNamespace(node=1, path="/a/v3"))(p)
     FULL_MODEL.planner_update("u", 0, None)(p)
     FULL_MODEL.planner_update("u", 4, SimpleNamespace(node=None, path="/u/v4"))(p)
-    assert p.calls == [("load_adapter", "a", None), ("load_adapter", "a", [1]), ("load_full", None),
-                       ("load_full", FullVersion("u", 4, "/u/v4"))]
+    assert p.calls == [
+        ("load_adapter", "a", None),
+        ("load_adapter", "a", [1]),
+        ("load_full", None),
+        ("load_full", FullVersion("u", 4, "/u/v4")),
+    ]
     assert LORA_ADAPTER.planner_update("a", 2, None) is None and FULL_MODEL.planner_update("u", 4, None) is None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planners.costs import default_cost_model
 from planners.coserving import InferenceWork, WindowCostCalibration, ft_latency, token_budget
+from planners.costs import default_cost_model
 
 
 def test_factor_converges_to_the_measured_ratio_and_the_error_shrinks():

@@ -9,9 +9,20 @@ import settings
 from actors.control.node_coserving import NodeCoServing
 from actors.learning.messages import WindowsRan
 from deployments.metrics import render
-from planners.coserving import (EngineFacts, EngineIteration, InferenceWork, InterferenceCalibration, LiveRequest,
-                                SloAttainment, TokenWindow, TrainingTimeline, WindowPrediction, WindowRun,
-                                measure_window, token_budget)
+from planners.coserving import (
+    EngineFacts,
+    EngineIteration,
+    InferenceWork,
+    InterferenceCalibration,
+    LiveRequest,
+    SloAttainment,
+    TokenWindow,
+    TrainingTimeline,
+    WindowPrediction,
+    WindowRun,
+    measure_window,
+    token_budget,
+)
 from planners.costs import default_cost_model
 
 
@@ -30,8 +41,11 @@ def test_a_window_is_measured_by_the_steps_that_overlap_it():
     run = WindowRun(ran_at=1.0, ran_s=0.2, forward_s=0.1, backward_s=0.1)
     # 50-ms steps before and after; while the window runs, [1.0, 1.2], steps of 100 ms and one of 150 ms
     # that ends after it.
-    log = (steps(0.0, 0.9, 0.05) + [EngineIteration(t, 0.1, 0, 2, g) for t, g in ((1.05, 0.1), (1.15, 0.1), (1.3, 0.15))]
-           + steps(1.3, 2.0, 0.05))
+    log = (
+        steps(0.0, 0.9, 0.05)
+        + [EngineIteration(t, 0.1, 0, 2, g) for t, g in ((1.05, 0.1), (1.15, 0.1), (1.3, 0.15))]
+        + steps(1.3, 2.0, 0.05)
+    )
     m = measure_window(pred, run, log, lambda st: 0.05)
     assert m.steps == 3 and m.worst_gap_s == pytest.approx(0.15)
     assert m.lost_s == pytest.approx(0.05 + 0.05 + 0.1)  # each overlapping step's whole excess
@@ -95,8 +109,9 @@ def node() -> NodeCoServing:
 
 
 def facts(at: float, log: list[EngineIteration]) -> EngineFacts:
-    return EngineFacts(at, (LiveRequest("a", 20, 5, 0.0, 64), LiveRequest("b", 20, 7, 0.0, 64)),
-                       iteration_log=tuple(log))
+    return EngineFacts(
+        at, (LiveRequest("a", 20, 5, 0.0, 64), LiveRequest("b", 20, 7, 0.0, 64)), iteration_log=tuple(log)
+    )
 
 
 def test_measured_windows_refit_rho_and_the_next_budget_and_show_in_status_and_metrics():
@@ -114,8 +129,7 @@ def test_measured_windows_refit_rho_and_the_next_budget_and_show_in_status_and_m
         run = WindowRun(t0 + 0.01, 0.1, 0.1, 0.0)
         # Beside the 0.1-s window one step takes 0.25 s: far more than ρ·t_ft allowed.
         co.windows_ran(WindowsRan(0, "a", run.ran_at, run.ran_s, run.forward_s, 0.0), t0 + 0.12)
-        co.observe_report(facts(t0 + 1.0, steps(t0, t0 + 0.25, 0.25) + steps(t0 + 0.25, t0 + 1.0, 0.02)), (),
-                          t0 + 1.0)
+        co.observe_report(facts(t0 + 1.0, steps(t0, t0 + 0.25, 0.25) + steps(t0 + 0.25, t0 + 1.0, 0.02)), (), t0 + 1.0)
     status = co.status()
     wp = status["window_prediction"]
     assert wp["grants_measured"] == 6 and wp["grants_beside_decodes"] == 6
@@ -130,10 +144,11 @@ def test_measured_windows_refit_rho_and_the_next_budget_and_show_in_status_and_m
     # The steps beside the runs count against the TBT SLO as "training", the others as not.
     att = status["slo_attainment"]
     assert att["tbt_training"]["total"] > 0 and att["tbt_training"]["share"] < att["tbt_no_training"]["share"] == 1.0
-    text = render({"nodes": [{"node_id": 0, "state": "ready", "in_flight": 0, "placed": 0, "busy_seconds": 0.0,
-                              **status}]}, []).decode()
+    text = render(
+        {"nodes": [{"node_id": 0, "state": "ready", "in_flight": 0, "placed": 0, "busy_seconds": 0.0, **status}]}, []
+    ).decode()
     assert 'coserve_window_grants_measured{node="0"} 6.0' in text
     assert 'coserve_window_prediction_error{node="0",quantity="worst_gap"}' in text
-    assert f'coserve_slo_attainment{{node="0",slo="tbt",training="no"}} 1.0' in text
+    assert 'coserve_slo_attainment{node="0",slo="tbt",training="no"} 1.0' in text
     assert 'coserve_slo_observed_total{node="0",slo="tbt",training="yes",within="no"}' in text
     assert 'coserve_window_interference{node="0",source="in_force"}' in text

@@ -14,9 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from actors.learning.store.models import KIND_FOR_METHOD, KIND_NAMES, METHOD_TAKES, InvalidRequest
 from actors.learning.store.feedback_items import PreferenceItem, SFTItem, validate_feedback
-
+from actors.learning.store.models import KIND_FOR_METHOD, KIND_NAMES, METHOD_TAKES, InvalidRequest
 
 _ITEM_PREFIX = re.compile(r"^items\[0\]\.?:?\s*")
 

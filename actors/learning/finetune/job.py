@@ -57,8 +57,10 @@ class FinetuneData(_JobPart):
 
     path: str = Field(min_length=1)
     loader: Literal["ray_data", "file"] = Field(
-        "ray_data", description="ray_data: ray.data.read_json, one shard per worker (ray.train.get_dataset_shard); "
-                                "file: every worker reads the file and takes every world_size-th item.")
+        "ray_data",
+        description="ray_data: ray.data.read_json, one shard per worker (ray.train.get_dataset_shard); "
+        "file: every worker reads the file and takes every world_size-th item.",
+    )
     max_length: int = Field(512, ge=8, le=32768, description="Tokens per prompt + answer (longer ones are cut).")
     shuffle: bool = Field(True, description="A new order each epoch (the same on a resume: seeded by the epoch).")
 
@@ -66,15 +68,23 @@ class FinetuneData(_JobPart):
 class FinetuneOutput(_JobPart):
     """Where the trained adapter goes: a PEFT directory, or a new version of an adapter of a running app."""
 
-    dir: str | None = Field(None, min_length=1, description="Write adapter_config.json + adapter_model.safetensors here.")
+    dir: str | None = Field(
+        None, min_length=1, description="Write adapter_config.json + adapter_model.safetensors here."
+    )
     app_url: str | None = Field(None, pattern=r"^https?://\S+$", description="Publish into this app as a new version.")
     key: str | None = Field(None, min_length=1, description="The API key (Authorization: Bearer); prefer key_env.")
-    key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-                                description="The environment variable that holds the API key.")
-    gate: bool = Field(True, description="false: ask the app to serve the version without its quality gate "
-                                         "(?gate=false, an admin key's privilege).")
+    key_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="The environment variable that holds the API key."
+    )
+    gate: bool = Field(
+        True,
+        description="false: ask the app to serve the version without its quality gate "
+        "(?gate=false, an admin key's privilege).",
+    )
     create: bool = Field(False, description="Create the adapter first (POST /v1/adapters); one that exists is kept.")
-    mode: Mode = Field("off", description="The created adapter's training mode in the app; off: only uploads change it.")
+    mode: Mode = Field(
+        "off", description="The created adapter's training mode in the app; off: only uploads change it."
+    )
 
     @model_validator(mode="after")
     def _one_target(self) -> FinetuneOutput:
@@ -100,8 +110,10 @@ class FinetuneJob(_JobPart):
     """One fine-tuning run: what to train, on what data, with how many Ray Train workers, and where it goes."""
 
     base: str = Field(min_length=1, description="tiny-llama, smollm2-135m-instruct, or a model directory.")
-    data_dir: str = Field(DEFAULT_DATA_DIR, description="Where embedded models are built or fetched "
-                                                        "(COSERVE_DATA_DIR wins, as in the app).")
+    data_dir: str = Field(
+        DEFAULT_DATA_DIR,
+        description="Where embedded models are built or fetched (COSERVE_DATA_DIR wins, as in the app).",
+    )
     adapter: FinetuneAdapter
     data: FinetuneData
     epochs: int = Field(1, ge=1, le=1000)
@@ -111,14 +123,20 @@ class FinetuneJob(_JobPart):
     seed: int = Field(0, ge=0)
     workers: int = Field(1, ge=1, le=1024)
     resources_per_worker: dict[str, float] = Field(
-        default_factory=lambda: {"CPU": 1.0}, description="Ray resources per worker; fractions allowed (CPU: 0.5).")
+        default_factory=lambda: {"CPU": 1.0}, description="Ray resources per worker; fractions allowed (CPU: 0.5)."
+    )
     placement: Literal["shared", "separate"] = Field(
-        "shared", description="separate: only nodes that run no serving replica (LEMIX's SEPARATE baseline).")
-    serving_deployment: str = Field("ModelServer", min_length=1,
-                                    description="The Serve deployment whose replicas count as serving (placement).")
+        "shared", description="separate: only nodes that run no serving replica (LEMIX's SEPARATE baseline)."
+    )
+    serving_deployment: str = Field(
+        "ModelServer", min_length=1, description="The Serve deployment whose replicas count as serving (placement)."
+    )
     storage_path: str = Field(min_length=1, description="Ray Train's run directory root (checkpoints).")
-    run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$",
-                                 description="Default finetune-<adapter>; a rerun with the same name resumes it.")
+    run_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+        description="Default finetune-<adapter>; a rerun with the same name resumes it.",
+    )
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts from the last checkpoint (-1: no limit).")
     output: FinetuneOutput
 
@@ -145,10 +163,16 @@ class FinetuneJob(_JobPart):
         if out.dir is not None:
             out = out.model_copy(update={"dir": absolute(out.dir)})
         base = self.base if self.base in EMBEDDED_MODELS else absolute(self.base)
-        return self.model_copy(update={
-            "base": base, "data": self.data.model_copy(update={"path": absolute(self.data.path)}),
-            "storage_path": str(Path(absolute(self.storage_path)).expanduser()) if "://" not in self.storage_path
-            else self.storage_path, "output": out})
+        return self.model_copy(
+            update={
+                "base": base,
+                "data": self.data.model_copy(update={"path": absolute(self.data.path)}),
+                "storage_path": str(Path(absolute(self.storage_path)).expanduser())
+                if "://" not in self.storage_path
+                else self.storage_path,
+                "output": out,
+            }
+        )
 
 
 class _Loader(yaml.SafeLoader):
@@ -157,9 +181,12 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
-               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.inf|\.Inf|\.INF|\.nan|\.NaN|\.NAN)$"),
-    list("-+0123456789."))
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+        r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.inf|\.Inf|\.INF|\.nan|\.NaN|\.NAN)$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def parse_job(raw: Any, where: str = "job") -> FinetuneJob:

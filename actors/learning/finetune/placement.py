@@ -37,16 +37,26 @@ def decide_separate(alive_nodes: Iterable[str], serving_nodes: Iterable[str], de
     free = tuple(n for n in alive if n not in serving)
     busy = sorted(serving & set(alive))
     if not busy:
-        return SeparateDecision(None, f"placement separate: no node runs a {deployment} replica; every one of the "
-                                      f"{len(alive)} node(s) is separate from serving", free)
+        return SeparateDecision(
+            None,
+            f"placement separate: no node runs a {deployment} replica; every one of the "
+            f"{len(alive)} node(s) is separate from serving",
+            free,
+        )
     if not free:
-        return SeparateDecision(None, f"placement separate: NO SEPARATE NODE EXISTS: every alive node ({len(alive)}) "
-                                      f"runs a {deployment} replica, so the workers run beside serving (as shared); "
-                                      "this run is not the SEPARATE baseline", free)
+        return SeparateDecision(
+            None,
+            f"placement separate: NO SEPARATE NODE EXISTS: every alive node ({len(alive)}) "
+            f"runs a {deployment} replica, so the workers run beside serving (as shared); "
+            "this run is not the SEPARATE baseline",
+            free,
+        )
     short = ", ".join(n[:8] for n in busy)
-    return SeparateDecision({NODE_ID_LABEL: f"!in({','.join(busy)})"},
-                            f"placement separate: workers only on the {len(free)} node(s) with no {deployment} "
-                            f"replica (avoiding {short})", free)
+    return SeparateDecision(
+        {NODE_ID_LABEL: f"!in({','.join(busy)})"},
+        f"placement separate: workers only on the {len(free)} node(s) with no {deployment} replica (avoiding {short})",
+        free,
+    )
 
 
 def serving_node_ids(deployment: str) -> set[str]:
@@ -61,8 +71,12 @@ def serving_node_ids(deployment: str) -> set[str]:
         from ray.util.state import list_actors
 
         # The address explicitly: without it the client guesses, and fails where several Rays share the host.
-        actors = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")],
-                             limit=100_000, raise_on_missing_output=False)
+        actors = list_actors(
+            address=ray.get_runtime_context().gcs_address,
+            filters=[("state", "=", "ALIVE")],
+            limit=100_000,
+            raise_on_missing_output=False,
+        )
         return {a.node_id for a in actors if serves(a.class_name or "") and a.node_id}
     except Exception as exc:  # no dashboard (the state API's server): read the GCS actor table directly
         logger.debug("state API unavailable (%s); reading the GCS actor table", exc)

@@ -78,17 +78,28 @@ def publish(job: FinetuneJob, checkpoint_dir: str | Path, *, client: Any = None)
     http = client or httpx.Client(timeout=httpx.Timeout(UPLOAD_TIMEOUT_S, connect=10.0))
     try:
         if out.create:
-            body = {"name": job.adapter.name, "method": job.adapter.method, "beta": job.adapter.beta,
-                    "learning_rate": job.learning_rate, "lora": job.adapter.lora.model_dump(), "mode": out.mode}
+            body = {
+                "name": job.adapter.name,
+                "method": job.adapter.method,
+                "beta": job.adapter.beta,
+                "learning_rate": job.learning_rate,
+                "lora": job.adapter.lora.model_dump(),
+                "mode": out.mode,
+            }
             r = http.post(f"{url}/v1/adapters", json=body, headers=headers)
             if r.status_code not in (201, 409):  # 409: it exists already, and the new version goes to it
                 raise PublishError(f"creating adapter {job.adapter.name!r} at {url}: {_error_text(r)}")
-        r = http.post(f"{url}/v1/adapters/{job.adapter.name}/versions", content=adapter_tar(checkpoint_dir),
-                      params={} if out.gate else {"gate": "false"},
-                      headers={**headers, "Content-Type": "application/x-tar"})
+        r = http.post(
+            f"{url}/v1/adapters/{job.adapter.name}/versions",
+            content=adapter_tar(checkpoint_dir),
+            params={} if out.gate else {"gate": "false"},
+            headers={**headers, "Content-Type": "application/x-tar"},
+        )
         if r.status_code == 405:  # /v1/adapters/{name:path} has GET and PATCH: a POST there without the route
-            raise PublishError(f"{url} has no upload route (POST /v1/adapters/{{name}}/versions answered 405); "
-                               "write the adapter to output.dir instead")
+            raise PublishError(
+                f"{url} has no upload route (POST /v1/adapters/{{name}}/versions answered 405); "
+                "write the adapter to output.dir instead"
+            )
         if r.status_code != 201:
             raise PublishError(f"uploading a version of {job.adapter.name!r} to {url}: {_error_text(r)}")
         return r.json()

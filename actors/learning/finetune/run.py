@@ -43,8 +43,10 @@ def resolve_base(job: FinetuneJob) -> str:
     model = {"embedded": job.base} if job.base in EMBEDDED_MODELS else {"path": job.base}
     path = model_dir(AppConfig(data_dir=job.data_dir, model=model))
     if not (Path(path) / "config.json").is_file():
-        raise JobFileError(f"base: {job.base!r} is neither {' nor '.join(EMBEDDED_MODELS)} nor a model directory "
-                           f"(no config.json in {path})")
+        raise JobFileError(
+            f"base: {job.base!r} is neither {' nor '.join(EMBEDDED_MODELS)} nor a model directory "
+            f"(no config.json in {path})"
+        )
     return path
 
 
@@ -59,8 +61,10 @@ def check_targets(job: FinetuneJob, model_dir: str) -> None:
     modules = lora_targetable_modules(model_dir)
     unknown = unknown_targets(targets, modules)
     if unknown:
-        raise JobFileError(f"adapter.lora.target_modules: {unknown} name no module of {job.base}; LoRA can target "
-                           f"{', '.join(short_names(modules))}")
+        raise JobFileError(
+            f"adapter.lora.target_modules: {unknown} name no module of {job.base}; LoRA can target "
+            f"{', '.join(short_names(modules))}"
+        )
 
 
 def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = print) -> FinetuneRun:
@@ -73,6 +77,7 @@ def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = 
     import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
+
     from compat import ray_train_v2_enabled
 
     if not ray_train_v2_enabled():
@@ -80,9 +85,11 @@ def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = 
     items = read_items(job.data.path, job.adapter.name, job.adapter.method)  # every line checked before any worker
     model_dir = resolve_base(job)
     check_targets(job, model_dir)
-    log(f"[finetune] {job.name}: {job.adapter.method} LoRA r={job.adapter.lora.r} on {job.base} ({model_dir}); "
+    log(
+        f"[finetune] {job.name}: {job.adapter.method} LoRA r={job.adapter.lora.r} on {job.base} ({model_dir}); "
         f"{len(items)} items from {job.data.path} ({job.data.loader}); {job.epochs} epoch(s), {job.workers} worker(s) "
-        f"x {job.resources_per_worker}, batch {job.batch_size}/worker")
+        f"x {job.resources_per_worker}, batch {job.batch_size}/worker"
+    )
 
     callbacks, placement = [], "shared"
     if job.placement == "separate":
@@ -98,20 +105,28 @@ def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = 
         crash = {"epoch": int(epoch), "marker": marker}
         log(f"[finetune] test crash armed: the last rank exits once during epoch {epoch} (marker {marker})")
 
-    scaling = ray.train.ScalingConfig(num_workers=job.workers, resources_per_worker=dict(job.resources_per_worker),
-                                      use_gpu=False)
+    scaling = ray.train.ScalingConfig(
+        num_workers=job.workers, resources_per_worker=dict(job.resources_per_worker), use_gpu=False
+    )
     run_config = ray.train.RunConfig(
-        name=job.name, storage_path=job.storage_path, failure_config=ray.train.FailureConfig(max_failures=job.max_failures),
-        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None), callbacks=callbacks or None)
+        name=job.name,
+        storage_path=job.storage_path,
+        failure_config=ray.train.FailureConfig(max_failures=job.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+        callbacks=callbacks or None,
+    )
     datasets = None
     if job.data.loader == "ray_data":
         ray.data.DataContext.get_current().enable_progress_bars = False  # a few rows: bars would bury the epochs' lines
         datasets = {"train": ray.data.read_json(job.data.path)}
     threads = max(1, int(job.resources_per_worker.get("CPU", 1.0)))
     trainer = TorchTrainer(
-        train_loop, train_loop_config={"job": job.model_dump(), "model_dir": model_dir, "crash_once": crash,
-                                       "threads": threads},
-        scaling_config=scaling, run_config=run_config, datasets=datasets)
+        train_loop,
+        train_loop_config={"job": job.model_dump(), "model_dir": model_dir, "crash_once": crash, "threads": threads},
+        scaling_config=scaling,
+        run_config=run_config,
+        datasets=datasets,
+    )
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"the run {job.name} under {job.storage_path} reported no checkpoint")
@@ -124,7 +139,15 @@ def run_finetune(job: FinetuneJob, *, crash_once: str | None = None, log: Any = 
             log(f"[finetune] adapter written to {output} (adapter_config.json + adapter_model.safetensors)")
         else:
             output = publish(job, ckpt)
-            log(f"[finetune] published to {job.output.app_url}: {job.adapter.name} version {output.get('version')} "
-                f"({output.get('state')})")
-    return FinetuneRun(checkpoint_dir=result.checkpoint.path, state=state, reports=reports, output=output,
-                       placement=placement, items=len(items))
+            log(
+                f"[finetune] published to {job.output.app_url}: {job.adapter.name} version {output.get('version')} "
+                f"({output.get('state')})"
+            )
+    return FinetuneRun(
+        checkpoint_dir=result.checkpoint.path,
+        state=state,
+        reports=reports,
+        output=output,
+        placement=placement,
+        items=len(items),
+    )

@@ -58,7 +58,14 @@ def train_loop(config: dict[str, Any]) -> None:
 
     from actors.learning.finetune.data import as_item, item_dict, read_items
     from actors.learning.finetune.job import FinetuneJob
-    from actors.learning.lora.steps import OPTIMIZER_FILE, dpo_step, load_lora_model, make_optimizer, optimizer_step, sft_step
+    from actors.learning.lora.steps import (
+        OPTIMIZER_FILE,
+        dpo_step,
+        load_lora_model,
+        make_optimizer,
+        optimizer_step,
+        sft_step,
+    )
 
     job = FinetuneJob.model_validate(config["job"])
     ctx = ray.train.get_context()
@@ -70,12 +77,15 @@ def train_loop(config: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as ckpt:
             state = json.loads((Path(ckpt) / STATE_FILE).read_text())
-            model, tokenizer = load_lora_model(config["model_dir"], job.adapter.lora, adapter_dir=ckpt, seed=job.seed,
-                                               device="cpu")
+            model, tokenizer = load_lora_model(
+                config["model_dir"], job.adapter.lora, adapter_dir=ckpt, seed=job.seed, device="cpu"
+            )
             optimizer = make_optimizer(model, job.learning_rate, state_dir=ckpt)
         if rank == 0:
-            _say(f"[finetune] resumed from the checkpoint of epoch {state['epoch']}: on with epoch "
-                 f"{state['epoch'] + 1}/{job.epochs}")
+            _say(
+                f"[finetune] resumed from the checkpoint of epoch {state['epoch']}: on with epoch "
+                f"{state['epoch'] + 1}/{job.epochs}"
+            )
     else:
         model, tokenizer = load_lora_model(config["model_dir"], job.adapter.lora, seed=job.seed, device="cpu")
         optimizer = make_optimizer(model, job.learning_rate)
@@ -96,14 +106,22 @@ def train_loop(config: dict[str, Any]) -> None:
             items = [item_dict(as_item(row, job.adapter.name, job.adapter.method)) for row in shard.iter_rows()]
         if job.data.shuffle:
             random.Random(job.seed * 100_003 + epoch * 1_009 + rank).shuffle(items)  # the same order on a resume
-        batches = [items[i: i + job.batch_size] for i in range(0, len(items), job.batch_size)]
+        batches = [items[i : i + job.batch_size] for i in range(0, len(items), job.batch_size)]
         # Every rank must take part in every all-reduce: all run as many steps as the rank with the fewest batches.
         steps = torch.tensor([len(batches)], dtype=torch.long)
         dist.all_reduce(steps, op=dist.ReduceOp.MIN)
         steps = int(steps)
         totals = torch.zeros(3, dtype=torch.float64)  # Σ loss·samples, samples, tokens (this rank)
-        bar = tqdm(total=steps, desc=f"epoch {epoch}/{job.epochs}", disable=rank != 0, file=_Lines(), ascii=True,
-                   mininterval=0, ncols=100, leave=False)
+        bar = tqdm(
+            total=steps,
+            desc=f"epoch {epoch}/{job.epochs}",
+            disable=rank != 0,
+            file=_Lines(),
+            ascii=True,
+            mininterval=0,
+            ncols=100,
+            leave=False,
+        )
         for step in range(steps):
             batch = batches[step]
             if job.adapter.method == "sft":
@@ -123,14 +141,29 @@ def train_loop(config: dict[str, Any]) -> None:
         dist.all_reduce(totals)
         loss = float(totals[0] / totals[1]) if totals[1] else float("nan")
         skipped = len(items) - min(len(items), steps * job.batch_size)
-        entry = {"epoch": epoch, "loss": loss, "samples": int(totals[1]), "tokens": int(totals[2]),
-                 "seconds": round(time.time() - started, 2), "resumed_from": resumed_from, "skipped": skipped}
-        state = {"epoch": epoch, "loss": loss, "adapter": job.adapter.name, "method": job.adapter.method,
-                 "base": job.base, "history": [*state["history"], entry]}
+        entry = {
+            "epoch": epoch,
+            "loss": loss,
+            "samples": int(totals[1]),
+            "tokens": int(totals[2]),
+            "seconds": round(time.time() - started, 2),
+            "resumed_from": resumed_from,
+            "skipped": skipped,
+        }
+        state = {
+            "epoch": epoch,
+            "loss": loss,
+            "adapter": job.adapter.name,
+            "method": job.adapter.method,
+            "base": job.base,
+            "history": [*state["history"], entry],
+        }
         metrics = dict(entry, world_size=world)
         if rank == 0:
-            _say(f"[finetune] epoch {epoch}/{job.epochs}: loss {loss:.4f} over {entry['samples']} items "
-                 f"({world} workers, {entry['seconds']} s); checkpoint")
+            _say(
+                f"[finetune] epoch {epoch}/{job.epochs}: loss {loss:.4f} over {entry['samples']} items "
+                f"({world} workers, {entry['seconds']} s); checkpoint"
+            )
         with tempfile.TemporaryDirectory(prefix="finetune-ckpt-") as tmp:
             ckpt = None
             if rank == 0:  # the adapter is the same on every rank: one copy is the checkpoint
@@ -160,5 +193,5 @@ def _average_gradients(params: list[Any], world: int) -> None:
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()
-        p.grad = flat[offset: offset + n].view_as(p).clone()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n

@@ -19,15 +19,19 @@ class LlamaDims:
     tie_word_embeddings: bool
 
     @classmethod
-    def from_config(cls, config: dict) -> "LlamaDims":
+    def from_config(cls, config: dict) -> LlamaDims:
         """From a parsed ``config.json`` (head_dim and key/value heads default as HF's LlamaConfig does)."""
         heads = int(config["num_attention_heads"])
         return cls(
-            vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]), num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads, num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
 
 
 def layer_names(dims: LlamaDims) -> list[str]:
@@ -61,8 +65,6 @@ def layer_compute_weights(dims: LlamaDims) -> list[int]:
     head of a 49k-token vocabulary costs as much as several decoder layers, so a split by parameters
     or by layer count leaves the last stage the slowest, and the first idle behind it."""
     return [0, *([decoder_params(dims)] * dims.num_hidden_layers), 0, dims.vocab_size * dims.hidden_size]
-
-
 
 
 def check_bounds(bounds: list[int], n_layers: int, stages: int) -> None:

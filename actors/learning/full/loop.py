@@ -1,4 +1,5 @@
-"""FullUnitLoop: trains the deployment's full unit (full_sft / full_dpo) from its feedback on node 0's pipeline stages and publishes each version.
+"""FullUnitLoop: trains the deployment's full unit (full_sft / full_dpo) from its feedback on node 0's pipeline
+stages and publishes each version.
 
 It runs as a thread of the Trainer actor (actors/learning/trainer.py), beside the LoRA ranks. Each round:
 the store's full unit (at most one, actors/learning/store/sqlite.py) and its queue go to the unit's
@@ -23,18 +24,19 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
-from settings import AppConfig
+from actors.learning.full.messages import PipelineSettings, TrainingSample
+from actors.learning.messages import FullVersion
 from actors.learning.store.models import VersionConflict
 from actors.learning.store.records import FeedbackItem
 from actors.learning.store.unit_kind import unit_kind
-from actors.learning.full.messages import PipelineSettings, TrainingSample
 from planners.retraining import RetrainingPolicy, RetrainingView, make_policy
-from actors.learning.messages import FullVersion
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +64,21 @@ class FullProgress:
 
 
 def to_sample(item: FeedbackItem) -> TrainingSample:
-    return TrainingSample(prompt=item.prompt or "", completion=item.completion, chosen=item.chosen,
-                          rejected=item.rejected, messages=None if item.messages is None else list(item.messages))
+    return TrainingSample(
+        prompt=item.prompt or "",
+        completion=item.completion,
+        chosen=item.chosen,
+        rejected=item.rejected,
+        messages=None if item.messages is None else list(item.messages),
+    )
 
 
 class FullUnitLoop:
     """The full unit's trainer; ``run()`` blocks until ``stop`` is set (the Trainer runs it in a thread)."""
 
-    def __init__(self, cfg: AppConfig, planner: Any, store: Any, stop: threading.Event,
-                 error: Callable[[str, str], None]) -> None:
+    def __init__(
+        self, cfg: AppConfig, planner: Any, store: Any, stop: threading.Event, error: Callable[[str, str], None]
+    ) -> None:
         self.cfg = cfg
         self.planner = planner
         self.store = store
@@ -111,8 +119,7 @@ class FullUnitLoop:
 
     def round(self) -> float:
         """Train and publish one version if the unit's policy says so; the seconds to wait before the next round."""
-        units = [a for a in ray.get(self.store.list_adapters.remote())
-                 if not unit_kind(a.method).trained_by_lora_ranks]
+        units = [a for a in ray.get(self.store.list_adapters.remote()) if not unit_kind(a.method).trained_by_lora_ranks]
         if not units:
             return IDLE_WAIT_S
         unit = units[0]
@@ -122,9 +129,15 @@ class FullUnitLoop:
         t = self.cfg.training
         now = time.time()
         per_version = t.micro_batch * t.accumulation
-        view = RetrainingView(now=now, node_id=0, queued=unit.queued,
-                              oldest_queued_age_s=None if unit.oldest_queued_at is None else now - unit.oldest_queued_at,
-                              last_run_at=self.last_run, samples_wanted=min(unit.queued, per_version), tokens_wanted=0)
+        view = RetrainingView(
+            now=now,
+            node_id=0,
+            queued=unit.queued,
+            oldest_queued_age_s=None if unit.oldest_queued_at is None else now - unit.oldest_queued_at,
+            last_run_at=self.last_run,
+            samples_wanted=min(unit.queued, per_version),
+            tokens_wanted=0,
+        )
         decision = self._policy(unit).decide(view)
         if decision.action == "wait":
             return min(decision.wait_s, IDLE_WAIT_S)
@@ -151,8 +164,12 @@ class FullUnitLoop:
         group = locations[0].placement_group_id if locations and locations[0].state == "ready" else None
         if group is None:
             raise RuntimeError(f"node 0 has no ready replica placement group yet: {locations}")
-        settings = PipelineSettings.from_config(self.cfg, stage_resources=dict(self.cfg.training.stage_resources),
-                                                learning_rate=unit.learning_rate, beta=unit.beta)
+        settings = PipelineSettings.from_config(
+            self.cfg,
+            stage_resources=dict(self.cfg.training.stage_resources),
+            learning_rate=unit.learning_rate,
+            beta=unit.beta,
+        )
         if self.pipeline is not None and (self.group_id != group or self.pipeline.settings != settings):
             self.shutdown()
         if self.pipeline is None:
@@ -171,21 +188,41 @@ class FullUnitLoop:
         reserved = ray.get(self.store.reserve_version.remote(unit.name))
         self.progress.state = "training"
         t0 = time.perf_counter()
-        trained = pipeline.train([to_sample(it) for it in items], unit.method, unit=unit.name,
-                                 version=reserved.version, steps=self.cfg.training.steps_per_version,
-                                 resume_from=resume)
+        trained = pipeline.train(
+            [to_sample(it) for it in items],
+            unit.method,
+            unit=unit.name,
+            version=reserved.version,
+            steps=self.cfg.training.steps_per_version,
+            resume_from=resume,
+        )
         train_s = time.perf_counter() - t0
         with self._lock:
             p = self.progress
             p.placement_group_id = self.group_id
-            p.stages = [{"stage": i.stage_id, "actor_id": i.actor_id, "bundle": i.stage_id,
-                         "layers": [i.layer_start, i.layer_stop]} for i in pipeline.info]
+            p.stages = [
+                {
+                    "stage": i.stage_id,
+                    "actor_id": i.actor_id,
+                    "bundle": i.stage_id,
+                    "layers": [i.layer_start, i.layer_stop],
+                }
+                for i in pipeline.info
+            ]
             p.train_s, p.last_loss = round(train_s, 3), trained.loss
         try:
             # The version's files are complete (written atomically); only now are its items consumed.
-            ray.get(self.store.publish_version.remote(unit.name, reserved.version, trained.path,
-                                                      [it.id for it in items], len(items), trained.loss,
-                                                      gated=False))
+            ray.get(
+                self.store.publish_version.remote(
+                    unit.name,
+                    reserved.version,
+                    trained.path,
+                    [it.id for it in items],
+                    len(items),
+                    trained.loss,
+                    gated=False,
+                )
+            )
         except VersionConflict as exc:
             self.progress.dropped += 1
             self.progress.state = "idle"
@@ -193,14 +230,24 @@ class FullUnitLoop:
             return
         self.progress.state = "syncing"
         t1 = time.perf_counter()
-        nodes = ray.get(self.planner.load_full.remote(FullVersion(unit.name, reserved.version, trained.path)),
-                        timeout=SYNC_TIMEOUT_S)
+        nodes = ray.get(
+            self.planner.load_full.remote(FullVersion(unit.name, reserved.version, trained.path)),
+            timeout=SYNC_TIMEOUT_S,
+        )
         served_s = time.perf_counter() - t1
         with self._lock:
             p = self.progress
             p.version, p.versions_published = reserved.version, p.versions_published + 1
             p.samples_trained += len(items)
             p.publish_to_served_s, p.nodes_synced, p.state = round(served_s, 3), list(nodes), "idle"
-        logger.info("full unit %s v%d: %d items, %d steps in %.2f s (loss %.4f), served by nodes %s %.3f s after "
-                    "publishing", unit.name, reserved.version, len(items), trained.steps, train_s, trained.loss or 0.0,
-                    nodes, served_s)
+        logger.info(
+            "full unit %s v%d: %d items, %d steps in %.2f s (loss %.4f), served by nodes %s %.3f s after publishing",
+            unit.name,
+            reserved.version,
+            len(items),
+            trained.steps,
+            train_s,
+            trained.loss or 0.0,
+            nodes,
+            served_s,
+        )

@@ -57,16 +57,21 @@ class PipelineSettings:
     pass can run between two parts of a training pass on the same stage (1: one op per stage)."""
 
     @classmethod
-    def from_config(cls, cfg: Any, *, versions_root: str | None = None, **overrides: Any) -> "PipelineSettings":
+    def from_config(cls, cfg: Any, *, versions_root: str | None = None, **overrides: Any) -> PipelineSettings:
         """From an AppConfig: its model, ``training.resources_per_worker``, micro_batch, accumulation, max_length."""
         from actors.models.default_model import model_dir
 
         t = cfg.training
         values: dict[str, Any] = dict(
-            model_dir=model_dir(cfg), versions_root=versions_root or str(cfg.data_path / "full_versions"),
-            stage_resources=dict(t.resources_per_worker), micro_batch=t.micro_batch, accumulation=t.accumulation,
-            max_length=t.max_length, stage_order=cfg.planner.stage_order,
-            stage_order_params=dict(cfg.planner.stage_order_params))
+            model_dir=model_dir(cfg),
+            versions_root=versions_root or str(cfg.data_path / "full_versions"),
+            stage_resources=dict(t.resources_per_worker),
+            micro_batch=t.micro_batch,
+            accumulation=t.accumulation,
+            max_length=t.max_length,
+            stage_order=cfg.planner.stage_order,
+            stage_order_params=dict(cfg.planner.stage_order_params),
+        )
         values.update(overrides)
         return cls(**values)
 

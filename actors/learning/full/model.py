@@ -23,8 +23,10 @@ def _hf_config(config: dict):
     from transformers import LlamaConfig
 
     # An explicit causal mask is passed to every decoder layer, so either kernel sees the same thing.
-    return LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")},
-                       attn_implementation="sdpa")
+    return LlamaConfig(
+        **{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")},
+        attn_implementation="sdpa",
+    )
 
 
 class _HFLayer(nn.Module):
@@ -76,7 +78,7 @@ class DecoderPipe(_HFLayer):
         return out[0] if isinstance(out, tuple) else out
 
     def hf_names(self) -> dict[str, str]:
-        return {n: f"model.layers.{self.index}.{n[len('layer.'):]}" for n, _ in self.named_parameters()}
+        return {n: f"model.layers.{self.index}.{n[len('layer.') :]}" for n, _ in self.named_parameters()}
 
 
 class NormPipe(_HFLayer):
@@ -122,8 +124,9 @@ def pipeline_module(config: dict, stages: int, partition_method: str, loss_fn, *
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
-    return ComputeBalanced(layers=layer_specs(config), num_stages=stages, partition_method=partition_method,
-                           loss_fn=loss_fn, **kwargs)
+    return ComputeBalanced(
+        layers=layer_specs(config), num_stages=stages, partition_method=partition_method, loss_fn=loss_fn, **kwargs
+    )
 
 
 def chunk_bounds(config: dict, start: int, stop: int, chunks: int) -> list[tuple[int, int]]:
@@ -155,8 +158,12 @@ def layer_specs(config: dict) -> list:
         last = TiedLayerSpec(TIED_KEY, EmbedPipe, config, forward_fn=tied_head, tied_weight_attr="embed_tokens.weight")
     else:
         first, last = LayerSpec(EmbedPipe, config), LayerSpec(HeadPipe, config)
-    specs = [first, *(LayerSpec(DecoderPipe, config, i) for i in range(dims.num_hidden_layers)),
-             LayerSpec(NormPipe, config), last]
+    specs = [
+        first,
+        *(LayerSpec(DecoderPipe, config, i) for i in range(dims.num_hidden_layers)),
+        LayerSpec(NormPipe, config),
+        last,
+    ]
     assert len(specs) == len(layer_names(dims))
     return specs
 

@@ -24,8 +24,9 @@ Usage::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import ray
 
@@ -53,9 +54,15 @@ class InferenceResult:
 class ScheduledPipeline:
     """One node's stage actors, driven op by op by the configured stage order policy."""
 
-    def __init__(self, settings: PipelineSettings, placement_group: Any, order: str | None = None,
-                 order_params: dict[str, Any] | None = None, cost: CostModel | None = None,
-                 stage_memory_bytes: float | None = None) -> None:
+    def __init__(
+        self,
+        settings: PipelineSettings,
+        placement_group: Any,
+        order: str | None = None,
+        order_params: dict[str, Any] | None = None,
+        cost: CostModel | None = None,
+        stage_memory_bytes: float | None = None,
+    ) -> None:
         self.settings = settings
         self.pg = placement_group
         self.order_name = order or settings.stage_order
@@ -71,9 +78,9 @@ class ScheduledPipeline:
         self.losses: list[float] = []
         self.trained: list[str] = []  # micro-batch ids whose backward finished
         self.scores: dict[str, list[float]] = {}  # scoring task id -> each row's completion log-prob
-        self._score_labels: dict[str, Any] = {}   # scoring task id -> ObjectRef of its TokenBatch
-        self._batches: dict[str, Any] = {}        # micro-batch id -> ObjectRef of its TokenBatch
-        self._ids: dict[str, Any] = {}            # micro-batch id -> ObjectRef of its token ids
+        self._score_labels: dict[str, Any] = {}  # scoring task id -> ObjectRef of its TokenBatch
+        self._batches: dict[str, Any] = {}  # micro-batch id -> ObjectRef of its TokenBatch
+        self._ids: dict[str, Any] = {}  # micro-batch id -> ObjectRef of its token ids
         self._outputs: dict[tuple[str, str, int], Any] = {}  # (task, phase, position) -> ObjectRef
         self._inflight: dict[Any, tuple[StageOp, Any]] = {}  # done ref -> (op, output ref)
 
@@ -99,23 +106,48 @@ class ScheduledPipeline:
         cpus, gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
         cls = ray.remote(PipelineStage)
         rank = {d: lane.stage_devices.index(d) for lane in lanes for d in lane.stage_devices}
-        self.actors = [cls.options(num_cpus=cpus, num_gpus=gpus, resources=res or None, max_restarts=0,
-                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                       self.pg, placement_group_bundle_index=d)).remote(rank[d]) for d in range(n)]
+        self.actors = [
+            cls.options(
+                num_cpus=cpus,
+                num_gpus=gpus,
+                resources=res or None,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=d),
+            ).remote(rank[d])
+            for d in range(n)
+        ]
         s = self.settings
         setups = []
         for lane in lanes:
             host, port = ray.get(self.actors[lane.stage_devices[0]].address.remote(), timeout=PLACE_TIMEOUT_S)
-            setup = StageSetup(host=host, port=port, stages=lane.stages, model_dir=s.model_dir,
-                               partition_method=s.partition_method, micro_batch=s.micro_batch,
-                               accumulation=s.accumulation, learning_rate=s.learning_rate, beta=s.beta,
-                               max_grad_norm=s.max_grad_norm, seed=s.seed, threads=s.threads, chunks=chunks,
-                               schedule="planner")
+            setup = StageSetup(
+                host=host,
+                port=port,
+                stages=lane.stages,
+                model_dir=s.model_dir,
+                partition_method=s.partition_method,
+                micro_batch=s.micro_batch,
+                accumulation=s.accumulation,
+                learning_rate=s.learning_rate,
+                beta=s.beta,
+                max_grad_norm=s.max_grad_norm,
+                seed=s.seed,
+                threads=s.threads,
+                chunks=chunks,
+                schedule="planner",
+            )
             setups += [(d, setup) for d in lane.stage_devices]
         refs = {d: self.actors[d].setup.remote(setup) for d, setup in setups}
         self.info = [ray.get(refs[d], timeout=PLACE_TIMEOUT_S) for d in range(n)]
-        self.scheduler = StageScheduler(n, lanes, self.order, self.cost, accumulation=s.accumulation,
-                                        memory=self._memory_guard(), max_in_flight=s.max_in_flight)
+        self.scheduler = StageScheduler(
+            n,
+            lanes,
+            self.order,
+            self.cost,
+            accumulation=s.accumulation,
+            memory=self._memory_guard(),
+            max_in_flight=s.max_in_flight,
+        )
         return self.info
 
     def _memory_guard(self) -> MemoryGuard | None:
@@ -152,17 +184,29 @@ class ScheduledPipeline:
                     scale = lanes[self.scheduler.lane_of[d]].stages / self.devices
                     fwd.append({"batch_size": c, "tokens": tokens, "seconds": r["forward"] * scale})
                     bwd.append({"batch_size": c, "tokens": tokens, "seconds": r["backward"] * scale})
-        self.cost = replace(default_cost_model(), forward=fit_stage_latency(fwd), backward=fit_stage_latency(bwd),
-                            stages=self.devices, metadata={"source": "ScheduledPipeline.profile"})
-        self.scheduler = StageScheduler(self.devices, lanes, self.order, self.cost,
-                                        accumulation=self.settings.accumulation, memory=self._memory_guard(),
-                                        max_in_flight=self.settings.max_in_flight)
+        self.cost = replace(
+            default_cost_model(),
+            forward=fit_stage_latency(fwd),
+            backward=fit_stage_latency(bwd),
+            stages=self.devices,
+            metadata={"source": "ScheduledPipeline.profile"},
+        )
+        self.scheduler = StageScheduler(
+            self.devices,
+            lanes,
+            self.order,
+            self.cost,
+            accumulation=self.settings.accumulation,
+            memory=self._memory_guard(),
+            max_in_flight=self.settings.max_in_flight,
+        )
         return self.cost
 
     # -------------------------------------------------------------------- work in
 
-    def submit_inference(self, task_id: str, prompt: Sequence[int], new_tokens: int = 1,
-                         arrival: float | None = None) -> None:
+    def submit_inference(
+        self, task_id: str, prompt: Sequence[int], new_tokens: int = 1, arrival: float | None = None
+    ) -> None:
         """Queue a greedy generation of ``new_tokens`` after ``prompt`` (each token a pass through every stage)."""
         assert self.scheduler is not None, "start() first"
         if not prompt or new_tokens < 1:
@@ -187,13 +231,13 @@ class ScheduledPipeline:
         self._batches[task_id] = ray.put(batch)
         self._ids[task_id] = ray.put(batch.ids)
         rows, length = batch.ids.shape
-        self.scheduler.add(PipelineTask(task_id, "training", int(length), int(rows),
-                                        time.time() if arrival is None else arrival))
+        self.scheduler.add(
+            PipelineTask(task_id, "training", int(length), int(rows), time.time() if arrival is None else arrival)
+        )
 
     # -------------------------------------------------------------------- the loop
 
-    def run(self, until: float | None = None, feed: Callable[[float], None] | None = None,
-            drain: bool = True) -> None:
+    def run(self, until: float | None = None, feed: Callable[[float], None] | None = None, drain: bool = True) -> None:
         """Run ops until nothing is left (or the clock passes ``until``); ``feed(now)`` submits arrivals.
 
         With ``until``, training still queued then stays queued; ``drain`` waits for the ops in flight.

@@ -31,7 +31,7 @@ class PipelineStage:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.engine: Any = None  # DeepSpeed's engine (schedule "deepspeed")
-        self.pipe: Any = None    # this stage's PipelineModule
+        self.pipe: Any = None  # this stage's PipelineModule
         self.optimizer: Any = None
         self.loss: Any = None
         self.setup_msg: StageSetup | None = None
@@ -63,19 +63,26 @@ class PipelineStage:
         torch.manual_seed(s.seed)
         # DeepSpeed's engine reads these for its device and logs; one pipeline, so LOCAL_RANK is the
         # actor's only visible device (Ray sets CUDA_VISIBLE_DEVICES per actor).
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(s.stages), LOCAL_RANK="0",
-                          MASTER_ADDR=s.host, MASTER_PORT=str(s.port))
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(s.stages), LOCAL_RANK="0", MASTER_ADDR=s.host, MASTER_PORT=str(s.port)
+        )
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=f"tcp://{s.host}:{s.port}", rank=self.rank,
-                                    world_size=s.stages, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{s.host}:{s.port}",
+                rank=self.rank,
+                world_size=s.stages,
+                timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+            )
         deepspeed.init_distributed(dist_backend=backend)
         self.loss = PipelineLoss(beta=s.beta)
         # No grad while building: the module's constructor broadcasts the tied weights in place, which
         # must not enter the autograd graph (torch warns of an op without an autograd kernel at backward).
         with torch.no_grad():
-            pipe = pipeline_module(read_config(s.model_dir), s.stages, s.partition_method, self.loss,
-                                   dynamic_shape=True)
+            pipe = pipeline_module(
+                read_config(s.model_dir), s.stages, s.partition_method, self.loss, dynamic_shape=True
+            )
         load_slice(pipe, s.model_dir)
         params = [p for p in pipe.parameters() if p.requires_grad]
         # The fused kernel (CPU too, torch >= 2.4) is 3x the default's speed on a 100M-parameter stage; the
@@ -88,19 +95,29 @@ class PipelineStage:
         self.chunks = chunk_bounds(read_config(s.model_dir), start, stop, s.chunks)
         self.weight_pointers = {p.data_ptr() for p in pipe.parameters()}
         if s.schedule == "deepspeed":
-            ds_config = {"train_micro_batch_size_per_gpu": s.micro_batch,
-                         "gradient_accumulation_steps": s.accumulation, "gradient_clipping": s.max_grad_norm,
-                         "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+            ds_config = {
+                "train_micro_batch_size_per_gpu": s.micro_batch,
+                "gradient_accumulation_steps": s.accumulation,
+                "gradient_clipping": s.max_grad_norm,
+                "steps_per_print": 2**31 - 1,
+                "wall_clock_breakdown": False,
+            }
             self.engine, *_ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds_config)
             self.optimizer = self.engine.optimizer
         self._resync_tied()
         ctx = ray.get_runtime_context()
         pg = ray.util.get_current_placement_group()
-        return StageInfo(rank=self.rank, stage_id=pipe.stage_id, layer_start=start,
-                         layer_stop=stop, bounds=[int(b) for b in pipe.parts],
-                         params=sum(p.numel() for p in pipe.parameters()),
-                         placement_group_id=None if pg is None else pg.id.hex(),
-                         node_id=ctx.get_node_id(), actor_id=ctx.get_actor_id())
+        return StageInfo(
+            rank=self.rank,
+            stage_id=pipe.stage_id,
+            layer_start=start,
+            layer_stop=stop,
+            bounds=[int(b) for b in pipe.parts],
+            params=sum(p.numel() for p in pipe.parameters()),
+            placement_group_id=None if pg is None else pg.id.hex(),
+            node_id=ctx.get_node_id(),
+            actor_id=ctx.get_actor_id(),
+        )
 
     def _resync_tied(self) -> None:
         # Both tied copies were loaded from the same file; broadcasting again keeps them equal bit for bit
@@ -131,8 +148,13 @@ class PipelineStage:
         """No-grad pass: each row's completion log-prob (the last stage answers; the others return None)."""
         self.loss.mode, self.loss.rows = "logp", []
         self.engine.total_loss = None  # eval_batch adds onto what the last train_batch left
-        self.engine.eval_batch(data_iter=None if batches is None else iter(_ds_batches(batches)),
-                               compute_loss=True, reduce_output=None, bcast_loss=False, num_micro_batches=count)
+        self.engine.eval_batch(
+            data_iter=None if batches is None else iter(_ds_batches(batches)),
+            compute_loss=True,
+            reduce_output=None,
+            bcast_loss=False,
+            num_micro_batches=count,
+        )
         self.engine.module.train()
         if not self.engine.is_last_stage():
             return None
@@ -190,8 +212,9 @@ class PipelineStage:
                 out = f(out)
             if last:
                 assert labels is not None, "the model's last chunk needs the micro-batch's labels"
-                parts = (labels.targets, labels.mask) if labels.ref is None else (labels.targets, labels.mask,
-                                                                                  labels.ref)
+                parts = (
+                    (labels.targets, labels.mask) if labels.ref is None else (labels.targets, labels.mask, labels.ref)
+                )
                 out = self.loss(out, parts) / self.setup_msg.accumulation
         self._saved[(op.task_id, op.position)] = (inp, out, counted[0])
         result = float(out.detach()) * self.setup_msg.accumulation if last else out.detach()
@@ -285,8 +308,11 @@ class PipelineStage:
         import torch
 
         h = self.pipe
-        x: Any = torch.randint(0, 100, (batch, tokens)) if self.first else torch.randn(
-            batch, tokens, self._hidden_size(), requires_grad=kind == "training")
+        x: Any = (
+            torch.randint(0, 100, (batch, tokens))
+            if self.first
+            else torch.randn(batch, tokens, self._hidden_size(), requires_grad=kind == "training")
+        )
         start = time.time()
         if kind == "inference":
             with torch.no_grad():

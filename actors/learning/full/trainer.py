@@ -28,28 +28,35 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 
 from actors.learning.full.layout import LlamaDims, check_bounds, layer_names
 from actors.learning.full.messages import (
-    TokenBatch,
     Method,
     PipelineSettings,
     PublishedVersion,
     StageInfo,
     StageSetup,
+    TokenBatch,
     TrainingSample,
 )
 from actors.learning.versions.layout import is_complete_full_version, write_full_version
 
 PLACE_TIMEOUT_S = 300.0
 # Files copied from the starting model next to the weights, so a version is a complete HF model directory.
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 MODES = {"full_sft": "sft", "full_dpo": "dpo"}
 
 
@@ -89,15 +96,32 @@ class PipelineTrainer:
         res = dict(self.settings.stage_resources)
         cpus, gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
         cls = ray.remote(PipelineStage)
-        self.stages = [cls.options(num_cpus=cpus, num_gpus=gpus, resources=res or None, max_restarts=0,
-                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                       self.pg, placement_group_bundle_index=i)).remote(i) for i in range(n)]
+        self.stages = [
+            cls.options(
+                num_cpus=cpus,
+                num_gpus=gpus,
+                resources=res or None,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(i)
+            for i in range(n)
+        ]
         host, port = ray.get(self.stages[0].address.remote(), timeout=PLACE_TIMEOUT_S)
         s = self.settings
-        setup = StageSetup(host=host, port=port, stages=n, model_dir=self.weights_from,
-                           partition_method=s.partition_method, micro_batch=s.micro_batch,
-                           accumulation=s.accumulation, learning_rate=s.learning_rate, beta=s.beta,
-                           max_grad_norm=s.max_grad_norm, seed=s.seed, threads=s.threads)
+        setup = StageSetup(
+            host=host,
+            port=port,
+            stages=n,
+            model_dir=self.weights_from,
+            partition_method=s.partition_method,
+            micro_batch=s.micro_batch,
+            accumulation=s.accumulation,
+            learning_rate=s.learning_rate,
+            beta=s.beta,
+            max_grad_norm=s.max_grad_norm,
+            seed=s.seed,
+            threads=s.threads,
+        )
         self.info = ray.get([st.setup.remote(setup) for st in self.stages])
         self._check_partition()
         return self.info
@@ -117,8 +141,16 @@ class PipelineTrainer:
 
     # -------------------------------------------------------------------- training
 
-    def train(self, samples: Sequence[TrainingSample], method: Method, *, unit: str, version: int, steps: int,
-              resume_from: str | Path | None = None) -> PublishedVersion:
+    def train(
+        self,
+        samples: Sequence[TrainingSample],
+        method: Method,
+        *,
+        unit: str,
+        version: int,
+        steps: int,
+        resume_from: str | Path | None = None,
+    ) -> PublishedVersion:
         """Run ``steps`` optimizer steps of ``method`` over ``samples`` (cycled) and publish ``<unit>/v<version>``.
 
         ``resume_from``: a published version directory (or an HF model directory) to start from
@@ -142,26 +174,46 @@ class PipelineTrainer:
         losses = []
         for k in range(steps):
             idx = [(k * per_step + j) % len(samples) for j in range(per_step)]
-            batches = [self._micro_batch(samples, idx[m:m + s.micro_batch], method, ref)
-                       for m in range(0, per_step, s.micro_batch)]
+            batches = [
+                self._micro_batch(samples, idx[m : m + s.micro_batch], method, ref)
+                for m in range(0, per_step, s.micro_batch)
+            ]
             if self.node is None:
                 losses.append(self._train_batch_on_all(batches, MODES[method]))
             else:
                 losses.append(self._scheduled_step(batches))
         margin = self.reward_margin(samples, ref) if ref is not None else None
-        meta = {"version": int(version), "parent": parent, "method": method, "steps": steps, "loss": losses[-1],
-                "losses": losses, "reward_margin": margin, "created_at": time.time(),
-                "stages": [asdict(i) for i in self.info]}
+        meta = {
+            "version": int(version),
+            "parent": parent,
+            "method": method,
+            "steps": steps,
+            "loss": losses[-1],
+            "losses": losses,
+            "reward_margin": margin,
+            "created_at": time.time(),
+            "stages": [asdict(i) for i in self.info],
+        }
         path = self.publish(unit, version, meta)
         self.weights_from = str(path)
-        return PublishedVersion(unit=unit, version=int(version), path=str(path), parent=parent, method=method,
-                                steps=steps, losses=losses, reward_margin=margin)
+        return PublishedVersion(
+            unit=unit,
+            version=int(version),
+            path=str(path),
+            parent=parent,
+            method=method,
+            steps=steps,
+            losses=losses,
+            reward_margin=margin,
+        )
 
     def reference_logps(self, samples: Sequence[TrainingSample]) -> tuple[list[float], list[float]]:
         """(chosen, rejected) sequence log-probs of every pair under the current weights (no grad)."""
         mb = self.settings.micro_batch
-        batches = [self._micro_batch(samples, list(range(i, min(i + mb, len(samples)))), "full_dpo", None)
-                   for i in range(0, len(samples), mb)]
+        batches = [
+            self._micro_batch(samples, list(range(i, min(i + mb, len(samples)))), "full_dpo", None)
+            for i in range(0, len(samples), mb)
+        ]
         if self.node is None:
             rows = self._logps_on_all(batches)
         else:
@@ -173,8 +225,8 @@ class PipelineTrainer:
         chosen, rejected, at = [], [], 0
         for b in batches:
             n = b.ids.shape[0] // 2
-            chosen += rows[at:at + n]
-            rejected += rows[at + n:at + 2 * n]
+            chosen += rows[at : at + n]
+            rejected += rows[at + n : at + 2 * n]
             at += 2 * n
         return chosen, rejected
 
@@ -242,8 +294,13 @@ class PipelineTrainer:
             self._tokenizer = AutoTokenizer.from_pretrained(self.settings.model_dir)
         return self._tokenizer
 
-    def _micro_batch(self, samples: Sequence[TrainingSample], idx: list[int], method: Method,
-                     ref: tuple[list[float], list[float]] | None) -> TokenBatch:
+    def _micro_batch(
+        self,
+        samples: Sequence[TrainingSample],
+        idx: list[int],
+        method: Method,
+        ref: tuple[list[float], list[float]] | None,
+    ) -> TokenBatch:
         """Tokenize (as the LoRA trainer does: actors.learning.lora.steps.encode) and shift into next-token targets."""
         import torch
 
@@ -251,8 +308,13 @@ class PipelineTrainer:
 
         fields = ["completion"] if method == "full_sft" else ["chosen", "rejected"]
         texts = [prompted_text(self.tokenizer, samples[i], f) for f in fields for i in idx]
-        enc = encode(self.tokenizer, [t.prompt for t in texts], [t.answer for t in texts],
-                     max_length=self.settings.max_length, templated=[t.templated for t in texts])
+        enc = encode(
+            self.tokenizer,
+            [t.prompt for t in texts],
+            [t.answer for t in texts],
+            max_length=self.settings.max_length,
+            templated=[t.templated for t in texts],
+        )
         ids = enc.input_ids
         targets = torch.zeros_like(ids)
         mask = torch.zeros(ids.shape, dtype=torch.float32)

@@ -10,9 +10,14 @@ from typing import Any
 
 import torch
 
-from actors.learning.lora.steps import (DEFAULT_MAX_LENGTH, completion_logprobs, encode, model_mode, prompted_text,
-                                   sequence_logprobs)
-
+from actors.learning.lora.steps import (
+    DEFAULT_MAX_LENGTH,
+    completion_logprobs,
+    encode,
+    model_mode,
+    prompted_text,
+    sequence_logprobs,
+)
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,9 @@ class PreferenceEval:
     diffs: tuple[float, ...] = ()  # log π(y⁺|x) − log π(y⁻|x) of each pair, in order
 
 
-def evaluate_preferences(model: Any, tokenizer: Any, pairs: Sequence[Any], *, batch_size: int = 8,
-                         max_length: int = DEFAULT_MAX_LENGTH) -> PreferenceEval:
+def evaluate_preferences(
+    model: Any, tokenizer: Any, pairs: Sequence[Any], *, batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH
+) -> PreferenceEval:
     """Win rate and CLPD of the policy on preference pairs, as defined in MACE §3.1.
 
     Win rate = E[1[π_θ(y⁺|x) > π_θ(y⁻|x)]] (strict: ties lose); CLPD = E[log π_θ(y⁺|x) − log π_θ(y⁻|x)].
@@ -35,10 +41,18 @@ def evaluate_preferences(model: Any, tokenizer: Any, pairs: Sequence[Any], *, ba
     """
     if not pairs:
         raise ValueError("evaluate_preferences needs at least one pair")
+
     def score(field: str) -> list[float]:
         texts = [prompted_text(tokenizer, p, field) for p in pairs]
-        return sequence_logprobs(model, tokenizer, [t.prompt for t in texts], [t.answer for t in texts],
-                                 batch_size=batch_size, max_length=max_length, templated=[t.templated for t in texts])
+        return sequence_logprobs(
+            model,
+            tokenizer,
+            [t.prompt for t in texts],
+            [t.answer for t in texts],
+            batch_size=batch_size,
+            max_length=max_length,
+            templated=[t.templated for t in texts],
+        )
 
     chosen, rejected = score("chosen"), score("rejected")
     return preference_eval([c - r for c, r in zip(chosen, rejected)])
@@ -54,8 +68,15 @@ class CompletionEval:
     per_item: tuple[tuple[float, int], ...] = ()  # (Σ log π over its completion tokens, their number), in order
 
 
-def evaluate_completions(model: Any, tokenizer: Any, items: Sequence[Any], *, field: str = "completion",
-                         batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH) -> CompletionEval:
+def evaluate_completions(
+    model: Any,
+    tokenizer: Any,
+    items: Sequence[Any],
+    *,
+    field: str = "completion",
+    batch_size: int = 8,
+    max_length: int = DEFAULT_MAX_LENGTH,
+) -> CompletionEval:
     """Mean per-token log-likelihood of each item's ``field`` given its context, in eval mode.
 
     The token mean over the whole set is the negative of the SFT loss (``sft_step``) on it, so a
@@ -67,9 +88,14 @@ def evaluate_completions(model: Any, tokenizer: Any, items: Sequence[Any], *, fi
     per_item: list[tuple[float, int]] = []
     with torch.no_grad(), model_mode(model, False):
         for i in range(0, len(items), batch_size):
-            texts = [prompted_text(tokenizer, it, field) for it in items[i: i + batch_size]]
-            enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
-                         templated=[t.templated for t in texts])
+            texts = [prompted_text(tokenizer, it, field) for it in items[i : i + batch_size]]
+            enc = encode(
+                tokenizer,
+                [t.prompt for t in texts],
+                [t.answer for t in texts],
+                max_length=max_length,
+                templated=[t.templated for t in texts],
+            )
             sums = completion_logprobs(model, enc).tolist()
             counts = enc.completion_mask[:, 1:].sum(dim=1).tolist()
             per_item += [(float(s), int(n)) for s, n in zip(sums, counts)]
@@ -79,18 +105,24 @@ def evaluate_completions(model: Any, tokenizer: Any, items: Sequence[Any], *, fi
 def completion_eval(per_item: Sequence[tuple[float, int]]) -> CompletionEval:
     """The set's score from its items' (log-likelihood sum, token count): the token mean over all of them."""
     total, tokens = sum(s for s, _ in per_item), sum(n for _, n in per_item)
-    return CompletionEval(token_logprob=total / max(tokens, 1), items=len(per_item), tokens=tokens,
-                          per_item=tuple(per_item))
+    return CompletionEval(
+        token_logprob=total / max(tokens, 1), items=len(per_item), tokens=tokens, per_item=tuple(per_item)
+    )
 
 
 def preference_eval(diffs: Sequence[float]) -> PreferenceEval:
     """MACE §3.1's win rate and CLPD from each pair's log π(y⁺|x) − log π(y⁻|x)."""
-    return PreferenceEval(win_rate=sum(d > 0 for d in diffs) / len(diffs), clpd=sum(diffs) / len(diffs),
-                          pairs=len(diffs), diffs=tuple(diffs))
+    return PreferenceEval(
+        win_rate=sum(d > 0 for d in diffs) / len(diffs),
+        clpd=sum(diffs) / len(diffs),
+        pairs=len(diffs),
+        diffs=tuple(diffs),
+    )
 
 
-def read_preference_jsonl(path: str | Path, *, limit: int | None = None,
-                          max_text_bytes: int | None = None) -> list[dict[str, str]]:
+def read_preference_jsonl(
+    path: str | Path, *, limit: int | None = None, max_text_bytes: int | None = None
+) -> list[dict[str, str]]:
     """Load ``{prompt, chosen, rejected}`` pairs from a JSONL file (e.g. the HH-RLHF samples), optionally truncated.
 
     ``max_text_bytes`` cuts each text to that many UTF-8 bytes (on a character boundary): with the

@@ -21,15 +21,16 @@ concurrently, because ``set_adapter`` changes which adapter the one model comput
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from actors.models.devices import torch_device, training_dtype
 from actors.learning.lora.steps import lora_config, seed_everything
+from actors.models.devices import torch_device, training_dtype
 
 
 @dataclass
@@ -64,7 +65,9 @@ class AdapterBank:
         self.device = device or torch_device()
         self.dtype_name = training_dtype(dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype_name)).to(self.device)
+        self.base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype_name)).to(
+            self.device
+        )
         self.model: Any = None  # the PeftModel, made with the first adapter
         self.seed = seed
         self._slots: dict[str, _Slot] = {}
@@ -73,8 +76,15 @@ class AdapterBank:
 
     # ---- adapters in training ---------------------------------------------------------------
 
-    def train(self, adapter: str, lora: Any, version: int | None, path: str | None, learning_rate: float,
-              warmup_steps: int = 0) -> tuple[Any, torch.optim.Optimizer]:
+    def train(
+        self,
+        adapter: str,
+        lora: Any,
+        version: int | None,
+        path: str | None,
+        learning_rate: float,
+        warmup_steps: int = 0,
+    ) -> tuple[Any, torch.optim.Optimizer]:
         """Make ``adapter`` the one that computes, starting from ``version`` (its files at ``path``) unless its
         slot already holds that version's line; returns ``(model, optimizer)``.
 

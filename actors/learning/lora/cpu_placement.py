@@ -6,7 +6,8 @@ processes off those cores. A trainer rank places itself (:func:`place_trainer`, 
 micro-step, since engines start and restart): ``apart`` keeps its threads off the engine workers'
 cores (with the app's other processes), ``shared`` puts them on those cores, ``any`` leaves the
 choice to the kernel; ``training.cpu_priority`` sets their priority (``low``: nice 19, ``idle``:
-SCHED_IDLE), so on a shared core the processes that serve get it first. Which hurts the engine least was measured (docs/benchmarks.md, issue 38), and
+SCHED_IDLE), so on a shared core the processes that serve get it first. Which hurts the engine least was measured
+(docs/benchmarks.md, issue 38), and
 ``training.cpu_placement`` defaults to it. The ``/proc`` reading lives here, in the room both the
 trainer and the replica may import.
 """
@@ -101,8 +102,13 @@ def place_trainer(placement: str, pids: list[int] | None = None, priority: str =
     engine = engine_cores(pids)
     cores = {"apart": every - engine, "shared": engine, "any": every}[placement]
     if not engine or not cores:
-        return {"placement": placement, "priority": priority, "engine_cores": sorted(engine), "cores": None,
-                "reason": "no vLLM CPU worker on this host" if not engine else "the engine workers hold every core"}
+        return {
+            "placement": placement,
+            "priority": priority,
+            "engine_cores": sorted(engine),
+            "cores": None,
+            "reason": "no vLLM CPU worker on this host" if not engine else "the engine workers hold every core",
+        }
     for tid in _threads():
         try:
             os.sched_setaffinity(tid, cores)

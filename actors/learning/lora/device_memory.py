@@ -26,8 +26,11 @@ def memory_mark(device: str) -> float:
 
 def memory_added(device: str, mark: float) -> float:
     """Bytes the work since :func:`memory_mark` added at its peak (GPU) or kept resident (CPU); never negative."""
-    now = float(torch.cuda.max_memory_allocated()) if device.startswith("cuda") else float(
-        psutil.Process().memory_info().rss)
+    now = (
+        float(torch.cuda.max_memory_allocated())
+        if device.startswith("cuda")
+        else float(psutil.Process().memory_info().rss)
+    )
     return max(0.0, now - mark)
 
 

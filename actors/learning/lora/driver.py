@@ -39,23 +39,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
-from settings import AppConfig
-from actors.learning.store.records import FeedbackItem
-from actors.learning.store.unit_kind import unit_kind
 from actors.learning.lora.evaluator import VersionEvaluator
 from actors.learning.lora.messages import (
     GrantWaited,
     ItemLoss,
+    RetentionScoreRequest,
+    RetentionSetRequest,
     RoundDone,
     RoundPlan,
     SaveVersion,
-    RetentionScoreRequest,
-    RetentionSetRequest,
     ScoreRequest,
     StepAbandoned,
     StepBegun,
@@ -68,9 +66,11 @@ from actors.learning.lora.messages import (
     WorkDropped,
 )
 from actors.learning.lora.rank import GroupFailed
+from actors.learning.messages import Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress, WindowsRan
+from actors.learning.store.records import FeedbackItem
+from actors.learning.store.unit_kind import unit_kind
 from planners.turns import TrainingTurns
-from actors.learning.messages import (Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress,
-                                     WindowsRan)
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,20 @@ def _passes_before(plan: StepPlan, item: FeedbackItem) -> int:
 class LoraDriver:
     """The loop of one queue partition (``line``: a node under ``per_node``, None when synced) over its ranks."""
 
-    def __init__(self, cfg: AppConfig, ranks: list[Any], nodes: list[int], line: int | None, *, store: Any,
-                 planner: Any, eval_file: str | None, should_stop: Callable[[], bool],
-                 report: Callable[[str, TrainerEvent], None], warn: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        cfg: AppConfig,
+        ranks: list[Any],
+        nodes: list[int],
+        line: int | None,
+        *,
+        store: Any,
+        planner: Any,
+        eval_file: str | None,
+        should_stop: Callable[[], bool],
+        report: Callable[[str, TrainerEvent], None],
+        warn: Callable[[str, str], None],
+    ) -> None:
         self.cfg, self.t = cfg, cfg.training
         self.ranks, self.nodes, self.line = ranks, nodes, line
         self.node_id = nodes[0]  # the node whose planner state judges CheckEnd (rank 0's)
@@ -152,9 +163,17 @@ class LoraDriver:
         self.turns = TrainingTurns()
         self.not_before: dict[str, float] = {}  # adapter -> when to pick it again (after a fault)
         self.evaluator = VersionEvaluator(
-            self.store, line, self.t, cfg.data_path, eval_file, rank_zero=self,
-            spec_changed=lambda adapter: self.specs.pop(adapter, None), load_on_replicas=self.load_on_replicas,
-            report=lambda adapter, event: self.report(adapter, event), warn=lambda where, exc: self.warn(where, exc))
+            self.store,
+            line,
+            self.t,
+            cfg.data_path,
+            eval_file,
+            rank_zero=self,
+            spec_changed=lambda adapter: self.specs.pop(adapter, None),
+            load_on_replicas=self.load_on_replicas,
+            report=lambda adapter, event: self.report(adapter, event),
+            warn=lambda where, exc: self.warn(where, exc),
+        )
         self._adopted_at = 0.0
         self._resume_gate()
 
@@ -170,9 +189,11 @@ class LoraDriver:
                 self.evaluator.work_one()
             decision = self._next()
             if isinstance(decision, StepPlan):
-                self._guarded(decision.adapter, "step", lambda: self._step(decision))
+                self._guarded(decision.adapter, "step", lambda d=decision: self._step(d))
             elif isinstance(decision, Flush):
-                self._guarded(decision.adapter, "publish", lambda: self._finish_version(decision.adapter, flush=True))
+                self._guarded(
+                    decision.adapter, "publish", lambda d=decision: self._finish_version(d.adapter, flush=True)
+                )
 
     def _guarded(self, adapter: str, where: str, work: Callable[[], None]) -> None:
         """Run ``work``; an adapter's own fault pauses that adapter with the error as its reason, and the loop goes
@@ -218,8 +239,17 @@ class LoraDriver:
         cached = self.specs.get(adapter)
         if cached is None or time.time() - cached[0] > SPEC_TTL_S:
             info = ray.get(self.store.get_adapter.remote(adapter), timeout=CALL_TIMEOUT_S)
-            spec = TrainingSpec(info.name, info.method, info.beta, info.mode, info.learning_rate,
-                                info.lora, info.paused_reason is not None, info.tenant, info.warmup_steps)
+            spec = TrainingSpec(
+                info.name,
+                info.method,
+                info.beta,
+                info.mode,
+                info.learning_rate,
+                info.lora,
+                info.paused_reason is not None,
+                info.tenant,
+                info.warmup_steps,
+            )
             self.specs[adapter] = cached = (time.time(), spec)
         return cached[1]
 
@@ -241,8 +271,9 @@ class LoraDriver:
         if self.evaluator.pending():
             timeout = 0.0  # scoring waits: come back to the loop at once
         seen = self.store_changes
-        self.store_changes = ray.get(self.store.wait_for_change.remote(self.store_changes, timeout),
-                                     timeout=timeout + CALL_TIMEOUT_S)
+        self.store_changes = ray.get(
+            self.store.wait_for_change.remote(self.store_changes, timeout), timeout=timeout + CALL_TIMEOUT_S
+        )
         if self.store_changes != seen:
             self._resume_gate()  # the change may be an uploaded candidate (POST /v1/adapters/{name}/versions)
 
@@ -261,9 +292,14 @@ class LoraDriver:
             # Not while the gate judges the adapter's candidate: the next version must start from
             # whatever is served after the verdict, never from weights the gate may reject.
             # A full unit (full_sft/full_dpo) is not a LoRA adapter: actors/learning/full/loop.py trains it.
-            return (available(name) > 0 and unit_kind(self._spec(name).method).trained_by_lora_ranks
-                    and self._spec(name).mode != "off" and not self._spec(name).paused
-                    and not self.evaluator.judging(name) and self.not_before.get(name, 0) <= now)
+            return (
+                available(name) > 0
+                and unit_kind(self._spec(name).method).trained_by_lora_ranks
+                and self._spec(name).mode != "off"
+                and not self._spec(name).paused
+                and not self.evaluator.judging(name)
+                and self.not_before.get(name, 0) <= now
+            )
 
         if pending:
             # One model per rank: finish (publish) the adapter in training before switching.
@@ -273,8 +309,11 @@ class LoraDriver:
         else:
             names = sorted(n for n in summary if trainable(n))
             if not names:
-                waiting = [self.not_before[n] for n in summary
-                           if available(n) > 0 and self.not_before.get(n, 0) > now and self._spec(n).mode != "off"]
+                waiting = [
+                    self.not_before[n]
+                    for n in summary
+                    if available(n) > 0 and self.not_before.get(n, 0) > now and self._spec(n).mode != "off"
+                ]
                 self._idle(min(waiting) if waiting else None)
                 return None
             # Fair turns: across tenants first, then across the tenant's adapters (planners/turns.py).
@@ -289,15 +328,25 @@ class LoraDriver:
             self._idle()
             return None
         more = available(adapter) - len(items) > 0
-        return StepPlan(adapter, spec, target, tuple(items), last_of_queue=not more,
-                        requeued={i.id: self.requeued[i.id] for i in items if i.id in self.requeued})
+        return StepPlan(
+            adapter,
+            spec,
+            target,
+            tuple(items),
+            last_of_queue=not more,
+            requeued={i.id: self.requeued[i.id] for i in items if i.id in self.requeued},
+        )
 
     # ---- one micro-step ---------------------------------------------------------------------------------
 
     def _step(self, plan: StepPlan) -> None:
         adapter = plan.adapter
-        if self.loaded is not None and self.loaded[0] == adapter and self.loaded[1] != plan.target[0] and (
-                self.micro_done or self.opt_steps):
+        if (
+            self.loaded is not None
+            and self.loaded[0] == adapter
+            and self.loaded[1] != plan.target[0]
+            and (self.micro_done or self.opt_steps)
+        ):
             # The current version moved under unpublished work (a rollback): drop it, train the items again.
             self.report(adapter, WorkDropped())
         begun: list[StepBegun] = self._all(lambda r: r.begin_step.remote(plan))
@@ -325,16 +374,28 @@ class LoraDriver:
         self.version_losses.append((loss, len(plan.items)))
         if stepped:
             self._applied()
-        self.report(adapter, StepDone(samples=len(plan.items), loss=loss, tokens=sum(lengths.values()),
-                                       seconds=run_s, grant_s=time.time() - t_start - run_s, windows=windows,
-                                       shrunk=windows > len(plan.items), optimizer_step=stepped, requeued=requeued))
+        self.report(
+            adapter,
+            StepDone(
+                samples=len(plan.items),
+                loss=loss,
+                tokens=sum(lengths.values()),
+                seconds=run_s,
+                grant_s=time.time() - t_start - run_s,
+                windows=windows,
+                shrunk=windows > len(plan.items),
+                optimizer_step=stepped,
+                requeued=requeued,
+            ),
+        )
         if waited_s:
             self.report(adapter, GrantWaited(waited_s))
         if self.opt_steps >= self.t.steps_per_version or (plan.last_of_queue and self.opt_steps > 0):
             self._finish_version(adapter, flush=False)
 
-    def _run_rounds(self, plan: StepPlan, begun: list[StepBegun]
-                    ) -> tuple[dict[int, ItemLoss], float, float, int, float] | None:
+    def _run_rounds(
+        self, plan: StepPlan, begun: list[StepBegun]
+    ) -> tuple[dict[int, ItemLoss], float, float, int, float] | None:
         """Grant and run windows round by round until every rank's items are done; None: the step was dropped."""
         adapter = plan.adapter
         by_id = {it.id: it for it in plan.items}
@@ -355,11 +416,28 @@ class LoraDriver:
                 self._abandon(adapter)
                 return None
             asked = time.time()
-            requests = {i: GrantRequest(self.nodes[i], adapter, plan.spec.mode, tuple(
-                SampleProgress(sid, n, done[i][sid], _arrival(plan, by_id[sid]), _last_loss(plan, by_id[sid]),
-                               forward[i].get(sid))
-                for sid, n in lengths[i].items() if done[i][sid] < n), memory[i], optimizer_bytes[i])
-                for i in todo}
+            requests = {
+                i: GrantRequest(
+                    self.nodes[i],
+                    adapter,
+                    plan.spec.mode,
+                    tuple(
+                        SampleProgress(
+                            sid,
+                            n,
+                            done[i][sid],
+                            _arrival(plan, by_id[sid]),
+                            _last_loss(plan, by_id[sid]),
+                            forward[i].get(sid),
+                        )
+                        for sid, n in lengths[i].items()
+                        if done[i][sid] < n
+                    ),
+                    memory[i],
+                    optimizer_bytes[i],
+                )
+                for i in todo
+            }
             grants = self._grants(requests)
             for i in todo:
                 memory[i] = None  # told once
@@ -370,14 +448,23 @@ class LoraDriver:
                 waited_s += time.time() - asked  # a refused request waits in the planner for the node's next reports
                 continue
             t0 = time.time()
-            results: list[RoundDone] = self._gather([
-                self.ranks[i].run_windows.remote(RoundPlan(g.windows, g.offload_optimizer)) for i, g in runs.items()])
+            results: list[RoundDone] = self._gather(
+                [self.ranks[i].run_windows.remote(RoundPlan(g.windows, g.offload_optimizer)) for i, g in runs.items()]
+            )
             run_s += time.time() - t0
             fault = None
             for i, res in zip(runs, results):
                 if res.windows:  # measured against its prediction, the last round of the step included
-                    self._windows_ran(WindowsRan(self.nodes[i], adapter, res.ran_at, res.ran_s, res.forward_s,
-                                                 max(0.0, res.ran_s - res.forward_s)))
+                    self._windows_ran(
+                        WindowsRan(
+                            self.nodes[i],
+                            adapter,
+                            res.ran_at,
+                            res.ran_s,
+                            res.forward_s,
+                            max(0.0, res.ran_s - res.forward_s),
+                        )
+                    )
                 done[i].update(res.done)
                 finished.update(res.finished)
                 memory[i], optimizer_bytes[i] = res.memory, res.optimizer_bytes
@@ -427,11 +514,15 @@ class LoraDriver:
         optimizer step has applied this pass, with CheckEnd's t_arr and loss for the grants'
         priorities. Its last pass, retired, is held like any item and consumed by that version.
         """
-        reports = [PassReport(it.id, lengths[it.id], finished[it.id].loss, _arrival(plan, it), _passes_before(plan, it))
-                   for it in plan.items]
+        reports = [
+            PassReport(it.id, lengths[it.id], finished[it.id].loss, _arrival(plan, it), _passes_before(plan, it))
+            for it in plan.items
+        ]
         try:
-            verdicts = ray.get(self.planner.report_passes.remote(self.node_id, plan.adapter, plan.spec.mode,
-                                                                 reports), timeout=CALL_TIMEOUT_S)
+            verdicts = ray.get(
+                self.planner.report_passes.remote(self.node_id, plan.adapter, plan.spec.mode, reports),
+                timeout=CALL_TIMEOUT_S,
+            )
         except Exception as exc:  # planner restarting: one pass per item, as without CheckEnd
             self.warn("report_passes", exc)
             verdicts = [PassVerdict(r.sample_id, "retired", r.passes_before + 1, r.loss, r.arrival) for r in reports]
@@ -487,7 +578,7 @@ class LoraDriver:
 
         t0 = time.time()
         samples = self.version_samples
-        loss = sum(l * n for l, n in self.version_losses) / max(1, sum(n for _, n in self.version_losses))
+        loss = sum(loss_i * n for loss_i, n in self.version_losses) / max(1, sum(n for _, n in self.version_losses))
         parent = self.loaded[1] if self.loaded else None
         marks = [t0]
         try:
@@ -496,8 +587,10 @@ class LoraDriver:
             meta = VersionMeta(parent, samples, loss, len(self.held), self.t.scope, len(self.ranks), self.line)
             path = self._gather([self.ranks[0].save.remote(SaveVersion(adapter, v.version, meta))])[0]
             marks.append(time.time())
-            published = ray.get(self.store.publish_version.remote(adapter, v.version, path, self.held, samples, loss),
-                                timeout=CALL_TIMEOUT_S)
+            published = ray.get(
+                self.store.publish_version.remote(adapter, v.version, path, self.held, samples, loss),
+                timeout=CALL_TIMEOUT_S,
+            )
             marks.append(time.time())
         except VersionConflict as exc:
             # A rollback moved the current version: drop this work; the items are still queued.
@@ -521,8 +614,9 @@ class LoraDriver:
         now = time.time()
         marks.append(now)
         breakdown = dict(zip(names, (round(b - a, 4) for a, b in zip(marks, marks[1:]))))
-        self.report(adapter, VersionPublished(v.version, now, now - t0, breakdown,
-                                               tuple(round(now - c, 3) for c in created)))
+        self.report(
+            adapter, VersionPublished(v.version, now, now - t0, breakdown, tuple(round(now - c, 3) for c in created))
+        )
         return v.version, path, False
 
     def load_on_replicas(self, adapter: str, served_change: int) -> None:

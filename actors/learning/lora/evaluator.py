@@ -5,14 +5,21 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import ray
 
-from actors.learning.lora.messages import (GateDecided, RetentionScoreRequest, RetentionSetRequest, ScoreRequest,
-                                           TrainerEvent, VersionScored)
+from actors.learning.lora.messages import (
+    GateDecided,
+    RetentionScoreRequest,
+    RetentionSetRequest,
+    ScoreRequest,
+    TrainerEvent,
+    VersionScored,
+)
 from actors.learning.store.models import VersionConflict
 from actors.learning.store.records import AdapterInfo, VersionScores, VersionVerdict
 from settings import TrainingConfig
@@ -77,10 +84,20 @@ class VersionEvaluator:
     MAX_ATTEMPTS = 3  # a candidate whose scoring fails this often is rejected with the error as its reason
     MAX_CACHED = 256
 
-    def __init__(self, store: Any, line: int | None, training: TrainingConfig, data_path: Path,
-                 eval_file: str | None, *, rank_zero: RankZero, spec_changed: Callable[[str], None],
-                 load_on_replicas: Callable[[str, int], None], report: Callable[[str, TrainerEvent], None],
-                 warn: Callable[[str, BaseException | str], None]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        line: int | None,
+        training: TrainingConfig,
+        data_path: Path,
+        eval_file: str | None,
+        *,
+        rank_zero: RankZero,
+        spec_changed: Callable[[str], None],
+        load_on_replicas: Callable[[str, int], None],
+        report: Callable[[str, TrainerEvent], None],
+        warn: Callable[[str, BaseException | str], None],
+    ) -> None:
         """``store``: the feedback store's actor handle; ``line``: the driver's queue partition (a node under
         per_node); ``spec_changed``: a verdict may have paused the adapter (the driver reads its spec again);
         ``load_on_replicas``: wait until the replicas serve a passed candidate (its served-change number)."""
@@ -148,8 +165,9 @@ class VersionEvaluator:
 
         if self.eval_file and self._file_pairs is None:
             try:
-                self._file_pairs = read_preference_jsonl(self.eval_file, limit=self.t.eval_pairs,
-                                                         max_text_bytes=4 * self.t.max_length)
+                self._file_pairs = read_preference_jsonl(
+                    self.eval_file, limit=self.t.eval_pairs, max_text_bytes=4 * self.t.max_length
+                )
             except Exception as exc:
                 self.warn("eval_file", exc)
                 self._file_pairs = []
@@ -165,8 +183,9 @@ class VersionEvaluator:
             return pairs, "eval-file", f"pairs of training.eval_file {os.path.basename(self.eval_file)}"
         return [], "", ""
 
-    def _score(self, adapter: str, version: int | None, path: str | None, info: AdapterInfo, items: list[Any],
-               key: str) -> tuple[dict[str, float], list[Any]]:
+    def _score(
+        self, adapter: str, version: int | None, path: str | None, info: AdapterInfo, items: list[Any], key: str
+    ) -> tuple[dict[str, float], list[Any]]:
         """Held-out scores of one version (``path`` None: the base model) on ``items``, and each item's own score.
 
         Each item's own score (a pair's log-probability difference, a completion's log-likelihood
@@ -185,9 +204,17 @@ class VersionEvaluator:
         missing = [(i, it) for i, it in zip(ids, items) if i not in cached]
         if missing:
             # An sft adapter's own held-out items have a completion; eval_file pairs score their chosen answer.
-            found = self.rank_zero.score(ScoreRequest(adapter, version, path, info.lora, info.method,
-                                                   tuple(it for _, it in missing),
-                                                   "completion" if held_out else "chosen"))
+            found = self.rank_zero.score(
+                ScoreRequest(
+                    adapter,
+                    version,
+                    path,
+                    info.lora,
+                    info.method,
+                    tuple(it for _, it in missing),
+                    "completion" if held_out else "chosen",
+                )
+            )
             cached.update(zip((i for i, _ in missing), found))
         per_item = [cached[i] for i in ids]
         if info.method == "dpo":
@@ -219,20 +246,43 @@ class VersionEvaluator:
             cand, cand_items = self._score(adapter, version, path, info, items, key)
             base, base_items = self._score(adapter, base_version, base_path, info, items, key)
             # SFT: each item's change of its mean token log-likelihood, whose spread is the verdict's noise.
-            changes = ([c - b for c, b in zip(label_scores(items, cand_items), label_scores(items, base_items))]
-                       if info.method == "kto" else
-                       [c[0] / max(c[1], 1) - b[0] / max(b[1], 1) for c, b in zip(cand_items, base_items)]
-                       if info.method == "sft" else [])
-            held_out = judge(info.method, cand["score"], base["score"], info.gate.margin, items=len(items),
-                             baseline_name=base_name, slice_name=slice_name, item_changes=changes)
+            changes = (
+                [c - b for c, b in zip(label_scores(items, cand_items), label_scores(items, base_items))]
+                if info.method == "kto"
+                else [c[0] / max(c[1], 1) - b[0] / max(b[1], 1) for c, b in zip(cand_items, base_items)]
+                if info.method == "sft"
+                else []
+            )
+            held_out = judge(
+                info.method,
+                cand["score"],
+                base["score"],
+                info.gate.margin,
+                items=len(items),
+                baseline_name=base_name,
+                slice_name=slice_name,
+                item_changes=changes,
+            )
         retention_verdict, kept = self._retention(adapter, version, path, info)
         verdict = decide(held_out, retention_verdict, info.gate.thin_evidence)
         score_s = round(time.time() - t0, 3)
         try:
             scores = _version_scores(cand, len(items), score_s, kept)
-            written = ray.get(self.store.decide_version.remote(adapter, version, VersionVerdict(
-                verdict.passed, verdict.reason, scores, baseline_version=base_version if items else None,
-                baseline_score=base.get("score"), counts=verdict.counts)), timeout=60)
+            written = ray.get(
+                self.store.decide_version.remote(
+                    adapter,
+                    version,
+                    VersionVerdict(
+                        verdict.passed,
+                        verdict.reason,
+                        scores,
+                        baseline_version=base_version if items else None,
+                        baseline_score=base.get("score"),
+                        counts=verdict.counts,
+                    ),
+                ),
+                timeout=60,
+            )
         except VersionConflict as exc:  # promoted (or otherwise decided) through the API meanwhile
             self.warn("gate", exc)
             return
@@ -243,16 +293,32 @@ class VersionEvaluator:
             self.load_on_replicas(adapter, written.served_change)
             now = time.time()
             freshness = [round(now - c, 3) for c in job.created]
-        self.report(adapter, GateDecided(version, decided.state, decided.reason, decided.score, decided.baseline_score,
-                                         decided.baseline_version, time.time() - t0, time.time(), tuple(freshness),
-                                         cand.get("win_rate"), cand.get("clpd"), cand.get("token_logprob"),
-                                         kept.score if kept else None, kept.base if kept else None,
-                                         kept.seconds if kept else None))
+        self.report(
+            adapter,
+            GateDecided(
+                version,
+                decided.state,
+                decided.reason,
+                decided.score,
+                decided.baseline_score,
+                decided.baseline_version,
+                time.time() - t0,
+                time.time(),
+                tuple(freshness),
+                cand.get("win_rate"),
+                cand.get("clpd"),
+                cand.get("token_logprob"),
+                kept.score if kept else None,
+                kept.base if kept else None,
+                kept.seconds if kept else None,
+            ),
+        )
 
     # ---- the retention check ---------------------------------------------------------------------
 
-    def _retention(self, adapter: str, version: int, path: str | None,
-                   info: AdapterInfo) -> tuple[Any, RetentionScores | None]:
+    def _retention(
+        self, adapter: str, version: int, path: str | None, info: AdapterInfo
+    ) -> tuple[Any, RetentionScores | None]:
         """The retention verdict of a version and its scores; (None, None) with ``gate.retention`` off.
 
         The set (the base model's answers and its scores of them) is built on rank 0 at its first use
@@ -268,7 +334,9 @@ class VersionEvaluator:
             return None, None
         t0 = time.time()
         file = resolve(gate.retention_file, self.data_path)
-        name = "the shipped retention set" if gate.retention_file is None else f"gate.retention_file {gate.retention_file}"
+        name = (
+            "the shipped retention set" if gate.retention_file is None else f"gate.retention_file {gate.retention_file}"
+        )
         try:
             read_prompts(file)  # the adapter's own file: its fault, named in the reason, before rank 0 is asked
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -284,13 +352,21 @@ class VersionEvaluator:
             cached.update(enumerate(found))
         score = token_mean([cached[i] for i in range(len(rs.items))])
         kept = RetentionScores(score, rs.base_score, len(rs.items), round(time.time() - t0, 3))
-        return judge_retention(score, rs.base_score, gate.retention_margin, prompts=len(rs.items), set_name=rs.name), kept
+        return judge_retention(
+            score, rs.base_score, gate.retention_margin, prompts=len(rs.items), set_name=rs.name
+        ), kept
 
     def _give_up(self, job: EvalJob, exc: BaseException) -> None:
         """Scoring failed again and again: reject the candidate, with the error as the reason (not served unproven)."""
         try:
-            ray.get(self.store.decide_version.remote(job.adapter, job.version, VersionVerdict(
-                False, f"the gate could not score it: {type(exc).__name__}: {str(exc)[:300]}")), timeout=60)
+            ray.get(
+                self.store.decide_version.remote(
+                    job.adapter,
+                    job.version,
+                    VersionVerdict(False, f"the gate could not score it: {type(exc).__name__}: {str(exc)[:300]}"),
+                ),
+                timeout=60,
+            )
         except Exception as again:
             self.warn("gate", again)
 
@@ -309,18 +385,29 @@ class VersionEvaluator:
             return
         measured = _version_scores(scores, len(items), round(time.time() - t0, 3), kept)
         ray.get(self.store.record_scores.remote(adapter, version, measured), timeout=60)
-        self.report(adapter, VersionScored(version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"),
-                                           scores.get("token_logprob")))
+        self.report(
+            adapter,
+            VersionScored(
+                version, time.time() - t0, scores.get("win_rate"), scores.get("clpd"), scores.get("token_logprob")
+            ),
+        )
 
 
-def _version_scores(held_out: dict[str, float], items: int, seconds: float,
-                    kept: RetentionScores | None) -> VersionScores:
+def _version_scores(
+    held_out: dict[str, float], items: int, seconds: float, kept: RetentionScores | None
+) -> VersionScores:
     """What the store records of a scoring: the held-out scores over ``items``, the retention check's, the seconds."""
-    return VersionScores(score=held_out.get("score"), win_rate=held_out.get("win_rate"), clpd=held_out.get("clpd"),
-                         token_logprob=held_out.get("token_logprob"), eval_items=items or None, score_s=seconds,
-                         retention=None if kept is None else kept.score,
-                         retention_base=None if kept is None else kept.base,
-                         retention_prompts=None if kept is None else kept.prompts)
+    return VersionScores(
+        score=held_out.get("score"),
+        win_rate=held_out.get("win_rate"),
+        clpd=held_out.get("clpd"),
+        token_logprob=held_out.get("token_logprob"),
+        eval_items=items or None,
+        score_s=seconds,
+        retention=None if kept is None else kept.score,
+        retention_base=None if kept is None else kept.base,
+        retention_prompts=None if kept is None else kept.prompts,
+    )
 
 
 def label_scores(items: Any, per_item: Any) -> list[float]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.learning.store.models import LoraSettings
 from actors.learning.messages import GrantedWindow, MemoryUse, PassVerdict
+from actors.learning.store.models import LoraSettings
 
 
 @dataclass(frozen=True)

@@ -23,26 +23,27 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 
-from settings import AppConfig
 from actors.learning.lora.device_memory import memory_added, memory_mark, move_optimizer_state, offloadable_bytes
 from actors.learning.lora.messages import (
     ItemLoss,
     RankStarted,
+    RetentionScoreRequest,
+    RetentionSetRequest,
     RoundDone,
     RoundPlan,
     SaveVersion,
-    RetentionScoreRequest,
-    RetentionSetRequest,
     ScoreRequest,
     StepBegun,
     StepPlan,
 )
 from actors.learning.messages import MemoryUse
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +119,13 @@ class TrainRank:
 
         # Gradients live on the device (NCCL on GPUs); nothing else crosses the group.
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+        )
 
     def watch(self) -> None:
         """Never returns: the Trainer holds this call open and learns at once when the rank dies."""
@@ -142,9 +148,15 @@ class TrainRank:
         self.bank = AdapterBank(model_dir(self.cfg), dtype=self.t.dtype, seed=0)
         self.placement = self._place()
         ctx = ray.get_runtime_context()
-        return RankStarted(rank=self.rank, node_id=self.node_id, pid=os.getpid(), ray_node_id=ctx.get_node_id(),
-                           placement_group_id=ctx.get_placement_group_id(), device=self.bank.device,
-                           dtype=self.bank.dtype_name)
+        return RankStarted(
+            rank=self.rank,
+            node_id=self.node_id,
+            pid=os.getpid(),
+            ray_node_id=ctx.get_node_id(),
+            placement_group_id=ctx.get_placement_group_id(),
+            device=self.bank.device,
+            dtype=self.bank.dtype_name,
+        )
 
     # ---- one micro-step ----------------------------------------------------------------------------
 
@@ -178,18 +190,36 @@ class TrainRank:
             lo, hi = share_bounds(len(items), self.group_world)[self.group_rank]
             # Scales that make the accumulated gradient the mean over the whole micro-step (all ranks'
             # items), over `accumulation` micro-steps; the sum over ranks is then the batch mean.
-            scales = batch_scales(self.bank.tokenizer, items, plan.spec.method, scale=1.0 / self.t.accumulation,
-                                  max_length=self.t.max_length)[lo:hi]
-            self.passes = {it.id: WindowedPass(self.model, self.bank.tokenizer, it, plan.spec.method,
-                                               beta=plan.spec.beta, max_length=self.t.max_length, scale=sc)
-                           for it, sc in zip(items[lo:hi], scales)}
-            self.weights = {sid: float(p.loss_tokens if plan.spec.method == "sft" else 1)
-                            for sid, p in self.passes.items()}
+            scales = batch_scales(
+                self.bank.tokenizer,
+                items,
+                plan.spec.method,
+                scale=1.0 / self.t.accumulation,
+                max_length=self.t.max_length,
+            )[lo:hi]
+            self.passes = {
+                it.id: WindowedPass(
+                    self.model,
+                    self.bank.tokenizer,
+                    it,
+                    plan.spec.method,
+                    beta=plan.spec.beta,
+                    max_length=self.t.max_length,
+                    scale=sc,
+                )
+                for it, sc in zip(items[lo:hi], scales)
+            }
+            self.weights = {
+                sid: float(p.loss_tokens if plan.spec.method == "sft" else 1) for sid, p in self.passes.items()
+            }
         except Exception as exc:  # this adapter's version or items: its fault alone
             self.passes = {}
             return StepBegun({}, fault=_fault(exc))
-        return StepBegun({sid: p.work for sid, p in self.passes.items()}, offloadable_bytes(self.opt),
-                         forward_lengths={sid: p.length for sid, p in self.passes.items()})
+        return StepBegun(
+            {sid: p.work for sid, p in self.passes.items()},
+            offloadable_bytes(self.opt),
+            forward_lengths={sid: p.length for sid, p in self.passes.items()},
+        )
 
     def run_windows(self, plan: RoundPlan) -> RoundDone:
         """Run the granted windows in order, forward and backward work (FlexLLM Alg. 2); a stale one (the planner
@@ -222,10 +252,22 @@ class TrainRank:
         except Exception as exc:
             fault = _fault(exc)
         elapsed = time.time() - t0
-        memory = (MemoryUse(ran, max(w.end - w.start for w in plan.windows), memory_added(self.bank.device, mark))
-                  if ran else None)
-        return RoundDone({sid: p.done for sid, p in self.passes.items()}, finished, ran, elapsed if ran else 0.0,
-                         memory, offloadable_bytes(self.opt), fault, ran_at=t0, forward_s=forward_s if ran else 0.0)
+        memory = (
+            MemoryUse(ran, max(w.end - w.start for w in plan.windows), memory_added(self.bank.device, mark))
+            if ran
+            else None
+        )
+        return RoundDone(
+            {sid: p.done for sid, p in self.passes.items()},
+            finished,
+            ran,
+            elapsed if ran else 0.0,
+            memory,
+            offloadable_bytes(self.opt),
+            fault,
+            ran_at=t0,
+            forward_s=forward_s if ran else 0.0,
+        )
 
     def abandon_step(self) -> None:
         """Drop the micro-step's passes and every gradient not yet applied; the driver keeps the items queued."""
@@ -274,7 +316,7 @@ class TrainRank:
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = flat[offset: offset + n].view_as(p).clone()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
     def _ensure_model(self, plan: StepPlan) -> None:
@@ -282,8 +324,9 @@ class TrainRank:
         holds that version's line; the base model is never reloaded."""
         adapter, (version, location) = plan.adapter, plan.target
         path = self.files.local_path(adapter, version, location) if location else None
-        self.model, self.opt = self.bank.train(adapter, plan.spec.lora, version, path, plan.spec.learning_rate,
-                                               plan.spec.warmup_steps)
+        self.model, self.opt = self.bank.train(
+            adapter, plan.spec.lora, version, path, plan.spec.learning_rate, plan.spec.warmup_steps
+        )
         if self.loaded != (adapter, version):
             self.loaded = (adapter, version)
             self.micro_done = 0
@@ -301,8 +344,15 @@ class TrainRank:
         adapter, version = request.adapter, request.version
         if self.loaded is None or self.loaded[0] != adapter:
             raise RuntimeError(f"rank {self.rank} holds {self.loaded}, not {adapter!r}: nothing to save")
-        saved = save_adapter_version(self.model, self.opt, self.files.save_root(adapter, version), adapter, version,
-                                     asdict(request.meta), peft_name=self.bank.peft_name(adapter))
+        saved = save_adapter_version(
+            self.model,
+            self.opt,
+            self.files.save_root(adapter, version),
+            adapter,
+            version,
+            asdict(request.meta),
+            peft_name=self.bank.peft_name(adapter),
+        )
         location = self.files.publish(adapter, version, saved)
         self.advance(adapter, version)  # the driver says forget() if the store does not take the version
         return location
@@ -329,15 +379,19 @@ class TrainRank:
         (log-likelihood sum, tokens). Scored on this rank's model, the base weights shared (actors/learning/lora/bank.py)."""
         from actors.learning.lora.alignment import evaluate_completions, evaluate_preferences
 
-        local = (self.files.local_path(request.adapter, request.version, request.path)
-                 if request.path else None)  # None: the base model
+        local = (
+            self.files.local_path(request.adapter, request.version, request.path) if request.path else None
+        )  # None: the base model
         tok = self.bank.tokenizer
         items = list(request.items)
         with self.bank.scoring(request.lora, local) as model:
             if request.method == "dpo":
                 return list(evaluate_preferences(model, tok, items, max_length=self.t.max_length).diffs)
-            return list(evaluate_completions(model, tok, items, field=request.answer_field,
-                                             max_length=self.t.max_length).per_item)
+            return list(
+                evaluate_completions(
+                    model, tok, items, field=request.answer_field, max_length=self.t.max_length
+                ).per_item
+            )
 
     def retention_set(self, request: RetentionSetRequest) -> Any:
         """The gate's retention set of ``request.file``: the base model's greedy answers and its scores of them,
@@ -347,8 +401,9 @@ class TrainRank:
 
         if self.retention is None:
             self.retention = RetentionSets(model_dir(self.cfg), self.cfg.data_path, self.bank.dtype_name)
-        return self.retention.get(request.file, request.name, lambda: self.bank.scoring(None, None),
-                                  self.bank.tokenizer)
+        return self.retention.get(
+            request.file, request.name, lambda: self.bank.scoring(None, None), self.bank.tokenizer
+        )
 
     def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]:
         """Each retention item's (log-likelihood sum, tokens) of the base's answer under the version."""

@@ -91,7 +91,7 @@ def read_prompts(path: str | Path, limit: int = MAX_PROMPTS) -> list[tuple[dict[
             elif isinstance(row.get("prompt"), str) and row["prompt"].strip():
                 turns = ({"role": "user", "content": row["prompt"]},)
             else:
-                raise ValueError(f"{path}:{n}: needs \"prompt\" (text) or \"messages\" (chat turns)")
+                raise ValueError(f'{path}:{n}: needs "prompt" (text) or "messages" (chat turns)')
             if turns[-1]["role"] == "assistant":
                 raise ValueError(f"{path}:{n}: the turns must end with a user (or system) turn")
             out.append(turns)
@@ -127,8 +127,9 @@ def set_key(model_fp: str, prompts: bytes, max_answer_tokens: int = MAX_ANSWER_T
     return hashlib.sha256(f"{model_fp}:{max_answer_tokens}:".encode() + prompts).hexdigest()[:32]
 
 
-def fingerprint(model_dir: str | Path, prompts_file: str | Path, max_answer_tokens: int = MAX_ANSWER_TOKENS,
-                dtype: str = "") -> str:
+def fingerprint(
+    model_dir: str | Path, prompts_file: str | Path, max_answer_tokens: int = MAX_ANSWER_TOKENS, dtype: str = ""
+) -> str:
     """:func:`set_key` of a model directory and a prompt file."""
     return set_key(model_fingerprint(model_dir, dtype), Path(prompts_file).read_bytes(), max_answer_tokens)
 
@@ -173,9 +174,12 @@ def load_cached(data_dir: str | Path, key: str, name: str) -> RetentionSet | Non
     """The set stored under ``key``, or None (absent or unreadable: it is built again)."""
     try:
         raw = json.loads(cache_path(data_dir, key).read_text())
-        return RetentionSet(name, key, tuple(RetentionItem(tuple(i["messages"]), i["completion"], bool(i["ended"]))
-                                             for i in raw["items"]),
-                            tuple((float(s), int(n)) for s, n in raw["base"]))
+        return RetentionSet(
+            name,
+            key,
+            tuple(RetentionItem(tuple(i["messages"]), i["completion"], bool(i["ended"])) for i in raw["items"]),
+            tuple((float(s), int(n)) for s, n in raw["base"]),
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -184,9 +188,12 @@ def store(data_dir: str | Path, rs: RetentionSet) -> None:
     """Write the set atomically (a reader sees all of it or none)."""
     path = cache_path(data_dir, rs.fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"name": rs.name, "items": [{"messages": list(i.messages), "completion": i.completion, "ended": i.ended}
-                                       for i in rs.items],
-            "base": [list(b) for b in rs.base], "base_score": rs.base_score}
+    body = {
+        "name": rs.name,
+        "items": [{"messages": list(i.messages), "completion": i.completion, "ended": i.ended} for i in rs.items],
+        "base": [list(b) for b in rs.base],
+        "base_score": rs.base_score,
+    }
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(body, f, indent=1, ensure_ascii=False)
@@ -195,8 +202,14 @@ def store(data_dir: str | Path, rs: RetentionSet) -> None:
     os.replace(tmp, path)
 
 
-def generate_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[dict[str, str]]], *,
-                     max_new_tokens: int = MAX_ANSWER_TOKENS, batch_size: int = 16) -> list[tuple[str, bool]]:
+def generate_answers(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[dict[str, str]]],
+    *,
+    max_new_tokens: int = MAX_ANSWER_TOKENS,
+    batch_size: int = 16,
+) -> list[tuple[str, bool]]:
     """Greedy answers of ``model`` to chat prompts (the chat template as vLLM's chat endpoint renders it), each with
     whether the model ended it within ``max_new_tokens``."""
     import torch
@@ -209,12 +222,19 @@ def generate_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[dict
     try:
         device = next(model.parameters()).device
         for i in range(0, len(texts), batch_size):
-            enc = tokenizer(texts[i: i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
             enc = {k: v.to(device) for k, v in enc.items()}
             with torch.no_grad():
-                ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                     temperature=None, top_p=None, top_k=None)
-            for row in ids[:, enc["input_ids"].shape[1]:].tolist():
+                ids = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                )
+            for row in ids[:, enc["input_ids"].shape[1] :].tolist():
                 ended = eos in row
                 row = row[: row.index(eos)] if ended else row
                 out.append((tokenizer.decode(row, skip_special_tokens=True).strip(), ended))
@@ -223,14 +243,22 @@ def generate_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[dict
     return out
 
 
-def items_of(prompts: Sequence[Sequence[dict[str, str]]], answers: Sequence[tuple[str, bool]]
-             ) -> tuple[RetentionItem, ...]:
+def items_of(
+    prompts: Sequence[Sequence[dict[str, str]]], answers: Sequence[tuple[str, bool]]
+) -> tuple[RetentionItem, ...]:
     """Retention items from prompts and their base answers; a prompt the base answered with nothing is left out."""
     return tuple(RetentionItem(tuple(p), a, ended) for p, (a, ended) in zip(prompts, answers) if a.strip())
 
 
-def score_answers(model: Any, tokenizer: Any, items: Sequence[RetentionItem], *, batch_size: int = 24,
-                  max_length: int = 512, skip_first: int = SKIP_FIRST_TOKENS) -> list[tuple[float, int]]:
+def score_answers(
+    model: Any,
+    tokenizer: Any,
+    items: Sequence[RetentionItem],
+    *,
+    batch_size: int = 24,
+    max_length: int = 512,
+    skip_first: int = SKIP_FIRST_TOKENS,
+) -> list[tuple[float, int]]:
     """Per item, (Σ log π of its answer's tokens after the first ``skip_first``, their number) under ``model`` as
     it computes now, teacher-forced.
 
@@ -243,7 +271,7 @@ def score_answers(model: Any, tokenizer: Any, items: Sequence[RetentionItem], *,
     out: list[tuple[float, int]] = []
     with torch.no_grad(), model_mode(model, False):
         for i in range(0, len(items), batch_size):
-            enc = encoded(tokenizer, items[i: i + batch_size], max_length)
+            enc = encoded(tokenizer, items[i : i + batch_size], max_length)
             logps = _shared_prefix_logprobs(model, enc)
             mask = enc.completion_mask[:, 1:].to(logps.device)
             mask = mask * (mask.cumsum(dim=1) > skip_first)  # each answer's first tokens left out

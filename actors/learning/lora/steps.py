@@ -35,14 +35,15 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from actors.learning.dpo_loss import pair_losses, reward_margin
 from actors.learning.versions.layout import (  # noqa: F401 (part of this module's API)
     ADAPTER_FILES,
     META_FILE,
@@ -52,7 +53,6 @@ from actors.learning.versions.layout import (  # noqa: F401 (part of this module
     fsync_tree,
     version_dir,
 )
-from actors.learning.dpo_loss import pair_losses, reward_margin
 
 DEFAULT_MAX_LENGTH = 512
 
@@ -85,9 +85,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_lora_model(model_dir: str | Path, lora_settings: Any, adapter_dir: str | Path | None = None, *,
-                    seed: int = 0, device: str | torch.device | None = None,
-                    dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load_lora_model(
+    model_dir: str | Path,
+    lora_settings: Any,
+    adapter_dir: str | Path | None = None,
+    *,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, Any]:
     """Return ``(peft_model, tokenizer)``: the base model with a fresh LoRA adapter, or resumed from ``adapter_dir``.
 
     ``lora_settings`` has ``r``, ``alpha``, ``target_modules``, ``dropout`` (``actors.learning.store.models.LoraSettings``
@@ -114,9 +120,14 @@ def lora_config(lora_settings: Any) -> Any:
 
     s = _settings(lora_settings)
     targets = s["target_modules"]  # a list of names, or peft's "all-linear" shorthand (a string)
-    return LoraConfig(r=int(s["r"]), lora_alpha=float(s["alpha"]),
-                      target_modules=targets if isinstance(targets, str) else list(targets),
-                      lora_dropout=float(s.get("dropout", 0.0)), bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=int(s["r"]),
+        lora_alpha=float(s["alpha"]),
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        lora_dropout=float(s.get("dropout", 0.0)),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def _settings(s: Any) -> Mapping[str, Any]:
@@ -127,8 +138,9 @@ def _settings(s: Any) -> Mapping[str, Any]:
     return vars(s)
 
 
-def make_optimizer(model: Any, learning_rate: float, *, weight_decay: float = 0.0,
-                   state_dir: str | Path | None = None) -> torch.optim.AdamW:
+def make_optimizer(
+    model: Any, learning_rate: float, *, weight_decay: float = 0.0, state_dir: str | Path | None = None
+) -> torch.optim.AdamW:
     """AdamW over the trainable (LoRA) parameters; restores its moments from ``state_dir/optimizer.pt`` if given."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
@@ -197,16 +209,22 @@ def prompted_text(tokenizer: Any, item: Any, answer_field: str) -> PromptedText:
     full = tokenizer.apply_chat_template([*turns, {"role": "assistant", "content": answer}], tokenize=False)
     if not full.startswith(prompt):
         raise ValueError("the chat template renders an assistant turn that does not extend its generation prompt")
-    reply = full[len(prompt):]
+    reply = full[len(prompt) :]
     eos = tokenizer.eos_token or ""
     cut = reply.find(eos, reply.find(answer) + len(answer)) if eos else -1
     reply = reply[: cut + len(eos)] if cut >= 0 else reply.rstrip() + eos  # generation stops at EOS
     return PromptedText(prompt, reply, templated=True)
 
 
-def encode(tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *,
-           max_length: int = DEFAULT_MAX_LENGTH, add_eos: bool = True,
-           templated: Sequence[bool] | None = None) -> Encoded:
+def encode(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    add_eos: bool = True,
+    templated: Sequence[bool] | None = None,
+) -> Encoded:
     """Tokenize prompt and completion separately, concatenate, right-pad; mark the completion tokens.
 
     ``templated[i]``: row i is chat-template text (see :class:`PromptedText`): no special tokens are
@@ -229,7 +247,7 @@ def encode(tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *
     for i, (p, c) in enumerate(rows):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         attn[i, : len(p) + len(c)] = 1
-        comp[i, len(p): len(p) + len(c)] = 1
+        comp[i, len(p) : len(p) + len(c)] = 1
     return Encoded(ids, attn, comp)
 
 
@@ -241,7 +259,7 @@ def _fit(prompt: list[int], completion: list[int], max_length: int) -> tuple[lis
     if len(prompt) + len(completion) <= max_length:
         return prompt, completion
     keep_p = min(len(prompt), max(max_length // 2, max_length - len(completion)))
-    prompt = prompt[:1] + (prompt[len(prompt) - (keep_p - 1):] if keep_p > 1 else [])
+    prompt = prompt[:1] + (prompt[len(prompt) - (keep_p - 1) :] if keep_p > 1 else [])
     return prompt, completion[: max_length - keep_p]
 
 
@@ -270,36 +288,52 @@ def model_mode(model: Any, training: bool) -> Iterator[None]:
         model.train(was)
 
 
-def sequence_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *,
-                      batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH,
-                      templated: Sequence[bool] | None = None) -> list[float]:
+def sequence_logprobs(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    batch_size: int = 8,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    templated: Sequence[bool] | None = None,
+) -> list[float]:
     """log π(completion | prompt) for each pair (sum over completion tokens incl. EOS), in eval mode, batched."""
     out: list[float] = []
     templated = list(templated) if templated is not None else [False] * len(prompts)
     with torch.no_grad(), model_mode(model, False):
         for i in range(0, len(prompts), batch_size):
-            enc = encode(tokenizer, prompts[i: i + batch_size], completions[i: i + batch_size], max_length=max_length,
-                         templated=templated[i: i + batch_size])
+            enc = encode(
+                tokenizer,
+                prompts[i : i + batch_size],
+                completions[i : i + batch_size],
+                max_length=max_length,
+                templated=templated[i : i + batch_size],
+            )
             out.extend(completion_logprobs(model, enc).tolist())
     return out
-
-
 
 
 # ----------------------------------------------------------------------------------------------
 # Training micro-steps: forward + backward; the caller runs optimizer_step after its accumulation.
 
 
-def sft_step(model: Any, tokenizer: Any, batch: Sequence[Any], *, scale: float = 1.0,
-             max_length: int = DEFAULT_MAX_LENGTH) -> StepStats:
+def sft_step(
+    model: Any, tokenizer: Any, batch: Sequence[Any], *, scale: float = 1.0, max_length: int = DEFAULT_MAX_LENGTH
+) -> StepStats:
     """Cross-entropy on the completion tokens only (prompt masked), token mean over the batch; backward(loss·scale).
 
     ``batch``: items with ``prompt`` and ``completion`` (FeedbackItem or mappings). ``scale`` = 1/k for
     gradient accumulation over k micro-batches.
     """
     texts = [prompted_text(tokenizer, b, "completion") for b in batch]
-    enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
-                 templated=[t.templated for t in texts])
+    enc = encode(
+        tokenizer,
+        [t.prompt for t in texts],
+        [t.answer for t in texts],
+        max_length=max_length,
+        templated=[t.templated for t in texts],
+    )
     with model_mode(model, True):
         logps = token_logprobs(model, enc)
     mask = enc.completion_mask[:, 1:].to(logps.device)
@@ -307,8 +341,12 @@ def sft_step(model: Any, tokenizer: Any, batch: Sequence[Any], *, scale: float =
     loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
     (loss * scale).backward()
     loss = loss.detach()
-    return StepStats(loss=loss.item(), samples=len(batch), tokens=int(enc.attention_mask.sum()),
-                     per_sample_loss=per_sample.detach().tolist())
+    return StepStats(
+        loss=loss.item(),
+        samples=len(batch),
+        tokens=int(enc.attention_mask.sum()),
+        per_sample_loss=per_sample.detach().tolist(),
+    )
 
 
 def completion_token_weights(mask: torch.Tensor, first_tokens: int, weight: float) -> torch.Tensor:
@@ -316,34 +354,61 @@ def completion_token_weights(mask: torch.Tensor, first_tokens: int, weight: floa
     completion tokens, 1 on the rest, 0 off the completion (issue 37: an opening phrase is a few tokens among
     many content tokens, which dominate the mean loss)."""
     position = torch.cumsum(mask, dim=1)  # 1 on the first completion token, 2 on the next, ...
-    return mask * torch.where(position <= first_tokens, torch.full_like(mask, weight, dtype=torch.float32),
-                              torch.ones_like(mask, dtype=torch.float32))
+    return mask * torch.where(
+        position <= first_tokens,
+        torch.full_like(mask, weight, dtype=torch.float32),
+        torch.ones_like(mask, dtype=torch.float32),
+    )
 
 
-def sft_step_first_weighted(model: Any, tokenizer: Any, batch: Sequence[Any], *, first_tokens: int, weight: float,
-                            scale: float = 1.0, max_length: int = DEFAULT_MAX_LENGTH) -> StepStats:
+def sft_step_first_weighted(
+    model: Any,
+    tokenizer: Any,
+    batch: Sequence[Any],
+    *,
+    first_tokens: int,
+    weight: float,
+    scale: float = 1.0,
+    max_length: int = DEFAULT_MAX_LENGTH,
+) -> StepStats:
     """:func:`sft_step` with the completion's first ``first_tokens`` tokens weighted ``weight`` in the mean loss
     (Σ w·NLL / Σ w); ``weight`` 1 is exactly :func:`sft_step`."""
     texts = [prompted_text(tokenizer, b, "completion") for b in batch]
-    enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
-                 templated=[t.templated for t in texts])
+    enc = encode(
+        tokenizer,
+        [t.prompt for t in texts],
+        [t.answer for t in texts],
+        max_length=max_length,
+        templated=[t.templated for t in texts],
+    )
     with model_mode(model, True):
         logps = token_logprobs(model, enc)
     w = completion_token_weights(enc.completion_mask[:, 1:].to(logps.device).float(), first_tokens, weight)
     per_sample = -(logps * w).sum(1) / w.sum(1).clamp(min=1e-9)
     loss = -(logps * w).sum() / w.sum().clamp(min=1e-9)
     (loss * scale).backward()
-    return StepStats(loss=loss.detach().item(), samples=len(batch), tokens=int(enc.attention_mask.sum()),
-                     per_sample_loss=per_sample.detach().tolist())
+    return StepStats(
+        loss=loss.detach().item(),
+        samples=len(batch),
+        tokens=int(enc.attention_mask.sum()),
+        per_sample_loss=per_sample.detach().tolist(),
+    )
 
 
-def _dpo_logits(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, max_length: int,
-                grad: bool) -> tuple[torch.Tensor, Encoded]:
+def _dpo_logits(
+    model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, max_length: int, grad: bool
+) -> tuple[torch.Tensor, Encoded]:
     """β·(Δ⁺ − Δ⁻) per pair, Δ = log π_θ(y|x) − log π_ref(y|x), π_ref = the model with its adapter disabled."""
-    texts = ([prompted_text(tokenizer, b, "chosen") for b in batch]
-             + [prompted_text(tokenizer, b, "rejected") for b in batch])  # rows: chosen..., rejected...
-    enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
-                 templated=[t.templated for t in texts])
+    texts = [prompted_text(tokenizer, b, "chosen") for b in batch] + [
+        prompted_text(tokenizer, b, "rejected") for b in batch
+    ]  # rows: chosen..., rejected...
+    enc = encode(
+        tokenizer,
+        [t.prompt for t in texts],
+        [t.answer for t in texts],
+        max_length=max_length,
+        templated=[t.templated for t in texts],
+    )
     # Reference first, without grad and in eval mode (no dropout noise in π_ref); no second weight copy.
     with torch.no_grad(), model_mode(model, False), model.disable_adapter():
         ref = completion_logprobs(model, enc)
@@ -353,8 +418,15 @@ def _dpo_logits(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, m
     return reward_margin(pc, pr, rc, rr, beta), enc
 
 
-def dpo_step(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *, scale: float = 1.0,
-             max_length: int = DEFAULT_MAX_LENGTH) -> StepStats:
+def dpo_step(
+    model: Any,
+    tokenizer: Any,
+    batch: Sequence[Any],
+    beta: float,
+    *,
+    scale: float = 1.0,
+    max_length: int = DEFAULT_MAX_LENGTH,
+) -> StepStats:
     """DPO sigmoid loss −log σ(β·(Δ⁺ − Δ⁻)), mean over pairs (MACE §3.1 L_DPO); runs backward(loss·scale).
 
     MACE writes L_DPO = E[log σ(·)] as the objective to maximise; the loss minimised here is its
@@ -365,19 +437,29 @@ def dpo_step(model: Any, tokenizer: Any, batch: Sequence[Any], beta: float, *, s
     loss = losses.mean()
     (loss * scale).backward()
     loss = loss.detach()
-    return StepStats(loss=loss.item(), samples=len(batch), tokens=int(enc.attention_mask.sum()),
-                     per_sample_loss=losses.detach().tolist(), reward_margin=float(logits.detach().mean()))
-
-
+    return StepStats(
+        loss=loss.item(),
+        samples=len(batch),
+        tokens=int(enc.attention_mask.sum()),
+        per_sample_loss=losses.detach().tolist(),
+        reward_margin=float(logits.detach().mean()),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Adapter versions on disk: <root>/<adapter>/v<version>/, written atomically.
 
 
-def save_adapter_version(model: Any, optimizer: torch.optim.Optimizer | None, root: str | Path,
-                         adapter_name: str, version: int, meta: Mapping[str, Any] | None = None, *,
-                         peft_name: str | None = None) -> Path:
+def save_adapter_version(
+    model: Any,
+    optimizer: torch.optim.Optimizer | None,
+    root: str | Path,
+    adapter_name: str,
+    version: int,
+    meta: Mapping[str, Any] | None = None,
+    *,
+    peft_name: str | None = None,
+) -> Path:
     """Write the adapter (vLLM-loadable peft files), ``optimizer.pt`` and ``meta.json`` to ``v<version>`` atomically.
 
     Everything goes into a temporary sibling directory, every file and the directory are fsynced,
@@ -420,11 +502,12 @@ def write_peft_adapter(model: Any, peft_name: str, out: str | Path) -> None:
     from safetensors.torch import save_file
 
     state = get_peft_model_state_dict(model, adapter_name=peft_name)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
-              str(Path(out) / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to("cpu").contiguous() for k, v in state.items()},
+        str(Path(out) / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     model.peft_config[peft_name].save_pretrained(str(out))
-
-
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -80,8 +80,13 @@ def _item_segments(tokenizer: Any, item: Any, method: str, max_length: int) -> l
         raise ValueError(f"unknown training method {method!r}; expected one of {WINDOW_METHODS}")
     fields = ("chosen", "rejected") if method == "dpo" else ("completion",)  # KTO: the one labelled answer
     texts = [prompted_text(tokenizer, item, f) for f in fields]
-    enc = encode(tokenizer, [t.prompt for t in texts], [t.answer for t in texts], max_length=max_length,
-                 templated=[t.templated for t in texts])
+    enc = encode(
+        tokenizer,
+        [t.prompt for t in texts],
+        [t.answer for t in texts],
+        max_length=max_length,
+        templated=[t.templated for t in texts],
+    )
     out = []
     for ids, attn, comp in zip(enc.input_ids.tolist(), enc.attention_mask.tolist(), enc.completion_mask.tolist()):
         n = sum(attn)  # right-padded: the real tokens are the first n
@@ -102,8 +107,9 @@ def item_loss_tokens(tokenizer: Any, item: Any, method: str, max_length: int = D
     return sum(sum(comp) for _, comp in _item_segments(tokenizer, item, method, max_length))
 
 
-def batch_scales(tokenizer: Any, items: Sequence[Any], method: str, *, scale: float = 1.0,
-                 max_length: int = DEFAULT_MAX_LENGTH) -> list[float]:
+def batch_scales(
+    tokenizer: Any, items: Sequence[Any], method: str, *, scale: float = 1.0, max_length: int = DEFAULT_MAX_LENGTH
+) -> list[float]:
     """Per-item ``scale`` for WindowedPasses whose accumulated gradient equals ``sft_step``/``dpo_step`` on ``items``.
 
     DPO's (and KTO's) batch loss is a mean over items: every item gets ``scale / B``. SFT's is a token mean over
@@ -136,8 +142,9 @@ def _capturing_cache_class() -> type:
             super().__init__(ddp_cache_data=past or None)
             self.new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             self.new_kv[layer_idx] = (key_states, value_states)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -222,8 +229,17 @@ class WindowedPass:
     ``abandon_step`` zeroes them).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, item: Any, method: str, *, beta: float = 0.1,
-                 max_length: int = DEFAULT_MAX_LENGTH, scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        item: Any,
+        method: str,
+        *,
+        beta: float = 0.1,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        scale: float = 1.0,
+    ) -> None:
         self.model, self.method, self.beta, self.scale = model, method, float(beta), float(scale)
         label = item.get("label") if isinstance(item, dict) else getattr(item, "label", None)
         self.label = label if method == "kto" else None
@@ -233,8 +249,11 @@ class WindowedPass:
         self._segments: list[_Segment] = []
         offset = 0
         for ids, comp in _item_segments(tokenizer, item, method, max_length):
-            self._segments.append(_Segment(torch.tensor(ids, device=device),
-                                           torch.tensor(comp[1:], dtype=torch.float32, device=device), offset))
+            self._segments.append(
+                _Segment(
+                    torch.tensor(ids, device=device), torch.tensor(comp[1:], dtype=torch.float32, device=device), offset
+                )
+            )
             offset += len(ids)
         self.length: int = offset
         self.work: int = 2 * offset
@@ -268,8 +287,10 @@ class WindowedPass:
         """Forward tokens [done, end) of the stream on top of the earlier windows' KV; keep the graph for the backward."""
         self._check_open()
         if not self.done < end <= self.length:
-            raise ValueError(f"forward(end={end}) needs {self.done} < end <= {self.length}: the item's stream has "
-                             f"{self.length} tokens and {self.done} are forwarded already")
+            raise ValueError(
+                f"forward(end={end}) needs {self.done} < end <= {self.length}: the item's stream has "
+                f"{self.length} tokens and {self.done} are forwarded already"
+            )
         for k, seg in enumerate(self._segments):
             a, b = max(self.done, seg.offset) - seg.offset, min(end, seg.offset + seg.length) - seg.offset
             if a < b:
@@ -285,8 +306,9 @@ class WindowedPass:
             if seg.ref_cache is None:
                 seg.ref_cache = DynamicCache()
             with torch.no_grad(), model_mode(self.model, False), self.model.disable_adapter():
-                logits = self.model(input_ids=ids, position_ids=positions, past_key_values=seg.ref_cache,
-                                    use_cache=True).logits
+                logits = self.model(
+                    input_ids=ids, position_ids=positions, past_key_values=seg.ref_cache, use_cache=True
+                ).logits
                 ref = self._logp_sum(logits, seg, a, b)
             seg.ref_logp = ref if seg.ref_logp is None else seg.ref_logp + ref
         past = [(torch.cat(kv[0::2], dim=-2), torch.cat(kv[1::2], dim=-2)) for kv in seg.past]
@@ -306,8 +328,7 @@ class WindowedPass:
         handles = [layer.register_forward_hook(cut) for layer in decoder_layers(self.model)]
         try:
             with model_mode(self.model, True):
-                logits = self.model(input_ids=ids, position_ids=positions, past_key_values=cache,
-                                    use_cache=True).logits
+                logits = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
         finally:
             for h in handles:
                 h.remove()
@@ -334,9 +355,9 @@ class WindowedPass:
         if m <= 0:
             return logits.new_zeros((), dtype=torch.float32)
         lg = logits[0, :m].float()
-        target = seg.ids[a + 1: a + 1 + m]
+        target = seg.ids[a + 1 : a + 1 + m]
         logps = lg.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1)
-        return (logps * seg.target_mask[a: a + m]).sum()
+        return (logps * seg.target_mask[a : a + m]).sum()
 
     # ---- backward -------------------------------------------------------------------------------
 
@@ -403,8 +424,11 @@ class WindowedPass:
             loss = pair_losses(margin)
         self._seeds = list(torch.autograd.grad(loss * self.scale, sums))
         value = float(loss.detach())
-        self.stats = (WindowStats(loss=value, tokens=self.length) if margin is None else
-                      WindowStats(loss=value, tokens=self.length, dpo_loss=value, reward_margin=float(margin.detach())))
+        self.stats = (
+            WindowStats(loss=value, tokens=self.length)
+            if margin is None
+            else WindowStats(loss=value, tokens=self.length, dpo_loss=value, reward_margin=float(margin.detach()))
+        )
         for seg in self._segments:  # the forward is over: its caches are no longer read
             seg.past, seg.ref_cache = [], None
         weights = level_weights(self.model)
@@ -424,7 +448,9 @@ class WindowedPass:
         else:
             layer = len(piece.hidden) - level
             out, leaf = piece.hidden[layer]
-            if out is not None and leaf is not None and leaf.grad is not None:  # None: nothing above this window's layer reached it
+            if (
+                out is not None and leaf is not None and leaf.grad is not None
+            ):  # None: nothing above this window's layer reached it
                 tensors.append(out)
                 grads.append(leaf.grad)
             for kv_out, kv_leaf in piece.kv[layer]:

@@ -30,25 +30,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, ParamSpec, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 import ray
 
-from actors.learning.versions.layout import (
-    CACHE_DIRNAME,
-    OPTIMIZER_FILE,
-    cache_root_for,
-    is_uri,
-    read_version_files,
-    remove_version,
-    remove_version_file,
-    version_dir,
-    write_version_files,
-)
-from settings import AppConfig
 from actors.learning.store.completion_rows import FeedbackRef, StoredCompletion
-from actors.learning.store.models import AdapterSpec, GateSettings
 from actors.learning.store.feedback_items import RawItems
+from actors.learning.store.models import AdapterSpec, GateSettings
 from actors.learning.store.records import (
     AdapterInfo,
     FeedbackItem,
@@ -61,6 +50,18 @@ from actors.learning.store.records import (
     VersionWritten,
 )
 from actors.learning.store.sqlite import IDEMPOTENCY_TTL_S, FeedbackDatabase
+from actors.learning.versions.layout import (
+    CACHE_DIRNAME,
+    OPTIMIZER_FILE,
+    cache_root_for,
+    is_uri,
+    read_version_files,
+    remove_version,
+    remove_version_file,
+    version_dir,
+    write_version_files,
+)
+from settings import AppConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,20 @@ def settings_key(config: AppConfig) -> str:
     may resolve ``data_dir`` to a directory of its own (``COSERVE_DATA_DIR``), so the planner's node
     and the store's node see different paths for the same setting.
     """
-    return json.dumps({"data_dir": config.data_dir, "storage": config.storage.model_dump(),
-                       "gate": config.training.gate.model_dump(),
-                       "limits": [config.limits.feedback_max_items, config.limits.feedback_max_item_bytes,
-                                  config.limits.adapters_per_tenant],
-                       "keep_versions": config.training.keep_versions},
-                      sort_keys=True)
+    return json.dumps(
+        {
+            "data_dir": config.data_dir,
+            "storage": config.storage.model_dump(),
+            "gate": config.training.gate.model_dump(),
+            "limits": [
+                config.limits.feedback_max_items,
+                config.limits.feedback_max_item_bytes,
+                config.limits.adapters_per_tenant,
+            ],
+            "keep_versions": config.training.keep_versions,
+        },
+        sort_keys=True,
+    )
 
 
 class FeedbackStore:
@@ -95,11 +104,14 @@ class FeedbackStore:
         self.data_dir = config.data_path
         self.adapters_root = config.adapters_path
         self.adapters_uri = config.storage.adapters_uri  # where versions are written, when set (an upload's too)
-        self.db = FeedbackDatabase(self.data_dir, gate_defaults=config.training.gate.model_dump(),
-                                   max_item_bytes=config.limits.feedback_max_item_bytes,
-                                   max_batch_items=config.limits.feedback_max_items,
-                                   max_adapters_per_tenant=config.limits.adapters_per_tenant,
-                                   keep_versions=config.training.keep_versions)
+        self.db = FeedbackDatabase(
+            self.data_dir,
+            gate_defaults=config.training.gate.model_dump(),
+            max_item_bytes=config.limits.feedback_max_item_bytes,
+            max_batch_items=config.limits.feedback_max_items,
+            max_adapters_per_tenant=config.limits.adapters_per_tenant,
+            keep_versions=config.training.keep_versions,
+        )
         self.cache_root = self.data_dir / CACHE_DIRNAME  # this node's copies of versions kept at a URI
         self._settings = settings_key(config)
         self._changes = 0  # raised by every write that can give the trainer work (see wait_for_change)
@@ -157,7 +169,7 @@ class FeedbackStore:
         async with cond:
             try:
                 await asyncio.wait_for(cond.wait_for(lambda: self._changes > seen), timeout=timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self._changes
 
@@ -169,7 +181,7 @@ class FeedbackStore:
         async with cond:
             try:
                 await asyncio.wait_for(cond.wait_for(lambda: self._served_change != seen), timeout=timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             change = self._served_change
         return ServedState(change, await self._in_thread(self.db.served))
@@ -206,20 +218,38 @@ class FeedbackStore:
         """``items``: feedback as the client sent it; the database validates it (400 for a bad item)."""
         return await self._write(lambda: self.db.add_feedback(items, nodes))
 
-    async def submit_feedback(self, items: RawItems, nodes: list[int | None] | None = None, *,
-                              idempotency_key: str | None = None, tenant: str | None = None,
-                              key_ttl_s: float = IDEMPOTENCY_TTL_S, refs: list[FeedbackRef | None] | None = None,
-                              tokens: list[int] | None = None, tokens_per_day: int | None = None) -> FeedbackReceipt:
+    async def submit_feedback(
+        self,
+        items: RawItems,
+        nodes: list[int | None] | None = None,
+        *,
+        idempotency_key: str | None = None,
+        tenant: str | None = None,
+        key_ttl_s: float = IDEMPOTENCY_TTL_S,
+        refs: list[FeedbackRef | None] | None = None,
+        tokens: list[int] | None = None,
+        tokens_per_day: int | None = None,
+    ) -> FeedbackReceipt:
         """``FeedbackDatabase.submit_feedback``: with a key, a call Ray (or the caller) sends again stores once."""
-        return await self._write(lambda: self.db.submit_feedback(
-            items, nodes, idempotency_key=idempotency_key, tenant=tenant, key_ttl_s=key_ttl_s, refs=refs,
-            tokens=tokens, tokens_per_day=tokens_per_day))
+        return await self._write(
+            lambda: self.db.submit_feedback(
+                items,
+                nodes,
+                idempotency_key=idempotency_key,
+                tenant=tenant,
+                key_ttl_s=key_ttl_s,
+                refs=refs,
+                tokens=tokens,
+                tokens_per_day=tokens_per_day,
+            )
+        )
 
     async def training_tokens(self, since: float = 0.0) -> dict[str, int]:
         return await self._in_thread(self.db.training_tokens, since)
 
-    async def take(self, adapter: str, limit: int, exclude_ids: Iterable[int] = (),
-                   node: int | None = None) -> list[FeedbackItem]:
+    async def take(
+        self, adapter: str, limit: int, exclude_ids: Iterable[int] = (), node: int | None = None
+    ) -> list[FeedbackItem]:
         return await self._in_thread(self.db.take, adapter, limit, list(exclude_ids), node)
 
     async def queue_summary(self, node: int | None = None) -> dict[str, tuple[int, float]]:
@@ -242,16 +272,18 @@ class FeedbackStore:
     async def store_completion(self, record: StoredCompletion, keep_days: float | None = None) -> None:
         await self._in_thread(self.db.store_completion, record, keep_days)  # wakes nobody: no training, nothing served
 
-    async def get_completion(self, completion_id: str, tenant: str | None,
-                             keep_days: float | None = None) -> StoredCompletion:
+    async def get_completion(
+        self, completion_id: str, tenant: str | None, keep_days: float | None = None
+    ) -> StoredCompletion:
         return await self._in_thread(self.db.get_completion, completion_id, tenant, keep_days)
 
     @ray.method(max_task_retries=0)  # a resent delete would answer 404 for the caller's own deletion
     async def delete_completion(self, completion_id: str, tenant: str | None) -> None:
         await self._in_thread(self.db.delete_completion, completion_id, tenant)
 
-    async def resolve_feedback_refs(self, items: list[Any], tenant: str | None,
-                                    keep_days: float | None = None) -> tuple[list[Any], list[FeedbackRef | None]]:
+    async def resolve_feedback_refs(
+        self, items: list[Any], tenant: str | None, keep_days: float | None = None
+    ) -> tuple[list[Any], list[FeedbackRef | None]]:
         """``items``: feedback as the client sent it, those given by ``completion_id`` replaced by what they name."""
         return await self._in_thread(self.db.resolve_feedback_refs, items, tenant, keep_days)
 
@@ -260,25 +292,45 @@ class FeedbackStore:
     async def reserve_version(self, adapter: str, node: int | None = None) -> VersionInfo:
         return await self._in_thread(self.db.reserve_version, adapter, node)
 
-    async def publish_version(self, adapter: str, version: int, path: str, item_ids: Iterable[int],
-                              samples_trained: int, loss: float | None, *, gated: bool | None = None) -> VersionWritten:
+    async def publish_version(
+        self,
+        adapter: str,
+        version: int,
+        path: str,
+        item_ids: Iterable[int],
+        samples_trained: int,
+        loss: float | None,
+        *,
+        gated: bool | None = None,
+    ) -> VersionWritten:
         """Publish a reserved version in one transaction (``FeedbackDatabase.publish_version``), then retention."""
         ids = list(item_ids)
-        written = await self._write_version(lambda: self.db.publish_version(
-            adapter, version, path, ids, samples_trained, loss, gated=gated))
+        written = await self._write_version(
+            lambda: self.db.publish_version(adapter, version, path, ids, samples_trained, loss, gated=gated)
+        )
         await self._prune_quietly(adapter)
         return written
 
     @ray.method(max_task_retries=0)  # not idempotent: a resent upload would publish a second version
-    async def add_version(self, adapter: str, files: dict[str, bytes], meta: UploadMeta, *,
-                          gated: bool | None = None, note: str | None = None) -> VersionInfo:
+    async def add_version(
+        self,
+        adapter: str,
+        files: dict[str, bytes],
+        meta: UploadMeta,
+        *,
+        gated: bool | None = None,
+        note: str | None = None,
+    ) -> VersionInfo:
         """An uploaded adapter version, already checked, reserved, written and published as a trained one
         (actors/learning/store/uploads.py). Wakes the trainer (``work``): its gate judges a candidate."""
         from actors.learning.store.uploads import add_uploaded_version
 
         added = await self._write(
-            lambda: add_uploaded_version(self.db, self.adapters_root, self.adapters_uri, adapter, files, meta,
-                                         gated=gated, note=note), serves=True)
+            lambda: add_uploaded_version(
+                self.db, self.adapters_root, self.adapters_uri, adapter, files, meta, gated=gated, note=note
+            ),
+            serves=True,
+        )
         await self._prune_quietly(adapter)
         return added
 
@@ -292,22 +344,47 @@ class FeedbackStore:
         """The gate's verdict in one transaction (``FeedbackDatabase.decide_version``), then retention. Wakes the
         trainer too: a decision lets it go on with that adapter (or stop it, when it pauses)."""
         s = verdict.scores
-        decided = await self._write_version(lambda: self.db.decide_version(
-            adapter, version, passed=verdict.passed, reason=verdict.reason, score=s.score,
-            baseline_version=verdict.baseline_version, baseline_score=verdict.baseline_score, win_rate=s.win_rate,
-            clpd=s.clpd, token_logprob=s.token_logprob, eval_items=s.eval_items, retention=s.retention,
-            retention_base=s.retention_base, retention_prompts=s.retention_prompts, score_s=s.score_s,
-            counts=verdict.counts))
+        decided = await self._write_version(
+            lambda: self.db.decide_version(
+                adapter,
+                version,
+                passed=verdict.passed,
+                reason=verdict.reason,
+                score=s.score,
+                baseline_version=verdict.baseline_version,
+                baseline_score=verdict.baseline_score,
+                win_rate=s.win_rate,
+                clpd=s.clpd,
+                token_logprob=s.token_logprob,
+                eval_items=s.eval_items,
+                retention=s.retention,
+                retention_base=s.retention_base,
+                retention_prompts=s.retention_prompts,
+                score_s=s.score_s,
+                counts=verdict.counts,
+            )
+        )
         await self._prune_quietly(adapter)
         return decided
 
     async def record_scores(self, adapter: str, version: int, scores: VersionScores) -> VersionInfo:
         """Scores measured for a version served without the gate; None keeps a stored value."""
         s = scores
-        return await self._in_thread(lambda: self.db.record_scores(
-            adapter, version, score=s.score, win_rate=s.win_rate, clpd=s.clpd, token_logprob=s.token_logprob,
-            eval_items=s.eval_items, retention=s.retention, retention_base=s.retention_base,
-            retention_prompts=s.retention_prompts, score_s=s.score_s))
+        return await self._in_thread(
+            lambda: self.db.record_scores(
+                adapter,
+                version,
+                score=s.score,
+                win_rate=s.win_rate,
+                clpd=s.clpd,
+                token_logprob=s.token_logprob,
+                eval_items=s.eval_items,
+                retention=s.retention,
+                retention_base=s.retention_base,
+                retention_prompts=s.retention_prompts,
+                score_s=s.score_s,
+            )
+        )
 
     async def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float) -> VersionInfo:
         return await self._in_thread(self.db.record_eval, adapter, version, win_rate, clpd)
@@ -335,8 +412,11 @@ class FeedbackStore:
             gone = await asyncio.to_thread(self._remove_files, adapter, leftovers)
             await self._in_thread(self.db.forget_version_paths, adapter, gone)
         info = await self._in_thread(self.db.get_adapter, adapter)
-        resume = {info.current_version, *info.node_versions.values(),
-                  *(v.version for v in info.versions if v.state == "candidate")}
+        resume = {
+            info.current_version,
+            *info.node_versions.values(),
+            *(v.version for v in info.versions if v.state == "candidate"),
+        }
         if info.versions:
             resume.add(info.versions[-1].version)
         stale = [v.path for v in info.versions if v.version not in resume and v.path]
@@ -364,8 +444,9 @@ class FeedbackStore:
                         remove_version(cached.parents[1], str(cached))
                 done.append(version)
             except Exception:
-                logger.exception("adapter %s v%d: removing %s failed; tried again at the next prune",
-                                 adapter, version, location)
+                logger.exception(
+                    "adapter %s v%d: removing %s failed; tried again at the next prune", adapter, version, location
+                )
         return done
 
     def _drop_optimizer_state(self, locations: list[str]) -> None:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from actors.learning.store.connection import StoreConnection, validate_as
 from actors.learning.store.models import (
     AdapterExists,
     AdapterQuotaExceeded,
@@ -20,9 +21,8 @@ from actors.learning.store.models import (
     split_adapter_key,
 )
 from actors.learning.store.records import AdapterInfo
-from actors.learning.store.unit_kind import unit_kind
-from actors.learning.store.connection import StoreConnection, validate_as
 from actors.learning.store.schema import ADAPTER_COLUMNS, UPDATABLE
+from actors.learning.store.unit_kind import unit_kind
 
 
 class AdapterRegistry(StoreConnection):
@@ -40,26 +40,48 @@ class AdapterRegistry(StoreConnection):
                 raise AdapterExists(f"adapter {spec.name!r} already exists")
             cap = self.max_adapters_per_tenant
             # Counted in the insert's transaction: concurrent creates cannot both take the last place.
-            if cap is not None and db.execute("SELECT COUNT(*) FROM adapters WHERE tenant IS ?",
-                                              (spec.tenant,)).fetchone()[0] >= cap:
+            if (
+                cap is not None
+                and db.execute("SELECT COUNT(*) FROM adapters WHERE tenant IS ?", (spec.tenant,)).fetchone()[0] >= cap
+            ):
                 owner = f"tenant {spec.tenant!r}" if spec.tenant is not None else "this deployment (no API keys)"
-                raise AdapterQuotaExceeded(f"{owner} has {cap} adapters, the most limits.adapters_per_tenant allows; "
-                                           "the operator can raise the limit")
+                raise AdapterQuotaExceeded(
+                    f"{owner} has {cap} adapters, the most limits.adapters_per_tenant allows; "
+                    "the operator can raise the limit"
+                )
             kind = unit_kind(spec.method)
             if kind.one_per_deployment:
                 # A full unit changes the base model every request is served with: one per deployment.
                 methods = sorted(kind.methods)
-                other = db.execute(f"SELECT name FROM adapters WHERE method IN ({','.join('?' * len(methods))})",
-                                   methods).fetchone()
+                other = db.execute(
+                    f"SELECT name FROM adapters WHERE method IN ({','.join('?' * len(methods))})", methods
+                ).fetchone()
                 if other:
-                    raise FullUnitExists(f"full unit {other[0]!r} already trains this deployment's model; "
-                                         "at most one full_sft/full_dpo unit per deployment")
+                    raise FullUnitExists(
+                        f"full unit {other[0]!r} already trains this deployment's model; "
+                        "at most one full_sft/full_dpo unit per deployment"
+                    )
             db.execute(
                 f"INSERT INTO adapters ({ADAPTER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (key, spec.method, spec.beta, spec.learning_rate, spec.lora.r, spec.lora.alpha,
-                 json.dumps(spec.lora.target_modules), spec.lora.dropout, spec.mode, spec.periodic.every_seconds,
-                 spec.periodic.every_samples, None, time.time(), spec.epochs, spec.tenant, spec.warmup_steps,
-                 int(spec.store_completions)),
+                (
+                    key,
+                    spec.method,
+                    spec.beta,
+                    spec.learning_rate,
+                    spec.lora.r,
+                    spec.lora.alpha,
+                    json.dumps(spec.lora.target_modules),
+                    spec.lora.dropout,
+                    spec.mode,
+                    spec.periodic.every_seconds,
+                    spec.periodic.every_samples,
+                    None,
+                    time.time(),
+                    spec.epochs,
+                    spec.tenant,
+                    spec.warmup_steps,
+                    int(spec.store_completions),
+                ),
             )
             db.execute("UPDATE adapters SET gate = ? WHERE name = ?", (_overrides_json(spec.gate), key))
             return self._adapter_info(db, key)
@@ -76,12 +98,14 @@ class AdapterRegistry(StoreConnection):
             raise InvalidRequest("body: a JSON object with at least one of " + ", ".join(sorted(UPDATABLE)))
         fixed = sorted(set(changes) - UPDATABLE)
         if fixed:
-            raise InvalidRequest([f"{k}: cannot be changed after creation (updatable: {', '.join(sorted(UPDATABLE))})"
-                                  for k in fixed])
+            raise InvalidRequest(
+                [f"{k}: cannot be changed after creation (updatable: {', '.join(sorted(UPDATABLE))})" for k in fixed]
+            )
         with self._tx() as db:
             info = self._adapter_info(db, name)
-            current = info.model_dump(include={"method", "beta", "learning_rate", "lora", "mode", "periodic", "epochs",
-                                               "warmup_steps"})
+            current = info.model_dump(
+                include={"method", "beta", "learning_rate", "lora", "mode", "periodic", "epochs", "warmup_steps"}
+            )
             current["name"] = split_adapter_key(name)[1]  # a spec names the adapter without its tenant
             if "periodic" in changes and isinstance(changes["periodic"], Mapping):
                 changes = {**changes, "periodic": {**current["periodic"], **changes["periodic"]}}
@@ -96,15 +120,28 @@ class AdapterRegistry(StoreConnection):
                 gate = validate_as(GateOverrides, {k: v for k, v in merged.items() if v is not None}, "gate")
             if paused is not None and not isinstance(paused, bool):
                 raise InvalidRequest("paused: expected true or false")
-            db.execute("UPDATE adapters SET mode = ?, learning_rate = ?, beta = ?, periodic_every_seconds = ?, "
-                       "periodic_every_samples = ?, gate = ?, epochs = ?, warmup_steps = ? WHERE name = ?",
-                       (spec.mode, spec.learning_rate, spec.beta, spec.periodic.every_seconds,
-                        spec.periodic.every_samples, _overrides_json(gate), spec.epochs, spec.warmup_steps, name))
+            db.execute(
+                "UPDATE adapters SET mode = ?, learning_rate = ?, beta = ?, periodic_every_seconds = ?, "
+                "periodic_every_samples = ?, gate = ?, epochs = ?, warmup_steps = ? WHERE name = ?",
+                (
+                    spec.mode,
+                    spec.learning_rate,
+                    spec.beta,
+                    spec.periodic.every_seconds,
+                    spec.periodic.every_samples,
+                    _overrides_json(gate),
+                    spec.epochs,
+                    spec.warmup_steps,
+                    name,
+                ),
+            )
             if paused is False:
                 db.execute("UPDATE adapters SET paused_reason = NULL, rejections_in_row = 0 WHERE name = ?", (name,))
             elif paused is True and info.paused_reason is None:
-                db.execute("UPDATE adapters SET paused_reason = ? WHERE name = ?",
-                           ("paused through PATCH /v1/adapters (send {\"paused\": false} to resume)", name))
+                db.execute(
+                    "UPDATE adapters SET paused_reason = ? WHERE name = ?",
+                    ('paused through PATCH /v1/adapters (send {"paused": false} to resume)', name),
+                )
             return self._adapter_info(db, name)
 
     def pause_adapter(self, name: str, reason: str) -> AdapterInfo:
@@ -143,4 +180,3 @@ class AdapterRegistry(StoreConnection):
 def _overrides_json(gate: GateOverrides) -> str | None:
     own = gate.model_dump(exclude_none=True)
     return json.dumps(own) if own else None
-

@@ -85,16 +85,39 @@ class StoredCompletion:
     created_at: float
 
     @classmethod
-    def admitted(cls, tenant: str, object: str, model: str, adapter: str | None, version: int | None, prompt: str,
-                 messages: tuple[ChatMessage, ...] | None, params: SamplingParams) -> StoredCompletion:
+    def admitted(
+        cls,
+        tenant: str,
+        object: str,
+        model: str,
+        adapter: str | None,
+        version: int | None,
+        prompt: str,
+        messages: tuple[ChatMessage, ...] | None,
+        params: SamplingParams,
+    ) -> StoredCompletion:
         """What is known of a request when it is admitted; :meth:`answered` adds the engine's answer."""
         return cls("", tenant, object, model, adapter, version, prompt, messages, "", None, None, None, params, 0.0)
 
-    def answered(self, completion_id: str, output: str, finish_reason: str | None, prompt_tokens: int | None,
-                 completion_tokens: int | None, at: float) -> StoredCompletion:
+    def answered(
+        self,
+        completion_id: str,
+        output: str,
+        finish_reason: str | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        at: float,
+    ) -> StoredCompletion:
         """This admitted request with the engine's answer: the record to store."""
-        return replace(self, id=completion_id, output=output, finish_reason=finish_reason,
-                       prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, created_at=at)
+        return replace(
+            self,
+            id=completion_id,
+            output=output,
+            finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            created_at=at,
+        )
 
     def turns(self) -> list[dict[str, str]] | None:
         """The chat turns as JSON (a feedback item's ``messages``, the stored column, the API's answer)."""
@@ -104,8 +127,22 @@ class StoredCompletion:
     def from_row(cls, row: Sequence[Any]) -> StoredCompletion:
         (id_, tenant, obj, model, adapter, version, prompt, messages, output, finish, pt, ct, params, created) = row
         turns = None if messages is None else tuple(ChatMessage(**m) for m in json.loads(messages))
-        return cls(id_, tenant, obj, model, adapter, version, prompt, turns, output, finish, pt, ct,
-                   SamplingParams(**json.loads(params)), created)
+        return cls(
+            id_,
+            tenant,
+            obj,
+            model,
+            adapter,
+            version,
+            prompt,
+            turns,
+            output,
+            finish,
+            pt,
+            ct,
+            SamplingParams(**json.loads(params)),
+            created,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +164,27 @@ class CompletionRows(StoreConnection):
                 db.execute("DELETE FROM completions WHERE created_at < ?", (time.time() - keep_days * 86400.0,))
             db.execute(
                 f"INSERT OR REPLACE INTO completions ({COMPLETION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (record.id, record.tenant, record.object, record.model, record.adapter, record.version, record.prompt,
-                 None if record.messages is None else json.dumps(record.turns()), record.output,
-                 record.finish_reason, record.prompt_tokens, record.completion_tokens,
-                 json.dumps(record.params.given(), sort_keys=True), record.created_at))
+                (
+                    record.id,
+                    record.tenant,
+                    record.object,
+                    record.model,
+                    record.adapter,
+                    record.version,
+                    record.prompt,
+                    None if record.messages is None else json.dumps(record.turns()),
+                    record.output,
+                    record.finish_reason,
+                    record.prompt_tokens,
+                    record.completion_tokens,
+                    json.dumps(record.params.given(), sort_keys=True),
+                    record.created_at,
+                ),
+            )
 
-    def get_completion(self, completion_id: str, tenant: str | None, keep_days: float | None = None) -> StoredCompletion:
+    def get_completion(
+        self, completion_id: str, tenant: str | None, keep_days: float | None = None
+    ) -> StoredCompletion:
         """The stored completion ``completion_id`` of ``tenant`` (None: local mode); :class:`UnknownCompletion`
         (404) for a missing one, another tenant's, or one older than ``keep_days``."""
         with self._tx(write=False) as db:
@@ -142,22 +194,29 @@ class CompletionRows(StoreConnection):
         """Delete the tenant's stored completion; :class:`UnknownCompletion` (404) as :meth:`get_completion`.
         Feedback already given on it keeps its own copy of the texts."""
         with self._tx() as db:
-            if db.execute("DELETE FROM completions WHERE id = ? AND tenant = ?",
-                          (completion_id, tenant or "")).rowcount == 0:
+            if (
+                db.execute(
+                    "DELETE FROM completions WHERE id = ? AND tenant = ?", (completion_id, tenant or "")
+                ).rowcount
+                == 0
+            ):
                 raise UnknownCompletion(f"no stored completion {completion_id!r}")
 
-    def _completion(self, db: Any, completion_id: Any, tenant: str | None,
-                    keep_days: float | None = None) -> StoredCompletion:
+    def _completion(
+        self, db: Any, completion_id: Any, tenant: str | None, keep_days: float | None = None
+    ) -> StoredCompletion:
         if not isinstance(completion_id, str) or not completion_id:
             raise InvalidRequest("completion_id: a completion's id (a string) is required", param="completion_id")
-        row = db.execute(f"SELECT {COMPLETION_COLUMNS} FROM completions WHERE id = ? AND tenant = ?",
-                         (completion_id, tenant or "")).fetchone()
+        row = db.execute(
+            f"SELECT {COMPLETION_COLUMNS} FROM completions WHERE id = ? AND tenant = ?", (completion_id, tenant or "")
+        ).fetchone()
         if row is None or (keep_days is not None and row[-1] < time.time() - keep_days * 86400.0):
             raise UnknownCompletion(f"no stored completion {completion_id!r}")
         return StoredCompletion.from_row(row)
 
-    def resolve_feedback_refs(self, items: Sequence[Any], tenant: str | None,
-                              keep_days: float | None = None) -> tuple[list[Any], list[FeedbackRef | None]]:
+    def resolve_feedback_refs(
+        self, items: Sequence[Any], tenant: str | None, keep_days: float | None = None
+    ) -> tuple[list[Any], list[FeedbackRef | None]]:
         """Each item that names a ``completion_id`` as the item it stands for, with where it came from.
 
         - ``{"completion_id", "rating": "up" | "down"}``: a label (KTO) of the completion's answer;
@@ -171,7 +230,9 @@ class CompletionRows(StoreConnection):
         completion that is missing or another tenant's; every problem of the batch at once, by index.
         """
         single = isinstance(items, Mapping)
-        listed = [items] if single else list(items) if isinstance(items, Sequence) and not isinstance(items, str) else None
+        listed = (
+            [items] if single else list(items) if isinstance(items, Sequence) and not isinstance(items, str) else None
+        )
         if listed is None:
             return items, []
         out: list[Any] = []
@@ -204,35 +265,46 @@ class CompletionRows(StoreConnection):
             raise UnknownCompletion("; ".join(missing[:10]))
         return (out[0] if single else out), refs
 
-    def _resolve_one(self, db: Any, raw: Mapping[str, Any], tenant: str | None,
-                     keep_days: float | None) -> tuple[dict[str, Any], FeedbackRef]:
+    def _resolve_one(
+        self, db: Any, raw: Mapping[str, Any], tenant: str | None, keep_days: float | None
+    ) -> tuple[dict[str, Any], FeedbackRef]:
         extra = sorted(set(raw) - REF_KEYS)
         if extra:
-            raise InvalidRequest(f"{extra[0]}: unknown field beside completion_id (an item on a stored completion "
-                                 f"takes {', '.join(sorted(REF_KEYS))})", param=extra[0])
+            raise InvalidRequest(
+                f"{extra[0]}: unknown field beside completion_id (an item on a stored completion "
+                f"takes {', '.join(sorted(REF_KEYS))})",
+                param=extra[0],
+            )
         shapes = [k for k in REF_SHAPES if k in raw]
         if len(shapes) != 1:
-            raise InvalidRequest("rating: give exactly one of rating (up/down), correction (a text) or preferred_over "
-                                 "(another completion_id) with completion_id", param="rating")
+            raise InvalidRequest(
+                "rating: give exactly one of rating (up/down), correction (a text) or preferred_over "
+                "(another completion_id) with completion_id",
+                param="rating",
+            )
         shape = shapes[0]
         value = raw[shape]
         if shape == "rating" and (not isinstance(value, str) or value not in RATINGS):
-            raise InvalidRequest("rating: must be \"up\" or \"down\"", param="rating")
+            raise InvalidRequest('rating: must be "up" or "down"', param="rating")
         if shape == "correction" and (not isinstance(value, str) or not value.strip()):
             raise InvalidRequest("correction: a non-blank text is required", param="correction")
         if shape == "preferred_over" and (not isinstance(value, str) or value == raw["completion_id"]):
-            raise InvalidRequest("preferred_over: the id of another stored completion of the same prompt",
-                                 param="preferred_over")
+            raise InvalidRequest(
+                "preferred_over: the id of another stored completion of the same prompt", param="preferred_over"
+            )
         done = self._completion(db, raw["completion_id"], tenant, keep_days)
         if shape != "correction" and not done.output.strip():
-            raise InvalidRequest(f"completion_id: completion {done.id!r} answered nothing (an empty answer); there "
-                                 "is nothing to rate or prefer", param="completion_id")
+            raise InvalidRequest(
+                f"completion_id: completion {done.id!r} answered nothing (an empty answer); there "
+                "is nothing to rate or prefer",
+                param="completion_id",
+            )
         adapter = raw.get("adapter", done.adapter)
         if not isinstance(adapter, str) or not adapter:
-            raise InvalidRequest("adapter: the completion was answered by the base model; name the adapter to train",
-                                 param="adapter")
-        context: dict[str, Any] = ({"messages": done.turns()} if done.messages is not None
-                                   else {"prompt": done.prompt})
+            raise InvalidRequest(
+                "adapter: the completion was answered by the base model; name the adapter to train", param="adapter"
+            )
+        context: dict[str, Any] = {"messages": done.turns()} if done.messages is not None else {"prompt": done.prompt}
         item: dict[str, Any] = {"adapter": adapter, **context}
         if shape == "rating":
             item.update(completion=done.output, label=RATINGS[value])
@@ -241,9 +313,11 @@ class CompletionRows(StoreConnection):
         else:
             other = self._completion(db, value, tenant, keep_days)
             if (other.prompt, other.messages) != (done.prompt, done.messages):
-                raise InvalidRequest(f"preferred_over: completion {value!r} answered another prompt than "
-                                     f"{done.id!r}; a preference pair compares two answers to one prompt",
-                                     param="preferred_over")
+                raise InvalidRequest(
+                    f"preferred_over: completion {value!r} answered another prompt than "
+                    f"{done.id!r}; a preference pair compares two answers to one prompt",
+                    param="preferred_over",
+                )
             item.update(chosen=done.output, rejected=other.output)
         # The base model's answer is the adapter's version 0 (a fresh LoRA adds nothing); another adapter's: unknown.
         answered = done.version if done.adapter == adapter else 0 if done.adapter is None else None
@@ -252,8 +326,9 @@ class CompletionRows(StoreConnection):
     def prune_completions(self, keep_days: float) -> int:
         """Delete completions older than ``keep_days``; how many went."""
         with self._tx() as db:
-            return db.execute("DELETE FROM completions WHERE created_at < ?",
-                              (time.time() - keep_days * 86400.0,)).rowcount
+            return db.execute(
+                "DELETE FROM completions WHERE created_at < ?", (time.time() - keep_days * 86400.0,)
+            ).rowcount
 
 
 def _param(error: str) -> str | None:

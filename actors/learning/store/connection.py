@@ -1,4 +1,5 @@
-"""StoreConnection: the feedback store's one SQLite connection, its transactions and migrations, and the row reads every part of the store shares."""
+"""StoreConnection: the feedback store's one SQLite connection, its transactions and migrations, and the row reads
+every part of the store shares."""
 
 from __future__ import annotations
 
@@ -24,22 +25,39 @@ from actors.learning.store.models import (
     StoreError,
     UnknownAdapter,
     UnknownVersion,
+    adapter_key,
     pydantic_error,
     pydantic_param,
-    adapter_key,
 )
 from actors.learning.store.records import AdapterInfo, VersionInfo
-from actors.learning.store.schema import (ADAPTER_COLUMNS, ADDED_COLUMNS, NEW_METHODS_CHECK, OLD_KINDS_CHECK,
-                                   OLD_METHODS_CHECKS, SCHEMA, VERSION_COLUMNS, DB_FILENAME, SCHEMA_VERSION)
+from actors.learning.store.schema import (
+    ADAPTER_COLUMNS,
+    ADDED_COLUMNS,
+    DB_FILENAME,
+    NEW_METHODS_CHECK,
+    OLD_KINDS_CHECK,
+    OLD_METHODS_CHECKS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    VERSION_COLUMNS,
+)
 
 
 class StoreConnection:
     """One SQLite file opened, migrated and guarded by a lock; the base of every part of :class:`FeedbackDatabase`."""
 
-    def __init__(self, data_dir: str | Path, *, filename: str = DB_FILENAME,
-                 max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES, max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,
-                 busy_timeout_s: float = 10.0, gate_defaults: GateSettings | Mapping[str, Any] | None = None,
-                 max_adapters_per_tenant: int | None = None, keep_versions: int | None = None):
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        filename: str = DB_FILENAME,
+        max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
+        max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,
+        busy_timeout_s: float = 10.0,
+        gate_defaults: GateSettings | Mapping[str, Any] | None = None,
+        max_adapters_per_tenant: int | None = None,
+        keep_versions: int | None = None,
+    ):
         """``gate_defaults``: the app's ``training.gate``, which an adapter's own ``gate`` settings override.
         ``max_adapters_per_tenant``: ``limits.adapters_per_tenant`` (None: no cap).
         ``keep_versions``: ``training.keep_versions``, what :meth:`prune_versions` keeps (None: every version)."""
@@ -53,8 +71,7 @@ class StoreConnection:
         self._lock = threading.RLock()
         # isolation_level=None: no implicit transactions; every write is an explicit BEGIN IMMEDIATE
         # (takes the write lock up front, so two writers never deadlock upgrading a read lock).
-        self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
-                                     check_same_thread=False)
+        self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
         if self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
             raise StoreError(f"SQLite refused WAL mode for {self.path} (network file system?)")
@@ -72,7 +89,9 @@ class StoreConnection:
             if found > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema {found}, newer than this code's {SCHEMA_VERSION}")
             for table, column, kind in ADDED_COLUMNS:
-                exists = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone()
+                exists = db.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+                ).fetchone()
                 if exists and column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})")}:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
             for stmt in SCHEMA.split(";"):
@@ -82,11 +101,15 @@ class StoreConnection:
                 # Versions published before the gate existed were served; those newer than their line's
                 # current version were left by a rollback.
                 db.execute("UPDATE versions SET state = 'served' WHERE published = 1 AND state IS NULL")
-                db.execute("UPDATE versions SET state = 'rolled_back' WHERE state = 'served' AND node IS NULL AND "
-                           "version > (SELECT current_version FROM adapters WHERE name = versions.adapter)")
-                db.execute("UPDATE versions SET state = 'rolled_back' WHERE state = 'served' AND node IS NOT NULL "
-                           "AND version > (SELECT version FROM node_heads h WHERE h.adapter = versions.adapter "
-                           "AND h.node = versions.node)")
+                db.execute(
+                    "UPDATE versions SET state = 'rolled_back' WHERE state = 'served' AND node IS NULL AND "
+                    "version > (SELECT current_version FROM adapters WHERE name = versions.adapter)"
+                )
+                db.execute(
+                    "UPDATE versions SET state = 'rolled_back' WHERE state = 'served' AND node IS NOT NULL "
+                    "AND version > (SELECT version FROM node_heads h WHERE h.adapter = versions.adapter "
+                    "AND h.node = versions.node)"
+                )
             if found < 4:
                 db.execute("UPDATE feedback SET passes = 1 WHERE consumed_by_version IS NOT NULL AND passes = 0")
             if found < 9:
@@ -99,14 +122,19 @@ class StoreConnection:
         admin's) made before is renamed to its key ``tenant/name`` in every table that names it, in the
         migration's transaction; its version rows keep their paths (the files stay where they are). The
         references are checked at the commit (deferred), as the rows change one table at a time."""
-        rows = db.execute("SELECT name, tenant FROM adapters WHERE tenant IS NOT NULL AND instr(name, '/') = 0"
-                          ).fetchall()
+        rows = db.execute(
+            "SELECT name, tenant FROM adapters WHERE tenant IS NOT NULL AND instr(name, '/') = 0"
+        ).fetchall()
         renames = [(name, adapter_key(tenant, name)) for name, tenant in rows if adapter_key(tenant, name) != name]
         if not renames:
             return
         db.execute("PRAGMA defer_foreign_keys = ON")
-        for table, column in (("adapters", "name"), ("versions", "adapter"), ("node_heads", "adapter"),
-                              ("feedback", "adapter")):
+        for table, column in (
+            ("adapters", "name"),
+            ("versions", "adapter"),
+            ("node_heads", "adapter"),
+            ("feedback", "adapter"),
+        ):
             db.executemany(f"UPDATE {table} SET {column} = ? WHERE {column} = ?", [(new, old) for old, new in renames])
 
     def _widen_methods(self) -> None:
@@ -203,20 +231,46 @@ class StoreConnection:
 
     def _set_current(self, db: sqlite3.Connection, name: str, version: int, node: int | None) -> None:
         if node is not None:
-            db.execute("INSERT OR REPLACE INTO node_heads (adapter, node, version) VALUES (?,?,?)", (name, node, version))
+            db.execute(
+                "INSERT OR REPLACE INTO node_heads (adapter, node, version) VALUES (?,?,?)", (name, node, version)
+            )
             # The adapter's own current_version shows the newest version any node serves.
             version = db.execute("SELECT MAX(version) FROM node_heads WHERE adapter = ?", (name,)).fetchone()[0]
         db.execute("UPDATE adapters SET current_version = ? WHERE name = ?", (version, name))
 
     def _adapter_info(self, db: sqlite3.Connection, name: str) -> AdapterInfo:
-        (name, method, beta, lr, r, alpha, targets, dropout, mode, every_s, every_n, current,
-         created, epochs, tenant, warmup_steps, store_completions) = self._adapter_row(db, name)
-        versions = [version_from_row(row) for row in db.execute(
-            f"SELECT {VERSION_COLUMNS} FROM versions WHERE adapter = ? AND published = 1 AND deleted_at IS NULL "
-            "ORDER BY version", (name,))]
+        (
+            name,
+            method,
+            beta,
+            lr,
+            r,
+            alpha,
+            targets,
+            dropout,
+            mode,
+            every_s,
+            every_n,
+            current,
+            created,
+            epochs,
+            tenant,
+            warmup_steps,
+            store_completions,
+        ) = self._adapter_row(db, name)
+        versions = [
+            version_from_row(row)
+            for row in db.execute(
+                f"SELECT {VERSION_COLUMNS} FROM versions WHERE adapter = ? AND published = 1 AND deleted_at IS NULL "
+                "ORDER BY version",
+                (name,),
+            )
+        ]
         queued, oldest = db.execute(
             "SELECT COUNT(*), MIN(created_at) FROM feedback WHERE adapter = ? AND held_out = 0 "
-            "AND consumed_by_version IS NULL", (name,)).fetchone()
+            "AND consumed_by_version IS NULL",
+            (name,),
+        ).fetchone()
         held_out = db.execute("SELECT COUNT(*) FROM feedback WHERE adapter = ? AND held_out = 1", (name,)).fetchone()[0]
         gate, paused, in_row, promotions, rejections = self._gate_row(db, name)
         # Staleness: of the trained items whose answering version is known, those answered by the version the
@@ -225,26 +279,48 @@ class StoreConnection:
             "SELECT COALESCE(SUM(f.answered_version = COALESCE(v.parent, 0)), 0), "
             "COALESCE(SUM(f.answered_version != COALESCE(v.parent, 0)), 0) FROM feedback f "
             "JOIN versions v ON v.adapter = f.adapter AND v.version = f.consumed_by_version "
-            "WHERE f.adapter = ? AND f.answered_version IS NOT NULL", (name,)).fetchone()
+            "WHERE f.adapter = ? AND f.answered_version IS NOT NULL",
+            (name,),
+        ).fetchone()
         return AdapterInfo(
-            name=name, tenant=tenant, method=method, beta=beta, learning_rate=lr,
+            name=name,
+            tenant=tenant,
+            method=method,
+            beta=beta,
+            learning_rate=lr,
             lora=LoraSettings(r=r, alpha=alpha, target_modules=json.loads(targets), dropout=dropout),
-            mode=mode, periodic=PeriodicSettings(every_seconds=every_s, every_samples=every_n),
-            created_at=created, current_version=current, versions=versions, queued=queued, epochs=epochs,
+            mode=mode,
+            periodic=PeriodicSettings(every_seconds=every_s, every_samples=every_n),
+            created_at=created,
+            current_version=current,
+            versions=versions,
+            queued=queued,
+            epochs=epochs,
             warmup_steps=warmup_steps,
-            oldest_queued_at=oldest, last_published_at=max((v.published_at for v in versions), default=None),
-            node_versions=dict(db.execute("SELECT node, version FROM node_heads WHERE adapter = ? ORDER BY node",
-                                          (name,)).fetchall()),
-            gate=gate.over(self.gate_defaults), held_out=held_out, rejections_in_row=in_row, paused_reason=paused,
-            promotions=promotions, rejections=rejections, store_completions=bool(store_completions),
-            trained_on_policy=on_policy, trained_off_policy=off_policy,
+            oldest_queued_at=oldest,
+            last_published_at=max((v.published_at for v in versions), default=None),
+            node_versions=dict(
+                db.execute("SELECT node, version FROM node_heads WHERE adapter = ? ORDER BY node", (name,)).fetchall()
+            ),
+            gate=gate.over(self.gate_defaults),
+            held_out=held_out,
+            rejections_in_row=in_row,
+            paused_reason=paused,
+            promotions=promotions,
+            rejections=rejections,
+            store_completions=bool(store_completions),
+            trained_on_policy=on_policy,
+            trained_off_policy=off_policy,
             on_policy_share=None if on_policy + off_policy == 0 else on_policy / (on_policy + off_policy),
         )
 
     def _gate_row(self, db: sqlite3.Connection, name: str) -> tuple[GateOverrides, str | None, int, int, int]:
         """(own gate settings, paused_reason, rejections in a row, promotions, rejections) of an adapter."""
-        row = db.execute("SELECT gate, paused_reason, rejections_in_row, promotions_total, rejections_total "
-                         "FROM adapters WHERE name = ?", (name,)).fetchone()
+        row = db.execute(
+            "SELECT gate, paused_reason, rejections_in_row, promotions_total, rejections_total "
+            "FROM adapters WHERE name = ?",
+            (name,),
+        ).fetchone()
         if row is None:
             raise UnknownAdapter(f"no adapter named {name!r}")
         return (GateOverrides.model_validate_json(row[0]) if row[0] else GateOverrides(), *row[1:])
@@ -253,27 +329,72 @@ class StoreConnection:
         return self._gate_row(db, name)[0]
 
     def _version(self, db: sqlite3.Connection, adapter: str, version: int) -> VersionInfo:
-        row = db.execute(f"SELECT {VERSION_COLUMNS}, deleted_at FROM versions WHERE adapter = ? AND version = ?",
-                         (adapter, version)).fetchone()
+        row = db.execute(
+            f"SELECT {VERSION_COLUMNS}, deleted_at FROM versions WHERE adapter = ? AND version = ?", (adapter, version)
+        ).fetchone()
         if row is None:
             raise UnknownVersion(f"adapter {adapter!r} has no version {version}")
         if row[-1] is not None:
-            raise UnknownVersion(f"adapter {adapter!r} has no version {version} any more: it was deleted as older "
-                                 "than the newest training.keep_versions, and not served")
+            raise UnknownVersion(
+                f"adapter {adapter!r} has no version {version} any more: it was deleted as older "
+                "than the newest training.keep_versions, and not served"
+            )
         return version_from_row(row[:-1])
 
 
 def version_from_row(row: tuple) -> VersionInfo:
-    (adapter, version, parent, path, created, published, published_at, samples, loss, win, clpd, node, state, reason,
-     score, baseline_version, baseline_score, token_logprob, eval_items, decided_at, retention, retention_base,
-     retention_prompts, score_s) = row
-    return VersionInfo(adapter=adapter, version=version, parent=parent, path=path, created_at=created,
-                       published=bool(published), published_at=published_at, samples_trained=samples,
-                       loss=loss, win_rate=win, clpd=clpd, node=node, state=state, reason=reason, score=score,
-                       baseline_version=baseline_version, baseline_score=baseline_score, token_logprob=token_logprob,
-                       eval_items=eval_items, decided_at=decided_at, retention=retention,
-                       retention_base=retention_base, retention_prompts=retention_prompts, score_s=score_s)
-
+    (
+        adapter,
+        version,
+        parent,
+        path,
+        created,
+        published,
+        published_at,
+        samples,
+        loss,
+        win,
+        clpd,
+        node,
+        state,
+        reason,
+        score,
+        baseline_version,
+        baseline_score,
+        token_logprob,
+        eval_items,
+        decided_at,
+        retention,
+        retention_base,
+        retention_prompts,
+        score_s,
+    ) = row
+    return VersionInfo(
+        adapter=adapter,
+        version=version,
+        parent=parent,
+        path=path,
+        created_at=created,
+        published=bool(published),
+        published_at=published_at,
+        samples_trained=samples,
+        loss=loss,
+        win_rate=win,
+        clpd=clpd,
+        node=node,
+        state=state,
+        reason=reason,
+        score=score,
+        baseline_version=baseline_version,
+        baseline_score=baseline_score,
+        token_logprob=token_logprob,
+        eval_items=eval_items,
+        decided_at=decided_at,
+        retention=retention,
+        retention_base=retention_base,
+        retention_prompts=retention_prompts,
+        score_s=score_s,
+    )
 
 
 def validate_as(model: type[BaseModel], data: Any, where: str) -> Any:

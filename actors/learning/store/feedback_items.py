@@ -9,8 +9,15 @@ from typing import Any, Literal, TypeAlias
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from actors.learning.store.models import (DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_ITEM_BYTES, MAX_IDEMPOTENCY_KEY_CHARS,
-                                          InvalidRequest, Kind, StrictModel, pydantic_error)
+from actors.learning.store.models import (
+    DEFAULT_MAX_BATCH_ITEMS,
+    DEFAULT_MAX_ITEM_BYTES,
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    InvalidRequest,
+    Kind,
+    StrictModel,
+    pydantic_error,
+)
 
 # Feedback as a client sent it (one item or a list; each a JSON object), before validate_feedback checks it.
 RawItems: TypeAlias = Sequence[Mapping[str, Any]] | Mapping[str, Any]
@@ -42,8 +49,9 @@ class _Prompted(StrictModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt (raw text) or messages (a chat), not both or neither")
         if self.messages is not None and self.messages[-1].role == "assistant":
-            raise ValueError("messages must end with a user (or system) turn; the answer goes in "
-                             "completion, or chosen and rejected")
+            raise ValueError(
+                "messages must end with a user (or system) turn; the answer goes in completion, or chosen and rejected"
+            )
         return self
 
     @field_validator("prompt")
@@ -105,8 +113,6 @@ class PreferenceItem(_Prompted):
         return (*self.context_texts(), self.chosen, self.rejected)
 
 
-
-
 def idempotency_key_problem(key: str) -> str | None:
     """Why ``key`` cannot be an ``Idempotency-Key`` (None: it can): 1 to 255 printable ASCII characters."""
     if not isinstance(key, str) or not key:
@@ -119,7 +125,8 @@ def idempotency_key_problem(key: str) -> str | None:
 
 
 def validate_feedback(
-    items: Sequence[Mapping[str, Any]] | Mapping[str, Any], max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
+    items: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES,
     max_items: int = DEFAULT_MAX_BATCH_ITEMS,
 ) -> list[SFTItem | PreferenceItem | LabelItem]:
     """Validate every item of a batch; raise :class:`InvalidRequest` listing each bad item by index."""
@@ -153,8 +160,9 @@ def _parse_item(raw: Any, where: str, max_bytes: int) -> SFTItem | PreferenceIte
     is_sft = "completion" in raw
     is_pref = "chosen" in raw or "rejected" in raw
     if is_sft and is_pref:
-        raise InvalidRequest(f"{where}: give either completion (SFT sample) or chosen and rejected "
-                             "(preference pair), not both")
+        raise InvalidRequest(
+            f"{where}: give either completion (SFT sample) or chosen and rejected (preference pair), not both"
+        )
     if not (is_sft or is_pref):
         raise InvalidRequest(f"{where}: needs completion (SFT sample) or chosen and rejected (preference pair)")
     return _sized(_validated(SFTItem if is_sft else PreferenceItem, raw, where), where, max_bytes)
@@ -182,8 +190,9 @@ def _sized(item: Any, where: str, max_bytes: int) -> Any:
 
 def _text_fields(item: SFTItem | PreferenceItem) -> tuple[str, ...]:
     """The names of ``item.texts()``, in order, for error messages."""
-    context = ("prompt",) if item.messages is None else tuple(f"messages[{i}].content"
-                                                               for i in range(len(item.messages)))
+    context = (
+        ("prompt",) if item.messages is None else tuple(f"messages[{i}].content" for i in range(len(item.messages)))
+    )
     return (*context, "completion") if item.kind in ("sft", "label") else (*context, "chosen", "rejected")
 
 
@@ -191,14 +200,20 @@ def _split_final_answer(raw: Mapping[str, Any]) -> Mapping[str, Any]:
     """OpenAI's fine-tuning shape (``messages`` ending with the assistant's answer, no ``completion``)
     becomes ``messages`` + ``completion``."""
     msgs = raw.get("messages")
-    if ("completion" in raw or "chosen" in raw or "rejected" in raw or not isinstance(msgs, list) or len(msgs) < 2
-            or not isinstance(msgs[-1], Mapping) or msgs[-1].get("role") != "assistant"):
+    if (
+        "completion" in raw
+        or "chosen" in raw
+        or "rejected" in raw
+        or not isinstance(msgs, list)
+        or len(msgs) < 2
+        or not isinstance(msgs[-1], Mapping)
+        or msgs[-1].get("role") != "assistant"
+    ):
         return raw
     return {**raw, "messages": msgs[:-1], "completion": msgs[-1].get("content")}
 
 
-
-_GOLDEN = (5 ** 0.5 - 1) / 2
+_GOLDEN = (5**0.5 - 1) / 2
 
 
 def is_held_out(n: int, share: float) -> bool:

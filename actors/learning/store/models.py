@@ -34,11 +34,20 @@ VersionState = Literal["candidate", "served", "rejected", "rolled_back"]
 # the grant budget and the reported loss of a version meaningful. An SFT adapter takes only SFT samples.
 # A full unit (full_sft, full_dpo) trains every weight of the served model itself, through the same feedback.
 # A KTO adapter (Ethayarajh et al. 2024) takes unpaired labels: one answer marked desirable (up) or not (down).
-KIND_FOR_METHOD: dict[str, str] = {"sft": "sft", "dpo": "preference", "kto": "label", "full_sft": "sft",
-                                   "full_dpo": "preference"}
-METHOD_TAKES = {"dpo": "preference pairs (prompt, chosen, rejected)", "sft": "SFT samples (prompt, completion)",
-                "kto": "labels (prompt, completion, label up/down; or completion_id and rating)",
-                "full_dpo": "preference pairs (prompt, chosen, rejected)", "full_sft": "SFT samples (prompt, completion)"}
+KIND_FOR_METHOD: dict[str, str] = {
+    "sft": "sft",
+    "dpo": "preference",
+    "kto": "label",
+    "full_sft": "sft",
+    "full_dpo": "preference",
+}
+METHOD_TAKES = {
+    "dpo": "preference pairs (prompt, chosen, rejected)",
+    "sft": "SFT samples (prompt, completion)",
+    "kto": "labels (prompt, completion, label up/down; or completion_id and rating)",
+    "full_dpo": "preference pairs (prompt, chosen, rejected)",
+    "full_sft": "SFT samples (prompt, completion)",
+}
 KIND_NAMES = {"sft": "an SFT sample", "preference": "a preference pair", "label": "a label (rating)"}
 RATINGS = {"up": True, "down": False}
 
@@ -144,20 +153,21 @@ ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output
 
 
 class LoraSettings(StrictModel):
-    r: int = Field(8, ge=1, le=256,
-                   description="LoRA rank, an integer (must not exceed the engine's max_lora_rank).")
+    r: int = Field(8, ge=1, le=256, description="LoRA rank, an integer (must not exceed the engine's max_lora_rank).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r.")
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "v_proj"],
-        description="Default \"all-linear\" for an sft adapter (measured), [\"q_proj\", \"v_proj\"] otherwise. Module names of the served model, matched as peft does (a module whose name is this or ends "
-                    "with '.' and this), or \"all-linear\" (peft's: every linear layer but the output head).")
+        description='Default "all-linear" for an sft adapter (measured), ["q_proj", "v_proj"] otherwise. '
+        "Module names of the served model, matched as peft does (a module whose name is this or ends "
+        "with '.' and this), or \"all-linear\" (peft's: every linear layer but the output head).",
+    )
     dropout: float = Field(0.0, ge=0, lt=1)
 
     @field_validator("target_modules", mode="before")
     @classmethod
     def _list_or_all_linear(cls, v: Any) -> Any:
         if not isinstance(v, list) and v != ALL_LINEAR:
-            raise ValueError(f"expected a list of module names, or \"{ALL_LINEAR}\"")
+            raise ValueError(f'expected a list of module names, or "{ALL_LINEAR}"')
         return v
 
     @field_validator("target_modules")
@@ -168,7 +178,7 @@ class LoraSettings(StrictModel):
         if isinstance(v, str):
             return v
         if not v:
-            raise ValueError("name at least one module, or \"all-linear\"")
+            raise ValueError('name at least one module, or "all-linear"')
         bad = [m for m in v if not re.fullmatch(r"[A-Za-z0-9_.]{1,128}", m)]
         if bad:
             raise ValueError(f"not module names: {bad}")
@@ -190,9 +200,13 @@ class GateOverrides(StrictModel):
     max_eval_items: int | None = Field(None, gt=0, le=MAX_COUNT)
     retention: bool | None = None
     retention_file: str | None = Field(
-        None, min_length=1, max_length=255, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]*$",
+        None,
+        min_length=1,
+        max_length=255,
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./-]*$",
         description="The adapter's must-not-break prompts: a JSONL file under the app's data_dir (a relative path, "
-                    "no '..'), one {\"prompt\"} or {\"messages\"} per line.")
+        'no \'..\'), one {"prompt"} or {"messages"} per line.',
+    )
     retention_margin: float | None = Field(None, ge=0)
     thin_evidence: Literal["serve", "wait"] | None = None
 
@@ -229,8 +243,9 @@ class AdapterSpec(StrictModel):
         # Before validation, so a stored or PATCHed spec (which carries every field) keeps its values.
         if not isinstance(data, Mapping):
             return data
-        defaults = METHOD_DEFAULTS.get(data.get("method", "sft") if isinstance(data.get("method", "sft"), str)
-                                       else "", {})
+        defaults = METHOD_DEFAULTS.get(
+            data.get("method", "sft") if isinstance(data.get("method", "sft"), str) else "", {}
+        )
         if not defaults:
             return data
         out = dict(data)
@@ -246,28 +261,44 @@ class AdapterSpec(StrictModel):
         return out
 
     name: str = Field(pattern=ADAPTER_NAME_RE.pattern)
-    tenant: str | None = Field(None, pattern=TENANT_NAME_RE.pattern,
-                               description="The tenant that owns the adapter: the creating key's (an admin may name "
-                                           "another); null when the app runs without keys.")
+    tenant: str | None = Field(
+        None,
+        pattern=TENANT_NAME_RE.pattern,
+        description="The tenant that owns the adapter: the creating key's (an admin may name "
+        "another); null when the app runs without keys.",
+    )
     method: Method = "sft"
     beta: float = Field(0.1, gt=0, description="DPO temperature β (stored, unused by SFT).")
-    learning_rate: float = Field(5e-4, gt=0, le=1, description="Peak learning rate; default 2e-3 for sft (measured), "
-                                                               "5e-4 for the other methods.")
+    learning_rate: float = Field(
+        5e-4, gt=0, le=1, description="Peak learning rate; default 2e-3 for sft (measured), 5e-4 for the other methods."
+    )
     lora: LoraSettings = Field(default_factory=LoraSettings)
     mode: Mode = "hybrid"
     periodic: PeriodicSettings = Field(default_factory=PeriodicSettings)
-    gate: GateOverrides = Field(default_factory=GateOverrides,
-                                description="This adapter's quality-gate settings; unset fields follow training.gate.")
+    gate: GateOverrides = Field(
+        default_factory=GateOverrides,
+        description="This adapter's quality-gate settings; unset fields follow training.gate.",
+    )
     warmup_steps: int = Field(
-        0, ge=0, le=10_000, description="Optimizer steps over which the learning rate rises linearly to "
-                                        "learning_rate (the adapter's own count, kept across versions; 0: none). "
-                                        "Default 4 for sft (measured), 0 for the other methods.")
+        0,
+        ge=0,
+        le=10_000,
+        description="Optimizer steps over which the learning rate rises linearly to "
+        "learning_rate (the adapter's own count, kept across versions; 0: none). "
+        "Default 4 for sft (measured), 0 for the other methods.",
+    )
     epochs: int = Field(
-        1, ge=1, le=100, description="Passes over each feedback item, each in a different version: an item stays "
-                                     "queued until this many published versions trained on it (new items go first).")
+        1,
+        ge=1,
+        le=100,
+        description="Passes over each feedback item, each in a different version: an item stays "
+        "queued until this many published versions trained on it (new items go first).",
+    )
     store_completions: bool = Field(
-        False, description="Store every chat or completion request to this adapter, as \"store\": true does, so "
-                           "that feedback can name its completion_id.")
+        False,
+        description='Store every chat or completion request to this adapter, as "store": true does, so '
+        "that feedback can name its completion_id.",
+    )
 
     @model_validator(mode="after")
     def _periodic_has_trigger(self) -> AdapterSpec:

@@ -14,8 +14,6 @@ from actors.learning.store.models import ADAPTER_KEY_RE, AdapterSpec, Kind, Vers
 from settings import GateSettings
 
 
-
-
 class VersionInfo(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -32,25 +30,33 @@ class VersionInfo(BaseModel):
     clpd: float | None = Field(description="dpo: held-out CLPD, mean log π(chosen) - log π(rejected).")
     node: int | None = Field(None, description="per_node scope: the node whose copy this version is; None: synced.")
     state: VersionState | None = Field(
-        None, description="candidate (waiting for the quality gate), served (passed it, or promoted; the one "
-                          "served now is current_version), rejected (kept, never served unless promoted), "
-                          "rolled_back (was served until a rollback or promotion went back past it); None: reserved.")
+        None,
+        description="candidate (waiting for the quality gate), served (passed it, or promoted; the one "
+        "served now is current_version), rejected (kept, never served unless promoted), "
+        "rolled_back (was served until a rollback or promotion went back past it); None: reserved.",
+    )
     reason: str | None = Field(None, description="Why the version is in its state, e.g. the gate's comparison.")
     score: float | None = Field(None, description="The gated score: win_rate (dpo) or token_logprob (sft).")
     baseline_version: int | None = Field(
-        None, description="The version the gate compared with (None with a baseline_score: the base model).")
+        None, description="The version the gate compared with (None with a baseline_score: the base model)."
+    )
     baseline_score: float | None = Field(None, description="That version's score on the same held-out items.")
     token_logprob: float | None = Field(None, description="sft: mean log-likelihood per held-out completion token.")
     eval_items: int | None = Field(None, description="Held-out items (or eval_file pairs) the scores are over.")
     decided_at: float | None = Field(None, description="When the gate (or a promotion) decided the state.")
     retention: float | None = Field(
-        None, description="How well this version keeps the base model's answers to the retention set: mean "
-                          "log-likelihood per answer token (higher is better; the gate rejects a loss of more than "
-                          "gate.retention_margin against retention_base).")
+        None,
+        description="How well this version keeps the base model's answers to the retention set: mean "
+        "log-likelihood per answer token (higher is better; the gate rejects a loss of more than "
+        "gate.retention_margin against retention_base).",
+    )
     retention_base: float | None = Field(None, description="The base model's own score of those answers.")
     retention_prompts: int | None = Field(None, description="Prompts of the retention set the scores are over.")
-    score_s: float | None = Field(None, description="Seconds the gate spent scoring this version (held-out slice "
-                                                    "and retention set; the base's scores are cached).")
+    score_s: float | None = Field(
+        None,
+        description="Seconds the gate spent scoring this version (held-out slice "
+        "and retention set; the base's scores are cached).",
+    )
 
 
 class AdapterInfo(AdapterSpec):
@@ -58,9 +64,11 @@ class AdapterInfo(AdapterSpec):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=ADAPTER_KEY_RE.pattern,
-                      description="The store's key (adapter_key): tenant/name for a tenant's adapter. The HTTP layer "
-                                  "shows a tenant its own adapters by their bare names.")
+    name: str = Field(
+        pattern=ADAPTER_KEY_RE.pattern,
+        description="The store's key (adapter_key): tenant/name for a tenant's adapter. The HTTP layer "
+        "shows a tenant its own adapters by their bare names.",
+    )
 
     created_at: float
     current_version: int | None
@@ -69,21 +77,28 @@ class AdapterInfo(AdapterSpec):
     oldest_queued_at: float | None
     last_published_at: float | None
     node_versions: dict[int, int] = Field(
-        default_factory=dict, description="per_node scope: the version each node serves; empty when synced.")
-    gate: GateSettings = Field(default_factory=GateSettings,
-                               description="The quality-gate settings in effect: the adapter's own over training.gate.")
+        default_factory=dict, description="per_node scope: the version each node serves; empty when synced."
+    )
+    gate: GateSettings = Field(
+        default_factory=GateSettings,
+        description="The quality-gate settings in effect: the adapter's own over training.gate.",
+    )
     held_out: int = Field(0, description="Feedback items kept out of training as the adapter's held-out slice.")
     rejections_in_row: int = Field(0, description="Versions the gate rejected since the last one it served.")
     paused_reason: str | None = Field(
-        None, description="Why training is paused (too many rejections in a row, or a PATCH); None: not paused.")
+        None, description="Why training is paused (too many rejections in a row, or a PATCH); None: not paused."
+    )
     promotions: int = Field(0, description="Versions served by the gate or a promotion, since creation.")
     rejections: int = Field(0, description="Versions the gate rejected, since creation.")
     trained_on_policy: int = Field(
-        0, description="Trained items whose answer came from the version the training started from (on-policy).")
+        0, description="Trained items whose answer came from the version the training started from (on-policy)."
+    )
     trained_off_policy: int = Field(
-        0, description="Trained items whose answer came from another version (older, or the base): off-policy.")
+        0, description="Trained items whose answer came from another version (older, or the base): off-policy."
+    )
     on_policy_share: float | None = Field(
-        None, description="trained_on_policy over both; null until an item whose answering version is known trained.")
+        None, description="trained_on_policy over both; null until an item whose answering version is known trained."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,5 +206,15 @@ class FeedbackItem:
         """From the columns of ``ITEM_COLUMNS`` (a chat item stores '' as its prompt and its turns as JSON)."""
         (id_, adapter, kind, prompt, completion, chosen, rejected, created_at, messages, label) = row
         turns = None if messages is None else tuple(json.loads(messages))
-        return cls(id_, adapter, kind, prompt if turns is None else None, completion, chosen, rejected,
-                   created_at, turns, None if label is None else bool(label))
+        return cls(
+            id_,
+            adapter,
+            kind,
+            prompt if turns is None else None,
+            completion,
+            chosen,
+            rejected,
+            created_at,
+            turns,
+            None if label is None else bool(label),
+        )

@@ -139,38 +139,59 @@ OLD_KINDS_CHECK = "CHECK (kind IN ('sft', 'preference'))"
 OLD_ITEM_CHECK_END = "chosen IS NOT NULL AND rejected IS NOT NULL))"
 
 UPDATABLE = frozenset({"mode", "learning_rate", "beta", "periodic", "gate", "paused", "epochs", "warmup_steps"})
-ADAPTER_COLUMNS = ("name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
-                 "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant, warmup_steps, "
-                 "store_completions")
-VERSION_COLUMNS = ("adapter, version, parent, path, created_at, published, published_at, samples_trained, "
-                 "loss, win_rate, clpd, node, state, reason, score, baseline_version, baseline_score, token_logprob, "
-                 "eval_items, decided_at, retention, retention_base, retention_prompts, score_s")
+ADAPTER_COLUMNS = (
+    "name, method, beta, learning_rate, lora_r, lora_alpha, lora_target_modules, lora_dropout, "
+    "mode, periodic_every_seconds, periodic_every_samples, current_version, created_at, epochs, tenant, warmup_steps, "
+    "store_completions"
+)
+VERSION_COLUMNS = (
+    "adapter, version, parent, path, created_at, published, published_at, samples_trained, "
+    "loss, win_rate, clpd, node, state, reason, score, baseline_version, baseline_score, token_logprob, "
+    "eval_items, decided_at, retention, retention_base, retention_prompts, score_s"
+)
 # Columns added after schema 1, for databases created by older code: (table, column, type).
-ADDED_COLUMNS = (("versions", "node", "INTEGER"), ("feedback", "node", "INTEGER"), ("feedback", "messages", "TEXT"),
-                  # schema 3: the quality gate
-                  ("adapters", "gate", "TEXT"), ("adapters", "paused_reason", "TEXT"),
-                  ("adapters", "rejections_in_row", "INTEGER NOT NULL DEFAULT 0"),
-                  ("adapters", "promotions_total", "INTEGER NOT NULL DEFAULT 0"),
-                  ("adapters", "rejections_total", "INTEGER NOT NULL DEFAULT 0"),
-                  ("versions", "state", "TEXT CHECK (state IN ('candidate', 'served', 'rejected', 'rolled_back'))"),
-                  ("versions", "reason", "TEXT"), ("versions", "score", "REAL"),
-                  ("versions", "baseline_version", "INTEGER"), ("versions", "baseline_score", "REAL"),
-                  ("versions", "token_logprob", "REAL"), ("versions", "eval_items", "INTEGER"),
-                  ("versions", "decided_at", "REAL"), ("feedback", "held_out", "INTEGER NOT NULL DEFAULT 0"),
-                  # schema 4: epochs
-                  ("adapters", "epochs", "INTEGER NOT NULL DEFAULT 1"), ("feedback", "passes", "INTEGER NOT NULL DEFAULT 0"),
-                  # schema 5: tenants
-                  ("adapters", "tenant", "TEXT"),
-                  # schema 8: retention
-                  ("versions", "deleted_at", "REAL"),
-                  # schema 10: the gate's retention scores
-                  ("versions", "retention", "REAL"), ("versions", "retention_base", "REAL"),
-                  ("versions", "retention_prompts", "INTEGER"), ("versions", "score_s", "REAL"),
-                  ("adapters", "warmup_steps", "INTEGER NOT NULL DEFAULT 0"),
-                  # schema 11: feedback on stored completions
-                  ("feedback", "label", "INTEGER"), ("feedback", "completion_id", "TEXT"),
-                  ("feedback", "answered_version", "INTEGER"), ("feedback", "tenant", "TEXT"),
-                  ("feedback", "tokens", "INTEGER"), ("adapters", "store_completions", "INTEGER NOT NULL DEFAULT 0"))
+ADDED_COLUMNS = (
+    ("versions", "node", "INTEGER"),
+    ("feedback", "node", "INTEGER"),
+    ("feedback", "messages", "TEXT"),
+    # schema 3: the quality gate
+    ("adapters", "gate", "TEXT"),
+    ("adapters", "paused_reason", "TEXT"),
+    ("adapters", "rejections_in_row", "INTEGER NOT NULL DEFAULT 0"),
+    ("adapters", "promotions_total", "INTEGER NOT NULL DEFAULT 0"),
+    ("adapters", "rejections_total", "INTEGER NOT NULL DEFAULT 0"),
+    ("versions", "state", "TEXT CHECK (state IN ('candidate', 'served', 'rejected', 'rolled_back'))"),
+    ("versions", "reason", "TEXT"),
+    ("versions", "score", "REAL"),
+    ("versions", "baseline_version", "INTEGER"),
+    ("versions", "baseline_score", "REAL"),
+    ("versions", "token_logprob", "REAL"),
+    ("versions", "eval_items", "INTEGER"),
+    ("versions", "decided_at", "REAL"),
+    ("feedback", "held_out", "INTEGER NOT NULL DEFAULT 0"),
+    # schema 4: epochs
+    ("adapters", "epochs", "INTEGER NOT NULL DEFAULT 1"),
+    ("feedback", "passes", "INTEGER NOT NULL DEFAULT 0"),
+    # schema 5: tenants
+    ("adapters", "tenant", "TEXT"),
+    # schema 8: retention
+    ("versions", "deleted_at", "REAL"),
+    # schema 10: the gate's retention scores
+    ("versions", "retention", "REAL"),
+    ("versions", "retention_base", "REAL"),
+    ("versions", "retention_prompts", "INTEGER"),
+    ("versions", "score_s", "REAL"),
+    ("adapters", "warmup_steps", "INTEGER NOT NULL DEFAULT 0"),
+    # schema 11: feedback on stored completions
+    ("feedback", "label", "INTEGER"),
+    ("feedback", "completion_id", "TEXT"),
+    ("feedback", "answered_version", "INTEGER"),
+    ("feedback", "tenant", "TEXT"),
+    ("feedback", "tokens", "INTEGER"),
+    ("adapters", "store_completions", "INTEGER NOT NULL DEFAULT 0"),
+)
 ITEM_COLUMNS = "id, adapter, kind, prompt, completion, chosen, rejected, created_at, messages, label"
-COMPLETION_COLUMNS = ("id, tenant, object, model, adapter, version, prompt, messages, output, finish_reason, prompt_tokens, "
-                      "completion_tokens, params, created_at")
+COMPLETION_COLUMNS = (
+    "id, tenant, object, model, adapter, version, prompt, messages, output, finish_reason, prompt_tokens, "
+    "completion_tokens, params, created_at"
+)

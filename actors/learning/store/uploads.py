@@ -13,6 +13,7 @@ written are removed, so nothing of the upload is listed or left behind.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,21 +29,38 @@ from actors.learning.versions.layout import (
     write_version_files,
 )
 
+logger = logging.getLogger(__name__)
 
-def add_uploaded_version(store: FeedbackDatabase, adapters_root: str | Path, uri: str | None, adapter: str,
-                         files: dict[str, bytes], meta: UploadMeta, *, gated: bool | None,
-                         note: str | None = None) -> VersionInfo:
+
+def add_uploaded_version(
+    store: FeedbackDatabase,
+    adapters_root: str | Path,
+    uri: str | None,
+    adapter: str,
+    files: dict[str, bytes],
+    meta: UploadMeta,
+    *,
+    gated: bool | None,
+    note: str | None = None,
+) -> VersionInfo:
     """Reserve the next version of ``adapter``, write ``files`` (the adapter's two) with ``meta`` as its meta.json
     under ``adapters_root`` (or at ``uri``), and publish it; ``gated`` None: the adapter's gate decides."""
     if sorted(files) != sorted(ADAPTER_FILES):
         raise ValueError(f"an uploaded version is {ADAPTER_FILES}, not {sorted(files)}")
     reserved = store.reserve_version(adapter)
     version = reserved.version
-    content = {**files, META_FILE: json.dumps({**asdict(meta), "parent": reserved.parent, "samples_trained": 0},
-                                              indent=2, sort_keys=True).encode()}
+    content = {
+        **files,
+        META_FILE: json.dumps(
+            {**asdict(meta), "parent": reserved.parent, "samples_trained": 0}, indent=2, sort_keys=True
+        ).encode(),
+    }
     # Where the files go, known before they are written, so a half-written upload is removed too.
-    path = (f"{uri.rstrip('/')}/{adapter_dir(adapter)}/v{version}" if uri
-            else str(version_dir(adapters_root, adapter, version)))
+    path = (
+        f"{uri.rstrip('/')}/{adapter_dir(adapter)}/v{version}"
+        if uri
+        else str(version_dir(adapters_root, adapter, version))
+    )
     try:
         if uri:
             upload_version_files(uri, adapter, version, content)
@@ -56,5 +74,6 @@ def add_uploaded_version(store: FeedbackDatabase, adapters_root: str | Path, uri
         try:
             remove_version(adapters_root, path)
         except Exception:
-            pass  # a file left here belongs to no listed version; the number is never handed out again
+            # A file left here belongs to no listed version; the number is never handed out again.
+            logger.warning("upload of %s v%d: could not remove %s", adapter, version, path, exc_info=True)
         raise

@@ -1,4 +1,5 @@
-"""VersionRegistry: the feedback store's methods that reserve, publish, judge, serve and prune versions (the ``versions`` and ``node_heads`` tables)."""
+"""VersionRegistry: the feedback store's methods that reserve, publish, judge, serve and prune versions (the
+``versions`` and ``node_heads`` tables)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from actors.learning.store.connection import StoreConnection, version_from_row
 from actors.learning.store.models import GateOverrides, InvalidRequest, VersionConflict
 from actors.learning.store.records import AdapterInfo, ServedAdapter, ServedVersion, VersionInfo
+from actors.learning.store.schema import RESERVATION_PINS_S, VERSION_COLUMNS
 from actors.learning.store.unit_kind import unit_kind
-from actors.learning.store.connection import StoreConnection, version_from_row
-from actors.learning.store.schema import VERSION_COLUMNS, RESERVATION_PINS_S
 
 
 class VersionRegistry(StoreConnection):
@@ -28,13 +29,25 @@ class VersionRegistry(StoreConnection):
             current = self._current(db, adapter, node)
             last = db.execute("SELECT MAX(version) FROM versions WHERE adapter = ?", (adapter,)).fetchone()[0]
             version = (last or 0) + 1
-            db.execute("INSERT INTO versions (adapter, version, parent, created_at, node) VALUES (?,?,?,?,?)",
-                       (adapter, version, current, time.time(), node))
+            db.execute(
+                "INSERT INTO versions (adapter, version, parent, created_at, node) VALUES (?,?,?,?,?)",
+                (adapter, version, current, time.time(), node),
+            )
             return self._version(db, adapter, version)
 
-    def publish_version(self, adapter: str, version: int, path: str | Path, item_ids: Iterable[int],
-                        samples_trained: int, loss: float | None, *, check_parent: bool = True,
-                        gated: bool | None = None, note: str | None = None) -> VersionInfo:
+    def publish_version(
+        self,
+        adapter: str,
+        version: int,
+        path: str | Path,
+        item_ids: Iterable[int],
+        samples_trained: int,
+        loss: float | None,
+        *,
+        check_parent: bool = True,
+        gated: bool | None = None,
+        note: str | None = None,
+    ) -> VersionInfo:
         """Publish a reserved version and count its pass over ``item_ids``: one transaction.
 
         With the adapter's quality gate on (``gated`` None: its settings decide) the version becomes a
@@ -54,25 +67,44 @@ class VersionRegistry(StoreConnection):
             if v.published:
                 raise VersionConflict(f"{adapter} v{version} is already published")
             if check_parent and v.parent != current:
-                raise VersionConflict(f"{adapter} v{version} was trained from v{v.parent}, but the current "
-                                      f"version is now v{current}; reload it and train again")
-            foreign = [i for i in ids if (r := db.execute("SELECT adapter FROM feedback WHERE id = ?", (i,))
-                                          .fetchone()) is None or r[0] != adapter]
+                raise VersionConflict(
+                    f"{adapter} v{version} was trained from v{v.parent}, but the current "
+                    f"version is now v{current}; reload it and train again"
+                )
+            foreign = [
+                i
+                for i in ids
+                if (r := db.execute("SELECT adapter FROM feedback WHERE id = ?", (i,)).fetchone()) is None
+                or r[0] != adapter
+            ]
             if foreign:
                 raise InvalidRequest(f"item_ids: {foreign[:10]} are not feedback of adapter {adapter!r}")
             if gated is None:
                 gated = self._gate_overrides(db, adapter).over(self.gate_defaults).enabled
             now = time.time()
             reason = "waiting for the quality gate" if gated else "served at once: the quality gate is off"
-            db.execute("UPDATE versions SET published = 1, published_at = ?, path = ?, samples_trained = ?, "
-                       "loss = ?, state = ?, reason = ?, decided_at = ? WHERE adapter = ? AND version = ?",
-                       (now, str(path), samples_trained, loss, "candidate" if gated else "served",
-                        f"{note}; {reason}" if note else reason, None if gated else now, adapter, version))
+            db.execute(
+                "UPDATE versions SET published = 1, published_at = ?, path = ?, samples_trained = ?, "
+                "loss = ?, state = ?, reason = ?, decided_at = ? WHERE adapter = ? AND version = ?",
+                (
+                    now,
+                    str(path),
+                    samples_trained,
+                    loss,
+                    "candidate" if gated else "served",
+                    f"{note}; {reason}" if note else reason,
+                    None if gated else now,
+                    adapter,
+                    version,
+                ),
+            )
             # One more pass each; consumed (no longer queued) once the adapter's epochs are done.
             epochs = db.execute("SELECT epochs FROM adapters WHERE name = ?", (adapter,)).fetchone()[0]
-            db.executemany("UPDATE feedback SET passes = passes + 1, consumed_by_version = CASE WHEN passes + 1 >= ? "
-                           "THEN ? END WHERE id = ? AND consumed_by_version IS NULL",
-                           [(epochs, version, i) for i in ids])
+            db.executemany(
+                "UPDATE feedback SET passes = passes + 1, consumed_by_version = CASE WHEN passes + 1 >= ? "
+                "THEN ? END WHERE id = ? AND consumed_by_version IS NULL",
+                [(epochs, version, i) for i in ids],
+            )
             if not gated:
                 self._set_current(db, adapter, version, v.node)
             return self._version(db, adapter, version)
@@ -81,15 +113,35 @@ class VersionRegistry(StoreConnection):
         """A reserved version that will never be published (its upload's files could not be written): marked
         deleted, so it pins no parent and is never listed; its number stays taken. Whether it was unpublished."""
         with self._tx() as db:
-            return db.execute("UPDATE versions SET deleted_at = ? WHERE adapter = ? AND version = ? AND published = 0 "
-                              "AND deleted_at IS NULL", (time.time(), adapter, version)).rowcount > 0
+            return (
+                db.execute(
+                    "UPDATE versions SET deleted_at = ? WHERE adapter = ? AND version = ? AND published = 0 "
+                    "AND deleted_at IS NULL",
+                    (time.time(), adapter, version),
+                ).rowcount
+                > 0
+            )
 
-    def decide_version(self, adapter: str, version: int, *, passed: bool, reason: str, score: float | None = None,
-                       baseline_version: int | None = None, baseline_score: float | None = None,
-                       win_rate: float | None = None, clpd: float | None = None, token_logprob: float | None = None,
-                       eval_items: int | None = None, retention: float | None = None,
-                       retention_base: float | None = None, retention_prompts: int | None = None,
-                       score_s: float | None = None, counts: bool = True) -> VersionInfo:
+    def decide_version(
+        self,
+        adapter: str,
+        version: int,
+        *,
+        passed: bool,
+        reason: str,
+        score: float | None = None,
+        baseline_version: int | None = None,
+        baseline_score: float | None = None,
+        win_rate: float | None = None,
+        clpd: float | None = None,
+        token_logprob: float | None = None,
+        eval_items: int | None = None,
+        retention: float | None = None,
+        retention_base: float | None = None,
+        retention_prompts: int | None = None,
+        score_s: float | None = None,
+        counts: bool = True,
+    ) -> VersionInfo:
         """The quality gate's verdict on a candidate, in one transaction: ``served`` (made current) or ``rejected``.
 
         ``counts`` False: a version held back for want of held-out evidence (``gate.thin_evidence`` wait), not
@@ -108,28 +160,57 @@ class VersionRegistry(StoreConnection):
             current = self._current(db, adapter, v.node)
             superseded = v.parent != current
             if superseded:
-                passed, reason = False, (f"superseded: trained from {_name(v.parent)}, but {_name(current)} is served "
-                                         f"now (a rollback or promotion); {reason}")
+                passed, reason = (
+                    False,
+                    (
+                        f"superseded: trained from {_name(v.parent)}, but {_name(current)} is served "
+                        f"now (a rollback or promotion); {reason}"
+                    ),
+                )
             now = time.time()
-            db.execute("UPDATE versions SET state = ?, reason = ?, decided_at = ?, score = ?, baseline_version = ?, "
-                       "baseline_score = ?, win_rate = COALESCE(?, win_rate), clpd = COALESCE(?, clpd), "
-                       "token_logprob = COALESCE(?, token_logprob), eval_items = ?, retention = ?, retention_base = ?, "
-                       "retention_prompts = ?, score_s = ? WHERE adapter = ? AND version = ?",
-                       ("served" if passed else "rejected", reason, now, score, baseline_version, baseline_score,
-                        win_rate, clpd, token_logprob, eval_items, retention, retention_base, retention_prompts,
-                        score_s, adapter, version))
+            db.execute(
+                "UPDATE versions SET state = ?, reason = ?, decided_at = ?, score = ?, baseline_version = ?, "
+                "baseline_score = ?, win_rate = COALESCE(?, win_rate), clpd = COALESCE(?, clpd), "
+                "token_logprob = COALESCE(?, token_logprob), eval_items = ?, retention = ?, retention_base = ?, "
+                "retention_prompts = ?, score_s = ? WHERE adapter = ? AND version = ?",
+                (
+                    "served" if passed else "rejected",
+                    reason,
+                    now,
+                    score,
+                    baseline_version,
+                    baseline_score,
+                    win_rate,
+                    clpd,
+                    token_logprob,
+                    eval_items,
+                    retention,
+                    retention_base,
+                    retention_prompts,
+                    score_s,
+                    adapter,
+                    version,
+                ),
+            )
             if passed:
                 self._set_current(db, adapter, version, v.node)
-                db.execute("UPDATE adapters SET rejections_in_row = 0, promotions_total = promotions_total + 1 "
-                           "WHERE name = ?", (adapter,))
+                db.execute(
+                    "UPDATE adapters SET rejections_in_row = 0, promotions_total = promotions_total + 1 WHERE name = ?",
+                    (adapter,),
+                )
             elif not superseded and counts:
-                db.execute("UPDATE adapters SET rejections_in_row = rejections_in_row + 1, "
-                           "rejections_total = rejections_total + 1 WHERE name = ?", (adapter,))
+                db.execute(
+                    "UPDATE adapters SET rejections_in_row = rejections_in_row + 1, "
+                    "rejections_total = rejections_total + 1 WHERE name = ?",
+                    (adapter,),
+                )
                 gate, paused, in_row, _, _ = self._gate_row(db, adapter)
                 limit = gate.over(self.gate_defaults).pause_after_rejections
                 if limit and in_row >= limit and paused is None:
-                    why = (f"training paused: {in_row} versions in a row rejected by the quality gate (the last, "
-                           f"v{version}: {reason}); send PATCH {{\"paused\": false}} or promote a version to resume")
+                    why = (
+                        f"training paused: {in_row} versions in a row rejected by the quality gate (the last, "
+                        f'v{version}: {reason}); send PATCH {{"paused": false}} or promote a version to resume'
+                    )
                     db.execute("UPDATE adapters SET paused_reason = ? WHERE name = ?", (why, adapter))
             return self._version(db, adapter, version)
 
@@ -149,8 +230,11 @@ class VersionRegistry(StoreConnection):
             self._roll_back_newer(db, adapter, version, v.node)
             if v.state != "served" or version != current:
                 why = f"promoted through the API (it was {v.state}, {_name(current)} was served)"
-                db.execute("UPDATE versions SET state = 'served', reason = ?, decided_at = ? WHERE adapter = ? "
-                           "AND version = ?", (why, time.time(), adapter, version))
+                db.execute(
+                    "UPDATE versions SET state = 'served', reason = ?, decided_at = ? WHERE adapter = ? "
+                    "AND version = ?",
+                    (why, time.time(), adapter, version),
+                )
                 db.execute("UPDATE adapters SET promotions_total = promotions_total + 1 WHERE name = ?", (adapter,))
             self._set_current(db, adapter, version, v.node)
             db.execute("UPDATE adapters SET paused_reason = NULL, rejections_in_row = 0 WHERE name = ?", (adapter,))
@@ -158,33 +242,61 @@ class VersionRegistry(StoreConnection):
 
     def _roll_back_newer(self, db: sqlite3.Connection, adapter: str, version: int, node: int | None) -> None:
         """Served versions newer than ``version`` on its line (its node's, or the synced one) are rolled back."""
-        db.execute("UPDATE versions SET state = 'rolled_back', reason = ?, decided_at = ? WHERE adapter = ? "
-                   "AND node IS ? AND version > ? AND state = 'served'",
-                   (f"rolled back to v{version}", time.time(), adapter, node, version))
+        db.execute(
+            "UPDATE versions SET state = 'rolled_back', reason = ?, decided_at = ? WHERE adapter = ? "
+            "AND node IS ? AND version > ? AND state = 'served'",
+            (f"rolled back to v{version}", time.time(), adapter, node, version),
+        )
 
     def candidates(self, node: int | None = None) -> list[VersionInfo]:
         """Versions waiting for the quality gate, of every adapter, on one line (``node``; None: synced)."""
         with self._tx(write=False) as db:
-            rows = db.execute(f"SELECT {VERSION_COLUMNS} FROM versions WHERE state = 'candidate' AND node IS ? "
-                              "ORDER BY adapter, version", (node,)).fetchall()
+            rows = db.execute(
+                f"SELECT {VERSION_COLUMNS} FROM versions WHERE state = 'candidate' AND node IS ? "
+                "ORDER BY adapter, version",
+                (node,),
+            ).fetchall()
         return [version_from_row(row) for row in rows]
 
-    def record_scores(self, adapter: str, version: int, *, score: float | None = None, win_rate: float | None = None,
-                      clpd: float | None = None, token_logprob: float | None = None,
-                      eval_items: int | None = None, retention: float | None = None,
-                      retention_base: float | None = None, retention_prompts: int | None = None,
-                      score_s: float | None = None) -> VersionInfo:
+    def record_scores(
+        self,
+        adapter: str,
+        version: int,
+        *,
+        score: float | None = None,
+        win_rate: float | None = None,
+        clpd: float | None = None,
+        token_logprob: float | None = None,
+        eval_items: int | None = None,
+        retention: float | None = None,
+        retention_base: float | None = None,
+        retention_prompts: int | None = None,
+        score_s: float | None = None,
+    ) -> VersionInfo:
         """Store scores measured for a version outside the gate (the gate off); None keeps a value."""
         with self._tx() as db:
             self._version(db, adapter, version)
-            db.execute("UPDATE versions SET score = COALESCE(?, score), win_rate = COALESCE(?, win_rate), "
-                       "clpd = COALESCE(?, clpd), token_logprob = COALESCE(?, token_logprob), "
-                       "eval_items = COALESCE(?, eval_items), retention = COALESCE(?, retention), "
-                       "retention_base = COALESCE(?, retention_base), "
-                       "retention_prompts = COALESCE(?, retention_prompts), score_s = COALESCE(?, score_s) "
-                       "WHERE adapter = ? AND version = ?",
-                       (score, win_rate, clpd, token_logprob, eval_items, retention, retention_base,
-                        retention_prompts, score_s, adapter, version))
+            db.execute(
+                "UPDATE versions SET score = COALESCE(?, score), win_rate = COALESCE(?, win_rate), "
+                "clpd = COALESCE(?, clpd), token_logprob = COALESCE(?, token_logprob), "
+                "eval_items = COALESCE(?, eval_items), retention = COALESCE(?, retention), "
+                "retention_base = COALESCE(?, retention_base), "
+                "retention_prompts = COALESCE(?, retention_prompts), score_s = COALESCE(?, score_s) "
+                "WHERE adapter = ? AND version = ?",
+                (
+                    score,
+                    win_rate,
+                    clpd,
+                    token_logprob,
+                    eval_items,
+                    retention,
+                    retention_base,
+                    retention_prompts,
+                    score_s,
+                    adapter,
+                    version,
+                ),
+            )
             return self._version(db, adapter, version)
 
     def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float) -> VersionInfo:
@@ -203,8 +315,9 @@ class VersionRegistry(StoreConnection):
             if version == 0:
                 # A full unit's version 0 is the model the deployment started with: serve it again.
                 if unit_kind(row[1]).lowest_rollback_version > 0:
-                    raise InvalidRequest("version: 0 (the starting model) is a full unit's; an adapter rolls back to v1 "
-                                         "or later")
+                    raise InvalidRequest(
+                        "version: 0 (the starting model) is a full unit's; an adapter rolls back to v1 or later"
+                    )
                 self._roll_back_newer(db, adapter, 0, None)
                 db.execute("UPDATE adapters SET current_version = NULL WHERE name = ?", (adapter,))
                 return self._adapter_info(db, adapter)
@@ -213,17 +326,23 @@ class VersionRegistry(StoreConnection):
             if not v.published:
                 raise VersionConflict(f"{adapter} v{version} was never published")
             if v.state not in ("served", "rolled_back"):
-                raise VersionConflict(f"{adapter} v{version} is {v.state} and was never served; rollback goes back "
-                                      f"to a version that was served (POST /v1/adapters/{adapter}/promote serves any)")
+                raise VersionConflict(
+                    f"{adapter} v{version} is {v.state} and was never served; rollback goes back "
+                    f"to a version that was served (POST /v1/adapters/{adapter}/promote serves any)"
+                )
             if current is not None and version > current:
-                raise VersionConflict(f"{adapter} v{version} is newer than the current v{current}; "
-                                      f"rollback only goes back; POST /v1/adapters/{adapter}/promote "
-                                      f"{{\"version\": {version}}} serves it again")
+                raise VersionConflict(
+                    f"{adapter} v{version} is newer than the current v{current}; "
+                    f"rollback only goes back; POST /v1/adapters/{adapter}/promote "
+                    f'{{"version": {version}}} serves it again'
+                )
             self._roll_back_newer(db, adapter, version, v.node)
             if version != current:
-                db.execute("UPDATE versions SET state = 'served', reason = ?, decided_at = ? WHERE adapter = ? "
-                           "AND version = ?", (f"served again by a rollback from {_name(current)}", time.time(),
-                                               adapter, version))
+                db.execute(
+                    "UPDATE versions SET state = 'served', reason = ?, decided_at = ? WHERE adapter = ? "
+                    "AND version = ?",
+                    (f"served again by a rollback from {_name(current)}", time.time(), adapter, version),
+                )
             self._set_current(db, adapter, version, v.node)
             return self._adapter_info(db, adapter)
 
@@ -238,16 +357,21 @@ class VersionRegistry(StoreConnection):
         with self._tx(write=False) as db:
             current = db.execute(
                 "SELECT a.name, a.method, a.current_version, v.path FROM adapters a LEFT JOIN versions v "
-                "ON v.adapter = a.name AND v.version = a.current_version").fetchall()
+                "ON v.adapter = a.name AND v.version = a.current_version"
+            ).fetchall()
             heads = db.execute(
                 "SELECT h.adapter, h.node, h.version, v.path FROM node_heads h JOIN versions v "
-                "ON v.adapter = h.adapter AND v.version = h.version WHERE v.path IS NOT NULL").fetchall()
+                "ON v.adapter = h.adapter AND v.version = h.version WHERE v.path IS NOT NULL"
+            ).fetchall()
         nodes: dict[str, dict[int, ServedVersion]] = {}
         for adapter, node, version, path in heads:
             nodes.setdefault(adapter, {})[node] = ServedVersion(version, path)
-        return {name: ServedAdapter(method, ServedVersion(version, path) if version is not None and path else None,
-                                    nodes.get(name, {}))
-                for name, method, version, path in current}
+        return {
+            name: ServedAdapter(
+                method, ServedVersion(version, path) if version is not None and path else None, nodes.get(name, {})
+            )
+            for name, method, version, path in current
+        }
 
     def get_version(self, adapter: str, version: int) -> VersionInfo:
         """One version (published or only reserved); :class:`UnknownVersion` (404)."""
@@ -263,7 +387,8 @@ class VersionRegistry(StoreConnection):
         ``keep`` (default ``keep_versions``; None: keep all) newest published versions stay, and so does any
         version still needed whatever its age: the adapter's current one, each node's current one (per_node),
         a candidate, and the parent of a reservation whose training has not published yet (it may still
-        publish, or the trainer reload from it; a reservation older than a day is taken for a crashed one). A deleted row stays, marked ``deleted_at``, so its number
+        publish, or the trainer reload from it; a reservation older than a day is taken for a crashed one). A deleted
+        row stays, marked ``deleted_at``, so its number
         is never handed out again and the items it consumed still name it; it is no longer listed, and
         rollback, promote and get_version answer 404 for it. Its files are the caller's to remove
         (:meth:`deleted_version_paths`, then :meth:`forget_version_paths`): the FeedbackStore actor does both.
@@ -273,32 +398,56 @@ class VersionRegistry(StoreConnection):
             return []
         with self._tx() as db:
             current = self._current(db, adapter)
-            live = [r[0] for r in db.execute("SELECT version FROM versions WHERE adapter = ? AND published = 1 "
-                                             "AND deleted_at IS NULL ORDER BY version DESC", (adapter,))]
+            live = [
+                r[0]
+                for r in db.execute(
+                    "SELECT version FROM versions WHERE adapter = ? AND published = 1 "
+                    "AND deleted_at IS NULL ORDER BY version DESC",
+                    (adapter,),
+                )
+            ]
             needed = set(live[:keep]) | {current}
             needed |= {r[0] for r in db.execute("SELECT version FROM node_heads WHERE adapter = ?", (adapter,))}
-            needed |= {r[0] for r in db.execute("SELECT version FROM versions WHERE adapter = ? AND "
-                                                "state = 'candidate'", (adapter,))}
+            needed |= {
+                r[0]
+                for r in db.execute(
+                    "SELECT version FROM versions WHERE adapter = ? AND state = 'candidate'", (adapter,)
+                )
+            }
             # A reservation older than a day is a crashed trainer's, not a training in progress: it pins nothing.
-            needed |= {r[0] for r in db.execute("SELECT parent FROM versions WHERE adapter = ? AND published = 0 "
-                                                "AND deleted_at IS NULL AND parent IS NOT NULL AND created_at > ?",
-                                                (adapter, time.time() - RESERVATION_PINS_S))}
+            needed |= {
+                r[0]
+                for r in db.execute(
+                    "SELECT parent FROM versions WHERE adapter = ? AND published = 0 "
+                    "AND deleted_at IS NULL AND parent IS NOT NULL AND created_at > ?",
+                    (adapter, time.time() - RESERVATION_PINS_S),
+                )
+            }
             doomed = sorted(v for v in live if v not in needed)
-            db.executemany("UPDATE versions SET deleted_at = ? WHERE adapter = ? AND version = ?",
-                           [(time.time(), adapter, v) for v in doomed])
+            db.executemany(
+                "UPDATE versions SET deleted_at = ? WHERE adapter = ? AND version = ?",
+                [(time.time(), adapter, v) for v in doomed],
+            )
             return doomed
 
     def deleted_version_paths(self, adapter: str) -> dict[int, str]:
         """version -> location of the deleted versions of ``adapter`` whose files are not known to be gone."""
         with self._tx(write=False) as db:
-            return dict(db.execute("SELECT version, path FROM versions WHERE adapter = ? AND deleted_at IS NOT NULL "
-                                   "AND path IS NOT NULL ORDER BY version", (adapter,)).fetchall())
+            return dict(
+                db.execute(
+                    "SELECT version, path FROM versions WHERE adapter = ? AND deleted_at IS NOT NULL "
+                    "AND path IS NOT NULL ORDER BY version",
+                    (adapter,),
+                ).fetchall()
+            )
 
     def forget_version_paths(self, adapter: str, versions: Iterable[int]) -> None:
         """The files of these deleted versions are gone: their rows stop naming a location."""
         with self._tx() as db:
-            db.executemany("UPDATE versions SET path = NULL WHERE adapter = ? AND version = ? AND "
-                           "deleted_at IS NOT NULL", [(adapter, int(v)) for v in versions])
+            db.executemany(
+                "UPDATE versions SET path = NULL WHERE adapter = ? AND version = ? AND deleted_at IS NOT NULL",
+                [(adapter, int(v)) for v in versions],
+            )
 
 
 def _name(version: int | None) -> str:

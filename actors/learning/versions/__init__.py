@@ -1,1 +1,2 @@
-"""Adapter versions as files: their layout and storage URIs (``layout``), transport between nodes (``files``), and whether one fits the served base (``fit``)."""
+"""Adapter versions as files: their layout and storage URIs (``layout``), transport between nodes (``files``), and
+whether one fits the served base (``fit``)."""

@@ -1,4 +1,5 @@
-"""An uploaded PEFT LoRA adapter, checked before anything is stored: the archive's safety, safetensors only, and its rank, targets and tensor shapes against the served base.
+"""An uploaded PEFT LoRA adapter, checked before anything is stored: the archive's safety, safetensors only, and its
+rank, targets and tensor shapes against the served base.
 
 ``POST /v1/adapters/{name}/versions`` (deployments/adapter_files.py) takes an adapter as a tar or zip
 body, or as a ``source`` URI (a PEFT directory or an archive, read through ``pyarrow.fs`` as
@@ -43,12 +44,23 @@ DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # what vLLM loads a LoRA in
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 FULL_MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
 # adapter_config.json keys whose non-empty value asks for what the served LoRA path does not do.
-UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks (rank_pattern)",
-               "alpha_pattern": "per-module alphas (alpha_pattern)", "modules_to_save": "modules_to_save",
-               "target_parameters": "target_parameters", "trainable_token_indices": "trainable_token_indices"}
-ARCHIVE_TYPES = {"application/x-tar": "tar", "application/tar": "tar", "application/gzip": "tar",
-                 "application/x-gzip": "tar", "application/x-gtar": "tar", "application/zip": "zip",
-                 "application/x-zip-compressed": "zip"}
+UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "modules_to_save": "modules_to_save",
+    "target_parameters": "target_parameters",
+    "trainable_token_indices": "trainable_token_indices",
+}
+ARCHIVE_TYPES = {
+    "application/x-tar": "tar",
+    "application/tar": "tar",
+    "application/gzip": "tar",
+    "application/x-gzip": "tar",
+    "application/x-gtar": "tar",
+    "application/zip": "zip",
+    "application/x-zip-compressed": "zip",
+}
 
 
 class AdapterRejected(ValueError):
@@ -94,8 +106,7 @@ def read_archive(data: bytes, kind: str, max_bytes: int) -> dict[str, bytes]:
 
 
 def too_large(size: int, max_bytes: int) -> AdapterRejected:
-    return AdapterRejected(f"the adapter is {size} bytes or more, over limits.max_adapter_bytes={max_bytes}",
-                           None, 413)
+    return AdapterRejected(f"the adapter is {size} bytes or more, over limits.max_adapter_bytes={max_bytes}", None, 413)
 
 
 def _member_name(name: str) -> str | None:
@@ -134,8 +145,11 @@ def _read_tar(data: bytes, max_bytes: int) -> dict[str, bytes]:
             if member.isdir():
                 continue
             if not member.isfile():
-                raise AdapterRejected(f"archive member {member.name!r} is a device, fifo or other special file; "
-                                      "only plain files are taken", "body")
+                raise AdapterRejected(
+                    f"archive member {member.name!r} is a device, fifo or other special file; "
+                    "only plain files are taken",
+                    "body",
+                )
             total += member.size
             if total > max_bytes:
                 raise too_large(total, max_bytes)
@@ -169,8 +183,11 @@ def _read_zip(data: bytes, max_bytes: int) -> dict[str, bytes]:
             if info.is_dir():
                 continue
             if mode and not stat.S_ISREG(mode):
-                raise AdapterRejected(f"archive member {info.filename!r} is a device, fifo or other special file; "
-                                      "only plain files are taken", "body")
+                raise AdapterRejected(
+                    f"archive member {info.filename!r} is a device, fifo or other special file; "
+                    "only plain files are taken",
+                    "body",
+                )
             if info.flag_bits & 0x1:
                 raise AdapterRejected(f"archive member {info.filename!r} is encrypted", "body")
             total += info.file_size
@@ -199,20 +216,28 @@ def adapter_files(members: dict[str, bytes]) -> dict[str, bytes]:
         members = {n.split("/", 1)[1]: v for n, v in members.items()}  # one folder around the adapter
     nested = sorted(n for n in members if "/" in n)
     if nested:
-        raise AdapterRejected(f"the adapter's files must be at the archive's top level (or in one folder); "
-                              f"found {nested[:5]}", "body")
+        raise AdapterRejected(
+            f"the adapter's files must be at the archive's top level (or in one folder); found {nested[:5]}", "body"
+        )
     pickles = sorted(n for n in members if n.lower().endswith(PICKLE_SUFFIXES))
     if pickles:
-        raise AdapterRejected(f"{pickles} may hold pickled code and are never loaded: send the weights as "
-                              f"{WEIGHTS_FILE} (peft's save_pretrained writes it by default)", "body")
+        raise AdapterRejected(
+            f"{pickles} may hold pickled code and are never loaded: send the weights as "
+            f"{WEIGHTS_FILE} (peft's save_pretrained writes it by default)",
+            "body",
+        )
     full = sorted(n for n in members if n in FULL_MODEL_FILES)
     if full:
-        raise AdapterRejected(f"{full} are a full model's files: only LoRA adapters ({', '.join(ADAPTER_FILES)}) "
-                              "are uploaded", "body")
+        raise AdapterRejected(
+            f"{full} are a full model's files: only LoRA adapters ({', '.join(ADAPTER_FILES)}) are uploaded", "body"
+        )
     other = sorted(n for n in members if n not in ADAPTER_FILES and n not in IGNORED_FILES)
     if other:
-        raise AdapterRejected(f"unexpected files {other[:10]}: an adapter is {' and '.join(ADAPTER_FILES)} "
-                              "(and an optional README.md) only", "body")
+        raise AdapterRejected(
+            f"unexpected files {other[:10]}: an adapter is {' and '.join(ADAPTER_FILES)} "
+            "(and an optional README.md) only",
+            "body",
+        )
     missing = [n for n in ADAPTER_FILES if n not in members]
     if missing:
         raise AdapterRejected(f"missing {missing}: an adapter is {' and '.join(ADAPTER_FILES)}", "body")
@@ -225,8 +250,11 @@ def read_source(uri: str, max_bytes: int) -> dict[str, bytes]:
     from pyarrow import fs as pafs
 
     if not isinstance(uri, str) or "://" not in uri:
-        raise AdapterRejected("`source` must be a URI: file:///dir, s3://bucket/dir or gs://bucket/dir (a PEFT "
-                              "directory or a .tar/.tar.gz/.zip of one)", "source")
+        raise AdapterRejected(
+            "`source` must be a URI: file:///dir, s3://bucket/dir or gs://bucket/dir (a PEFT "
+            "directory or a .tar/.tar.gz/.zip of one)",
+            "source",
+        )
     try:
         filesystem, path = pafs.FileSystem.from_uri(uri)
         info = filesystem.get_file_info(path)
@@ -239,8 +267,9 @@ def read_source(uri: str, max_bytes: int) -> dict[str, bytes]:
             lower = path.lower()
             kind = "zip" if lower.endswith(".zip") else "tar" if lower.endswith((".tar", ".tar.gz", ".tgz")) else None
             if kind is None:
-                raise AdapterRejected(f"`source` {uri!r} is a file but not a .tar, .tar.gz, .tgz or .zip archive",
-                                      "source")
+                raise AdapterRejected(
+                    f"`source` {uri!r} is a file but not a .tar, .tar.gz, .tgz or .zip archive", "source"
+                )
             if info.size is not None and info.size > max_bytes:
                 raise too_large(info.size, max_bytes)
             return read_archive(_read_bounded(filesystem, path, max_bytes), kind, max_bytes)
@@ -251,16 +280,17 @@ def read_source(uri: str, max_bytes: int) -> dict[str, bytes]:
         for entry in entries:
             name = entry.path.rstrip("/").rsplit("/", 1)[-1]
             if entry.type != pafs.FileType.File:
-                raise AdapterRejected(f"`source` {uri!r}: {name!r} is not a plain file (a PEFT directory holds its "
-                                      "files at the top)", "source")
+                raise AdapterRejected(
+                    f"`source` {uri!r}: {name!r} is not a plain file (a PEFT directory holds its files at the top)",
+                    "source",
+                )
             total += entry.size or 0
             if total > max_bytes:
                 raise too_large(total, max_bytes)
             files[name] = b""
         # Names are judged before any byte is read: a pickle is refused without being fetched.
         adapter_files(files)
-        read = {n: _read_bounded(filesystem, f"{path.rstrip('/')}/{n}", max_bytes) for n in ADAPTER_FILES
-                if n in files}
+        read = {n: _read_bounded(filesystem, f"{path.rstrip('/')}/{n}", max_bytes) for n in ADAPTER_FILES if n in files}
         if sum(len(v) for v in read.values()) > max_bytes:
             raise too_large(sum(len(v) for v in read.values()), max_bytes)
         return adapter_files(read)
@@ -302,7 +332,7 @@ def safetensors_shapes(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:
     if length > min(MAX_HEADER_BYTES, len(data) - 8):
         raise AdapterRejected(f"{WEIGHTS_FILE} is not a safetensors file (header length {length})", "body")
     try:
-        header = json.loads(data[8:8 + length])
+        header = json.loads(data[8 : 8 + length])
     except (ValueError, UnicodeDecodeError):
         raise AdapterRejected(f"{WEIGHTS_FILE} is not a safetensors file (its header is not JSON)", "body") from None
     if not isinstance(header, dict):
@@ -320,11 +350,16 @@ def safetensors_shapes(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:
         if not ok:
             raise AdapterRejected(f"{WEIGHTS_FILE}: tensor {name!r} has a damaged header entry", "body")
         if dtype not in DTYPE_BYTES:
-            raise AdapterRejected(f"{WEIGHTS_FILE}: tensor {name!r} is {dtype}; LoRA weights are taken as "
-                                  f"{', '.join(DTYPE_BYTES)}", "body")
+            raise AdapterRejected(
+                f"{WEIGHTS_FILE}: tensor {name!r} is {dtype}; LoRA weights are taken as {', '.join(DTYPE_BYTES)}",
+                "body",
+            )
         if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise AdapterRejected(f"{WEIGHTS_FILE}: tensor {name!r} holds {end - begin} bytes, not the "
-                                  f"{math.prod(shape) * DTYPE_BYTES[dtype]} its shape {list(shape)} needs", "body")
+            raise AdapterRejected(
+                f"{WEIGHTS_FILE}: tensor {name!r} holds {end - begin} bytes, not the "
+                f"{math.prod(shape) * DTYPE_BYTES[dtype]} its shape {list(shape)} needs",
+                "body",
+            )
         out[name] = (dtype, shape)
         spans.append((begin, end))
     spans.sort()
@@ -344,12 +379,15 @@ def _targets_match(targets: object, linear: Iterable[str]) -> tuple[list[str], l
         try:
             pattern = re.compile(targets)
         except re.error as exc:
-            raise AdapterRejected(f"target_modules {targets!r} is not a regular expression ({exc})",
-                                  "target_modules") from None
+            raise AdapterRejected(
+                f"target_modules {targets!r} is not a regular expression ({exc})", "target_modules"
+            ) from None
         return [n for n in names if pattern.fullmatch(n)], []
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
-        raise AdapterRejected("target_modules must be a non-empty list of module names, a regular expression or "
-                              "\"all-linear\"", "target_modules")
+        raise AdapterRejected(
+            'target_modules must be a non-empty list of module names, a regular expression or "all-linear"',
+            "target_modules",
+        )
     unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     return [n for n in names if any(n == t or n.endswith("." + t) for t in targets)], unknown
 
@@ -358,8 +396,14 @@ def _norm(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
-def check_adapter(files: dict[str, bytes], *, shapes: dict[str, tuple[int, int]], max_rank: int,
-                  base_names: Sequence[str], embeddings: Iterable[str] = ()) -> CheckedAdapter:
+def check_adapter(
+    files: dict[str, bytes],
+    *,
+    shapes: dict[str, tuple[int, int]],
+    max_rank: int,
+    base_names: Sequence[str],
+    embeddings: Iterable[str] = (),
+) -> CheckedAdapter:
     """Whether the adapter ``files`` fits the base whose LoRA-targetable modules have ``shapes`` (name ->
     (in, out)); ``embeddings``: those of them that are embeddings (not served with LoRA here);
     ``base_names``: what the served model is called (its served name, its directory's name)."""
@@ -373,8 +417,10 @@ def check_adapter(files: dict[str, bytes], *, shapes: dict[str, tuple[int, int]]
     if not isinstance(config, dict):
         raise AdapterRejected(f"{CONFIG_FILE} is not a JSON object", "body")
     if config.get("peft_type") != "LORA":
-        raise AdapterRejected(f"{CONFIG_FILE}: peft_type is {config.get('peft_type')!r}; only LoRA adapters "
-                              "(peft_type \"LORA\") are taken", "peft_type")
+        raise AdapterRejected(
+            f'{CONFIG_FILE}: peft_type is {config.get("peft_type")!r}; only LoRA adapters (peft_type "LORA") are taken',
+            "peft_type",
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterRejected(f"{CONFIG_FILE}: r is {rank!r}, not a positive integer", "r")
@@ -387,28 +433,41 @@ def check_adapter(files: dict[str, bytes], *, shapes: dict[str, tuple[int, int]]
         if config.get(key):
             raise AdapterRejected(f"{CONFIG_FILE}: {key} is set; {what} is not served here", key)
     if config.get("bias", "none") not in ("none", None):
-        raise AdapterRejected(f"{CONFIG_FILE}: bias is {config['bias']!r}; only bias \"none\" is served", "bias")
+        raise AdapterRejected(f'{CONFIG_FILE}: bias is {config["bias"]!r}; only bias "none" is served', "bias")
     embedding_set = set(embeddings)
     linear = [n for n in shapes if n not in embedding_set]
     selected, unknown = _targets_match(config.get("target_modules"), linear)
     if unknown:
         short = sorted({n.rsplit(".", 1)[-1] for n in linear})
-        raise AdapterRejected(f"{CONFIG_FILE}: target_modules {unknown} name no linear module of the served model; "
-                              f"it has {', '.join(short)}", "target_modules")
+        raise AdapterRejected(
+            f"{CONFIG_FILE}: target_modules {unknown} name no linear module of the served model; "
+            f"it has {', '.join(short)}",
+            "target_modules",
+        )
     if not selected:
-        raise AdapterRejected(f"{CONFIG_FILE}: target_modules {config.get('target_modules')!r} select no linear "
-                              "module of the served model", "target_modules")
+        raise AdapterRejected(
+            f"{CONFIG_FILE}: target_modules {config.get('target_modules')!r} select no linear "
+            "module of the served model",
+            "target_modules",
+        )
     modules = _check_tensors(safetensors_shapes(files[WEIGHTS_FILE]), shapes, set(selected), embedding_set, rank)
     base = config.get("base_model_name_or_path")
     notes: list[str] = []
     if base and _norm(str(base)) not in {_norm(n) for n in base_names if n}:
-        notes.append(f"adapter_config names base model {str(base)[:200]!r}, not the served model; taken because "
-                     "every tensor fits the served model's shapes")
+        notes.append(
+            f"adapter_config names base model {str(base)[:200]!r}, not the served model; taken because "
+            "every tensor fits the served model's shapes"
+        )
     return CheckedAdapter(dict(files), rank, alpha, tuple(sorted(modules)), str(base) if base else None, tuple(notes))
 
 
-def _check_tensors(tensors: dict[str, tuple[str, tuple[int, ...]]], shapes: dict[str, tuple[int, int]],
-                   selected: set[str], embeddings: set[str], rank: int) -> set[str]:
+def _check_tensors(
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    shapes: dict[str, tuple[int, int]],
+    selected: set[str],
+    embeddings: set[str],
+    rank: int,
+) -> set[str]:
     """The base modules the tensors change; :class:`AdapterRejected` for a tensor that is not a LoRA matrix of a
     selected module with the shape the module and ``rank`` imply, or a module with one matrix of two."""
     if not tensors:
@@ -418,23 +477,32 @@ def _check_tensors(tensors: dict[str, tuple[str, tuple[int, ...]]], shapes: dict
         m = TENSOR_RE.match(name)
         if m is None:
             what = "an embedding LoRA" if "lora_embedding" in name else "not a LoRA matrix"
-            raise AdapterRejected(f"{WEIGHTS_FILE}: tensor {name!r} is {what} (expected "
-                                  f"{PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight); only LoRA matrices of "
-                                  "linear modules are served", "body")
+            raise AdapterRejected(
+                f"{WEIGHTS_FILE}: tensor {name!r} is {what} (expected "
+                f"{PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight); only LoRA matrices of "
+                "linear modules are served",
+                "body",
+            )
         module, part = m.group("module"), m.group("part")
         if module not in shapes:
             raise AdapterRejected(f"{WEIGHTS_FILE}: tensor {name!r}: the served model has no module {module!r}", "body")
         if module in embeddings or module.endswith("lm_head"):
-            raise AdapterRejected(f"{WEIGHTS_FILE}: tensor {name!r}: LoRA on {module} (an embedding or the output "
-                                  "layer) is not served", "body")
+            raise AdapterRejected(
+                f"{WEIGHTS_FILE}: tensor {name!r}: LoRA on {module} (an embedding or the output layer) is not served",
+                "body",
+            )
         if module not in selected:
-            raise AdapterRejected(f"{WEIGHTS_FILE}: tensor {name!r}: {module} is not among the modules target_modules "
-                                  "selects", "body")
+            raise AdapterRejected(
+                f"{WEIGHTS_FILE}: tensor {name!r}: {module} is not among the modules target_modules selects", "body"
+            )
         fan_in, fan_out = shapes[module]
         want = (rank, fan_in) if part == "A" else (fan_out, rank)
         if shape != want:
-            raise AdapterRejected(f"{WEIGHTS_FILE}: tensor {name!r} has shape {list(shape)}, but the served model's "
-                                  f"{module} ({fan_in} in, {fan_out} out) at r={rank} needs {list(want)}", "body")
+            raise AdapterRejected(
+                f"{WEIGHTS_FILE}: tensor {name!r} has shape {list(shape)}, but the served model's "
+                f"{module} ({fan_in} in, {fan_out} out) at r={rank} needs {list(want)}",
+                "body",
+            )
         parts.setdefault(module, set()).add(part)
     half = sorted(m for m, p in parts.items() if p != {"A", "B"})
     if half:

@@ -79,8 +79,9 @@ class AdapterFiles:
             return upload_version(self.uri, adapter, version, saved)
         if self.on_store_node():
             return str(saved)
-        return ray.get(self.store.write_version.remote(adapter, version, read_dir_files(saved)),
-                       timeout=FETCH_TIMEOUT_S)
+        return ray.get(
+            self.store.write_version.remote(adapter, version, read_dir_files(saved)), timeout=FETCH_TIMEOUT_S
+        )
 
     def local_path(self, adapter: str, version: int, location: str) -> str:
         """A directory on this node holding the published version at ``location`` (fetched once, then cached)."""
@@ -89,8 +90,11 @@ class AdapterFiles:
         root = self._cache_root_for(location)
         target = version_dir(root, adapter, version)
         if not is_complete_version(target):
-            files = (download_version(location) if is_uri(location)
-                     else ray.get(self.store.read_version.remote(location), timeout=FETCH_TIMEOUT_S))
+            files = (
+                download_version(location)
+                if is_uri(location)
+                else ray.get(self.store.read_version.remote(location), timeout=FETCH_TIMEOUT_S)
+            )
             write_version_files(root, adapter, version, files)
         return str(target)
 

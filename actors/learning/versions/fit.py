@@ -27,8 +27,7 @@ def misfit(adapter_dir: str | Path, model_dir: str) -> str | None:
     shapes = module_shapes(model_dir)
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
-            for part, axis in ((".lora_A.", 1), (".lora_B.", 0), (".lora_embedding_A", 1),
-                               (".lora_embedding_B", 0)):
+            for part, axis in ((".lora_A.", 1), (".lora_B.", 0), (".lora_embedding_A", 1), (".lora_embedding_B", 0)):
                 if part not in key:
                     continue
                 module = key.split(part)[0].removeprefix(PEFT_PREFIX)
@@ -37,10 +36,11 @@ def misfit(adapter_dir: str | Path, model_dir: str) -> str | None:
                 size = f.get_slice(key).get_shape()[axis]
                 want = shapes[module][0 if part.endswith("A.") or part.endswith("_A") else 1]
                 if size != want:
-                    return (f"{key} has {size} features where the base's {module} has {want}: the version was "
-                            f"trained for another model")
+                    return (
+                        f"{key} has {size} features where the base's {module} has {want}: the version was "
+                        f"trained for another model"
+                    )
     return None
-
 
 
 def write_zero_lora(target: str | Path, shapes: dict[str, tuple[int, int]]) -> Path:
@@ -53,9 +53,23 @@ def write_zero_lora(target: str | Path, shapes: dict[str, tuple[int, int]]) -> P
     module = next(name for name in shapes if name.endswith("q_proj"))
     fan_in, fan_out = shapes[module]
     target = Path(target)
-    save_file({f"{PEFT_PREFIX}{module}.lora_A.weight": torch.zeros(1, fan_in),
-               f"{PEFT_PREFIX}{module}.lora_B.weight": torch.zeros(fan_out, 1)}, str(target / WEIGHTS_FILE))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "lora_dropout": 0.0,
-              "target_modules": ["q_proj"], "bias": "none", "fan_in_fan_out": False, "modules_to_save": None}
+    save_file(
+        {
+            f"{PEFT_PREFIX}{module}.lora_A.weight": torch.zeros(1, fan_in),
+            f"{PEFT_PREFIX}{module}.lora_B.weight": torch.zeros(fan_out, 1),
+        },
+        str(target / WEIGHTS_FILE),
+    )
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": 1,
+        "lora_alpha": 1,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
     (target / "adapter_config.json").write_text(json.dumps(config))
     return target

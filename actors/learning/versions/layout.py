@@ -94,7 +94,7 @@ def write_version_files(root: str | Path, adapter: str, version: int, files: dic
         return final
     names = sorted(files)
     if not names or len(names) > MAX_FILES or any(Path(n).name != n or n.startswith(".") for n in names):
-        raise ValueError(f"{adapter} v{version}: not a version's files: {names[:MAX_FILES + 1]}")
+        raise ValueError(f"{adapter} v{version}: not a version's files: {names[: MAX_FILES + 1]}")
     missing = [f for f in (*ADAPTER_FILES, META_FILE) if f not in files]
     if missing:
         raise ValueError(f"{adapter} v{version}: missing {missing}")
@@ -224,8 +224,6 @@ def _under(root: str | Path, location: str) -> Path:
     return path
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # Full-model versions (actors/learning/full/): the same ``<root>/<unit>/v<N>`` layout and commit rule.
 
@@ -239,8 +237,9 @@ def is_complete_full_version(path: str | Path) -> bool:
     return all((path / f).is_file() for f in (*FULL_FILES, META_FILE))
 
 
-def write_full_version(root: str | Path, unit: str, version: int, tensors: dict, meta: dict,
-                       files: dict[str, bytes] | None = None) -> Path:
+def write_full_version(
+    root: str | Path, unit: str, version: int, tensors: dict, meta: dict, files: dict[str, bytes] | None = None
+) -> Path:
     """Write a full model version atomically to ``<root>/<unit>/v<N>``; its path.
 
     ``tensors``: HF-named torch tensors (saved as one ``model.safetensors``, loadable by
@@ -258,7 +257,9 @@ def write_full_version(root: str | Path, unit: str, version: int, tensors: dict,
     files = dict(files or {})
     bad = [n for n in files if Path(n).name != n or n.startswith(".") or n in (FULL_WEIGHTS, META_FILE)]
     if bad or "config.json" not in files:
-        raise ValueError(f"{unit} v{version}: extra files must be plain names and include config.json, got {sorted(files)}")
+        raise ValueError(
+            f"{unit} v{version}: extra files must be plain names and include config.json, got {sorted(files)}"
+        )
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{final.name}-", dir=final.parent))
     try:

@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-
 SECURE_PREFIX = "/sec"
 
 
@@ -18,8 +17,8 @@ def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
     import httpx
     from ray import serve
 
-    from deployments.keys import add_key
     from app.main import build_app
+    from deployments.keys import add_key
 
     data = tmp_path_factory.mktemp("coserve-sec")
     keys = {t: add_key(data / "keys.yaml", t) for t in ("admin", "acme", "beta", "flood", "conc", "quota")}
@@ -31,8 +30,15 @@ def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
         "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 64 * 2**20},
         "planner": {"placement": "round_robin"},
         "auth": {"keys_file": "keys.yaml", "keys_env": None},
-        "limits": {"requests_per_second": 20, "burst": 40, "max_concurrent": 4, "max_tokens": 32,
-                   "feedback_max_items": 16, "feedback_max_item_bytes": 1024, "adapters_per_tenant": 3},
+        "limits": {
+            "requests_per_second": 20,
+            "burst": 40,
+            "max_concurrent": 4,
+            "max_tokens": 32,
+            "feedback_max_items": 16,
+            "feedback_max_item_bytes": 1024,
+            "adapters_per_tenant": 3,
+        },
     }
     serve.run(build_app(cfg), name="coserve-sec", route_prefix=SECURE_PREFIX)
     url = app_url + SECURE_PREFIX
@@ -70,8 +76,11 @@ def served_adapter(secure_app) -> str:
     url, name = secure_app["url"], SERVED_ADAPTER
     admin = {"Authorization": f"Bearer {secure_app['keys']['admin']}"}
     beta = {"Authorization": f"Bearer {secure_app['keys']['beta']}"}
-    r = httpx.post(f"{url}/v1/adapters", headers=admin,
-                   json={"name": name, "tenant": "beta", "method": "sft", "mode": "sync", "gate": {"enabled": False}})
+    r = httpx.post(
+        f"{url}/v1/adapters",
+        headers=admin,
+        json={"name": name, "tenant": "beta", "method": "sft", "mode": "sync", "gate": {"enabled": False}},
+    )
     assert r.status_code == 201, r.text
     assert r.json()["tenant"] == "beta"
     items = [{"adapter": name, "prompt": f"q{i}", "completion": f"a{i}"} for i in range(4)]

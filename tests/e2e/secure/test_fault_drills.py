@@ -29,17 +29,35 @@ def drilled(secure_app, served_adapter) -> dict:
     if newest is None or served != newest:
         status = httpx.get(f"{url}/v1/status", headers=headers).json()
         info = httpx.get(f"{url}/v1/adapters/{ADAPTER}", headers=headers).json()
-        pytest.fail(f"no served version: served={served} newest={newest} adapter={info} "
-                    f"training={status['training']} node={status['nodes'][0]}")
+        pytest.fail(
+            f"no served version: served={served} newest={newest} adapter={info} "
+            f"training={status['training']} node={status['nodes'][0]}"
+        )
     with Prober(url, BASE, ADAPTER, headers, period=0.5) as prober:
-        yield {"url": url, "headers": headers, "prober": prober, "name": secure_app["name"],
-               "store": "coserve-sec-store", "trainer": "coserve-sec-trainer",
-               "adapters_root": secure_app["data_dir"] / "adapters"}
+        yield {
+            "url": url,
+            "headers": headers,
+            "prober": prober,
+            "name": secure_app["name"],
+            "store": "coserve-sec-store",
+            "trainer": "coserve-sec-trainer",
+            "adapters_root": secure_app["data_dir"] / "adapters",
+        }
 
 
 def _drill(d: dict, target: str, kill) -> dict:
-    r = drill(target, kill, d["prober"], url=d["url"], headers=d["headers"], model=BASE, adapter=ADAPTER,
-              store_name=d["store"], adapters_root=d["adapters_root"], settle_s=2.0)
+    r = drill(
+        target,
+        kill,
+        d["prober"],
+        url=d["url"],
+        headers=d["headers"],
+        model=BASE,
+        adapter=ADAPTER,
+        store_name=d["store"],
+        adapters_root=d["adapters_root"],
+        settle_s=2.0,
+    )
     print(r)
     assert r.acked > 0 and r.lost == 0, r
     assert r.half_written == 0, r

@@ -48,8 +48,10 @@ def _half_sent(host: str, port: int, i: int, prefix: str) -> socket.socket | Non
     if i % 2:
         part = f"POST {prefix}/v1/chat/completions HTT"
     else:
-        part = (f"POST {prefix}/v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: 100\r\n\r\n{{\"model\": ")
+        part = (
+            f"POST {prefix}/v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f'Content-Length: 100\r\n\r\n{{"model": '
+        )
     try:
         s.sendall(part.encode())
     except OSError:  # closed at once: over the per-source cap
@@ -156,10 +158,16 @@ def _serve_processes() -> tuple[dict[int, str], dict[int, int]]:
     from ray._private import state
     from ray.util.state import list_actors
 
-    actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)
-              if a.ray_namespace == "serve" and a.pid]
-    ray_ports = {info["Pid"]: info["Address"]["Port"]
-                 for info in state.actors(actor_state_name="ALIVE").values() if info.get("Pid")}
+    actors = [
+        a
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)
+        if a.ray_namespace == "serve" and a.pid
+    ]
+    ray_ports = {
+        info["Pid"]: info["Address"]["Port"]
+        for info in state.actors(actor_state_name="ALIVE").values()
+        if info.get("Pid")
+    }
     labels: dict[int, str] = {}
     for a in actors:
         labels[a.pid] = f"{a.class_name} {a.name}"
@@ -224,6 +232,10 @@ def test_one_node_is_served_without_a_routing_round_trip(secure_app):
     backend_of = {m.group(2): m.group(1) for m in re.finditer(r"acl is_(\S+) path_beg (\S+)", cfg)}
     routed = set(re.findall(r"set-var\(txn\.ingress_request_router_app\) str\((\S+)\)", cfg))
     assert backend_of["/sec/"] not in routed and backend_of["/"] in routed, (backend_of, routed)
-    r = httpx.post(f"{secure_app['url']}/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
-                   headers={"Authorization": f"Bearer {secure_app['keys']['acme']}"}, timeout=60)
+    r = httpx.post(
+        f"{secure_app['url']}/v1/completions",
+        json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {secure_app['keys']['acme']}"},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text

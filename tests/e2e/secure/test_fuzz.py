@@ -14,13 +14,23 @@ from tests.fuzzing import CHECKS, run_schemathesis
 def test_schemathesis_finds_no_server_error_and_no_conformance_failure(secure_app, tmp_path):
     url, key = secure_app["url"], secure_app["keys"]["admin"]
     # Generated cases only (the coverage phase's thousands of boundary cases are bench/fuzz.py's run).
-    result = run_schemathesis(url, key, max_examples=8, phases="examples,fuzzing", rate_limit="15/s",
-                              max_time_s=30, full_log=tmp_path / "schemathesis.log")
+    result = run_schemathesis(
+        url,
+        key,
+        max_examples=8,
+        phases="examples,fuzzing",
+        rate_limit="15/s",
+        max_time_s=30,
+        full_log=tmp_path / "schemathesis.log",
+    )
     assert result.returncode == 0, result.tail
     assert result.cases >= 100, result.tail  # every operation, several generated bodies each: not a token run
     assert result.failures == 0, result.tail
     assert httpx.get(f"{url}/health").status_code == 200  # and the app still answers
-    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                   json={"model": "tiny-llama", "prompt": "still here?", "max_tokens": 2})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "tiny-llama", "prompt": "still here?", "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
     assert set(CHECKS.split(",")) >= {"not_a_server_error", "status_code_conformance", "response_schema_conformance"}

@@ -40,15 +40,18 @@ def beta_served(secure_app, served_adapter) -> str:
 
 def test_requests_without_a_known_key_get_401_and_health_stays_open(secure_app):
     url = secure_app["url"]
-    for r in (httpx.post(f"{url}/v1/completions", json={"model": BASE, "prompt": "hi", "max_tokens": 2}),
-              httpx.get(f"{url}/v1/adapters", headers={"Authorization": "Bearer sk-coserve-not-a-key"}),
-              httpx.post(f"{url}/v1/feedback", json={"adapter": "x", "prompt": "p", "completion": "c"}),
-              httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic abc"})):
+    for r in (
+        httpx.post(f"{url}/v1/completions", json={"model": BASE, "prompt": "hi", "max_tokens": 2}),
+        httpx.get(f"{url}/v1/adapters", headers={"Authorization": "Bearer sk-coserve-not-a-key"}),
+        httpx.post(f"{url}/v1/feedback", json={"adapter": "x", "prompt": "p", "completion": "c"}),
+        httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic abc"}),
+    ):
         err = _error(r, 401, "api key")
         assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"].startswith("Bearer")
     assert httpx.get(f"{url}/health").status_code == 200
-    ok = httpx.post(f"{url}/v1/completions", headers=_h(secure_app, "acme"),
-                    json={"model": BASE, "prompt": "hi", "max_tokens": 2})
+    ok = httpx.post(
+        f"{url}/v1/completions", headers=_h(secure_app, "acme"), json={"model": BASE, "prompt": "hi", "max_tokens": 2}
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -72,21 +75,26 @@ def test_a_tenant_cannot_see_change_train_or_call_another_tenants_adapter(secure
     r = httpx.post(f"{url}/v1/completions", headers=beta, json={"model": model, "prompt": "q1", "max_tokens": 2})
     assert r.status_code == 200, r.text
     # Another tenant gets exactly what a missing adapter gets.
-    missing = httpx.post(f"{url}/v1/completions", headers=acme,
-                         json={"model": f"{BASE}:no-such", "prompt": "q", "max_tokens": 2})
+    missing = httpx.post(
+        f"{url}/v1/completions", headers=acme, json={"model": f"{BASE}:no-such", "prompt": "q", "max_tokens": 2}
+    )
     other = httpx.post(f"{url}/v1/completions", headers=acme, json={"model": model, "prompt": "q", "max_tokens": 2})
     assert (other.status_code, missing.status_code) == (404, 404)
     assert other.json()["error"]["message"] == missing.json()["error"]["message"].replace("no-such", name)
-    chat = httpx.post(f"{url}/v1/chat/completions", headers=acme,
-                      json={"model": model, "messages": [{"role": "user", "content": "q"}], "max_tokens": 2})
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=acme,
+        json={"model": model, "messages": [{"role": "user", "content": "q"}], "max_tokens": 2},
+    )
     assert chat.status_code == 404
     before = httpx.get(f"{url}/v1/adapters/{name}", headers=beta).json()
-    for r in (httpx.get(f"{url}/v1/adapters/{name}", headers=acme),
-              httpx.patch(f"{url}/v1/adapters/{name}", headers=acme, json={"mode": "sync", "learning_rate": 1.0}),
-              httpx.post(f"{url}/v1/adapters/{name}/rollback", headers=acme, json={"version": 1}),
-              httpx.post(f"{url}/v1/adapters/{name}/promote", headers=acme, json={"version": 1}),
-              httpx.post(f"{url}/v1/feedback", headers=acme,
-                         json={"adapter": name, "prompt": "p", "completion": "poison"})):
+    for r in (
+        httpx.get(f"{url}/v1/adapters/{name}", headers=acme),
+        httpx.patch(f"{url}/v1/adapters/{name}", headers=acme, json={"mode": "sync", "learning_rate": 1.0}),
+        httpx.post(f"{url}/v1/adapters/{name}/rollback", headers=acme, json={"version": 1}),
+        httpx.post(f"{url}/v1/adapters/{name}/promote", headers=acme, json={"version": 1}),
+        httpx.post(f"{url}/v1/feedback", headers=acme, json={"adapter": name, "prompt": "p", "completion": "poison"}),
+    ):
         _error(r, 404, name)
     after = httpx.get(f"{url}/v1/adapters/{name}", headers=beta).json()
     assert (after["learning_rate"], after["queued"]) == (before["learning_rate"], before["queued"])
@@ -119,8 +127,11 @@ def test_a_tenant_beyond_its_adapter_allowance_gets_403(secure_app):
     r = httpx.post(f"{url}/v1/adapters", headers=quota, json={"name": "quota-3", "mode": "off"})
     _error(r, 403, "limits.adapters_per_tenant", "quota")
     assert r.json()["error"]["type"] == "permission_error"
-    _error(httpx.post(f"{url}/v1/adapters", headers=admin, json={"name": "quota-4", "tenant": "quota", "mode": "off"}),
-           403, "limits.adapters_per_tenant")
+    _error(
+        httpx.post(f"{url}/v1/adapters", headers=admin, json={"name": "quota-4", "tenant": "quota", "mode": "off"}),
+        403,
+        "limits.adapters_per_tenant",
+    )
     assert len(httpx.get(f"{url}/v1/adapters", headers=quota).json()["data"]) == 3
     r = httpx.post(f"{url}/v1/adapters", headers=admin, json={"name": "conc-own", "tenant": "conc", "mode": "off"})
     assert r.status_code == 201, r.text
@@ -143,8 +154,11 @@ def _cache(secure_app) -> tuple[int, int]:
 def _send_and_count(secure_app, tenant: str, prompt: str, **extra) -> int:
     """Send ``prompt`` as ``tenant``; the prompt tokens the engine found in its prefix cache for it."""
     queried, hits = _cache(secure_app)
-    r = httpx.post(f"{secure_app['url']}/v1/completions", headers=_h(secure_app, tenant),
-                   json={"model": BASE, "prompt": prompt, "max_tokens": 1, **extra})
+    r = httpx.post(
+        f"{secure_app['url']}/v1/completions",
+        headers=_h(secure_app, tenant),
+        json={"model": BASE, "prompt": prompt, "max_tokens": 1, **extra},
+    )
     assert r.status_code == 200, r.text
     deadline = time.time() + 10
     while time.time() < deadline:  # the replica reports every trace_flush_seconds
@@ -165,28 +179,56 @@ def test_a_tenants_prefix_is_cached_for_it_and_never_for_another_tenant(secure_a
     assert _send_and_count(secure_app, "acme", prompt, cache_salt="beta-guess") >= 256
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"n": 9}, "max_n"), ({"max_tokens": 33}, "max_tokens"), ({"logprobs": 21}, "max_logprobs"),
-    ({"n": 3, "prompt": ["a", "b", "c"]}, "max_n"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"n": 9}, "max_n"),
+        ({"max_tokens": 33}, "max_tokens"),
+        ({"logprobs": 21}, "max_logprobs"),
+        ({"n": 3, "prompt": ["a", "b", "c"]}, "max_n"),
+    ],
+)
 def test_completion_caps_answer_400(secure_app, body, words):
-    r = httpx.post(f"{secure_app['url']}/v1/completions", headers=_h(secure_app, "acme"),
-                   json={"model": BASE, "prompt": "hi", "max_tokens": 2, **body})
+    r = httpx.post(
+        f"{secure_app['url']}/v1/completions",
+        headers=_h(secure_app, "acme"),
+        json={"model": BASE, "prompt": "hi", "max_tokens": 2, **body},
+    )
     _error(r, 400, words)
 
 
 def test_chat_caps_answer_400(secure_app):
     url, acme = secure_app["url"], _h(secure_app, "acme")
     msg = [{"role": "user", "content": "hi"}]
-    _error(httpx.post(f"{url}/v1/chat/completions", headers=acme,
-                      json={"model": BASE, "messages": msg, "max_completion_tokens": 100}), 400, "max_tokens")
-    _error(httpx.post(f"{url}/v1/chat/completions", headers=acme,
-                      json={"model": BASE, "messages": msg, "logprobs": True, "top_logprobs": -1}), 400, "logprobs")
+    _error(
+        httpx.post(
+            f"{url}/v1/chat/completions",
+            headers=acme,
+            json={"model": BASE, "messages": msg, "max_completion_tokens": 100},
+        ),
+        400,
+        "max_tokens",
+    )
+    _error(
+        httpx.post(
+            f"{url}/v1/chat/completions",
+            headers=acme,
+            json={"model": BASE, "messages": msg, "logprobs": True, "top_logprobs": -1},
+        ),
+        400,
+        "logprobs",
+    )
 
 
-WRITE_ROUTES = [("post", "/v1/adapters"), ("patch", "/v1/adapters/acme/acme-own"),
-                ("post", "/v1/adapters/acme/acme-own/rollback"), ("post", "/v1/adapters/acme/acme-own/promote"),
-                ("post", "/v1/feedback"), ("post", "/v1/completions"), ("post", "/v1/chat/completions")]
+WRITE_ROUTES = [
+    ("post", "/v1/adapters"),
+    ("patch", "/v1/adapters/acme/acme-own"),
+    ("post", "/v1/adapters/acme/acme-own/rollback"),
+    ("post", "/v1/adapters/acme/acme-own/promote"),
+    ("post", "/v1/feedback"),
+    ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
+]
 
 
 @pytest.mark.parametrize("method, path", WRITE_ROUTES)
@@ -196,9 +238,21 @@ def test_hostile_bodies_get_4xx_on_every_write_route(secure_app, method, path):
     _error(httpx.request(method, url + path, headers=admin, content=deep), 400)
     _error(httpx.request(method, url + path, headers=admin, content=b"x" * (1 * 2**20 + 1)), 413, "max_body_bytes")
     big = 1180591620717411303424
-    r = httpx.request(method, url + path, headers=admin,
-                      json={"version": big, "name": "big", "periodic": {"every_samples": big}, "model": BASE,
-                            "prompt": "x", "max_tokens": big, "adapter": "acme/acme-own", "completion": "c"})
+    r = httpx.request(
+        method,
+        url + path,
+        headers=admin,
+        json={
+            "version": big,
+            "name": "big",
+            "periodic": {"every_samples": big},
+            "model": BASE,
+            "prompt": "x",
+            "max_tokens": big,
+            "adapter": "acme/acme-own",
+            "completion": "c",
+        },
+    )
     assert 400 <= r.status_code < 500, r.text
     assert httpx.get(f"{url}/health").status_code == 200
 
@@ -267,16 +321,21 @@ def test_tokenize_and_detokenize_treat_another_tenants_adapter_as_missing(secure
         assert set(other.json()["error"]) >= {"message", "type", "param", "code"}
         own = httpx.post(url + path, headers=_h(secure_app, "beta"), json={"model": f"{BASE}:{beta_served}", **body})
         assert own.status_code == 200, own.text
-        admin = httpx.post(url + path, headers=_h(secure_app, "admin"),
-                           json={"model": f"{BASE}:beta/{beta_served}", **body})
+        admin = httpx.post(
+            url + path, headers=_h(secure_app, "admin"), json={"model": f"{BASE}:beta/{beta_served}", **body}
+        )
         assert admin.status_code == 200, admin.text
 
 
 def test_two_tenants_each_own_support_and_the_admin_names_them_by_key(secure_app, beta_served):
     """A name another tenant took is no conflict (a 409 told acme the name exists); each calls its own by the
     bare name, answers name it as the tenant does, and the admin names tenant/name."""
-    url, acme, beta, admin = (secure_app["url"], _h(secure_app, "acme"), _h(secure_app, "beta"),
-                              _h(secure_app, "admin"))
+    url, acme, beta, admin = (
+        secure_app["url"],
+        _h(secure_app, "acme"),
+        _h(secure_app, "beta"),
+        _h(secure_app, "admin"),
+    )
     for tenant in (beta, acme):
         r = httpx.post(f"{url}/v1/adapters", headers=tenant, json={"name": "support", "mode": "off"})
         assert r.status_code == 201, r.text
@@ -289,14 +348,21 @@ def test_two_tenants_each_own_support_and_the_admin_names_them_by_key(secure_app
         assert r.json()["model"] == f"{BASE}:{tenant}/support"
     _error(httpx.get(f"{url}/v1/adapters/support", headers=admin), 404)  # the admin has none of its own
     # The served adapter: its tenant calls it by the bare name and the answer names it so; the admin by its key.
-    r = httpx.post(f"{url}/v1/completions", headers=beta,
-                   json={"model": f"{BASE}:{beta_served}", "prompt": "q1", "max_tokens": 2})
+    r = httpx.post(
+        f"{url}/v1/completions", headers=beta, json={"model": f"{BASE}:{beta_served}", "prompt": "q1", "max_tokens": 2}
+    )
     assert r.status_code == 200 and r.json()["model"] == f"{BASE}:{beta_served}", r.text
-    r = httpx.post(f"{url}/v1/chat/completions", headers=beta, json={
-        "model": f"{BASE}:{beta_served}", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=beta,
+        json={"model": f"{BASE}:{beta_served}", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2},
+    )
     assert r.status_code == 200 and r.json()["model"] == f"{BASE}:{beta_served}", r.text
-    r = httpx.post(f"{url}/v1/completions", headers=admin,
-                   json={"model": f"{BASE}:beta/{beta_served}", "prompt": "q1", "max_tokens": 2})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers=admin,
+        json={"model": f"{BASE}:beta/{beta_served}", "prompt": "q1", "max_tokens": 2},
+    )
     assert r.status_code == 200 and r.json()["model"] == f"{BASE}:beta/{beta_served}", r.text
     ids = {m["id"] for m in httpx.get(f"{url}/v1/models", headers=admin).json()["data"]}
     assert f"{BASE}:beta/{beta_served}" in ids
@@ -309,7 +375,10 @@ def test_no_server_path_reaches_a_tenant(secure_app, beta_served):
     models = httpx.get(f"{url}/v1/models", headers=beta)
     assert models.status_code == 200 and data_dir not in models.text, models.text
     assert {m["root"] for m in models.json()["data"]} <= {m["id"] for m in models.json()["data"]}
-    for r in (httpx.get(f"{url}/v1/adapters/{beta_served}", headers=beta), httpx.get(f"{url}/v1/adapters", headers=beta)):
+    for r in (
+        httpx.get(f"{url}/v1/adapters/{beta_served}", headers=beta),
+        httpx.get(f"{url}/v1/adapters", headers=beta),
+    ):
         assert r.status_code == 200 and data_dir not in r.text and '"path"' not in r.text, r.text
     # The operator still reads where a version lives.
     info = httpx.get(f"{url}/v1/adapters/beta/{beta_served}", headers=_h(secure_app, "admin")).json()
@@ -319,11 +388,18 @@ def test_no_server_path_reaches_a_tenant(secure_app, beta_served):
 # ---- issue 29 item 3: strict types and caps -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"lora": {"r": "256"}}, "lora.r"), ({"lora": {"r": 256}}, "lora.r"),  # this app's engine.max_lora_rank: 8
-    ({"lora": {"r": 8.0}}, "lora.r"), ({"learning_rate": "0.01"}, "learning_rate"), ({"epochs": "2"}, "epochs"),
-    ({"periodic": {"every_samples": "5"}}, "periodic.every_samples"), ({"gate": {"enabled": "false"}}, "gate.enabled"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"lora": {"r": "256"}}, "lora.r"),
+        ({"lora": {"r": 256}}, "lora.r"),  # this app's engine.max_lora_rank: 8
+        ({"lora": {"r": 8.0}}, "lora.r"),
+        ({"learning_rate": "0.01"}, "learning_rate"),
+        ({"epochs": "2"}, "epochs"),
+        ({"periodic": {"every_samples": "5"}}, "periodic.every_samples"),
+        ({"gate": {"enabled": "false"}}, "gate.enabled"),
+    ],
+)
 def test_a_string_or_float_where_an_integer_is_meant_is_400_naming_the_field(secure_app, body, param):
     url, acme = secure_app["url"], _h(secure_app, "acme")
     err = _error(httpx.post(f"{url}/v1/adapters", headers=acme, json={"name": "strict", "mode": "off", **body}), 400)
@@ -348,18 +424,25 @@ def test_a_chat_without_max_tokens_stops_at_the_limit_or_the_context(secure_app)
     limit, context = secure_app["config"]["limits"]["max_tokens"], secure_app["config"]["model"]["max_model_len"]
 
     def chat(content: str) -> dict:
-        r = httpx.post(f"{url}/v1/chat/completions", headers=acme, timeout=120, json={
-            "model": BASE, "messages": [{"role": "user", "content": content}], "ignore_eos": True})
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers=acme,
+            timeout=120,
+            json={"model": BASE, "messages": [{"role": "user", "content": content}], "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
     short = chat("hi")
     assert short["usage"]["completion_tokens"] == limit and short["choices"][0]["finish_reason"] == "length", short
+
     # A prompt that leaves 10 tokens of context (sized with /tokenize: the tiny model's tokenizer is byte-level).
     def prompt_tokens(content: str) -> int:
-        r = httpx.post(f"{url}/tokenize", headers=acme,
-                       json={"model": BASE, "messages": [{"role": "user", "content": content}],
-                             "add_generation_prompt": True})
+        r = httpx.post(
+            f"{url}/tokenize",
+            headers=acme,
+            json={"model": BASE, "messages": [{"role": "user", "content": content}], "add_generation_prompt": True},
+        )
         assert r.status_code == 200, r.text
         return r.json()["count"]
 
