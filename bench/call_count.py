@@ -2,7 +2,9 @@
 
     .venv/bin/python bench/call_count.py                 # tiny model, one node, 10 items 2 s apart
 
-Starts the test-sized app (one node, gate on with nothing held out, mode ``hybrid``), creates an
+Starts the test-sized app (one node, gate on with nothing held out and a retention margin of 100, so
+every version is scored but none is rejected: on the tiny model the default margin pauses the adapter
+after a few versions; mode ``hybrid``), creates an
 SFT adapter, sends one warm-up item and waits until a version trained on it is served (not
 counted), then sends ``--items`` items ``--gap-s`` apart and counts the actor calls of that
 window with Ray's state API (``summarize_tasks``, finished tasks by ``Class.method``). Nothing
@@ -75,7 +77,12 @@ def main() -> None:
                 name = "counted"
                 r = c.post(
                     f"{url}/v1/adapters",
-                    json={"name": name, "method": "sft", "mode": "hybrid", "gate": {"held_out_share": 0}},
+                    json={
+                        "name": name,
+                        "method": "sft",
+                        "mode": "hybrid",
+                        "gate": {"held_out_share": 0, "retention_margin": 100.0},
+                    },
                 )
                 r.raise_for_status()
                 c.post(f"{url}/v1/feedback", json={"adapter": name, "prompt": "warm up", "completion": "ok"})
