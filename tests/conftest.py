@@ -45,13 +45,9 @@ def data_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The real default model the live tests serve, from the cache ``make serve`` uses (``COSERVE_DATA_DIR``, else
-    the default data dir): fetched and converted on the machine's first run only, since a conversion takes
-    about 30 s. tests/integration/test_smollm2.py converts a fresh copy each session and checks it."""
-    from actors.models import smollm2
-    from settings import DEFAULT_DATA_DIR
+    from tests.helpers import smollm2_cache
 
-    return smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser())
+    return smollm2_cache()
 
 
 @pytest.fixture(scope="session")
@@ -100,17 +96,28 @@ def app_config(data_dir) -> dict:
 
 
 @pytest.fixture(scope="session")
-def app_url(ray_cluster, app_config) -> str:
+def app_pool(ray_cluster, tmp_path_factory):
+    """The apps test modules start beside the session app (tests/app_pool.py), behind the session's HTTP port."""
+    from ray import serve
+
+    from tests.app_pool import AppPool
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield AppPool(f"http://127.0.0.1:{port}", lambda name: tmp_path_factory.mktemp(f"{name}-data"))
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def app_url(app_pool, app_config) -> str:
     """Base URL of the running app; waits until every node's replica is ready."""
     import httpx
     from ray import serve
 
     from app.main import build_app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(app_config), name="coserve", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
+    url = app_pool.base_url
     deadline = time.time() + 300
     status = None
     while time.time() < deadline:
@@ -120,13 +127,12 @@ def app_url(ray_cluster, app_config) -> str:
                 break
             if any(n["state"] == "failed" for n in status["nodes"]):
                 pytest.fail(f"a replica failed to start: {status}")
-        except (httpx.HTTPError, KeyError):
+        except (httpx.HTTPError, KeyError, ValueError):
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     else:
         pytest.fail(f"replicas not ready within 300 s: {status}")
-    yield url
-    serve.shutdown()
+    return url
 
 
 @pytest.fixture(scope="session")

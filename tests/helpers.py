@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -50,33 +50,6 @@ def restore_policies(planner: Any, before: Any) -> None:
     import ray
 
     ray.get(planner.set_policies.remote(before))
-
-
-def serve_test_app(
-    app_url: str, name: str, cfg: dict[str, Any], ready: Callable[[dict[str, Any]], bool], timeout_s: float
-) -> str:
-    """Start a Serve app of its own for a test module, beside the session app, at ``/<name>``; its URL
-    once ``ready(status)`` holds. A trainer that reports ``failed`` fails the test at once."""
-    import pytest
-    from ray import serve
-
-    from app.main import build_app
-
-    serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
-    base = f"{app_url}/{name}"
-    deadline, st = time.time() + timeout_s, {}
-    while time.time() < deadline:
-        try:
-            st = httpx.get(f"{base}/v1/status", timeout=10).json()
-            training = st.get("training") or {}
-            if training.get("state") == "failed":
-                pytest.fail(f"{name}: trainer failed: {training}")
-            if ready(st):
-                return base
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(1)
-    pytest.fail(f"{name} app not ready within {timeout_s}s: {st}")
 
 
 class StreamingClients:
@@ -239,3 +212,15 @@ def assert_fresh_within_stated_bounds(res: dict[str, Any], freshness_bound_s: fl
     assert during["errors"] == 0 and alone["errors"] == 0, report
     assert during["ttft_p99_s"] <= alone["ttft_p99_s"] + cost, report
     assert during["max_tbt_p99_s"] <= alone["max_tbt_p99_s"] + cost, report
+
+
+def smollm2_cache() -> Path:
+    """The real default model the live tests serve, from the cache ``make serve`` uses (``COSERVE_DATA_DIR``, else
+    the default data dir): fetched and converted on the machine's first run only, since a conversion takes
+    about 30 s. tests/integration/test_smollm2.py converts a fresh copy each session and checks it."""
+    import os
+
+    from actors.models import smollm2
+    from settings import DEFAULT_DATA_DIR
+
+    return smollm2.ensure(Path(os.environ.get("COSERVE_DATA_DIR") or DEFAULT_DATA_DIR).expanduser())

@@ -10,25 +10,24 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.app_pool import AppPlan, AppSpec
 
 PREFIX = "/fair"
 BASE = "tiny-llama"
 FLOOD_STREAMS, FLOOD_TOKENS = 12, 256
 
 
-@pytest.fixture(scope="module")
-def fair_app(ray_cluster, app_url, tmp_path_factory) -> dict:
-    from ray import serve
-
-    from app.main import build_app
+def _fair_app(data: Path) -> AppPlan:
+    """One node with four sequence slots, API keys for three tenants, no per-key caps, training off."""
     from deployments.keys import add_key
 
-    data = tmp_path_factory.mktemp("coserve-fair")
     keys = {t: add_key(data / "keys.yaml", t) for t in ("admin", "flood", "light")}
-    cfg = {
+    config = {
         "name": "coserve-fair",
         "data_dir": str(data),
         "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
@@ -39,15 +38,17 @@ def fair_app(ray_cluster, app_url, tmp_path_factory) -> dict:
         "auth": {"keys_file": "keys.yaml", "keys_env": None},
         "limits": {"requests_per_second": None, "max_concurrent": None},
     }
-    serve.run(build_app(cfg), name="coserve-fair", route_prefix=PREFIX)
-    url = app_url + PREFIX
-    deadline = time.time() + 300
-    while httpx.get(f"{url}/health", timeout=10).status_code != 200:
-        if time.time() > deadline:
-            pytest.fail("the fair-serving app did not become healthy within 300 s")
-        time.sleep(1)
-    yield {"url": url, "keys": keys}
-    serve.delete("coserve-fair")
+    return AppPlan(config, {"keys": keys})
+
+
+APP = AppSpec("coserve-fair", _fair_app, route_prefix=PREFIX)
+
+
+@pytest.fixture(scope="module")
+def fair_app(app_url, app_pool) -> dict:
+    app = app_pool.serve(APP)
+    yield {"url": app.url, "keys": app.plan.extras["keys"]}
+    app_pool.remove(APP.name)
 
 
 def stream(url: str, key: str, max_tokens: int, text: str) -> tuple[int, float | None, float]:

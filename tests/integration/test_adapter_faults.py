@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import serve_test_app
+from tests.app_pool import AppPlan, AppSpec
 
 BASE = "tiny-llama"
 READY_S = 300
@@ -45,20 +46,17 @@ def _version_for_another_model(tmp, adapters_root, adapter: str, version: int):
     )
 
 
-@pytest.fixture(scope="module")
-def url(ray_cluster, app_url, tmp_path_factory) -> str:
-    from ray import serve
-
+def _faults_app(data: Path) -> AppPlan:
+    """The data dir as an app upgraded in place would find it (the module's docstring), and a one-node app on it."""
     from actors.learning.store.sqlite import FeedbackDatabase
 
-    data = tmp_path_factory.mktemp("faults-data")
     with FeedbackDatabase(data) as store:
         store.create_adapter(
             {"name": "oldmodel", "method": "sft", "mode": "sync", "lora": {"r": 4, "alpha": 8}, "gate": NO_GATE}
         )
         v = store.reserve_version("oldmodel")
         path = _version_for_another_model(
-            tmp_path_factory.mktemp("faults-other"), data / "adapters", "oldmodel", v.version
+            data.with_name(data.name + "-other"), data / "adapters", "oldmodel", v.version
         )
         assert store.publish_version("oldmodel", v.version, path, [], 4, 1.0).state == "served"
         store.add_feedback([{"adapter": "oldmodel", "prompt": f"Old {i}:", "completion": " x."} for i in range(2)])
@@ -84,21 +82,31 @@ def url(ray_cluster, app_url, tmp_path_factory) -> str:
                 "gate": NO_GATE,
             }
         )
-    cfg = {
-        "name": "coserve-faults",
-        "data_dir": str(data),
-        "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
-        "model": {"embedded": "tiny-llama", "max_model_len": 1024},
-        "engine": {"max_num_seqs": 8, "kv_cache_memory_bytes": 64 * 2**20},
-        "training": {"steps_per_version": 1, "micro_batch": 4},
-    }
+    return AppPlan(
+        {
+            "name": "coserve-faults",
+            "data_dir": str(data),
+            "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
+            "model": {"embedded": "tiny-llama", "max_model_len": 1024},
+            "engine": {"max_num_seqs": 8, "kv_cache_memory_bytes": 64 * 2**20},
+            "training": {"steps_per_version": 1, "micro_batch": 4},
+        }
+    )
 
-    def ready(st: dict) -> bool:
-        return st["ready_nodes"] == 1 and (st.get("training") or {}).get("state") == "running"
 
-    base = serve_test_app(app_url, "faults", cfg, ready, READY_S)
-    yield base
-    serve.delete("faults")
+APP = AppSpec(
+    "faults",
+    _faults_app,
+    ready=lambda st: st["ready_nodes"] == 1 and (st.get("training") or {}).get("state") == "running",
+    timeout_s=READY_S,
+)
+
+
+@pytest.fixture(scope="module")
+def url(app_url, app_pool) -> str:
+    """The faults app beside the session app."""
+    yield app_pool.serve(APP).url
+    app_pool.remove(APP.name)
 
 
 def _adapter(url: str, name: str) -> dict:

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import serve_test_app
+from tests.app_pool import AppPlan, AppSpec
 
 READY_S = 300
 # Measured here: 77 s from feedback to v1 on a loaded 2-core box; the CI machine is slower (it missed 180 s once).
@@ -19,29 +19,34 @@ ITEMS = [
 ] * 2
 
 
-@pytest.fixture(scope="module")
-def url(ray_cluster, app_url, tmp_path_factory) -> str:
-    """A one-node app whose placement group has two bundles (cluster.stages 2), beside the session app."""
-    from ray import serve
-
-    cfg = {
-        "name": "coserve-full",
-        "data_dir": str(tmp_path_factory.mktemp("full-data")),
-        "cluster": {"nodes": 1, "stages": 2, "bundle": {"CPU": 1}},
-        "model": {"embedded": "tiny-llama", "max_model_len": 512},
-        "engine": {"max_num_seqs": 4, "kv_cache_memory_bytes": 64 * 2**20},
-        "planner": {"placement": "round_robin"},
-        "training": {"micro_batch": 2, "accumulation": 2, "steps_per_version": 6, "max_length": 64},
-    }
-    base = serve_test_app(
-        app_url,
-        "fullunit",
-        cfg,
-        lambda st: st["ready_nodes"] == 1 and (st.get("training") or {}).get("full") is not None,
-        READY_S,
+def _full_unit_app(data) -> AppPlan:
+    """A one-node app whose placement group has two bundles (cluster.stages 2)."""
+    return AppPlan(
+        {
+            "name": "coserve-full",
+            "data_dir": str(data),
+            "cluster": {"nodes": 1, "stages": 2, "bundle": {"CPU": 1}},
+            "model": {"embedded": "tiny-llama", "max_model_len": 512},
+            "engine": {"max_num_seqs": 4, "kv_cache_memory_bytes": 64 * 2**20},
+            "planner": {"placement": "round_robin"},
+            "training": {"micro_batch": 2, "accumulation": 2, "steps_per_version": 6, "max_length": 64},
+        }
     )
-    yield base
-    serve.delete("fullunit")
+
+
+APP = AppSpec(
+    "fullunit",
+    _full_unit_app,
+    ready=lambda st: st["ready_nodes"] == 1 and (st.get("training") or {}).get("full") is not None,
+    timeout_s=READY_S,
+)
+
+
+@pytest.fixture(scope="module")
+def url(app_url, app_pool) -> str:
+    """The full-unit app beside the session app."""
+    yield app_pool.serve(APP).url
+    app_pool.remove(APP.name)
 
 
 def _greedy(url: str) -> str:

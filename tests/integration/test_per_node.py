@@ -11,33 +11,40 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import restore_policies, serve_test_app, switch_policies
+from tests.app_pool import AppPlan, AppSpec
+from tests.helpers import restore_policies, switch_policies
 
 BASE = "tiny-llama"
 READY_S = 420
 
 
+def _per_node_app(data) -> AppPlan:
+    return AppPlan(
+        {
+            "name": "coserve-pernode",
+            "data_dir": str(data),
+            "cluster": {"nodes": 2, "stages": 1, "bundle": {"CPU": 1}},
+            "model": {"embedded": "tiny-llama", "max_model_len": 1024},
+            "engine": {"max_num_seqs": 8, "kv_cache_memory_bytes": 64 * 2**20},
+            "planner": {"placement": "round_robin"},
+            "training": {"scope": "per_node", "steps_per_version": 1, "micro_batch": 4},
+        }
+    )
+
+
+def _ready(st: dict) -> bool:
+    training = st.get("training") or {}
+    return st["ready_nodes"] == 2 and training.get("state") == "running" and len(training.get("workers", {})) == 2
+
+
+APP = AppSpec("pernode", _per_node_app, _ready, READY_S)
+
+
 @pytest.fixture(scope="module")
-def url(ray_cluster, app_url, tmp_path_factory) -> str:
-    from ray import serve
-
-    cfg = {
-        "name": "coserve-pernode",
-        "data_dir": str(tmp_path_factory.mktemp("pernode-data")),
-        "cluster": {"nodes": 2, "stages": 1, "bundle": {"CPU": 1}},
-        "model": {"embedded": "tiny-llama", "max_model_len": 1024},
-        "engine": {"max_num_seqs": 8, "kv_cache_memory_bytes": 64 * 2**20},
-        "planner": {"placement": "round_robin"},
-        "training": {"scope": "per_node", "steps_per_version": 1, "micro_batch": 4},
-    }
-
-    def ready(st: dict) -> bool:
-        training = st.get("training") or {}
-        return st["ready_nodes"] == 2 and training.get("state") == "running" and len(training.get("workers", {})) == 2
-
-    base = serve_test_app(app_url, "pernode", cfg, ready, READY_S)
-    yield base
-    serve.delete("pernode")
+def url(app_url, app_pool) -> str:
+    """The per-node app beside the session app."""
+    yield app_pool.serve(APP).url
+    app_pool.remove(APP.name)
 
 
 def _adapter(url: str, name: str) -> dict:

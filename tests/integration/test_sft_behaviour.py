@@ -5,47 +5,47 @@ bench/sft_behaviour.py runs it at full size)."""
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.app_pool import AppPlan, AppSpec
 from tests.sft_teaching import MODEL, load_prompts, run, table
 
 READY_S = 600
 
 
+def _sft_app(data: Path) -> AppPlan:
+    """SmolLM2 from the cache ``make serve`` uses (conftest's ``smollm2_dir``), one node, training on."""
+    from tests.helpers import smollm2_cache
+
+    return AppPlan(
+        {
+            "name": "coserve-sft",
+            "data_dir": str(data),
+            "model": {"path": str(smollm2_cache()), "served_name": MODEL, "max_model_len": 1024},
+            "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
+            "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
+            "planner": {"placement": "round_robin"},
+            "training": {"scope": "synced", "steps_per_version": 1, "micro_batch": 4},
+        }
+    )
+
+
+def _ready(st: dict) -> bool:
+    training = st.get("training") or {}
+    return st["ready_nodes"] == 1 and training.get("state") == "running" and bool(training.get("workers"))
+
+
+APP = AppSpec("sft", _sft_app, _ready, READY_S)
+
+
 @pytest.fixture(scope="module")
-def sft_url(app_url, smollm2_dir, data_dir):
-    from ray import serve
-
-    from app.main import build_app
-
-    cfg = {
-        "name": "coserve-sft",
-        "data_dir": str(data_dir / "sft-app"),
-        "model": {"path": str(smollm2_dir), "served_name": MODEL, "max_model_len": 1024},
-        "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
-        "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
-        "planner": {"placement": "round_robin"},
-        "training": {"scope": "synced", "steps_per_version": 1, "micro_batch": 4},
-    }
-    serve.run(build_app(cfg), name="sft", route_prefix="/sft")
-    base = f"{app_url}/sft"
-    deadline, st = time.time() + READY_S, {}
-    while time.time() < deadline:
-        try:
-            st = httpx.get(f"{base}/v1/status", timeout=10).json()
-            training = st.get("training") or {}
-            if st["ready_nodes"] == 1 and training.get("state") == "running" and training.get("workers"):
-                break
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail(f"real-model app not ready within {READY_S}s: {st}")
-    yield base
-    serve.delete("sft")
+def sft_url(app_url, app_pool):
+    """The real-model app beside the session app."""
+    yield app_pool.serve(APP).url
+    app_pool.remove(APP.name)
 
 
 def test_the_app_serves_the_real_model_and_it_answers_correctly(sft_url):

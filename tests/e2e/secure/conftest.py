@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
+
+from tests.app_pool import AppPlan, AppSpec
 
 SECURE_PREFIX = "/sec"
 
 
-@pytest.fixture(scope="package")
-def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
-    """A second app beside the session app, under route prefix /sec, with API keys and tight limits:
-    one node, training on. Yields its base URL, the keys by tenant, its config and its app name; removed when
-    this package's tests are done, so the rest of the suite runs beside the session app alone."""
-    import httpx
-    from ray import serve
-
-    from app.main import build_app
+def _secure_app(data: Path) -> AppPlan:
+    """API keys for six tenants, tight limits, one node, training on."""
     from deployments.keys import add_key
 
-    data = tmp_path_factory.mktemp("coserve-sec")
     keys = {t: add_key(data / "keys.yaml", t) for t in ("admin", "acme", "beta", "flood", "conc", "quota")}
-    cfg = {
+    config = {
         "name": "coserve-sec",
         "data_dir": str(data),
         "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
@@ -40,26 +35,26 @@ def secure_app(ray_cluster, app_url, tmp_path_factory) -> dict:
             "adapters_per_tenant": 3,
         },
     }
-    serve.run(build_app(cfg), name="coserve-sec", route_prefix=SECURE_PREFIX)
-    url = app_url + SECURE_PREFIX
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail("the secured app did not become healthy within 300 s")
-    yield {"url": url, "keys": keys, "config": cfg, "name": "coserve-sec", "data_dir": data}
-    serve.delete("coserve-sec")
-    import ray
+    return AppPlan(config, {"keys": keys})
 
-    try:  # the detached feedback store outlives its app (README "When an actor dies")
-        ray.kill(ray.get_actor("coserve-sec-store", namespace="coserve"), no_restart=True)
-    except ValueError:
-        pass
+
+APP = AppSpec("coserve-sec", _secure_app, route_prefix=SECURE_PREFIX)
+
+
+@pytest.fixture(scope="package")
+def secure_app(app_url, app_pool) -> dict:
+    """A second app beside the session app, under route prefix /sec, with API keys
+    and tight limits: one node, training on. Yields its base URL, the keys by tenant, its config and its app name;
+    removed when this package's tests are done, so the rest of the suite runs beside the session app alone."""
+    app = app_pool.serve(APP)
+    yield {
+        "url": app.url,
+        "keys": app.plan.extras["keys"],
+        "config": app.plan.config,
+        "name": APP.name,
+        "data_dir": app.data_dir,
+    }
+    app_pool.remove(APP.name)
 
 
 SERVED_ADAPTER = "beta-served"

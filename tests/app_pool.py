@@ -1,0 +1,98 @@
+"""The Serve apps live tests start beside the session app, in one harness: each test module states how to make its
+app and when it is ready; the pool starts it behind the session's HTTP port and removes it with its feedback store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class AppPlan:
+    """What an app's maker returns: the app config, and anything the tests need beside it (API keys, say)."""
+
+    config: dict[str, Any]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AppSpec:
+    """One test module's app: its Serve name and route prefix, how to make it in a fresh data directory, and
+    when it is ready (a predicate on ``GET {url}/v1/status``, or ``None``: when ``/health`` answers 200)."""
+
+    name: str
+    make: Callable[[Path], AppPlan]
+    ready: Callable[[dict[str, Any]], bool] | None = None
+    timeout_s: float = 300.0
+    route_prefix: str | None = None  # default: /<name>
+
+    @property
+    def prefix(self) -> str:
+        return self.route_prefix or f"/{self.name}"
+
+
+@dataclass
+class StartedApp:
+    url: str
+    plan: AppPlan
+    data_dir: Path
+
+
+class AppPool:
+    """Starts a module's app, waits until it is ready, and removes it when the module's tests are done."""
+
+    def __init__(self, base_url: str, make_dir: Callable[[str], Path]) -> None:
+        self.base_url = base_url
+        self.make_dir = make_dir
+        self.started: dict[str, StartedApp] = {}
+
+    def serve(self, spec: AppSpec) -> StartedApp:
+        """``spec``'s app, deployed in a fresh data directory, once ready; fails the test when it is not ready within
+        ``spec.timeout_s`` or its trainer reports ``failed``."""
+        import pytest
+        from ray import serve
+
+        from app.main import build_app
+
+        data = self.make_dir(spec.name)
+        plan = spec.make(data)
+        t0 = time.time()
+        serve.run(build_app(plan.config), name=spec.name, route_prefix=spec.prefix)
+        app = self.started[spec.name] = StartedApp(self.base_url + spec.prefix, plan, data)
+        deadline, last = t0 + spec.timeout_s, None
+        while time.time() < deadline:
+            try:
+                if spec.ready is None:
+                    if httpx.get(f"{app.url}/health", timeout=10).status_code == 200:
+                        return app
+                else:
+                    last = httpx.get(f"{app.url}/v1/status", timeout=10).json()
+                    training = last.get("training") or {}
+                    if training.get("state") == "failed":
+                        pytest.fail(f"{spec.name}: trainer failed: {training}")
+                    if spec.ready(last):
+                        return app
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.25)
+        pytest.fail(f"{spec.name} app not ready within {spec.timeout_s:.0f} s: {last}")
+
+    def remove(self, name: str) -> None:
+        """Delete app ``name`` (once its replicas and trainer have stopped, so the next module's tests see none of
+        its actors), then its feedback store: detached, it outlives its app (README "When an actor dies")."""
+        import ray
+        from ray import serve
+
+        app = self.started.pop(name, None)
+        if app is None:
+            return
+        serve.delete(name)
+        try:
+            ray.kill(ray.get_actor(f"{app.plan.config['name']}-store", namespace="coserve"), no_restart=True)
+        except ValueError:  # the app never made one
+            pass
