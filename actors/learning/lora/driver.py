@@ -27,9 +27,10 @@ is) pauses that adapter with the error as its reason, drops its unpublished work
 goes on with the others; the store or planner away, a dead rank or a failed collective return the
 error, and the Trainer starts the ranks again.
 
-What stays here shares one state (what the ranks hold, the unpublished version's items and counters,
-CheckEnd's verdicts): picking the step, CheckEnd and publishing. The grant rounds, the calls to the
-ranks, the gate (``evaluator.py``), the messages and the rank are apart.
+What stays here shares one state (what the ranks hold, the unpublished version, CheckEnd's verdicts):
+picking the step, CheckEnd and publishing. Apart: the grant rounds (``grant_rounds.py``), the calls to
+the ranks (``rank_group.py``), the unpublished version's items and counters (``unpublished.py``), the
+gate (``evaluator.py``), the messages and the rank.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ from actors.learning.lora.messages import (
     WorkDropped,
 )
 from actors.learning.lora.rank_group import RankFault, RankGroup, transient
+from actors.learning.lora.unpublished import UnpublishedVersion
 from actors.learning.messages import PassReport, PassVerdict
-from actors.learning.store.records import FeedbackItem
 from actors.learning.store.unit_kind import unit_kind
 from planners.turns import TrainingTurns
 from settings import AppConfig
@@ -105,13 +106,7 @@ class LoraDriver:
         self.store, self.planner = store, planner
         self.should_stop, self.report, self._warn_to = should_stop, report, warn
         self.loaded: tuple[str, int | None] | None = None  # (adapter, version) the ranks' weights started from
-        self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
-        self.opt_steps = 0  # optimizer steps since the last published version
-        self.held: list[int] = []  # item ids trained into the unpublished weights
-        self.held_created: list[float] = []
-        self.pending_items: list[FeedbackItem] = []  # items of accumulated micro-steps not yet applied
-        self.version_samples = 0
-        self.version_losses: list[tuple[float, int]] = []
+        self.unpublished = UnpublishedVersion()  # of the adapter the ranks train (``loaded``)
         # CheckEnd's last verdict for items it sent back (MACE Alg. 1 line 21): trained again, never held, until retired.
         self.requeued: dict[int, PassVerdict] = {}
         self.specs: dict[str, tuple[float, TrainingSpec]] = {}
@@ -209,9 +204,9 @@ class LoraDriver:
         # adapter -> (unconsumed, oldest created_at), of this node's partition under per_node
         summary = ray.get(self.store.queue_summary.remote(self.line), timeout=CALL_TIMEOUT_S)
         current = self.loaded[0] if self.loaded else None
-        pending = self.micro_done > 0 or self.opt_steps > 0
+        pending = self.unpublished.started
         now = time.time()
-        taken = [it.id for it in self.pending_items] + self.held  # trained into unpublished weights
+        taken = self.unpublished.taken()
 
         def available(name: str) -> int:
             return summary.get(name, (0, None))[0] - (len(taken) if name == current else 0)
@@ -273,7 +268,7 @@ class LoraDriver:
             self.loaded is not None
             and self.loaded[0] == adapter
             and self.loaded[1] != plan.target[0]
-            and (self.micro_done or self.opt_steps)
+            and self.unpublished.started
         ):
             # The current version moved under unpublished work (a rollback): drop it, train the items again.
             self.report(adapter, WorkDropped())
@@ -283,7 +278,7 @@ class LoraDriver:
             raise RankFault(fault)
         if self.loaded != (adapter, plan.target[0]):
             self.loaded = (adapter, plan.target[0])
-            self._reset_version()
+            self.unpublished = UnpublishedVersion()
         rounds = self.rounds.run(plan, begun, lambda: self._abandon_requested(adapter))
         if rounds is None or rounds.fault is not None:
             self._abandon(adapter)  # drop the micro-step on every rank; its items stay queued
@@ -296,15 +291,12 @@ class LoraDriver:
         weight_sum = sum(f.weight for f in finished.values())
         # CheckEnd before the items become held: a requeued item must not be marked consumed at publish.
         requeued = self._check_end(plan, finished, lengths)
-        stepped = self.micro_done + 1 >= self.t.accumulation or plan.last_of_queue
+        stepped = self.unpublished.micro_done + 1 >= self.t.accumulation or plan.last_of_queue
         self.group.all(lambda r: r.end_step.remote(stepped))
-        self.micro_done += 1
-        self.pending_items += plan.items
         loss = loss_sum / max(weight_sum, 1e-12)
-        self.version_samples += len(plan.items)
-        self.version_losses.append((loss, len(plan.items)))
+        self.unpublished.add_micro_step(plan.items, loss)
         if stepped:
-            self._applied()
+            self.unpublished.applied(self.requeued)
         self.report(
             adapter,
             StepDone(
@@ -321,7 +313,8 @@ class LoraDriver:
         )
         if rounds.waited_s:
             self.report(adapter, GrantWaited(rounds.waited_s))
-        if self.opt_steps >= self.t.steps_per_version or (plan.last_of_queue and self.opt_steps > 0):
+        steps = self.unpublished.opt_steps
+        if steps >= self.t.steps_per_version or (plan.last_of_queue and steps > 0):
             self._finish_version(adapter, flush=False)
 
     def _abandon_requested(self, adapter: str) -> bool:
@@ -336,7 +329,7 @@ class LoraDriver:
     def _abandon(self, adapter: str) -> None:
         """Drop the micro-step and the gradients not yet applied on every rank; their items stay queued."""
         self.group.all(lambda r: r.abandon_step.remote())
-        self.micro_done, self.pending_items = 0, []
+        self.unpublished.drop_micro_steps()
         self.report(adapter, StepAbandoned())
 
     def _check_end(self, plan: StepPlan, finished: dict[int, ItemLoss], lengths: dict[int, int]) -> int:
@@ -367,47 +360,32 @@ class LoraDriver:
                 self.requeued.pop(v.sample_id, None)
         return sum(v.outcome == "requeued" for v in verdicts)
 
-    def _applied(self) -> None:
-        """The ranks stepped their optimizers: the micro-steps' items are trained into the unpublished version."""
-        self.micro_done = 0
-        self.opt_steps += 1
-        # Items CheckEnd requeued stay unheld (still queued in the store) until their last pass.
-        done = [it for it in self.pending_items if it.id not in self.requeued]
-        self.held += [it.id for it in done]
-        self.held_created += [it.created_at for it in done]
-        self.pending_items = []
-
-    def _reset_version(self) -> None:
-        self.micro_done = self.opt_steps = 0
-        self.held, self.held_created, self.pending_items = [], [], []
-        self.version_samples, self.version_losses = 0, []
-
     # ---- versions ----------------------------------------------------------------------------------------
 
     def _finish_version(self, adapter: str, flush: bool) -> None:
         """Apply pending gradients if flushing, then publish and tell the ranks how it went."""
         if self.loaded is None or self.loaded[0] != adapter:
             return
-        if flush and self.micro_done > 0:
+        if flush and self.unpublished.micro_done > 0:
             self.group.all(lambda r: r.apply_gradients.remote())
-            self._applied()
-        if self.opt_steps == 0:
+            self.unpublished.applied(self.requeued)
+        if self.unpublished.opt_steps == 0:
             return
-        created = list(self.held_created)
+        created = list(self.unpublished.held_created)
         version, path, candidate = self._publish(adapter)
         if version is None:
             self.group.all(
                 lambda r: r.forget.remote(adapter)
             )  # reload the store's current version before the next step
             self.loaded = None
-            self._reset_version()
+            self.unpublished = UnpublishedVersion()
             return
         if len(self.group) > 1:
             self.group.gather(
                 [r.advance.remote(adapter, version) for r in self.group.ranks[1:]]
             )  # rank 0 did on saving
         self.loaded = (adapter, version)
-        self._reset_version()
+        self.unpublished = UnpublishedVersion()
         self.evaluator.submit(adapter, version, path, candidate=candidate, created=created)
 
     def _publish(self, adapter: str) -> tuple[int | None, str | None, bool]:
@@ -415,18 +393,18 @@ class LoraDriver:
         from actors.learning.store.models import VersionConflict
 
         t0 = time.time()
-        samples = self.version_samples
-        loss = sum(loss_i * n for loss_i, n in self.version_losses) / max(1, sum(n for _, n in self.version_losses))
+        work = self.unpublished
+        samples, loss = work.samples, work.mean_loss()
         parent = self.loaded[1] if self.loaded else None
         marks = [t0]
         try:
             v = ray.get(self.store.reserve_version.remote(adapter, self.line), timeout=CALL_TIMEOUT_S)
             marks.append(time.time())
-            meta = VersionMeta(parent, samples, loss, len(self.held), self.t.scope, len(self.group), self.line)
+            meta = VersionMeta(parent, samples, loss, len(work.held), self.t.scope, len(self.group), self.line)
             path = self.group.gather([self.group.ranks[0].save.remote(SaveVersion(adapter, v.version, meta))])[0]
             marks.append(time.time())
             published = ray.get(
-                self.store.publish_version.remote(adapter, v.version, path, self.held, samples, loss),
+                self.store.publish_version.remote(adapter, v.version, path, work.held, samples, loss),
                 timeout=CALL_TIMEOUT_S,
             )
             marks.append(time.time())
@@ -440,7 +418,7 @@ class LoraDriver:
             if not transient(exc):  # e.g. the version's files could not be written: this adapter's fault
                 self._adapter_fault(adapter, "save", exc)
             return None, None, False
-        created = list(self.held_created)
+        created = list(self.unpublished.held_created)
         names = ("reserve_s", "save_s", "publish_s", "load_s")
         if published.info.state == "candidate":
             # The gate is on: not served until the evaluator passes it (it loads it on the replicas then).
@@ -502,7 +480,7 @@ class LoraDriver:
         self.group.all(lambda r: r.forget.remote(adapter))
         if self.loaded is not None and self.loaded[0] == adapter:
             self.loaded = None
-            self._reset_version()
+            self.unpublished = UnpublishedVersion()
 
     def warn(self, where: str, exc: BaseException | str) -> None:
         """Log what went wrong at ``where`` and pass it on to the trainer's warnings (the evaluator uses it too)."""
