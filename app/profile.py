@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.control.cost_profile import SHIPPED_PROFILES, profile_name
-from planners.costs import CostModel, MemoryModel, fit_cost_model
+from planners.cost_fitting import fit_cost_model
+from planners.costs import CostModel, MemoryModel
 from settings import AppConfig, load
 
 logger = logging.getLogger(__name__)
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     kv_tok = kv_bytes_per_token(model_dir)
     kv_rows = [{"tokens": n, "bytes": n * kv_tok + weight_bytes} for n in (0, 1024, 4096, 16384)]
-    from planners.costs import fit_memory
+    from planners.cost_fitting import fit_memory
 
     peak = float(cfg.engine.kv_cache_memory_bytes or 0) + weight_bytes + max(r["bytes"] for r in mem_rows)
     memory: MemoryModel = fit_memory(kv_rows, mem_rows, threshold_fraction=args.threshold_fraction, peak_bytes=peak)
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 def refit(profile: Path, out: Path | None = None) -> Path:
     """Fit a profile's latency terms again from the rows it stores (``metadata.rows``); nothing is measured."""
-    from planners.costs import fit_iteration_latency, fit_stage_latency
+    from planners.cost_fitting import fit_iteration_latency, fit_stage_latency
 
     old = CostModel.from_dict(json.loads(profile.read_text()))
     rows = old.metadata.get("rows") or {}

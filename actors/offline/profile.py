@@ -4,7 +4,7 @@
 :class:`actors.offline.engine.OfflineEngine` with the job's engine settings (the engine the runtime
 uses: no LoRA, graphs compiled unless the job says eager), times batches of random-token prompts run
 to one output token (a prefill iteration) and to 1 + k tokens (k decode iterations), fits Eq. 5's
-constants (:func:`planners.costs.fit_iteration_latency`) and writes ``<model dir>-<device>.json``.
+constants (:func:`planners.cost_fitting.fit_iteration_latency`) and writes ``<model dir>-<device>.json``.
 Planning reads a model's own profile before it scales the reference one
 (:func:`actors.offline.plan.cost_models`): the per-iteration constant of a 2-layer model is not a
 6-layer model's, and the serving engine's profile (LoRA on) is not the offline engine's.
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.offline.job import JobSpec, model_facts
-from planners.costs import CostModel, fit_iteration_latency
+from planners.cost_fitting import fit_iteration_latency
+from planners.costs import CostModel
 
 # (batch, prompt tokens): one prefill iteration each, within the engine's smallest token budget (2,048).
 GRID = ((1, 32), (1, 128), (1, 512), (4, 32), (4, 128), (4, 512), (16, 32), (16, 128))

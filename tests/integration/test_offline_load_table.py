@@ -41,7 +41,7 @@ def test_profile_fits_the_offline_engine_and_planning_uses_it(ray_cluster, data_
     it = prof["iteration"]
     rows = prof["metadata"]["rows"]["iteration"]
     assert written.name.endswith("-cpu.json") and len(rows) == 16 and all(r["seconds"] > 0 for r in rows)
-    # The fit keeps only the terms the rows support (planners/costs.py fit_linear, by BIC), so the constant may
+    # The fit keeps only the terms the rows support (planners/cost_fitting.py fit_linear, by BIC), so the constant may
     # be folded into the per-sequence term; one decoding sequence's iteration still costs time.
     assert it["1"] + it["decode_seqs"] > 0 and it["prefill_tokens"] > 0 and it["fit"]["r2"] > 0.5
     # Written into the data dir's offline/profiles, the planner takes it over the scaled reference profile.

@@ -62,7 +62,7 @@ def test_the_newest_versions_and_every_needed_one_are_kept(tmp_path):
     candidate = _publish(store, "acme", gated=True)
     assert store.prune_versions("acme", keep=1) == [4, 8, 9, 10]
     assert _listed(store, "acme") == [7, candidate] and store.current_version("acme").version == 7
-    assert store.decide_version("acme", candidate, passed=True, reason="ok").state == "served"
+    assert store.decide_version("acme", candidate, VersionVerdict(True, "ok")).state == "served"
     assert store.prune_versions("acme", keep=1) == []  # v11, reserved from v7 and not published, may still be
     store._conn.execute("UPDATE versions SET created_at = created_at - 2 * 86400 WHERE version = 11")
     assert store.prune_versions("acme", keep=1) == [7]  # a day later it is a crashed trainer's: v7 goes

@@ -1,10 +1,11 @@
-"""The shared cost model (planners/costs.py): fits, the documented default, JSON, the eCDF sampler."""
+"""The shared cost model (planners/costs.py) and its fitting (planners/cost_fitting.py): the default, JSON, eCDF."""
 
 import json
 
 import numpy as np
 import pytest
 
+from planners.cost_fitting import fit_cost_model, fit_iteration_latency, fit_memory, fit_stage_latency
 from planners.costs import (
     CostModel,
     IterationLatency,
@@ -13,10 +14,6 @@ from planners.costs import (
     StageLatency,
     as_cost_model,
     default_cost_model,
-    fit_cost_model,
-    fit_iteration_latency,
-    fit_memory,
-    fit_stage_latency,
 )
 
 

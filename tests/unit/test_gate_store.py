@@ -8,6 +8,7 @@ import pytest
 
 from actors.learning.store.feedback_items import is_held_out
 from actors.learning.store.models import InvalidRequest, UnknownAdapter, UnknownVersion, VersionConflict
+from actors.learning.store.records import VersionScores, VersionVerdict
 from actors.learning.store.sqlite import SCHEMA_VERSION, FeedbackDatabase
 from deployments.metrics import render
 from planners.gate import decide, judge, judge_retention
@@ -83,20 +84,19 @@ def test_a_gated_version_is_a_candidate_that_consumes_its_items_but_is_not_serve
 
 def test_a_passed_candidate_is_served_and_a_rejected_one_is_kept_while_the_served_one_stays(store):
     publish(store)
-    v1 = store.decide_version("acme", 1, passed=True, reason="no held-out items", score=None)
+    v1 = store.decide_version("acme", 1, VersionVerdict(True, "no held-out items"))
     assert v1.state == "served" and store.current_version("acme").version == 1
     publish(store)
     v2 = store.decide_version(
         "acme",
         2,
-        passed=False,
-        reason="win rate 0.5 vs 1 of v1",
-        score=0.5,
-        baseline_version=1,
-        baseline_score=1.0,
-        win_rate=0.5,
-        clpd=-1.0,
-        eval_items=8,
+        VersionVerdict(
+            False,
+            "win rate 0.5 vs 1 of v1",
+            VersionScores(score=0.5, win_rate=0.5, clpd=-1.0, eval_items=8),
+            baseline_version=1,
+            baseline_score=1.0,
+        ),
     )
     assert (v2.state, v2.reason, v2.score, v2.baseline_version, v2.baseline_score, v2.eval_items, v2.win_rate) == (
         "rejected",
@@ -112,15 +112,15 @@ def test_a_passed_candidate_is_served_and_a_rejected_one_is_kept_while_the_serve
     # The next version is trained from the served v1, not from the rejected v2.
     assert store.reserve_version("acme").parent == 1
     with pytest.raises(VersionConflict):
-        store.decide_version("acme", 2, passed=True, reason="again")  # decided once
+        store.decide_version("acme", 2, VersionVerdict(True, "again"))  # decided once
     with pytest.raises(UnknownVersion):
-        store.decide_version("acme", 99, passed=True, reason="?")
+        store.decide_version("acme", 99, VersionVerdict(True, "?"))
 
 
 def test_rejections_in_a_row_pause_the_adapter_and_patch_resumes_it(store):
     for v in (1, 2):
         publish(store)
-        store.decide_version("acme", v, passed=False, reason=f"worse {v}")
+        store.decide_version("acme", v, VersionVerdict(False, f"worse {v}"))
     info = store.get_adapter("acme")
     assert info.rejections_in_row == 2 and "2 versions in a row rejected" in info.paused_reason
     assert "worse 2" in info.paused_reason and '"paused": false' in info.paused_reason
@@ -128,9 +128,9 @@ def test_rejections_in_a_row_pause_the_adapter_and_patch_resumes_it(store):
     assert resumed.paused_reason is None and resumed.rejections_in_row == 0 and resumed.rejections == 2
     # A served version resets the count; a PATCH can pause by hand too.
     publish(store)
-    store.decide_version("acme", 3, passed=False, reason="worse")
+    store.decide_version("acme", 3, VersionVerdict(False, "worse"))
     publish(store)
-    store.decide_version("acme", 4, passed=True, reason="fine")
+    store.decide_version("acme", 4, VersionVerdict(True, "fine"))
     assert store.get_adapter("acme").rejections_in_row == 0
     assert "PATCH" in store.update_adapter("acme", {"paused": True}).paused_reason
     with pytest.raises(InvalidRequest, match="paused"):
@@ -140,10 +140,10 @@ def test_rejections_in_a_row_pause_the_adapter_and_patch_resumes_it(store):
 def test_a_candidate_overtaken_by_a_rollback_is_rejected_as_superseded_and_not_counted(store):
     for v in (1, 2):
         publish(store)
-        store.decide_version("acme", v, passed=True, reason="ok")
+        store.decide_version("acme", v, VersionVerdict(True, "ok"))
     publish(store)  # v3, trained from v2
     store.rollback("acme", 1)
-    v3 = store.decide_version("acme", 3, passed=True, reason="win rate 1 vs 1")
+    v3 = store.decide_version("acme", 3, VersionVerdict(True, "win rate 1 vs 1"))
     assert v3.state == "rejected" and v3.reason.startswith("superseded: trained from v2, but v1 is served")
     info = store.get_adapter("acme")
     assert info.current_version == 1 and info.rejections_in_row == 0 and info.rejections == 0
@@ -155,10 +155,10 @@ def test_a_candidate_overtaken_by_a_rollback_is_rejected_as_superseded_and_not_c
 
 def test_promotion_serves_a_rejected_version_resumes_training_and_retires_newer_served_ones(store):
     publish(store)
-    store.decide_version("acme", 1, passed=True, reason="ok")
+    store.decide_version("acme", 1, VersionVerdict(True, "ok"))
     for v in (2, 3):
         publish(store)
-        store.decide_version("acme", v, passed=False, reason="worse")
+        store.decide_version("acme", v, VersionVerdict(False, "worse"))
     assert store.get_adapter("acme").paused_reason is not None
     info = store.promote("acme", 3)
     assert info.current_version == 3 and info.paused_reason is None and info.rejections_in_row == 0
@@ -179,17 +179,17 @@ def test_promoting_a_candidate_takes_it_out_of_the_gate(store):
     publish(store)
     assert store.promote("acme", 1).current_version == 1
     with pytest.raises(VersionConflict, match="not a candidate"):
-        store.decide_version("acme", 1, passed=False, reason="too late")
+        store.decide_version("acme", 1, VersionVerdict(False, "too late"))
     assert store.get_version("acme", 1).state == "served"
 
 
 def test_rollback_goes_only_to_versions_that_were_served(store):
     publish(store)
-    store.decide_version("acme", 1, passed=True, reason="ok")
+    store.decide_version("acme", 1, VersionVerdict(True, "ok"))
     publish(store)
-    store.decide_version("acme", 2, passed=False, reason="worse")
+    store.decide_version("acme", 2, VersionVerdict(False, "worse"))
     publish(store)
-    store.decide_version("acme", 3, passed=True, reason="ok")
+    store.decide_version("acme", 3, VersionVerdict(True, "ok"))
     with pytest.raises(VersionConflict, match="rejected"):
         store.rollback("acme", 2)
     info = store.rollback("acme", 1)
@@ -201,7 +201,7 @@ def test_with_the_gate_off_every_version_is_served_at_once(store):
     store.update_adapter("acme", {"gate": {"enabled": False}})
     v = publish(store)
     assert v.state == "served" and "gate is off" in v.reason and store.current_version("acme").version == 1
-    store.record_scores("acme", 1, score=0.75, win_rate=0.75, clpd=2.0, eval_items=8)
+    store.record_scores("acme", 1, VersionScores(score=0.75, win_rate=0.75, clpd=2.0, eval_items=8))
     got = store.get_version("acme", 1)
     assert (got.score, got.win_rate, got.clpd, got.eval_items, got.state) == (0.75, 0.75, 2.0, 8, "served")
 
@@ -211,13 +211,13 @@ def test_per_node_candidates_are_judged_against_their_own_nodes_copy(store):
     a = store.reserve_version("acme", node=0)
     store.publish_version("acme", a.version, "/a/v1", [], 1, 0.1)
     assert [c.version for c in store.candidates(node=0)] == [1] and store.candidates() == []
-    store.decide_version("acme", 1, passed=True, reason="ok")
+    store.decide_version("acme", 1, VersionVerdict(True, "ok"))
     info = store.get_adapter("acme")
     assert info.node_versions == {0: 1} and info.current_version == 1
     b = store.reserve_version("acme", node=1)
     assert b.parent is None  # node 1's line starts from the base model
     store.publish_version("acme", b.version, "/a/v2", [], 1, 0.1)
-    store.decide_version("acme", 2, passed=False, reason="worse")
+    store.decide_version("acme", 2, VersionVerdict(False, "worse"))
     assert store.get_adapter("acme").node_versions == {0: 1}
 
 
@@ -249,7 +249,7 @@ def test_a_verdict_is_all_or_nothing(store, monkeypatch):
 
     monkeypatch.setattr(store, "_set_current", broken)  # fails after the version row was updated
     with pytest.raises(sqlite3.OperationalError):
-        store.decide_version("acme", 1, passed=True, reason="ok", score=1.0)
+        store.decide_version("acme", 1, VersionVerdict(True, "ok", VersionScores(score=1.0)))
     monkeypatch.undo()
     v = store.get_version("acme", 1)
     assert (v.state, v.score, v.reason) == ("candidate", None, "waiting for the quality gate")
@@ -327,10 +327,10 @@ def test_judge_passes_within_the_margin_and_says_why():
 
 def test_metrics_show_promotions_rejections_and_pauses_per_adapter(store):
     publish(store)
-    store.decide_version("acme", 1, passed=True, reason="ok", score=1.0, win_rate=1.0, clpd=3.0)
+    store.decide_version("acme", 1, VersionVerdict(True, "ok", VersionScores(score=1.0, win_rate=1.0, clpd=3.0)))
     for v in (2, 3):
         publish(store)
-        store.decide_version("acme", v, passed=False, reason="worse", score=0.0)
+        store.decide_version("acme", v, VersionVerdict(False, "worse", VersionScores(score=0.0)))
     publish(store)
     text = render({"nodes": []}, [a.model_dump() for a in store.list_adapters()]).decode()
     assert 'coserve_adapter_promotions_total{adapter="acme"} 1.0' in text
@@ -344,7 +344,7 @@ def test_metrics_show_promotions_rejections_and_pauses_per_adapter(store):
 def test_a_rollback_is_undone_by_promoting_the_version_rolled_back_from(store):
     for _ in range(3):
         publish(store)
-        store.decide_version("acme", store.get_adapter("acme").versions[-1].version, passed=True, reason="ok")
+        store.decide_version("acme", store.get_adapter("acme").versions[-1].version, VersionVerdict(True, "ok"))
     store.rollback("acme", 1)
     with pytest.raises(VersionConflict, match="promote"):
         store.rollback("acme", 3)  # rollback only goes back; the error names the way forward
@@ -382,19 +382,18 @@ def test_a_version_held_for_evidence_does_not_count_and_retention_is_stored_and_
         store.decide_version(
             "acme",
             v,
-            passed=False,
-            reason="waiting for more held-out evidence",
-            counts=False,
-            retention=-1.1,
-            retention_base=-1.0,
-            retention_prompts=24,
-            score_s=1.5,
+            VersionVerdict(
+                False,
+                "waiting for more held-out evidence",
+                VersionScores(retention=-1.1, retention_base=-1.0, retention_prompts=24, score_s=1.5),
+                counts=False,
+            ),
         )
     info = store.get_adapter("acme")
     assert info.rejections_in_row == 0 and info.paused_reason is None  # pause_after_rejections is 2
     publish(store)
     store.decide_version(
-        "acme", 3, passed=True, reason="ok", retention=-1.05, retention_base=-1.0, retention_prompts=24
+        "acme", 3, VersionVerdict(True, "ok", VersionScores(retention=-1.05, retention_base=-1.0, retention_prompts=24))
     )
     v3 = store.get_version("acme", 3)
     assert (v3.retention, v3.retention_base, v3.retention_prompts) == (-1.05, -1.0, 24)

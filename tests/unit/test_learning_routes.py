@@ -8,6 +8,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from actors.learning.store.records import VersionScores
 from actors.learning.store.sqlite import FeedbackDatabase
 from deployments.learning import LearningRoutes
 from settings import AppConfig, load
@@ -320,7 +321,9 @@ def test_the_adapter_view_shows_the_served_versions_retention(harness):
     assert client.post("/v1/adapters", json={"name": "tutor", "method": "sft", "mode": "off"}).status_code == 201
     assert client.get("/v1/adapters/tutor").json()["retention"] is None  # nothing served yet
     v1 = _publish(store, "tutor")
-    store.record_scores("tutor", v1, retention=-1.25, retention_base=-1.0, retention_prompts=24, score_s=0.8)
+    store.record_scores(
+        "tutor", v1, VersionScores(retention=-1.25, retention_base=-1.0, retention_prompts=24, score_s=0.8)
+    )
     body = client.get("/v1/adapters/tutor").json()
     assert body["retention"] == {
         "version": v1,

@@ -31,7 +31,8 @@ from typing import Any
 import ray
 
 from actors.learning.full.messages import PipelineSettings, StageInfo, StageSetup, TokenBatch
-from planners.costs import CostModel, default_cost_model, fit_stage_latency
+from planners.cost_fitting import fit_stage_latency
+from planners.costs import CostModel, default_cost_model
 from planners.memory import MemoryGuard
 from planners.pipeline import OpDone, PipelineTask, StageOp, StageScheduler, shared_lanes, split_lanes
 from planners.registry import create

@@ -9,10 +9,8 @@ the planner. Per micro-step it:
    to ``micro_batch`` of its queued items from the store;
 2. sends every rank one :class:`StepPlan`; each opens a windowed pass over its share of the items
    and answers the tokens of each (:class:`StepBegun`);
-3. asks ``Planner.grant`` for each rank's node which token windows fit beside the inference work
-   there now (FlexLLM §6.1–6.2, ``planners/coserving/``; a refused request waits in the planner
-   for the node's next report), sends each rank its windows (:class:`RoundPlan`), gathers
-   :class:`RoundDone`, and asks again until every item's pass is finished;
+3. runs the step's grant rounds (``grant_rounds.py``, FlexLLM §6.1–6.2): the windows the planner
+   grants each rank's node beside its inference work, until every item's pass is finished;
 4. reports each item's loss to the planner, whose CheckEnd (MACE Alg. 1 lines 17–21) retires it
    or requeues it (a requeued item stays unconsumed and is taken again with its loss in its
    priority, MACE §4.1), and ends the micro-step on every rank: every ``accumulation``
@@ -24,15 +22,15 @@ the planner. Per micro-step it:
    number; with the gate on, the version is a candidate that the gate (``evaluator.py``) scores on
    rank 0 between steps and the store decides in one transaction.
 
-Faults stay with their adapter: a rank that cannot load an adapter's version, encode its items,
-run its windows, save or score it answers with the fault (or its call raises it), and the driver
-pauses that adapter with the error as its reason, drops its unpublished work on every rank and
-goes on with the others. The store or planner being away, a rank dying or a failed collective are
-not the adapter's: the driver returns with the error and the Trainer starts the ranks again.
+Faults stay with their adapter: a rank's fault for an adapter (``rank_group.py`` says whose an error
+is) pauses that adapter with the error as its reason, drops its unpublished work on every rank and
+goes on with the others; the store or planner away, a dead rank or a failed collective return the
+error, and the Trainer starts the ranks again.
 
-Why one module of about 550 lines: the phases above share one state (what the ranks hold, the
-unpublished version's items and counters, CheckEnd's verdicts), as the old rank loop did; the
-gate is apart (``evaluator.py``), and so are the messages and the rank.
+What stays here shares one state (what the ranks hold, the unpublished version, CheckEnd's verdicts):
+picking the step, CheckEnd and publishing. Apart: the grant rounds (``grant_rounds.py``), the calls to
+the ranks (``rank_group.py``), the unpublished version's items and counters (``unpublished.py``), the
+gate (``evaluator.py``), the messages and the rank.
 """
 
 from __future__ import annotations
@@ -46,15 +44,11 @@ from typing import Any
 import ray
 
 from actors.learning.lora.evaluator import VersionEvaluator
+from actors.learning.lora.grant_rounds import GrantRounds
 from actors.learning.lora.messages import (
     GrantWaited,
     ItemLoss,
-    RetentionScoreRequest,
-    RetentionSetRequest,
-    RoundDone,
-    RoundPlan,
     SaveVersion,
-    ScoreRequest,
     StepAbandoned,
     StepBegun,
     StepDone,
@@ -65,9 +59,9 @@ from actors.learning.lora.messages import (
     VersionPublished,
     WorkDropped,
 )
-from actors.learning.lora.rank import GroupFailed
-from actors.learning.messages import Grant, GrantRequest, MemoryUse, PassReport, PassVerdict, SampleProgress, WindowsRan
-from actors.learning.store.records import FeedbackItem
+from actors.learning.lora.rank_group import RankFault, RankGroup, transient
+from actors.learning.lora.unpublished import UnpublishedVersion
+from actors.learning.messages import PassReport, PassVerdict
 from actors.learning.store.unit_kind import unit_kind
 from planners.turns import TrainingTurns
 from settings import AppConfig
@@ -77,14 +71,8 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 5.0  # an idle driver waits on the store at most this long (new feedback wakes it at once; so does a stop)
 ADOPT_EVERY_S = 5.0  # a busy driver looks this often for candidates it did not publish (uploads) to judge
 SPEC_TTL_S = 2.0  # a PATCHed adapter (mode, learning rate) takes effect within this
-MAX_GRANT_SLEEP_S = 1.0  # a refused step asks again at least this often
 CALL_TIMEOUT_S = 30.0
 LOAD_TIMEOUT_S = 120.0
-RANK_TIMEOUT_S = 1800.0  # a rank's compute (a window, a save, a scoring) that takes longer fails the group
-
-
-class RankFault(RuntimeError):
-    """A rank's call raised for the adapter it worked on (not a dead rank or a failed collective)."""
 
 
 @dataclass(frozen=True)
@@ -92,38 +80,6 @@ class Flush:
     """Publish what is trained of ``adapter`` (its next step is refused, or another adapter's turn came)."""
 
     adapter: str
-
-
-def transient(exc: BaseException) -> bool:
-    """An error of the store, planner, a rank or the process group being away, not of the adapter being trained."""
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-    from actors.learning.store.models import StoreError
-
-    if isinstance(exc, GroupFailed):
-        return True
-    if isinstance(exc, RankFault):
-        return False
-    if isinstance(exc, RayTaskError):
-        return not isinstance(getattr(exc, "cause", None), StoreError)
-    return isinstance(exc, (RayActorError, GetTimeoutError, ConnectionError))
-
-
-def _arrival(plan: StepPlan, item: FeedbackItem) -> float:
-    """t_arr of the item's pass in this micro-step (MACE §4.1): when CheckEnd requeued it, else its acceptance."""
-    again = plan.requeued.get(item.id)
-    return item.created_at if again is None else again.arrival
-
-
-def _last_loss(plan: StepPlan, item: FeedbackItem) -> float:
-    """L_DPO of MACE §4.1's γ·L_DPO priority term: the item's loss in its previous pass (0 before its first)."""
-    again = plan.requeued.get(item.id)
-    return 0.0 if again is None else again.loss
-
-
-def _passes_before(plan: StepPlan, item: FeedbackItem) -> int:
-    again = plan.requeued.get(item.id)
-    return 0 if again is None else again.passes
 
 
 class LoraDriver:
@@ -144,18 +100,13 @@ class LoraDriver:
         warn: Callable[[str, str], None],
     ) -> None:
         self.cfg, self.t = cfg, cfg.training
-        self.ranks, self.nodes, self.line = ranks, nodes, line
+        self.group, self.nodes, self.line = RankGroup(ranks), nodes, line
+        self.rounds = GrantRounds(self.group, nodes, planner, self.warn)
         self.node_id = nodes[0]  # the node whose planner state judges CheckEnd (rank 0's)
         self.store, self.planner = store, planner
         self.should_stop, self.report, self._warn_to = should_stop, report, warn
         self.loaded: tuple[str, int | None] | None = None  # (adapter, version) the ranks' weights started from
-        self.micro_done = 0  # micro-steps whose gradients are accumulated but not applied
-        self.opt_steps = 0  # optimizer steps since the last published version
-        self.held: list[int] = []  # item ids trained into the unpublished weights
-        self.held_created: list[float] = []
-        self.pending_items: list[FeedbackItem] = []  # items of accumulated micro-steps not yet applied
-        self.version_samples = 0
-        self.version_losses: list[tuple[float, int]] = []
+        self.unpublished = UnpublishedVersion()  # of the adapter the ranks train (``loaded``)
         # CheckEnd's last verdict for items it sent back (MACE Alg. 1 line 21): trained again, never held, until retired.
         self.requeued: dict[int, PassVerdict] = {}
         self.specs: dict[str, tuple[float, TrainingSpec]] = {}
@@ -168,7 +119,7 @@ class LoraDriver:
             self.t,
             cfg.data_path,
             eval_file,
-            rank_zero=self,
+            rank_zero=self.group,
             spec_changed=lambda adapter: self.specs.pop(adapter, None),
             load_on_replicas=self.load_on_replicas,
             report=lambda adapter, event: self.report(adapter, event),
@@ -204,34 +155,6 @@ class LoraDriver:
             if transient(exc):
                 raise
             self._adapter_fault(adapter, where, exc)
-
-    # ---- calls to the ranks ---------------------------------------------------------------------------
-
-    def _gather(self, refs: list[Any]) -> list[Any]:
-        """Every rank's answer; a rank's own exception (not death or a failed collective) becomes a RankFault."""
-        from ray.exceptions import RayTaskError
-
-        try:
-            return ray.get(refs, timeout=RANK_TIMEOUT_S)
-        except RayTaskError as exc:
-            if isinstance(exc, GroupFailed):
-                raise
-            raise RankFault(str(getattr(exc, "cause", None) or exc)) from exc
-
-    def _all(self, call: Callable[[Any], Any]) -> list[Any]:
-        return self._gather([call(r) for r in self.ranks])
-
-    def score(self, request: ScoreRequest) -> list[Any]:
-        """The gate's scoring, on rank 0's model."""
-        return self._gather([self.ranks[0].score.remote(request)])[0]
-
-    def retention_set(self, request: RetentionSetRequest) -> Any:
-        """The gate's retention set (the base's answers and scores), built or read back on rank 0."""
-        return self._gather([self.ranks[0].retention_set.remote(request)])[0]
-
-    def score_retention(self, request: RetentionScoreRequest) -> list[tuple[float, int]]:
-        """A version's retention scores, on rank 0's model."""
-        return self._gather([self.ranks[0].score_retention.remote(request)])[0]
 
     # ---- what to do next ----------------------------------------------------------------------------
 
@@ -281,9 +204,9 @@ class LoraDriver:
         # adapter -> (unconsumed, oldest created_at), of this node's partition under per_node
         summary = ray.get(self.store.queue_summary.remote(self.line), timeout=CALL_TIMEOUT_S)
         current = self.loaded[0] if self.loaded else None
-        pending = self.micro_done > 0 or self.opt_steps > 0
+        pending = self.unpublished.started
         now = time.time()
-        taken = [it.id for it in self.pending_items] + self.held  # trained into unpublished weights
+        taken = self.unpublished.taken()
 
         def available(name: str) -> int:
             return summary.get(name, (0, None))[0] - (len(taken) if name == current else 0)
@@ -345,35 +268,35 @@ class LoraDriver:
             self.loaded is not None
             and self.loaded[0] == adapter
             and self.loaded[1] != plan.target[0]
-            and (self.micro_done or self.opt_steps)
+            and self.unpublished.started
         ):
             # The current version moved under unpublished work (a rollback): drop it, train the items again.
             self.report(adapter, WorkDropped())
-        begun: list[StepBegun] = self._all(lambda r: r.begin_step.remote(plan))
+        begun: list[StepBegun] = self.group.all(lambda r: r.begin_step.remote(plan))
         fault = next((b.fault for b in begun if b.fault), None)
         if fault is not None:
             raise RankFault(fault)
         if self.loaded != (adapter, plan.target[0]):
             self.loaded = (adapter, plan.target[0])
-            self._reset_version()
-        outcome = self._run_rounds(plan, begun)
-        if outcome is None:
-            return
-        finished, run_s, waited_s, windows, t_start = outcome
+            self.unpublished = UnpublishedVersion()
+        rounds = self.rounds.run(plan, begun, lambda: self._abandon_requested(adapter))
+        if rounds is None or rounds.fault is not None:
+            self._abandon(adapter)  # drop the micro-step on every rank; its items stay queued
+            if rounds is None:
+                return
+            raise RankFault(rounds.fault)
+        finished, run_s, windows = rounds.finished, rounds.run_s, rounds.windows
         lengths = {sid: n for b in begun for sid, n in (b.forward_lengths or b.lengths).items()}  # L, the item's tokens
         loss_sum = sum(f.loss * f.weight for f in finished.values())
         weight_sum = sum(f.weight for f in finished.values())
         # CheckEnd before the items become held: a requeued item must not be marked consumed at publish.
         requeued = self._check_end(plan, finished, lengths)
-        stepped = self.micro_done + 1 >= self.t.accumulation or plan.last_of_queue
-        self._all(lambda r: r.end_step.remote(stepped))
-        self.micro_done += 1
-        self.pending_items += plan.items
+        stepped = self.unpublished.micro_done + 1 >= self.t.accumulation or plan.last_of_queue
+        self.group.all(lambda r: r.end_step.remote(stepped))
         loss = loss_sum / max(weight_sum, 1e-12)
-        self.version_samples += len(plan.items)
-        self.version_losses.append((loss, len(plan.items)))
+        self.unpublished.add_micro_step(plan.items, loss)
         if stepped:
-            self._applied()
+            self.unpublished.applied(self.requeued)
         self.report(
             adapter,
             StepDone(
@@ -381,114 +304,18 @@ class LoraDriver:
                 loss=loss,
                 tokens=sum(lengths.values()),
                 seconds=run_s,
-                grant_s=time.time() - t_start - run_s,
+                grant_s=time.time() - rounds.started_at - run_s,
                 windows=windows,
                 shrunk=windows > len(plan.items),
                 optimizer_step=stepped,
                 requeued=requeued,
             ),
         )
-        if waited_s:
-            self.report(adapter, GrantWaited(waited_s))
-        if self.opt_steps >= self.t.steps_per_version or (plan.last_of_queue and self.opt_steps > 0):
+        if rounds.waited_s:
+            self.report(adapter, GrantWaited(rounds.waited_s))
+        steps = self.unpublished.opt_steps
+        if steps >= self.t.steps_per_version or (plan.last_of_queue and steps > 0):
             self._finish_version(adapter, flush=False)
-
-    def _run_rounds(
-        self, plan: StepPlan, begun: list[StepBegun]
-    ) -> tuple[dict[int, ItemLoss], float, float, int, float] | None:
-        """Grant and run windows round by round until every rank's items are done; None: the step was dropped."""
-        adapter = plan.adapter
-        by_id = {it.id: it for it in plan.items}
-        lengths = [dict(b.lengths) for b in begun]  # the work of each pass: forward, then backward
-        forward = [dict(b.forward_lengths) for b in begun]
-        done = [dict.fromkeys(b.lengths, 0) for b in begun]
-        memory: list[MemoryUse | None] = [None] * len(self.ranks)
-        optimizer_bytes = [b.optimizer_bytes for b in begun]
-        finished: dict[int, ItemLoss] = {}
-        t_start = time.time()
-        run_s = waited_s = 0.0
-        windows = 0
-        while True:
-            todo = [i for i in range(len(self.ranks)) if any(done[i][s] < n for s, n in lengths[i].items())]
-            if not todo:
-                return finished, run_s, waited_s, windows, t_start
-            if self._abandon_requested(adapter):
-                self._abandon(adapter)
-                return None
-            asked = time.time()
-            requests = {
-                i: GrantRequest(
-                    self.nodes[i],
-                    adapter,
-                    plan.spec.mode,
-                    tuple(
-                        SampleProgress(
-                            sid,
-                            n,
-                            done[i][sid],
-                            _arrival(plan, by_id[sid]),
-                            _last_loss(plan, by_id[sid]),
-                            forward[i].get(sid),
-                        )
-                        for sid, n in lengths[i].items()
-                        if done[i][sid] < n
-                    ),
-                    memory[i],
-                    optimizer_bytes[i],
-                )
-                for i in todo
-            }
-            grants = self._grants(requests)
-            for i in todo:
-                memory[i] = None  # told once
-            runs = {i: g for i, g in grants.items() if g.windows}
-            if not runs:
-                wait = min((g.wait_s for g in grants.values()), default=MAX_GRANT_SLEEP_S)
-                time.sleep(min(max(wait, 0.001), MAX_GRANT_SLEEP_S))
-                waited_s += time.time() - asked  # a refused request waits in the planner for the node's next reports
-                continue
-            t0 = time.time()
-            results: list[RoundDone] = self._gather(
-                [self.ranks[i].run_windows.remote(RoundPlan(g.windows, g.offload_optimizer)) for i, g in runs.items()]
-            )
-            run_s += time.time() - t0
-            fault = None
-            for i, res in zip(runs, results):
-                if res.windows:  # measured against its prediction, the last round of the step included
-                    self._windows_ran(
-                        WindowsRan(
-                            self.nodes[i],
-                            adapter,
-                            res.ran_at,
-                            res.ran_s,
-                            res.forward_s,
-                            max(0.0, res.ran_s - res.forward_s),
-                        )
-                    )
-                done[i].update(res.done)
-                finished.update(res.finished)
-                memory[i], optimizer_bytes[i] = res.memory, res.optimizer_bytes
-                windows += res.windows
-                fault = fault or res.fault
-            if fault is not None:
-                self._abandon(adapter)
-                raise RankFault(fault)
-
-    def _windows_ran(self, run: WindowsRan) -> None:
-        """Tell the planner when a grant's windows ran (not waited on: the next ask is queued behind it)."""
-        try:
-            self.planner.windows_ran.remote(run)
-        except Exception as exc:
-            self.warn("windows_ran", exc)
-
-    def _grants(self, requests: dict[int, GrantRequest]) -> dict[int, Grant]:
-        """The planner's grant for each rank's node, asked together; the planner away means "wait", never train unasked."""
-        try:
-            answers = ray.get([self.planner.grant.remote(r) for r in requests.values()], timeout=CALL_TIMEOUT_S)
-        except Exception as exc:
-            self.warn("grant", exc)
-            return {i: Grant((), MAX_GRANT_SLEEP_S, "planner away") for i in requests}
-        return dict(zip(requests, answers))
 
     def _abandon_requested(self, adapter: str) -> bool:
         """Stop, or the adapter's mode became ``off`` mid-step: its unfinished step is dropped."""
@@ -501,8 +328,8 @@ class LoraDriver:
 
     def _abandon(self, adapter: str) -> None:
         """Drop the micro-step and the gradients not yet applied on every rank; their items stay queued."""
-        self._all(lambda r: r.abandon_step.remote())
-        self.micro_done, self.pending_items = 0, []
+        self.group.all(lambda r: r.abandon_step.remote())
+        self.unpublished.drop_micro_steps()
         self.report(adapter, StepAbandoned())
 
     def _check_end(self, plan: StepPlan, finished: dict[int, ItemLoss], lengths: dict[int, int]) -> int:
@@ -515,7 +342,7 @@ class LoraDriver:
         priorities. Its last pass, retired, is held like any item and consumed by that version.
         """
         reports = [
-            PassReport(it.id, lengths[it.id], finished[it.id].loss, _arrival(plan, it), _passes_before(plan, it))
+            PassReport(it.id, lengths[it.id], finished[it.id].loss, plan.arrival(it), plan.passes_before(it))
             for it in plan.items
         ]
         try:
@@ -533,43 +360,32 @@ class LoraDriver:
                 self.requeued.pop(v.sample_id, None)
         return sum(v.outcome == "requeued" for v in verdicts)
 
-    def _applied(self) -> None:
-        """The ranks stepped their optimizers: the micro-steps' items are trained into the unpublished version."""
-        self.micro_done = 0
-        self.opt_steps += 1
-        # Items CheckEnd requeued stay unheld (still queued in the store) until their last pass.
-        done = [it for it in self.pending_items if it.id not in self.requeued]
-        self.held += [it.id for it in done]
-        self.held_created += [it.created_at for it in done]
-        self.pending_items = []
-
-    def _reset_version(self) -> None:
-        self.micro_done = self.opt_steps = 0
-        self.held, self.held_created, self.pending_items = [], [], []
-        self.version_samples, self.version_losses = 0, []
-
     # ---- versions ----------------------------------------------------------------------------------------
 
     def _finish_version(self, adapter: str, flush: bool) -> None:
         """Apply pending gradients if flushing, then publish and tell the ranks how it went."""
         if self.loaded is None or self.loaded[0] != adapter:
             return
-        if flush and self.micro_done > 0:
-            self._all(lambda r: r.apply_gradients.remote())
-            self._applied()
-        if self.opt_steps == 0:
+        if flush and self.unpublished.micro_done > 0:
+            self.group.all(lambda r: r.apply_gradients.remote())
+            self.unpublished.applied(self.requeued)
+        if self.unpublished.opt_steps == 0:
             return
-        created = list(self.held_created)
+        created = list(self.unpublished.held_created)
         version, path, candidate = self._publish(adapter)
         if version is None:
-            self._all(lambda r: r.forget.remote(adapter))  # reload the store's current version before the next step
+            self.group.all(
+                lambda r: r.forget.remote(adapter)
+            )  # reload the store's current version before the next step
             self.loaded = None
-            self._reset_version()
+            self.unpublished = UnpublishedVersion()
             return
-        if len(self.ranks) > 1:
-            self._gather([r.advance.remote(adapter, version) for r in self.ranks[1:]])  # rank 0 did on saving
+        if len(self.group) > 1:
+            self.group.gather(
+                [r.advance.remote(adapter, version) for r in self.group.ranks[1:]]
+            )  # rank 0 did on saving
         self.loaded = (adapter, version)
-        self._reset_version()
+        self.unpublished = UnpublishedVersion()
         self.evaluator.submit(adapter, version, path, candidate=candidate, created=created)
 
     def _publish(self, adapter: str) -> tuple[int | None, str | None, bool]:
@@ -577,18 +393,18 @@ class LoraDriver:
         from actors.learning.store.models import VersionConflict
 
         t0 = time.time()
-        samples = self.version_samples
-        loss = sum(loss_i * n for loss_i, n in self.version_losses) / max(1, sum(n for _, n in self.version_losses))
+        work = self.unpublished
+        samples, loss = work.samples, work.mean_loss()
         parent = self.loaded[1] if self.loaded else None
         marks = [t0]
         try:
             v = ray.get(self.store.reserve_version.remote(adapter, self.line), timeout=CALL_TIMEOUT_S)
             marks.append(time.time())
-            meta = VersionMeta(parent, samples, loss, len(self.held), self.t.scope, len(self.ranks), self.line)
-            path = self._gather([self.ranks[0].save.remote(SaveVersion(adapter, v.version, meta))])[0]
+            meta = VersionMeta(parent, samples, loss, len(work.held), self.t.scope, len(self.group), self.line)
+            path = self.group.gather([self.group.ranks[0].save.remote(SaveVersion(adapter, v.version, meta))])[0]
             marks.append(time.time())
             published = ray.get(
-                self.store.publish_version.remote(adapter, v.version, path, self.held, samples, loss),
+                self.store.publish_version.remote(adapter, v.version, path, work.held, samples, loss),
                 timeout=CALL_TIMEOUT_S,
             )
             marks.append(time.time())
@@ -602,7 +418,7 @@ class LoraDriver:
             if not transient(exc):  # e.g. the version's files could not be written: this adapter's fault
                 self._adapter_fault(adapter, "save", exc)
             return None, None, False
-        created = list(self.held_created)
+        created = list(self.unpublished.held_created)
         names = ("reserve_s", "save_s", "publish_s", "load_s")
         if published.info.state == "candidate":
             # The gate is on: not served until the evaluator passes it (it loads it on the replicas then).
@@ -661,10 +477,10 @@ class LoraDriver:
     def _drop_adapter(self, adapter: str) -> None:
         """Forget the adapter's slot, gradients and unpublished work on every rank; its items stay queued."""
         self.specs.pop(adapter, None)
-        self._all(lambda r: r.forget.remote(adapter))
+        self.group.all(lambda r: r.forget.remote(adapter))
         if self.loaded is not None and self.loaded[0] == adapter:
             self.loaded = None
-            self._reset_version()
+            self.unpublished = UnpublishedVersion()
 
     def warn(self, where: str, exc: BaseException | str) -> None:
         """Log what went wrong at ``where`` and pass it on to the trainer's warnings (the evaluator uses it too)."""

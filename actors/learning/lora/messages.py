@@ -44,6 +44,21 @@ class StepPlan:
     requeued: dict[int, PassVerdict] = field(default_factory=dict)
     """Items CheckEnd sent back: their t_arr and last loss go into the grants' priorities (MACE §4.1)."""
 
+    def arrival(self, item: Any) -> float:
+        """t_arr of the item's pass in this micro-step (MACE §4.1): when CheckEnd requeued it, else its acceptance."""
+        again = self.requeued.get(item.id)
+        return item.created_at if again is None else again.arrival
+
+    def last_loss(self, item: Any) -> float:
+        """L_DPO of MACE §4.1's γ·L_DPO priority term: the item's loss in its previous pass (0 before its first)."""
+        again = self.requeued.get(item.id)
+        return 0.0 if again is None else again.loss
+
+    def passes_before(self, item: Any) -> int:
+        """How many passes over the item CheckEnd has seen (0 before its first)."""
+        again = self.requeued.get(item.id)
+        return 0 if again is None else again.passes
+
 
 @dataclass(frozen=True)
 class StepBegun:

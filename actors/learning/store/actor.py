@@ -343,48 +343,13 @@ class FeedbackStore:
     async def decide_version(self, adapter: str, version: int, verdict: VersionVerdict) -> VersionWritten:
         """The gate's verdict in one transaction (``FeedbackDatabase.decide_version``), then retention. Wakes the
         trainer too: a decision lets it go on with that adapter (or stop it, when it pauses)."""
-        s = verdict.scores
-        decided = await self._write_version(
-            lambda: self.db.decide_version(
-                adapter,
-                version,
-                passed=verdict.passed,
-                reason=verdict.reason,
-                score=s.score,
-                baseline_version=verdict.baseline_version,
-                baseline_score=verdict.baseline_score,
-                win_rate=s.win_rate,
-                clpd=s.clpd,
-                token_logprob=s.token_logprob,
-                eval_items=s.eval_items,
-                retention=s.retention,
-                retention_base=s.retention_base,
-                retention_prompts=s.retention_prompts,
-                score_s=s.score_s,
-                counts=verdict.counts,
-            )
-        )
+        decided = await self._write_version(lambda: self.db.decide_version(adapter, version, verdict))
         await self._prune_quietly(adapter)
         return decided
 
     async def record_scores(self, adapter: str, version: int, scores: VersionScores) -> VersionInfo:
         """Scores measured for a version served without the gate; None keeps a stored value."""
-        s = scores
-        return await self._in_thread(
-            lambda: self.db.record_scores(
-                adapter,
-                version,
-                score=s.score,
-                win_rate=s.win_rate,
-                clpd=s.clpd,
-                token_logprob=s.token_logprob,
-                eval_items=s.eval_items,
-                retention=s.retention,
-                retention_base=s.retention_base,
-                retention_prompts=s.retention_prompts,
-                score_s=s.score_s,
-            )
-        )
+        return await self._in_thread(self.db.record_scores, adapter, version, scores)
 
     async def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float) -> VersionInfo:
         return await self._in_thread(self.db.record_eval, adapter, version, win_rate, clpd)

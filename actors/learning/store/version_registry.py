@@ -11,7 +11,14 @@ from pathlib import Path
 
 from actors.learning.store.connection import StoreConnection, version_from_row
 from actors.learning.store.models import GateOverrides, InvalidRequest, VersionConflict
-from actors.learning.store.records import AdapterInfo, ServedAdapter, ServedVersion, VersionInfo
+from actors.learning.store.records import (
+    AdapterInfo,
+    ServedAdapter,
+    ServedVersion,
+    VersionInfo,
+    VersionScores,
+    VersionVerdict,
+)
 from actors.learning.store.schema import RESERVATION_PINS_S, VERSION_COLUMNS
 from actors.learning.store.unit_kind import unit_kind
 
@@ -122,29 +129,11 @@ class VersionRegistry(StoreConnection):
                 > 0
             )
 
-    def decide_version(
-        self,
-        adapter: str,
-        version: int,
-        *,
-        passed: bool,
-        reason: str,
-        score: float | None = None,
-        baseline_version: int | None = None,
-        baseline_score: float | None = None,
-        win_rate: float | None = None,
-        clpd: float | None = None,
-        token_logprob: float | None = None,
-        eval_items: int | None = None,
-        retention: float | None = None,
-        retention_base: float | None = None,
-        retention_prompts: int | None = None,
-        score_s: float | None = None,
-        counts: bool = True,
-    ) -> VersionInfo:
+    def decide_version(self, adapter: str, version: int, verdict: VersionVerdict) -> VersionInfo:
         """The quality gate's verdict on a candidate, in one transaction: ``served`` (made current) or ``rejected``.
 
-        ``counts`` False: a version held back for want of held-out evidence (``gate.thin_evidence`` wait), not
+        ``verdict.scores`` are stored beside it (a None win rate, CLPD or token log-prob keeps a stored
+        value). ``verdict.counts`` False: a version held back for want of held-out evidence (``gate.thin_evidence`` wait), not
         a rejection of its quality: it does not count toward ``pause_after_rejections``.
 
         A candidate whose parent is no longer the served version (a rollback or a promotion came in
@@ -158,6 +147,7 @@ class VersionRegistry(StoreConnection):
             if v.state != "candidate":
                 raise VersionConflict(f"{adapter} v{version} is {v.state or 'not published'}, not a candidate")
             current = self._current(db, adapter, v.node)
+            passed, reason, s = verdict.passed, verdict.reason, verdict.scores
             superseded = v.parent != current
             if superseded:
                 passed, reason = (
@@ -177,17 +167,17 @@ class VersionRegistry(StoreConnection):
                     "served" if passed else "rejected",
                     reason,
                     now,
-                    score,
-                    baseline_version,
-                    baseline_score,
-                    win_rate,
-                    clpd,
-                    token_logprob,
-                    eval_items,
-                    retention,
-                    retention_base,
-                    retention_prompts,
-                    score_s,
+                    s.score,
+                    verdict.baseline_version,
+                    verdict.baseline_score,
+                    s.win_rate,
+                    s.clpd,
+                    s.token_logprob,
+                    s.eval_items,
+                    s.retention,
+                    s.retention_base,
+                    s.retention_prompts,
+                    s.score_s,
                     adapter,
                     version,
                 ),
@@ -198,7 +188,7 @@ class VersionRegistry(StoreConnection):
                     "UPDATE adapters SET rejections_in_row = 0, promotions_total = promotions_total + 1 WHERE name = ?",
                     (adapter,),
                 )
-            elif not superseded and counts:
+            elif not superseded and verdict.counts:
                 db.execute(
                     "UPDATE adapters SET rejections_in_row = rejections_in_row + 1, "
                     "rejections_total = rejections_total + 1 WHERE name = ?",
@@ -258,22 +248,9 @@ class VersionRegistry(StoreConnection):
             ).fetchall()
         return [version_from_row(row) for row in rows]
 
-    def record_scores(
-        self,
-        adapter: str,
-        version: int,
-        *,
-        score: float | None = None,
-        win_rate: float | None = None,
-        clpd: float | None = None,
-        token_logprob: float | None = None,
-        eval_items: int | None = None,
-        retention: float | None = None,
-        retention_base: float | None = None,
-        retention_prompts: int | None = None,
-        score_s: float | None = None,
-    ) -> VersionInfo:
+    def record_scores(self, adapter: str, version: int, scores: VersionScores) -> VersionInfo:
         """Store scores measured for a version outside the gate (the gate off); None keeps a value."""
+        s = scores
         with self._tx() as db:
             self._version(db, adapter, version)
             db.execute(
@@ -284,15 +261,15 @@ class VersionRegistry(StoreConnection):
                 "retention_prompts = COALESCE(?, retention_prompts), score_s = COALESCE(?, score_s) "
                 "WHERE adapter = ? AND version = ?",
                 (
-                    score,
-                    win_rate,
-                    clpd,
-                    token_logprob,
-                    eval_items,
-                    retention,
-                    retention_base,
-                    retention_prompts,
-                    score_s,
+                    s.score,
+                    s.win_rate,
+                    s.clpd,
+                    s.token_logprob,
+                    s.eval_items,
+                    s.retention,
+                    s.retention_base,
+                    s.retention_prompts,
+                    s.score_s,
                     adapter,
                     version,
                 ),
@@ -301,7 +278,7 @@ class VersionRegistry(StoreConnection):
 
     def record_eval(self, adapter: str, version: int, win_rate: float, clpd: float) -> VersionInfo:
         """Store the alignment metrics (MACE §3.1) measured for a version."""
-        return self.record_scores(adapter, version, win_rate=float(win_rate), clpd=float(clpd))
+        return self.record_scores(adapter, version, VersionScores(win_rate=float(win_rate), clpd=float(clpd)))
 
     def rollback(self, adapter: str, version: int) -> AdapterInfo:
         """Point ``current_version`` at an earlier published version; nothing is deleted or re-queued.
