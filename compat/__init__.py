@@ -45,6 +45,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds"),
     ("deepspeed.runtime.pipe.module", "PipelineModule._synchronize_tied_weights"),
+    ("deepspeed.ops", "__compatible_ops__"),
+    ("deepspeed.ops.op_builder.cpu.comm", "ShareMemCommBuilder.NAME"),
+    ("deepspeed.comm.torch", "TorchBackend.inference_all_reduce"),
 )
 
 # (module, class, attribute) for private attributes an instance gets in its constructor or as a dataclass
@@ -251,6 +254,19 @@ def set_serve_controller_haproxy_manager(manager: Any) -> None:
 
 
 # ---- DeepSpeed's pipeline module --------------------------------------------------------------------
+
+
+def skip_deepspeed_shm_all_reduce() -> None:
+    """Mark DeepSpeed's shared-memory all-reduce op as unavailable, so ``deepspeed.init_distributed`` on a CPU does
+    not compile it. Its backend (``TorchBackend.__init__``) builds the op whenever ``deepspeed.ops.__compatible_ops__``
+    says it can, and only ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference) uses it; the pipeline
+    trains through ``torch.distributed``. Measured here: the build is two C++ compilations, about 60 CPU-seconds,
+    on a machine's first full-model training and again whenever the virtualenv's path changes (it is in the build's
+    include paths), and the stages wait for it. On a GPU the accelerator offers no such op and this changes nothing."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def pipeline_local_bounds(pipe: Any) -> tuple[int, int]:

@@ -19,7 +19,12 @@ from typing import Any
 import ray
 
 from actors.learning.full.messages import StageInfo, StageSetup, TokenBatch
-from compat import pipeline_layer_specs, pipeline_local_bounds, synchronize_tied_weights
+from compat import (
+    pipeline_layer_specs,
+    pipeline_local_bounds,
+    skip_deepspeed_shm_all_reduce,
+    synchronize_tied_weights,
+)
 from planners.pipeline import OpDone, StageOp
 
 GROUP_TIMEOUT_S = 1800.0
@@ -75,6 +80,7 @@ class PipelineStage:
                 world_size=s.stages,
                 timeout=timedelta(seconds=GROUP_TIMEOUT_S),
             )
+        skip_deepspeed_shm_all_reduce()
         deepspeed.init_distributed(dist_backend=backend)
         self.loss = PipelineLoss(beta=s.beta)
         # No grad while building: the module's constructor broadcasts the tied weights in place, which
