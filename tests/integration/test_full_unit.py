@@ -10,7 +10,8 @@ import pytest
 from tests.app_pool import AppPlan, AppSpec
 
 READY_S = 300
-# Measured here: 77 s from feedback to v1 on a loaded 2-core box; the CI machine is slower (it missed 180 s once).
+# Measured here: 22 s from feedback to v1 alone, with an empty extension cache. Before compat.skip_deepspeed_shm_all_reduce,
+# every fresh clone compiled DeepSpeed's shm op in this wait first (74-127 s in whole-suite runs; over 180 s once in CI).
 TRAIN_DEADLINE_S = 360
 PROMPT = "Q: sky color?\nA:"
 ITEMS = [
