@@ -23,6 +23,21 @@ from actors.learning.store.schema import RESERVATION_PINS_S, VERSION_COLUMNS
 from actors.learning.store.unit_kind import unit_kind
 
 
+def _score_values(s: VersionScores) -> tuple[float | int | None, ...]:
+    """A version's scores in the order both UPDATEs of the versions table name their columns (score ... score_s)."""
+    return (
+        s.score,
+        s.win_rate,
+        s.clpd,
+        s.token_logprob,
+        s.eval_items,
+        s.retention,
+        s.retention_base,
+        s.retention_prompts,
+        s.score_s,
+    )
+
+
 class VersionRegistry(StoreConnection):
     """Versions: every number handed out, its state, and each line's current one (synced, or a node's)."""
 
@@ -159,25 +174,17 @@ class VersionRegistry(StoreConnection):
                 )
             now = time.time()
             db.execute(
-                "UPDATE versions SET state = ?, reason = ?, decided_at = ?, score = ?, baseline_version = ?, "
-                "baseline_score = ?, win_rate = COALESCE(?, win_rate), clpd = COALESCE(?, clpd), "
+                "UPDATE versions SET state = ?, reason = ?, decided_at = ?, baseline_version = ?, baseline_score = ?, "
+                "score = ?, win_rate = COALESCE(?, win_rate), clpd = COALESCE(?, clpd), "
                 "token_logprob = COALESCE(?, token_logprob), eval_items = ?, retention = ?, retention_base = ?, "
                 "retention_prompts = ?, score_s = ? WHERE adapter = ? AND version = ?",
                 (
                     "served" if passed else "rejected",
                     reason,
                     now,
-                    s.score,
                     verdict.baseline_version,
                     verdict.baseline_score,
-                    s.win_rate,
-                    s.clpd,
-                    s.token_logprob,
-                    s.eval_items,
-                    s.retention,
-                    s.retention_base,
-                    s.retention_prompts,
-                    s.score_s,
+                    *_score_values(s),
                     adapter,
                     version,
                 ),
@@ -260,19 +267,7 @@ class VersionRegistry(StoreConnection):
                 "retention_base = COALESCE(?, retention_base), "
                 "retention_prompts = COALESCE(?, retention_prompts), score_s = COALESCE(?, score_s) "
                 "WHERE adapter = ? AND version = ?",
-                (
-                    s.score,
-                    s.win_rate,
-                    s.clpd,
-                    s.token_logprob,
-                    s.eval_items,
-                    s.retention,
-                    s.retention_base,
-                    s.retention_prompts,
-                    s.score_s,
-                    adapter,
-                    version,
-                ),
+                (*_score_values(s), adapter, version),
             )
             return self._version(db, adapter, version)
 
