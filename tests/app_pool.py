@@ -3,6 +3,7 @@ app and when it is ready; the pool starts it behind the session's HTTP port and 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,28 +44,81 @@ class StartedApp:
     data_dir: Path
 
 
+class Deploy(threading.Thread):
+    """``serve.run`` of one app on a thread of its own, after the deploy begun before it (``after``): apps start
+    while tests run, one at a time. A failure is kept for the main thread to raise."""
+
+    def __init__(self, app: Any, name: str, route_prefix: str, after: Deploy | None) -> None:
+        super().__init__(name=f"deploy-{name}", daemon=True)
+        self.app, self.app_name, self.route_prefix, self.after = app, name, route_prefix, after
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        from ray import serve
+
+        if self.after is not None:
+            self.after.join()
+        try:
+            serve.run(self.app, name=self.app_name, route_prefix=self.route_prefix)  # returns once its deployments run
+        except BaseException as e:
+            self.failure = e
+
+    def wait(self, deadline: float) -> None:
+        """Join it by ``deadline`` (epoch seconds); raise its failure, or fail the test if it still runs."""
+        import pytest
+
+        self.join(max(0.0, deadline - time.time()))
+        if self.is_alive():
+            pytest.fail(f"{self.app_name}: deployments not running by the deadline")
+        if self.failure is not None:
+            raise self.failure
+
+
+@dataclass
+class _Begun:
+    deploy: Deploy
+    plan: AppPlan
+    data_dir: Path
+
+
 class AppPool:
-    """Starts a module's app, waits until it is ready, and removes it when the module's tests are done."""
+    """Starts a module's app, waits until it is ready, and removes it when the module's tests are done. ``begin``
+    starts an app's deploy in the background, ahead of the module that needs it (``tests/conftest.py`` does so for
+    the apps of the first modules, while the unit tests run)."""
 
     def __init__(self, base_url: str, make_dir: Callable[[str], Path]) -> None:
         self.base_url = base_url
         self.make_dir = make_dir
         self.started: dict[str, StartedApp] = {}
+        self.begun: dict[str, _Begun] = {}
+        self.last_deploy: Deploy | None = None
+
+    def deploy(self, app: Any, name: str, route_prefix: str) -> Deploy:
+        """Begin ``serve.run`` of a built app in the background, after every deploy begun before it."""
+        self.last_deploy = Deploy(app, name, route_prefix, self.last_deploy)
+        self.last_deploy.start()
+        return self.last_deploy
+
+    def begin(self, spec: AppSpec) -> None:
+        """Make ``spec``'s app in a fresh data directory and begin deploying it; ``serve`` waits for it."""
+        from app.main import build_app
+
+        if spec.name in self.begun or spec.name in self.started:
+            return
+        data = self.make_dir(spec.name)
+        plan = spec.make(data)
+        self.begun[spec.name] = _Begun(self.deploy(build_app(plan.config), spec.name, spec.prefix), plan, data)
 
     def serve(self, spec: AppSpec) -> StartedApp:
         """``spec``'s app, deployed in a fresh data directory, once ready; fails the test when it is not ready within
-        ``spec.timeout_s`` or its trainer reports ``failed``."""
+        ``spec.timeout_s``, or its trainer reports ``failed``."""
         import pytest
-        from ray import serve
 
-        from app.main import build_app
-
-        data = self.make_dir(spec.name)
-        plan = spec.make(data)
-        t0 = time.time()
-        serve.run(build_app(plan.config), name=spec.name, route_prefix=spec.prefix)
-        app = self.started[spec.name] = StartedApp(self.base_url + spec.prefix, plan, data)
-        deadline, last = t0 + spec.timeout_s, None
+        self.begin(spec)
+        begun = self.begun.pop(spec.name)
+        deadline, last = time.time() + spec.timeout_s, None
+        begun.deploy.wait(deadline)
+        app = self.started[spec.name] = StartedApp(self.base_url + spec.prefix, begun.plan, begun.data_dir)
         while time.time() < deadline:
             try:
                 if spec.ready is None:

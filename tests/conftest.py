@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -115,59 +114,44 @@ def _uses_the_session_app(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """The unit tests first: they start no Ray, so they run while the session app's replicas start
-    (``_early_session_app``) instead of after the rest (measured in docs/testing.md)."""
+    (``_early_apps``) instead of after the rest (measured in docs/testing.md)."""
     unit = ROOT / "tests" / "unit"
     items.sort(key=lambda item: 0 if unit in Path(item.path).resolve().parents else 1)  # stable: order kept within
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _early_session_app(request):
-    """Start deploying the session app before the first test when any selected test uses it; ``pytest tests/unit``
-    starts no Ray. The app's replicas spend about a minute in process starts and imports on one core: the unit
-    tests fill the other meanwhile."""
-    if any(_uses_the_session_app(item) for item in request.session.items):
-        request.getfixturevalue("session_app_deploy")
+def _early_apps(request):
+    """Begin deploying the session app before the first test when any selected test uses it (``pytest tests/unit``
+    starts no Ray), and then the secured app when its package is selected: its tests run first after the unit
+    tests. A replica spends about 40 s in process starts and imports, mostly on one core: the unit tests fill the
+    other meanwhile (docs/testing.md)."""
+    items = request.session.items
+    if not any(_uses_the_session_app(item) for item in items):
+        return
+    request.getfixturevalue("session_app_deploy")
+    secure = ROOT / "tests" / "e2e" / "secure"
+    if any(secure in Path(item.path).resolve().parents for item in items):
+        from tests.e2e.secure.conftest import APP
 
-
-class _Deploy(threading.Thread):
-    """``serve.run`` of an app in a thread of its own; a failure is kept for the main thread to raise."""
-
-    def __init__(self, app, name: str) -> None:
-        super().__init__(name=f"deploy-{name}", daemon=True)
-        self.app, self.app_name = app, name
-        self.started_at = time.time()
-        self.failure: BaseException | None = None
-
-    def run(self) -> None:
-        from ray import serve
-
-        try:
-            serve.run(self.app, name=self.app_name, route_prefix="/")  # returns once the app's deployments run
-        except BaseException as e:
-            self.failure = e
+        request.getfixturevalue("app_pool").begin(APP)
 
 
 @pytest.fixture(scope="session")
-def session_app_deploy(app_pool, app_config) -> _Deploy:
-    """The session app's deploy, begun; ``app_url`` joins it. The app is built here, in the main thread."""
+def session_app_deploy(app_pool, app_config):
+    """The session app's deploy, begun (``AppPool.deploy``); ``app_url`` joins it. The app is built here, in the
+    main thread."""
     from app.main import build_app
 
-    deploy = _Deploy(build_app(app_config), "coserve")
-    deploy.start()
-    return deploy
+    return app_pool.deploy(build_app(app_config), "coserve", "/")
 
 
 @pytest.fixture(scope="session")
 def app_url(app_pool, app_config, session_app_deploy) -> str:
-    """Base URL of the running app; waits until every node's replica is ready (300 s from the deploy's start)."""
+    """Base URL of the running app; waits until every node's replica is ready."""
     import httpx
 
-    deadline = session_app_deploy.started_at + 300
-    session_app_deploy.join(max(0.0, deadline - time.time()))
-    if session_app_deploy.is_alive():
-        pytest.fail("the session app's deployments did not run within 300 s")
-    if session_app_deploy.failure is not None:
-        raise session_app_deploy.failure
+    deadline = time.time() + 300
+    session_app_deploy.wait(deadline)
     url = app_pool.base_url
     status = None
     while time.time() < deadline:
