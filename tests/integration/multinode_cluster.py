@@ -35,7 +35,8 @@ def main(work: Path) -> None:
     head_dir, worker_dir = work / "head-data", work / "worker-data"
     # Raylets inherit this process's environment when they start, and their workers inherit theirs.
     os.environ["COSERVE_DATA_DIR"] = str(head_dir)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "dashboard_port": free_port()})
+    # No dashboard: nothing here reads Ray's state API.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     os.environ["COSERVE_DATA_DIR"] = str(worker_dir)
     worker = cluster.add_node(num_cpus=2, resources={"replica_host": 1})
     os.environ["COSERVE_DATA_DIR"] = str(head_dir)
@@ -76,7 +77,7 @@ def main(work: Path) -> None:
         flush=True,
     )
     sys.stdin.read()  # until the test closes it
-    serve.shutdown()
+    # The cluster goes as a whole: Serve's graceful stop of the replica (about 8 s) would only precede it.
     ray.shutdown()
     cluster.shutdown()
 

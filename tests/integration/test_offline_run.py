@@ -62,7 +62,9 @@ def check_outputs(job_path: Path) -> dict[str, list[dict]]:
 
 
 def test_ensemble_runs_every_model_on_every_prompt(ray_cluster, data_dir, tmp_path):
-    path = small_job(tmp_path, "ensemble", max_inputs=4, tokens=8)
+    # A device per model: the three engines start at once (about 10 s each here), not in two waves. The routing
+    # and chain tests below run more models than devices.
+    path = small_job(tmp_path, "ensemble", max_inputs=4, tokens=8, devices={"count": 3, "memory_gb": 2})
     job, base = load_job(path)
     summary = run_job(job, base, "greedy", True, data_dir, progress=False)
     got = check_outputs(path)

@@ -127,8 +127,17 @@ def test_eq4_holds_training_back_while_inference_would_miss_its_slo_and_the_step
             timeout=60,
         )
         assert r.status_code == 202, r.text
-        time.sleep(6.0)
-        during = _nodes(app_url)
+        # Up to 6 s of the stream: until the planner has held a step of this adapter back. Whether any step was
+        # granted meanwhile is checked twice: in the grants seen now, and below, where every grant that carried
+        # tokens must have come after the stream stopped.
+        deadline = time.time() + 6.0
+        while True:
+            during = _nodes(app_url)
+            held = sum(n["training_placement"]["eq4_deprioritized"] for n in during)
+            asked = [g for n in during for g in n["training_grants"]["recent"] if g["adapter"] == name]
+            if (held and asked) or time.time() > deadline:
+                break
+            time.sleep(0.25)
     finally:
         stop.set()
         for t in threads:
