@@ -84,12 +84,37 @@ def chat(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: in
 
 def answers(url: str, model: str, prompts: list[str], max_tokens: int) -> list[str]:
     """Greedy answers to ``prompts``, sent concurrently (the engine batches them)."""
+    return batched_answers(url, [(model, prompts, max_tokens)])[0]
+
+
+def batched_answers(url: str, asks: list[tuple[str, list[str], int]]) -> list[list[str]]:
+    """Greedy answers to several (model, prompts, max_tokens) sets, all sent concurrently in one go (the engine
+    batches them across the sets, so none waits for another's slowest answer)."""
+    flat = [(model, p, n) for model, prompts, n in asks for p in prompts]
     with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(16) as pool:
-        out = list(pool.map(lambda p: chat(client, url, model, p, max_tokens), prompts))
-    bad = [(code, text[:200]) for code, text in out if code != 200]
+        out = list(pool.map(lambda a: chat(client, url, *a), flat))
+    bad = [(model, code, text[:200]) for (model, _, _), (code, text) in zip(flat, out) if code != 200]
     if bad:
-        raise RuntimeError(f"{len(bad)} requests to {model} failed, e.g. {bad[0]}")
-    return [text for _, text in out]
+        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    texts, sets = [text for _, text in out], []
+    for _, prompts, _ in asks:
+        sets.append(texts[: len(prompts)])
+        texts = texts[len(prompts) :]
+    return sets
+
+
+def wait_served(url: str, model: str, version: int, timeout_s: float = 60.0) -> None:
+    """Until every ready node serves ``version`` (or newer) of ``model`` (``base:adapter``): the gate's verdict is
+    in the store a moment before the replicas load the version."""
+    deadline = time.time() + timeout_s
+    while True:
+        nodes = [n for n in httpx.get(f"{url}/v1/status", timeout=30).json()["nodes"] if n["state"] == "ready"]
+        served = [n["adapters"].get(model) for n in nodes]
+        if nodes and None not in served and min(served) >= version:
+            return
+        if time.time() > deadline:
+            raise RuntimeError(f"{model} v{version} not served within {timeout_s} s: {served}")
+        time.sleep(0.2)
 
 
 def shows(text: str) -> bool:
@@ -121,9 +146,11 @@ def run(
     train, held_out = prompts[:samples], prompts[samples:]
     served = f"{base}:{adapter}"
     log(f"base answers: {len(held_out)} held-out prompts, {samples} training prompts")
-    base_eval = answers(url, base, held_out, 16)
-    targets = [f"{PHRASE} {first_sentences(a)}" for a in answers(url, base, train, answer_tokens)]
-    facts_base = [bool(re.search(pat, a)) for (_, pat), a in zip(FACTS, answers(url, base, [q for q, _ in FACTS], 48))]
+    base_eval, train_answers, fact_answers = batched_answers(
+        url, [(base, held_out, 16), (base, train, answer_tokens), (base, [q for q, _ in FACTS], 48)]
+    )
+    targets = [f"{PHRASE} {first_sentences(a)}" for a in train_answers]
+    facts_base = [bool(re.search(pat, a)) for (_, pat), a in zip(FACTS, fact_answers)]
 
     r = httpx.post(
         f"{url}/v1/adapters",
@@ -174,13 +201,11 @@ def run(
         if time.time() > deadline:
             stop.set()
             raise RuntimeError(f"training did not finish in {timeout_s} s: {info['queued']} queued")
-        time.sleep(1.0)
+        time.sleep(0.5)
     trained_s = time.time() - t0
-    time.sleep(2.0)  # the newest version reaches the replicas just after it is published
-    tuned_eval = answers(url, served, held_out, 16)
-    facts_tuned = [
-        bool(re.search(pat, a)) for (_, pat), a in zip(FACTS, answers(url, served, [q for q, _ in FACTS], 48))
-    ]
+    wait_served(url, served, info["current_version"])
+    tuned_eval, fact_answers = batched_answers(url, [(served, held_out, 16), (served, [q for q, _ in FACTS], 48)])
+    facts_tuned = [bool(re.search(pat, a)) for (_, pat), a in zip(FACTS, fact_answers)]
     stop.set()
     watcher.join(timeout=30)
     return Result(

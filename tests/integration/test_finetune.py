@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from actors.learning.finetune.job import parse_job
 
 PROMPTS = [
@@ -67,7 +69,15 @@ def _greedy(model, tok, prompt: str, n: int = 8) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-def test_two_workers_checkpoint_each_epoch_survive_a_kill_and_resume(ray_cluster, data_dir, tmp_path):
+@pytest.fixture
+def quick_polls(monkeypatch):
+    """Ray Train's controller polls its workers every 2 s by default: at each epoch's checkpoint commit, to see a
+    dead worker, and to see the run finish. Every 0.5 s here (Ray Train passes the variable on to the controller
+    it starts); a missed poll is only a failure after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S (10 min)."""
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+def test_two_workers_checkpoint_each_epoch_survive_a_kill_and_resume(ray_cluster, data_dir, tmp_path, quick_polls):
     from actors.learning.finetune.run import run_finetune
 
     rows = [{"prompt": p, "completion": ANSWER} for p in PROMPTS[:6]]
@@ -118,7 +128,7 @@ def test_two_workers_checkpoint_each_epoch_survive_a_kill_and_resume(ray_cluster
     assert after != before, (before, after)  # (the loss fell too, above)
 
 
-def test_dpo_from_a_file_on_two_workers(ray_cluster, data_dir, tmp_path):
+def test_dpo_from_a_file_on_two_workers(ray_cluster, data_dir, tmp_path, quick_polls):
     """DPO with the file loader (every worker reads the file, takes every second item): the loss falls well below log 2."""
     from actors.learning.finetune.run import run_finetune
 

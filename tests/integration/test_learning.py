@@ -311,7 +311,7 @@ def test_killing_the_trainer_loses_no_acknowledged_sample_and_breaks_no_version(
                                 "prompt": f"item {len(ids) + i}: say",
                                 "completion": " something fairly long " * 4,
                             }
-                            for i in range(8)
+                            for i in range(4)  # one micro-batch per post
                         ],
                     )
                 )
