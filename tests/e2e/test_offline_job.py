@@ -1,14 +1,20 @@
-"""An offline job submitted with Ray's job API to the session cluster's head node, as `ray job submit` does."""
+"""An offline job submitted with Ray's job API to a local head node started here, as `ray job submit` does."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.integration.test_offline_run import check_outputs, small_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,23 +22,76 @@ ROOT = Path(__file__).resolve().parents[2]
 EXCLUDES = ["/.venv/", "/.git/", "/data/", "/out/", "/configs/jobs/out/", "/reports/", "__pycache__/"]
 
 
-@pytest.fixture(scope="module")
-def dashboard(ray_cluster) -> str:
-    """The job API's address: the session cluster's dashboard (tests/conftest.py starts it), the head a
-    `ray job submit --address` names. A head of the test's own cost a second Ray's start and stop."""
-    url = ray_cluster.init(ignore_reinit_error=True).dashboard_url
-    assert url, "the session's Ray runs without a dashboard"
-    return url if url.startswith("http") else f"http://{url}"
+@pytest.fixture
+def head_node():
+    """`ray start --head --block` in its own temp dir; stopped through that process (not `ray stop`, which
+    would stop every Ray instance on this machine)."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths have a length limit
+    log = open(Path(temp) / "head.log", "wb")
+    # Every port of its own: the session's other Ray instance holds the defaults (the job agent's
+    # 52365 among them, and a head whose agent cannot bind it answers "No available agent").
+    ports = [
+        f"--{name}={free_port()}"
+        for name in (
+            "port",
+            "dashboard-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "ray-client-server-port",
+            "node-manager-port",
+            "object-manager-port",
+        )
+    ]
+    dash = ports[1].split("=")[1]
+    head = subprocess.Popen(
+        [
+            str(ray_cli),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=8",
+            *ports,
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        # `ray start` turns token authentication on by default; this test's client
+        # talks to a loopback-only head it started itself.
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    try:
+        yield f"http://127.0.0.1:{dash}", head, Path(temp) / "head.log"
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_ray_job_submit_runs_the_routing_job(dashboard, data_dir, tmp_path):
+def test_ray_job_submit_runs_the_routing_job(head_node, data_dir, tmp_path):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    address, head, head_log = head_node
     # A device per model: the job's three engines start at once (tests/integration/test_offline_run.py runs this
     # job on fewer devices than models).
     path = small_job(tmp_path, "routing", max_inputs=12, tokens=8, devices={"count": 3, "memory_gb": 2})
-    client = JobSubmissionClient(dashboard)
     deadline = time.time() + 90
+    while True:
+        try:
+            client = JobSubmissionClient(address)
+            break
+        except Exception:
+            assert head.poll() is None and time.time() < deadline, head_log.read_text()[-3000:]
+            time.sleep(1)
     while True:  # the head's job agent comes up a little after its dashboard answers
         try:
             job_id = client.submit_job(
@@ -44,17 +103,9 @@ def test_ray_job_submit_runs_the_routing_job(dashboard, data_dir, tmp_path):
             assert "No available agent" in str(exc) and time.time() < deadline, exc
             time.sleep(1)
     deadline = time.time() + 240
-    try:
-        while (status := client.get_job_status(job_id)) not in {
-            JobStatus.SUCCEEDED,
-            JobStatus.FAILED,
-            JobStatus.STOPPED,
-        }:
-            assert time.time() < deadline, client.get_job_logs(job_id)[-3000:]
-            time.sleep(0.5)
-    finally:  # a job left running would hold the session cluster's CPUs for the tests after this one
-        if not client.get_job_status(job_id).is_terminal():
-            client.stop_job(job_id)
+    while (status := client.get_job_status(job_id)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.time() < deadline, client.get_job_logs(job_id)[-3000:]
+        time.sleep(1)
     logs = client.get_job_logs(job_id)
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
     got = check_outputs(path)
