@@ -134,7 +134,12 @@ def fit_stage_latency(rows: Sequence[Mapping[str, Any]]) -> StageLatency:
 
 
 def fit_iteration_latency(rows: Sequence[Mapping[str, Any]]) -> IterationLatency:
-    """Fit Eq. 5 from rows ``{"prefill_tokens", "decode_seqs", "context_tokens", "seconds"}`` (SamuLLM §4.1)."""
+    """Fit Eq. 5 from rows ``{"prefill_tokens", "decode_seqs", "context_tokens", "seconds"}`` (SamuLLM §4.1).
+
+    The constant term is always kept: every engine iteration pays a fixed cost (scheduling, the forward pass's
+    launch, sampling). Left to BIC, a profile whose few long prefill rows own the absolute residual once dropped it,
+    pricing a decode-only iteration at 0 s when its rows measured ~2 ms (a fresh profile of the tiny model on a
+    loaded machine). The constant alone is a non-negative fit of any rows, so requiring it never leaves no fit."""
     r = _rows(rows, ("prefill_tokens", "decode_seqs", "context_tokens", "seconds"))
     coefs, q = fit_linear(
         {
@@ -144,6 +149,7 @@ def fit_iteration_latency(rows: Sequence[Mapping[str, Any]]) -> IterationLatency
             "context_tokens": r["context_tokens"],
         },
         r["seconds"],
+        required=("1",),
     )
     return IterationLatency(coefs["1"], coefs["prefill_tokens"], coefs["decode_seqs"], coefs["context_tokens"], q)
 

@@ -134,9 +134,11 @@ def test_sixteen_concurrent_streams_reach_both_nodes_through_the_placement_route
     arrivals = asyncio.run(all16())
     # Token by token under the burst, as vLLM's own server streams: every stream in many pieces spread over its
     # generation, read apart (a stream held back and sent in one piece reads as a few pieces within a millisecond).
+    # Not one piece per token: when the replica's loop falls behind the engine (a loaded machine), vLLM merges the
+    # tokens waiting for a stream into one piece (seen in a full suite run: 32 tokens in 8 pieces over 0.8 s).
     assert len(arrivals) == 16
     for times in arrivals:
-        assert len(times) >= 16 and times[-1] - times[0] > 0.05, (len(times), times[-1] - times[0])
+        assert len(times) >= 6 and times[-1] - times[0] > 0.05, (len(times), times[-1] - times[0])
     gaps = sorted(b - a for times in arrivals for a, b in zip(times, times[1:]))
     assert gaps[len(gaps) // 2] > 0.001, f"median gap between pieces {gaps[len(gaps) // 2] * 1000:.3f} ms"
     placed = placed_since(app_url, before, 16)

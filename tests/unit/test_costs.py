@@ -72,6 +72,37 @@ def test_iteration_fit_recovers_eq5_constants():
     assert it.fit.r2 == pytest.approx(1.0)
 
 
+def test_iteration_fit_keeps_the_fixed_cost_of_an_iteration():
+    # A profile of the tiny model measured on a loaded machine (ms): decode-only iterations took ~2 ms, and two long
+    # prefills ~30 ms owned the absolute residual, so a fit free to drop the constant priced a decode step at 0 s.
+    measured = [
+        (32, 0, 0, 2.015),
+        (0, 1, 48, 2.285),
+        (128, 0, 0, 2.015),
+        (0, 1, 144, 1.944),
+        (512, 0, 0, 2.117),
+        (0, 1, 528, 2.621),
+        (128, 0, 0, 2.015),
+        (0, 4, 192, 2.390),
+        (512, 0, 0, 2.824),
+        (0, 4, 576, 2.360),
+        (2048, 0, 0, 33.05),
+        (0, 4, 2112, 2.323),
+        (512, 0, 0, 6.674),
+        (0, 16, 768, 2.539),
+        (2048, 0, 0, 27.26),
+        (0, 16, 2304, 2.578),
+    ]
+    rows = [
+        {"prefill_tokens": p, "decode_seqs": n, "context_tokens": c, "seconds": ms / 1e3} for p, n, c, ms in measured
+    ]
+    it = fit_iteration_latency(rows)
+    assert "1" in it.fit.terms and it.base > 5e-4
+    assert it.per_prefill_token > 0
+    one_decode_step = it.base + it.per_decode_seq + 48 * it.per_context_token
+    assert 5e-4 < one_decode_step < 4e-3  # about the ~2 ms measured, not 0
+
+
 def test_fit_rejects_rows_without_the_needed_keys():
     with pytest.raises(ValueError, match="tokens"):
         fit_stage_latency([{"batch_size": 1, "seconds": 0.1}])
