@@ -199,12 +199,13 @@ class ModelReplica:
         """
         assignment = await _retry(lambda: planner().register_node.remote(registration), "register with the planner")
         loaded = await self.apply_adapters(assignment)
-        if (
-            assignment.full is not None or self._load_failed
-        ):  # a full version taken up, or a version that failed: say so
-            await planner().adapters_loaded.remote(
-                self.node_id, assignment.epoch, loaded, self.full_synced(), self.load_failures()
-            )
+        # Always say what this replica now serves: the planner forgets a node's adapters when a new replica registers
+        # for it, and the routers send `base:adapter` only to nodes the planner knows serve it. (Once said only with a
+        # full version or a failure: a replacement's adapters were then unknown until the next publish, and with one
+        # node every request for them was refused until then.)
+        await planner().adapters_loaded.remote(
+            self.node_id, assignment.epoch, loaded, self.full_synced(), self.load_failures()
+        )
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._report_forever(planner, registration, flush_s)),

@@ -12,8 +12,21 @@ from tests.helpers import placed_now, placed_since
 MODEL = "tiny-llama"
 
 
-def test_killed_replica_is_replaced_and_requests_keep_succeeding(ray_cluster, app_url, planner):
+def test_killed_replica_is_replaced_and_requests_keep_succeeding(ray_cluster, app_url, planner, data_dir, tmp_path):
     import ray
+
+    from actors.models.default_model import ensure
+    from tests.integration.test_adapters import make_adapter
+
+    # An adapter both nodes serve before the kill: the replacement must serve it too, and the planner must know.
+    store = ray.get(planner.feedback_store.remote())
+    adapter = "kept-through-restart"
+    ray.get(store.create_adapter.remote({"name": adapter, "method": "sft", "gate": {"enabled": False}}))
+    v = ray.get(store.reserve_version.remote(adapter)).version
+    path = str(make_adapter(ensure(data_dir), tmp_path / adapter, seed=5))
+    assert ray.get(store.publish_version.remote(adapter, v, path, [], 1, 0.0)).info.state == "served"
+    assert ray.get(planner.load_adapter.remote(adapter)).nodes == (0, 1)
+    served = f"{MODEL}:{adapter}"
 
     name = ray.get(planner.node_replicas.remote())[1]
     victim = ray.get_actor(name, namespace="serve")
@@ -50,6 +63,12 @@ def test_killed_replica_is_replaced_and_requests_keep_succeeding(ray_cluster, ap
         time.sleep(1)
     assert replaced and nodes[1]["state"] == "ready", nodes
     assert nodes[1]["error"] is None
+    # The replacement loaded the node's adapters as it joined, and said so: no publish has happened since.
+    deadline = time.time() + 10
+    while httpx.get(f"{app_url}/v1/status").json()["nodes"][1]["adapters"].get(served) != v:
+        assert time.time() < deadline, httpx.get(f"{app_url}/v1/status").json()["nodes"][1]
+        time.sleep(0.2)
+    assert ray.get(store.get_adapter.remote(adapter)).current_version == v
     # The replacement serves again: round robin reaches it once the routers see it (Serve tells them
     # about a new replica within seconds).
     before = placed_now(app_url)
@@ -61,3 +80,4 @@ def test_killed_replica_is_replaced_and_requests_keep_succeeding(ray_cluster, ap
         if placed_since(app_url, before, sent)[1] > 0:
             break
     assert placed_since(app_url, before, sent)[1] > 0
+    ray.get(store.update_adapter.remote(adapter, {"mode": "off"}))
