@@ -199,10 +199,8 @@ class ModelReplica:
         """
         assignment = await _retry(lambda: planner().register_node.remote(registration), "register with the planner")
         loaded = await self.apply_adapters(assignment)
-        # Always say what this replica now serves: the planner forgets a node's adapters when a new replica registers
-        # for it, and the routers send `base:adapter` only to nodes the planner knows serve it. (Once said only with a
-        # full version or a failure: a replacement's adapters were then unknown until the next publish, and with one
-        # node every request for them was refused until then.)
+        # Always, even with nothing new: the planner forgets a node's adapters when a new replica registers for it, and
+        # routers send `base:adapter` only to nodes it knows serve it (else a replacement waits for the next publish).
         await planner().adapters_loaded.remote(
             self.node_id, assignment.epoch, loaded, self.full_synced(), self.load_failures()
         )
