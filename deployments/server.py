@@ -143,7 +143,7 @@ class ModelServer:
             config.engine.omp_threads,
             adapter_files=AdapterFiles(config, NAMESPACE),
             keep_off_engine_cores=(config.engine.device == "cpu" and config.engine.keep_others_off_engine_cores),
-            quiet_engine_core=config.engine.device == "cpu",
+            quiet_engine_core=(config.engine.device == "cpu" and config.engine.cpu_executor == "mp"),
         )
         self.learning = LearningRoutes(config, self._ask_planner)
         self.completions = CompletionRecorder(

@@ -179,6 +179,12 @@ class EngineConfig(_ConfigSection):
         description="CPU only: the host's other Ray processes (daemons, Serve's and the app's actors, HAProxy; "
         "not the trainer ranks) are kept off the cores vLLM binds its engine worker to.",
     )
+    cpu_executor: Literal["uni", "mp"] = Field(
+        "uni",
+        description="CPU only: where vLLM runs the model. uni: in the engine-core process, as vLLM does on one "
+        "GPU, its OpenMP threads bound as vLLM's own CPU executor binds them (one process fewer per replica: "
+        "it starts and stops sooner); mp: in a worker process of its own (vLLM's CPU default).",
+    )
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI flags, passed through verbatim.")
 
 

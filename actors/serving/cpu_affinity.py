@@ -8,7 +8,8 @@ on the tiny model, one app, four alternating saturation runs (docs/benchmarks.md
 those processes kept on the reserved core, 36.68 and 34.39 req/s against 30.56 and 30.40 without.
 
 :func:`keep_off_engine_cores` runs once in each replica after its engine has started. It reads the
-cores of every ``VLLM::Worker`` on the host and sets every other Ray process (and each of its
+cores the host's engines run their model on (each ``VLLM::Worker``'s, or a bound ``VLLM::EngineCore``'s with
+``engine.cpu_executor`` uni: ``actors/serving/cpu_executor.py``) and sets every other Ray process (and each of its
 threads) of this user to the remaining cores. It leaves alone the engine processes themselves, the
 trainer ranks, which place themselves (``actors/learning/lora/cpu_placement.py``, ``training.cpu_placement``), and the
 raylet, whose children inherit its affinity; it does nothing when the workers hold every core.

@@ -55,6 +55,9 @@ def engine_flags(cfg: AppConfig, model_dir: str, served_name: str) -> list[str]:
         "--worker-extension-cls",
         WEIGHTS_EXTENSION,
     ]
+    if e.device == "cpu":
+        # "uni" is honoured by ModelReplica.start (vLLM's CPU platform would turn it into "mp").
+        flags += ["--distributed-executor-backend", e.cpu_executor]
     if e.max_num_batched_tokens is not None:
         flags += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
     if e.kv_cache_memory_bytes is not None:

@@ -5,7 +5,8 @@ before its executor; the workers). This one acts only in the engine-core process
 which sets :data:`QUIET_VAR` in its environment before it builds its engine (the engine core inherits it); in
 any other vLLM (the benchmarks' plain vLLM, Ray Serve LLM) it does nothing.
 
-There, the engine core waits for its worker's step output in short sleeps (:data:`POLL_S`) instead of spinning
+There (``engine.cpu_executor`` mp: with uni the engine core computes the step itself and waits for no worker), the
+engine core waits for its worker's step output in short sleeps (:data:`POLL_S`) instead of spinning
 (``compat.engine_core_waits_without_spinning``). On a CPU host the worker computes each step for milliseconds
 (about 10 on the tiny model, 70 on SmolLM2) while vLLM's engine core calls ``sched_yield`` in a loop, on the
 core the front end, HAProxy and the clients share. Measured on the tiny model, a burst of 100 requests: the

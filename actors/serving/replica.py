@@ -21,6 +21,7 @@ Traces and facts go to the planner in one :class:`NodeReport` per ``trace_flush_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -31,7 +32,7 @@ from typing import Any
 from actors.learning.lora.targets import module_shapes
 from actors.learning.messages import FullVersion
 from actors.learning.versions.fit import misfit, write_zero_lora
-from actors.serving import cpu_affinity, engine_iterations, engine_process
+from actors.serving import cpu_affinity, cpu_executor, engine_iterations, engine_process
 from actors.serving.engine_weights import (
     FINGERPRINT_METHOD,
     LOAD_METHOD,
@@ -110,15 +111,23 @@ class ModelReplica:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.usage.usage_lib import UsageContext
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self._flags)
         # Per-iteration figures for /metrics (actors/serving/engine_iterations.py), not one log line per step.
         args.enable_logging_iteration_details = True
         engine_iterations.install_log_filter()
-        engine = traced_engine_class().from_engine_args(
-            AsyncEngineArgs.from_cli_args(args), stat_loggers=[engine_stats_logger(self.requests)]
-        )
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        in_process = cpu_executor.in_process_worker(engine_args)
+        vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        with cpu_executor.worker_binding(vllm_config) if in_process else contextlib.nullcontext():
+            engine = traced_engine_class().from_vllm_config(
+                vllm_config,
+                stat_loggers=[engine_stats_logger(self.requests)],
+                enable_log_requests=engine_args.enable_log_requests,
+                disable_log_stats=engine_args.disable_log_stats,
+            )
         await self._warm_up(engine, str(Path(args.model).resolve()), bool(getattr(args, "enable_lora", False)))
         self.requests.max_model_len = engine.model_config.max_model_len
         engine.requests = self.requests  # from now on every request is recorded

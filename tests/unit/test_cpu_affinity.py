@@ -94,3 +94,20 @@ def test_a_trainer_rank_lowers_its_priority_in_every_thread():
     assert out.stdout.strip() == "[19] True", (out.stdout, out.stderr)
     with pytest.raises(ValueError, match="unknown CPU priority"):
         cpu_placement.set_priority("urgent")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores: one for the engine, one for the rest")
+def test_an_engine_core_counts_as_the_engine_only_where_it_is_bound():
+    """With ``engine.cpu_executor`` uni the model runs in the engine-core process, bound as a worker would be;
+    with ``mp`` that process only schedules, on every core, and its worker is the engine."""
+    every = set(range(os.cpu_count()))
+    core = _titled("VLLM::EngineCore", every)
+    try:
+        assert cpu_placement.engine_cores([core.pid]) == set()  # unbound: a scheduler beside its workers
+        os.sched_setaffinity(core.pid, {1})
+        assert cpu_placement.engine_cores([core.pid]) == {1}
+        done = cpu_affinity.keep_off_engine_cores([core.pid])
+        assert done["engine_cores"] == [1] and os.sched_getaffinity(core.pid) == {1}  # the engine is left alone
+    finally:
+        core.kill()
+        core.wait()

@@ -1,15 +1,14 @@
-"""Where a trainer rank's threads run on a CPU host: apart from the cores vLLM's CPU workers are bound to, on them, or anywhere.
+"""Where a trainer rank's threads run on a CPU host: apart from the cores vLLM's CPU engines are bound to, on them, or anywhere.
 
-vLLM's CPU worker binds its OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND=auto``: on a 2-core
-host the worker takes core 0), and ``actors/serving/cpu_affinity.py`` keeps the app's other Ray
-processes off those cores. A trainer rank places itself (:func:`place_trainer`, called before each
-micro-step, since engines start and restart): ``apart`` keeps its threads off the engine workers'
-cores (with the app's other processes), ``shared`` puts them on those cores, ``any`` leaves the
-choice to the kernel; ``training.cpu_priority`` sets their priority (``low``: nice 19, ``idle``:
-SCHED_IDLE), so on a shared core the processes that serve get it first. Which hurts the engine least was measured
-(docs/benchmarks.md, issue 38), and
-``training.cpu_placement`` defaults to it. The ``/proc`` reading lives here, in the room both the
-trainer and the replica may import.
+vLLM binds the OpenMP threads that run the model to cores (``VLLM_CPU_OMP_THREADS_BIND=auto``: on a 2-core
+host, core 0; in its worker process, or in the engine-core process with ``engine.cpu_executor`` uni), and
+``actors/serving/cpu_affinity.py`` keeps the app's other Ray processes off those cores. A trainer rank places
+itself (:func:`place_trainer`, called before each micro-step, since engines start and restart): ``apart`` keeps
+its threads off the engine's cores (with the app's other processes), ``shared`` puts them on those cores,
+``any`` leaves the choice to the kernel; ``training.cpu_priority`` sets their priority (``low``: nice 19,
+``idle``: SCHED_IDLE), so on a shared core the processes that serve get it first. Which hurts the engine least
+was measured (docs/benchmarks.md, issue 38), and ``training.cpu_placement`` defaults to it. The ``/proc``
+reading lives here, in the room both the trainer and the replica may import.
 """
 
 from __future__ import annotations
@@ -52,15 +51,27 @@ def user_pids() -> list[int]:
     return out
 
 
+def _title(pid: int) -> str:
+    return (argv_of(pid) or [""])[0] or comm_of(pid)
+
+
 def engine_cores(pids: list[int] | None = None) -> set[int]:
-    """The cores this host's vLLM CPU workers (among ``pids``; default: this user's processes) are bound to."""
+    """The cores this host's vLLM CPU engines (among ``pids``; default: this user's processes) run their model on:
+    a worker process's (vLLM's multiprocess executor), or an engine-core process's own where it is bound to fewer
+    than every core (the model runs in it: ``actors/serving/cpu_executor.py``; unbound, it only schedules)."""
+    every = set(range(os.cpu_count() or 1))
     cores: set[int] = set()
     for pid in user_pids() if pids is None else pids:
-        if comm_of(pid) == "VLLM::Worker" or (argv_of(pid) or [""])[0].startswith("VLLM::Worker"):
-            try:
-                cores |= os.sched_getaffinity(pid)
-            except OSError:
-                continue
+        title = _title(pid)
+        worker, engine_core = title.startswith("VLLM::Worker"), title.startswith("VLLM::EngineCor")
+        if not (worker or engine_core):
+            continue
+        try:
+            bound = os.sched_getaffinity(pid)
+        except OSError:
+            continue
+        if worker or bound != every:
+            cores |= bound
     return cores
 
 
