@@ -57,6 +57,23 @@ def test_engine_flags_carry_the_engine_settings():
     assert "--enable-lora" not in flags
 
 
+def test_a_cpu_engine_runs_the_model_in_the_engine_core_unless_told_otherwise():
+    """``engine.cpu_executor``: uni by default on CPU (the replica honours it, actors/serving/cpu_executor.py); mp
+    restores vLLM's worker process; on a GPU the flag is left to vLLM (uni already for one device)."""
+    from actors.serving.engine_args import engine_flags
+
+    def backend(engine: dict) -> str | None:
+        flags = engine_flags(config.load({"engine": engine}), "/m", "name")
+        i = flags.index("--distributed-executor-backend") if "--distributed-executor-backend" in flags else None
+        return None if i is None else flags[i + 1]
+
+    assert backend({}) == "uni"
+    assert backend({"cpu_executor": "mp"}) == "mp"
+    assert backend({"device": "gpu"}) is None
+    with pytest.raises(ValidationError, match="cpu_executor"):
+        config.load({"engine": {"cpu_executor": "ray"}})
+
+
 def test_separate_is_checked_against_the_nodes_and_the_training_scope():
     two = {"cluster": {"nodes": 2}, "planner": {"placement": "separate"}}
     cfg = config.load(two)
