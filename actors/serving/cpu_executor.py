@@ -6,7 +6,7 @@ its binding (``OMP_PLACES``, ``OMP_PROC_BIND``, ``OMP_NUM_THREADS``) from the en
 loads, and vLLM sets that environment only as it spawns a worker. The engine-core process is spawned by the
 replica as well, so the same environment, from vLLM's own ``OMPProcessManager`` for rank 0, set around that spawn
 binds it the same way. A replica then starts without the worker's spawn and import (measured on the tiny model:
-32.5 -> 23.4 s to ready, 9.0 -> 6.0 s to remove; docs/testing.md) and holds one interpreter less.
+29.7 -> 23.6 s to ready, 8.0 -> 6.0 s to remove; docs/benchmarks.md) and holds one interpreter less.
 
 ``engine.cpu_executor`` chooses (``uni`` by default, ``mp`` for vLLM's own CPU arrangement).
 """
