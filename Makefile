@@ -47,8 +47,10 @@ endif
 serve: install
 	RAY_worker_niceness=$${RAY_worker_niceness:-0} $(PY) -m app.serve_env $(VENV)/bin/serve run $(CONFIG)
 
+# Two lanes at once: the Serve apps' tests, and beside them at idle priority the tests that need only a Ray
+# cluster (tests/lanes.py; docs/testing.md). `$(PY) -m pytest` runs the same tests one after another.
 test: install
-	$(PY) -m pytest
+	$(PY) -m tests.lanes
 
 unit: install
 	$(PY) -m pytest tests/unit

@@ -45,19 +45,17 @@ class StartedApp:
 
 
 class Deploy(threading.Thread):
-    """``serve.run`` of one app on a thread of its own, after the deploy begun before it (``after``): apps start
-    while tests run, one at a time. A failure is kept for the main thread to raise."""
+    """``serve.run`` of one app on a thread of its own: apps start while tests run, side by side with any other
+    app still starting. A failure is kept for the main thread to raise."""
 
-    def __init__(self, app: Any, name: str, route_prefix: str, after: Deploy | None) -> None:
+    def __init__(self, app: Any, name: str, route_prefix: str) -> None:
         super().__init__(name=f"deploy-{name}", daemon=True)
-        self.app, self.app_name, self.route_prefix, self.after = app, name, route_prefix, after
+        self.app, self.app_name, self.route_prefix = app, name, route_prefix
         self.failure: BaseException | None = None
 
     def run(self) -> None:
         from ray import serve
 
-        if self.after is not None:
-            self.after.join()
         try:
             serve.run(self.app, name=self.app_name, route_prefix=self.route_prefix)  # returns once its deployments run
         except BaseException as e:
@@ -91,13 +89,12 @@ class AppPool:
         self.make_dir = make_dir
         self.started: dict[str, StartedApp] = {}
         self.begun: dict[str, _Begun] = {}
-        self.last_deploy: Deploy | None = None
 
     def deploy(self, app: Any, name: str, route_prefix: str) -> Deploy:
-        """Begin ``serve.run`` of a built app in the background, after every deploy begun before it."""
-        self.last_deploy = Deploy(app, name, route_prefix, self.last_deploy)
-        self.last_deploy.start()
-        return self.last_deploy
+        """Begin ``serve.run`` of a built app in the background."""
+        deploy = Deploy(app, name, route_prefix)
+        deploy.start()
+        return deploy
 
     def begin(self, spec: AppSpec) -> None:
         """Make ``spec``'s app in a fresh data directory and begin deploying it; ``serve`` waits for it."""
@@ -137,15 +134,16 @@ class AppPool:
         pytest.fail(f"{spec.name} app not ready within {spec.timeout_s:.0f} s: {last}")
 
     def remove(self, name: str) -> None:
-        """Delete app ``name`` (once its replicas and trainer have stopped, so the next module's tests see none of
-        its actors), then its feedback store: detached, it outlives its app (README "When an actor dies")."""
+        """Delete app ``name`` and its feedback store: detached, it outlives its app (README "When an actor dies").
+        Its replicas and trainer stop while the next module runs (Serve's graceful stop of a replica takes about
+        7 s here); the tests that count the cluster's actors wait for the count to settle."""
         import ray
         from ray import serve
 
         app = self.started.pop(name, None)
         if app is None:
             return
-        serve.delete(name)
+        serve.delete(name, _blocking=False)
         try:
             ray.kill(ray.get_actor(f"{app.plan.config['name']}-store", namespace="coserve"), no_restart=True)
         except ValueError:  # the app never made one

@@ -113,18 +113,49 @@ def _uses_the_session_app(item: pytest.Item) -> bool:
     return "app_url" in getattr(item, "fixturenames", ())
 
 
+LANES = ("all", "apps", "cluster")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--lane",
+        choices=LANES,
+        default="all",
+        help="run one lane of the suite: 'apps' (the unit tests and every test of the session app or an app beside it), "
+        "'cluster' (the rest: their own Ray cluster, no Serve app); `make test` runs both at once (tests/lanes.py)",
+    )
+
+
+def _is_unit(item: pytest.Item) -> bool:
+    return ROOT / "tests" / "unit" in Path(item.path).resolve().parents
+
+
+def lane_of(item: pytest.Item) -> str:
+    """'apps' for the unit tests, the tests of the Serve apps (they share the session app and its cluster, and
+    measure latency) and the tests marked ``foreground`` (they time this machine); 'cluster' for the rest: each
+    needs at most a Ray cluster of its own."""
+    foreground = _is_unit(item) or _uses_the_session_app(item) or item.get_closest_marker("foreground") is not None
+    return "apps" if foreground else "cluster"
+
+
 def pytest_collection_modifyitems(config, items):
     """The unit tests first: they start no Ray, so they run while the session app's replicas start
-    (``_early_apps``) instead of after the rest (measured in docs/testing.md)."""
-    unit = ROOT / "tests" / "unit"
-    items.sort(key=lambda item: 0 if unit in Path(item.path).resolve().parents else 1)  # stable: order kept within
+    (``_early_apps``) instead of after the rest (measured in docs/testing.md). ``--lane`` keeps one lane's tests."""
+    items.sort(key=lambda item: 0 if _is_unit(item) else 1)  # stable: order kept within
+    lane = config.getoption("--lane")
+    if lane == "all":
+        return
+    kept = [item for item in items if lane_of(item) == lane]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if lane_of(item) != lane])
+        items[:] = kept
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _early_apps(request):
     """Begin deploying the session app before the first test when any selected test uses it (``pytest tests/unit``
-    starts no Ray), and then the secured app when its package is selected: its tests run first after the unit
-    tests. A replica spends about 40 s in process starts and imports, mostly on one core: the unit tests fill the
+    starts no Ray), and the secured app beside it when its package is selected: its tests run first after the unit
+    tests. A replica spends about 25 s in process starts and imports, mostly on one core: the unit tests fill the
     other meanwhile (docs/testing.md)."""
     items = request.session.items
     if not any(_uses_the_session_app(item) for item in items):

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 READY_S = 300
+SETTLE_S = 60
 # A PG-scheduled actor's required resources name its bundle: "CPU_group_<index>_<group id>".
 BUNDLE_RESOURCE = re.compile(r"^(\w+?)_group_(\d+)_([0-9a-f]+)$")
 
@@ -21,6 +22,15 @@ def _bundles(required: dict[str, float]) -> dict[str, tuple[int, str, float]]:
         if m:
             out[m[1]] = (int(m[2]), m[3], amount)
     return out
+
+
+def _settled(read, done, within_s: float = SETTLE_S):
+    """``read()`` once ``done`` holds of it, or its last value after ``within_s``: an app the module before removed
+    stops its replicas, ranks and groups while this module starts (tests/app_pool.py)."""
+    deadline = time.time() + within_s
+    while not done(value := read()) and time.time() < deadline:
+        time.sleep(1)
+    return value
 
 
 def _trainer_running(app_url: str, nodes: int) -> dict:
@@ -41,6 +51,13 @@ def test_every_trainer_rank_shares_bundle_0_of_its_nodes_placement_group(app_url
     training = _trainer_running(app_url, nodes)
     locations = {loc.node_id: loc for loc in ray.get(planner.node_locations.remote())}
     here = ray.get_runtime_context().gcs_address  # this suite's cluster, even beside another on the machine
+    ranks = _settled(
+        lambda: list_actors(
+            filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")], detail=True, address=here
+        ),
+        lambda ranks: len(ranks) == nodes,
+    )
+    assert len(ranks) == nodes, [(a.actor_id, a.placement_group_id) for a in ranks]
     replicas = {
         a.placement_group_id: a
         for a in list_actors(
@@ -49,8 +66,6 @@ def test_every_trainer_rank_shares_bundle_0_of_its_nodes_placement_group(app_url
             address=here,
         )
     }
-    ranks = list_actors(filters=[("class_name", "=", "TrainRank"), ("state", "=", "ALIVE")], detail=True, address=here)
-    assert len(ranks) == nodes, [(a.actor_id, a.placement_group_id) for a in ranks]
     by_pid = {w["pid"]: w for w in training["workers"]}
     groups_used = set()
     for rank in ranks:
@@ -78,10 +93,13 @@ def test_no_placement_group_besides_the_nodes_own(app_url, app_config, planner):
 
     _trainer_running(app_url, app_config["cluster"]["nodes"])
     node_groups = {loc.placement_group_id for loc in ray.get(planner.node_locations.remote())}
-    created = {
-        g.placement_group_id
-        for g in list_placement_groups(
-            filters=[("state", "=", "CREATED")], address=ray.get_runtime_context().gcs_address
-        )
-    }
+    created = _settled(
+        lambda: {
+            g.placement_group_id
+            for g in list_placement_groups(
+                filters=[("state", "=", "CREATED")], address=ray.get_runtime_context().gcs_address
+            )
+        },
+        lambda created: created == node_groups,
+    )
     assert created == node_groups

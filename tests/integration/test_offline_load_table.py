@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from actors.offline.job import JobSpec
@@ -24,6 +25,7 @@ def test_each_model_loads_in_its_own_time_or_the_jobs_default(data_dir):
     assert ends and all(t >= (50.0 if m == "large" else 20.0) for m, t in ends.items())
 
 
+@pytest.mark.foreground  # the profile times the engine: not beside the suite at idle priority
 def test_profile_fits_the_offline_engine_and_planning_uses_it(ray_cluster, data_dir, tmp_path):
     # SamuLLM §4.1: each model's own per-iteration constants, measured on the engine the runtime uses.
     from actors.offline.job import load_job

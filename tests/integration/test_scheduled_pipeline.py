@@ -63,6 +63,7 @@ def _hf_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:
     return ids[0, len(prompt) :].tolist()
 
 
+@pytest.mark.foreground  # its profile times the stages: not beside the suite at idle priority
 def test_lemix_node_serves_and_trains_at_once_with_each_stage_in_its_bundle(group, data_dir, tmp_path_factory):
     import ray
     from ray.util.state import list_actors

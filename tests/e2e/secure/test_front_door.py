@@ -155,12 +155,16 @@ def _serve_processes() -> tuple[dict[int, str], dict[int, int]]:
     router) and everything they started (HAProxy, vLLM's engine processes), by pid with a label; and the
     port of each actor's Ray core-worker server (Ray's own RPC, bound to the node's address by Ray)."""
     import psutil
+    import ray
     from ray._private import state
     from ray.util.state import list_actors
 
+    here = ray.get_runtime_context().gcs_address  # this suite's cluster, even beside another on the machine
     actors = [
         a
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)
+        for a in list_actors(
+            address=here, filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False
+        )
         if a.ray_namespace == "serve" and a.pid
     ]
     ray_ports = {
