@@ -44,10 +44,15 @@ def main(argv: list[str]) -> int:
                 stderr=subprocess.STDOUT,
                 preexec_fn=_idle_priority,
             )
+            foreground = subprocess.Popen([*pytest, "--lane=apps", *argv])
             try:
-                apps = subprocess.call([*pytest, "--lane=apps", *argv])
-            except KeyboardInterrupt:
-                cluster.terminate()
+                apps = foreground.wait()
+            except KeyboardInterrupt:  # the terminal's Ctrl-C reached both lanes: let each stop its Ray cluster
+                for lane in (foreground, cluster):
+                    try:
+                        lane.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        lane.terminate()
                 raise
             if cluster.poll() is None:
                 print("\n== the apps lane is done; waiting for the cluster lane ==", flush=True)
