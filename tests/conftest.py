@@ -145,9 +145,11 @@ def pytest_collection_modifyitems(config, items):
     lane = config.getoption("--lane")
     if lane == "all":
         return
-    kept = [item for item in items if lane_of(item) == lane]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if lane_of(item) != lane])
+    kept, left = [], []
+    for item in items:
+        (kept if lane_of(item) == lane else left).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
         items[:] = kept
 
 
