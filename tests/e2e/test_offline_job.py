@@ -79,13 +79,14 @@ def head_node():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_ray_job_submit_runs_the_routing_job(head_node, data_dir, tmp_path):
+def test_ray_job_submit_runs_the_routing_job_with_the_min_heuristic_and_no_preemption(head_node, data_dir, tmp_path):
+    """The routing job as a user submits it, with the command line's planner and preemption overrides: the min
+    heuristic without preemption stages three models on two devices. (The job's default planner, search, is
+    checked where tests/integration/test_offline_run.py runs a job through the same command without overrides.)"""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     address, head, head_log = head_node
-    # A device per model: the job's three engines start at once (tests/integration/test_offline_run.py runs this
-    # job on fewer devices than models).
-    path = small_job(tmp_path, "routing", max_inputs=12, tokens=8, devices={"count": 3, "memory_gb": 2})
+    path = small_job(tmp_path, "routing", max_inputs=12, tokens=8)
     deadline = time.time() + 90
     while True:
         try:
@@ -99,7 +100,8 @@ def test_ray_job_submit_runs_the_routing_job(head_node, data_dir, tmp_path):
     while True:
         try:
             client.submit_job(
-                entrypoint=f"{sys.executable} -m app.offline run {path} --no-progress --data-dir {data_dir}",
+                entrypoint=f"{sys.executable} -m app.offline run {path} --planner min --no-preemption --no-progress "
+                f"--data-dir {data_dir}",
                 runtime_env={"working_dir": str(ROOT), "excludes": EXCLUDES},
                 submission_id=job_id,
             )
@@ -123,7 +125,5 @@ def test_ray_job_submit_runs_the_routing_job(head_node, data_dir, tmp_path):
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
     got = check_outputs(path)
     assert {m: len(v) for m, v in got.items()} == {"small": 7, "medium": 4, "large": 1}
-    # The job names no planner: the default, our search (or the baseline plan it kept, "search:<name>").
-    assert "done in" in logs and json.loads((tmp_path / "out" / "summary.json").read_text())["planner"].startswith(
-        "search"
-    )
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert "done in" in logs and summary["planner"] == "min" and summary["preemption"] is False, summary

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,8 +63,8 @@ def check_outputs(job_path: Path) -> dict[str, list[dict]]:
 
 
 def test_ensemble_runs_every_model_on_every_prompt(ray_cluster, data_dir, tmp_path):
-    # A device per model: the three engines start at once (about 10 s each here), not in two waves. The routing
-    # and chain tests below run more models than devices.
+    # A device per model: the three engines start at once (about 10 s each here), not in two waves. The chain test
+    # below and tests/e2e/test_offline_job.py's routing job run more models than devices.
     path = small_job(tmp_path, "ensemble", max_inputs=4, tokens=8, devices={"count": 3, "memory_gb": 2})
     job, base = load_job(path)
     summary = run_job(job, base, "greedy", True, data_dir, progress=False)
@@ -72,15 +73,6 @@ def test_ensemble_runs_every_model_on_every_prompt(ray_cluster, data_dir, tmp_pa
     assert {r["model"] for r in summary["replicas"]} == {"small", "medium", "large"}
     # Rerunning a finished job runs nothing.
     assert run_job(job, base, "greedy", True, data_dir, progress=False) is None
-
-
-def test_routing_with_the_min_heuristic_and_no_preemption(ray_cluster, data_dir, tmp_path):
-    path = small_job(tmp_path, "routing", max_inputs=12, tokens=8)
-    job, base = load_job(path)
-    summary = run_job(job, base, "min", False, data_dir, progress=False)
-    got = check_outputs(path)
-    assert {m: len(v) for m, v in got.items()} == {"small": 7, "medium": 4, "large": 1}
-    assert summary["planner"] == "min" and summary["preemption"] is False
 
 
 def test_chain_summary_resumes_after_a_kill_and_keeps_the_chain_order(ray_cluster, data_dir, tmp_path):
@@ -102,7 +94,12 @@ def test_chain_summary_resumes_after_a_kill_and_keeps_the_chain_order(ray_cluste
     out = tmp_path / "out"
     summ, ev = out / "summarizer.jsonl", out / "evaluator.jsonl"
     # The first run joins this session's cluster, so killing it ends its actors with it.
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.offline", "run", str(path), "--no-progress", "--data-dir", str(data_dir)],
         cwd=ROOT,
@@ -119,6 +116,10 @@ def test_chain_summary_resumes_after_a_kill_and_keeps_the_chain_order(ray_cluste
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(30)
+    # The command names no planner and the job none: the default, our search (or the baseline plan it kept,
+    # "search:<name>"), printed as the plan's title before the run began.
+    printed = proc.stdout.read().decode()
+    assert re.search(r"\bsearch(:\w+)? plan", printed), printed[-3000:]
     before = len(summ.read_text().splitlines()) + (len(ev.read_text().splitlines()) if ev.exists() else 0)
     assert before < 12 + 2  # killed midway: the evaluator needs every chain finished
     with summ.open("a") as f:
