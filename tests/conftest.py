@@ -122,8 +122,7 @@ def pytest_addoption(parser):
         choices=LANES,
         default="all",
         help="run one lane of the suite: 'apps' (the unit tests and every test of the session app or an app beside it), "
-        "'cluster' (the rest: a Ray cluster of their own, and apps that time nothing); `make test` runs both at once "
-        "(tests/lanes.py)",
+        "'cluster' (the rest: their own Ray cluster, no Serve app); `make test` runs both at once (tests/lanes.py)",
     )
 
 
@@ -132,9 +131,9 @@ def _is_unit(item: pytest.Item) -> bool:
 
 
 def lane_of(item: pytest.Item) -> str:
-    """'apps' for the unit tests, the tests of the session app (they share it and its cluster, and some measure
-    latency) and the tests marked ``foreground`` (they time this machine); 'cluster' for the rest: each needs at
-    most a Ray cluster of its own, and an app of its own that times nothing."""
+    """'apps' for the unit tests, the tests of the Serve apps (they share the session app and its cluster, and
+    measure latency) and the tests marked ``foreground`` (they time this machine); 'cluster' for the rest: each
+    needs at most a Ray cluster of its own."""
     foreground = _is_unit(item) or _uses_the_session_app(item) or item.get_closest_marker("foreground") is not None
     return "apps" if foreground else "cluster"
 
@@ -146,10 +145,6 @@ def pytest_collection_modifyitems(config, items):
     lane = config.getoption("--lane")
     if lane == "all":
         return
-    if lane == "cluster":
-        # The modules that start an app of their own are the lane's longest: first, so that its workers
-        # (tests/lanes.py) do not end on one of them while the other worker waits.
-        items.sort(key=lambda item: 0 if "app_pool" in getattr(item, "fixturenames", ()) else 1)
     kept, left = [], []
     for item in items:
         (kept if lane_of(item) == lane else left).append(item)

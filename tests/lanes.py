@@ -2,11 +2,9 @@
 
 The apps lane (``pytest --lane apps``: the unit tests and every test of a Serve app) runs in the foreground as a
 plain ``pytest`` would. The cluster lane (``--lane cluster``: offline jobs, Ray Train jobs, pipeline stages, the
-two-node cluster, the apps that time nothing; each test needs at most a Ray cluster) runs beside it under Linux's
-``SCHED_IDLE`` policy, which every process it starts inherits: it takes only the CPU the apps lane leaves idle, so
-the apps lane's latency tests measure what they measured alone. Its modules run on ``CLUSTER_WORKERS``
-pytest-xdist workers (``--dist loadfile``: a module's tests stay on one worker), each starting its own Ray cluster.
-Its output follows the apps lane's.
+two-node cluster; each test needs at most a Ray cluster, which the lane starts for itself) runs beside it under
+Linux's ``SCHED_IDLE`` policy, which every process it starts inherits: it takes only the CPU the apps lane leaves
+idle, so the apps lane's latency tests measure what they measured alone. Its output follows the apps lane's.
 
 ``python -m tests.lanes [pytest arguments]``: the arguments go to both lanes (paths, ``-k``, ``-x``...). The exit
 status is the first lane's failure, else 0; a lane the arguments leave without tests is not a failure.
@@ -22,9 +20,6 @@ import tempfile
 from pathlib import Path
 
 NO_TESTS = 5  # pytest's exit status when a selection collects nothing
-# The cluster lane's pytest-xdist workers, each with a Ray cluster of its own, taking whole modules as they free
-# up: one worker left a third of the machine idle while both lanes waited on timers and process starts.
-CLUSTER_WORKERS = 2
 
 
 def _idle_priority() -> None:
@@ -44,19 +39,7 @@ def main(argv: list[str]) -> int:
         with open(log_path, "wb") as log:
             cluster = subprocess.Popen(
                 # A base temp of its own: two pytest processes must not number (and prune) the same directories.
-                [
-                    *pytest,
-                    "--lane=cluster",
-                    f"--numprocesses={CLUSTER_WORKERS}",
-                    "--dist=loadfile",
-                    # The collection's order (tests/conftest.py puts the modules that start an app first), not
-                    # xdist's default of the modules with the most tests first: those are the quick ones.
-                    "--no-loadscope-reorder",
-                    f"--basetemp={work / 'tmp'}",
-                    "-p",
-                    "no:cacheprovider",
-                    *argv,
-                ],
+                [*pytest, "--lane=cluster", f"--basetemp={work / 'tmp'}", "-p", "no:cacheprovider", *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_idle_priority,

@@ -44,9 +44,8 @@ APP = AppSpec(
 
 
 @pytest.fixture(scope="module")
-def url(app_pool) -> str:
-    """The full-unit app, in the session's Ray cluster and Serve instance. It uses no session app and times nothing:
-    `make test` runs it in the cluster lane (tests/lanes.py)."""
+def url(app_url, app_pool) -> str:
+    """The full-unit app beside the session app."""
     yield app_pool.serve(APP).url
     app_pool.remove(APP.name)
 
