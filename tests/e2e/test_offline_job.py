@@ -113,7 +113,8 @@ def test_ray_job_submit_runs_the_routing_job_with_the_min_heuristic_and_no_preem
         except requests.ConnectionError as exc:  # a head starting beside a busy suite may drop a request
             assert head.poll() is None and time.time() < deadline, exc
         time.sleep(1)
-    deadline, status = time.time() + 240, None
+    # Two waves of engines on two devices, at idle priority beside the apps lane (tests/lanes.py): generous.
+    deadline, status = time.time() + 420, None
     while status not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
         assert time.time() < deadline, client.get_job_logs(job_id)[-3000:]
         time.sleep(1)
