@@ -1,8 +1,7 @@
 """training.scope per_node (LEMIX §V-B): each node trains and serves its own copy from the feedback routed to it.
 
-An app of its own (two nodes, scope per_node) under the route prefix /pernode, with its own data dir and store.
-Real engines, real trainer. It does not use the session app and times nothing: `make test` runs it in the
-cluster lane, beside the session app's tests (tests/lanes.py).
+A second app (two nodes, scope per_node) runs beside the session app in the same Ray cluster,
+under the route prefix /pernode, with its own data dir and store. Real engines, real trainer.
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ APP = AppSpec("pernode", _per_node_app, _ready, READY_S)
 
 
 @pytest.fixture(scope="module")
-def url(app_pool) -> str:
-    """The per-node app, in the session's Ray cluster and Serve instance."""
+def url(app_url, app_pool) -> str:
+    """The per-node app beside the session app."""
     yield app_pool.serve(APP).url
     app_pool.remove(APP.name)
 
