@@ -349,14 +349,19 @@ def test_killing_the_trainer_loses_no_acknowledged_sample_and_breaks_no_version(
     # Versions older than the newest training.keep_versions are pruned (their rows marked deleted, their
     # files removed): a pruned version was published and superseded; every kept one must be published.
     # Kept need not be contiguous: a killed trainer's reservation pins its parent (an old version) for a day.
-    kept = {v["version"] for v in info["versions"]}
     for version in consumers:
+        # Read for each version: the trainer may publish on meanwhile, and a publish prunes an old version.
+        kept = {v["version"] for v in _adapter(app_url, name)["versions"]}
         if version in kept:
-            assert ray.get(store.get_version.remote(name, version)).published
-        else:
-            assert version < max(kept), (version, sorted(kept))
-            with pytest.raises(Exception, match="any more"):
-                ray.get(store.get_version.remote(name, version))
+            try:
+                assert ray.get(store.get_version.remote(name, version)).published
+                continue
+            except ray.exceptions.RayTaskError as exc:  # pruned between the two reads
+                assert "any more" in str(exc), exc
+            kept = {v["version"] for v in _adapter(app_url, name)["versions"]}
+        assert version < max(kept), (version, sorted(kept))
+        with pytest.raises(Exception, match="any more"):
+            ray.get(store.get_version.remote(name, version))
     # No broken version directory: every v<N> is complete; temp dirs are the only leftovers allowed.
     root = cfg.adapters_path / name
     dirs = [d for d in root.iterdir() if VERSION_DIR_RE.match(d.name)]
