@@ -111,7 +111,7 @@ def test_ray_job_submit_runs_the_routing_job_with_the_min_heuristic_and_no_preem
                 break
             assert "No available agent" in str(exc) and time.time() < deadline, exc
         except requests.ConnectionError as exc:  # a head starting beside a busy suite may drop a request
-            assert head.poll() is None and time.time() < deadline, exc
+            assert head.poll() is None and time.time() < deadline, f"{exc}\n{head_log.read_text()[-3000:]}"
         time.sleep(1)
     # Two waves of engines on two devices, at idle priority beside the apps lane (tests/lanes.py): generous.
     deadline, status = time.time() + 420, None
