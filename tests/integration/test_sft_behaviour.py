@@ -28,9 +28,9 @@ def _sft_app(data: Path) -> AppPlan:
             "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
             "engine": {"max_num_seqs": 16, "kv_cache_memory_bytes": 128 * 2**20},
             "planner": {"placement": "round_robin"},
-            # Two optimizer steps per version (default 1): the same steps, half the versions, and so half the
+            # Four optimizer steps per version (default 1): the same steps, a quarter of the versions, and so of the
             # quality gate's scorings (each a forward pass over its 24 retention prompts, 4-9 s on one thread).
-            "training": {"scope": "synced", "steps_per_version": 2, "micro_batch": 4},
+            "training": {"scope": "synced", "steps_per_version": 4, "micro_batch": 4},
         }
     )
 
@@ -84,7 +84,9 @@ def test_the_readmes_first_curl_answers_paris_every_time(sft_url):
 
 def test_chat_feedback_teaches_a_visible_behaviour_and_keeps_facts(sft_url, shared_data):
     prompts = load_prompts(shared_data / "prompts" / "sharegpt_sample.jsonl", 24 + 12)
-    res = run(sft_url, prompts, 24, learning_rate=3e-3, epochs=2, timeout_s=600, log=lambda *_: None)
+    # Targets cut from 32-token base answers (48 in the benchmark): the phrase opens each, and a shorter rest costs
+    # a third less training time on one core (alone: 100% of the unseen prompts showed it, facts 5/5, either way).
+    res = run(sft_url, prompts, 24, learning_rate=3e-3, epochs=2, answer_tokens=32, timeout_s=600, log=lambda *_: None)
     print(table(res))
     assert res.base_share <= 0.1, res
     assert res.adapter_share >= 0.6, res  # 64 samples at 2e-3 gave 98% (docs/benchmarks.md)
