@@ -119,6 +119,17 @@ def app_pool(ray_cluster, tmp_path_factory):
     # the cluster as a whole (measured: no HAProxy, Ray or vLLM process outlives it).
 
 
+@pytest.fixture(scope="module")
+def tenants_app(request, app_url, app_pool):
+    """The tenants app (tests/tenants_app.py), one for the modules that use this fixture: deployed for the first,
+    removed after the last of them in this session."""
+    from tests.tenants_app import APP, used_later
+
+    yield app_pool.serve(APP)
+    if not used_later(request, "tenants_app"):
+        app_pool.remove(APP.name)
+
+
 def _uses_the_session_app(item: pytest.Item) -> bool:
     return "app_url" in getattr(item, "fixturenames", ())
 

@@ -1,8 +1,9 @@
 """Fair serving across tenants on the real engine (tiny model): one tenant's flood does not take another's TTFT.
 
-An app of its own beside the session app: one node of 4 sequence slots, API keys, and no per-key cap or rate
-limit, so that nothing but the fair admission (``engine.admission: vtc``, the default) stands between a flooding
-tenant and the engine's slots.
+On the tenants app beside the session app (``tests/tenants_app.py``): one node of 4 sequence slots, API keys, and no
+per-key cap or rate limit, so that nothing but the fair admission (``engine.admission: vtc``, the default) stands
+between a flooding tenant and the engine's slots. Its other tenants' adapters (``tests/integration/
+test_adapter_faults.py``) hold no feedback the trainer could take, so nothing trains beside the flood.
 """
 
 from __future__ import annotations
@@ -10,45 +11,17 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.app_pool import AppPlan, AppSpec
-
-PREFIX = "/fair"
 BASE = "tiny-llama"
 FLOOD_STREAMS, FLOOD_TOKENS = 12, 256
 
 
-def _fair_app(data: Path) -> AppPlan:
-    """One node with four sequence slots, API keys for three tenants, no per-key caps, training off."""
-    from deployments.keys import add_key
-
-    keys = {t: add_key(data / "keys.yaml", t) for t in ("admin", "flood", "light")}
-    config = {
-        "name": "coserve-fair",
-        "data_dir": str(data),
-        "cluster": {"nodes": 1, "stages": 1, "bundle": {"CPU": 1}},
-        "model": {"embedded": "tiny-llama", "max_model_len": 512},
-        "engine": {"max_num_seqs": 4, "kv_cache_memory_bytes": 32 * 2**20},
-        "planner": {"placement": "round_robin"},
-        "training": {"enabled": False},
-        "auth": {"keys_file": "keys.yaml", "keys_env": None},
-        "limits": {"requests_per_second": None, "max_concurrent": None},
-    }
-    return AppPlan(config, {"keys": keys})
-
-
-APP = AppSpec("coserve-fair", _fair_app, route_prefix=PREFIX)
-
-
 @pytest.fixture(scope="module")
-def fair_app(app_url, app_pool) -> dict:
-    app = app_pool.serve(APP)
-    yield {"url": app.url, "keys": app.plan.extras["keys"]}
-    app_pool.remove(APP.name)
+def fair_app(tenants_app) -> dict:
+    return {"url": tenants_app.url, "keys": tenants_app.plan.extras["keys"]}
 
 
 def stream(url: str, key: str, max_tokens: int, text: str) -> tuple[int, float | None, float]:
