@@ -130,9 +130,8 @@ def tenants_app(request, app_url, app_pool):
         app_pool.remove(APP.name)
 
 
-def _uses_a_serve_app(item: pytest.Item) -> bool:
-    """The session app's tests and those of an app beside it (``app_pool``: they share the session's Serve)."""
-    return not {"app_url", "app_pool"}.isdisjoint(getattr(item, "fixturenames", ()))
+def _uses_the_session_app(item: pytest.Item) -> bool:
+    return "app_url" in getattr(item, "fixturenames", ())
 
 
 LANES = ("all", "apps", "cluster")
@@ -156,7 +155,7 @@ def lane_of(item: pytest.Item) -> str:
     """'apps' for the unit tests, the tests of the Serve apps (they share the session app and its cluster, and
     measure latency) and the tests marked ``foreground`` (they time this machine); 'cluster' for the rest: each
     needs at most a Ray cluster of its own."""
-    foreground = _is_unit(item) or _uses_a_serve_app(item) or item.get_closest_marker("foreground") is not None
+    foreground = _is_unit(item) or _uses_the_session_app(item) or item.get_closest_marker("foreground") is not None
     return "apps" if foreground else "cluster"
 
 
@@ -182,7 +181,7 @@ def _early_apps(request):
     tests. A replica spends about 25 s in process starts and imports, mostly on one core: the unit tests fill the
     other meanwhile (docs/testing.md)."""
     items = request.session.items
-    if not any(_uses_a_serve_app(item) for item in items):
+    if not any(_uses_the_session_app(item) for item in items):
         return
     request.getfixturevalue("session_app_deploy")
     secure = ROOT / "tests" / "e2e" / "secure"

@@ -42,11 +42,10 @@ APP = AppSpec("coserve-sec", _secure_app, route_prefix=SECURE_PREFIX)
 
 
 @pytest.fixture(scope="package")
-def secure_app(app_pool) -> dict:
+def secure_app(app_url, app_pool) -> dict:
     """A second app beside the session app, under route prefix /sec, with API keys
     and tight limits: one node, training on. Yields its base URL, the keys by tenant, its config and its app name;
-    removed when this package's tests are done, so the rest of the suite runs beside the session app alone. Its tests
-    need only this app: they begin once it is ready, while the session app may still be starting."""
+    removed when this package's tests are done, so the rest of the suite runs beside the session app alone."""
     app = app_pool.serve(APP)
     yield {
         "url": app.url,
