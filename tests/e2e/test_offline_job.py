@@ -25,6 +25,7 @@ EXCLUDES = ["/.venv/", "/.git/", "/data/", "/out/", "/configs/jobs/out/", "/repo
 
 
 HEAD_TRIES = 3
+STARTED = b"Ray runtime started."  # what `ray start` prints once its node registered
 
 
 def _start_head(temp: str, log) -> tuple[subprocess.Popen, str]:
@@ -63,7 +64,7 @@ def _start_head(temp: str, log) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.STDOUT,
         # `ray start` turns token authentication on by default; this test's client
         # talks to a loopback-only head it started itself.
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        env={**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"},
     )
     return head, ports[1].split("=")[1]
 
@@ -78,33 +79,35 @@ def _stop(head: subprocess.Popen) -> None:
 
 @pytest.fixture
 def head_node():
-    """`ray start --head --block` in its own temp dir, once its job API answers; stopped through that process (not
-    `ray stop`, which would stop every Ray instance on this machine). `ray start` gives its raylet 30 s to register
-    with the GCS (ray/_private/node.py) and exits when it misses that: at idle priority, beside the apps lane's
-    busiest minute (tests/lanes.py), it did. A head that exits while starting is started again, as
-    ``app.serve_env.init_ray`` does for the suite's own clusters."""
+    """`ray start --head --block` in its own temp dir, once it says it started and its job API answers; stopped
+    through that process (not `ray stop`, which would stop every Ray instance on this machine). `ray start` gives its
+    raylet 30 s to register with the GCS (ray/_private/node.py) and exits when it misses that, though its dashboard
+    answered meanwhile: at idle priority, beside the apps lane's busiest minute (tests/lanes.py), it did. A head that
+    exits while starting is started again, as ``app.serve_env.init_ray`` does for the suite's own clusters."""
     from ray.job_submission import JobSubmissionClient
 
     temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths have a length limit
     log_path = Path(temp) / "head.log"
     log = open(log_path, "ab")
-    head = None
+    head = client = None
     try:
         for attempt in range(1, HEAD_TRIES + 1):
+            begin = log_path.stat().st_size
             head, dash = _start_head(temp, log)
-            deadline = time.time() + 90
+            deadline = time.time() + 120
             while head.poll() is None and time.time() < deadline:
-                try:
-                    client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
-                    break
-                except Exception:
-                    time.sleep(1)
-            else:
-                exited = head.poll() is not None
-                _stop(head)
-                assert exited and attempt < HEAD_TRIES, log_path.read_text()[-3000:]
-                continue
-            break
+                if STARTED in log_path.read_bytes()[begin:]:
+                    try:
+                        client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
+                        break
+                    except Exception:  # noqa: BLE001, S110 - the dashboard not answering yet: ask again
+                        pass
+                time.sleep(1)
+            if client is not None:
+                break
+            exited = head.poll() is not None
+            _stop(head)
+            assert exited and attempt < HEAD_TRIES, log_path.read_text(errors="replace")[-3000:]
         yield client, head, log_path
     finally:
         if head is not None:
