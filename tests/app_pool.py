@@ -19,6 +19,7 @@ class AppPlan:
 
     config: dict[str, Any]
     extras: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # what a request sends to be let in (an app with API keys)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class AppPool:
                     if httpx.get(f"{app.url}/health", timeout=10).status_code == 200:
                         return app
                 else:
-                    last = httpx.get(f"{app.url}/v1/status", timeout=10).json()
+                    last = httpx.get(f"{app.url}/v1/status", headers=begun.plan.headers, timeout=10).json()
                     training = last.get("training") or {}
                     if training.get("state") == "failed":
                         pytest.fail(f"{spec.name}: trainer failed: {training}")

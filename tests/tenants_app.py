@@ -100,10 +100,15 @@ def _tenants_app(data: Path) -> AppPlan:
         "auth": {"keys_file": "keys.yaml", "keys_env": None},
         "limits": {"requests_per_second": None, "max_concurrent": None},
     }
-    return AppPlan(config, {"keys": keys, "admin": {"Authorization": f"Bearer {keys['admin']}"}})
+    return AppPlan(config, {"keys": keys}, headers={"Authorization": f"Bearer {keys['admin']}"})
 
 
-APP = AppSpec(NAME, _tenants_app, route_prefix=PREFIX, timeout_s=300)
+def _ready(st: dict) -> bool:
+    """Its node serves and its trainer runs (the faults test counts the trainer's starts)."""
+    return st["ready_nodes"] == 1 and (st.get("training") or {}).get("state") == "running"
+
+
+APP = AppSpec(NAME, _tenants_app, _ready, timeout_s=300, route_prefix=PREFIX)
 
 
 def used_later(request: pytest.FixtureRequest, fixture: str) -> bool:
