@@ -134,10 +134,26 @@ def test_grants_shrink_while_inference_load_rises_and_training_still_progresses(
     assert not errors, errors[:3]
     loaded = [g for g in busy.values() if g["prefilling"] > 0]
     assert loaded, "no grant saw a prefill on its node"
-    # The budget is the scheduler's s = max{s : f(c, s) <= SLO}: inference work c leaves less room.
-    over = [g for g in loaded if g["budget"] >= idle_budget(g)]
+    # The budget is the scheduler's s = max{s : f(c, s) <= SLO}: inference work c leaves less room. A promoted
+    # sample (MACE Fig. 7 aging) reserves one min_window_tokens window even when inference alone fills the SLO:
+    # that floor is the starvation bound, not the budget, and it can exceed the idle budget of a refit that found
+    # fine-tuning several times slower than profiled (CI's run of 2026-11-30: budget 16 at the floor).
+    floor = int(cfg.planner.iteration_params.get("min_window_tokens", 16))
+
+    def at_floor(g: dict) -> bool:
+        return g["reason"].startswith("promoted") and g["budget"] <= floor
+
+    over = [
+        (g["budget"], idle_budget(g), g["reason"])
+        for g in loaded
+        if not at_floor(g) and g["budget"] >= max(1, idle_budget(g))
+    ]
     assert not over, over[:5]
-    assert sum(g["budget"] / idle_budget(g) for g in loaded) / len(loaded) < 0.8
+    # The shrink shows where an empty window's budget is above that floor (the first loaded grants still run
+    # under phase 1's refit, so some always are).
+    visible = [g for g in loaded if idle_budget(g) > floor]
+    assert visible, [(g["budget"], idle_budget(g)) for g in loaded[:5]]
+    assert sum(g["budget"] / idle_budget(g) for g in visible) / len(visible) < 0.8
     # The live refit of t_ft measured the windows that ran (their modelled vs measured seconds).
     assert all(n["window_cost"]["grants_measured"] > 0 for n in _status(app_url)["nodes"])
     # ... and training went on under load (aging keeps it from starving): the second batch was published.
