@@ -111,3 +111,62 @@ def test_an_engine_core_counts_as_the_engine_only_where_it_is_bound():
     finally:
         core.kill()
         core.wait()
+
+
+def _sleeper(
+    argv: list[str], env: dict[str, str] | None = None, children: int = 0
+) -> tuple[subprocess.Popen, list[int]]:
+    """A process whose command line is ``argv`` (after python's ``-c``), which starts ``children`` sleepers; returns
+    it and its children's pids."""
+    code = (
+        "import subprocess, sys, time; n = int(sys.argv[1]);"
+        "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(n)];"
+        "print(' '.join(str(k.pid) for k in kids), flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(children), *argv],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    kids = [int(p) for p in proc.stdout.readline().split()]
+    return proc, kids
+
+
+def test_only_this_ray_nodes_processes_are_its_to_move():
+    """A replica moves the processes of its own Ray node, never another cluster's of the same user on the host."""
+    session = f"session_2026-11-30_00-00-00_000000_{os.getpid()}"
+    started: list[subprocess.Popen] = []
+    children: list[int] = []
+
+    def start(argv: list[str], env: dict[str, str] | None = None, kids: int = 0) -> tuple[int, list[int]]:
+        proc, pids = _sleeper(argv, env, kids)
+        started.append(proc)
+        children.extend(pids)
+        return proc.pid, pids
+
+    try:
+        raylet, (agent,) = start([f"--raylet_socket_name=/tmp/ray/{session}/sockets/raylet"], kids=1)
+        other_raylet, (other_agent,) = start(["--raylet_socket_name=/tmp/ray/session_other/sockets/raylet"], kids=1)
+        actor, (haproxy,) = start([], env={"RAY_RAYLET_PID": str(raylet)}, kids=1)
+        other_actor, _ = start([], env={"RAY_RAYLET_PID": str(other_raylet)})
+        gcs, _ = start([f"--log_dir=/tmp/ray/{session}/logs"])
+        other_gcs, _ = start(["--log_dir=/tmp/ray/session_other/logs"])
+        everyone = [p.pid for p in started] + children
+        assert cpu_affinity.session_of(raylet) == session
+        # Its raylet, the agent it started, its actor (by RAY_RAYLET_PID) and what that actor started, its daemon.
+        assert sorted(cpu_affinity.node_pids(everyone, raylet_pid=raylet)) == sorted(
+            [raylet, agent, actor, haproxy, gcs]
+        )
+        assert sorted(cpu_affinity.node_pids(everyone, raylet_pid=other_raylet)) == sorted(
+            [other_raylet, other_agent, other_actor, other_gcs]
+        )
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+        for pid in children:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
