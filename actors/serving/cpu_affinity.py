@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+from pathlib import Path
 
-from actors.learning.lora.cpu_placement import argv_of, engine_cores, environ_value, parent_of, user_pids
+from actors.learning.lora.cpu_placement import argv_of, engine_cores, user_pids
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,24 @@ def _is_ray_process(argv: list[str]) -> bool:
     return "python" in os.path.basename(argv[0]) and any(a.endswith(SCRIPTS) for a in argv[1:3])
 
 
+def _environ_value(pid: int, name: str) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    return next((e[len(prefix) :].decode(errors="replace") for e in raw.split(b"\0") if e.startswith(prefix)), None)
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
+    return int(fields[1]) if len(fields) > 1 else None
+
+
 def session_of(raylet_pid: int) -> str | None:
     """The session directory's name (``session_<date>_<pid>``) a raylet's command line names."""
     for arg in argv_of(raylet_pid):
@@ -75,10 +94,10 @@ def node_pids(pids: list[int], raylet_pid: int | None = None) -> list[int]:
             return list(pids)
         raylet_pid = int(raw)
     session = session_of(raylet_pid)
-    parents = {pid: parent_of(pid) for pid in pids}
+    parents = {pid: _parent_of(pid) for pid in pids}
     ours = {raylet_pid}
     for pid in pids:
-        if environ_value(pid, "RAY_RAYLET_PID") == str(raylet_pid) or parents[pid] == raylet_pid:
+        if _environ_value(pid, "RAY_RAYLET_PID") == str(raylet_pid) or parents[pid] == raylet_pid:
             ours.add(pid)
         elif session is not None and any(session in arg for arg in argv_of(pid)):
             ours.add(pid)

@@ -37,26 +37,6 @@ def comm_of(pid: int) -> str:
         return ""
 
 
-def environ_value(pid: int, name: str) -> str | None:
-    """A variable of a process's environment (None: unset, or not ours to read)."""
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    prefix = name.encode() + b"="
-    return next((e[len(prefix) :].decode(errors="replace") for e in raw.split(b"\0") if e.startswith(prefix)), None)
-
-
-def parent_of(pid: int) -> int | None:
-    """A process's parent (None once it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
-    return int(fields[1]) if len(fields) > 1 else None
-
-
 def user_pids() -> list[int]:
     """This user's processes."""
     uid = os.getuid()
