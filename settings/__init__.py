@@ -176,9 +176,8 @@ class EngineConfig(_ConfigSection):
     )
     keep_others_off_engine_cores: bool = Field(
         True,
-        description="CPU only: the other processes of this Ray node (daemons, Serve's and the app's actors, "
-        "HAProxy; not the trainer ranks; never another Ray cluster's on the host) are kept off the cores vLLM binds "
-        "its engines to.",
+        description="CPU only: the host's other Ray processes (daemons, Serve's and the app's actors, HAProxy; "
+        "not the trainer ranks) are kept off the cores vLLM binds its engine to.",
     )
     cpu_executor: Literal["uni", "mp"] = Field(
         "uni",

@@ -10,8 +10,7 @@ those processes kept on the reserved core, 36.68 and 34.39 req/s against 30.56 a
 :func:`keep_off_engine_cores` runs once in each replica after its engine has started. It reads the
 cores the host's engines run their model on (each ``VLLM::Worker``'s, or a bound ``VLLM::EngineCore``'s with
 ``engine.cpu_executor`` uni: ``actors/serving/cpu_executor.py``) and sets every other Ray process (and each of its
-threads) of this Ray node to the remaining cores (:func:`node_pids`: another Ray cluster of the same user on the
-host is not this app's to move). It leaves alone the engine processes themselves, the
+threads) of this user to the remaining cores. It leaves alone the engine processes themselves, the
 trainer ranks, which place themselves (``actors/learning/lora/cpu_placement.py``, ``training.cpu_placement``), and the
 raylet, whose children inherit its affinity; it does nothing when the workers hold every core.
 
@@ -23,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-from pathlib import Path
 
 from actors.learning.lora.cpu_placement import argv_of, engine_cores, user_pids
 
@@ -55,70 +52,12 @@ def _is_ray_process(argv: list[str]) -> bool:
     return "python" in os.path.basename(argv[0]) and any(a.endswith(SCRIPTS) for a in argv[1:3])
 
 
-def _environ_value(pid: int, name: str) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    prefix = name.encode() + b"="
-    return next((e[len(prefix) :].decode(errors="replace") for e in raw.split(b"\0") if e.startswith(prefix)), None)
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
-    return int(fields[1]) if len(fields) > 1 else None
-
-
-def session_of(raylet_pid: int) -> str | None:
-    """The session directory's name (``session_<date>_<pid>``) a raylet's command line names."""
-    for arg in argv_of(raylet_pid):
-        found = re.search(r"/(session_[^/\s]+)", arg)
-        if found and found.group(1) != "session_latest":
-            return found.group(1)
-    return None
-
-
-def node_pids(pids: list[int], raylet_pid: int | None = None) -> list[int]:
-    """The processes among ``pids`` that belong to the Ray node whose raylet is ``raylet_pid`` (default: this
-    process's, ``RAY_RAYLET_PID``): the workers and actors it started (that variable in their environment, as in
-    this one's), the agents it runs (its children), the daemons of its session (their command line names the
-    session directory) and what any of these started (HAProxy). Another Ray cluster on this host, the same user's,
-    is none of them. Outside a Ray worker (no raylet to go by): ``pids`` as given."""
-    if raylet_pid is None:
-        raw = os.environ.get("RAY_RAYLET_PID")
-        if raw is None or not raw.isdigit():
-            return list(pids)
-        raylet_pid = int(raw)
-    session = session_of(raylet_pid)
-    parents = {pid: _parent_of(pid) for pid in pids}
-    ours = {raylet_pid}
-    for pid in pids:
-        if _environ_value(pid, "RAY_RAYLET_PID") == str(raylet_pid) or parents[pid] == raylet_pid:
-            ours.add(pid)
-        elif session is not None and any(session in arg for arg in argv_of(pid)):
-            ours.add(pid)
-    grown = True
-    while grown:  # what our processes started, at any depth
-        grown = False
-        for pid in pids:
-            if pid not in ours and parents[pid] in ours:
-                ours.add(pid)
-                grown = True
-    return [pid for pid in pids if pid in ours]
-
-
 def keep_off_engine_cores(pids: list[int] | None = None) -> dict[str, object]:
-    """Set every other Ray process of this Ray node (all its threads) to the cores the host's engine workers leave;
-    returns what was done, for the replica's log. ``pids``: the processes to look at (default: this user's, of
-    them only this node's are moved: ``node_pids``; the engines of every cluster on the host count)."""
-    everyone = user_pids() if pids is None else pids
+    """Set every other Ray process of this host (all its threads) to the cores the engine workers leave;
+    returns what was done, for the replica's log. ``pids``: the processes to look at (default: this user's)."""
+    pids = user_pids() if pids is None else pids
     every = set(range(os.cpu_count() or 1))
-    engine = engine_cores(everyone)
-    pids = node_pids(everyone) if pids is None else pids
+    engine = engine_cores(pids)
     others = every - engine
     if not engine or not others:
         return {
