@@ -64,13 +64,16 @@ ANONYMOUS = Principal(None, False, "anonymous")
 logger = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 4096  # Serve may ask choose_replicas more than once per request: one decision each
+SNAPSHOT_WAIT_S = (
+    5.0  # the planner's long poll answers at least this often, a change at once (Planner.routing_snapshot)
+)
 
 
 class NodeRequestRouter(RequestRouter):
     """The model server deployment's request router: the placement policy picks the node."""
 
     def initialize_state(self, poll_s: float | None = None, **kwargs: Any) -> None:
-        """``poll_s``: how often to read the planner's snapshot (``planner.trace_flush_seconds``)."""
+        """``poll_s``: how often at most to read the planner's snapshot (``planner.trace_flush_seconds``)."""
         self.poll_s = poll_s
         self.table = RoutingTable()
         self.policy: Any = None
@@ -91,7 +94,9 @@ class NodeRequestRouter(RequestRouter):
                     self._planner = await asyncio.to_thread(
                         find_planner, self._deployment_id.app_name, self._deployment_id.name
                     )
-                snapshot = await self._planner.routing_snapshot.remote(self.table.seq)
+                snapshot = await self._planner.routing_snapshot.remote(
+                    self.table.seq, self.table.version, SNAPSHOT_WAIT_S
+                )
                 self._adopt_policy(snapshot.placement, snapshot.placement_params)
                 for trace in self.table.update(snapshot):
                     self.policy.observe(trace)

@@ -1,7 +1,8 @@
 """What a placement router knows of the nodes: the planner's last snapshot plus its own placements since.
 
 A router (``deployments/routing.py``) places every request itself, so no request waits on the
-planner actor. It polls the planner's :class:`RoutingSnapshot` every ``trace_flush_seconds``; in
+planner actor. It asks for the planner's :class:`RoutingSnapshot` at most every ``trace_flush_seconds`` (a long
+poll: the planner answers once something changed); in
 between, requests it placed count as in flight on their node from the moment it placed them
 until that node's next report, which already includes them. :meth:`RoutingTable.views` gives
 the placement policy (``planners/placement/``) the same :class:`NodeView` s the planner would.
@@ -29,6 +30,11 @@ class RoutingTable:
     def seq(self) -> int:
         """The newest trace sequence number seen (ask the planner for traces after it)."""
         return 0 if self.snapshot is None else self.snapshot.seq
+
+    @property
+    def version(self) -> int:
+        """The snapshot's version held (-1: none yet); the planner's long poll answers once it differs."""
+        return -1 if self.snapshot is None else self.snapshot.version
 
     def update(self, snapshot: RoutingSnapshot) -> tuple[ExecutionTrace, ...]:
         """Take a new snapshot; returns its traces (new since the last one) for the policy to observe."""

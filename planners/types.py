@@ -75,7 +75,8 @@ class TrainingPlacement:
 class RoutingSnapshot:
     """What the planner publishes to placement routers: node facts and traces since ``after``.
 
-    Routers poll it every ``planner.trace_flush_seconds``; no request waits on the planner.
+    Routers ask for it at most every ``planner.trace_flush_seconds``, as a long poll that the planner answers once
+    something changed; no request waits on the planner.
     ``nodes[i].busy_seconds`` and ``in_flight`` are as of ``reported_at[i]``.
     """
 
@@ -91,6 +92,9 @@ class RoutingSnapshot:
     """The training steps placed now (granted, not yet done): a router commits each in its own policy,
     so its inference forwards are planned past their backwards (LEMIX Alg. 1 lines 7–14), and forgets
     each once it is gone from here."""
+    version: int = 0
+    """Changes whenever anything here but the traces changes (a report, the policy, a granted or finished step):
+    a router that holds ``version`` and has seen ``seq`` has nothing new to learn (the planner's long poll)."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import ray
@@ -212,10 +213,18 @@ class Planner:
 
     # ---- what routers and the HTTP layer read (StatusBoard) ----------------------------------
 
-    async def routing_snapshot(self, after: int = 0) -> RoutingSnapshot:
+    async def routing_snapshot(self, after: int = 0, version: int = -1, wait_s: float = 0.0) -> RoutingSnapshot:
         """Node facts, the placement policy, the traces newer than sequence number ``after``, and the
-        training steps placed now."""
-        return self.board.routing_snapshot(after)
+        training steps placed now. A long poll: with ``wait_s``, it answers once there is a trace after ``after``
+        or the snapshot's ``version`` differs from the caller's, and after ``wait_s`` at the latest. Busy replicas
+        report every ``trace_flush_seconds``, so routers hear of each report as before; an idle app's routers ask
+        about once per replica heartbeat instead of every flush (docs/benchmarks.md, "An idle app's cost")."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            snapshot = self.board.routing_snapshot(after)
+            if snapshot.traces or snapshot.version != version or time.monotonic() >= deadline:
+                return snapshot
+            await asyncio.sleep(min(self.cfg.planner.trace_flush_seconds, max(0.0, deadline - time.monotonic())))
 
     def known_models(self) -> set[str]:
         return self.board.known_models()

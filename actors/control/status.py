@@ -10,6 +10,7 @@ co-serving grants (FlexLLM §6.2, MACE §4, LEMIX Alg. 2), the SLOs in force, an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -47,20 +48,25 @@ class StatusBoard:
         self.served_name = served_name
         self.model_dir = model_dir
         self.cost_model_note = cost_model_note
+        self._routing_held: RoutingSnapshot | None = None  # the last snapshot built, its traces left out
+        # Not from 0: a restarted planner's versions must not meet the ones its routers still hold.
+        self._routing_version = time.time_ns() // 1000
 
     def routing_snapshot(self, after: int = 0) -> RoutingSnapshot:
         """Node facts, the placement policy, the traces newer than sequence number ``after``, and the
-        training steps placed now."""
-        return RoutingSnapshot(
+        training steps placed now; ``version`` moves on whenever any of it but the traces changed."""
+        held = RoutingSnapshot(
             seq=self.registry.traces_seen,
             base_model=self.served_name,
             placement=self.policies.placement,
             placement_params=self.policies.placement_kwargs(),
             nodes=self.registry.views(),
             reported_at=tuple(n.reported_at for n in self.nodes),
-            traces=self.registry.traces_after(after),
             training=self.policies.training.placed(),
         )
+        if held != self._routing_held:
+            self._routing_held, self._routing_version = held, self._routing_version + 1
+        return dataclasses.replace(held, traces=self.registry.traces_after(after), version=self._routing_version)
 
     def known_models(self) -> set[str]:
         models = {self.served_name}

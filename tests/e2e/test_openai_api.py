@@ -79,8 +79,12 @@ def test_streaming_completion_arrives_incrementally(client):
         pieces.append(chunk.choices[0].text)
     whole = client.completions.create(model=MODEL, prompt="stream", max_tokens=24, temperature=0)
     assert "".join(pieces) == whole.choices[0].text
-    assert len(arrivals) >= 10, "tokens were not streamed one chunk at a time"
-    assert arrivals[-1] - arrivals[0] > 0, "all chunks arrived at once"
+    # Streamed as generated, not held back and sent at the end. Alone every token is its own piece; when the replica's
+    # loop falls behind, vLLM merges the tokens a stream has waiting into one piece, as its own server does (CI,
+    # 2026-11-30: 24 tokens in 5 pieces over 176 ms under the cluster lane's load). A stream held back reads as one
+    # piece, or a few within a millisecond.
+    assert len(arrivals) >= 3, f"{len(arrivals)} pieces: the stream was held back"
+    assert arrivals[-1] - arrivals[0] > 0.02, f"every piece within {(arrivals[-1] - arrivals[0]) * 1000:.1f} ms"
 
 
 def test_streaming_chat_with_usage(client):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from planners.placement import RoundRobin
 from planners.routing import RoutingTable
 from planners.types import ExecutionTrace, NodeView, RoutingSnapshot, Task
@@ -55,3 +57,10 @@ def test_traces_are_handed_to_the_policy_once_and_the_sequence_advances():
     policy = RoundRobin()
     task = Task("r2", "inference", BASE, 10, 4, 2.0)
     assert [policy.choose(task, t.views(BASE, {0, 1}), 2.0) for _ in range(3)] == [0, 1, 0]
+
+
+def test_the_table_asks_the_planner_with_the_version_it_holds():
+    t = RoutingTable()
+    assert (t.seq, t.version) == (0, -1)  # nothing held: the planner answers at once
+    t.update(dataclasses.replace(snapshot(7), version=41))
+    assert (t.seq, t.version) == (7, 41)
