@@ -46,6 +46,10 @@ os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 # core (its main thread checks for signals every 10 ms), and over a run the suite's clusters gathered 17 of them.
 # Two are kept; a task beyond them starts a process as it would on a cluster's first task.
 os.environ.setdefault("RAY_num_workers_soft_limit", "2")
+# vLLM reports usage statistics from every engine it starts: a thread that runs py-cpuinfo in a child interpreter
+# (0.5 CPU-seconds, measured) and then posts to vLLM's server. A test run sends nothing anywhere, and the suite starts
+# about 40 engines.
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 
 @pytest.fixture(scope="session")
