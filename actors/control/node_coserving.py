@@ -177,7 +177,12 @@ class NodeCoServing:
         used = weight_bytes + (facts.kv_used_bytes if facts else 0.0)
         waited = 0.0 if self.memory_wait_since is None else now - self.memory_wait_since
         d = guard.decide(
-            used, len(windows), max(w.tokens for w in windows), waited, optimizer_bytes=request.optimizer_bytes
+            used,
+            len(windows),
+            max(w.tokens for w in windows),
+            waited,
+            optimizer_bytes=request.optimizer_bytes,
+            releasable_bytes=facts.kv_used_bytes if facts else None,
         )
         if d.action != "run":
             self.grants["memory"][d.action] += 1

@@ -45,6 +45,17 @@ def test_wait_in_steps_of_delta_t_up_to_t_max():
     assert g.decide(7e5, 2, 100, waited_s=0.98).wait_s == pytest.approx(0.02)  # never past T_max
 
 
+def test_no_wait_when_nothing_in_use_would_be_released():
+    g = guard(t_max_s=1.0, check_interval_s=0.05)
+    # The KV cache of requests in flight (1e5 of the 7e5 in use) may be freed: Alg. 2 waits for it.
+    assert g.decide(7e5, 2, 100, waited_s=0.0, releasable_bytes=1e5).action == "wait"
+    # An idle engine holds none: waiting cannot change the answer, so the shrink comes at once.
+    d = g.decide(7e5, 2, 100, waited_s=0.0, releasable_bytes=0.0)
+    assert (d.action, d.batch_size, d.tokens, d.wait_s) == ("shrink", 1, 100, 0.0)
+    assert g.decide(7.95e5, 2, 100, waited_s=0.0, releasable_bytes=0.0).action == "defer"
+    assert g.decide(5e5, 2, 100, waited_s=0.0, releasable_bytes=0.0).action == "run"  # fits: as before
+
+
 def test_after_t_max_shrink_the_batch_then_the_token_window():
     g = guard()
     d = g.decide(7e5, 2, 100, waited_s=1.0)  # one sample: 7e5 + 1e5 = 8e5 fits
