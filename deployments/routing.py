@@ -64,9 +64,8 @@ ANONYMOUS = Principal(None, False, "anonymous")
 logger = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 4096  # Serve may ask choose_replicas more than once per request: one decision each
-SNAPSHOT_WAIT_S = (
-    5.0  # the planner's long poll answers at least this often, a change at once (Planner.routing_snapshot)
-)
+# The planner's long poll answers at least this often, and at once on a change (Planner.routing_snapshot).
+SNAPSHOT_WAIT_S = 5.0
 
 
 class NodeRequestRouter(RequestRouter):
