@@ -8,22 +8,16 @@ themselves (app/serve_env.py), set here before anything imports Ray Serve.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from app import serve_env
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 serve_env.apply()

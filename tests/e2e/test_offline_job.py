@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import free_port
 from tests.integration.test_offline_run import check_outputs, small_job
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the job's working-dir upload leaves out (Ray's upload limit; .gitignore'd paths are left out too).
