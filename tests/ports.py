@@ -12,7 +12,9 @@ import random
 import socket
 from pathlib import Path
 
-LOWEST = 10000
+# Ray's `ray start` gives its workers ports 10002-19999 by default and refuses a component port inside that range
+# (the job-submit test's head names its ports).
+LOWEST = 20000
 
 
 def _ephemeral_start() -> int:
@@ -23,7 +25,7 @@ def _ephemeral_start() -> int:
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now, from [10000, the ephemeral range's start)."""
+    """A port on 127.0.0.1 that nothing listens on now, from [20000, the ephemeral range's start)."""
     high = _ephemeral_start()
     if high - LOWEST < 1000:  # a kernel that hands out nearly every port: the ephemeral pick, as before
         with socket.socket() as s:
@@ -38,3 +40,13 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in [{LOWEST}, {high}) after 200 tries")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different free ports (for a server that binds several at once, e.g. ``ray start`` with every port named)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tests.integration.test_offline_run import check_outputs, small_job
-from tests.ports import free_port
+from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the job's working-dir upload leaves out (Ray's upload limit; .gitignore'd paths are left out too).
@@ -33,20 +33,18 @@ def _start_head(temp: str, log) -> tuple[subprocess.Popen, str]:
     ray_cli = Path(sys.executable).with_name("ray")
     # Every port of its own: the session's other Ray instance holds the defaults (the job agent's
     # 52365 among them, and a head whose agent cannot bind it answers "No available agent").
-    ports = [
-        f"--{name}={free_port()}"
-        for name in (
-            "port",
-            "dashboard-port",
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "runtime-env-agent-port",
-            "metrics-export-port",
-            "ray-client-server-port",
-            "node-manager-port",
-            "object-manager-port",
-        )
-    ]
+    names = (
+        "port",
+        "dashboard-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+        "ray-client-server-port",
+        "node-manager-port",
+        "object-manager-port",
+    )
+    ports = [f"--{name}={port}" for name, port in zip(names, free_ports(len(names)))]
     head = subprocess.Popen(
         [
             str(ray_cli),

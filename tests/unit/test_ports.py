@@ -26,3 +26,13 @@ def test_a_port_in_use_is_not_picked(monkeypatch):
         held.bind(("127.0.0.1", taken))
         monkeypatch.setattr(random, "randrange", lambda lo, hi: next(picks))
         assert free_port() == other
+
+
+def test_ports_for_one_server_are_all_different(monkeypatch):
+    import random
+
+    from tests.ports import free_ports
+
+    picks = iter([30001, 30001, 30002, 30001, 30003])
+    monkeypatch.setattr(random, "randrange", lambda lo, hi: next(picks))
+    assert free_ports(3) == [30001, 30002, 30003]
