@@ -178,10 +178,9 @@ class MemoryGuard:
         holds; None: unknown, as if all of it might).
 
         Alg. 2 waits (lines 6–8) for memory that running work frees. When nothing in use is releasable (an idle
-        engine holds no KV cache), no wait can change the answer, so the guard decides at once: after the
-        co-serving test's load the session trainer's calibration ratio stayed at 2.3 for its 32 observations,
-        and every round of an idle engine's DPO step waited the whole T_max before its shrink (26 s for a test
-        that takes 5 s alone; docs/testing.md)."""
+        engine holds no KV cache), no wait can change the answer, so the guard decides at once; otherwise every
+        round of a step on an idle engine waited the whole T_max before its shrink (measured: docs/testing.md,
+        "The ninth stop")."""
         if batch_size < 1 or tokens < 1:
             raise ValueError("batch_size and tokens must be >= 1")
         offloadable = self.optimizer_bytes if optimizer_bytes is None else max(0.0, float(optimizer_bytes))

@@ -10,6 +10,7 @@ config field names its kind already, so its value stays the short name; ``create
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -86,8 +87,10 @@ def policy_class(kind: str, name: str) -> Callable[..., Any]:
     return policies[short]
 
 
+@functools.cache
 def accepts(kind: str, name: str, param: str) -> bool:
-    """Whether policy ``name`` of ``kind`` takes the keyword ``param`` (e.g. ``cost_model``)."""
+    """Whether policy ``name`` of ``kind`` takes the keyword ``param`` (e.g. ``cost_model``). Cached: a class's
+    signature does not change, and the planner asks at every routing snapshot it builds."""
     import inspect
 
     return param in inspect.signature(policy_class(kind, name)).parameters

@@ -2,8 +2,8 @@
 
 A port found free by binding port 0 is an ephemeral one: between the pick and the server's bind, any process that
 binds port 0 (a Ray cluster starting in the other lane opens dozens of gRPC servers so) may be handed the same port.
-CI's run of 2026-11-30 lost its apps lane so: HAProxy, started a few seconds after the pick, could not bind
-127.0.0.1:43255 ("Address already in use"). Below the ephemeral range only an explicit bind takes a port.
+A fresh-clone run of 2026-11-30 lost its apps lane so: HAProxy, started a few seconds after the pick, could not
+bind 127.0.0.1:43255 ("Address already in use"). Below the ephemeral range only an explicit bind takes a port.
 """
 
 from __future__ import annotations
