@@ -15,6 +15,12 @@ from pathlib import Path
 # Ray's `ray start` gives its workers ports 10002-19999 by default and refuses a component port inside that range
 # (the job-submit test's head names its ports).
 LOWEST = 20000
+# Serve's replicas take their own HTTP ports from 30000 up (direct ingress, RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT).
+HIGHEST = 30000
+
+
+def _top() -> int:
+    return min(HIGHEST, _ephemeral_start())
 
 
 def _ephemeral_start() -> int:
@@ -25,8 +31,8 @@ def _ephemeral_start() -> int:
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now, from [20000, the ephemeral range's start)."""
-    high = _ephemeral_start()
+    """A port on 127.0.0.1 that nothing listens on now, from [20000, 30000) below the ephemeral range."""
+    high = _top()
     if high - LOWEST < 1000:  # a kernel that hands out nearly every port: the ephemeral pick, as before
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -1,14 +1,15 @@
-"""The suite's ports come from below the ephemeral range, where no port-0 bind of another process can take them."""
+"""The suite's ports come from below the ephemeral range and Serve's replica ports, where no other process's port-0
+bind or replica can take them."""
 
 from __future__ import annotations
 
 import socket
 
-from tests.ports import LOWEST, _ephemeral_start, free_port
+from tests.ports import LOWEST, _top, free_port
 
 
 def test_a_picked_port_is_below_the_ephemeral_range_and_free():
-    high = _ephemeral_start()
+    high = _top()
     ports = {free_port() for _ in range(20)}
     assert all(LOWEST <= p < high for p in ports), sorted(ports)
     assert len(ports) > 1  # picked at random, not one fixed port every lane and suite would share
@@ -20,7 +21,7 @@ def test_a_port_in_use_is_not_picked(monkeypatch):
     import random
 
     taken = free_port()
-    other = taken + 1 if taken + 1 < _ephemeral_start() else taken - 1
+    other = taken + 1 if taken + 1 < _top() else taken - 1
     picks = iter([taken, taken, other])
     with socket.socket() as held:
         held.bind(("127.0.0.1", taken))
