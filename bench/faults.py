@@ -73,6 +73,12 @@ def main() -> None:
     p.add_argument("--trace-speedup", type=float, default=1.0)
     p.add_argument("--feedback-fraction", type=float, default=0.3)
     p.add_argument("--probe-period", type=float, default=0.5)
+    p.add_argument(
+        "--stall-s",
+        type=float,
+        default=30.0,
+        help="a probe answered after this long counts as failed (under Locust's load a completion waits its turn)",
+    )
     p.add_argument("--port", type=int, default=8017)
     p.add_argument("--data-dir", default="/tmp/coserve-faults")
     p.add_argument("--json", default="", help="also write the results here")
@@ -147,7 +153,7 @@ def main() -> None:
     results = []
     try:
         served_versions(url, headers, model, adapter, timeout_s=300)  # the first version, before any drill
-        with Prober(url, model, adapter, headers, a.probe_period) as prober:
+        with Prober(url, model, adapter, headers, a.probe_period, a.stall_s) as prober:
             for target in a.drills.split(","):
                 r = drill(
                     target,

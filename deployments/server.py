@@ -472,6 +472,7 @@ def build(cfg: AppConfig) -> serve.Application:
         placement_group_strategy=cfg.cluster.strategy,
         ray_actor_options=replica_actor_options(cfg),
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+        health_check_period_s=cfg.cluster.health_check_period_s,
         logging_config={"enable_access_log": cfg.ingress.access_log},
         deployment_actors=[
             DeploymentActorConfig(

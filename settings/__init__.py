@@ -202,6 +202,12 @@ class ClusterConfig(_ConfigSection):
         description="The replica's share of bundle 0; default: the bundle less the trainer ranks' shares "
         "(all of it with training off).",
     )
+    health_check_period_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often Serve checks each model server replica: a dead one is found within about this "
+        "long and a replacement started (Serve's default, 10 s, left a lone node's requests held that much longer).",
+    )
 
     @field_validator("bundle")
     @classmethod

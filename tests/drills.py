@@ -42,13 +42,29 @@ class Prober:
 
     One thread per route: a completion that waits tens of seconds behind a saturated engine must not
     stop the health and feedback probes from measuring the outage (the first prober sent the three
-    one after another and barely ran under Locust load). Keeps every outcome."""
+    one after another and barely ran under Locust load). Keeps every outcome.
+
+    A probe that takes longer than ``stall_s`` counts as failed ("stalled"), answered or not: with its
+    one replica dead, the app's front door holds a request until a replacement answers, and a client
+    that waited that long met an outage. A probe still waiting counts as failing now (``outcome``): a
+    drill must not call the app recovered while its probes hang (the replica drill once did, 0 s after
+    the kill, and passed)."""
 
     ROUTES = ("completion", "health", "feedback")
 
-    def __init__(self, url: str, model: str, adapter: str, headers: dict[str, str], period: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        adapter: str,
+        headers: dict[str, str],
+        period: float = 0.5,
+        stall_s: float = 10.0,
+    ) -> None:
         self.url, self.model, self.adapter, self.headers, self.period = url, model, adapter, headers, period
-        self.log: list[tuple[float, str, int]] = []  # (time, route, status; 0: no answer)
+        self.stall_s = stall_s
+        self.log: list[tuple[float, float, str, int]] = []  # (sent, answered, route, status; 0: no answer)
+        self.waiting: dict[str, float] = {}  # route -> when its probe in flight was sent
         self.acked: list[int] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -81,16 +97,26 @@ class Prober:
         with httpx.Client(headers=self.headers, timeout=30) as c:
             while not self._stop.is_set():
                 n += 1
+                sent = time.time()
+                with self._lock:
+                    self.waiting[route] = sent
                 try:
                     r = self._send(c, route, n)
                     status = r.status_code
                 except httpx.HTTPError:
                     r, status = None, 0
                 with self._lock:
-                    self.log.append((time.time(), route, status))
+                    del self.waiting[route]
+                    self.log.append((sent, time.time(), route, status))
                     if route == "feedback" and status == 202:
                         self.acked.extend(r.json()["ids"])
                 self._stop.wait(self.period)
+
+    def longest_wait(self) -> float:
+        """Seconds the longest-waiting probe in flight has waited (0: none in flight)."""
+        now = time.time()
+        with self._lock:
+            return max((now - sent for sent in self.waiting.values()), default=0.0)
 
     def acked_ids(self) -> list[int]:
         """The feedback ids the app acknowledged (202) so far."""
@@ -98,13 +124,21 @@ class Prober:
             return list(self.acked)
 
     def outcome(self, since: float) -> tuple[int, int, float, dict[str, int]]:
-        """(sent, failed, seconds from ``since`` to the last failure, failed statuses) of probes after ``since``."""
+        """(probes answered after ``since``, how many failed, seconds from ``since`` to the last failure, failed
+        statuses counted): a failure is a status outside 2xx ("0": no answer) or an answer after more than
+        ``stall_s`` ("stalled"); a probe in flight for longer than that is failing now."""
+        now = time.time()
         with self._lock:
-            after = [(t, route, s) for t, route, s in self.log if t >= since]
-        failed = [(t, route, s) for t, route, s in after if not 200 <= s < 300]
+            after = [
+                (answered, route, s, answered - sent) for sent, answered, route, s in self.log if answered >= since
+            ]
+            hanging = [route for route, sent in self.waiting.items() if now - sent > self.stall_s]
+        failed = [(t, route, s) for t, route, s, took in after if not 200 <= s < 300 or took > self.stall_s]
+        failed += [(now, route, -1) for route in hanging]
         statuses: dict[str, int] = {}
         for _, route, s in failed:
-            statuses[f"{route} {s}"] = statuses.get(f"{route} {s}", 0) + 1
+            key = f"{route} {'stalled' if 200 <= s < 300 or s < 0 else s}"
+            statuses[key] = statuses.get(key, 0) + 1
         return len(after), len(failed), (max(t for t, _, _ in failed) - since) if failed else 0.0, statuses
 
 
@@ -128,7 +162,20 @@ def kill_replica(app_name: str, node: int = 0) -> None:
     from app.main import planner_of
 
     name = ray.get(planner_of(app_name).node_replicas.remote())[node]
-    ray.kill(ray.get_actor(name, namespace="serve"))
+    replica = ray.get_actor(name, namespace="serve")
+    ray.kill(replica)
+    # ray.kill returns before the process is gone: a drill that checked health at once could meet the dying replica
+    # still answering and call the app recovered.
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            ray.get(replica.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{name} still answers 30 s after ray.kill")
 
 
 def kill_named(name: str) -> None:
@@ -256,7 +303,7 @@ def drill(
     deadline = time.time() + 120
     while time.time() < deadline:
         sent, failed, recovery, statuses = prober.outcome(t_kill)
-        if time.time() - (t_kill + recovery) > settle_s:
+        if time.time() - (t_kill + recovery) > settle_s and prober.longest_wait() < settle_s:
             break
         time.sleep(1)
     acked = prober.acked_ids()

@@ -62,7 +62,7 @@ def _drill(d: dict, target: str, kill) -> dict:
     assert r.acked > 0 and r.lost == 0, r
     assert r.half_written == 0, r
     assert r.served == r.newest and r.newest is not None, r
-    assert all(s.split()[-1] in ("0", "503", "502") for s in r.statuses), r  # never a 500
+    assert all(s.split()[-1] in ("0", "503", "502", "stalled") for s in r.statuses), r  # never a 500
     return r
 
 
@@ -93,4 +93,6 @@ def test_trainer_rank_killed_is_started_again(drilled):
 
 def test_replica_killed_is_replaced_and_serves_the_newest_version(drilled):
     r = _drill(drilled, "replica", lambda: kill_replica(drilled["name"]))
-    assert r.recovery_s <= 90, r  # one node: nothing else serves while the engine starts again
+    # One node: nothing else serves while the engine starts again, so the probes must have met the outage (a drill
+    # that calls the app recovered before its probes answer measures nothing).
+    assert r.failed > 0 and 0 < r.recovery_s <= 90, r
