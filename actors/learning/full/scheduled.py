@@ -167,11 +167,12 @@ class ScheduledPipeline:
             ray.kill(a)
         self.actors, self.info, self.scheduler = [], [], None
 
-    def profile(self, lengths: Sequence[int] = (16, 48, 96, 160), batch: int = 1) -> CostModel:
+    def profile(self, lengths: Sequence[int] = (16, 48, 96, 160), batch: int = 1, repeats: int = 3) -> CostModel:
         """Fit the per-stage forward and backward latency (LEMIX §IV-A) from timed ops on every device.
 
         Each device times a training forward and backward at each length on synthetic input (no weight
-        changes); a stage's cost is the mean over the devices, scaled to this node's stage count.
+        changes), the fastest of ``repeats``; a stage's cost is the mean over the devices, scaled to this
+        node's stage count.
         """
         assert self.scheduler is not None, "start() first"
         ray.get([a.profile_op.remote("training", batch, 8) for a in self.actors])  # warm-up
@@ -179,7 +180,7 @@ class ScheduledPipeline:
         lanes = self.scheduler.lanes
         for tokens in lengths:
             for c in (batch, 2 * batch):
-                rows = ray.get([a.profile_op.remote("training", c, tokens) for a in self.actors])
+                rows = ray.get([a.profile_op.remote("training", c, tokens, repeats) for a in self.actors])
                 for d, r in enumerate(rows):
                     # A lane of k stages over an S-device node: scale its per-stage time to the node's S.
                     scale = lanes[self.scheduler.lane_of[d]].stages / self.devices
